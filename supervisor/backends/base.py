@@ -1,0 +1,135 @@
+"""The broker contract: one abstract class every backend implements.
+
+Semantics every backend must honour (the conformance suite in
+``tests/test_broker_conformance.py`` checks each of them, unchanged, on every
+backend):
+
+* ``enqueue`` stores a job ``queued`` (``run_at = now + delay``). If its
+  ``idempotency_key`` matches a job that is not finished (queued, running,
+  retrying) it stores nothing and returns that job's id.
+* ``claim`` is atomic. It first reclaims expired leases (``running`` and
+  ``lease_until < now``): the lost attempt is recorded (history outcome
+  ``lease_expired``); a job with attempts left becomes due again at once, one
+  without goes ``dead`` with reason ``lease_expired``. Then it leases up to
+  ``n`` due jobs (``queued`` or ``retrying`` with ``run_at <= now``): queues in
+  the order given, within a queue highest ``priority`` first, then oldest
+  ``run_at``, then id. Each leased job gets ``state = running``,
+  ``attempt += 1``, ``token += 1`` (the fencing token: strictly increasing per
+  job), ``lease_until = now + lease_seconds``, ``owner``, and a new history
+  entry ``{"attempt", "started_at", "owner"}``.
+* ``ack``/``retry``/``dead``/``release`` take the ``Lease`` (job id, token)
+  and raise ``LeaseLost`` unless the job is ``running`` with that token. They
+  close the last history entry with ``ended_at``, ``outcome`` (``done``,
+  ``retry``, ``dead``) and the caller's ``info`` (pid, host, duration...).
+  ``release`` gives the attempt back: ``attempt -= 1``, the open history entry
+  is dropped, the job is ``queued`` and due now.
+* ``extend`` pushes ``lease_until`` to ``now + lease_seconds`` for every lease
+  still current, in one round trip, and returns the leases that are not.
+* Dead jobs keep everything (payload, history, error, reason, failure times);
+  ``dlq_replay`` puts them back ``queued`` with ``attempt = 0`` and the history
+  kept; replaying or purging a job that is not dead raises ``NotDead``.
+"""
+import abc
+import time
+import urllib.parse
+
+from ..errors import BrokerError
+from ..job import Job, Lease, NewJob, QueueStats  # noqa: F401  (re-exported for backends)
+
+
+class Broker(abc.ABC):
+    """A durable job store with leases. Not thread-safe: one instance per thread."""
+
+    url: str
+
+    def now(self):
+        """The clock leases are measured against (backends with a server use its clock)."""
+        return time.time()
+
+    def migrate(self):
+        """Create or upgrade the broker's storage. Idempotent."""
+
+    @abc.abstractmethod
+    def enqueue(self, job: NewJob) -> str: ...
+
+    def enqueue_many(self, jobs) -> list:
+        """Enqueue several jobs; backends override this with one round trip."""
+        return [self.enqueue(job) for job in jobs]
+
+    @abc.abstractmethod
+    def claim(self, queues, n, lease_seconds, owner) -> list: ...
+
+    @abc.abstractmethod
+    def extend(self, leases, lease_seconds) -> list: ...
+
+    @abc.abstractmethod
+    def ack(self, lease, result=None, info=None) -> None: ...
+
+    @abc.abstractmethod
+    def retry(self, lease, run_at, error, info=None) -> None: ...
+
+    @abc.abstractmethod
+    def dead(self, lease, reason, error, info=None) -> None: ...
+
+    @abc.abstractmethod
+    def release(self, lease) -> None: ...
+
+    @abc.abstractmethod
+    def get(self, job_id) -> Job | None: ...
+
+    @abc.abstractmethod
+    def stats(self, queues) -> dict: ...
+
+    @abc.abstractmethod
+    def dlq_list(self, type=None, limit=100) -> list:
+        """Dead jobs, most recently failed first; ``limit=None`` lists all."""
+
+    def dlq_get(self, job_id):
+        job = self.get(job_id)
+        return job if job is not None and job.state == "dead" else None
+
+    @abc.abstractmethod
+    def dlq_replay(self, job_ids) -> list: ...
+
+    @abc.abstractmethod
+    def dlq_purge(self, job_ids) -> int: ...
+
+    @abc.abstractmethod
+    def prune(self, done_older_than) -> int:
+        """Delete ``done`` jobs finished more than ``done_older_than`` seconds ago."""
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+SCHEMES = {
+    "sqlite": ("supervisor.backends.sqlite", "SQLiteBroker"),
+    "redis": ("supervisor.backends.redis", "RedisBroker"),
+    "rediss": ("supervisor.backends.redis", "RedisBroker"),
+    "postgresql": ("supervisor.backends.postgres", "PostgresBroker"),
+    "postgres": ("supervisor.backends.postgres", "PostgresBroker"),
+}
+
+
+def scheme_of(url):
+    """The broker URL's scheme, or BrokerError naming what is wrong with it."""
+    if not isinstance(url, str) or "://" not in url:
+        raise BrokerError(f"broker url {url!r} is not a URL (expected sqlite:///path, redis://..., postgresql://...)")
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme not in SCHEMES:
+        raise BrokerError(f"unknown broker scheme {scheme!r} in {url!r} (expected sqlite, redis, rediss or postgresql)")
+    return scheme
+
+
+def open_broker(url) -> Broker:
+    """Open the broker a URL names: ``sqlite:///path``, ``redis://``, ``postgresql://``."""
+    import importlib
+
+    module_name, class_name = SCHEMES[scheme_of(url)]
+    return getattr(importlib.import_module(module_name), class_name)(url)

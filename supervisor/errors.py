@@ -1,0 +1,34 @@
+"""Exceptions shared by the producer API, the brokers and the handlers."""
+
+
+class TangguhError(Exception):
+    """Base class: every error Tangguh raises on purpose."""
+
+
+class ConfigError(TangguhError):
+    """The configuration is invalid. The message names the key path."""
+
+
+class BadInput(TangguhError):
+    """A caller passed something Tangguh cannot store (payload, queue, delay...)."""
+
+
+class BrokerError(TangguhError):
+    """The broker could not be reached or refused the call."""
+
+
+class LeaseLost(TangguhError):
+    """A call presented a lease token that is no longer current.
+
+    Raised by ack/retry/dead/release when another claim has taken the job since
+    (fencing): the caller's outcome must be dropped, never applied.
+    """
+
+    def __init__(self, job_id, token):
+        super().__init__(f"lease lost: job {job_id} token {token} is not the current lease")
+        self.job_id = job_id
+        self.token = token
+
+
+class NotDead(TangguhError):
+    """dlq_replay/dlq_purge was asked about a job that is not dead-lettered."""

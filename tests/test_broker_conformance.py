@@ -1,0 +1,319 @@
+"""The broker contract, checked on every backend unchanged.
+
+A backend is conformant when this whole module passes with its URL fixture
+(see ``conftest.broker_url``). Timing-sensitive cases use short leases and
+wait for the broker's own clock to pass a point, never a bare sleep standing
+in for a state.
+"""
+import multiprocessing
+import time
+
+import pytest
+
+from supervisor.backends import open_broker
+from supervisor.errors import BadInput, LeaseLost, NotDead
+from supervisor.job import NewJob, error_info
+
+from .util import wait_for
+
+Q = ["default"]
+
+
+def new(type_="t", payload=None, **kw):
+    return NewJob(type_, {"n": 1} if payload is None else payload, **kw)
+
+
+def wait_past(broker, t):
+    wait_for(lambda: broker.now() > t, timeout=10, interval=0.01, message="broker clock to pass a point")
+
+
+def claim_one(broker, lease=30, queues=Q, owner="w1"):
+    jobs = broker.claim(queues, 1, lease, owner)
+    assert len(jobs) == 1, jobs
+    return jobs[0]
+
+
+# -- enqueue ---------------------------------------------------------------
+
+def test_enqueue_and_get_round_trip(broker):
+    job_id = broker.enqueue(new("email", {"to": "a@b", "n": [1, 2]}, resource_id="user:1",
+                                idempotency_key="k1", max_attempts=3, timeout=9.5, trace_id="tr"))
+    assert job_id.startswith("job_")
+    job = broker.get(job_id)
+    assert (job.type, job.queue, job.payload, job.state) == ("email", "default", {"to": "a@b", "n": [1, 2]}, "queued")
+    assert (job.resource_id, job.idempotency_key, job.max_attempts, job.timeout, job.trace_id) == (
+        "user:1", "k1", 3, 9.5, "tr")
+    assert job.attempt == 0 and job.history == []
+    assert abs(job.queued_at - broker.now()) < 5
+    assert broker.get("job_nonexistent") is None
+
+
+@pytest.mark.parametrize("payload", [[1, 2], "text", 3, None, {"x": float("nan")}, {"x": object()}])
+def test_enqueue_rejects_non_json_objects_and_stores_nothing(broker, payload):
+    with pytest.raises(BadInput):
+        broker.enqueue(NewJob("t", payload))
+    assert broker.stats(Q)["default"].ready == 0
+
+
+@pytest.mark.parametrize("field,value", [("delay", -1), ("max_attempts", 0), ("timeout", -3), ("queue", "")])
+def test_enqueue_rejects_bad_fields(broker, field, value):
+    with pytest.raises(BadInput):
+        broker.enqueue(new(**{field: value}))
+    assert broker.stats(Q)["default"].ready == 0
+
+
+def test_enqueue_many_returns_ids_in_order(broker):
+    ids = broker.enqueue_many([new(payload={"i": i}) for i in range(50)])
+    assert len(set(ids)) == 50
+    assert [broker.get(i).payload["i"] for i in ids] == list(range(50))
+    assert broker.stats(Q)["default"].ready == 50
+
+
+def test_enqueue_dedups_on_idempotency_key_while_unfinished(broker):
+    first = broker.enqueue(new(idempotency_key="charge:7"))
+    assert broker.enqueue(new(idempotency_key="charge:7")) == first
+    assert broker.enqueue_many([new(idempotency_key="charge:7"), new(idempotency_key="charge:8")])[0] == first
+    job = claim_one(broker)
+    assert broker.enqueue(new(idempotency_key="charge:7")) == first  # still unfinished while running
+    broker.ack(job.lease)
+    again = broker.enqueue(new(idempotency_key="charge:7"))
+    assert again != first  # a finished job does not block a new one
+
+
+# -- claim -------------------------------------------------------------------
+
+def test_claim_leases_with_fresh_token_and_history(broker):
+    job_id = broker.enqueue(new())
+    job = claim_one(broker, owner="host:1")
+    assert (job.id, job.state, job.attempt, job.owner) == (job_id, "running", 1, "host:1")
+    assert job.token >= 1
+    assert job.lease_until > broker.now()
+    assert [h["attempt"] for h in job.history] == [1] and job.history[0]["owner"] == "host:1"
+    assert broker.claim(Q, 5, 30, "w2") == []  # leased jobs are not handed out twice
+    stored = broker.get(job_id)
+    assert (stored.state, stored.token, stored.attempt) == ("running", job.token, 1)
+
+
+def test_claim_oldest_first_and_respects_n(broker):
+    ids = [broker.enqueue(new(payload={"i": i})) for i in range(5)]
+    got = broker.claim(Q, 3, 30, "w")
+    assert [j.id for j in got] == ids[:3]
+    got = broker.claim(Q, 10, 30, "w")
+    assert [j.id for j in got] == ids[3:]
+
+
+def test_claim_serves_queues_in_the_given_order(broker):
+    low = [broker.enqueue(new(queue="low", payload={"i": i})) for i in range(3)]
+    high = [broker.enqueue(new(queue="high", payload={"i": i})) for i in range(2)]
+    got = broker.claim(["high", "low"], 4, 30, "w")
+    assert [j.id for j in got] == high + low[:2]
+    assert broker.claim(["other"], 4, 30, "w") == []
+
+
+def test_claim_higher_priority_first_within_a_queue(broker):
+    a = broker.enqueue(new(priority=0))
+    b = broker.enqueue(new(priority=5))
+    c = broker.enqueue(new(priority=0))
+    assert [j.id for j in broker.claim(Q, 3, 30, "w")] == [b, a, c]
+
+
+def test_delayed_job_is_not_claimed_before_due(broker):
+    job_id = broker.enqueue(new(delay=0.5))
+    job = broker.get(job_id)
+    assert job.run_at >= job.queued_at + 0.5
+    assert broker.claim(Q, 1, 30, "w") == []
+    assert broker.stats(Q)["default"].scheduled == 1
+    wait_past(broker, job.run_at)
+    assert claim_one(broker).id == job_id
+
+
+# -- leases and fencing ----------------------------------------------------------
+
+def test_expired_lease_is_reclaimed_with_a_new_token(broker):
+    job_id = broker.enqueue(new())
+    first = claim_one(broker, lease=0.2, owner="slow")
+    wait_past(broker, first.lease_until)
+    second = claim_one(broker, owner="fast")
+    assert second.id == job_id
+    assert second.token > first.token and second.attempt == 2
+    assert [h.get("outcome") for h in second.history] == ["lease_expired", None]
+    assert second.history[0]["error"]["reason"] == "lease_expired"
+    # Fencing: the slow worker's outcome is refused, whatever it tries.
+    for call in (lambda: broker.ack(first.lease), lambda: broker.release(first.lease),
+                 lambda: broker.retry(first.lease, broker.now(), error_info("exception")),
+                 lambda: broker.dead(first.lease, "exception", error_info("exception"))):
+        with pytest.raises(LeaseLost):
+            call()
+    assert broker.extend([first.lease], 30) == [first.lease]
+    broker.ack(second.lease, {"ok": True})
+    assert broker.get(job_id).state == "done"
+
+
+def test_attempts_exhausted_by_expired_leases_go_dead(broker):
+    job_id = broker.enqueue(new(max_attempts=2))
+    for _ in range(2):
+        job = claim_one(broker, lease=0.1)
+        wait_past(broker, job.lease_until)
+    assert broker.claim(Q, 1, 30, "w") == []
+    dead = broker.get(job_id)
+    assert (dead.state, dead.reason, dead.attempt) == ("dead", "lease_expired", 2)
+    assert [h["outcome"] for h in dead.history] == ["lease_expired", "lease_expired"]
+    assert [j.id for j in broker.dlq_list()] == [job_id]
+
+
+def test_extend_keeps_a_lease_alive_and_reports_lost_ones(broker):
+    a, b = broker.enqueue(new()), broker.enqueue(new())
+    ja, jb = broker.claim(Q, 2, 0.4, "w")
+    stale = type(ja.lease)(jb.id, jb.token + 7)
+    assert broker.extend([ja.lease, jb.lease, stale], 30) == [stale]
+    wait_past(broker, ja.lease_until + 0.1)
+    assert broker.claim(Q, 2, 30, "other") == []  # extended: nothing to reclaim
+    assert broker.get(a).lease_until > broker.now() + 20
+    broker.ack(ja.lease)
+    broker.ack(jb.lease)
+    assert {broker.get(a).state, broker.get(b).state} == {"done"}
+
+
+def test_ack_stores_result_and_closes_history(broker):
+    job_id = broker.enqueue(new())
+    job = claim_one(broker)
+    broker.ack(job.lease, {"total": 42}, {"pid": 1234, "host": "h"})
+    done = broker.get(job_id)
+    assert (done.state, done.result, done.lease_until) == ("done", {"total": 42}, None)
+    entry = done.history[-1]
+    assert (entry["outcome"], entry["pid"], entry["host"]) == ("done", 1234, "h")
+    assert entry["ended_at"] >= entry["started_at"]
+    with pytest.raises(LeaseLost):
+        broker.ack(job.lease)  # a second ack of the same lease is refused
+    assert broker.stats(Q)["default"].done == 1
+
+
+def test_retry_waits_for_run_at_and_keeps_the_error(broker):
+    job_id = broker.enqueue(new())
+    job = claim_one(broker)
+    run_at = broker.now() + 0.4
+    broker.retry(job.lease, run_at, error_info("exception", "ValueError", "boom", "Traceback..."))
+    stored = broker.get(job_id)
+    assert stored.state == "retrying" and stored.error["message"] == "boom"
+    assert stored.first_failure_at == stored.last_failure_at
+    assert broker.claim(Q, 1, 30, "w") == []
+    assert broker.stats(Q)["default"].scheduled == 1
+    wait_past(broker, run_at)
+    again = claim_one(broker)
+    assert (again.id, again.attempt) == (job_id, 2)
+    assert again.history[0]["outcome"] == "retry" and again.history[0]["error"]["class"] == "ValueError"
+
+
+def test_release_gives_the_attempt_back(broker):
+    job_id = broker.enqueue(new())
+    job = claim_one(broker)
+    broker.release(job.lease)
+    stored = broker.get(job_id)
+    assert (stored.state, stored.attempt, stored.history) == ("queued", 0, [])
+    again = claim_one(broker)
+    assert again.attempt == 1 and again.token > job.token
+
+
+# -- dead letters -----------------------------------------------------------
+
+def test_dead_letter_list_show_replay_purge(broker):
+    ids = [broker.enqueue(new("a" if i < 2 else "b", {"i": i}, idempotency_key=f"k{i}")) for i in range(3)]
+    for job in broker.claim(Q, 3, 30, "w"):
+        broker.dead(job.lease, "permanent", error_info("permanent", "Permanent", "nope", "tb"))
+    dead = broker.dlq_get(ids[0])
+    assert (dead.state, dead.reason, dead.error["message"], dead.attempt) == ("dead", "permanent", "nope", 1)
+    assert dead.first_failure_at and dead.last_failure_at and dead.history[-1]["outcome"] == "dead"
+    assert {j.id for j in broker.dlq_list()} == set(ids)
+    assert {j.id for j in broker.dlq_list(type="a")} == set(ids[:2])
+    assert len(broker.dlq_list(limit=1)) == 1
+    assert broker.stats(Q)["default"].dead == 3
+
+    broker.dlq_replay([ids[0]])
+    replayed = broker.get(ids[0])
+    assert (replayed.state, replayed.attempt, len(replayed.history)) == ("queued", 0, 1)
+    assert broker.dlq_get(ids[0]) is None
+    with pytest.raises(NotDead):
+        broker.dlq_replay([ids[0]])
+    with pytest.raises(NotDead):
+        broker.dlq_purge([ids[0], ids[1]])
+    assert broker.get(ids[1]).state == "dead"  # a refused purge removes nothing
+
+    assert broker.dlq_purge([ids[1]]) == 1
+    assert broker.get(ids[1]) is None
+    assert [j.id for j in broker.dlq_list()] == [ids[2]]
+    assert claim_one(broker).id == ids[0]
+
+
+# -- stats and pruning -------------------------------------------------------
+
+def test_stats_counts_every_state(broker):
+    broker.enqueue_many([new() for _ in range(3)])
+    broker.enqueue(new(delay=60))
+    broker.enqueue(new(queue="other"))
+    running = claim_one(broker)
+    dead = claim_one(broker)
+    broker.dead(dead.lease, "permanent", error_info("permanent"))
+    first = broker.get(broker.claim(Q, 1, 30, "w")[0].id)
+    broker.ack(first.lease)
+    s = broker.stats(["default", "other", "empty"])
+    d = s["default"]
+    assert (d.ready, d.scheduled, d.in_flight, d.dead, d.done) == (0, 1, 1, 1, 1)
+    assert s["other"].ready == 1 and s["empty"].ready == 0
+    assert running.state == "running"
+    wait_past(broker, broker.get(broker.enqueue(new(queue="other"))).queued_at + 0.2)
+    assert s["other"].oldest_ready_age >= 0
+    assert broker.stats(["other"])["other"].oldest_ready_age >= 0.2
+
+
+def test_prune_deletes_only_old_done_jobs(broker):
+    keep = broker.enqueue(new())
+    done = broker.enqueue(new())
+    job = broker.claim(Q, 2, 30, "w")
+    by_id = {j.id: j for j in job}
+    broker.ack(by_id[done].lease)
+    assert broker.prune(3600) == 0
+    wait_past(broker, broker.get(done).finished_at + 0.05)
+    assert broker.prune(0) == 1
+    assert broker.get(done) is None and broker.get(keep) is not None
+
+
+# -- concurrency ---------------------------------------------------------------
+
+def _claimer(url, out, start):
+    broker = open_broker(url)
+    start.wait()
+    seen = []
+    idle = 0
+    while idle < 3:
+        jobs = broker.claim(Q, 10, 300, f"proc-{multiprocessing.current_process().pid}")
+        if not jobs:
+            idle += 1
+            time.sleep(0.05)
+            continue
+        idle = 0
+        for job in jobs:
+            seen.append(job.id)
+            broker.ack(job.lease)
+    broker.close()
+    out.put(seen)
+
+
+def test_concurrent_claimers_never_share_a_job(broker, broker_url):
+    total = 5000
+    for start in range(0, total, 500):
+        broker.enqueue_many([new(payload={"i": i}) for i in range(start, start + 500)])
+    ctx = multiprocessing.get_context("fork")
+    out, start = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_claimer, args=(broker_url, out, start)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    start.set()
+    results = [out.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(30)
+    claimed = [job_id for seen in results for job_id in seen]
+    assert len(claimed) == total, "every job claimed once"
+    assert len(set(claimed)) == total, "no job claimed twice"
+    assert sum(1 for seen in results if seen) >= 2, "work was actually shared"
+    s = broker.stats(Q)["default"]
+    assert (s.ready, s.in_flight, s.done) == (0, 0, total)
