@@ -98,6 +98,18 @@ class Broker(abc.ABC):
     def prune(self, done_older_than) -> int:
         """Delete ``done`` jobs finished more than ``done_older_than`` seconds ago."""
 
+    def wakeup_fd(self):
+        """A file descriptor that turns readable when a job may have become due, or None.
+
+        The supervisor's main loop adds it to its selector, so an enqueue wakes
+        an idle supervisor at once (PostgreSQL LISTEN/NOTIFY, a Redis pub/sub
+        socket). Brokers without one are polled.
+        """
+        return None
+
+    def drain_wakeups(self):
+        """Consume whatever made ``wakeup_fd`` readable."""
+
     def close(self):
         pass
 
