@@ -2,8 +2,8 @@
 
 Claims run in ``BEGIN IMMEDIATE`` transactions, so two processes never lease
 the same job; partial indexes keep the claim query O(log n) however many jobs
-are queued. URL: ``sqlite:///absolute/path.db`` (``sqlite:///./rel.db`` is
-relative to the working directory; config files resolve it against their
+are queued. URL: ``sqlite:////absolute/path.db`` or ``sqlite:///relative.db``
+(relative to the working directory; config files resolve it against their
 own folder). ``?synchronous=normal`` trades durability on power loss (not on a
 process crash) for speed; the default is ``full``.
 """
@@ -63,9 +63,8 @@ class SQLiteBroker(Broker):
         path = urllib.parse.unquote(parts.path)
         if parts.netloc not in ("", "localhost"):
             raise BrokerError(f"sqlite url {url!r}: use sqlite:///path (three slashes)")
-        if path.startswith("/./") or path.startswith("/../"):
-            path = path[1:]
-        if not path or path == "/":
+        path = path[1:]  # sqlite:///rel.db is relative, sqlite:////abs.db absolute
+        if not path:
             raise BrokerError(f"sqlite url {url!r} names no file")
         options = dict(urllib.parse.parse_qsl(parts.query))
         synchronous = options.pop("synchronous", "full").upper()

@@ -1,0 +1,278 @@
+"""Configuration: TOML in, validated dataclasses out.
+
+Every key has a default, so an empty file is a valid config. Errors name the
+key path (``broker.lease_seconds: expected a positive number, got "abc"``);
+unknown keys are errors too, because a misspelt key silently ignored is a
+setting the operator believes in and does not have. Relative paths resolve
+against the folder of the config file.
+"""
+import dataclasses
+import math
+import os
+import tomllib
+import urllib.parse
+
+from .errors import ConfigError
+
+DEFAULT_PATHS = ("./tangguh.toml", "/etc/tangguh/config.toml")
+
+
+# -- value checks: each returns the value or raises ValueError(expected ...) ----
+
+def _num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def positive_int(v):
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    raise ValueError("expected a positive integer")
+
+
+def non_negative_int(v):
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+        return v
+    raise ValueError("expected an integer >= 0")
+
+
+def positive_number(v):
+    if _num(v) and v > 0:
+        return float(v)
+    raise ValueError("expected a positive number")
+
+
+def non_negative_number(v):
+    if _num(v) and v >= 0:
+        return float(v)
+    raise ValueError("expected a number >= 0")
+
+
+def fraction(v):
+    if _num(v) and 0 <= v <= 1:
+        return float(v)
+    raise ValueError("expected a number between 0 and 1")
+
+
+def string(v):
+    if isinstance(v, str):
+        return v
+    raise ValueError("expected a string")
+
+
+def name(v):
+    if isinstance(v, str) and v.strip() and v == v.strip():
+        return v
+    raise ValueError("expected a non-empty name")
+
+
+def names(v):
+    if isinstance(v, list) and v and all(isinstance(x, str) and x.strip() for x in v) and len(set(v)) == len(v):
+        return list(v)
+    raise ValueError("expected a non-empty list of distinct names")
+
+
+def boolean(v):
+    if isinstance(v, bool):
+        return v
+    raise ValueError("expected true or false")
+
+
+def one_of(*choices):
+    def check(v):
+        if v in choices:
+            return v
+        raise ValueError("expected one of " + ", ".join(repr(c) for c in choices))
+
+    return check
+
+
+def option(check, doc, **kw):
+    return dataclasses.field(metadata={"check": check, "doc": doc}, **kw)
+
+
+# -- sections -----------------------------------------------------------------
+
+@dataclasses.dataclass
+class SupervisorConfig:
+    workers: int = option(positive_int, "child worker processes", default=2)
+    handlers: str = option(string, "folder of handler modules (*.py)", default="handlers")
+    socket: str = option(string, "health socket path", default="tangguh.sock")
+    socket_mode: int = option(non_negative_int, "health socket file mode", default=0o660)
+    graceful_timeout: float = option(positive_number, "seconds running jobs get to finish on SIGTERM", default=30.0)
+    kill_grace: float = option(positive_number, "seconds between SIGTERM and SIGKILL of a child", default=0.5)
+    max_jobs_per_child: int = option(non_negative_int, "recycle a child after this many jobs (0: never)", default=0)
+    max_child_rss_mb: int = option(non_negative_int, "recycle a child above this RSS (0: never)", default=0)
+    max_boot_failures: int = option(positive_int, "consecutive child boot failures before giving up", default=5)
+    poll_interval: float = option(positive_number, "longest wait between claims when idle", default=0.5)
+
+
+@dataclasses.dataclass
+class BrokerConfig:
+    url: str = option(string, "sqlite:///file.db, redis://..., postgresql://...", default="sqlite:///tangguh.db")
+    queues: list = option(names, "queues served, in order of precedence", default_factory=lambda: ["default"])
+    lease_seconds: float = option(positive_number, "how long a claim holds a job without renewal", default=30.0)
+    heartbeat_seconds: float = option(positive_number, "how often held leases are renewed", default=5.0)
+    prefetch: int = option(non_negative_int, "jobs claimed beyond the idle children", default=0)
+    migrate: bool = option(boolean, "create/upgrade broker tables at start", default=True)
+    retention: float = option(non_negative_number, "seconds done jobs are kept (0: forever)", default=7 * 86400.0)
+
+
+@dataclasses.dataclass
+class JobsConfig:
+    timeout: float = option(positive_number, "hard timeout: the child is killed", default=300.0)
+    soft_timeout: float = option(non_negative_number, "JobTimeout raised in the handler (0: off)", default=0.0)
+    max_attempts: int = option(positive_int, "attempts before dead-lettering", default=5)
+    backoff_base: float = option(non_negative_number, "first retry delay, doubled per attempt", default=1.0)
+    backoff_cap: float = option(non_negative_number, "longest retry delay", default=300.0)
+    jitter: float = option(fraction, "fraction of a retry delay taken off at random", default=0.5)
+    types: dict = option(dict, "per-type overrides", default_factory=dict)
+
+
+@dataclasses.dataclass
+class JobTypeConfig:
+    """Overrides for one job type; None means 'use the decorator, then [jobs]'."""
+
+    timeout: float | None = option(positive_number, "hard timeout", default=None)
+    soft_timeout: float | None = option(non_negative_number, "soft timeout", default=None)
+    max_attempts: int | None = option(positive_int, "attempts", default=None)
+    queue: str | None = option(name, "queue this type is enqueued to", default=None)
+
+
+@dataclasses.dataclass
+class LogConfig:
+    level: str = option(one_of("debug", "info", "warning", "error"), "log level", default="info")
+    format: str = option(one_of("auto", "text", "json"), "auto: text on a terminal, else JSON", default="auto")
+
+
+@dataclasses.dataclass
+class MetricsConfig:
+    listen: str = option(string, "host:port for HTTP /metrics (empty: off)", default="")
+
+
+@dataclasses.dataclass
+class Config:
+    supervisor: SupervisorConfig = dataclasses.field(default_factory=SupervisorConfig)
+    broker: BrokerConfig = dataclasses.field(default_factory=BrokerConfig)
+    jobs: JobsConfig = dataclasses.field(default_factory=JobsConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    path: str | None = None  # the file it came from
+
+    def job_type(self, type_name):
+        """The overrides for ``type_name`` (all None when it has none)."""
+        return self.jobs.types.get(type_name) or JobTypeConfig()
+
+    def to_dict(self):
+        """The effective config as TOML-ready data (None values left out)."""
+        out = {}
+        for section in ("supervisor", "broker", "jobs", "log", "metrics"):
+            data = {k: v for k, v in dataclasses.asdict(getattr(self, section)).items() if v is not None}
+            if section == "jobs":
+                data["types"] = {t: {k: v for k, v in d.items() if v is not None} for t, d in data["types"].items()}
+            out[section] = data
+        return out
+
+
+SECTIONS = {"supervisor": SupervisorConfig, "broker": BrokerConfig, "jobs": JobsConfig, "log": LogConfig,
+            "metrics": MetricsConfig}
+
+
+def _build(cls, data, path):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(f"{path}.{key}: unknown key")
+    values = {}
+    for key, value in data.items():
+        if key == "types" and cls is JobsConfig:
+            values[key] = _types(value, f"{path}.types")
+            continue
+        try:
+            values[key] = fields[key].metadata["check"](value)
+        except ValueError as exc:
+            raise ConfigError(f"{path}.{key}: {exc}, got {_show(value)}") from None
+    return cls(**values)
+
+
+def _types(data, path):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table")
+    return {type_name: _build(JobTypeConfig, table, f"{path}.{type_name}") for type_name, table in data.items()}
+
+
+def _show(value):
+    if isinstance(value, str):
+        return '"' + value + '"'
+    return repr(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def from_dict(data, base_dir="."):
+    """Validate parsed TOML ``data``; resolve relative paths against ``base_dir``."""
+    for key in data:
+        if key not in SECTIONS:
+            raise ConfigError(f"{key}: unknown section")
+    cfg = Config(**{key: _build(SECTIONS[key], value, key) for key, value in data.items()})
+    if cfg.broker.heartbeat_seconds >= cfg.broker.lease_seconds:
+        raise ConfigError(
+            f"broker.heartbeat_seconds: must be shorter than broker.lease_seconds ({cfg.broker.lease_seconds:g}),"
+            f" got {cfg.broker.heartbeat_seconds:g}"
+        )
+    for type_name, t in cfg.jobs.types.items():
+        if t.queue is not None and t.queue not in cfg.broker.queues:
+            raise ConfigError(f"jobs.types.{type_name}.queue: {t.queue!r} is not in broker.queues")
+    base_dir = os.path.abspath(base_dir)
+    cfg.supervisor.handlers = os.path.normpath(os.path.join(base_dir, cfg.supervisor.handlers))
+    cfg.supervisor.socket = os.path.normpath(os.path.join(base_dir, cfg.supervisor.socket))
+    cfg.broker.url = resolve_broker_url(cfg.broker.url, base_dir)
+    return cfg
+
+
+def resolve_broker_url(url, base_dir):
+    """Make a relative ``sqlite:///file.db`` absolute (``sqlite:////abs/file.db``)."""
+    from .backends.base import scheme_of
+    from .errors import BrokerError
+
+    try:
+        scheme = scheme_of(url)
+    except BrokerError as exc:
+        raise ConfigError(f"broker.url: {exc}") from None
+    if scheme != "sqlite":
+        return url
+    parts = urllib.parse.urlsplit(url)
+    path = urllib.parse.unquote(parts.path)[1:]
+    if not path:
+        raise ConfigError(f"broker.url: {url!r} names no database file")
+    path = os.path.normpath(os.path.join(base_dir, path))
+    return "sqlite:///" + urllib.parse.quote(path) + ("?" + parts.query if parts.query else "")
+
+
+def find_config(path=None):
+    """The config file to use: ``path`` if given, else the first default that exists."""
+    if path:
+        return path
+    for candidate in DEFAULT_PATHS:
+        if os.path.exists(candidate):
+            return candidate
+    return None
+
+
+def load(path=None):
+    """Read, validate and resolve a config file. No file at all means all defaults here."""
+    found = find_config(path)
+    if found is None:
+        cfg = from_dict({}, os.getcwd())
+        return cfg
+    try:
+        with open(found, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{found}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{found}: cannot read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{found}: invalid TOML: {exc}") from None
+    cfg = from_dict(data, os.path.dirname(os.path.abspath(found)))
+    cfg.path = os.path.abspath(found)
+    return cfg
