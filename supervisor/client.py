@@ -1,0 +1,162 @@
+"""The producer API: put jobs on a broker from application code.
+
+    from supervisor.client import Client
+
+    with Client.from_config() as client:          # ./tangguh.toml, /etc/tangguh/config.toml
+        job_id = client.enqueue("send_email", {"to": "a@example.com"},
+                                idempotency_key="welcome:42", resource_id="user:42")
+
+Everything a caller passes is checked before the broker is touched, so a bad
+payload, an unknown queue or a negative delay raises ``BadInput`` and stores
+nothing. The broker connection is opened on first use, not at construction:
+creating a client at import time costs nothing and cannot fail on the network.
+
+Defaults come from the config when the client was made from one: the queue
+from ``[jobs.types.<type>].queue`` (else ``default`` when it is a configured
+queue, else the first of ``broker.queues``), ``max_attempts`` from
+``[jobs.types.<type>]`` then ``[jobs]``, ``timeout`` from
+``[jobs.types.<type>]`` only (left unset otherwise, so the supervisor applies
+the handler decorator's timeout, then ``[jobs].timeout``).
+"""
+import inspect
+
+from . import config as config_module
+from .backends.base import open_broker, scheme_of
+from .errors import BadInput, BrokerError
+from .job import NewJob
+
+DEFAULT_QUEUE = "default"
+
+# Keyword arguments of ``Client.enqueue`` that describe the job (the rest go to the broker).
+JOB_OPTIONS = ("queue", "resource_id", "idempotency_key", "delay", "max_attempts", "timeout", "trace_id", "priority")
+
+
+class Client:
+    """Enqueue jobs and read their state. Not thread-safe: one client per thread."""
+
+    def __init__(self, url, *, queues=None, config=None):
+        scheme_of(url)  # fail now on a URL no broker can open (BrokerError)
+        self.url = url
+        self.config = config
+        self.queues = list(queues or (config.broker.queues if config else [DEFAULT_QUEUE]))
+        # Only a client made from a config knows the set of queues the supervisors serve.
+        self.strict_queues = config is not None or queues is not None
+        self._broker = None
+
+    @classmethod
+    def from_url(cls, url, queues=None):
+        """A client for the broker at ``url`` (``sqlite:///path``, ``redis://``, ``postgresql://``)."""
+        return cls(url, queues=queues)
+
+    @classmethod
+    def from_config(cls, path=None):
+        """A client for the broker a config file names (default: the usual config locations)."""
+        cfg = path if isinstance(path, config_module.Config) else config_module.load(path)
+        return cls(cfg.broker.url, config=cfg)
+
+    # -- the broker ---------------------------------------------------------
+    @property
+    def broker(self):
+        if self._broker is None:
+            self._broker = open_broker(self.url)
+        return self._broker
+
+    def close(self):
+        if self._broker is not None:
+            broker, self._broker = self._broker, None
+            broker.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- producing ----------------------------------------------------------
+    def new_job(self, type, payload, *, queue=None, resource_id=None, idempotency_key=None, delay=0,
+                max_attempts=None, timeout=None, trace_id=None, priority=0):
+        """The validated ``NewJob`` that ``enqueue`` would store (raises ``BadInput``)."""
+        overrides = self.config.job_type(type) if self.config is not None and isinstance(type, str) else None
+        if queue is None:
+            queue = (overrides and overrides.queue) or self.default_queue()
+        if self.strict_queues and queue not in self.queues:
+            raise BadInput(f"queue {queue!r} is not one of the configured broker.queues ({', '.join(self.queues)})")
+        if max_attempts is None:
+            max_attempts = (overrides and overrides.max_attempts) or (
+                self.config.jobs.max_attempts if self.config is not None else NewJob.max_attempts)
+        if timeout is None and overrides is not None:
+            timeout = overrides.timeout
+        job = NewJob(type, payload, queue=queue, resource_id=resource_id, idempotency_key=idempotency_key,
+                     delay=delay, max_attempts=max_attempts, timeout=timeout, trace_id=trace_id, priority=priority)
+        return job.validate()
+
+    def default_queue(self):
+        return DEFAULT_QUEUE if DEFAULT_QUEUE in self.queues or not self.queues else self.queues[0]
+
+    def enqueue(self, type, payload, *, queue=None, resource_id=None, idempotency_key=None, delay=0,
+                max_attempts=None, timeout=None, trace_id=None, priority=0, **broker_kwargs):
+        """Store one job; return its id (the existing job's id when ``idempotency_key`` matches
+        an unfinished job). ``broker_kwargs`` go to the broker, e.g. ``conn=`` for PostgreSQL's
+        transactional enqueue."""
+        job = self.new_job(type, payload, queue=queue, resource_id=resource_id, idempotency_key=idempotency_key,
+                           delay=delay, max_attempts=max_attempts, timeout=timeout, trace_id=trace_id,
+                           priority=priority)
+        return self._call("enqueue", job, broker_kwargs)
+
+    def enqueue_many(self, jobs, **broker_kwargs):
+        """Store several jobs in one round trip; return their ids in order.
+
+        Each item is a dict of ``enqueue``'s arguments (``{"type": ..., "payload": ..., "queue": ...}``)
+        or a tuple ``(type, payload)`` / ``(type, payload, {options})``. All are checked before
+        any is stored.
+        """
+        new_jobs = []
+        for i, item in enumerate(jobs):
+            try:
+                args, options = _job_args(item)
+                new_jobs.append(self.new_job(*args, **options))
+            except BadInput as exc:
+                raise BadInput(f"job {i}: {exc}") from None
+        if not new_jobs:
+            return []
+        return self._call("enqueue_many", new_jobs, broker_kwargs)
+
+    def _call(self, method_name, arg, broker_kwargs):
+        method = getattr(self.broker, method_name)
+        if broker_kwargs:
+            try:
+                inspect.signature(method).bind(arg, **broker_kwargs)
+            except TypeError:
+                raise BadInput(f"the {type(self.broker).__name__} does not accept "
+                               f"{', '.join(sorted(broker_kwargs))}= in {method_name}") from None
+        return method(arg, **broker_kwargs)
+
+    # -- reading ------------------------------------------------------------
+    def get(self, job_id):
+        """The ``Job`` with that id, or None."""
+        return self.broker.get(job_id)
+
+    def stats(self, queues=None):
+        """``{queue: QueueStats}`` for ``queues`` (default: the client's queues)."""
+        return self.broker.stats(list(queues or self.queues))
+
+
+def _job_args(item):
+    """(positional, keyword) arguments of ``Client.new_job`` for one ``enqueue_many`` item."""
+    if isinstance(item, dict):
+        item = dict(item)
+        try:
+            args = (item.pop("type"), item.pop("payload"))
+        except KeyError as exc:
+            raise BadInput(f"missing {exc.args[0]!r}") from None
+    elif isinstance(item, (tuple, list)) and len(item) in (2, 3):
+        args, item = tuple(item[:2]), dict(item[2]) if len(item) == 3 else {}
+    else:
+        raise BadInput("expected a dict or a (type, payload[, options]) tuple")
+    unknown = set(item) - set(JOB_OPTIONS)
+    if unknown:
+        raise BadInput(f"unknown option(s) {', '.join(sorted(unknown))}")
+    return args, item
+
+
+__all__ = ["Client", "BadInput", "BrokerError"]
