@@ -169,7 +169,8 @@ def when(ts):
     """A timestamp as UTC ISO 8601, or '-'."""
     if ts is None:
         return "-"
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+    moment = datetime.datetime.fromtimestamp(ts, datetime.timezone.utc)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def duration(seconds):
@@ -322,14 +323,17 @@ def render_job(job):
         ("result", "-" if job.result is None else json.dumps(job.result, sort_keys=True)),
     ]
     lines = [f"{k + ':':<17} {'-' if v is None else v}" for k, v in fields]
-    lines += render_error(job.error, "error:")
-    lines.append(f"history:          {len(job.history)} attempt(s)")
-    for entry in job.history:
+    return "\n".join(lines + render_error(job.error, "error:") + render_history(job.history))
+
+
+def render_history(history):
+    lines = [f"history:          {len(history)} attempt(s)"]
+    for entry in history:
         lines.append("  " + render_attempt(entry))
-        if isinstance(entry.get("error"), dict):
-            err = entry["error"]
+        err = entry.get("error")
+        if isinstance(err, dict):
             lines.append(f"      {err.get('class') or err.get('reason') or 'error'}: {one_line(err.get('message'), 100)}")
-    return "\n".join(lines)
+    return lines
 
 
 def render_error(error, label):
@@ -407,14 +411,7 @@ def cmd_dlq_show(args):
              f"{'first_failure_at:':<17} {when(job.first_failure_at)}",
              f"{'last_failure_at:':<17} {when(job.last_failure_at)}",
              f"{'payload:':<17} {json.dumps(job.payload, sort_keys=True)}"]
-    lines += render_error(job.error, "error:")
-    lines.append(f"history:          {len(job.history)} attempt(s)")
-    for entry in job.history:
-        lines.append("  " + render_attempt(entry))
-        err = entry.get("error")
-        if isinstance(err, dict):
-            lines.append(f"      {err.get('class') or err.get('reason') or 'error'}: {one_line(err.get('message'), 100)}")
-    print("\n".join(lines))
+    print("\n".join(lines + render_error(job.error, "error:") + render_history(job.history)))
 
 
 def _selection(args, verb):
