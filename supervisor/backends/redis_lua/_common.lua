@@ -1,0 +1,65 @@
+-- Prelude shared by every Tangguh script (prepended when the module loads them).
+--
+-- KEYS are one queue's keys, all carrying the queue's hash tag ({queue}), so a
+-- script touches a single Redis Cluster slot. Job hashes live in the same slot
+-- ("<prefix>:{<queue>}:j:<id>"); their names are built from ARGV[1].
+-- Times are integer microseconds of the server clock (TIME); hashes store them
+-- as seconds with six decimals, zsets score them in microseconds.
+local READY, DELAYED, LEASED, DEAD, DONE, IDEM = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local JOB, CHANNEL = ARGV[1], ARGV[2]
+local clock = redis.call('TIME')
+local NOW = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+
+-- Lua's tostring keeps 14 digits: format microsecond values explicitly.
+local function num(us)
+  return string.format('%.0f', us)
+end
+
+local function secs(us)
+  return string.format('%d.%06d', math.floor(us / 1000000), us % 1000000)
+end
+
+-- Ready jobs: score -priority; members "<16-digit run_at us><id>", so ZPOPMIN
+-- yields highest priority first, then oldest run_at, then id.
+local function make_ready(id, priority, run_us)
+  redis.call('ZADD', READY, -tonumber(priority), string.format('%016.0f', run_us) .. id)
+end
+
+local function is_leased(key, token)
+  local v = redis.call('HMGET', key, 'state', 'token')
+  return v[1] == 'running' and v[2] == token
+end
+
+-- The open attempt lives in field "open" (a JSON object); closing it appends
+-- it to "history" with `suffix` (',"k":v,...') merged in: later keys win when
+-- the JSON is read, like SQLite's json_patch.
+local function close_entry(key, suffix)
+  local v = redis.call('HMGET', key, 'history', 'open')
+  local history, open = v[1] or '[]', v[2] or '{}'
+  local entry
+  if open == '{}' then entry = '{' .. string.sub(suffix, 2) .. '}'
+  else entry = string.sub(open, 1, -2) .. suffix .. '}' end
+  if history == '[]' then history = '[' .. entry .. ']'
+  else history = string.sub(history, 1, -2) .. ',' .. entry .. ']' end
+  redis.call('HSET', key, 'history', history)
+  redis.call('HDEL', key, 'open')
+end
+
+-- A finished job gives its idempotency key back.
+local function free_key(key, id)
+  local ikey = redis.call('HGET', key, 'idempotency_key')
+  if ikey and redis.call('HGET', IDEM, ikey) == id then
+    redis.call('HDEL', IDEM, ikey)
+  end
+end
+
+local function failed_now(key)
+  redis.call('HSETNX', key, 'first_failure_at', secs(NOW))
+  redis.call('HSET', key, 'last_failure_at', secs(NOW))
+end
+
+-- ',"pid":1,...' from the caller's info object body ('' when empty)
+local function info_part(body)
+  if body == '' then return '' end
+  return ',' .. body
+end

@@ -1,0 +1,53 @@
+-- claim: ARGV[3] = n, ARGV[4] = lease (us), ARGV[5] = owner, ARGV[6] = owner as JSON.
+-- Reclaims this queue's expired leases, promotes due delayed jobs, then leases
+-- up to n ready jobs. Returns each leased job's hash (HGETALL).
+local n, lease, owner, owner_json = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6]
+
+local expired = redis.call('ZRANGEBYSCORE', LEASED, '-inf', '(' .. num(NOW), 'LIMIT', 0, 1000)
+for _, id in ipairs(expired) do
+  local key = JOB .. id
+  redis.call('ZREM', LEASED, id)
+  local f = redis.call('HMGET', key, 'attempt', 'max_attempts', 'owner', 'priority')
+  if f[1] then
+    local err = cjson.encode({reason = 'lease_expired', class = '', traceback = '',
+      message = 'lease of owner ' .. tostring(f[3] or 'None') .. ' expired'})
+    close_entry(key, ',"ended_at":' .. secs(NOW) .. ',"outcome":"lease_expired","error":' .. err)
+    redis.call('HDEL', key, 'lease_until', 'owner')
+    redis.call('HSET', key, 'error', err)
+    failed_now(key)
+    if tonumber(f[1]) >= tonumber(f[2]) then
+      redis.call('HSET', key, 'state', 'dead', 'reason', 'lease_expired', 'finished_at', secs(NOW), 'run_at', secs(NOW))
+      redis.call('ZADD', DEAD, NOW, id)
+      free_key(key, id)
+    else
+      redis.call('HSET', key, 'state', 'retrying', 'run_at', secs(NOW))
+      make_ready(id, f[4], NOW)
+    end
+  end
+end
+
+local due = redis.call('ZRANGEBYSCORE', DELAYED, '-inf', num(NOW), 'WITHSCORES', 'LIMIT', 0, 1000)
+for k = 1, #due, 2 do
+  local id = due[k]
+  redis.call('ZREM', DELAYED, id)
+  local priority = redis.call('HGET', JOB .. id, 'priority')
+  if priority then make_ready(id, priority, tonumber(due[k + 1])) end
+end
+
+local out = {}
+if n < 1 then return out end
+local popped = redis.call('ZPOPMIN', READY, n)
+local until_us = NOW + lease
+for k = 1, #popped, 2 do
+  local id = string.sub(popped[k], 17)
+  local key = JOB .. id
+  if redis.call('EXISTS', key) == 1 then
+    local attempt = redis.call('HINCRBY', key, 'attempt', 1)
+    redis.call('HINCRBY', key, 'token', 1)
+    redis.call('HSET', key, 'state', 'running', 'lease_until', secs(until_us), 'owner', owner,
+      'open', '{"attempt":' .. attempt .. ',"started_at":' .. secs(NOW) .. ',"owner":' .. owner_json .. '}')
+    redis.call('ZADD', LEASED, until_us, id)
+    out[#out + 1] = redis.call('HGETALL', key)
+  end
+end
+return out

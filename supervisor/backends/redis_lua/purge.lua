@@ -1,0 +1,11 @@
+-- purge: ARGV[3..] = ids, all dead, or nothing is deleted.
+-- Returns {'ok', count} or {'notdead', id, state}.
+for k = 3, #ARGV do
+  local state = redis.call('HGET', JOB .. ARGV[k], 'state')
+  if state ~= 'dead' then return {'notdead', ARGV[k], state or 'unknown'} end
+end
+for k = 3, #ARGV do
+  redis.call('DEL', JOB .. ARGV[k])
+  redis.call('ZREM', DEAD, ARGV[k])
+end
+return {'ok', #ARGV - 2}

@@ -1,0 +1,11 @@
+-- release: ARGV[3] = id, [4] = token. The attempt is given back, due now.
+local id, token = ARGV[3], ARGV[4]
+local key = JOB .. id
+if not is_leased(key, token) then return 0 end
+redis.call('HINCRBY', key, 'attempt', -1)
+redis.call('HDEL', key, 'open', 'lease_until', 'owner')
+redis.call('HSET', key, 'state', 'queued', 'run_at', secs(NOW))
+redis.call('ZREM', LEASED, id)
+make_ready(id, redis.call('HGET', key, 'priority'), NOW)
+redis.call('PUBLISH', CHANNEL, '1')
+return 1

@@ -1,0 +1,26 @@
+-- replay: ARGV[3..] = ids, all dead, or nothing changes.
+-- Returns {'ok'}, {'notdead', id, state} or {'conflict', id}.
+for k = 3, #ARGV do
+  local id = ARGV[k]
+  local f = redis.call('HMGET', JOB .. id, 'state', 'idempotency_key')
+  if f[1] ~= 'dead' then return {'notdead', id, f[1] or 'unknown'} end
+  if f[2] then
+    local holder = redis.call('HGET', IDEM, f[2])
+    if holder and holder ~= id then
+      local state = redis.call('HGET', JOB .. holder, 'state')
+      if state == 'queued' or state == 'running' or state == 'retrying' then return {'conflict', id} end
+    end
+  end
+end
+for k = 3, #ARGV do
+  local id = ARGV[k]
+  local key = JOB .. id
+  redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'run_at', secs(NOW))
+  redis.call('HDEL', key, 'reason', 'finished_at', 'lease_until', 'owner', 'open')
+  redis.call('ZREM', DEAD, id)
+  local ikey = redis.call('HGET', key, 'idempotency_key')
+  if ikey then redis.call('HSET', IDEM, ikey, id) end
+  make_ready(id, redis.call('HGET', key, 'priority'), NOW)
+end
+redis.call('PUBLISH', CHANNEL, '1')
+return {'ok'}

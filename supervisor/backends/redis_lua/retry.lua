@@ -1,0 +1,16 @@
+-- retry: ARGV[3] = id, [4] = token, [5] = run_at (us), [6] = error JSON, [7] = info body.
+local id, token, run = ARGV[3], ARGV[4], tonumber(ARGV[5])
+local key = JOB .. id
+if not is_leased(key, token) then return 0 end
+close_entry(key, info_part(ARGV[7]) .. ',"ended_at":' .. secs(NOW) .. ',"outcome":"retry","error":' .. ARGV[6])
+redis.call('HSET', key, 'state', 'retrying', 'run_at', secs(run), 'error', ARGV[6])
+redis.call('HDEL', key, 'lease_until')
+failed_now(key)
+redis.call('ZREM', LEASED, id)
+if run <= NOW then
+  make_ready(id, redis.call('HGET', key, 'priority'), run)
+  redis.call('PUBLISH', CHANNEL, '1')
+else
+  redis.call('ZADD', DELAYED, run, id)
+end
+return 1

@@ -1,0 +1,199 @@
+"""Redis-specific behaviour of the Redis broker (the contract is in test_broker_conformance)."""
+import select
+import urllib.parse
+
+import pytest
+
+from supervisor.backends import open_broker
+from supervisor.errors import BadInput, BrokerError
+from supervisor.job import NewJob, error_info
+
+from .util import wait_for
+
+redis = pytest.importorskip("redis")
+from redis.crc import key_slot  # noqa: E402
+
+pytestmark = pytest.mark.services
+
+
+def new(**kw):
+    return NewJob("t", {"n": 1}, **kw)
+
+
+def prefix_of(url):
+    return dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))["prefix"]
+
+
+@pytest.fixture
+def rb(redis_url):
+    b = open_broker(redis_url)
+    b.migrate()
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def raw(redis_url):
+    client = redis.Redis.from_url(redis_url.split("?")[0], decode_responses=True)
+    yield client
+    client.close()
+
+
+def readable(fd):
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def test_wakeup_fd_turns_readable_after_an_enqueue_elsewhere(rb, redis_url):
+    fd = rb.wakeup_fd()
+    assert isinstance(fd, int) and fd >= 0
+    wait_for(lambda: readable(fd), timeout=5, message="subscribe confirmation")
+    rb.drain_wakeups()
+    assert not readable(fd)
+    with open_broker(redis_url) as producer:
+        producer.enqueue(new())
+    wait_for(lambda: readable(fd), timeout=5, message="wake-up after enqueue")
+    rb.drain_wakeups()
+    assert not readable(fd)
+    assert rb.wakeup_fd() == fd  # one subscription, reused
+    # A delayed job is not due: no wake-up; a release makes one due: wake-up.
+    with open_broker(redis_url) as producer:
+        producer.enqueue(new(delay=60))
+        job = producer.claim(["default"], 1, 30, "w")[0]
+        assert not readable(fd)
+        producer.release(job.lease)
+    wait_for(lambda: readable(fd), timeout=5, message="wake-up after release")
+    rb.drain_wakeups()
+
+
+def test_keys_carry_one_hash_tag_per_queue(rb, raw, redis_url):
+    prefix = prefix_of(redis_url)
+    job_id = rb.enqueue(new(idempotency_key="k"))
+    rb.enqueue(new(delay=60))
+    rb.enqueue(new(queue="mail"))
+    leased = rb.claim(["default"], 1, 30, "w")[0]
+    rb.enqueue(new())
+    rb.ack(leased.lease)
+    dead = rb.claim(["default"], 1, 30, "w")[0]
+    rb.dead(dead.lease, "permanent", error_info("permanent"))
+    rb.enqueue(new())
+    rb.enqueue(new(idempotency_key="k2"))
+    assert len(rb.claim(["default"], 1, 30, "w")) == 1
+    keys = set(raw.scan_iter(match=f"{prefix}*"))
+    tag = f"{prefix}:{{default}}:"
+    assert {tag + k for k in ("ready", "delayed", "leased", "dead", "done", "idem")} <= keys
+    assert f"{tag}j:{job_id}" in keys
+    assert f"{prefix}:queues" in keys and raw.smembers(f"{prefix}:queues") == {"default", "mail"}
+    default_keys = [k for k in keys if k.startswith(tag)]
+    assert {key_slot(k.encode()) for k in default_keys} == {key_slot(b"default")}
+    assert {key_slot(k.encode()) for k in keys if "{mail}" in k} == {key_slot(b"mail")}
+
+
+def test_done_jobs_expire_after_done_ttl(redis_url, raw):
+    with open_broker(redis_url + "&done_ttl=120") as b:
+        job_id = b.enqueue(new())
+        b.ack(b.claim(["default"], 1, 30, "w")[0].lease)
+        ttl = raw.ttl(f"{prefix_of(redis_url)}:{{default}}:j:{job_id}")
+        assert 0 < ttl <= 120
+        assert b.stats(["default"])["default"].done == 1
+    with open_broker(redis_url) as b:  # default: a week
+        job_id = b.enqueue(new())
+        b.ack(b.claim(["default"], 1, 30, "w")[0].lease)
+        assert 6 * 86400 < raw.ttl(f"{prefix_of(redis_url)}:{{default}}:j:{job_id}") <= 7 * 86400
+
+
+@pytest.mark.parametrize("query", ["bogus=1", "done_ttl=0", "done_ttl=soon", "prefix={x}"])
+def test_bad_url_options_are_broker_errors(redis_url, query):
+    with pytest.raises(BrokerError) as err:
+        open_broker(redis_url + "&" + query)
+    assert "\n" not in str(err.value)
+
+
+def test_redis_options_pass_through(redis_url):
+    with open_broker(redis_url + "&socket_timeout=5&health_check_interval=10") as b:
+        assert b.enqueue(new())
+
+
+def test_connection_refused_is_a_broker_error():
+    b = open_broker("redis://127.0.0.1:1/0?prefix=nowhere")
+    for call in (b.migrate, b.now, lambda: b.enqueue(new()), lambda: b.claim(["default"], 1, 30, "w"),
+                 lambda: b.stats(["default"]), b.wakeup_fd):
+        with pytest.raises(BrokerError) as err:
+            call()
+        assert "127.0.0.1:1" in str(err.value)
+    b.close()
+
+
+def test_queue_names_with_braces_are_refused(rb):
+    with pytest.raises(BadInput):
+        rb.enqueue(new(queue="a{b}"))
+
+
+def test_priority_levels_and_oldest_ready_age(rb):
+    old = rb.enqueue(new(priority=-3))
+    wait_for(lambda: rb.stats(["default"])["default"].oldest_ready_age >= 0.2, timeout=10,
+             message="the first job to age")
+    ids = [rb.enqueue(new(priority=p)) for p in (7, 0, 7, 2)]
+    stats = rb.stats(["default"])["default"]
+    assert stats.ready == 5 and stats.oldest_ready_age >= 0.2  # found under the lowest priority
+    got = [j.id for j in rb.claim(["default"], 5, 30, "w")]
+    assert got == [ids[0], ids[2], ids[3], ids[1], old]
+
+
+def test_lost_script_cache_is_reloaded(rb):
+    for script in rb.scripts.values():
+        script.sha = "0" * 40  # as if the server's script cache were flushed
+    assert len(rb.enqueue_many([new(), new()])) == 2
+    for script in rb.scripts.values():
+        script.sha = "0" * 40
+    job = rb.claim(["default"], 1, 30, "w")[0]
+    rb.ack(job.lease)
+
+
+def test_another_instance_finds_and_finishes_a_job(rb, redis_url):
+    job_id = rb.enqueue(new(queue="mail"))
+    job = rb.claim(["mail"], 1, 30, "w")[0]
+    with open_broker(redis_url) as other:
+        assert other.get(job_id).state == "running"
+        assert other.extend([job.lease], 60) == []
+        other.ack(job.lease, {"ok": 1})
+        assert other.get(job_id).result == {"ok": 1}
+
+
+def test_idempotency_keys_dedup_per_queue(rb):
+    a = rb.enqueue(new(idempotency_key="k"))
+    assert rb.enqueue(new(idempotency_key="k")) == a
+    assert rb.enqueue(new(queue="other", idempotency_key="k")) != a
+
+
+def test_replay_refuses_a_key_taken_meanwhile(rb):
+    first = rb.enqueue(new(idempotency_key="k"))
+    job = rb.claim(["default"], 1, 30, "w")[0]
+    rb.dead(job.lease, "permanent", error_info("permanent"))
+    second = rb.enqueue(new(idempotency_key="k"))
+    assert second != first
+    with pytest.raises(BadInput):
+        rb.dlq_replay([first])
+    assert rb.get(first).state == "dead"
+
+
+def test_dlq_across_queues_newest_first(rb):
+    ids = []
+    for queue in ("a", "b", "a"):
+        ids.append(rb.enqueue(new(queue=queue)))
+        job = rb.claim([queue], 1, 30, "w")[0]
+        rb.dead(job.lease, "permanent", error_info("permanent"))
+    assert [j.id for j in rb.dlq_list()] == ids[::-1]
+    assert [j.id for j in rb.dlq_list(limit=2)] == ids[:0:-1]
+    assert rb.dlq_purge(ids) == 3 and rb.dlq_list() == []
+
+
+def test_prune_works_in_batches(rb, monkeypatch):
+    import supervisor.backends.redis as module
+
+    monkeypatch.setattr(module, "BATCH", 7)
+    rb.enqueue_many([new() for _ in range(20)])
+    for job in rb.claim(["default"], 20, 30, "w"):
+        rb.ack(job.lease)
+    assert rb.stats(["default"])["default"].done == 20
+    assert rb.prune(0) == 20
+    assert rb.stats(["default"])["default"].done == 0
