@@ -11,6 +11,10 @@ class Permanent(Exception):
     """The job can never succeed (bad data, business rule): dead-letter it now."""
 
 
+class BadPayload(Permanent):
+    """The payload does not fit the handler: dead-lettered with reason ``bad_payload``."""
+
+
 class Transient(Exception):
     """A temporary failure: retry with the usual backoff (the default anyway)."""
 

@@ -1,0 +1,42 @@
+"""Example handlers: one of each kind the supervisor must cope with.
+
+Loaded by path from the handlers folder; ``tangguh demo`` and the tests use them.
+"""
+import hashlib
+import os
+import time
+
+import supervisor
+
+
+@supervisor.job("hash_chain", timeout=60)
+def hash_chain(ctx, payload):
+    """CPU-bound: hash a seed ``rounds`` times (pure Python work, no I/O)."""
+    digest = str(payload.get("seed", "tangguh")).encode()
+    for _ in range(int(payload.get("rounds", 100_000))):
+        digest = hashlib.sha256(digest).digest()
+    return {"digest": digest.hex()}
+
+
+@supervisor.job("sleep", timeout=60)
+def sleep(ctx, payload):
+    """Waits ``seconds``; touches ``marker`` first, if given, so a test knows it started."""
+    if payload.get("marker"):
+        with open(payload["marker"], "a") as f:
+            f.write(f"{ctx.job.id} {os.getpid()} {ctx.job.attempt}\n")
+    time.sleep(float(payload.get("seconds", 1)))
+    return {"slept": payload.get("seconds", 1)}
+
+
+@supervisor.job("flaky", max_attempts=5)
+def flaky(ctx, payload):
+    """Fails its first ``failures`` attempts with a transient error, then succeeds."""
+    if ctx.job.attempt <= int(payload.get("failures", 2)):
+        raise supervisor.Transient(f"attempt {ctx.job.attempt} failed on purpose")
+    return {"succeeded_on_attempt": ctx.job.attempt}
+
+
+@supervisor.job("always_permanent")
+def always_permanent(ctx, payload):
+    """Never succeeds: dead-lettered after one attempt."""
+    raise supervisor.Permanent(payload.get("why", "this job can never succeed"))

@@ -1,0 +1,31 @@
+"""Tangguh: a pre-fork worker-queue supervisor daemon.
+
+Handler authors need only this module::
+
+    import supervisor
+
+    @supervisor.job("send_email", timeout=30)
+    def send_email(ctx, payload):
+        ...
+
+Producers use ``supervisor.Client``.
+"""
+from . import job as _model  # noqa: F401  (loaded first: see the note on ``job`` below)
+from .errors import BadInput, BrokerError, ConfigError, LeaseLost, TangguhError  # noqa: F401
+# ``supervisor.job`` is the decorator. The model module of the same name was
+# loaded above, so later ``import supervisor.job`` finds it in sys.modules and
+# leaves this attribute alone.
+from .registry import job  # noqa: F401,E402
+from .retry import BadPayload, JobTimeout, Permanent, RetryLater, Transient  # noqa: F401
+from .timeouts import critical  # noqa: F401
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The client pulls in the brokers; handlers that never enqueue need not pay for it.
+    if name == "Client":
+        from .client import Client
+
+        return Client
+    raise AttributeError(f"module 'supervisor' has no attribute {name!r}")

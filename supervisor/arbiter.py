@@ -1,0 +1,740 @@
+"""The master: claims jobs, feeds children, applies outcomes, keeps the pool whole.
+
+``Arbiter.run`` is the whole life of the master: wait on the selector (signals
+via a self-pipe, child pipes, the health socket, the broker's wake-up fd),
+then in order handle signals, reap children, act on lost leases, kill
+overdue children, write outcomes to the broker, bring the pool to size, and
+claim work for idle children. Nothing blocks except broker calls, and those
+are bounded by the broker's own timeouts.
+"""
+import collections
+import logging
+import os
+import random
+import selectors
+import signal
+import socket
+import sys
+import time
+
+import psutil
+import setproctitle
+
+from . import child, config, logs, protocol, registry
+from .backends import open_broker
+from .errors import BrokerError, ConfigError, LeaseLost, TangguhError
+from .health import AlreadyRunning, HealthServer
+from .heartbeat import Heartbeat
+from .job import error_info
+from .retry import next_delay
+
+log = logging.getLogger("tangguh.arbiter")
+
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_RUNNING, EXIT_BOOT = 0, 1, 2, 3, 4
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU,
+           signal.SIGCHLD)
+COUNTERS = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost")
+
+
+class Worker:
+    """The master's record of one child."""
+
+    def __init__(self, slot, pid, sock, generation):
+        self.slot, self.pid, self.sock, self.generation = slot, pid, sock, generation
+        self.reader = protocol.Reader()
+        self.state = "starting"  # starting, idle, busy, stopping
+        self.job = None
+        self.started = None  # monotonic start of the current job
+        self.deadline = None  # monotonic hard-timeout instant
+        self.term_at = None  # when SIGTERM was sent (hard timeout grace)
+        self.kill_reason = None  # "timeout", "lease_lost", "shutdown": why we killed it
+        self.jobs_done = 0
+        self.retiring = False
+
+    def view(self):
+        elapsed = None if self.started is None or self.job is None else round(time.monotonic() - self.started, 3)
+        try:
+            rss = psutil.Process(self.pid).memory_info().rss
+        except psutil.Error:
+            rss = None
+        return {"slot": self.slot, "pid": self.pid, "state": self.state,
+                "job_id": self.job.id if self.job else None, "job_type": self.job.type if self.job else None,
+                "attempt": self.job.attempt if self.job else None, "elapsed": elapsed, "rss_bytes": rss,
+                "jobs_done": self.jobs_done, "generation": self.generation}
+
+
+class Write:
+    """An outcome to store in the broker, retried with backoff while the broker is down."""
+
+    def __init__(self, job, op, args):
+        self.job, self.op, self.args = job, op, args
+        self.tries = 0
+        self.next_at = 0.0
+
+
+class Arbiter:
+    def __init__(self, cfg, handlers):
+        self.cfg = cfg
+        self.handlers = handlers
+        self.generation = 1
+        self.target = cfg.supervisor.workers
+        self.pid = os.getpid()
+        self.owner = f"{socket.gethostname()}:{self.pid}"
+        self.started_at = time.time()
+        self.workers = {}  # pid -> Worker
+        self.prefetched = collections.deque()
+        self.writes = collections.deque()
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.restarts = 0
+        self.reload_error = None
+        self.stopping = None  # None, "graceful", "fast"
+        self.stop_deadline = None
+        self.exit_code = EXIT_OK
+        self.boot_failures = 0
+        self.next_spawn_at = 0.0
+        self.next_claim_at = 0.0
+        self.empty_claims = 0
+        self.broker = None
+        self.broker_fd = None
+        self.broker_down_since = None
+        self.broker_retry = 0
+        self.next_prune_at = time.monotonic() + 60
+        self.selector = selectors.DefaultSelector()
+        self.signals = collections.deque()
+
+    # -- life -------------------------------------------------------------------
+    def run(self):
+        try:
+            self.start()
+        except AlreadyRunning as exc:
+            log.error("%s", exc)
+            return EXIT_RUNNING
+        log.info("supervisor started", extra={"event": "start", "pid": self.pid, "generation": self.generation})
+        while not self.finished():
+            self.sleep()
+            self.handle_signals()
+            self.reap_workers()
+            self.handle_lost_leases()
+            self.murder_workers()
+            self.flush_writes()
+            self.manage_workers()
+            self.claim_jobs()
+            self.housekeeping()
+        self.shutdown()
+        return self.exit_code
+
+    def start(self):
+        self.health = HealthServer(self.cfg.supervisor.socket, self.cfg.supervisor.socket_mode, self.selector,
+                                   self.answer)
+        self.sig_r, self.sig_w = os.pipe()
+        self.wake_r, self.wake_w = os.pipe()
+        for fd in (self.sig_r, self.sig_w, self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)
+        self.selector.register(self.sig_r, selectors.EVENT_READ, self._on_signal_bytes)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, self._on_wake)
+        for sig in SIGNALS:
+            signal.signal(sig, lambda *_: None)  # the byte on the self-pipe is all we need
+        signal.set_wakeup_fd(self.sig_w)
+        b = self.cfg.broker
+        self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, self.wake_w)
+        try:
+            self.call(lambda br: br)
+        except BrokerError:
+            if self.cfg.broker.url.startswith("sqlite:"):
+                self.health.close()
+                raise  # a local file we cannot open is a setup error, not an outage
+        self.set_title()
+        self.manage_workers()
+        self.heartbeat.start()
+
+    def finished(self):
+        return self.stopping is not None and not self.workers and not self.writes
+
+    def sleep(self):
+        for key, mask in self.selector.select(self.next_wakeup()):
+            key.data(mask)
+        self.health.expire_clients()
+
+    def next_wakeup(self):
+        now = time.monotonic()
+        instants = [now + 1.0]
+        if self.stopping is None and self.capacity() > 0:
+            instants.append(self.next_claim_at)
+        for w in self.workers.values():
+            if w.deadline is not None:
+                instants.append(w.term_at + self.cfg.supervisor.kill_grace if w.term_at else w.deadline)
+        instants.extend(w.next_at for w in self.writes)
+        if self.stop_deadline is not None:
+            instants.append(self.stop_deadline)
+        if self.stopping is None and self.missing_workers() > 0:
+            instants.append(self.next_spawn_at)
+        return max(0.0, min(instants) - now)
+
+    def shutdown(self):
+        self.heartbeat.close()
+        self.health.close()
+        if self.broker is not None:
+            self.broker.close()
+        signal.set_wakeup_fd(-1)
+        log.info("supervisor stopped", extra={"event": "stop", "pid": self.pid, "exit_code": self.exit_code})
+
+    # -- signals ------------------------------------------------------------------
+    def _on_signal_bytes(self, _mask):
+        try:
+            data = os.read(self.sig_r, 4096)
+        except BlockingIOError:
+            return
+        self.signals.extend(data)
+
+    def _on_wake(self, _mask):
+        try:
+            os.read(self.wake_r, 4096)
+        except BlockingIOError:
+            pass
+
+    def handle_signals(self):
+        while self.signals:
+            sig = self.signals.popleft()
+            handler = {
+                signal.SIGTERM: self.handle_term, signal.SIGINT: self.handle_term,
+                signal.SIGQUIT: self.handle_quit, signal.SIGHUP: self.reload,
+                signal.SIGTTIN: self.handle_ttin, signal.SIGTTOU: self.handle_ttou,
+            }.get(sig)
+            if handler is not None:
+                handler()
+
+    def handle_term(self):
+        if self.stopping is None:
+            self.stop_gracefully()
+        else:
+            self.stop_fast()  # a second TERM/INT: the operator means it
+
+    def handle_quit(self):
+        self.stop_fast()
+
+    def handle_ttin(self):
+        self.target += 1
+        log.info("worker count raised to %d", self.target, extra={"event": "ttin"})
+
+    def handle_ttou(self):
+        if self.target > 1:
+            self.target -= 1
+        log.info("worker count lowered to %d", self.target, extra={"event": "ttou"})
+
+    def stop_gracefully(self):
+        log.info("graceful stop: finishing running jobs", extra={"event": "stopping"})
+        self.stopping = "graceful"
+        self.stop_deadline = time.monotonic() + self.cfg.supervisor.graceful_timeout
+        self.release_prefetched()
+        for w in self.workers.values():
+            self.retire(w)
+
+    def stop_fast(self):
+        log.info("fast stop: killing children", extra={"event": "stopping"})
+        self.stopping = "fast"
+        self.stop_deadline = None
+        self.release_prefetched()
+        for w in self.workers.values():
+            self.kill_worker(w, "shutdown")
+
+    def release_prefetched(self):
+        while self.prefetched:
+            job = self.prefetched.popleft()
+            self.writes.append(Write(job, "release", ()))
+
+    # -- reload ---------------------------------------------------------------------
+    def reload(self):
+        if self.stopping:
+            return
+        try:
+            cfg = config.load(self.cfg.path)
+            if cfg.broker.url != self.cfg.broker.url:
+                raise ConfigError("broker.url: changing the broker needs a restart, not a reload")
+            handlers = registry.load_handlers(cfg.supervisor.handlers, self.generation + 1)
+        except TangguhError as exc:
+            self.reload_error = str(exc)
+            log.error("reload failed, keeping generation %d: %s", self.generation, exc,
+                      extra={"event": "reload_failed", "generation": self.generation})
+            return
+        self.cfg, self.handlers = cfg, handlers
+        self.generation += 1
+        self.target = cfg.supervisor.workers
+        self.reload_error = None
+        self.heartbeat.lease_seconds = cfg.broker.lease_seconds
+        self.heartbeat.interval = cfg.broker.heartbeat_seconds
+        logging.getLogger().setLevel(cfg.log.level.upper())
+        for w in self.workers.values():
+            if w.generation < self.generation:
+                self.retire(w)
+        self.set_title()
+        log.info("reloaded: generation %d with %d handler types", self.generation, len(handlers),
+                 extra={"event": "reload", "generation": self.generation})
+
+    # -- children ------------------------------------------------------------------
+    def missing_workers(self):
+        live = [w for w in self.workers.values() if w.generation == self.generation and not w.retiring]
+        return self.target - len(live)
+
+    def manage_workers(self):
+        if self.stopping is not None:
+            return
+        missing = self.missing_workers()
+        if missing > 0 and time.monotonic() >= self.next_spawn_at:
+            self.spawn_workers(missing)
+        elif missing < 0:
+            live = [w for w in self.workers.values() if w.generation == self.generation and not w.retiring]
+            order = {"starting": 0, "idle": 1, "busy": 2}
+            for w in sorted(live, key=lambda w: (order.get(w.state, 3), -w.slot))[:-missing]:
+                self.retire(w)
+
+    def spawn_workers(self, n):
+        # Fork only while no other thread runs (DESIGN.md, process-model rules).
+        running = self.heartbeat.thread is not None
+        self.heartbeat.stop()
+        try:
+            for _ in range(n):
+                self.spawn_worker()
+        finally:
+            if running:
+                self.heartbeat.start()
+
+    def spawn_worker(self):
+        used = {w.slot for w in self.workers.values()}
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        parent_sock, child_sock = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            parent_sock.close()
+            self.close_in_child()
+            child.main(child_sock, slot, self.handlers, self.pid)  # never returns
+        child_sock.close()
+        parent_sock.settimeout(5.0)
+        worker = Worker(slot, pid, parent_sock, self.generation)
+        self.workers[pid] = worker
+        self.selector.register(parent_sock, selectors.EVENT_READ, lambda mask, w=worker: self._on_child(w))
+        log.debug("spawned worker %d", slot, extra={"event": "spawn", "slot": slot, "pid": pid})
+
+    def close_in_child(self):
+        """Close the master's descriptors in a fresh child (they belong to the master)."""
+        self.health.close_in_child()
+        for w in self.workers.values():
+            w.sock.close()
+        for fd in (self.sig_r, self.sig_w, self.wake_r, self.wake_w):
+            os.close(fd)
+        self.selector.close()
+
+    def retire(self, w):
+        """Ask a child to exit after its current job (at once when idle)."""
+        w.retiring = True
+        if w.state != "busy":
+            self.send_stop(w)
+
+    def send_stop(self, w):
+        w.state = "stopping"
+        try:
+            protocol.send(w.sock, {"op": "stop"})
+        except OSError:
+            pass  # already gone: reaping will account for it
+
+    def kill_worker(self, w, reason, sig=signal.SIGKILL):
+        if w.kill_reason is None or reason == "lease_lost":
+            w.kill_reason = reason
+        try:
+            os.kill(w.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _on_child(self, w):
+        try:
+            data = w.sock.recv(65536)
+        except (BlockingIOError, InterruptedError, socket.timeout):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.selector.unregister(w.sock)  # EOF: the child is gone; reaping does the rest
+            return
+        for msg in w.reader.feed(data):
+            if msg["op"] == "ready":
+                w.state = "idle" if w.state == "starting" else w.state
+                self.boot_failures = 0
+            elif msg["op"] == "result":
+                self.on_result(w, msg)
+
+    def reap_workers(self):
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            w = self.workers.pop(pid, None)
+            if w is None:
+                continue  # not ours (a handler's own subprocess): reaped so it leaves no zombie
+            try:
+                self.selector.unregister(w.sock)
+            except (KeyError, ValueError):
+                pass
+            w.sock.close()
+            self.on_exit(w, status)
+
+    def on_exit(self, w, status):
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        how = f"signal {signal.Signals(sig).name}" if sig else f"exit code {code}"
+        fields = {"slot": w.slot, "pid": w.pid, "signal": sig, "exit_code": code}
+        if self.stopping is None and not w.retiring:
+            self.restarts += 1
+        if w.job is not None:
+            job, w.job = w.job, None
+            if w.kill_reason == "lease_lost":
+                self.heartbeat.drop(job.id)
+            elif w.kill_reason == "shutdown":
+                self.writes.append(Write(job, "release", ()))
+            elif w.kill_reason == "timeout":
+                log.warning("worker %d killed: job over its hard timeout", w.slot,
+                            extra=logs.job_fields(job, event="timeout_kill", **fields))
+                self.fail(job, w, "timeout", "HardTimeout", f"job exceeded its timeout; child killed ({how})")
+            else:
+                log.error("worker %d died mid-job (%s)", w.slot, how,
+                          extra=logs.job_fields(job, event="crash", **fields))
+                self.counters["crashed"] += 1
+                self.fail(job, w, "crashed", "WorkerCrashed", f"child died mid-job ({how})")
+        elif w.state == "starting" and w.kill_reason is None and self.stopping is None:
+            self.boot_failures += 1
+            delay = min(30.0, 0.1 * 2 ** self.boot_failures)
+            self.next_spawn_at = time.monotonic() + delay
+            log.error("worker %d died at start (%s); failure %d of %d, next try in %.1fs", w.slot, how,
+                      self.boot_failures, self.cfg.supervisor.max_boot_failures, delay,
+                      extra=dict(fields, event="boot_failure"))
+            if self.boot_failures >= self.cfg.supervisor.max_boot_failures:
+                log.critical("children keep dying at start: giving up", extra={"event": "boot_failed"})
+                self.exit_code = EXIT_BOOT
+                self.stop_fast()
+        else:
+            log.debug("worker %d exited (%s)", w.slot, how, extra=dict(fields, event="exit"))
+
+    # -- jobs --------------------------------------------------------------------------
+    def capacity(self):
+        idle = sum(1 for w in self.workers.values()
+                   if w.state == "idle" and not w.retiring and w.generation == self.generation)
+        return idle + self.cfg.broker.prefetch - len(self.prefetched)
+
+    def claim_jobs(self):
+        if self.stopping is not None:
+            return
+        self.dispatch()
+        now = time.monotonic()
+        want = self.capacity()
+        if want <= 0 or now < self.next_claim_at:
+            return
+        b = self.cfg.broker
+        try:
+            jobs = self.call(lambda br: br.claim(b.queues, want, b.lease_seconds, self.owner))
+        except BrokerError:
+            return
+        for job in jobs:
+            self.heartbeat.hold(job.lease)
+            if job.type not in self.handlers:
+                self.fail(job, None, "unknown_type", "UnknownType", f"no handler for job type {job.type!r}")
+            else:
+                self.prefetched.append(job)
+        self.dispatch()
+        if jobs:
+            self.empty_claims = 0
+            self.next_claim_at = now
+        else:
+            # Back off while the queue is empty; the jitter keeps many supervisors
+            # from polling a shared broker in lockstep.
+            self.empty_claims += 1
+            delay = min(self.cfg.supervisor.poll_interval, 0.005 * 2 ** self.empty_claims)
+            self.next_claim_at = now + delay * random.uniform(0.75, 1.25)
+
+    def dispatch(self):
+        for w in self.workers.values():
+            if not self.prefetched:
+                return
+            if w.state == "idle" and not w.retiring and w.generation == self.generation:
+                self.assign(w, self.prefetched.popleft())
+
+    def settings_for(self, job):
+        """(hard timeout, soft timeout or None, max attempts) for ``job``."""
+        spec = self.handlers.get(job.type)
+        override = self.cfg.job_type(job.type)
+        first = lambda *values: next((v for v in values if v is not None), None)  # noqa: E731
+        timeout = first(job.timeout, override.timeout, spec and spec.timeout, self.cfg.jobs.timeout)
+        soft = first(override.soft_timeout, spec and spec.soft_timeout, self.cfg.jobs.soft_timeout)
+        attempts = first(override.max_attempts, spec and spec.max_attempts, job.max_attempts)
+        return timeout, (soft or None), attempts
+
+    def assign(self, w, job):
+        timeout, soft, attempts = self.settings_for(job)
+        w.job, w.state, w.started = job, "busy", time.monotonic()
+        w.deadline, w.term_at = w.started + timeout, None
+        message = {"op": "run", "soft_timeout": soft, "job": {
+            "id": job.id, "type": job.type, "queue": job.queue, "payload": job.payload, "attempt": job.attempt,
+            "max_attempts": attempts, "resource_id": job.resource_id, "idempotency_key": job.idempotency_key,
+            "trace_id": job.trace_id, "token": job.token}}
+        log.debug("job started on worker %d", w.slot, extra=logs.job_fields(job, event="start", slot=w.slot,
+                                                                               pid=w.pid))
+        try:
+            protocol.send(w.sock, message)
+        except OSError:
+            pass  # the child just died: reaping records the crash and re-queues the job
+
+    def on_result(self, w, msg):
+        job = w.job
+        if job is None or msg.get("job_id") != job.id:
+            return
+        w.job, w.started, w.deadline = None, None, None
+        w.jobs_done += 1
+        if w.kill_reason == "lease_lost":
+            self.heartbeat.drop(job.id)  # the lease is someone else's now: drop the outcome
+        elif msg.get("ok"):
+            self.counters["succeeded"] += 1
+            info = self.attempt_info(w, msg)
+            self.writes.append(Write(job, "ack", (msg.get("result"), info)))
+            log.info("job done in %.3fs", msg.get("duration", 0), extra=logs.job_fields(job, event="done"))
+        else:
+            kind = "timeout" if w.term_at is not None else msg.get("kind", "exception")
+            self.fail(job, w, kind, msg.get("error_class", ""), msg.get("message", ""), msg.get("traceback", ""),
+                      msg.get("delay"), msg)
+        if w.term_at is not None or w.kill_reason is not None:
+            w.state = "stopping"
+            self.kill_worker(w, w.kill_reason or "timeout")  # a child we were killing: finish it off
+        elif w.retiring or self.should_recycle(w):
+            self.retire(w)
+        else:
+            w.state = "idle"
+
+    def should_recycle(self, w):
+        s = self.cfg.supervisor
+        if s.max_jobs_per_child and w.jobs_done >= s.max_jobs_per_child:
+            return True
+        if s.max_child_rss_mb:
+            try:
+                return psutil.Process(w.pid).memory_info().rss > s.max_child_rss_mb * 1024 * 1024
+            except psutil.Error:
+                return False
+        return False
+
+    def attempt_info(self, w, msg=None):
+        info = {"host": socket.gethostname()}
+        if w is not None:
+            info.update(pid=w.pid, slot=w.slot)
+        if msg and "duration" in msg:
+            info["duration"] = round(msg["duration"], 6)
+        return info
+
+    def fail(self, job, w, kind, exc_class, message, traceback="", delay=None, msg=None):
+        """Record a failed attempt: retry with backoff, or dead-letter."""
+        self.counters["failed"] += 1
+        if kind == "timeout":
+            self.counters["timeouts"] += 1
+        _, _, attempts = self.settings_for(job)
+        reason = "exception" if kind == "retry_later" else kind
+        error = error_info(reason, exc_class, message, traceback)
+        info = self.attempt_info(w, msg)
+        fields = logs.job_fields(job, reason=reason, error=f"{exc_class}: {message}")
+        if kind in ("permanent", "bad_payload", "unknown_type") or job.attempt >= attempts:
+            self.counters["dead"] += 1
+            self.writes.append(Write(job, "dead", (reason, error, info)))
+            log.warning("job dead-lettered (%s)", reason, extra=dict(fields, event="dead"))
+            return
+        if delay is None:
+            j = self.cfg.jobs
+            delay = next_delay(job.attempt, j.backoff_base, j.backoff_cap, j.jitter)
+        self.counters["retried"] += 1
+        self.writes.append(Write(job, "retry", (None, error, info, delay)))
+        log.info("job failed (%s), retry in %.2fs", reason, delay, extra=dict(fields, event="retry", delay=delay))
+
+    def murder_workers(self):
+        now = time.monotonic()
+        grace = self.cfg.supervisor.kill_grace
+        for w in list(self.workers.values()):
+            if w.job is None or w.deadline is None or now < w.deadline:
+                continue
+            if w.term_at is None:
+                w.term_at = now
+                self.kill_worker(w, "timeout", signal.SIGTERM)
+            elif now >= w.term_at + grace:
+                self.kill_worker(w, "timeout", signal.SIGKILL)
+        if self.stopping == "graceful" and self.stop_deadline is not None and now >= self.stop_deadline:
+            log.warning("graceful timeout passed: killing the remaining children", extra={"event": "stopping"})
+            self.stop_deadline = None
+            for w in self.workers.values():
+                self.kill_worker(w, "shutdown")
+
+    def handle_lost_leases(self):
+        while self.heartbeat.lost:
+            lease = self.heartbeat.lost.popleft()
+            self.counters["lease_lost"] += 1
+            for job in list(self.prefetched):
+                if job.lease == lease:
+                    self.prefetched.remove(job)
+                    log.warning("lease lost on a prefetched job", extra=logs.job_fields(job, event="lease_lost"))
+            for w in self.workers.values():
+                if w.job is not None and w.job.lease == lease:
+                    log.warning("lease lost: killing worker %d", w.slot,
+                                extra=logs.job_fields(w.job, event="lease_lost", slot=w.slot, pid=w.pid))
+                    self.kill_worker(w, "lease_lost")
+
+    # -- broker ----------------------------------------------------------------------
+    def connect_broker(self):
+        if self.broker is None:
+            broker = open_broker(self.cfg.broker.url)
+            if self.cfg.broker.migrate:
+                broker.migrate()
+            self.broker_fd = broker.wakeup_fd()
+            if self.broker_fd is not None:
+                self.selector.register(self.broker_fd, selectors.EVENT_READ, self._on_broker_wakeup)
+            self.broker = broker
+        return self.broker
+
+    def _on_broker_wakeup(self, _mask):
+        try:
+            self.broker.drain_wakeups()
+        except Exception:  # noqa: BLE001 - a broken listener shows up on the next call
+            pass
+        self.next_claim_at = time.monotonic()
+        self.empty_claims = 0
+
+    def call(self, fn):
+        """Run ``fn(broker)``; on failure mark the broker down and reconnect later.
+
+        Logs once when the broker goes away and once when it is back, not once
+        per try.
+        """
+        now = time.monotonic()
+        try:
+            result = fn(self.connect_broker())
+        except LeaseLost:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every driver error means the same: try later
+            self.drop_broker()
+            if self.broker_down_since is None:
+                self.broker_down_since = now
+                log.error("broker unreachable, pausing claims: %s: %s", type(exc).__name__, exc,
+                          extra={"event": "broker_down"})
+            self.broker_retry += 1
+            self.next_claim_at = now + min(10.0, 0.2 * 2 ** self.broker_retry) * random.uniform(0.5, 1.0)
+            raise BrokerError(str(exc)) from None
+        if self.broker_down_since is not None:
+            log.info("broker reachable again after %.1fs", now - self.broker_down_since,
+                     extra={"event": "broker_up"})
+            self.broker_down_since = None
+        self.broker_retry = 0
+        return result
+
+    def drop_broker(self):
+        if self.broker_fd is not None:
+            try:
+                self.selector.unregister(self.broker_fd)
+            except (KeyError, ValueError):
+                pass
+            self.broker_fd = None
+        if self.broker is not None:
+            try:
+                self.broker.close()
+            except Exception:  # noqa: BLE001 - it is being thrown away anyway
+                pass
+            self.broker = None
+
+    def flush_writes(self):
+        now = time.monotonic()
+        for _ in range(len(self.writes)):
+            write = self.writes.popleft()
+            if write.next_at > now:
+                self.writes.append(write)
+                continue
+            try:
+                self.call(lambda br: self.apply(br, write))
+            except LeaseLost:
+                self.counters["lease_lost"] += 1
+                log.warning("lease lost before the outcome was stored; the job will run again",
+                            extra=logs.job_fields(write.job, event="lease_lost"))
+            except BrokerError:
+                write.tries += 1
+                write.next_at = now + min(10.0, 0.1 * 2 ** write.tries) * random.uniform(0.5, 1.0)
+                self.writes.append(write)
+                continue
+            self.heartbeat.drop(write.job.id)
+
+    def apply(self, broker, write):
+        lease = write.job.lease
+        if write.op == "ack":
+            result, info = write.args
+            broker.ack(lease, result, info)
+        elif write.op == "retry":
+            _, error, info, delay = write.args
+            broker.retry(lease, broker.now() + delay, error, info)
+        elif write.op == "dead":
+            reason, error, info = write.args
+            broker.dead(lease, reason, error, info)
+        elif write.op == "release":
+            broker.release(lease)
+
+    def housekeeping(self):
+        now = time.monotonic()
+        if now >= self.next_prune_at and self.cfg.broker.retention > 0 and self.broker_down_since is None:
+            self.next_prune_at = now + 300 * random.uniform(0.9, 1.1)
+            try:
+                self.call(lambda br: br.prune(self.cfg.broker.retention))
+            except BrokerError:
+                pass
+
+    # -- status ----------------------------------------------------------------------------
+    def set_title(self):
+        setproctitle.setproctitle(f"tangguh: master [{self.cfg.path or 'defaults'}] gen {self.generation}")
+
+    def answer(self, req):
+        cmd = req["cmd"]
+        if cmd == "ping":
+            return {"ok": True, "pong": True, "pid": self.pid}
+        if cmd == "status":
+            return self.status()
+        return {"ok": False, "error": f"unknown command {cmd!r} (try ping, status)"}
+
+    def status(self):
+        return {
+            "ok": True, "pid": self.pid, "started_at": self.started_at, "generation": self.generation,
+            "config": self.cfg.path, "broker": _redact(self.cfg.broker.url), "reload_error": self.reload_error,
+            "stopping": self.stopping, "broker_down": self.broker_down_since is not None,
+            "target_workers": self.target, "prefetched": len(self.prefetched), "pending_writes": len(self.writes),
+            "workers": [w.view() for w in sorted(self.workers.values(), key=lambda w: w.slot)],
+            "restarts": self.restarts, "counters": dict(self.counters),
+            "handlers": sorted(self.handlers),
+        }
+
+
+def _redact(url):
+    """Hide a password in a broker URL shown to operators."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+def run(config_path=None):
+    """``tangguh run``: load everything, then supervise until stopped. Returns the exit code."""
+    try:
+        cfg = config.load(config_path)
+    except ConfigError as exc:
+        print(f"tangguh: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    logs.setup(cfg.log.level, cfg.log.format)
+    try:
+        handlers = registry.load_handlers(cfg.supervisor.handlers, generation=1)
+    except ConfigError as exc:
+        print(f"tangguh: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    arbiter = Arbiter(cfg, handlers)
+    try:
+        return arbiter.run()
+    except BrokerError as exc:
+        print(f"tangguh: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR

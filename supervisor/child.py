@@ -1,0 +1,130 @@
+"""A child worker: one job at a time from its pipe, the handler, the reply.
+
+The child never talks to the broker: the master claims, renews and acks. A
+child only runs handlers and says how they ended, so killing one at any
+instant loses nothing the master cannot account for.
+"""
+import asyncio
+import ctypes
+import os
+import select
+import signal
+import time
+import traceback
+
+import setproctitle
+
+from . import protocol, timeouts
+from .context import Context
+from .job import check_json
+from .retry import BadPayload, JobTimeout, Permanent, RetryLater
+
+PR_SET_PDEATHSIG = 1
+
+
+def title(slot, text):
+    setproctitle.setproctitle(f"tangguh: worker {slot} {text}")
+
+
+def set_parent_death_signal(master_pid):
+    """Die with the master: the kernel sends SIGKILL when the parent exits.
+
+    The ``getppid`` check closes the race where the master died between
+    ``fork`` and ``prctl``.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: pipe EOF and the getppid poll below still catch it
+    if os.getppid() != master_pid:
+        os._exit(0)
+
+
+def reset_signals():
+    """Undo the master's handlers; Ctrl-C on the terminal is for the master only."""
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGHUP, signal.SIGQUIT, signal.SIGTTIN, signal.SIGTTOU, signal.SIGCHLD, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    timeouts.install()
+
+
+def main(sock, slot, handlers, master_pid):
+    """Run in the forked child; never returns (``os._exit``).
+
+    Exiting through ``os._exit`` also means no finalizer runs on objects
+    inherited from the master: closing an inherited PostgreSQL connection
+    would end the master's own session.
+    """
+    code = 0
+    try:
+        set_parent_death_signal(master_pid)
+        reset_signals()
+        for name in ("NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC"):
+            os.environ.pop(name, None)
+        title(slot, "idle")
+        protocol.send(sock, {"op": "ready", "pid": os.getpid()})
+        serve(sock, slot, handlers, master_pid)
+    except BaseException:  # noqa: BLE001 - a child must never unwind into the master's code
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def serve(sock, slot, handlers, master_pid):
+    while True:
+        ready, _, _ = select.select([sock], [], [], 1.0)
+        if os.getppid() != master_pid:
+            return  # orphaned: nobody renews our lease any more
+        if not ready:
+            continue
+        msg = protocol.recv(sock)
+        if msg is None or msg.get("op") == "stop":
+            return
+        if msg.get("op") == "run":
+            job = msg["job"]
+            title(slot, f"{job['type']} {job['id']} since {time.strftime('%H:%M:%S')}")
+            reply = run_job(job, handlers, msg.get("soft_timeout"))
+            protocol.send(sock, reply)
+            title(slot, "idle")
+
+
+def run_job(job, handlers, soft_timeout=None):
+    """Run one job; return the reply for the master (never raises)."""
+    started = time.monotonic()
+    reply = {"op": "result", "job_id": job["id"], "token": job["token"]}
+    spec = handlers.get(job["type"])
+    if spec is None:
+        return dict(reply, ok=False, kind="unknown_type", error_class="UnknownType",
+                    message=f"no handler for job type {job['type']!r}", traceback="", duration=0.0)
+    deadline = time.time() + soft_timeout if soft_timeout else None
+    ctx = Context(job, deadline)
+    timeouts.arm(soft_timeout)
+    try:
+        if spec.is_async:
+            result = asyncio.run(spec.fn(ctx, job["payload"]))
+        else:
+            result = spec.fn(ctx, job["payload"])
+        timeouts.disarm()
+        check_json(result, "handler result")
+        return dict(reply, ok=True, result=result, duration=time.monotonic() - started)
+    except BaseException as exc:  # noqa: BLE001 - every way a handler can end is an outcome
+        timeouts.disarm()
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) and not isinstance(exc, JobTimeout):
+            kind = "exception"
+        elif isinstance(exc, JobTimeout):
+            kind = "timeout"
+        elif isinstance(exc, BadPayload):
+            kind = "bad_payload"
+        elif isinstance(exc, Permanent):
+            kind = "permanent"
+        elif isinstance(exc, RetryLater):
+            kind = "retry_later"
+            reply["delay"] = exc.delay
+        else:
+            kind = "exception"
+        ctx.log.warning("job failed: %s: %s", type(exc).__name__, exc)
+        return dict(reply, ok=False, kind=kind, error_class=type(exc).__name__, message=str(exc),
+                    traceback=traceback.format_exc(), duration=time.monotonic() - started)

@@ -1,0 +1,204 @@
+"""The health socket: one JSON line in, one JSON line out, served by the main loop.
+
+No thread: the listening socket and every client live in the master's
+selector. A client gets ``client_timeout`` seconds to send its line; garbage,
+an unknown command or an oversize line gets an error reply, and no client can
+block the loop (all client I/O is non-blocking).
+"""
+import errno
+import json
+import os
+import selectors
+import socket
+import time
+
+from .errors import TangguhError
+
+MAX_LINE = 64 * 1024
+
+
+class AlreadyRunning(TangguhError):
+    """Another live supervisor answers on the socket."""
+
+
+class NoSupervisor(TangguhError):
+    """Nobody answers on the socket."""
+
+
+def request(path, obj, timeout=5.0):
+    """Send one request to a supervisor; return its reply (a dict)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        try:
+            s.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise NoSupervisor(f"no supervisor answering on {path} ({exc.strerror})") from None
+        s.sendall(json.dumps(obj).encode() + b"\n")
+        data = bytearray()
+        while not data.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except socket.timeout:
+        raise NoSupervisor(f"supervisor on {path} did not answer within {timeout}s") from None
+    finally:
+        s.close()
+    if not data:
+        raise NoSupervisor(f"supervisor on {path} closed the connection without a reply")
+    return json.loads(data)
+
+
+def claim_path(path, mode):
+    """Bind the socket at ``path``, refusing if a live supervisor owns it.
+
+    A socket file that accepts a connection belongs to a running supervisor;
+    one that refuses is left over from a crash and is removed.
+    """
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOTSOCK):
+                raise
+            os.unlink(path)
+        else:
+            raise AlreadyRunning(f"another supervisor is running on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # The umask makes the file come into existence with the right mode: a
+    # chmod after bind would leave a moment where it is wider.
+    old = os.umask(0o777 & ~mode)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock
+
+
+class _Client:
+    def __init__(self, sock):
+        self.sock = sock
+        self.inbox = bytearray()
+        self.outbox = b""
+        self.deadline = time.monotonic()
+
+
+class HealthServer:
+    """Registers itself in ``selector``; ``dispatch(request) -> reply`` answers."""
+
+    def __init__(self, path, mode, selector, dispatch, client_timeout=5.0):
+        self.path = path
+        self.selector = selector
+        self.dispatch = dispatch
+        self.client_timeout = client_timeout
+        self.listener = claim_path(path, mode)
+        self.clients = {}
+        selector.register(self.listener, selectors.EVENT_READ, self._accept)
+
+    def fileno_owned(self):
+        return [self.listener.fileno()] + [c.sock.fileno() for c in self.clients.values()]
+
+    def _accept(self, _mask):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            conn.setblocking(False)
+            client = _Client(conn)
+            client.deadline = time.monotonic() + self.client_timeout
+            self.clients[conn.fileno()] = client
+            self.selector.register(conn, selectors.EVENT_READ, lambda mask, c=client: self._io(c, mask))
+
+    def _io(self, client, mask):
+        if mask & selectors.EVENT_READ and not client.outbox:
+            try:
+                data = client.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return self._drop(client)
+            if not data:
+                return self._drop(client)
+            client.inbox += data
+            if b"\n" in client.inbox:
+                line = bytes(client.inbox.split(b"\n", 1)[0])
+                self._reply(client, self._answer(line))
+            elif len(client.inbox) > MAX_LINE:
+                self._reply(client, {"ok": False, "error": f"request line over {MAX_LINE} bytes"})
+        if mask & selectors.EVENT_WRITE:
+            self._flush(client)
+
+    def _answer(self, line):
+        try:
+            req = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            return {"ok": False, "error": "request is not a JSON line"}
+        if not isinstance(req, dict) or not isinstance(req.get("cmd"), str):
+            return {"ok": False, "error": 'request must be a JSON object with a "cmd" string'}
+        try:
+            return self.dispatch(req)
+        except Exception as exc:  # noqa: BLE001 - a bad request must never take the daemon down
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+    def _reply(self, client, reply):
+        client.outbox = json.dumps(reply, default=str).encode() + b"\n"
+        self.selector.modify(client.sock, selectors.EVENT_WRITE, lambda mask, c=client: self._io(c, mask))
+        self._flush(client)
+
+    def _flush(self, client):
+        try:
+            sent = client.sock.send(client.outbox)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return self._drop(client)
+        client.outbox = client.outbox[sent:]
+        if not client.outbox:
+            self._drop(client)
+
+    def _drop(self, client):
+        if self.clients.pop(client.sock.fileno(), None) is not None:
+            self.selector.unregister(client.sock)
+        client.sock.close()
+
+    def expire_clients(self):
+        """Answer clients that sent no full line in time, and drop them."""
+        now = time.monotonic()
+        for client in list(self.clients.values()):
+            if now > client.deadline:
+                if client.outbox:
+                    self._drop(client)
+                else:
+                    self._reply(client, {"ok": False, "error": "timed out waiting for a request line"})
+                    if client.sock.fileno() in self.clients:
+                        client.deadline = now + 1.0
+
+    def close(self, unlink=True):
+        for client in list(self.clients.values()):
+            self._drop(client)
+        try:
+            self.selector.unregister(self.listener)
+        except (KeyError, ValueError):
+            pass
+        self.listener.close()
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close_in_child(self):
+        """In a forked child: close our copies of the descriptors, keep the file."""
+        for client in self.clients.values():
+            client.sock.close()
+        self.listener.close()

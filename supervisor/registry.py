@@ -1,0 +1,97 @@
+"""Handler discovery: the ``job`` decorator and loading handler files by path.
+
+Each reload imports every ``*.py`` in the handlers folder afresh, as a new
+module object named for its generation, so an edited file really changes
+(``importlib.reload`` would keep stale globals, and a plain import would hit
+``sys.modules``). Code outside the handlers folder changes only on restart.
+"""
+import dataclasses
+import importlib.util
+import inspect
+import os
+import sys
+import traceback
+
+from .errors import ConfigError
+
+_MARK = "__tangguh_job__"
+
+
+@dataclasses.dataclass(frozen=True)
+class HandlerSpec:
+    type: str
+    fn: object
+    timeout: float | None = None
+    soft_timeout: float | None = None
+    max_attempts: int | None = None
+    queue: str | None = None
+    is_async: bool = False
+    source: str = ""
+
+
+def job(type_name, *, timeout=None, soft_timeout=None, max_attempts=None, queue=None):
+    """Mark ``fn(ctx, payload)`` as the handler of jobs of ``type_name``.
+
+    The keyword values are defaults; ``[jobs.types.<type_name>]`` in the
+    config overrides them.
+    """
+    if not isinstance(type_name, str) or not type_name.strip():
+        raise ValueError("job type must be a non-empty string")
+
+    def mark(fn):
+        setattr(fn, _MARK, dict(type=type_name, timeout=timeout, soft_timeout=soft_timeout,
+                                max_attempts=max_attempts, queue=queue))
+        return fn
+
+    return mark
+
+
+class HandlerLoadError(ConfigError):
+    """A handler file failed to import, or two handlers claim one type."""
+
+
+def load_handlers(folder, generation=0):
+    """Import every ``*.py`` in ``folder``; return ``{type: HandlerSpec}``."""
+    if not os.path.isdir(folder):
+        raise HandlerLoadError(f"supervisor.handlers: {folder} is not a folder")
+    handlers = {}
+    for filename in sorted(os.listdir(folder)):
+        if not filename.endswith(".py") or filename.startswith((".", "_")):
+            continue
+        path = os.path.join(folder, filename)
+        module = _import_path(path, f"tangguh_handlers.g{generation}.{filename[:-3]}")
+        seen = set()
+        for value in vars(module).values():
+            meta = getattr(value, _MARK, None)
+            if meta is None or id(value) in seen or not callable(value):
+                continue
+            seen.add(id(value))
+            spec = HandlerSpec(fn=value, is_async=inspect.iscoroutinefunction(value), source=path, **meta)
+            other = handlers.get(spec.type)
+            if other is not None and other.fn is not value:
+                raise HandlerLoadError(f"job type {spec.type!r} has two handlers: {other.source} and {path}")
+            handlers[spec.type] = spec
+    return handlers
+
+
+def _import_path(path, module_name):
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses, pickle and friends look modules up here
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as exc:  # noqa: BLE001 - any failure of a handler file is a load error
+        sys.modules.pop(module_name, None)
+        raise HandlerLoadError(_describe(path, exc)) from None
+    return module
+
+
+def _describe(path, exc):
+    """``handlers/x.py:12: SyntaxError: invalid syntax`` - file and line of the failure."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}"
+    line = "?"
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if os.path.abspath(frame.filename) == os.path.abspath(path):
+            line = frame.lineno
+    return f"{path}:{line}: {type(exc).__name__}: {exc}"
