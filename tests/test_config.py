@@ -1,0 +1,288 @@
+"""Config files: defaults, errors that name the key path, path resolution, and the
+``tangguh config check|show|init`` commands."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+
+import pytest
+
+from supervisor import cli, config
+from supervisor.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "config.example.toml")
+PACKAGED_EXAMPLE = os.path.join(ROOT, "supervisor", "data", "config.example.toml")
+
+
+def write(tmp_path, body, name="tangguh.toml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def load_text(tmp_path, body):
+    return config.load(write(tmp_path, body))
+
+
+def tangguh(capsys, *args):
+    code = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- defaults -----------------------------------------------------------------
+
+def test_an_empty_file_is_all_defaults(tmp_path):
+    cfg = load_text(tmp_path, "")
+    assert cfg.path == str(tmp_path / "tangguh.toml")
+    assert cfg.supervisor.workers == 2 and cfg.supervisor.socket_mode == 0o660
+    assert cfg.broker.queues == ["default"] and cfg.broker.lease_seconds == 30.0 and cfg.broker.migrate is True
+    assert cfg.jobs.max_attempts == 5 and cfg.jobs.types == {} and cfg.log.level == "info"
+    assert cfg.metrics.listen == ""
+    assert cfg.broker.url == f"sqlite:///{tmp_path}/tangguh.db"
+    assert cfg.supervisor.handlers == str(tmp_path / "handlers")
+    assert cfg.supervisor.socket == str(tmp_path / "tangguh.sock")
+
+
+def test_no_config_file_anywhere_means_defaults_relative_to_the_working_folder(tmp_path, monkeypatch):
+    if os.path.exists("/etc/tangguh/config.toml"):
+        pytest.skip("/etc/tangguh/config.toml exists on this machine")
+    monkeypatch.chdir(tmp_path)
+    assert config.find_config() is None
+    cfg = config.load()
+    assert cfg.path is None and cfg.supervisor.socket == str(tmp_path / "tangguh.sock")
+
+
+def test_tangguh_toml_in_the_working_folder_is_found(tmp_path, monkeypatch):
+    write(tmp_path, "[supervisor]\nworkers = 7\n")
+    monkeypatch.chdir(tmp_path)
+    assert config.load().supervisor.workers == 7
+
+
+def test_values_are_read(tmp_path):
+    cfg = load_text(tmp_path, """
+        [supervisor]
+        workers = 8
+        graceful_timeout = 5
+        [broker]
+        url = "redis://cache:6379/2"
+        queues = ["critical", "default"]
+        lease_seconds = 10
+        heartbeat_seconds = 2.5
+        [jobs]
+        jitter = 0
+        [jobs.types.send_email]
+        timeout = 20
+        queue = "critical"
+        [log]
+        format = "json"
+    """)
+    assert cfg.supervisor.workers == 8 and cfg.supervisor.graceful_timeout == 5.0
+    assert cfg.broker.url == "redis://cache:6379/2"  # only sqlite URLs are paths
+    assert cfg.broker.queues == ["critical", "default"] and cfg.broker.heartbeat_seconds == 2.5
+    assert cfg.jobs.jitter == 0.0 and cfg.log.format == "json"
+    assert cfg.job_type("send_email").timeout == 20.0 and cfg.job_type("send_email").queue == "critical"
+    assert cfg.job_type("send_email").max_attempts is None and cfg.job_type("other").timeout is None
+
+
+# -- errors name the key path -----------------------------------------------------
+
+BAD = [
+    ("[supervisor]\nworkers = 0", "supervisor.workers: expected a positive integer, got 0"),
+    ("[supervisor]\nworkers = \"two\"", 'supervisor.workers: expected a positive integer, got "two"'),
+    ("[supervisor]\nworkers = true", "supervisor.workers: expected a positive integer, got true"),
+    ("[supervisor]\nworkers = 2.5", "supervisor.workers: expected a positive integer, got 2.5"),
+    ("[supervisor]\nsocket_mode = -1", "supervisor.socket_mode: expected an integer >= 0"),
+    ("[supervisor]\nhandlers = 3", "supervisor.handlers: expected a string, got 3"),
+    ("[supervisor]\ngraceful_timeout = 0", "supervisor.graceful_timeout: expected a positive number"),
+    ("[supervisor]\npoll_interval = nan", "supervisor.poll_interval: expected a positive number"),
+    ("[broker]\nlease_seconds = \"abc\"", 'broker.lease_seconds: expected a positive number, got "abc"'),
+    ("[broker]\nqueues = []", "broker.queues: expected a non-empty list of distinct names"),
+    ("[broker]\nqueues = [\"a\", \"a\"]", "broker.queues: expected a non-empty list of distinct names"),
+    ("[broker]\nqueues = \"default\"", "broker.queues: expected a non-empty list"),
+    ("[broker]\nmigrate = \"yes\"", 'broker.migrate: expected true or false, got "yes"'),
+    ("[broker]\nprefetch = -1", "broker.prefetch: expected an integer >= 0, got -1"),
+    ("[broker]\nretention = -1.0", "broker.retention: expected a number >= 0"),
+    ("[broker]\nurl = 5", "broker.url: expected a string, got 5"),
+    ("[broker]\nurl = \"ftp://x/y\"", "broker.url: unknown broker scheme 'ftp'"),
+    ("[broker]\nurl = \"just-a-file.db\"", "broker.url: broker url 'just-a-file.db' is not a URL"),
+    ("[broker]\nurl = \"sqlite:///\"", "broker.url: 'sqlite:///' names no database file"),
+    ("[broker]\nlease_seconds = 5\nheartbeat_seconds = 5",
+     "broker.heartbeat_seconds: must be shorter than broker.lease_seconds (5), got 5"),
+    ("[jobs]\njitter = 1.5", "jobs.jitter: expected a number between 0 and 1, got 1.5"),
+    ("[jobs]\nmax_attempts = 0", "jobs.max_attempts: expected a positive integer, got 0"),
+    ("[jobs]\ntypes = 3", "jobs.types: expected a table"),
+    ("[jobs.types.mail]\ntimeout = -1", "jobs.types.mail.timeout: expected a positive number, got -1"),
+    ("[jobs.types.mail]\nqueue = \"\"", 'jobs.types.mail.queue: expected a non-empty name, got ""'),
+    ("[jobs.types.mail]\nqueue = \"nope\"", "jobs.types.mail.queue: 'nope' is not in broker.queues"),
+    ("[log]\nlevel = \"loud\"", "log.level: expected one of 'debug', 'info', 'warning', 'error', got \"loud\""),
+    ("[log]\nformat = 1", "log.format: expected one of"),
+    ("[metrics]\nlisten = 9100", "metrics.listen: expected a string, got 9100"),
+    ("broker = 3", "broker: expected a table"),
+]
+
+
+@pytest.mark.parametrize("body,message", BAD, ids=[m.split(":")[0] + "-" + str(i) for i, (_, m) in enumerate(BAD)])
+def test_bad_values_name_the_key_path(tmp_path, body, message):
+    with pytest.raises(ConfigError) as info:
+        load_text(tmp_path, body)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_unknown_keys_and_sections_are_errors(tmp_path):
+    for body, message in (("[broker]\nlease_secs = 3", "broker.lease_secs: unknown key"),
+                          ("[jobs.types.mail]\ntimeuot = 3", "jobs.types.mail.timeuot: unknown key"),
+                          ("[brokr]\nurl = \"sqlite:///x.db\"", "brokr: unknown section"),
+                          ("workers = 3", "workers: unknown section")):
+        with pytest.raises(ConfigError, match="^" + message.replace(".", r"\.") + "$"):
+            load_text(tmp_path, body)
+
+
+def test_relative_paths_resolve_against_the_file_folder(tmp_path, monkeypatch):
+    conf_dir = tmp_path / "etc"
+    conf_dir.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_text(conf_dir, """
+        [supervisor]
+        handlers = "../app/handlers"
+        socket = "run/tangguh.sock"
+        [broker]
+        url = "sqlite:///data/q.db?synchronous=normal"
+    """)
+    assert cfg.supervisor.handlers == str(tmp_path / "app" / "handlers")
+    assert cfg.supervisor.socket == str(conf_dir / "run" / "tangguh.sock")
+    assert cfg.broker.url == f"sqlite:///{conf_dir}/data/q.db?synchronous=normal"
+    absolute = load_text(conf_dir, '[supervisor]\nsocket = "/run/t.sock"\n[broker]\nurl = "sqlite:////var/q.db"\n')
+    assert absolute.supervisor.socket == "/run/t.sock" and absolute.broker.url == "sqlite:////var/q.db"
+
+
+def test_unreadable_missing_and_invalid_files(tmp_path):
+    folder = tmp_path / "a-folder.toml"
+    folder.mkdir()  # unreadable as a file, even for root
+    with pytest.raises(ConfigError, match=f"^{folder}: cannot read: "):
+        config.load(str(folder))
+    with pytest.raises(ConfigError, match="no such config file"):
+        config.load(str(tmp_path / "missing.toml"))
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_text(tmp_path, "[broker\nurl = 3")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_text(tmp_path, '[broker]\nurl = "a"\nurl = "b"\n')
+
+
+# -- tangguh config check / show / init ----------------------------------------------
+
+def test_config_check(capsys, tmp_path):
+    good = write(tmp_path, "[supervisor]\nworkers = 3\n")
+    assert tangguh(capsys, "config", "check", "-c", good) == (0, f"ok: {good}\n", "")
+    bad = write(tmp_path, "[broker]\nlease_seconds = \"abc\"\n", name="bad.toml")
+    code, out, err = tangguh(capsys, "config", "check", "-c", bad)
+    assert (code, out) == (2, "")
+    assert err == 'tangguh: error: broker.lease_seconds: expected a positive number, got "abc"\n'
+    code, out, err = tangguh(capsys, "config", "check", "-c", tmp_path / "missing.toml")
+    assert code == 2 and err == f"tangguh: error: {tmp_path / 'missing.toml'}: no such config file\n"
+    code, out, err = tangguh(capsys, "config", "check", "-c", write(tmp_path, "[x\n", name="broken.toml"))
+    assert code == 2 and err.startswith("tangguh: error: ") and "invalid TOML" in err and err.count("\n") == 1
+
+
+def test_config_check_as_a_process_prints_no_traceback(tmp_path):
+    bad = write(tmp_path, "[jobs.types.mail]\nqueue = \"nope\"\n")
+    result = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "check", "-c", bad],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == "tangguh: error: jobs.types.mail.queue: 'nope' is not in broker.queues\n"
+
+
+def test_config_show_round_trips_through_tomllib(capsys, tmp_path):
+    path = write(tmp_path, """
+        [supervisor]
+        workers = 4
+        socket_mode = 0o600
+        [broker]
+        queues = ["high", "default"]
+        [jobs.types.mail]
+        timeout = 12.5
+        queue = "high"
+        [jobs.types.report]
+        max_attempts = 1
+        [metrics]
+        listen = "127.0.0.1:9187"
+    """)
+    cfg = config.load(path)
+    code, out, _ = tangguh(capsys, "config", "show", "-c", path)
+    assert code == 0 and out.startswith(f"# effective config from {path}\n")
+    shown = tomllib.loads(out)
+    assert shown == cfg.to_dict()
+    assert shown["jobs"]["types"] == {"mail": {"timeout": 12.5, "queue": "high"}, "report": {"max_attempts": 1}}
+    # What it prints is itself a valid config that means the same thing.
+    again = config.from_dict(shown, str(tmp_path / "somewhere-else"))
+    assert again.to_dict() == cfg.to_dict()
+
+    code, out, _ = tangguh(capsys, "config", "show", "--json", "-c", path)
+    assert code == 0 and json.loads(out) == cfg.to_dict()
+
+
+def test_config_init_writes_the_example_and_refuses_to_overwrite(capsys, tmp_path):
+    target = tmp_path / "new.toml"
+    code, out, _ = tangguh(capsys, "config", "init", target)
+    assert (code, out) == (0, f"wrote {target}\n")
+    with open(EXAMPLE) as f:
+        assert target.read_text() == f.read()
+    assert tangguh(capsys, "config", "check", "-c", target)[0] == 0
+
+    target.write_text("# mine\n")
+    code, out, err = tangguh(capsys, "config", "init", target)
+    assert (code, out) == (2, "")
+    assert err == f"tangguh: error: {target}: already exists, not overwriting it\n"
+    assert target.read_text() == "# mine\n"
+
+
+# -- config.example.toml ----------------------------------------------------------
+
+def test_packaged_example_is_identical_to_the_root_one():
+    with open(EXAMPLE, "rb") as a, open(PACKAGED_EXAMPLE, "rb") as b:
+        assert a.read() == b.read(), "copy config.example.toml to supervisor/data/ (they must stay identical)"
+
+
+def test_example_lists_every_key_with_its_default(tmp_path):
+    with open(EXAMPLE, "rb") as f:
+        example = tomllib.load(f)
+    for section, cls in config.SECTIONS.items():
+        keys = {f.name for f in dataclasses.fields(cls)} - {"types"}
+        assert set(example[section]) == keys, section
+    # Every value shown is the default, so the example means exactly "all defaults".
+    assert config.from_dict(example, str(tmp_path)).to_dict() == config.from_dict({}, str(tmp_path)).to_dict()
+
+
+def test_example_documents_every_key_and_a_job_type_block():
+    with open(EXAMPLE) as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if "=" in line and not line.startswith("#"):
+            assert lines[i - 1].startswith("#"), f"no comment above {line!r}"
+    # The commented [jobs.types.example] block is valid once uncommented, and shows every per-type key.
+    start = lines.index("# [jobs.types.example]")
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("# "):
+            break
+        if not line.startswith("# # "):
+            block.append(line[2:])
+    parsed = tomllib.loads("\n".join(block))
+    assert set(parsed["jobs"]["types"]["example"]) == {f.name for f in dataclasses.fields(config.JobTypeConfig)}
+    config.from_dict(parsed)
+
+
+def test_example_passes_config_check_as_a_process():
+    result = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "check", "-c", EXAMPLE],
+                            capture_output=True, text=True, cwd="/", timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"ok: {EXAMPLE}\n", "")
+    cfg = config.load(EXAMPLE)
+    assert cfg.broker.url == f"sqlite:///{ROOT}/tangguh.db"
+    assert cfg.supervisor.handlers == os.path.join(ROOT, "handlers")
+    assert cfg.supervisor.socket == os.path.join(ROOT, "tangguh.sock")
