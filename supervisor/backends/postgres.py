@@ -1,0 +1,558 @@
+"""The PostgreSQL broker: one table per schema, leases claimed with SKIP LOCKED.
+
+URL: ``postgresql://user@host:5432/dbname?schema=tangguh`` (``postgres://``
+works too). ``schema`` (default ``tangguh``) names the PostgreSQL schema that
+holds the broker's tables; it is Tangguh's only option and is stripped before
+connecting. Every other query parameter must be a libpq connection parameter
+(``sslmode``, ``connect_timeout``, ``application_name``...) and is passed
+through; anything else is a ``BrokerError``.
+
+Times are stored as ``double precision`` epoch seconds taken from the
+server's clock (``now()``), so every supervisor measures leases against the
+same clock; ``now()`` on the broker returns the server's time from an offset
+measured when connecting (re-measured every minute).
+
+* ``migrate()`` creates the schema under ``pg_advisory_xact_lock`` and records
+  applied versions in ``<schema>.schema_version``: idempotent, and safe when
+  several processes migrate at once.
+* ``claim`` is one call of the SQL function ``<schema>.claim`` (one round
+  trip, one transaction): it reclaims expired leases, then leases due jobs
+  queue by queue with ``FOR UPDATE SKIP LOCKED`` in (priority desc, run_at, id)
+  order, so concurrent supervisors never wait on each other.
+* ``ack``/``retry``/``dead``/``release`` are one fenced ``UPDATE`` each
+  (id + token + state running); ``extend`` is one ``UPDATE ... FROM unnest``
+  for the whole batch; ``enqueue_many`` is one ``INSERT ... SELECT FROM
+  unnest ... ON CONFLICT DO NOTHING``.
+* Enqueue, release, replay and a retry that is due at once send
+  ``NOTIFY tangguh_<schema>`` (payload: the queue); ``wakeup_fd()`` opens a
+  second connection that LISTENs on it.
+* Transactional outbox: ``enqueue(job, conn=producer_conn)`` inserts (and
+  notifies) on the producer's own psycopg 3 connection, inside its current
+  transaction: the job exists if and only if the producer commits.
+"""
+import contextlib
+import hashlib
+import json
+import re
+import select
+import time
+import urllib.parse
+
+import psycopg
+from psycopg import errors as pgerrors
+from psycopg.rows import dict_row, tuple_row
+
+from ..errors import BadInput, BrokerError, LeaseLost, NotDead
+from ..job import Job, QueueStats
+from .base import Broker
+
+DEFAULT_SCHEMA = "tangguh"
+_SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_LIBPQ_PARAMS = frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults())
+_NOW = "date_part('epoch', now())"  # the server's clock, epoch seconds (double precision)
+_UNFINISHED = "('queued', 'running', 'retrying')"
+_CLOCK_RESYNC = 60.0
+
+
+def _migrations(s):
+    """The schema's versions, oldest first: (version, [statements]). ``s`` is the quoted schema."""
+    return [
+        (1, [
+            f"""CREATE TABLE {s}.jobs (
+                id text PRIMARY KEY,
+                queue text NOT NULL,
+                type text NOT NULL,
+                payload json NOT NULL,
+                state text NOT NULL CHECK (state IN ('queued', 'running', 'retrying', 'done', 'dead')),
+                resource_id text,
+                idempotency_key text,
+                attempt integer NOT NULL DEFAULT 0,
+                max_attempts integer NOT NULL,
+                timeout double precision,
+                priority integer NOT NULL DEFAULT 0,
+                run_at double precision NOT NULL,
+                queued_at double precision NOT NULL,
+                trace_id text,
+                token bigint NOT NULL DEFAULT 0,
+                lease_until double precision,
+                owner text,
+                result json,
+                error jsonb,
+                reason text,
+                first_failure_at double precision,
+                last_failure_at double precision,
+                finished_at double precision,
+                history jsonb NOT NULL DEFAULT '[]'
+            ) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.02)""",
+            f"CREATE INDEX jobs_ready ON {s}.jobs (queue, priority DESC, run_at, id)"
+            " WHERE state IN ('queued', 'retrying')",
+            f"CREATE INDEX jobs_leased ON {s}.jobs (lease_until) WHERE state = 'running'",
+            f"CREATE INDEX jobs_done ON {s}.jobs (finished_at) WHERE state = 'done'",
+            f"CREATE INDEX jobs_dead ON {s}.jobs (finished_at DESC, id DESC) WHERE state = 'dead'",
+            f"CREATE UNIQUE INDEX jobs_idempotency ON {s}.jobs (idempotency_key)"
+            f" WHERE idempotency_key IS NOT NULL AND state IN {_UNFINISHED}",
+            # claim: reclaim expired leases, then lease due jobs queue by queue. One call, one
+            # transaction; each statement sees the previous one's effects (fresh snapshot).
+            f"""CREATE FUNCTION {s}.claim(p_queues text[], p_n integer, p_lease double precision, p_owner text)
+            RETURNS SETOF {s}.jobs LANGUAGE plpgsql AS $body$
+            DECLARE
+                v_now double precision := date_part('epoch', now());
+                v_queue text;
+                v_left integer := p_n;
+                v_got integer;
+            BEGIN
+                UPDATE {s}.jobs j SET
+                    state = CASE WHEN j.attempt >= j.max_attempts THEN 'dead' ELSE 'retrying' END,
+                    reason = CASE WHEN j.attempt >= j.max_attempts THEN 'lease_expired' END,
+                    finished_at = CASE WHEN j.attempt >= j.max_attempts THEN v_now END,
+                    run_at = v_now, lease_until = NULL, owner = NULL,
+                    error = x.error,
+                    first_failure_at = coalesce(j.first_failure_at, v_now), last_failure_at = v_now,
+                    history = jsonb_set(j.history, '{{-1}}', (j.history -> -1) || jsonb_build_object(
+                        'ended_at', v_now, 'outcome', 'lease_expired', 'error', x.error))
+                FROM (SELECT e.id, jsonb_build_object('reason', 'lease_expired', 'class', '',
+                             'message', 'lease of owner ' || coalesce(e.owner, '') || ' expired',
+                             'traceback', '') AS error
+                      FROM {s}.jobs e WHERE e.state = 'running' AND e.lease_until < v_now
+                      FOR UPDATE SKIP LOCKED) x
+                WHERE j.id = x.id;
+
+                FOREACH v_queue IN ARRAY p_queues LOOP
+                    EXIT WHEN v_left <= 0;
+                    RETURN QUERY
+                    UPDATE {s}.jobs j SET
+                        state = 'running', attempt = j.attempt + 1, token = j.token + 1,
+                        lease_until = v_now + p_lease, owner = p_owner,
+                        history = j.history || jsonb_build_array(jsonb_build_object(
+                            'attempt', j.attempt + 1, 'started_at', v_now, 'owner', p_owner))
+                    FROM (SELECT d.id FROM {s}.jobs d
+                          WHERE d.queue = v_queue AND d.state IN ('queued', 'retrying') AND d.run_at <= v_now
+                          ORDER BY d.priority DESC, d.run_at, d.id
+                          LIMIT v_left FOR UPDATE SKIP LOCKED) c
+                    WHERE j.id = c.id
+                    RETURNING j.*;
+                    GET DIAGNOSTICS v_got = ROW_COUNT;
+                    v_left := v_left - v_got;
+                END LOOP;
+            END
+            $body$""",
+        ]),
+    ]
+
+
+def _quote(name):
+    return '"' + name.replace('"', '""') + '"'
+
+
+class PostgresBroker(Broker):
+    prune_batch = 10_000  # rows deleted per statement by prune()
+
+    def __init__(self, url):
+        self.url = url
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme.lower() not in ("postgresql", "postgres"):
+            raise BrokerError(f"postgres url {url!r}: expected postgresql://...")
+        options = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        schema = DEFAULT_SCHEMA
+        passed = []
+        unknown = []
+        for key, value in options:
+            if key == "schema":
+                schema = value
+            elif key in _LIBPQ_PARAMS:
+                passed.append((key, value))
+            else:
+                unknown.append(key)
+        if unknown:
+            raise BrokerError(f"postgres url {_redact(url)}: unknown option(s) {', '.join(sorted(set(unknown)))}"
+                              " (tangguh knows schema=; the rest must be libpq connection parameters)")
+        if not _SCHEMA_NAME.match(schema):
+            raise BrokerError(f"postgres url {_redact(url)}: schema {schema!r} must be a plain identifier"
+                              " (letters, digits, underscore; at most 63 characters)")
+        names = {k for k, _ in passed}
+        if "connect_timeout" not in names:
+            passed.append(("connect_timeout", "10"))
+        if "fallback_application_name" not in names:
+            passed.append(("fallback_application_name", "tangguh"))
+        self.schema = schema
+        self.conninfo = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(passed)))
+        self.channel = f"tangguh_{schema}"[:63]
+        s = _quote(schema)
+        self._s = s
+        self._jobs = f"{s}.jobs"
+        self._db = None
+        self._listener = None
+        self._offset = 0.0
+        self._synced = float("-inf")
+        self._prepare_sql()
+        with self._guard("connect"):
+            self._conn()
+
+    # -- plumbing ---------------------------------------------------------
+    def _prepare_sql(self):
+        t = self._jobs
+        self._sql_enqueue = (
+            f"INSERT INTO {t} (id, queue, type, payload, state, resource_id, idempotency_key,"
+            " max_attempts, timeout, priority, run_at, queued_at, trace_id)"
+            " SELECT i.id, i.queue, i.type, i.payload::json, 'queued', i.resource_id, i.idempotency_key,"
+            "  i.max_attempts, i.timeout, i.priority, n.now + i.delay, n.now, i.trace_id"
+            " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
+            "  %s::integer[], %s::float8[], %s::integer[], %s::float8[], %s::text[]) WITH ORDINALITY"
+            "  AS i(id, queue, type, payload, resource_id, idempotency_key, max_attempts, timeout, priority,"
+            "  delay, trace_id, ord),"
+            f" (SELECT {_NOW} AS now) n"
+            " ORDER BY i.ord"
+            " ON CONFLICT DO NOTHING"
+            " RETURNING id, CASE WHEN run_at <= queued_at THEN pg_notify(%s, queue) END"
+        )
+        self._sql_existing = (
+            f"SELECT id, idempotency_key, state FROM {t}"
+            f" WHERE (idempotency_key = ANY(%s::text[]) AND state IN {_UNFINISHED}) OR id = ANY(%s::text[])"
+        )
+        self._sql_claim = f"SELECT * FROM {self._s}.claim(%s::text[], %s::integer, %s::float8, %s::text)"
+        self._sql_extend = (
+            f"UPDATE {t} j SET lease_until = {_NOW} + %s::float8"
+            " FROM unnest(%s::text[], %s::bigint[]) AS l(id, token)"
+            " WHERE j.id = l.id AND j.token = l.token AND j.state = 'running'"
+            " RETURNING j.id, j.token"
+        )
+        close = "history = jsonb_set(history, '{-1}', (history -> -1) || %(info)s::jsonb || jsonb_build_object("
+        leased = "WHERE id = %(id)s AND token = %(token)s AND state = 'running'"
+        self._sql_ack = (
+            f"UPDATE {t} SET state = 'done', result = %(result)s::json, finished_at = {_NOW}, lease_until = NULL, "
+            + close + f"'ended_at', {_NOW}, 'outcome', 'done')) " + leased
+        )
+        self._sql_retry = (
+            f"UPDATE {t} SET state = 'retrying', run_at = %(run_at)s::float8, error = %(error)s::jsonb,"
+            f" first_failure_at = coalesce(first_failure_at, {_NOW}), last_failure_at = {_NOW}, lease_until = NULL, "
+            + close + f"'ended_at', {_NOW}, 'outcome', 'retry', 'error', %(error)s::jsonb)) " + leased
+            + f" RETURNING CASE WHEN run_at <= {_NOW} THEN pg_notify(%(channel)s, queue) END"
+        )
+        self._sql_dead = (
+            f"UPDATE {t} SET state = 'dead', reason = %(reason)s, error = %(error)s::jsonb, finished_at = {_NOW},"
+            f" first_failure_at = coalesce(first_failure_at, {_NOW}), last_failure_at = {_NOW}, lease_until = NULL, "
+            + close + f"'ended_at', {_NOW}, 'outcome', 'dead', 'error', %(error)s::jsonb)) " + leased
+        )
+        self._sql_release = (
+            f"UPDATE {t} SET state = 'queued', attempt = attempt - 1, lease_until = NULL, owner = NULL,"
+            f" run_at = {_NOW}, history = history - -1 " + leased
+            + " RETURNING pg_notify(%(channel)s, queue)"
+        )
+
+    def _connect(self):
+        return psycopg.connect(self.conninfo, autocommit=True)
+
+    def _conn(self):
+        """The main connection, reconnecting when the previous one broke."""
+        db = self._db
+        if db is None or db.closed:
+            self._db = db = self._connect()
+            self._sync_clock(db)
+        return db
+
+    def _sync_clock(self, db):
+        # Measured after the reply arrives, so the estimate errs low (by at most one round trip):
+        # once now() has passed a point, the server's clock has passed it too.
+        server = db.execute("SELECT date_part('epoch', clock_timestamp())").fetchone()[0]
+        self._offset = server - time.time()
+        self._synced = time.monotonic()
+
+    @contextlib.contextmanager
+    def _guard(self, what):
+        """Turn psycopg's errors into BrokerError (connection trouble, missing schema...)."""
+        try:
+            yield
+        except (pgerrors.UndefinedTable, pgerrors.UndefinedFunction, pgerrors.InvalidSchemaName) as exc:
+            raise BrokerError(f"postgres broker schema {self.schema!r} is missing or outdated"
+                              f" (run `tangguh db migrate`): {exc}") from exc
+        except psycopg.Error as exc:
+            raise BrokerError(f"postgres broker ({_redact(self.url)}): {what} failed: {exc}") from exc
+
+    def _execute(self, query, params=None, row_factory=tuple_row):
+        with self._guard("query"):
+            cur = self._conn().cursor(row_factory=row_factory)
+            cur.execute(query, params)
+            return cur
+
+    def now(self):
+        if time.monotonic() - self._synced > _CLOCK_RESYNC and self._db is not None and not self._db.closed:
+            try:
+                self._sync_clock(self._db)
+            except psycopg.Error:
+                pass  # keep the last offset; the next real call reports the outage
+        return time.time() + self._offset
+
+    def migrate(self):
+        key = int.from_bytes(hashlib.sha256(f"tangguh-migrate:{self.schema}".encode()).digest()[:8], "big",
+                             signed=True)
+        s = self._s
+        with self._guard("migrate"):
+            db = self._conn()
+            with db.transaction():
+                db.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
+                db.execute(f"CREATE SCHEMA IF NOT EXISTS {s}")
+                db.execute(f"CREATE TABLE IF NOT EXISTS {s}.schema_version ("
+                           " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())")
+                current = db.execute(f"SELECT coalesce(max(version), 0) FROM {s}.schema_version").fetchone()[0]
+                for version, statements in _migrations(s):
+                    if version <= current:
+                        continue
+                    for statement in statements:
+                        db.execute(statement)
+                    db.execute(f"INSERT INTO {s}.schema_version (version) VALUES (%s)", (version,))
+
+    def close(self):
+        for name in ("_listener", "_db"):
+            conn = getattr(self, name, None)
+            setattr(self, name, None)
+            if conn is not None:
+                try:
+                    conn.close()
+                except psycopg.Error:
+                    pass
+
+    # -- wake-ups -----------------------------------------------------------
+    def wakeup_fd(self):
+        """A LISTENing connection's socket: readable after an enqueue (or release, replay, due retry).
+
+        After a BrokerError from ``drain_wakeups`` the descriptor is gone; call
+        ``wakeup_fd()`` again for a new one.
+        """
+        if self._listener is None or self._listener.closed:
+            with self._guard("listen"):
+                listener = self._connect()
+                try:
+                    listener.execute(f"LISTEN {_quote(self.channel)}")
+                except BaseException:
+                    listener.close()
+                    raise
+                self._listener = listener
+        return self._listener.fileno()
+
+    def drain_wakeups(self):
+        """Consume pending notifications without blocking; returns the queues they named."""
+        listener = self._listener
+        if listener is None:
+            return set()
+        queues = set()
+        try:
+            # A server that closed the connection first sends its goodbye, then EOF: the socket
+            # stays readable after a pass, and the next pass reports the broken connection.
+            for _ in range(3):
+                queues.update(n.payload for n in listener.notifies(timeout=0))
+                if not select.select([listener.fileno()], [], [], 0)[0]:
+                    break
+            return queues
+        except (psycopg.Error, OSError, ValueError) as exc:
+            self._listener = None
+            with contextlib.suppress(psycopg.Error):
+                listener.close()
+            raise BrokerError(f"postgres broker ({_redact(self.url)}): listening connection lost: {exc}") from exc
+
+    # -- producing --------------------------------------------------------
+    def enqueue(self, job, conn=None):
+        return self.enqueue_many([job], conn=conn)[0]
+
+    def enqueue_many(self, jobs, conn=None):
+        """Store jobs in one statement; with ``conn`` (the producer's psycopg connection), inside
+        its current transaction, so they exist if and only if the producer commits."""
+        jobs = [job.validate() for job in jobs]
+        if not jobs:
+            return []
+        ids = {}  # position -> id
+        pending = list(range(len(jobs)))
+        for _ in range(5):
+            inserted = self._insert([jobs[i] for i in pending], conn)
+            by_key = {}
+            missing = []
+            for i in pending:
+                job = jobs[i]
+                if job.id in inserted:
+                    ids[i] = job.id
+                    if job.idempotency_key is not None:
+                        by_key.setdefault(job.idempotency_key, job.id)
+                else:
+                    missing.append(i)
+            if not missing:
+                break
+            # Not inserted: an unfinished job holds its idempotency key (maybe one of this batch),
+            # or a job with its id exists already (a producer retrying the same NewJob).
+            keys = [jobs[i].idempotency_key for i in missing if jobs[i].idempotency_key is not None]
+            rows = self._query(self._sql_existing, (keys, [jobs[i].id for i in missing]), conn)
+            for row_id, key, state in rows:
+                if key is not None and state in ("queued", "running", "retrying"):
+                    by_key.setdefault(key, row_id)
+            existing_ids = {row[0] for row in rows}
+            pending = []
+            for i in missing:
+                job = jobs[i]
+                if job.idempotency_key is not None and job.idempotency_key in by_key:
+                    ids[i] = by_key[job.idempotency_key]
+                elif job.id in existing_ids:
+                    ids[i] = job.id
+                else:
+                    pending.append(i)  # the holder finished meanwhile: insert again
+            if not pending:
+                break
+        else:
+            raise BrokerError("enqueue: could not settle idempotency keys under concurrent updates; try again")
+        return [ids[i] for i in range(len(jobs))]
+
+    def _insert(self, jobs, conn):
+        params = (
+            [j.id for j in jobs], [j.queue for j in jobs], [j.type for j in jobs],
+            [json.dumps(j.payload, allow_nan=False, separators=(",", ":")) for j in jobs],
+            [j.resource_id for j in jobs], [j.idempotency_key for j in jobs],
+            [j.max_attempts for j in jobs], [None if j.timeout is None else float(j.timeout) for j in jobs],
+            [j.priority for j in jobs], [float(j.delay) for j in jobs], [j.trace_id for j in jobs],
+            self.channel,
+        )
+        return {row[0] for row in self._query(self._sql_enqueue, params, conn)}
+
+    def _query(self, query, params, conn):
+        """Rows of a query, on the producer's connection when one is given."""
+        if conn is None:
+            return self._execute(query, params).fetchall()
+        with self._guard("query on the producer's connection"):
+            cur = conn.cursor(row_factory=tuple_row)
+            cur.execute(query, params)
+            return cur.fetchall()
+
+    # -- leasing ----------------------------------------------------------
+    def claim(self, queues, n, lease_seconds, owner):
+        queues = list(queues)
+        if n <= 0 or not queues:
+            return []
+        rows = self._execute(self._sql_claim, (queues, int(n), float(lease_seconds), owner),
+                             row_factory=dict_row).fetchall()
+        order = {}
+        for i, q in enumerate(queues):
+            order.setdefault(q, i)
+        jobs = [Job.from_dict(r) for r in rows]
+        jobs.sort(key=lambda j: (order[j.queue], -j.priority, j.run_at, j.id))
+        return jobs
+
+    def extend(self, leases, lease_seconds):
+        leases = list(leases)
+        if not leases:
+            return []
+        rows = self._execute(
+            self._sql_extend,
+            (float(lease_seconds), [lease.job_id for lease in leases], [lease.token for lease in leases]),
+        ).fetchall()
+        current = set(rows)
+        return [lease for lease in leases if (lease.job_id, lease.token) not in current]
+
+    def _finish(self, query, lease, params):
+        cur = self._execute(query, dict(params, id=lease.job_id, token=lease.token))
+        if cur.rowcount == 0:
+            raise LeaseLost(lease.job_id, lease.token)
+
+    def ack(self, lease, result=None, info=None):
+        self._finish(self._sql_ack, lease, {"result": json.dumps(result), "info": json.dumps(info or {})})
+
+    def retry(self, lease, run_at, error, info=None):
+        self._finish(self._sql_retry, lease, {"run_at": float(run_at), "error": json.dumps(error),
+                                              "info": json.dumps(info or {}), "channel": self.channel})
+
+    def dead(self, lease, reason, error, info=None):
+        self._finish(self._sql_dead, lease, {"reason": reason, "error": json.dumps(error),
+                                             "info": json.dumps(info or {})})
+
+    def release(self, lease):
+        self._finish(self._sql_release, lease, {"channel": self.channel})
+
+    # -- reading ----------------------------------------------------------
+    def get(self, job_id):
+        row = self._execute(f"SELECT * FROM {self._jobs} WHERE id = %s", (job_id,), row_factory=dict_row).fetchone()
+        return Job.from_dict(row) if row else None
+
+    def stats(self, queues):
+        queues = list(queues)
+        out = {q: QueueStats(q) for q in queues}
+        t = self._jobs
+        rows = self._execute(
+            f"WITH n AS (SELECT {_NOW} AS now)"
+            f" SELECT queue, 'ready', count(*), max(n.now - run_at) FROM {t}, n"
+            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying') AND run_at <= n.now GROUP BY queue"
+            " UNION ALL"
+            f" SELECT queue, 'scheduled', count(*), NULL FROM {t}, n"
+            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying') AND run_at > n.now GROUP BY queue"
+            " UNION ALL"
+            f" SELECT queue, state, count(*), NULL FROM {t}"
+            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('running', 'dead', 'done') GROUP BY queue, state",
+            {"q": queues},
+        ).fetchall()
+        fields = {"ready": "ready", "scheduled": "scheduled", "running": "in_flight", "dead": "dead", "done": "done"}
+        for queue, kind, count, age in rows:
+            setattr(out[queue], fields[kind], count)
+            if kind == "ready":
+                out[queue].oldest_ready_age = max(0.0, age or 0.0)
+        return out
+
+    # -- dead letters -----------------------------------------------------
+    def dlq_list(self, type=None, limit=100):
+        sql = f"SELECT * FROM {self._jobs} WHERE state = 'dead'"
+        params = []
+        if type:
+            sql += " AND type = %s"
+            params.append(type)
+        sql += " ORDER BY finished_at DESC, id DESC LIMIT %s"
+        params.append(None if limit is None else int(limit))
+        return [Job.from_dict(r) for r in self._execute(sql, params, row_factory=dict_row).fetchall()]
+
+    def _require_dead(self, db, job_ids):
+        states = dict(db.execute(f"SELECT id, state FROM {self._jobs} WHERE id = ANY(%s::text[])"
+                                 " ORDER BY id FOR UPDATE",
+                                 (list(job_ids),)).fetchall())
+        for job_id in job_ids:
+            state = states.get(job_id)
+            if state != "dead":
+                raise NotDead(f"job {job_id} is {'unknown' if state is None else state}, not dead")
+
+    def dlq_replay(self, job_ids):
+        job_ids = list(job_ids)
+        with self._guard("dlq replay"):
+            db = self._conn()
+            try:
+                with db.transaction():
+                    self._require_dead(db, job_ids)
+                    db.execute(
+                        f"UPDATE {self._jobs} SET state = 'queued', attempt = 0, run_at = {_NOW}, reason = NULL,"
+                        " finished_at = NULL, lease_until = NULL, owner = NULL WHERE id = ANY(%s::text[])"
+                        " RETURNING pg_notify(%s, queue)",
+                        (job_ids, self.channel),
+                    )
+            except pgerrors.UniqueViolation:
+                raise BadInput("cannot replay: an idempotency key is held by an unfinished job") from None
+        return job_ids
+
+    def dlq_purge(self, job_ids):
+        job_ids = list(job_ids)
+        with self._guard("dlq purge"):
+            db = self._conn()
+            with db.transaction():
+                self._require_dead(db, job_ids)
+                db.execute(f"DELETE FROM {self._jobs} WHERE id = ANY(%s::text[])", (job_ids,))
+        return len(job_ids)
+
+    def prune(self, done_older_than):
+        cutoff = self.now() - done_older_than
+        batch = int(self.prune_batch)
+        sql = (f"DELETE FROM {self._jobs} WHERE id IN (SELECT id FROM {self._jobs}"
+               " WHERE state = 'done' AND finished_at < %s LIMIT %s)")
+        total = 0
+        while True:
+            deleted = self._execute(sql, (cutoff, batch)).rowcount
+            total += deleted
+            if deleted < batch:
+                return total
+
+
+def _redact(url):
+    """The URL without its password, for messages."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))

@@ -1,0 +1,273 @@
+"""PostgreSQL-specific behaviour beyond the shared contract: the transactional
+outbox, LISTEN/NOTIFY wake-ups, migrations, URL handling, reconnects, pruning."""
+import select
+import threading
+
+import psycopg
+import pytest
+
+from supervisor.backends import open_broker
+from supervisor.errors import BrokerError
+from supervisor.job import NewJob
+
+from .util import wait_for
+
+pytestmark = pytest.mark.services
+
+Q = ["default"]
+
+
+def new(payload=None, **kw):
+    return NewJob("t", {"n": 1} if payload is None else payload, **kw)
+
+
+def readable(fd):
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+@pytest.fixture
+def pg(postgres_url):
+    from supervisor.backends.postgres import PostgresBroker
+
+    b = PostgresBroker(postgres_url)
+    b.migrate()
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def other(pg, postgres_url):
+    """A second broker instance on the same schema (another process's view)."""
+    b = open_broker(postgres_url)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def producer(pg):
+    """The application's own connection, in a transaction (not autocommit)."""
+    conn = psycopg.connect(pg.conninfo)
+    yield conn
+    conn.close()
+
+
+# -- transactional outbox -------------------------------------------------------
+
+def test_outbox_job_exists_once_the_producer_commits(pg, other, producer):
+    fd = other.wakeup_fd()
+    producer.execute("CREATE TEMP TABLE orders (id int)")
+    producer.execute("INSERT INTO orders VALUES (1)")
+    job_id = pg.enqueue(new(idempotency_key="order:1"), conn=producer)
+    assert producer.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+    assert pg.get(job_id) is None  # invisible until the producer commits
+    assert other.claim(Q, 1, 30, "w") == []
+    # Inside the producer's transaction the dedup already sees it.
+    assert pg.enqueue(new(idempotency_key="order:1"), conn=producer) == job_id
+    assert not readable(fd) or not other.drain_wakeups()  # NOTIFY is delivered only at commit
+    producer.commit()
+    wait_for(lambda: readable(fd), timeout=10, message="wake-up after the producer's commit")
+    assert other.drain_wakeups() == {"default"}
+    assert pg.get(job_id).state == "queued"
+    assert other.claim(Q, 5, 30, "w")[0].id == job_id
+
+
+def test_outbox_job_vanishes_when_the_producer_rolls_back(pg, producer):
+    job_id = pg.enqueue(new(), conn=producer)
+    ids = pg.enqueue_many([new(payload={"i": i}) for i in range(3)], conn=producer)
+    producer.rollback()
+    assert pg.get(job_id) is None and all(pg.get(i) is None for i in ids)
+    assert pg.stats(Q)["default"].ready == 0
+    assert pg.claim(Q, 10, 30, "w") == []
+
+
+# -- wake-ups -------------------------------------------------------------------
+
+def test_wakeup_fd_turns_readable_after_an_enqueue_elsewhere(pg, other):
+    fd = pg.wakeup_fd()
+    assert pg.wakeup_fd() == fd  # one listening connection, opened lazily
+    assert not readable(fd)
+    other.enqueue(new(queue="mail"))
+    wait_for(lambda: readable(fd), timeout=10, message="wake-up fd to turn readable")
+    assert pg.drain_wakeups() == {"mail"}
+    assert not readable(fd)
+    assert pg.drain_wakeups() == set()  # never blocks
+
+    # A release (job due again) wakes it too; a delayed enqueue does not.
+    other.enqueue(new(delay=60))
+    job = other.enqueue(new())
+    wait_for(lambda: readable(fd), timeout=10, message="wake-up after enqueue")
+    pg.drain_wakeups()
+    lease = other.claim(Q, 1, 30, "w")[0].lease
+    assert lease.job_id == job
+    other.release(lease)
+    wait_for(lambda: readable(fd), timeout=10, message="wake-up after release")
+    assert pg.drain_wakeups() == {"default"}
+
+
+def test_broker_without_listener_drains_nothing(pg):
+    assert pg.drain_wakeups() == set()
+
+
+# -- migrations -----------------------------------------------------------------
+
+def test_migrate_twice_keeps_one_version_row(pg, producer):
+    pg.migrate()
+    pg.migrate()
+    rows = producer.execute(f'SELECT version FROM "{pg.schema}".schema_version').fetchall()
+    assert rows == [(1,)]
+
+
+def test_concurrent_migrations_do_not_collide(postgres_url):
+    brokers = [open_broker(postgres_url) for _ in range(4)]
+    barrier = threading.Barrier(len(brokers))
+    errors = []
+
+    def run(b):
+        barrier.wait()
+        try:
+            b.migrate()
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(b,)) for b in brokers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert errors == []
+        with psycopg.connect(brokers[0].conninfo) as conn:
+            assert conn.execute(f'SELECT count(*) FROM "{brokers[0].schema}".schema_version').fetchone()[0] == 1
+        assert brokers[0].get(brokers[1].enqueue(new())).state == "queued"
+    finally:
+        for b in brokers:
+            b.close()
+
+
+def test_unmigrated_schema_is_a_broker_error_naming_migrate(postgres_url):
+    b = open_broker(postgres_url)
+    try:
+        with pytest.raises(BrokerError, match="migrate"):
+            b.enqueue(new())
+    finally:
+        b.close()
+
+
+# -- URLs and connections -----------------------------------------------------------
+
+def test_unknown_url_option_is_a_broker_error(postgres_url):
+    with pytest.raises(BrokerError, match="bogus"):
+        open_broker(postgres_url + "&bogus=1")
+
+
+@pytest.mark.parametrize("schema", ["", "has space", "x;drop", "a" * 64])
+def test_bad_schema_name_is_a_broker_error(schema):
+    with pytest.raises(BrokerError, match="schema"):
+        open_broker(f"postgresql://postgres@127.0.0.1:5432/test?schema={schema}")
+
+
+def test_libpq_options_pass_through_and_postgres_scheme_works(postgres_url):
+    url = postgres_url.replace("postgresql://", "postgres://", 1) + "&application_name=tangguh-test&connect_timeout=5"
+    b = open_broker(url)
+    try:
+        assert "schema=" not in b.conninfo
+        assert b._conn().execute("SELECT current_setting('application_name')").fetchone()[0] == "tangguh-test"
+    finally:
+        b.close()
+
+
+def test_connection_refused_is_a_broker_error():
+    with pytest.raises(BrokerError):
+        open_broker("postgresql://postgres@127.0.0.1:1/test?connect_timeout=5")
+
+
+def test_lost_connection_is_a_broker_error_then_reconnects(pg, producer):
+    job_id = pg.enqueue(new())
+    pid = pg._conn().info.backend_pid
+    producer.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    producer.commit()
+    with pytest.raises(BrokerError):
+        pg.get(job_id)
+    assert pg.get(job_id).state == "queued"  # the next call reconnects
+
+
+def test_now_is_the_servers_clock(pg, producer):
+    server = producer.execute("SELECT date_part('epoch', clock_timestamp())").fetchone()[0]
+    assert abs(pg.now() - server) < 1.0
+
+
+# -- producing details and pruning -----------------------------------------------------
+
+def test_enqueue_of_the_same_new_job_twice_stores_it_once(pg):
+    job = new()
+    first = pg.enqueue(job)
+    assert pg.enqueue(job) == first
+    assert pg.enqueue_many([new(idempotency_key="k"), new(idempotency_key="k")]) == [
+        pg.enqueue(new(idempotency_key="k"))] * 2
+    assert pg.stats(Q)["default"].ready == 2
+
+
+def test_prune_deletes_in_batches(pg, monkeypatch):
+    pg.enqueue_many([new(payload={"i": i}) for i in range(10)])
+    keep = pg.enqueue(new(delay=60))
+    for job in pg.claim(Q, 10, 30, "w"):
+        pg.ack(job.lease)
+    wait_for(lambda: pg.now() > max(j.finished_at for j in pg_done(pg)) + 0.05, message="clock to pass")
+    deletes = []
+    real = pg._execute
+
+    def spy(query, params=None, **kw):
+        cur = real(query, params, **kw)
+        if query.startswith("DELETE"):
+            deletes.append(cur.rowcount)
+        return cur
+
+    monkeypatch.setattr(pg, "_execute", spy)
+    pg.prune_batch = 3
+    assert pg.prune(0) == 10
+    assert deletes == [3, 3, 3, 1]
+    assert pg.stats(Q)["default"].done == 0 and pg.get(keep) is not None
+
+
+def pg_done(pg):
+    rows = pg._execute(f"SELECT id FROM {pg._jobs} WHERE state = 'done'").fetchall()
+    return [pg.get(r[0]) for r in rows]
+
+
+def test_lost_listener_is_a_broker_error_then_listens_again(pg, other, producer):
+    fd = pg.wakeup_fd()
+    pid = pg._listener.info.backend_pid
+    producer.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    producer.commit()
+    wait_for(lambda: readable(fd), timeout=10, message="the dead listener's socket to turn readable")
+    with pytest.raises(BrokerError):
+        pg.drain_wakeups()
+    fd = pg.wakeup_fd()
+    other.enqueue(new())
+    wait_for(lambda: readable(fd), timeout=10, message="wake-up on the new listener")
+    assert pg.drain_wakeups() == {"default"}
+
+
+def test_concurrent_enqueues_with_one_key_store_one_job(pg, postgres_url):
+    brokers = [open_broker(postgres_url) for _ in range(4)]
+    barrier = threading.Barrier(len(brokers))
+    results, errors = [], []
+
+    def run(b):
+        barrier.wait()
+        try:
+            for _ in range(25):
+                results.append(b.enqueue(new(idempotency_key="only-once")))
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(b,)) for b in brokers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for b in brokers:
+        b.close()
+    assert errors == []
+    assert len(results) == 100 and len(set(results)) == 1
+    assert pg.stats(Q)["default"].ready == 1
