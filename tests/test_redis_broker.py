@@ -197,3 +197,26 @@ def test_prune_works_in_batches(rb, monkeypatch):
     assert rb.stats(["default"])["default"].done == 20
     assert rb.prune(0) == 20
     assert rb.stats(["default"])["default"].done == 0
+
+
+def test_text_round_trips_exactly(rb):
+    odd = 'é 😀 "q" \\ / \n\t\x00 ]}'
+    job_id = rb.enqueue(NewJob(odd, {odd: [odd, 1.5, 2**60, None, True]}, resource_id=odd, idempotency_key=odd,
+                               trace_id=odd))
+    assert rb.enqueue(NewJob("t", {}, idempotency_key=odd)) == job_id
+    job = rb.claim(["default"], 1, 30, odd)[0]
+    assert (job.type, job.payload, job.resource_id, job.idempotency_key, job.trace_id, job.owner) == (
+        odd, {odd: [odd, 1.5, 2**60, None, True]}, odd, odd, odd, odd)
+    assert job.history[0]["owner"] == odd
+    rb.ack(job.lease, {odd: odd}, {odd: odd})
+    done = rb.get(job_id)
+    assert done.result == {odd: odd} and done.history[0][odd] == odd and done.history[0]["owner"] == odd
+
+
+def test_a_fresh_instance_extends_leases_it_did_not_claim(rb, redis_url):
+    rb.enqueue_many([new(), new(queue="mail")])
+    jobs = rb.claim(["default", "mail"], 2, 30, "w")
+    gone = type(jobs[0].lease)("job_unknown", 1)
+    with open_broker(redis_url) as heartbeat:
+        assert heartbeat.extend([jobs[0].lease, gone, jobs[1].lease], 60) == [gone]
+        assert all(heartbeat.get(j.id).lease_until > heartbeat.now() + 50 for j in jobs)

@@ -34,9 +34,10 @@ as (and before) the enqueue script, so a queue is known before it holds a job.
 
 Finding a job by id: there is no id -> queue index (it would cost a write per
 job and could not be expired with the done TTL). The broker remembers the queue
-of the jobs it claimed or enqueued (bounded cache), and otherwise probes each
-known queue in one pipelined round trip; ``get``, ``dlq_*`` and a finish call
-for a lease another instance claimed take that path. Queue names may not contain
+of the jobs it claimed or looked up (bounded cache), and otherwise probes every
+known queue in one pipelined round trip: ``get``, ``dlq_*``, and the first
+``extend`` or finish call for leases another instance claimed (the heartbeat
+thread's own broker) take that path. Queue names may not contain
 braces (they would break the hash tag).
 
 Semantics beyond the shared contract:
@@ -198,27 +199,34 @@ class RedisBroker(Broker):
             self._where.clear()
         self._where[job_id] = queue
 
-    def _locate(self, job_ids):
-        """{id: (queue, fields)} for the ids that exist, probing every known queue."""
-        queues = sorted(self.r.smembers(self.queues_key))
-        if not queues or not job_ids:
+    def _locate(self, job_ids, fetch=True):
+        """{id: (queue, fields)} for the ids that exist, probing every known queue at once.
+
+        With ``fetch=False`` the fields are not read (``{}``): only the queue is wanted.
+        """
+        job_ids = list(dict.fromkeys(job_ids))
+        queues = sorted(self.r.smembers(self.queues_key)) if job_ids else []
+        if not queues:
             return {}
         pipe = self.r.pipeline(transaction=False)
         pairs = [(job_id, q) for job_id in job_ids for q in queues]
         for job_id, q in pairs:
-            pipe.hgetall(f"{self.prefix}:{{{q}}}:j:{job_id}")
+            key = f"{self.prefix}:{{{q}}}:j:{job_id}"
+            pipe.hgetall(key) if fetch else pipe.exists(key)
         found = {}
         for (job_id, q), fields in zip(pairs, pipe.execute()):
             if fields:
-                found[job_id] = (q, fields)
+                found[job_id] = (q, fields if fetch else {})
         return found
 
-    def _queue_of(self, job_id):
-        queue = self._where.get(job_id)
-        if queue is None:
-            found = self._locate([job_id])
-            queue = found[job_id][0] if job_id in found else None
-        return queue
+    def _queues_of(self, job_ids):
+        """{id: queue} for the ids that exist: from the cache, else one probe for all the rest."""
+        out = {job_id: self._where[job_id] for job_id in job_ids if job_id in self._where}
+        missing = [job_id for job_id in job_ids if job_id not in out]
+        for job_id, (queue, _) in self._locate(missing, fetch=False).items():
+            self._remember(job_id, queue)
+            out[job_id] = queue
+        return out
 
     @_guard
     def migrate(self):
@@ -259,10 +267,8 @@ class RedisBroker(Broker):
         for queue, indexes in by_queue.items():
             for start in range(0, len(indexes), BATCH):
                 chunk = indexes[start:start + BATCH]
-                args = [len(chunk)]
-                for i in chunk:
-                    args.extend(_enqueue_args(jobs[i]))
-                calls.append(("enqueue", queue, args))
+                batch = json.dumps([_enqueue_args(jobs[i]) for i in chunk], separators=(",", ":"), ensure_ascii=False)
+                calls.append(("enqueue", queue, [batch]))
                 slots.append(chunk)
         if not calls:
             return []
@@ -284,7 +290,7 @@ class RedisBroker(Broker):
             if len(claimed) >= n:
                 break
             for fields in self._run("claim", queue, [n - len(claimed), lease_us, owner, owner_json]):
-                job = _job(fields)
+                job = _job(json.loads(fields))
                 self._remember(job.id, queue)
                 claimed.append(job)
         return claimed
@@ -293,8 +299,9 @@ class RedisBroker(Broker):
     def extend(self, leases, lease_seconds):
         lease_us = max(1, int(lease_seconds * 1e6))
         lost, groups = [], {}
+        where = self._queues_of([lease.job_id for lease in leases])
         for lease in leases:
-            queue = self._queue_of(lease.job_id)
+            queue = where.get(lease.job_id)
             if queue is None:
                 lost.append(lease)
             else:
@@ -308,7 +315,7 @@ class RedisBroker(Broker):
         return sorted(lost, key=lambda lease: order[id(lease)])
 
     def _finish(self, name, lease, args):
-        queue = self._queue_of(lease.job_id)
+        queue = self._queues_of([lease.job_id]).get(lease.job_id)
         if queue is None or not self._run(name, queue, [lease.job_id, lease.token, *args]):
             raise LeaseLost(lease.job_id, lease.token)
 
@@ -387,7 +394,7 @@ class RedisBroker(Broker):
 
     def _group_dead(self, job_ids):
         """Check every id is dead (NotDead otherwise); group them by queue."""
-        found = self._locate(list(dict.fromkeys(job_ids)))
+        found = self._locate(job_ids)
         groups = {}
         for job_id in job_ids:
             if job_id not in found or found[job_id][1].get("state") != "dead":
@@ -450,18 +457,20 @@ class RedisBroker(Broker):
 
 
 def _enqueue_args(job):
+    """One job for enqueue.lua: [id, priority, delay_us, [field, value, ...], idempotency_key?]."""
     fields = ["id", job.id, "type", job.type, "queue", job.queue,
               "payload", json.dumps(job.payload, separators=(",", ":")),
-              "max_attempts", job.max_attempts, "priority", job.priority, "trace_id", job.trace_id]
+              "max_attempts", str(job.max_attempts), "priority", str(job.priority), "trace_id", job.trace_id]
     if job.resource_id is not None:
         fields += ["resource_id", job.resource_id]
     if job.idempotency_key is not None:
         fields += ["idempotency_key", job.idempotency_key]
     if job.timeout is not None:
         fields += ["timeout", repr(float(job.timeout))]
-    has_key = job.idempotency_key is not None
-    return [job.id, int(has_key), job.idempotency_key if has_key else "", job.priority,
-            int(job.delay * 1e6), len(fields), *fields]
+    args = [job.id, job.priority, int(job.delay * 1e6), fields]
+    if job.idempotency_key is not None:
+        args.append(job.idempotency_key)
+    return args
 
 
 def _body(info):
