@@ -477,30 +477,42 @@ def cmd_db_migrate(args):
 
 # -- the daemon (its modules are imported only when these commands run) -------
 
-def cmd_run(args):
-    from . import arbiter
+def daemon_module(name):
+    """Import a daemon module on demand (the producer commands never load the daemon)."""
+    import importlib
 
-    return arbiter.run(config_module.find_config(args.config))
+    try:
+        return importlib.import_module(f"{__package__ or 'supervisor'}.{name}")
+    except ImportError as exc:
+        raise Failure(f"this installation has no supervisor.{name} ({exc})") from None
+
+
+def cmd_run(args):
+    return daemon_module("arbiter").run(config_module.find_config(args.config))
 
 
 def cmd_demo(args):
-    from . import demo
-
-    return demo.main(list(args.args))
+    return daemon_module("demo").main(list(args.args))
 
 
 def ask_supervisor(cfg, request):
     """Send one request to the health socket; a Failure naming the socket when nobody answers."""
-    from . import health
-
+    health = daemon_module("health")
     try:
-        return health.request(cfg.supervisor.socket, request)
+        reply = health.request(cfg.supervisor.socket, request)
+    except ValueError as exc:  # not JSON
+        raise Failure(f"supervisor on {cfg.supervisor.socket} sent an invalid reply ({exc})") from None
     except (OSError, TangguhError) as exc:
         socket_path = cfg.supervisor.socket
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         if isinstance(exc, TangguhError) and socket_path in reason:
             raise Failure(reason) from None  # already says which socket and what went wrong
         raise Failure(f"no supervisor answering on {socket_path} ({reason})") from None
+    if not isinstance(reply, dict):
+        raise Failure(f"supervisor on {cfg.supervisor.socket} sent a reply that is not a JSON object")
+    if reply.get("ok") is False:
+        raise Failure(f"supervisor on {cfg.supervisor.socket}: {reply.get('error') or 'request refused'}")
+    return reply
 
 
 def cmd_metrics(args):
@@ -541,6 +553,16 @@ def render_status(reply, now=None):
     lines = [f"supervisor pid {reply.get('pid', '-')}  generation {reply.get('generation', '-')}  {up}".rstrip()]
     for key in ("config", "broker"):
         lines.append(f"{key + ':':<8} {_flat(reply.get(key))}")
+    state = ["stopping" if reply.get("stopping") else "running"]
+    if reply.get("broker_down"):
+        state.append("BROKER DOWN (not claiming, retrying the connection)")
+    for key, label in (("target_workers", "target workers"), ("prefetched", "prefetched"),
+                       ("pending_writes", "pending writes")):
+        if key in reply:
+            state.append(f"{label} {_flat(reply[key])}")
+    lines.append(f"{'state:':<8} " + ", ".join(state))
+    if "handlers" in reply:
+        lines.append(f"{'types:':<8} {', '.join(map(str, reply['handlers'])) or '-'}")
     if reply.get("reload_error"):
         lines.append(f"RELOAD FAILED (running the previous generation): {_flat(reply['reload_error'])}")
     workers = reply.get("workers") or []

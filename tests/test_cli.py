@@ -411,13 +411,21 @@ def test_no_supervisor_answering_is_one_line_exit_1(tmp_path, command):
     assert result.stderr.count("\n") == 1
 
 
+# Recorded from a running supervisor ({"cmd": "status"}), then given a password and a busy worker.
 STATUS_REPLY = {
+    "ok": True,
     "pid": 4100,
     "started_at": 1_000_000.0,
     "generation": 2,
     "config": "/etc/tangguh/config.toml",
     "broker": "postgresql://app:hunter2@db.internal/jobs",
     "reload_error": None,
+    "stopping": False,
+    "broker_down": False,
+    "target_workers": 2,
+    "prefetched": 0,
+    "pending_writes": 0,
+    "handlers": ["add", "send_email"],
     "workers": [
         {"slot": 0, "pid": 4101, "state": "busy", "job_id": "job_01JABCDEF", "job_type": "send_email",
          "attempt": 2, "elapsed": 12.34, "rss_bytes": 48 * 1024 * 1024, "jobs_done": 120, "generation": 2},
@@ -436,6 +444,8 @@ def test_render_status_of_a_recorded_reply():
     assert "config:  /etc/tangguh/config.toml" in lines
     assert "broker:  postgresql://app:***@db.internal/jobs" in lines  # no password on screen
     assert "hunter2" not in text and "RELOAD FAILED" not in text
+    assert "state:   running, target workers 2, prefetched 0, pending writes 0" in lines
+    assert "types:   add, send_email" in lines
     assert "workers: 2 (1 busy)  restarts: 3" in lines
     header = next(i for i, line in enumerate(lines) if line.startswith("SLOT"))
     assert lines[header].split() == ["SLOT", "PID", "STATE", "JOB", "TYPE", "ATTEMPT", "ELAPSED", "RSS", "DONE",
@@ -452,4 +462,6 @@ def test_render_status_shows_a_failed_reload_and_tolerates_missing_fields():
     text = cli.render_status(reply, now=1_000_000.0)
     assert "RELOAD FAILED (running the previous generation): handlers/bad.py: SyntaxError" in text
     assert "workers: 0 (0 busy)" in text and "SLOT" not in text
+    text = cli.render_status(dict(STATUS_REPLY, stopping=True, broker_down=True), now=1_000_000.0)
+    assert "state:   stopping, BROKER DOWN" in text
     assert cli.render_status({"pid": 1}).startswith("supervisor pid 1  generation -")
