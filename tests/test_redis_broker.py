@@ -220,3 +220,22 @@ def test_a_fresh_instance_extends_leases_it_did_not_claim(rb, redis_url):
     with open_broker(redis_url) as heartbeat:
         assert heartbeat.extend([jobs[0].lease, gone, jobs[1].lease], 60) == [gone]
         assert all(heartbeat.get(j.id).lease_until > heartbeat.now() + 50 for j in jobs)
+
+
+def test_a_lost_wakeup_connection_is_reported_and_replaced(rb, redis_url, raw):
+    fd = rb.wakeup_fd()
+    wait_for(lambda: readable(fd), timeout=5, message="subscribe confirmation")
+    rb.drain_wakeups()
+    # Kill exactly our subscriber connection (found by its local address).
+    here = "%s:%d" % rb._wakeup_sock.getsockname()[:2]
+    (client_id,) = [c["id"] for c in raw.client_list(_type="pubsub") if c["addr"] == here]
+    raw.client_kill_filter(_id=client_id)
+    wait_for(lambda: readable(fd), timeout=5, message="EOF on the killed connection")
+    with pytest.raises(BrokerError):
+        rb.drain_wakeups()
+    fd = rb.wakeup_fd()
+    wait_for(lambda: readable(fd), timeout=5, message="subscribe confirmation")
+    rb.drain_wakeups()
+    with open_broker(redis_url) as producer:
+        producer.enqueue(new())
+    wait_for(lambda: readable(fd), timeout=5, message="wake-up on the new connection")

@@ -156,6 +156,7 @@ class RedisBroker(Broker):
         self._offset = None
         self._synced = 0.0
         self._pubsub = None
+        self._wakeup_sock = None
 
     # -- plumbing ---------------------------------------------------------
     def _queue_keys(self, queue):
@@ -245,9 +246,9 @@ class RedisBroker(Broker):
         return time.time() + self._offset
 
     def close(self):
+        if self._pubsub is not None:
+            self._drop_pubsub()
         try:
-            if self._pubsub is not None:
-                self._pubsub.close()
             self.r.close()
         except RedisError:
             pass
@@ -433,13 +434,18 @@ class RedisBroker(Broker):
     def wakeup_fd(self):
         """The socket of a pub/sub connection subscribed to ``P:wakeup``.
 
-        After a BrokerError the connection is gone: call this again for a new fd.
+        When ``drain_wakeups`` raises BrokerError that connection is gone (or
+        redis-py replaced its socket): call this again for the new descriptor.
         """
         if self._pubsub is None:
             pubsub = self.r.pubsub()
-            pubsub.subscribe(self.channel)
-            self._pubsub = pubsub
-        return self._pubsub.connection._sock.fileno()
+            try:
+                pubsub.subscribe(self.channel)
+            except BaseException:
+                pubsub.close()
+                raise
+            self._pubsub, self._wakeup_sock = pubsub, pubsub.connection._sock
+        return self._wakeup_sock.fileno()
 
     def drain_wakeups(self):
         if self._pubsub is None:
@@ -447,13 +453,19 @@ class RedisBroker(Broker):
         try:
             while self._pubsub.get_message(timeout=0.0) is not None:
                 pass
+            connection = self._pubsub.connection
+            if connection is None or connection._sock is not self._wakeup_sock:
+                raise redis.ConnectionError("the wake-up connection was re-established")
         except RedisError as exc:
-            pubsub, self._pubsub = self._pubsub, None
-            try:
-                pubsub.close()
-            except RedisError:
-                pass
-            raise BrokerError(f"redis broker {self.where} unreachable: {exc}") from None
+            self._drop_pubsub()
+            raise BrokerError(f"redis broker {self.where} wake-ups lost, call wakeup_fd() again: {exc}") from None
+
+    def _drop_pubsub(self):
+        pubsub, self._pubsub, self._wakeup_sock = self._pubsub, None, None
+        try:
+            pubsub.close()
+        except (RedisError, OSError):
+            pass
 
 
 def _enqueue_args(job):
