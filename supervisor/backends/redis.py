@@ -152,7 +152,7 @@ class RedisBroker(Broker):
         self.queues_key = f"{self.prefix}:queues"
         self.channel = f"{self.prefix}:wakeup"
         self._keys = {}  # queue -> (keys, argv head)
-        self._where = {}  # job id -> queue, for jobs this instance claimed or enqueued
+        self._where = {}  # job id -> queue, for jobs this instance claimed or looked up
         self._offset = None
         self._synced = 0.0
         self._pubsub = None
