@@ -50,7 +50,9 @@ class Client:
 
     @classmethod
     def from_config(cls, path=None):
-        """A client for the broker a config file names (default: the usual config locations)."""
+        """A client for the broker a config file names (default: the usual config locations).
+
+        ``path`` may also be an already loaded ``config.Config``. Raises ``ConfigError``."""
         cfg = path if isinstance(path, config_module.Config) else config_module.load(path)
         return cls(cfg.broker.url, config=cfg)
 

@@ -6,9 +6,11 @@ checked on real processes, as an operator or a script would see it.
 """
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 
 import pytest
@@ -409,6 +411,76 @@ def test_no_supervisor_answering_is_one_line_exit_1(tmp_path, command):
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith(f"tangguh: error: no supervisor answering on {tmp_path / 'nobody.sock'}")
     assert result.stderr.count("\n") == 1
+
+
+@pytest.fixture
+def fake_supervisor(tmp_path):
+    """A health socket answering like a supervisor: one JSON line in, one JSON line out."""
+    pytest.importorskip("supervisor.health")
+    path = str(tmp_path / "fake.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(8)
+    requests = []
+    replies = {"status": STATUS_REPLY, "metrics": {"ok": True, "text": "tangguh_jobs_total 3\n"}}
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while not data.endswith(b"\n"):
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+                req = json.loads(data)
+                requests.append(req)
+                reply = replies.get(req.get("cmd"), {"ok": False, "error": f"unknown command {req.get('cmd')!r}"})
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    cfg = tmp_path / "fake.toml"
+    cfg.write_text('[supervisor]\nsocket = "fake.sock"\n')
+    yield str(cfg), requests
+    server.close()
+    thread.join(5)
+
+
+def test_status_and_metrics_ask_the_health_socket(capsys, fake_supervisor):
+    cfg, requests = fake_supervisor
+    code, out, _ = tangguh(capsys, "status", "-c", cfg)
+    assert code == 0 and out.startswith("supervisor pid 4100") and "send_email" in out
+    code, out, _ = tangguh(capsys, "status", "--json", "-c", cfg)
+    assert code == 0 and json.loads(out) == STATUS_REPLY
+    code, out, _ = tangguh(capsys, "metrics", "-c", cfg)
+    assert (code, out) == (0, "tangguh_jobs_total 3\n")
+    assert requests == [{"cmd": "status"}, {"cmd": "status"}, {"cmd": "metrics"}]
+
+
+def test_a_refused_request_is_one_line_exit_1(capsys, fake_supervisor, monkeypatch):
+    cfg, _ = fake_supervisor
+    from supervisor import health
+
+    real = health.request
+    monkeypatch.setattr(health, "request", lambda path, obj, timeout=5.0: real(path, {"cmd": "nope"}, timeout))
+    code, out, err = tangguh(capsys, "metrics", "-c", cfg)
+    assert (code, out) == (1, "")
+    assert err.startswith("tangguh: error: supervisor on ") and err.endswith("unknown command 'nope'\n")
+
+
+def test_the_console_script_lists_every_command():
+    script = os.path.join(os.path.dirname(sys.executable), "tangguh")
+    if not os.path.exists(script):
+        pytest.skip("the tangguh console script is not installed in this environment")
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    for command in ("run", "enqueue", "status", "stats", "job", "dlq", "config", "db", "metrics", "demo"):
+        assert command in result.stdout
 
 
 # Recorded from a running supervisor ({"cmd": "status"}), then given a password and a busy worker.
