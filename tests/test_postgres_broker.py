@@ -271,3 +271,26 @@ def test_concurrent_enqueues_with_one_key_store_one_job(pg, postgres_url):
     assert errors == []
     assert len(results) == 100 and len(set(results)) == 1
     assert pg.stats(Q)["default"].ready == 1
+
+
+def test_a_forked_child_opens_its_own_connection_and_leaves_the_parents_alone(pg):
+    import os
+
+    fd = pg.wakeup_fd()
+    parent_pid = pg._conn().info.backend_pid
+    child = os.fork()
+    if child == 0:  # the child: use the inherited broker, then close it
+        code = 1
+        try:
+            job_id = pg.enqueue(new(queue="from-child"))
+            ok = pg._conn().info.backend_pid != parent_pid and pg.get(job_id) is not None
+            pg.close()
+            code = 0 if ok else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pg._conn().info.backend_pid == parent_pid  # the parent's session survived
+    assert pg.stats(["from-child"])["from-child"].ready == 1
+    wait_for(lambda: readable(fd), timeout=10, message="the parent's listener to hear the child's enqueue")
+    assert pg.drain_wakeups() == {"from-child"}

@@ -33,6 +33,7 @@ measured when connecting (re-measured every minute).
 import contextlib
 import hashlib
 import json
+import os
 import re
 import select
 import time
@@ -182,6 +183,7 @@ class PostgresBroker(Broker):
         self._jobs = f"{s}.jobs"
         self._db = None
         self._listener = None
+        self._pid = os.getpid()
         self._offset = 0.0
         self._synced = float("-inf")
         self._prepare_sql()
@@ -243,12 +245,21 @@ class PostgresBroker(Broker):
         return psycopg.connect(self.conninfo, autocommit=True)
 
     def _conn(self):
-        """The main connection, reconnecting when the previous one broke."""
+        """The main connection, reconnecting when the previous one broke (or belongs to our parent)."""
+        if self._pid != os.getpid():
+            self._forget_inherited()
         db = self._db
         if db is None or db.closed:
             self._db = db = self._connect()
             self._sync_clock(db)
         return db
+
+    def _forget_inherited(self):
+        # After a fork the sockets are the parent's sessions: never talk on them, never close
+        # them (closing sends the server a Terminate that would end the parent's session).
+        # psycopg skips that goodbye when a connection is garbage-collected in another process.
+        self._db = self._listener = None
+        self._pid = os.getpid()
 
     def _sync_clock(self, db):
         # Measured after the reply arrives, so the estimate errs low (by at most one round trip):
@@ -275,7 +286,8 @@ class PostgresBroker(Broker):
             return cur
 
     def now(self):
-        if time.monotonic() - self._synced > _CLOCK_RESYNC and self._db is not None and not self._db.closed:
+        if (time.monotonic() - self._synced > _CLOCK_RESYNC and self._db is not None and not self._db.closed
+                and self._pid == os.getpid()):
             try:
                 self._sync_clock(self._db)
             except psycopg.Error:
@@ -302,6 +314,9 @@ class PostgresBroker(Broker):
                     db.execute(f"INSERT INTO {s}.schema_version (version) VALUES (%s)", (version,))
 
     def close(self):
+        if self._pid != os.getpid():
+            self._forget_inherited()
+            return
         for name in ("_listener", "_db"):
             conn = getattr(self, name, None)
             setattr(self, name, None)
@@ -318,6 +333,8 @@ class PostgresBroker(Broker):
         After a BrokerError from ``drain_wakeups`` the descriptor is gone; call
         ``wakeup_fd()`` again for a new one.
         """
+        if self._pid != os.getpid():
+            self._forget_inherited()
         if self._listener is None or self._listener.closed:
             with self._guard("listen"):
                 listener = self._connect()
@@ -332,7 +349,7 @@ class PostgresBroker(Broker):
     def drain_wakeups(self):
         """Consume pending notifications without blocking; returns the queues they named."""
         listener = self._listener
-        if listener is None:
+        if listener is None or self._pid != os.getpid():
             return set()
         queues = set()
         try:
