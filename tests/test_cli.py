@@ -157,6 +157,22 @@ def test_client_opens_the_broker_lazily_and_rejects_unsupported_broker_kwargs(tm
         Client.from_url("ftp://example.com/q")
 
 
+def test_client_passes_conn_to_the_postgres_outbox(postgres_url):
+    """``conn=`` reaches the PostgreSQL broker: the job exists iff the producer's transaction commits."""
+    pytest.importorskip("supervisor.backends.postgres")
+    import psycopg
+
+    with Client.from_url(postgres_url) as client:
+        client.broker.migrate()
+        with psycopg.connect(postgres_url.split("?")[0]) as conn:
+            rolled_back = client.enqueue("email", {"n": 1}, conn=conn)
+            conn.rollback()
+            committed = client.enqueue_many([("email", {"n": 2})], conn=conn)[0]
+            conn.commit()
+        assert client.get(rolled_back) is None
+        assert client.get(committed).payload == {"n": 2}
+
+
 # -- enqueue, job, stats -------------------------------------------------------
 
 def test_enqueue_then_job_shows_every_field(capsys, cfg_path, broker):
