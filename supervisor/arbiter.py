@@ -496,10 +496,13 @@ class Arbiter:
             info = self.attempt_info(w, msg)
             self.writes.append(Write(job, "ack", (msg.get("result"), info)))
             log.info("job done in %.3fs", msg.get("duration", 0), extra=logs.job_fields(job, event="done"))
+        elif w.term_at is not None:
+            # It answered our SIGTERM in its grace period: still a hard timeout.
+            self.fail(job, w, "timeout", "HardTimeout", "job exceeded its timeout; child stopped by SIGTERM",
+                      msg.get("traceback", ""), None, msg)
         else:
-            kind = "timeout" if w.term_at is not None else msg.get("kind", "exception")
-            self.fail(job, w, kind, msg.get("error_class", ""), msg.get("message", ""), msg.get("traceback", ""),
-                      msg.get("delay"), msg)
+            self.fail(job, w, msg.get("kind", "exception"), msg.get("error_class", ""), msg.get("message", ""),
+                      msg.get("traceback", ""), msg.get("delay"), msg)
         if w.term_at is not None or w.kill_reason is not None:
             w.state = "stopping"
             self.kill_worker(w, w.kill_reason or "timeout")  # a child we were killing: finish it off

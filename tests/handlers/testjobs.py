@@ -1,0 +1,69 @@
+"""Handlers for the process tests. Each one leaves evidence in files the test reads."""
+import os
+import signal
+import time
+
+import supervisor
+
+
+def _mark(payload, text):
+    if payload.get("marker"):
+        with open(payload["marker"], "a") as f:
+            f.write(text + "\n")
+
+
+@supervisor.job("noop")
+def noop(ctx, payload):
+    _mark(payload, f"{ctx.job.id} {os.getpid()} {ctx.job.attempt}")
+    return {"attempt": ctx.job.attempt}
+
+
+@supervisor.job("hold")
+def hold(ctx, payload):
+    """Marks that it started, then waits for the ``release`` file (bounded)."""
+    _mark(payload, f"started {ctx.job.id} {os.getpid()} {ctx.job.attempt}")
+    deadline = time.monotonic() + float(payload.get("max_wait", 30))
+    while not os.path.exists(payload["release"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _mark(payload, f"finished {ctx.job.id}")
+    return {"released": os.path.exists(payload["release"])}
+
+
+@supervisor.job("spin")
+def spin(ctx, payload):
+    """Never returns by itself: a pure-Python endless loop (hard timeout test)."""
+    _mark(payload, f"started {ctx.job.id} {os.getpid()}")
+    while True:
+        pass
+
+
+@supervisor.job("soft_timeout", soft_timeout=0.3, timeout=10)
+def soft_timeout(ctx, payload):
+    _mark(payload, f"started {ctx.job.id} deadline={ctx.deadline is not None}")
+    try:
+        time.sleep(5)
+    except supervisor.JobTimeout:
+        _mark(payload, "saw JobTimeout")
+        raise
+    return {"late": True}
+
+
+@supervisor.job("poison")
+def poison(ctx, payload):
+    _mark(payload, f"{ctx.job.attempt} {time.time()}")
+    raise ValueError(f"poison attempt {ctx.job.attempt}")
+
+
+@supervisor.job("permanent")
+def permanent(ctx, payload):
+    _mark(payload, f"{ctx.job.attempt}")
+    raise supervisor.Permanent("never")
+
+
+@supervisor.job("suicide")
+def suicide(ctx, payload):
+    """Kills its own child process: a crash the master must absorb."""
+    _mark(payload, f"{ctx.job.id} {os.getpid()} {ctx.job.attempt}")
+    if ctx.job.attempt <= int(payload.get("crashes", 1)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"survived_on": ctx.job.attempt}

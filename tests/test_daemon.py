@@ -1,0 +1,358 @@
+"""The supervisor as a real process: real forks, real signals, real kills.
+
+Each test starts ``tangguh run`` on a temporary SQLite broker, drives it only
+through the broker, the health socket and signals, and ends with
+``assert_clean`` (nothing leased, no process left).
+"""
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from .daemon import Daemon, read_lines, tangguh
+from .util import wait_for
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(tmp_path)
+    yield d
+    d.stop()
+
+
+def start(d):
+    return d.start()
+
+
+def test_jobs_flow_and_status_reports_children(daemon):
+    daemon.start()
+    ids = [daemon.enqueue("noop", {"i": i}) for i in range(20)]
+    for job_id in ids:
+        assert daemon.wait_job(job_id).state == "done"
+    status = daemon.status()
+    assert status["counters"]["succeeded"] == 20
+    assert len(status["workers"]) == 2
+    assert {w["state"] for w in status["workers"]} == {"idle"}
+    assert sum(w["jobs_done"] for w in status["workers"]) == 20
+    assert all(w["rss_bytes"] > 0 for w in status["workers"])
+    done = daemon.job(ids[0])
+    assert done.result == {"attempt": 1}
+    assert done.history[-1]["pid"] in daemon.worker_pids()
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    daemon.assert_clean()
+
+
+def test_child_killed_mid_job_is_rerun_and_replaced(daemon):
+    daemon.start()
+    marker, release = daemon.marker("m"), daemon.marker("release")
+    job_id = daemon.enqueue("hold", {"marker": marker, "release": release})
+    started = wait_for(lambda: read_lines(marker), message="job to start")
+    victim = int(started[0][2])
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: len(read_lines(marker)) >= 2, message="job to run again")
+    open(release, "w").close()
+    job = daemon.wait_job(job_id)
+    assert (job.state, job.attempt) == ("done", 2)
+    assert job.history[0]["outcome"] == "retry" and job.history[0]["error"]["reason"] == "crashed"
+    assert "SIGKILL" in job.history[0]["error"]["message"]
+    status = daemon.status()
+    assert status["restarts"] == 1 and status["counters"]["crashed"] == 1
+    assert victim not in daemon.worker_pids() and len(daemon.worker_pids()) == 2
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    daemon.assert_clean()
+
+
+def test_hard_timeout_kills_the_child_and_jobs_keep_flowing(tmp_path):
+    d = Daemon(tmp_path, jobs={"timeout": 1.0})
+    try:
+        d.start()
+        marker = d.marker("m")
+        job_id = d.enqueue("spin", {"marker": marker}, max_attempts=1)
+        pid = int(wait_for(lambda: read_lines(marker), message="spin to start")[0][2])
+        t0 = time.monotonic()
+        # The limit is 1 s plus the 0.5 s SIGTERM grace; allow 1 s more for a loaded machine.
+        wait_for(lambda: not _alive(pid), timeout=3.5, message="the spinning child to be killed")
+        assert time.monotonic() - t0 < 3.5
+        job = d.wait_job(job_id)
+        assert (job.state, job.reason) == ("dead", "timeout")
+        assert job.history[-1]["error"]["class"] == "HardTimeout"
+        after = d.enqueue("noop")
+        assert d.wait_job(after).state == "done"
+        assert d.status()["counters"]["timeouts"] == 1
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def test_soft_timeout_raises_job_timeout_inside_the_handler(daemon):
+    daemon.start()
+    marker = daemon.marker("m")
+    job_id = daemon.enqueue("soft_timeout", {"marker": marker}, max_attempts=1)
+    job = daemon.wait_job(job_id)
+    assert (job.state, job.reason) == ("dead", "timeout")
+    assert job.error["class"] == "JobTimeout"
+    lines = [" ".join(x) for x in read_lines(marker)]
+    assert lines[0].endswith("deadline=True") and "saw JobTimeout" in lines
+    assert len(daemon.status()["workers"]) == 2
+    daemon.assert_clean()
+
+
+def test_poison_job_is_retried_with_growing_delays_then_dead_lettered(daemon):
+    daemon.start()
+    marker = daemon.marker("m")
+    job_id = daemon.enqueue("poison", {"marker": marker}, max_attempts=4)
+    job = daemon.wait_job(job_id, states=("dead",))
+    assert (job.attempt, job.reason) == (4, "exception")
+    assert [h["outcome"] for h in job.history] == ["retry", "retry", "retry", "dead"]
+    assert "ValueError: poison attempt 4" in job.error["traceback"]
+    starts = [float(t) for _, t in read_lines(marker)]
+    assert len(starts) == 4
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    # backoff_base 0.1 with no jitter: 0.1, 0.2, 0.4 s
+    assert gaps[0] < gaps[1] < gaps[2], gaps
+    out = tangguh("dlq", "show", job_id, "--json", "-c", daemon.config_path)
+    assert out.returncode == 0, out.stderr
+    assert "poison attempt 4" in out.stdout
+    daemon.assert_clean()
+
+
+def test_permanent_failure_is_dead_after_one_attempt(daemon):
+    daemon.start()
+    marker = daemon.marker("m")
+    job_id = daemon.enqueue("permanent", {"marker": marker}, max_attempts=5)
+    job = daemon.wait_job(job_id)
+    assert (job.state, job.reason, job.attempt) == ("dead", "permanent", 1)
+    assert read_lines(marker) == [["1"]]
+    daemon.assert_clean()
+
+
+def test_sigterm_lets_the_running_job_finish_and_exits_zero(daemon):
+    daemon.start()
+    marker, release = daemon.marker("m"), daemon.marker("release")
+    job_id = daemon.enqueue("hold", {"marker": marker, "release": release})
+    queued = daemon.enqueue("noop", delay=0)  # waits behind; must be left queued, not lost
+    wait_for(lambda: read_lines(marker), message="job to start")
+    daemon.signal(signal.SIGTERM)
+    wait_for(lambda: daemon.status()["stopping"] == "graceful", message="graceful stop to begin")
+    open(release, "w").close()
+    assert daemon.wait_exit() == 0
+    assert daemon.job(job_id).state == "done"
+    assert daemon.job(queued).state in ("done", "queued")
+    daemon.assert_clean()
+
+
+def test_master_sigkill_takes_children_down_and_another_supervisor_finishes(tmp_path):
+    d = Daemon(tmp_path, broker={"lease_seconds": 2.0, "heartbeat_seconds": 0.5})
+    try:
+        d.start()
+        marker, release = d.marker("m"), d.marker("release")
+        job_id = d.enqueue("hold", {"marker": marker, "release": release, "max_wait": 60})
+        wait_for(lambda: read_lines(marker), message="job to start")
+        children = d.worker_pids()
+        d.signal(signal.SIGKILL)
+        d.wait_exit()
+        wait_for(lambda: not any(_alive(p) for p in children), timeout=2.0,
+                 message="children to exit after their master died")
+        open(release, "w").close()
+        d2 = Daemon(tmp_path / "second", broker_url=d.broker_url, broker={"lease_seconds": 2.0})
+        try:
+            d2.start()
+            job = d2.wait_job(job_id, timeout=30)
+            assert (job.state, job.attempt) == ("done", 2)
+            assert job.history[0]["outcome"] == "lease_expired"
+            d2.assert_clean()
+        finally:
+            d2.stop()
+    finally:
+        d.stop()
+
+
+def test_sighup_applies_a_new_worker_count(daemon):
+    daemon.start()
+    before = daemon.status()
+    daemon.config["supervisor"]["workers"] = 3
+    daemon.write_config()
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: _idle(daemon, generation=2) == 3, message="three children of generation 2")
+    status = daemon.status()
+    assert status["generation"] == before["generation"] + 1 and status["reload_error"] is None
+    assert not set(w["pid"] for w in before["workers"]) & set(daemon.worker_pids())
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    daemon.assert_clean()
+
+
+@pytest.mark.parametrize("breakage", ["config", "handler"])
+def test_sighup_with_a_broken_config_or_handler_keeps_serving(daemon, breakage):
+    daemon.start()
+    pids = sorted(daemon.worker_pids())
+    if breakage == "config":
+        with open(daemon.config_path, "a") as f:
+            f.write("\n[broker]\nlease_seconds = 'soon'\n")
+    else:
+        with open(os.path.join(daemon.handlers, "broken.py"), "w") as f:
+            f.write("import supervisor\n\ndef oops(:\n")
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: daemon.status()["reload_error"], message="reload_error to be reported")
+    status = daemon.status()
+    assert status["generation"] == 1 and sorted(daemon.worker_pids()) == pids
+    assert ("broken.py:3" in status["reload_error"]) if breakage == "handler" else status["reload_error"]
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    daemon.assert_clean()
+
+
+def test_a_new_handler_file_runs_after_sighup(daemon):
+    daemon.start()
+    job_id = daemon.enqueue("brand_new", {"x": 2}, max_attempts=1, delay=60)
+    with open(os.path.join(daemon.handlers, "fresh.py"), "w") as f:
+        f.write("import supervisor\n\n@supervisor.job('brand_new')\ndef brand_new(ctx, payload):\n"
+                "    return {'double': payload['x'] * 2}\n")
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: "brand_new" in daemon.status()["handlers"] and _idle(daemon, generation=2) == 2,
+             message="the new generation with the new handler")
+    job_id = daemon.enqueue("brand_new", {"x": 21}, max_attempts=1)
+    job = daemon.wait_job(job_id)
+    assert (job.state, job.result) == ("done", {"double": 42})
+    daemon.assert_clean()
+
+
+def test_ttin_and_ttou_change_the_worker_count(daemon):
+    daemon.start()
+    daemon.signal(signal.SIGTTIN)
+    wait_for(lambda: _idle(daemon) == 3, message="a third child")
+    # Two identical signals sent back to back may reach the process as one
+    # (the kernel keeps one pending bit per signal), so wait between them.
+    daemon.signal(signal.SIGTTOU)
+    wait_for(lambda: len(daemon.worker_pids()) == 2, message="two children left")
+    daemon.signal(signal.SIGTTOU)
+    wait_for(lambda: len(daemon.worker_pids()) == 1, message="one child left")
+    assert daemon.status()["target_workers"] == 1
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    daemon.assert_clean()
+
+
+def test_garbage_on_the_health_socket_gets_an_error_and_harms_nothing(daemon):
+    daemon.start()
+    replies = []
+    for line in (b"not json\n", b"[1,2]\n", b'{"cmd": "explode"}\n', b"x" * (70 * 1024)):
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(10)
+        s.connect(daemon.socket)
+        s.sendall(line)
+        replies.append(json.loads(s.makefile().readline()))
+        s.close()
+    assert all(r["ok"] is False and r["error"] for r in replies), replies
+    assert "unknown command" in replies[2]["error"]
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(daemon.socket)  # says nothing: must not block anyone else
+    assert daemon.status()["ok"] is True
+    silent.settimeout(10)
+    assert "timed out" in json.loads(silent.makefile().readline())["error"]
+    silent.close()
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    daemon.assert_clean()
+
+
+def test_many_rapid_child_crashes_never_hang_the_master(tmp_path):
+    """The fork-safety test: 500 forks while the heartbeat thread renews leases busily."""
+    d = Daemon(tmp_path, broker={"heartbeat_seconds": 0.01, "lease_seconds": 5.0, "prefetch": 4})
+    try:
+        d.start()
+        total = 500
+        d.broker.enqueue_many([_new("suicide", {"crashes": 5}, max_attempts=1) for _ in range(total)])
+        wait_for(lambda: d.broker.stats(["default"])["default"].dead == total, timeout=240,
+                 message="all crashing jobs dead-lettered")
+        status = d.status()
+        assert status["restarts"] == total and status["counters"]["crashed"] == total
+        assert all(j.reason == "crashed" for j in d.broker.dlq_list(limit=None))
+        assert d.wait_job(d.enqueue("noop")).state == "done"
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def test_sigquit_stops_at_once_and_releases_the_running_job(daemon):
+    daemon.start()
+    marker, release = daemon.marker("m"), daemon.marker("release")
+    job_id = daemon.enqueue("hold", {"marker": marker, "release": release, "max_wait": 60})
+    wait_for(lambda: read_lines(marker), message="job to start")
+    daemon.signal(signal.SIGQUIT)
+    assert daemon.wait_exit() == 0
+    job = daemon.job(job_id)
+    assert (job.state, job.attempt) == ("queued", 0)
+    daemon.assert_clean()
+
+
+def test_a_second_supervisor_on_the_same_socket_refuses_to_start(daemon, tmp_path):
+    daemon.start()
+    second = tangguh("run", "-c", daemon.config_path, timeout=30)
+    assert second.returncode == 3
+    assert "another supervisor" in second.stderr + second.stdout
+    assert daemon.status()["ok"]
+    daemon.assert_clean()
+
+
+def test_a_stale_socket_file_is_replaced(daemon):
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(daemon.socket)
+    s.close()  # a socket file nobody listens on: left over from a crash
+    daemon.start()
+    assert daemon.status()["ok"]
+    assert oct(os.stat(daemon.socket).st_mode & 0o777) == oct(0o660)
+
+
+def test_a_handler_that_fails_to_import_is_a_startup_error(daemon):
+    with open(os.path.join(daemon.handlers, "bad.py"), "w") as f:
+        f.write("import supervisor\nx = 1\nraise RuntimeError('boom at import')\n")
+    out = tangguh("run", "-c", daemon.config_path)
+    assert out.returncode == 2
+    assert "bad.py:3" in out.stderr and "boom at import" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_children_are_recycled_after_max_jobs(tmp_path):
+    d = Daemon(tmp_path, supervisor={"workers": 1, "max_jobs_per_child": 3})
+    try:
+        d.start()
+        marker = d.marker("m")
+        ids = [d.enqueue("noop", {"marker": marker}) for _ in range(7)]
+        for job_id in ids:
+            d.wait_job(job_id)
+        pids = [int(line[1]) for line in read_lines(marker)]
+        assert len(set(pids[0:3])) == 1 and len(set(pids[3:6])) == 1 and pids[0] != pids[3] != pids[6]
+        assert d.status()["restarts"] == 0  # recycling is not a crash
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        import psutil
+
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _idle(d, generation=None):
+    return sum(1 for w in d.status()["workers"]
+               if w["state"] == "idle" and (generation is None or w["generation"] == generation))
+
+
+def _new(type_, payload, **kw):
+    from supervisor.job import NewJob
+
+    return NewJob(type_, payload, **kw)
