@@ -302,11 +302,17 @@ class PostgresBroker(Broker):
             db = self._conn()
             with db.transaction():
                 db.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
-                db.execute(f"CREATE SCHEMA IF NOT EXISTS {s}")
+                # CREATE SCHEMA IF NOT EXISTS needs the CREATE privilege even when the schema exists.
+                if db.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.schema,)).fetchone() is None:
+                    db.execute(f"CREATE SCHEMA {s}")
                 db.execute(f"CREATE TABLE IF NOT EXISTS {s}.schema_version ("
                            " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())")
                 current = db.execute(f"SELECT coalesce(max(version), 0) FROM {s}.schema_version").fetchone()[0]
-                for version, statements in _migrations(s):
+                migrations = _migrations(s)
+                if current > migrations[-1][0]:
+                    raise BrokerError(f"postgres broker schema {self.schema!r} is at version {current}, newer than"
+                                      f" this tangguh knows ({migrations[-1][0]}): upgrade tangguh")
+                for version, statements in migrations:
                     if version <= current:
                         continue
                     for statement in statements:
