@@ -506,10 +506,10 @@ class Arbiter:
         if w.term_at is not None or w.kill_reason is not None:
             w.state = "stopping"
             self.kill_worker(w, w.kill_reason or "timeout")  # a child we were killing: finish it off
-        elif w.retiring or self.should_recycle(w):
-            self.retire(w)
         else:
             w.state = "idle"
+            if w.retiring or self.should_recycle(w):
+                self.retire(w)
 
     def should_recycle(self, w):
         s = self.cfg.supervisor
@@ -598,8 +598,8 @@ class Arbiter:
     def _on_broker_wakeup(self, _mask):
         try:
             self.broker.drain_wakeups()
-        except Exception:  # noqa: BLE001 - a broken listener shows up on the next call
-            pass
+        except Exception:  # noqa: BLE001 - the listener broke: reconnect everything on the next call
+            self.drop_broker()
         self.next_claim_at = time.monotonic()
         self.empty_claims = 0
 

@@ -145,6 +145,7 @@ def test_sigterm_lets_the_running_job_finish_and_exits_zero(daemon):
     assert daemon.wait_exit() == 0
     assert daemon.job(job_id).state == "done"
     assert daemon.job(queued).state in ("done", "queued")
+    assert "graceful timeout passed" not in daemon.logs()  # it exited because the job ended
     daemon.assert_clean()
 
 
@@ -329,6 +330,8 @@ def test_children_are_recycled_after_max_jobs(tmp_path):
         pids = [int(line[1]) for line in read_lines(marker)]
         assert len(set(pids[0:3])) == 1 and len(set(pids[3:6])) == 1 and pids[0] != pids[3] != pids[6]
         assert d.status()["restarts"] == 0  # recycling is not a crash
+        wait_for(lambda: len(d.status()["workers"]) == 1, message="the recycled children to be gone")
+        assert pids[6] in d.worker_pids()
         d.assert_clean()
     finally:
         d.stop()
