@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: python bench/broker_bench.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from supervisor.backends import open_broker  # noqa: E402
-from supervisor.job import NewJob  # noqa: E402
+from supervisor.model import NewJob  # noqa: E402
 
 REDIS_URL = os.environ.get("TANGGUH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES_URL = os.environ.get("TANGGUH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")

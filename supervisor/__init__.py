@@ -10,12 +10,8 @@ Handler authors need only this module::
 
 Producers use ``supervisor.Client``.
 """
-from . import job as _model  # noqa: F401  (loaded first: see the note on ``job`` below)
 from .errors import BadInput, BrokerError, ConfigError, LeaseLost, TangguhError  # noqa: F401
-# ``supervisor.job`` is the decorator. The model module of the same name was
-# loaded above, so later ``import supervisor.job`` finds it in sys.modules and
-# leaves this attribute alone.
-from .registry import job  # noqa: F401,E402
+from .registry import job  # noqa: F401
 from .retry import BadPayload, JobTimeout, Permanent, RetryLater, Transient  # noqa: F401
 from .timeouts import critical  # noqa: F401
 

@@ -25,7 +25,7 @@ from .backends import open_broker
 from .errors import BrokerError, ConfigError, LeaseLost, TangguhError
 from .health import AlreadyRunning, HealthServer
 from .heartbeat import Heartbeat
-from .job import error_info
+from .model import error_info
 from .retry import next_delay
 
 log = logging.getLogger("tangguh.arbiter")

@@ -16,7 +16,7 @@ import setproctitle
 
 from . import protocol, timeouts
 from .context import Context
-from .job import check_json
+from .model import check_json
 from .retry import BadPayload, JobTimeout, Permanent, RetryLater
 
 PR_SET_PDEATHSIG = 1

@@ -23,7 +23,7 @@ import inspect
 from . import config as config_module
 from .backends.base import open_broker, scheme_of
 from .errors import BadInput, BrokerError
-from .job import NewJob
+from .model import NewJob
 
 DEFAULT_QUEUE = "default"
 

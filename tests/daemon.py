@@ -11,7 +11,7 @@ import tomli_w
 
 from supervisor.backends import open_broker
 from supervisor.health import NoSupervisor, request
-from supervisor.job import NewJob
+from supervisor.model import NewJob
 
 from .util import wait_for
 

@@ -19,7 +19,7 @@ from supervisor import cli
 from supervisor.backends import open_broker
 from supervisor.client import Client
 from supervisor.errors import BadInput, BrokerError
-from supervisor.job import NewJob, error_info
+from supervisor.model import NewJob, error_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -356,6 +356,6 @@ def _idle(d, generation=None):
 
 
 def _new(type_, payload, **kw):
-    from supervisor.job import NewJob
+    from supervisor.model import NewJob
 
     return NewJob(type_, payload, **kw)

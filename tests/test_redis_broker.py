@@ -6,7 +6,7 @@ import pytest
 
 from supervisor.backends import open_broker
 from supervisor.errors import BadInput, BrokerError
-from supervisor.job import NewJob, error_info
+from supervisor.model import NewJob, error_info
 
 from .util import wait_for
 

@@ -34,7 +34,7 @@ import time
 import urllib.parse
 
 from ..errors import BrokerError
-from ..job import Job, Lease, NewJob, QueueStats  # noqa: F401  (re-exported for backends)
+from ..model import Job, Lease, NewJob, QueueStats  # noqa: F401  (re-exported for backends)
 
 
 class Broker(abc.ABC):

@@ -64,7 +64,7 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
 from ..errors import BadInput, BrokerError, LeaseLost, NotDead
-from ..job import Job, QueueStats
+from ..model import Job, QueueStats
 from .base import Broker
 
 DEFAULT_PREFIX = "tangguh"

@@ -13,7 +13,7 @@ import sqlite3
 import urllib.parse
 
 from ..errors import BadInput, BrokerError, LeaseLost, NotDead
-from ..job import DEAD, DONE, RETRYING, Job, QueueStats, error_info
+from ..model import DEAD, DONE, RETRYING, Job, QueueStats, error_info
 from .base import Broker
 
 SCHEMA = """
