@@ -5,7 +5,14 @@ works too). ``schema`` (default ``tangguh``) names the PostgreSQL schema that
 holds the broker's tables; it is Tangguh's only option and is stripped before
 connecting. Every other query parameter must be a libpq connection parameter
 (``sslmode``, ``connect_timeout``, ``application_name``...) and is passed
-through; anything else is a ``BrokerError``.
+through; anything else is a ``BrokerError``. Unless the URL says otherwise,
+connections use ``connect_timeout=10``, TCP keepalives (30 s idle, 10 s x 3)
+and ``fallback_application_name=tangguh``.
+
+Connections are autocommit. Every psycopg error surfaces as ``BrokerError``
+(the daemon reads it as "broker down"); the next call reconnects. After a
+``fork()`` the child opens its own connections and never touches (nor closes)
+the parent's.
 
 Times are stored as ``double precision`` epoch seconds taken from the
 server's clock (``now()``), so every supervisor measures leases against the
@@ -44,7 +51,7 @@ from psycopg import errors as pgerrors
 from psycopg.rows import dict_row, tuple_row
 
 from ..errors import BadInput, BrokerError, LeaseLost, NotDead
-from ..job import Job, QueueStats
+from ..model import Job, QueueStats
 from .base import Broker
 
 DEFAULT_SCHEMA = "tangguh"
@@ -173,6 +180,9 @@ class PostgresBroker(Broker):
         names = {k for k, _ in passed}
         if "connect_timeout" not in names:
             passed.append(("connect_timeout", "10"))
+        if not names & {"keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count"}:
+            # Notice a silently dropped TCP connection (the idle LISTEN one above all) within ~a minute.
+            passed += [("keepalives_idle", "30"), ("keepalives_interval", "10"), ("keepalives_count", "3")]
         if "fallback_application_name" not in names:
             passed.append(("fallback_application_name", "tangguh"))
         self.schema = schema
