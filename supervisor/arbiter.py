@@ -25,6 +25,7 @@ from .backends import open_broker
 from .errors import BrokerError, ConfigError, LeaseLost, TangguhError
 from .health import AlreadyRunning, HealthServer
 from .heartbeat import Heartbeat
+from .sdnotify import Notifier
 from .model import error_info
 from .retry import next_delay
 
@@ -101,6 +102,8 @@ class Arbiter:
         self.next_prune_at = time.monotonic() + 60
         self.selector = selectors.DefaultSelector()
         self.signals = collections.deque()
+        self.notifier = Notifier()
+        self.ready_sent = False  # READY=1 goes out once the first children are up
 
     # -- life -------------------------------------------------------------------
     def run(self):
@@ -120,6 +123,7 @@ class Arbiter:
             self.manage_workers()
             self.claim_jobs()
             self.housekeeping()
+            self.report()
         self.shutdown()
         return self.exit_code
 
@@ -170,12 +174,34 @@ class Arbiter:
             instants.append(self.next_spawn_at)
         return max(0.0, min(instants) - now)
 
+    def report(self):
+        """Tell systemd how we are: READY once, STATUS on change, WATCHDOG while the loop turns."""
+        if not self.ready_sent and self.stopping is None and self.missing_workers() <= 0 and all(
+                w.state != "starting" for w in self.workers.values()):
+            self.ready_sent = True
+            self.notifier.ready(self.summary())
+        self.notifier.status(self.summary())
+        if self.broker_down_since is None:
+            self.notifier.watchdog()  # a wedged loop or a lost broker stops the pings
+
+    def summary(self):
+        busy = sum(1 for w in self.workers.values() if w.state == "busy")
+        c = self.counters
+        text = (f"gen {self.generation}: {len(self.workers)} workers, {busy} busy; "
+                f"{c['succeeded']} done, {c['retried']} retried, {c['dead']} dead")
+        if self.broker_down_since is not None:
+            text += "; BROKER DOWN"
+        if self.reload_error:
+            text += "; last reload failed"
+        return text
+
     def shutdown(self):
         self.heartbeat.close()
         self.health.close()
         if self.broker is not None:
             self.broker.close()
         signal.set_wakeup_fd(-1)
+        self.notifier.close()
         log.info("supervisor stopped", extra={"event": "stop", "pid": self.pid, "exit_code": self.exit_code})
 
     # -- signals ------------------------------------------------------------------
@@ -224,6 +250,7 @@ class Arbiter:
     def stop_gracefully(self):
         log.info("graceful stop: finishing running jobs", extra={"event": "stopping"})
         self.stopping = "graceful"
+        self.notifier.stopping()
         self.stop_deadline = time.monotonic() + self.cfg.supervisor.graceful_timeout
         self.release_prefetched()
         for w in self.workers.values():
@@ -232,6 +259,7 @@ class Arbiter:
     def stop_fast(self):
         log.info("fast stop: killing children", extra={"event": "stopping"})
         self.stopping = "fast"
+        self.notifier.stopping()
         self.stop_deadline = None
         self.release_prefetched()
         for w in self.workers.values():
@@ -246,6 +274,13 @@ class Arbiter:
     def reload(self):
         if self.stopping:
             return
+        self.notifier.reloading()
+        try:
+            self.load_generation()
+        finally:
+            self.notifier.ready(self.summary())  # also after a failed reload: the old generation serves
+
+    def load_generation(self):
         try:
             cfg = config.load(self.cfg.path)
             if cfg.broker.url != self.cfg.broker.url:
@@ -322,6 +357,7 @@ class Arbiter:
         for fd in (self.sig_r, self.sig_w, self.wake_r, self.wake_w):
             os.close(fd)
         self.selector.close()
+        self.notifier.close()
 
     def retire(self, w):
         """Ask a child to exit after its current job (at once when idle)."""
