@@ -8,7 +8,7 @@ import pytest
 
 from supervisor.backends import open_broker
 from supervisor.errors import BrokerError
-from supervisor.job import NewJob
+from supervisor.model import NewJob
 
 from .util import wait_for
 
