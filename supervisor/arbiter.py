@@ -21,6 +21,7 @@ import psutil
 import setproctitle
 
 from . import child, config, logs, protocol, registry
+from .metrics import SAMPLE_SECONDS, HttpExporter, Metrics
 from .backends import open_broker
 from .errors import BrokerError, ConfigError, LeaseLost, TangguhError
 from .health import AlreadyRunning, HealthServer
@@ -104,6 +105,10 @@ class Arbiter:
         self.signals = collections.deque()
         self.notifier = Notifier()
         self.ready_sent = False  # READY=1 goes out once the first children are up
+        self.metrics = Metrics(self)
+        self.exporter = None  # HTTP /metrics, when [metrics] listen is set
+        self.queue_stats = {}  # the last broker.stats() sample: {queue: QueueStats}
+        self.next_sample_at = 0.0
 
     # -- life -------------------------------------------------------------------
     def run(self):
@@ -139,6 +144,13 @@ class Arbiter:
         for sig in SIGNALS:
             signal.signal(sig, lambda *_: None)  # the byte on the self-pipe is all we need
         signal.set_wakeup_fd(self.sig_w)
+        if self.cfg.metrics.listen:
+            try:
+                self.exporter = HttpExporter(self.cfg.metrics.listen, self.selector, self.metrics.render)
+            except (OSError, ValueError) as exc:
+                # Jobs matter more than their metrics: run on, loudly, without the endpoint.
+                log.error("metrics endpoint %s not started: %s", self.cfg.metrics.listen, exc,
+                          extra={"event": "metrics_failed"})
         b = self.cfg.broker
         self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, self.wake_w)
         try:
@@ -158,6 +170,8 @@ class Arbiter:
         for key, mask in self.selector.select(self.next_wakeup()):
             key.data(mask)
         self.health.expire_clients()
+        if self.exporter is not None:
+            self.exporter.expire_clients()
 
     def next_wakeup(self):
         now = time.monotonic()
@@ -172,6 +186,9 @@ class Arbiter:
             instants.append(self.stop_deadline)
         if self.stopping is None and self.missing_workers() > 0:
             instants.append(self.next_spawn_at)
+        ping_at = self.notifier.next_ping_at()
+        if ping_at is not None:
+            instants.append(ping_at)  # a WatchdogSec= under 2 s must not expire while we sleep
         return max(0.0, min(instants) - now)
 
     def report(self):
@@ -181,8 +198,10 @@ class Arbiter:
             self.ready_sent = True
             self.notifier.ready(self.summary())
         self.notifier.status(self.summary())
-        if self.broker_down_since is None:
-            self.notifier.watchdog()  # a wedged loop or a lost broker stops the pings
+        # Pings prove the loop turns, nothing more: a wedged loop stops them.
+        # A broker outage does not (STATUS says BROKER DOWN): a restart by the
+        # watchdog would kill running jobs and could not bring the broker back.
+        self.notifier.watchdog()
 
     def summary(self):
         busy = sum(1 for w in self.workers.values() if w.state == "busy")
@@ -198,6 +217,8 @@ class Arbiter:
     def shutdown(self):
         self.heartbeat.close()
         self.health.close()
+        if self.exporter is not None:
+            self.exporter.close()
         if self.broker is not None:
             self.broker.close()
         signal.set_wakeup_fd(-1)
@@ -278,7 +299,10 @@ class Arbiter:
         try:
             self.load_generation()
         finally:
-            self.notifier.ready(self.summary())  # also after a failed reload: the old generation serves
+            # Also after a failed reload: the old generation serves. Before the
+            # first READY, report() sends it once the children are up.
+            if self.ready_sent:
+                self.notifier.ready(self.summary())
 
     def load_generation(self):
         try:
@@ -288,6 +312,7 @@ class Arbiter:
             handlers = registry.load_handlers(cfg.supervisor.handlers, self.generation + 1)
         except TangguhError as exc:
             self.reload_error = str(exc)
+            self.metrics.reloads.labels("failed").inc()
             log.error("reload failed, keeping generation %d: %s", self.generation, exc,
                       extra={"event": "reload_failed", "generation": self.generation})
             return
@@ -302,6 +327,7 @@ class Arbiter:
             if w.generation < self.generation:
                 self.retire(w)
         self.set_title()
+        self.metrics.reloads.labels("ok").inc()
         log.info("reloaded: generation %d with %d handler types", self.generation, len(handlers),
                  extra={"event": "reload", "generation": self.generation})
 
@@ -347,11 +373,15 @@ class Arbiter:
         worker = Worker(slot, pid, parent_sock, self.generation)
         self.workers[pid] = worker
         self.selector.register(parent_sock, selectors.EVENT_READ, lambda mask, w=worker: self._on_child(w))
-        log.debug("spawned worker %d", slot, extra={"event": "spawn", "slot": slot, "pid": pid})
+        self.metrics.spawned.inc()
+        log.info("spawned worker %d", slot, extra={"event": "spawn", "slot": slot, "pid": pid,
+                                                   "generation": self.generation})
 
     def close_in_child(self):
         """Close the master's descriptors in a fresh child (they belong to the master)."""
         self.health.close_in_child()
+        if self.exporter is not None:
+            self.exporter.close_in_child()
         for w in self.workers.values():
             w.sock.close()
         for fd in (self.sig_r, self.sig_w, self.wake_r, self.wake_w):
@@ -422,6 +452,7 @@ class Arbiter:
         fields = {"slot": w.slot, "pid": w.pid, "signal": sig, "exit_code": code}
         if self.stopping is None and not w.retiring:
             self.restarts += 1
+            self.metrics.restarted.inc()
         if w.job is not None:
             job, w.job = w.job, None
             if w.kill_reason == "lease_lost":
@@ -436,9 +467,11 @@ class Arbiter:
                 log.error("worker %d died mid-job (%s)", w.slot, how,
                           extra=logs.job_fields(job, event="crash", **fields))
                 self.counters["crashed"] += 1
+                self.metrics.crashed.labels("mid_job").inc()
                 self.fail(job, w, "crashed", "WorkerCrashed", f"child died mid-job ({how})")
         elif w.state == "starting" and w.kill_reason is None and self.stopping is None:
             self.boot_failures += 1
+            self.metrics.crashed.labels("boot").inc()
             delay = min(30.0, 0.1 * 2 ** self.boot_failures)
             self.next_spawn_at = time.monotonic() + delay
             log.error("worker %d died at start (%s); failure %d of %d, next try in %.1fs", w.slot, how,
@@ -448,6 +481,9 @@ class Arbiter:
                 log.critical("children keep dying at start: giving up", extra={"event": "boot_failed"})
                 self.exit_code = EXIT_BOOT
                 self.stop_fast()
+        elif w.kill_reason is None and not w.retiring and self.stopping is None:
+            self.metrics.crashed.labels("idle").inc()
+            log.error("worker %d died while idle (%s)", w.slot, how, extra=dict(fields, event="crash"))
         else:
             log.debug("worker %d exited (%s)", w.slot, how, extra=dict(fields, event="exit"))
 
@@ -467,11 +503,12 @@ class Arbiter:
             return
         b = self.cfg.broker
         try:
-            jobs = self.call(lambda br: br.claim(b.queues, want, b.lease_seconds, self.owner))
+            jobs = self.call(lambda br: br.claim(b.queues, want, b.lease_seconds, self.owner), "claim")
         except BrokerError:
             return
         for job in jobs:
             self.heartbeat.hold(job.lease)
+            self.on_claimed(job)
             if job.type not in self.handlers:
                 self.fail(job, None, "unknown_type", "UnknownType", f"no handler for job type {job.type!r}")
             else:
@@ -486,6 +523,17 @@ class Arbiter:
             self.empty_claims += 1
             delay = min(self.cfg.supervisor.poll_interval, 0.005 * 2 ** self.empty_claims)
             self.next_claim_at = now + delay * random.uniform(0.75, 1.25)
+
+    def on_claimed(self, job):
+        labels = self.metrics.job_labels(job)
+        self.metrics.claimed.labels(*labels).inc()
+        # The broker reclaims an expired lease inside claim and closes that
+        # attempt as "lease_expired": seen here as the entry before the new one.
+        expired = len(job.history) >= 2 and job.history[-2].get("outcome") == "lease_expired"
+        if expired:
+            self.metrics.lease_expiries.labels(*labels).inc()
+        log.debug("job claimed", extra=logs.job_fields(job, event="claim",
+                                                       reason="lease_expired" if expired else None))
 
     def dispatch(self):
         for w in self.workers.values():
@@ -525,10 +573,12 @@ class Arbiter:
             return
         w.job, w.started, w.deadline = None, None, None
         w.jobs_done += 1
+        self.record_attempt(job, msg)
         if w.kill_reason == "lease_lost":
             self.heartbeat.drop(job.id)  # the lease is someone else's now: drop the outcome
         elif msg.get("ok"):
             self.counters["succeeded"] += 1
+            self.metrics.succeeded.labels(*self.metrics.job_labels(job)).inc()
             info = self.attempt_info(w, msg)
             self.writes.append(Write(job, "ack", (msg.get("result"), info)))
             log.info("job done in %.3fs", msg.get("duration", 0), extra=logs.job_fields(job, event="done"))
@@ -544,19 +594,37 @@ class Arbiter:
             self.kill_worker(w, w.kill_reason or "timeout")  # a child we were killing: finish it off
         else:
             w.state = "idle"
-            if w.retiring or self.should_recycle(w):
+            if w.retiring:
                 self.retire(w)
+            elif why := self.should_recycle(w):
+                self.metrics.recycled.labels(why).inc()
+                log.info("recycling worker %d after %d jobs", w.slot, w.jobs_done,
+                         extra={"event": "recycle", "slot": w.slot, "pid": w.pid})
+                self.retire(w)
+
+    def record_attempt(self, job, msg):
+        """Metrics of one finished attempt: its duration and the child's counter deltas."""
+        labels = self.metrics.job_labels(job)
+        if isinstance(msg.get("duration"), (int, float)):
+            self.metrics.duration.labels(*labels).observe(msg["duration"])
+        deltas = msg.get("metrics")
+        self.metrics.child_deltas(job, deltas)
+        if isinstance(deltas, dict) and deltas.get("lock_failed"):
+            # The metric is per type; this record names the contended resource.
+            log.info("lock contention: %s failed acquisitions", deltas["lock_failed"],
+                     extra=logs.job_fields(job, event="lock_contention"))
 
     def should_recycle(self, w):
         s = self.cfg.supervisor
         if s.max_jobs_per_child and w.jobs_done >= s.max_jobs_per_child:
-            return True
+            return "max_jobs"
         if s.max_child_rss_mb:
             try:
-                return psutil.Process(w.pid).memory_info().rss > s.max_child_rss_mb * 1024 * 1024
+                if psutil.Process(w.pid).memory_info().rss > s.max_child_rss_mb * 1024 * 1024:
+                    return "max_rss"
             except psutil.Error:
-                return False
-        return False
+                return None
+        return None
 
     def attempt_info(self, w, msg=None):
         info = {"host": socket.gethostname()}
@@ -569,15 +637,19 @@ class Arbiter:
     def fail(self, job, w, kind, exc_class, message, traceback="", delay=None, msg=None):
         """Record a failed attempt: retry with backoff, or dead-letter."""
         self.counters["failed"] += 1
+        labels = self.metrics.job_labels(job)
         if kind == "timeout":
             self.counters["timeouts"] += 1
+            self.metrics.timeouts.labels(*labels, "hard" if exc_class == "HardTimeout" else "soft").inc()
         _, _, attempts = self.settings_for(job)
         reason = "exception" if kind == "retry_later" else kind
+        self.metrics.failed.labels(*labels, reason).inc()
         error = error_info(reason, exc_class, message, traceback)
         info = self.attempt_info(w, msg)
         fields = logs.job_fields(job, reason=reason, error=f"{exc_class}: {message}")
         if kind in ("permanent", "bad_payload", "unknown_type") or job.attempt >= attempts:
             self.counters["dead"] += 1
+            self.metrics.dead.labels(*labels, reason).inc()
             self.writes.append(Write(job, "dead", (reason, error, info)))
             log.warning("job dead-lettered (%s)", reason, extra=dict(fields, event="dead"))
             return
@@ -585,6 +657,7 @@ class Arbiter:
             j = self.cfg.jobs
             delay = next_delay(job.attempt, j.backoff_base, j.backoff_cap, j.jitter)
         self.counters["retried"] += 1
+        self.metrics.retried.labels(*labels, reason).inc()
         self.writes.append(Write(job, "retry", (None, error, info, delay)))
         log.info("job failed (%s), retry in %.2fs", reason, delay, extra=dict(fields, event="retry", delay=delay))
 
@@ -609,6 +682,7 @@ class Arbiter:
         while self.heartbeat.lost:
             lease = self.heartbeat.lost.popleft()
             self.counters["lease_lost"] += 1
+            self.metrics.leases_lost.inc()
             for job in list(self.prefetched):
                 if job.lease == lease:
                     self.prefetched.remove(job)
@@ -639,29 +713,32 @@ class Arbiter:
         self.next_claim_at = time.monotonic()
         self.empty_claims = 0
 
-    def call(self, fn):
+    def call(self, fn, op="connect"):
         """Run ``fn(broker)``; on failure mark the broker down and reconnect later.
 
         Logs once when the broker goes away and once when it is back, not once
-        per try.
+        per try. ``op`` labels the round-trip time metric.
         """
         now = time.monotonic()
         try:
             result = fn(self.connect_broker())
         except LeaseLost:
+            self.metrics.broker_rtt.labels(op).observe(time.monotonic() - now)
             raise
         except Exception as exc:  # noqa: BLE001 - every driver error means the same: try later
+            self.metrics.broker_errors.labels("main").inc()
             self.drop_broker()
             if self.broker_down_since is None:
                 self.broker_down_since = now
                 log.error("broker unreachable, pausing claims: %s: %s", type(exc).__name__, exc,
-                          extra={"event": "broker_down"})
+                          extra={"event": "broker_down", "pid": self.pid})
             self.broker_retry += 1
             self.next_claim_at = now + min(10.0, 0.2 * 2 ** self.broker_retry) * random.uniform(0.5, 1.0)
             raise BrokerError(str(exc)) from None
+        self.metrics.broker_rtt.labels(op).observe(time.monotonic() - now)
         if self.broker_down_since is not None:
             log.info("broker reachable again after %.1fs", now - self.broker_down_since,
-                     extra={"event": "broker_up"})
+                     extra={"event": "broker_up", "pid": self.pid})
             self.broker_down_since = None
         self.broker_retry = 0
         return result
@@ -688,9 +765,10 @@ class Arbiter:
                 self.writes.append(write)
                 continue
             try:
-                self.call(lambda br: self.apply(br, write))
+                self.call(lambda br: self.apply(br, write), write.op)
             except LeaseLost:
                 self.counters["lease_lost"] += 1
+                self.metrics.leases_lost.inc()
                 log.warning("lease lost before the outcome was stored; the job will run again",
                             extra=logs.job_fields(write.job, event="lease_lost"))
             except BrokerError:
@@ -698,7 +776,17 @@ class Arbiter:
                 write.next_at = now + min(10.0, 0.1 * 2 ** write.tries) * random.uniform(0.5, 1.0)
                 self.writes.append(write)
                 continue
+            else:
+                self.stored(write)
             self.heartbeat.drop(write.job.id)
+
+    def stored(self, write):
+        job = write.job
+        if write.op == "ack" and job.queued_at:
+            waited = max(0.0, time.time() - job.queued_at)  # the broker's clock set queued_at: close enough
+            self.metrics.complete.labels(*self.metrics.job_labels(job)).observe(waited)
+        event = {"ack": "acked", "retry": "retry_stored", "dead": "dead_stored", "release": "released"}[write.op]
+        log.debug("outcome stored: %s", write.op, extra=logs.job_fields(job, event=event))
 
     def apply(self, broker, write):
         lease = write.job.lease
@@ -719,9 +807,16 @@ class Arbiter:
         if now >= self.next_prune_at and self.cfg.broker.retention > 0 and self.broker_down_since is None:
             self.next_prune_at = now + 300 * random.uniform(0.9, 1.1)
             try:
-                self.call(lambda br: br.prune(self.cfg.broker.retention))
+                self.call(lambda br: br.prune(self.cfg.broker.retention), "prune")
             except BrokerError:
                 pass
+        if now >= self.next_sample_at and self.broker_down_since is None:
+            self.next_sample_at = now + SAMPLE_SECONDS
+            try:
+                self.queue_stats = self.call(lambda br: br.stats(self.cfg.broker.queues), "stats")
+            except BrokerError:
+                return
+            self.metrics.sample_queues(self.queue_stats)
 
     # -- status ----------------------------------------------------------------------------
     def set_title(self):
@@ -733,7 +828,9 @@ class Arbiter:
             return {"ok": True, "pong": True, "pid": self.pid}
         if cmd == "status":
             return self.status()
-        return {"ok": False, "error": f"unknown command {cmd!r} (try ping, status)"}
+        if cmd == "metrics":
+            return {"ok": True, "text": self.metrics.render()}
+        return {"ok": False, "error": f"unknown command {cmd!r} (try ping, status, metrics)"}
 
     def status(self):
         return {
@@ -744,6 +841,8 @@ class Arbiter:
             "workers": [w.view() for w in sorted(self.workers.values(), key=lambda w: w.slot)],
             "restarts": self.restarts, "counters": dict(self.counters),
             "handlers": sorted(self.handlers),
+            "queues": {q: s.to_dict() for q, s in self.queue_stats.items()},
+            "metrics_listen": self.exporter.address if self.exporter is not None else None,
         }
 
 

@@ -1,0 +1,290 @@
+"""Tangguh under systemd: the notify protocol from a real ``tangguh run``, the unit file, the installer.
+
+A test binds its own datagram socket and hands its address to the daemon as
+``NOTIFY_SOCKET``, playing PID 1: it sees every READY/STATUS/WATCHDOG/
+RELOADING/STOPPING message the real process sends. The unit-file tests run
+``systemd-analyze`` (Debian package ``systemd``), which needs no running
+systemd.
+"""
+import os
+import signal
+import socket
+import sqlite3
+import time
+import uuid
+
+import pytest
+
+from supervisor.sdnotify import Notifier
+
+from .daemon import Daemon
+from .util import wait_for
+
+WATCHDOG_USEC = 200_000  # pings every 0.1 s: many of them within a short test
+
+ENV_PROBE = '''
+import os
+import subprocess
+
+import supervisor
+
+NAMES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+
+
+@supervisor.job("env_probe")
+def env_probe(ctx, payload):
+    """What a child and a program it starts see of systemd's variables."""
+    inherited = subprocess.run(["env"], capture_output=True, text=True, check=True).stdout.splitlines()
+    return {"pid": os.getpid(),
+            "environ": sorted(n for n in NAMES if n in os.environ),
+            "subprocess": sorted(line.split("=", 1)[0] for line in inherited if line.split("=", 1)[0] in NAMES)}
+'''
+
+
+class FakeSystemd:
+    """The receiving end of ``NOTIFY_SOCKET``: collects every datagram, in order."""
+
+    def __init__(self, address):
+        self.address = address  # as the daemon sees it: a path or "@name"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind("\0" + address[1:] if address.startswith("@") else address)
+        self.sock.setblocking(False)
+        self.messages = []  # each a list of "KEY=value" lines
+
+    def drain(self):
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except BlockingIOError:
+                return self.messages
+            self.messages.append(data.decode().split("\n"))
+
+    def lines(self):
+        return [line for message in self.drain() for line in message]
+
+    def count(self, line):
+        return self.lines().count(line)
+
+    def index(self, line, after=-1):
+        """Position (in lines()) of the first ``line`` after position ``after``; None if absent."""
+        lines = self.lines()
+        return next((i for i in range(after + 1, len(lines)) if lines[i] == line), None)
+
+    def wait(self, line, after=-1, timeout=15):
+        return wait_for(lambda: self.index(line, after) is not None and self.index(line, after) + 1,
+                        timeout=timeout, message=f"{line!r} on the notify socket") - 1
+
+    def close(self):
+        self.sock.close()
+
+
+def fake_systemd(kind, tmp_path, monkeypatch):
+    address = str(tmp_path / "notify.sock") if kind == "path" else f"@tangguh-test-{uuid.uuid4().hex}"
+    fake = FakeSystemd(address)
+    # The daemon subprocess inherits the environment, as it would from PID 1.
+    monkeypatch.setenv("NOTIFY_SOCKET", address)
+    monkeypatch.setenv("WATCHDOG_USEC", str(WATCHDOG_USEC))
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    return fake
+
+
+@pytest.fixture(params=["path", "abstract"])
+def systemd(request, tmp_path, monkeypatch):
+    """A fake PID 1 on a path socket, then on an abstract one."""
+    fake = fake_systemd(request.param, tmp_path, monkeypatch)
+    yield fake
+    fake.close()
+
+
+@pytest.fixture
+def notify(tmp_path, monkeypatch):
+    """A fake PID 1 on a path socket only (for tests where the address kind does not matter)."""
+    fake = fake_systemd("path", tmp_path, monkeypatch)
+    yield fake
+    fake.close()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(tmp_path)
+    with open(os.path.join(d.handlers, "envprobe.py"), "w") as f:
+        f.write(ENV_PROBE)
+    yield d
+    d.stop()
+
+
+def test_ready_status_watchdog_reload_and_stopping_in_order(systemd, daemon):
+    daemon.start()
+    ready = systemd.wait("READY=1")
+    # READY carries the one-line summary, and it comes once the children are up.
+    message = next(m for m in systemd.messages if "READY=1" in m)
+    assert any(line.startswith("STATUS=gen 1: 2 workers, 0 busy") for line in message), message
+    wait_for(lambda: systemd.lines()[ready:].count("WATCHDOG=1") >= 5, message="five watchdog pings after READY")
+
+    # A good reload: RELOADING=1 with MONOTONIC_USEC in one datagram, then READY=1.
+    daemon.config["supervisor"]["workers"] = 3
+    daemon.write_config()
+    before_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    daemon.signal(signal.SIGHUP)
+    reloading = systemd.wait("RELOADING=1", after=ready)
+    message = next(m for m in systemd.messages if "RELOADING=1" in m)
+    usec = [int(line.split("=", 1)[1]) for line in message if line.startswith("MONOTONIC_USEC=")]
+    assert len(usec) == 1 and before_usec <= usec[0] <= before_usec + 60_000_000
+    reloaded = systemd.wait("READY=1", after=reloading)
+    wait_for(lambda: any(line.startswith("STATUS=gen 2: 3 workers") for line in systemd.lines()[reloaded:]),
+             message="STATUS of generation 2 with 3 workers")
+
+    # A broken reload: RELOADING=1 then READY=1 all the same; the old generation serves.
+    with open(daemon.config_path, "a") as f:
+        f.write("\n[bogus]\n")
+    daemon.signal(signal.SIGHUP)
+    failed = systemd.wait("RELOADING=1", after=reloaded)
+    failed_ready = systemd.wait("READY=1", after=failed)
+    wait_for(lambda: any("last reload failed" in line for line in systemd.lines()[failed:] if line.startswith("STATUS=")),
+             message="STATUS saying the last reload failed")
+    assert daemon.status()["generation"] == 2 and daemon.proc.poll() is None
+    wait_for(lambda: systemd.lines()[failed_ready:].count("WATCHDOG=1") >= 2, message="pings after the failed reload")
+
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    lines = systemd.lines()
+    stopping = systemd.index("STOPPING=1")
+    assert stopping is not None and stopping > failed_ready
+    assert lines.count("READY=1") == 3 and lines.count("RELOADING=1") == 2 and lines.count("STOPPING=1") == 1
+    assert not [line for line in lines if not line.split("=", 1)[0] in (
+        "READY", "STATUS", "WATCHDOG", "RELOADING", "MONOTONIC_USEC", "STOPPING")], lines
+    daemon.assert_clean()
+
+
+def test_children_and_their_subprocesses_never_see_the_notify_variables(notify, daemon):
+    systemd = notify
+    daemon.start()
+    systemd.wait("READY=1")
+    results = []
+    for _ in range(4):  # both children, most likely; each answers for itself
+        job = daemon.wait_job(daemon.enqueue("env_probe", max_attempts=1))
+        assert job.state == "done", job
+        results.append(job.result)
+    assert {r["pid"] for r in results} <= set(daemon.worker_pids())
+    assert all(r["environ"] == [] and r["subprocess"] == [] for r in results), results
+    # The master still talks to systemd; the children hold no datagram socket at all.
+    import psutil
+
+    def dgram_sockets(pid):
+        return [c for c in psutil.Process(pid).net_connections(kind="unix") if c.type == socket.SOCK_DGRAM]
+
+    assert len(dgram_sockets(daemon.proc.pid)) == 1
+    for pid in daemon.worker_pids():
+        assert dgram_sockets(pid) == [], pid
+    daemon.assert_clean()
+
+
+def test_watchdog_stops_while_the_main_loop_is_stalled_and_resumes_after(notify, daemon):
+    """A real stall: the test holds the SQLite broker's write lock, so the main loop's
+    next claim blocks inside the broker call (busy timeout 30 s) while the heartbeat
+    thread runs on. Pings sent from anywhere but the main loop would continue."""
+    systemd = notify
+    daemon.start()
+    systemd.wait("READY=1")
+    wait_for(lambda: systemd.count("WATCHDOG=1") >= 3, message="watchdog pings")
+    db = sqlite3.connect(daemon.broker_url[len("sqlite:///"):], isolation_level=None, timeout=30)
+    try:
+        db.execute("BEGIN EXCLUSIVE")
+
+        def silent_for(seconds):
+            # True once no ping has arrived for ``seconds`` (ten watchdog periods).
+            before = systemd.count("WATCHDOG=1")
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+                if systemd.count("WATCHDOG=1") != before:
+                    return False
+            return True
+
+        wait_for(lambda: silent_for(1.0), timeout=10, message="the pings to stop while the loop is blocked")
+        assert daemon.proc.poll() is None
+        stalled_at = len(systemd.lines())
+    finally:
+        db.execute("COMMIT")
+        db.close()
+    wait_for(lambda: systemd.lines()[stalled_at:].count("WATCHDOG=1") >= 3, message="pings to resume")
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    daemon.assert_clean()
+
+
+def test_watchdog_keeps_pinging_while_the_broker_is_down(tmp_path, monkeypatch):
+    """An unreachable broker is STATUS news, not a reason for systemd to kill the pool."""
+    fake = FakeSystemd(f"@tangguh-test-{uuid.uuid4().hex}")
+    monkeypatch.setenv("NOTIFY_SOCKET", fake.address)
+    monkeypatch.setenv("WATCHDOG_USEC", str(WATCHDOG_USEC))
+    d = Daemon(tmp_path, broker_url="redis://127.0.0.1:1/0")  # nothing listens on port 1
+    try:
+        d.start()
+        wait_for(lambda: d.status()["broker_down"], message="the broker to be reported down")
+        fake.wait("READY=1")
+        assert any(line.startswith("STATUS=") and "BROKER DOWN" in line for line in fake.lines())
+        seen = fake.count("WATCHDOG=1")
+        wait_for(lambda: fake.count("WATCHDOG=1") >= seen + 5, message="pings while the broker is down")
+        assert d.status()["broker_down"]
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        assert fake.count("STOPPING=1") == 1
+    finally:
+        d.stop()
+        fake.close()
+
+
+# -- the notifier alone ------------------------------------------------------------------
+
+def test_notifier_is_inert_without_notify_socket():
+    n = Notifier({"WATCHDOG_USEC": "200000"})
+    assert not n.enabled and n.watchdog_every is None and n.next_ping_at() is None
+    n.ready("x"), n.status("y"), n.reloading(), n.watchdog(), n.stopping(), n.close()  # no error, nothing sent
+
+
+@pytest.mark.parametrize("env, every", [
+    ({"WATCHDOG_USEC": "200000"}, 0.1),
+    ({"WATCHDOG_USEC": "200000", "WATCHDOG_PID": "1"}, None),  # another process is meant to ping
+    ({"WATCHDOG_USEC": "0"}, None),
+    ({"WATCHDOG_USEC": "soon"}, None),
+    ({}, None),
+])
+def test_notifier_watchdog_period(tmp_path, env, every):
+    fake = FakeSystemd(str(tmp_path / "n.sock"))
+    n = Notifier({"NOTIFY_SOCKET": fake.address, **env})
+    assert n.enabled and n.watchdog_every == every
+    n.watchdog()
+    n.watchdog()  # the second is within the half period: not sent
+    assert fake.count("WATCHDOG=1") == (1 if every else 0)
+    n.close(), fake.close()
+
+
+@pytest.mark.parametrize("address", ["relative.sock", "@", "vsock:2:1234"])
+def test_notifier_ignores_addresses_it_cannot_use(address):
+    assert not Notifier({"NOTIFY_SOCKET": address}).enabled
+
+
+def test_notifier_never_blocks_on_a_full_socket(tmp_path):
+    fake = FakeSystemd(str(tmp_path / "full.sock"))
+    n = Notifier({"NOTIFY_SOCKET": fake.address})
+    deadline = time.monotonic() + 10
+    for i in range(5000):  # far more than a datagram queue holds; nobody reads
+        n.status(f"status {i}")
+    assert time.monotonic() < deadline
+    assert 0 < len(fake.drain()) < 5000
+    n.close(), fake.close()
+
+
+def test_the_main_loop_wakes_up_in_time_for_the_next_ping(tmp_path):
+    """An idle loop sleeps up to a second; a WatchdogSec= under two seconds needs it to wake sooner."""
+    from supervisor import config
+    from supervisor.arbiter import Arbiter
+
+    fake = FakeSystemd(str(tmp_path / "n.sock"))
+    arbiter = Arbiter(config.from_dict({}, str(tmp_path)), {})
+    arbiter.target = 0  # no children to spawn: only the ping is due
+    assert arbiter.next_wakeup() > 0.5
+    arbiter.notifier = Notifier({"NOTIFY_SOCKET": fake.address, "WATCHDOG_USEC": str(WATCHDOG_USEC)})
+    arbiter.notifier.watchdog()
+    assert 0 < arbiter.next_wakeup() <= WATCHDOG_USEC / 2e6
+    arbiter.notifier.close(), fake.close()
