@@ -25,11 +25,12 @@ def tangguh(*args, timeout=30, **kw):
 
 
 class Daemon:
-    def __init__(self, tmp_path, broker_url=None, **sections):
+    def __init__(self, tmp_path, broker_url=None, handler_files=("testjobs.py",), **sections):
         self.dir = str(tmp_path)
         self.handlers = os.path.join(self.dir, "handlers")
         os.makedirs(self.handlers, exist_ok=True)
-        shutil.copy(os.path.join(HERE, "handlers", "testjobs.py"), self.handlers)
+        for name in handler_files:  # files from tests/handlers/ to serve
+            shutil.copy(os.path.join(HERE, "handlers", name), self.handlers)
         self.socket = os.path.join(self.dir, "tangguh.sock")
         self.broker_url = broker_url or f"sqlite:///{self.dir}/broker.db"
         self.config_path = os.path.join(self.dir, "tangguh.toml")

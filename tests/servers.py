@@ -1,0 +1,181 @@
+"""Private Redis and PostgreSQL servers the tests may stop and start at will.
+
+The shared servers on 6379/5432 serve every other test; outage and chaos tests
+restart their broker, so they get servers of their own on free ports:
+
+* ``RedisServer``: ``redis-server`` as a child process, no persistence (a
+  restart loses the data unless ``appendonly=True``).
+* ``PostgresCluster``: a throwaway cluster made with ``initdb`` in a temp dir,
+  run with ``pg_ctl``, listening on 127.0.0.1 and a socket in the same dir.
+  PostgreSQL refuses to run as root, so when the tests run as root the
+  cluster's files belong to the ``postgres`` OS user and its commands run
+  through ``runuser``.
+
+Both have ``stop()``, ``start()`` and ``restart()`` and wait with a deadline
+until the server answers (or is gone), never with a bare sleep.
+"""
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+
+import pytest
+
+from .util import wait_for
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answers(port):
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class RedisServer:
+    def __init__(self, workdir, appendonly=False):
+        self.dir = str(workdir)
+        self.port = free_port()
+        self.appendonly = appendonly
+        self.proc = None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self):
+        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
+               "--dir", self.dir, "--daemonize", "no", "--logfile", os.path.join(self.dir, "redis.log")]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(self.ping, timeout=15, message=f"redis on port {self.port} to answer")
+        return self
+
+    def ping(self):
+        import redis
+
+        if self.proc.poll() is not None:
+            raise AssertionError(f"redis-server exited with {self.proc.returncode}")
+        try:
+            with redis.Redis(port=self.port, socket_timeout=1) as r:
+                return r.ping()
+        except redis.RedisError:
+            return False
+
+    def stop(self, sig=signal.SIGTERM):
+        """Stop the server: SIGTERM is a clean shutdown (the AOF is complete), SIGKILL a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(30)
+        wait_for(lambda: not _answers(self.port), timeout=10, message="redis port to close")
+
+    def restart(self):
+        self.stop()
+        return self.start()
+
+    def client(self, **kw):
+        import redis
+
+        return redis.Redis(port=self.port, **kw)
+
+
+def _postgres_bin():
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if not found:
+        return None
+    return os.path.dirname(found[-1])
+
+
+class PostgresCluster:
+    """A private PostgreSQL cluster; ``url(dbname)`` connects as the superuser ``postgres``."""
+
+    def __init__(self):
+        self.bindir = _postgres_bin()
+        if self.bindir is None:
+            raise RuntimeError("no PostgreSQL server binaries under /usr/lib/postgresql")
+        self.port = free_port()
+        self.root = tempfile.mkdtemp(prefix="tangguh-pg-")
+        self.data = os.path.join(self.root, "data")
+        self.socket_dir = self.root
+        self.as_user = []
+        if os.geteuid() == 0:
+            user = pwd.getpwnam("postgres")
+            os.chown(self.root, user.pw_uid, user.pw_gid)
+            self.as_user = ["runuser", "-u", "postgres", "--"]
+        self._pg(["initdb", "-D", self.data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync",
+                  "--no-instructions"])
+        with open(os.path.join(self.data, "postgresql.conf"), "a") as f:
+            f.write(f"\nport = {self.port}\nlisten_addresses = '127.0.0.1'\n"
+                    f"unix_socket_directories = '{self.socket_dir}'\n"
+                    # Fast start and stop; durability is not what these tests measure.
+                    "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n"
+                    "max_connections = 200\nshared_buffers = 32MB\n")
+
+    def _pg(self, args, check=True):
+        cmd = self.as_user + [os.path.join(self.bindir, args[0]), *args[1:]]
+        return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=120)
+
+    def url(self, dbname="postgres"):
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
+
+    def start(self):
+        self._pg(["pg_ctl", "-D", self.data, "-l", os.path.join(self.root, "server.log"), "-w", "-t", "60",
+                  "start"])
+        wait_for(self.ping, timeout=30, message=f"postgres on port {self.port} to answer")
+        return self
+
+    def ping(self):
+        import psycopg
+
+        try:
+            with psycopg.connect(self.url(), connect_timeout=2):
+                return True
+        except psycopg.Error:
+            return False
+
+    def stop(self, mode="fast"):
+        """Stop the server: ``fast`` ends every session and shuts down cleanly, ``immediate`` like a crash."""
+        self._pg(["pg_ctl", "-D", self.data, "-m", mode, "-w", "-t", "60", "stop"], check=False)
+        wait_for(lambda: not _answers(self.port), timeout=30, message="postgres port to close")
+
+    def restart(self):
+        self.stop()
+        return self.start()
+
+    def destroy(self):
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+# -- fixtures (import them into a test module to use them) ------------------------------------------
+def _missing(what):
+    if os.environ.get("TANGGUH_REQUIRE_SERVICES") == "1":
+        pytest.fail(f"TANGGUH_REQUIRE_SERVICES=1 but {what}")
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="session")
+def private_redis(tmp_path_factory):
+    """A Redis server of the session's own, with an append-only file so a restart keeps the jobs."""
+    if shutil.which("redis-server") is None:
+        _missing("redis-server is not installed")
+    server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=True).start()
+    yield server
+    server.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def private_postgres():
+    """A PostgreSQL cluster of the session's own (initdb takes a few seconds: made once)."""
+    if _postgres_bin() is None:
+        _missing("PostgreSQL server binaries are not installed under /usr/lib/postgresql")
+    cluster = PostgresCluster().start()
+    yield cluster
+    cluster.destroy()
