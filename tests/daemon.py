@@ -56,7 +56,8 @@ class Daemon:
         self.log = open(self.log_path, "ab")
         # Own process group: cleanup can kill the master and every child at once.
         self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "-c", self.config_path],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=daemon_env())
         if wait:
             wait_for(self.ready, timeout=30, message="supervisor to answer ping with its children up")
         return self
@@ -142,11 +143,25 @@ class Daemon:
         return os.path.join(self.dir, name)
 
     def assert_clean(self, queues=("default",)):
-        """The end of every process test: nothing leased, no child left alive."""
+        """The end of every process test: nothing leased, no child left alive, no fork beside a thread."""
+        assert FORK_WARNING not in self.logs(), "the master forked while another thread was running"
         stats = self.broker.stats(list(queues))
         assert all(s.in_flight == 0 for s in stats.values()), f"jobs still leased: {stats}"
         if self.proc is not None and self.proc.poll() is not None:
             wait_for(lambda: not self.group(), timeout=5, message="no process of the daemon left alive")
+
+
+# Python 3.12+ warns when a multi-threaded process forks. As an error the
+# warning is swallowed by os.fork(), so the daemon is told to always print it
+# and the tests read it back from the log instead.
+FORK_WARNING = "use of fork() may lead to deadlocks"
+
+
+def daemon_env():
+    env = dict(os.environ)
+    filters = [f for f in env.get("PYTHONWARNINGS", "").split(",") if f]
+    env["PYTHONWARNINGS"] = ",".join(filters + ["always:This process:DeprecationWarning"])
+    return env
 
 
 def read_lines(path):
