@@ -16,16 +16,18 @@ import signal
 import socket
 import sys
 import time
+import traceback
 
 import psutil
 import setproctitle
 
-from . import child, config, logs, protocol, registry
+from . import child, config, logs, protocol, registry, toolkit
 from .metrics import SAMPLE_SECONDS, HttpExporter, Metrics
 from .backends import open_broker
 from .errors import BrokerError, ConfigError, LeaseLost, TangguhError
 from .health import AlreadyRunning, HealthServer
 from .heartbeat import Heartbeat
+from .locks import MasterLocks
 from .sdnotify import Notifier
 from .model import error_info
 from .retry import next_delay
@@ -35,7 +37,8 @@ log = logging.getLogger("tangguh.arbiter")
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_RUNNING, EXIT_BOOT = 0, 1, 2, 3, 4
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU,
            signal.SIGCHLD)
-COUNTERS = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost")
+STOP_WRITES_SECONDS = 10.0  # how long a stopping master keeps retrying unstored outcomes
+COUNTERS = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost", "duplicates_suppressed")
 
 
 class Worker:
@@ -91,6 +94,7 @@ class Arbiter:
         self.reload_error = None
         self.stopping = None  # None, "graceful", "fast"
         self.stop_deadline = None
+        self.give_up_writes_at = None
         self.exit_code = EXIT_OK
         self.boot_failures = 0
         self.next_spawn_at = 0.0
@@ -134,7 +138,7 @@ class Arbiter:
 
     def start(self):
         self.health = HealthServer(self.cfg.supervisor.socket, self.cfg.supervisor.socket_mode, self.selector,
-                                   self.answer)
+                                   self.answer, group=self.cfg.supervisor.socket_group)
         self.sig_r, self.sig_w = os.pipe()
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.sig_r, self.sig_w, self.wake_r, self.wake_w):
@@ -153,6 +157,9 @@ class Arbiter:
                           extra={"event": "metrics_failed"})
         b = self.cfg.broker
         self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, self.wake_w)
+        # Redis locks the children hold: extended by the heartbeat, released when a child dies.
+        self.locks = MasterLocks(self.cfg.toolkit.redis_url) if self.cfg.toolkit.redis_url else None
+        self.heartbeat.locks = self.locks
         try:
             self.call(lambda br: br)
         except BrokerError:
@@ -164,7 +171,20 @@ class Arbiter:
         self.heartbeat.start()
 
     def finished(self):
-        return self.stopping is not None and not self.workers and not self.writes
+        if self.stopping is None or self.workers:
+            return False
+        if not self.writes:
+            return True
+        # Outcomes the broker would not take: give up after a while rather than
+        # hang the stop. Their leases expire and the jobs run again.
+        now = time.monotonic()
+        if self.give_up_writes_at is None:
+            self.give_up_writes_at = now + STOP_WRITES_SECONDS
+        if now < self.give_up_writes_at:
+            return False
+        log.error("stopping with %d outcomes not stored; those jobs will run again after their lease",
+                  len(self.writes), extra={"event": "writes_abandoned"})
+        return True
 
     def sleep(self):
         for key, mask in self.selector.select(self.next_wakeup()):
@@ -365,9 +385,17 @@ class Arbiter:
         parent_sock, child_sock = socket.socketpair()
         pid = os.fork()
         if pid == 0:
-            parent_sock.close()
-            self.close_in_child()
-            child.main(child_sock, slot, self.handlers, self.pid)  # never returns
+            # From here on this is the child: whatever happens, it must never
+            # return into the master's loop.
+            try:
+                parent_sock.close()
+                self.close_in_child()
+                toolkit.configure(self.cfg.toolkit)  # the child opens its own connections, lazily
+                child.main(child_sock, slot, self.handlers, self.pid)  # never returns
+            except BaseException:  # noqa: BLE001 - shown in the log; the master counts a boot failure
+                traceback.print_exc()
+            finally:
+                os._exit(1)
         child_sock.close()
         parent_sock.settimeout(5.0)
         worker = Worker(slot, pid, parent_sock, self.generation)
@@ -426,6 +454,8 @@ class Arbiter:
                 self.boot_failures = 0
             elif msg["op"] == "result":
                 self.on_result(w, msg)
+            elif msg["op"] in ("lock", "unlock") and self.locks is not None:
+                self.locks.on_message(w.pid, msg)
 
     def reap_workers(self):
         while True:
@@ -438,6 +468,7 @@ class Arbiter:
             w = self.workers.pop(pid, None)
             if w is None:
                 continue  # not ours (a handler's own subprocess): reaped so it leaves no zombie
+            self.drain(w)
             try:
                 self.selector.unregister(w.sock)
             except (KeyError, ValueError):
@@ -445,11 +476,29 @@ class Arbiter:
             w.sock.close()
             self.on_exit(w, status)
 
+    def drain(self, w):
+        """Read what a dead child wrote before it exited (a result must not be taken for a crash)."""
+        w.sock.setblocking(False)
+        while True:
+            try:
+                data = w.sock.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            for msg in w.reader.feed(data):
+                if msg["op"] == "result":
+                    self.on_result(w, msg)
+                elif msg["op"] in ("lock", "unlock") and self.locks is not None:
+                    self.locks.on_message(w.pid, msg)  # on_exit then releases it
+
     def on_exit(self, w, status):
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
         how = f"signal {signal.Signals(sig).name}" if sig else f"exit code {code}"
         fields = {"slot": w.slot, "pid": w.pid, "signal": sig, "exit_code": code}
+        if self.locks is not None:
+            self.locks.release_child(w.pid)  # now, not at their TTL: the retry may need them
         if self.stopping is None and not w.retiring:
             self.restarts += 1
             self.metrics.restarted.inc()
@@ -461,7 +510,7 @@ class Arbiter:
                 self.writes.append(Write(job, "release", ()))
             elif w.kill_reason == "timeout":
                 log.warning("worker %d killed: job over its hard timeout", w.slot,
-                            extra=logs.job_fields(job, event="timeout_kill", **fields))
+                            extra=logs.job_fields(job, event="timeout_exit", **fields))
                 self.fail(job, w, "timeout", "HardTimeout", f"job exceeded its timeout; child killed ({how})")
             else:
                 log.error("worker %d died mid-job (%s)", w.slot, how,
@@ -608,6 +657,8 @@ class Arbiter:
         if isinstance(msg.get("duration"), (int, float)):
             self.metrics.duration.labels(*labels).observe(msg["duration"])
         deltas = msg.get("metrics")
+        if isinstance(deltas, dict) and isinstance(deltas.get("duplicates_suppressed"), int):
+            self.counters["duplicates_suppressed"] += deltas["duplicates_suppressed"]
         self.metrics.child_deltas(job, deltas)
         if isinstance(deltas, dict) and deltas.get("lock_failed"):
             # The metric is per type; this record names the contended resource.
@@ -669,6 +720,9 @@ class Arbiter:
                 continue
             if w.term_at is None:
                 w.term_at = now
+                log.warning("job over its hard timeout: SIGTERM to worker %d, SIGKILL after %.1fs", w.slot, grace,
+                            extra=logs.job_fields(w.job, event="timeout_kill", slot=w.slot, pid=w.pid,
+                                                  signal=int(signal.SIGTERM)))
                 self.kill_worker(w, "timeout", signal.SIGTERM)
             elif now >= w.term_at + grace:
                 self.kill_worker(w, "timeout", signal.SIGKILL)
@@ -873,6 +927,9 @@ def run(config_path=None):
     arbiter = Arbiter(cfg, handlers)
     try:
         return arbiter.run()
+    except ConfigError as exc:  # found only at start (supervisor.socket_group): exit 2, no restart loop
+        print(f"tangguh: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except BrokerError as exc:
         print(f"tangguh: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

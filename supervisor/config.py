@@ -9,6 +9,7 @@ against the folder of the config file.
 import dataclasses
 import math
 import os
+import re
 import tomllib
 import urllib.parse
 
@@ -71,6 +72,13 @@ def names(v):
     raise ValueError("expected a non-empty list of distinct names")
 
 
+def group_name(v):
+    # The portable POSIX/shadow-utils form: what `groupadd` accepts.
+    if isinstance(v, str) and (v == "" or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}", v)):
+        return v
+    raise ValueError("expected a group name such as \"tangguh-ops\" (or \"\" for none)")
+
+
 def boolean(v):
     if isinstance(v, bool):
         return v
@@ -98,6 +106,7 @@ class SupervisorConfig:
     handlers: str = option(string, "folder of handler modules (*.py)", default="handlers")
     socket: str = option(string, "health socket path", default="tangguh.sock")
     socket_mode: int = option(non_negative_int, "health socket file mode", default=0o660)
+    socket_group: str = option(group_name, "group the health socket is given (empty: the daemon's own)", default="")
     graceful_timeout: float = option(positive_number, "seconds running jobs get to finish on SIGTERM", default=30.0)
     kill_grace: float = option(positive_number, "seconds between SIGTERM and SIGKILL of a child", default=0.5)
     max_jobs_per_child: int = option(non_negative_int, "recycle a child after this many jobs (0: never)", default=0)
@@ -149,6 +158,27 @@ class MetricsConfig:
     listen: str = option(string, "host:port for HTTP /metrics (empty: off)", default="")
 
 
+def url_of(*schemes):
+    def check(v):
+        if isinstance(v, str) and (v == "" or urllib.parse.urlsplit(v).scheme in schemes):
+            return v
+        raise ValueError("expected an empty string or a " + " or ".join(f"{s}://" for s in schemes) + " URL")
+
+    return check
+
+
+@dataclasses.dataclass
+class ToolkitConfig:
+    """The handlers' own database and Redis (``supervisor.toolkit``), not the broker's."""
+
+    database_url: str = option(url_of("postgresql", "postgres", "sqlite"),
+                               "handlers' database for ctx.transaction/idempotency (empty: none)", default="")
+    redis_url: str = option(url_of("redis", "rediss", "unix"), "Redis for ctx.lock and ctx.cache (empty: none)",
+                            default="")
+    idempotency_retention: float = option(positive_number, "seconds done idempotency records are kept",
+                                          default=7 * 86400.0)
+
+
 @dataclasses.dataclass
 class Config:
     supervisor: SupervisorConfig = dataclasses.field(default_factory=SupervisorConfig)
@@ -156,6 +186,7 @@ class Config:
     jobs: JobsConfig = dataclasses.field(default_factory=JobsConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    toolkit: ToolkitConfig = dataclasses.field(default_factory=ToolkitConfig)
     path: str | None = None  # the file it came from
 
     def job_type(self, type_name):
@@ -165,7 +196,7 @@ class Config:
     def to_dict(self):
         """The effective config as TOML-ready data (None values left out)."""
         out = {}
-        for section in ("supervisor", "broker", "jobs", "log", "metrics"):
+        for section in ("supervisor", "broker", "jobs", "log", "metrics", "toolkit"):
             data = {k: v for k, v in dataclasses.asdict(getattr(self, section)).items() if v is not None}
             if section == "jobs":
                 data["types"] = {t: {k: v for k, v in d.items() if v is not None} for t, d in data["types"].items()}
@@ -174,7 +205,7 @@ class Config:
 
 
 SECTIONS = {"supervisor": SupervisorConfig, "broker": BrokerConfig, "jobs": JobsConfig, "log": LogConfig,
-            "metrics": MetricsConfig}
+            "metrics": MetricsConfig, "toolkit": ToolkitConfig}
 
 
 def _build(cls, data, path):
@@ -226,6 +257,11 @@ def from_dict(data, base_dir="."):
     cfg.supervisor.handlers = os.path.normpath(os.path.join(base_dir, cfg.supervisor.handlers))
     cfg.supervisor.socket = os.path.normpath(os.path.join(base_dir, cfg.supervisor.socket))
     cfg.broker.url = resolve_broker_url(cfg.broker.url, base_dir)
+    if cfg.toolkit.database_url.startswith("sqlite:"):
+        try:
+            cfg.toolkit.database_url = resolve_broker_url(cfg.toolkit.database_url, base_dir)
+        except ConfigError as exc:
+            raise ConfigError(str(exc).replace("broker.url", "toolkit.database_url", 1)) from None
     return cfg
 
 

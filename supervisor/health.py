@@ -6,13 +6,14 @@ an unknown command or an oversize line gets an error reply, and no client can
 block the loop (all client I/O is non-blocking).
 """
 import errno
+import grp
 import json
 import os
 import selectors
 import socket
 import time
 
-from .errors import TangguhError
+from .errors import ConfigError, TangguhError
 
 MAX_LINE = 64 * 1024
 
@@ -50,11 +51,12 @@ def request(path, obj, timeout=5.0):
     return json.loads(data)
 
 
-def claim_path(path, mode):
+def claim_path(path, mode, group=""):
     """Bind the socket at ``path``, refusing if a live supervisor owns it.
 
     A socket file that accepts a connection belongs to a running supervisor;
-    one that refuses is left over from a crash and is removed.
+    one that refuses is left over from a crash and is removed. ``group`` (a
+    name) gets the file, so that an ops group can talk to the daemon.
     """
     if os.path.exists(path):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -79,6 +81,17 @@ def claim_path(path, mode):
         sock.bind(path)
     finally:
         os.umask(old)
+    if group:
+        # After bind, but the file is only as wide as ``mode`` and still in the
+        # daemon's own group: handing it to another group widens nothing.
+        try:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        except (KeyError, PermissionError) as exc:
+            sock.close()
+            os.unlink(path)
+            why = "no such group" if isinstance(exc, KeyError) else (
+                "the daemon's user is not a member (SupplementaryGroups= in the unit)")
+            raise ConfigError(f"supervisor.socket_group: cannot give {path} to group {group!r}: {why}") from None
     sock.listen(64)
     sock.setblocking(False)
     return sock
@@ -95,12 +108,12 @@ class _Client:
 class HealthServer:
     """Registers itself in ``selector``; ``dispatch(request) -> reply`` answers."""
 
-    def __init__(self, path, mode, selector, dispatch, client_timeout=5.0):
+    def __init__(self, path, mode, selector, dispatch, client_timeout=5.0, group=""):
         self.path = path
         self.selector = selector
         self.dispatch = dispatch
         self.client_timeout = client_timeout
-        self.listener = claim_path(path, mode)
+        self.listener = claim_path(path, mode, group)
         self.clients = {}
         selector.register(self.listener, selectors.EVENT_READ, self._accept)
 

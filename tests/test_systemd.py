@@ -288,3 +288,65 @@ def test_the_main_loop_wakes_up_in_time_for_the_next_ping(tmp_path):
     arbiter.notifier.watchdog()
     assert 0 < arbiter.next_wakeup() <= WATCHDOG_USEC / 2e6
     arbiter.notifier.close(), fake.close()
+
+
+# -- the health socket's group ---------------------------------------------------------------
+
+def other_group():
+    """A group other than ours that exists here (Debian always has ``daemon``, ``adm``...)."""
+    import grp
+
+    mine = set(os.getgroups()) | {os.getgid()}
+    if os.geteuid() != 0:  # without root we may only chown to our own groups
+        candidates = [grp.getgrgid(g) for g in mine if g != os.getgid()]
+    else:
+        candidates = [g for g in grp.getgrall() if g.gr_gid not in mine]
+    if not candidates:
+        pytest.skip("no second group this user may give a file to")
+    return candidates[0]
+
+
+def test_socket_group_is_validated():
+    from supervisor import config
+    from supervisor.errors import ConfigError
+
+    assert config.from_dict({}).supervisor.socket_group == ""
+    assert config.from_dict({"supervisor": {"socket_group": "tangguh-ops"}}).supervisor.socket_group == "tangguh-ops"
+    for bad in (" ops", "-ops", "a b", 12, "x" * 40):
+        with pytest.raises(ConfigError, match="^supervisor.socket_group: expected a group name"):
+            config.from_dict({"supervisor": {"socket_group": bad}})
+
+
+def test_health_socket_gets_its_mode_and_group(tmp_path):
+    from supervisor.health import claim_path
+
+    group = other_group()
+    path = str(tmp_path / "h.sock")
+    sock = claim_path(path, 0o660, group.gr_name)
+    try:
+        st = os.stat(path)
+        assert (oct(st.st_mode & 0o777), st.st_gid) == (oct(0o660), group.gr_gid)
+    finally:
+        sock.close()
+    plain = str(tmp_path / "plain.sock")
+    claim_path(plain, 0o600).close()
+    assert (oct(os.stat(plain).st_mode & 0o777), os.stat(plain).st_gid) == (oct(0o600), os.getegid())
+
+
+def test_a_daemon_gives_its_socket_to_socket_group_and_refuses_an_unknown_group(tmp_path):
+    group = other_group()
+    d = Daemon(tmp_path / "good", supervisor={"socket_group": group.gr_name})
+    try:
+        d.start()
+        assert os.stat(d.socket).st_gid == group.gr_gid and os.stat(d.socket).st_mode & 0o777 == 0o660
+        assert d.status()["ok"]
+    finally:
+        d.stop()
+    bad = Daemon(tmp_path / "bad", supervisor={"socket_group": "no-such-group-here"})
+    try:
+        bad.start(wait=False)
+        assert bad.wait_exit() == 2  # a config error: systemd must not restart it (RestartPreventExitStatus=2)
+        assert "supervisor.socket_group: cannot give" in bad.logs() and "no such group" in bad.logs()
+        assert not os.path.exists(bad.socket)
+    finally:
+        bad.stop()
