@@ -826,6 +826,11 @@ class Arbiter:
                 log.warning("lease lost before the outcome was stored; the job will run again",
                             extra=logs.job_fields(write.job, event="lease_lost"))
             except BrokerError:
+                # Stop renewing the lease: a write the broker keeps refusing while lease
+                # renewals still pass would leave the job 'running' under a live owner
+                # forever (solid_queue #748). The outcome has the rest of the lease to land;
+                # after that whoever claims the job runs it again, and this write meets LeaseLost.
+                self.heartbeat.drop(write.job.id)
                 write.tries += 1
                 write.next_at = now + min(10.0, 0.1 * 2 ** write.tries) * random.uniform(0.5, 1.0)
                 self.writes.append(write)

@@ -139,3 +139,116 @@ def test_broker_restart_while_jobs_flow_loses_nothing_and_keeps_the_children(any
         d.assert_clean()
     finally:
         d.stop()
+
+
+# -- the broker fails the outcome write -----------------------------------------------------------------------
+class Cut:
+    """A supervisor identity the test can cut off from the broker, for real, and let back in.
+
+    Redis: an ACL user the handler disables (and whose connections it kills).
+    PostgreSQL: a login role the handler sets NOLOGIN (and whose sessions it
+    terminates, found by application_name). The test's own client and the
+    handler connect as the server's admin user, which stays untouched.
+    """
+
+    def __init__(self, b):
+        self.b = b
+        name = f"sup_{uuid.uuid4().hex[:8]}"
+        self.payload = {"admin_url": b.server.url if b.kind == "redis" else b.server.url(),
+                        "admin_broker_url": b.admin_url}
+        if b.kind == "redis":
+            with b.server.client() as r:
+                r.acl_setuser(name, enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                              commands=["+@all"])
+            host = b.server.url.split("://", 1)[1]
+            self.url = f"redis://{name}:pw@{host}?{b.url.split('?', 1)[1]}"
+            self.payload.update(fault="redis_acl_off", user=name)
+        else:
+            import psycopg
+
+            with psycopg.connect(b.server.url(), autocommit=True) as conn:
+                conn.execute(f'CREATE ROLE "{name}" LOGIN SUPERUSER')
+            self.url = (f"postgresql://{name}@127.0.0.1:{b.server.port}/postgres"
+                        f"?schema={b.schema}&application_name={name}")
+            self.payload.update(fault="pg_nologin", role=name, application_name=name)
+        self.name = name
+
+    def heal(self):
+        if self.b.kind == "redis":
+            with self.b.server.client() as r:
+                r.acl_setuser(self.name, enabled=True)
+        else:
+            import psycopg
+
+            with psycopg.connect(self.b.server.url(), autocommit=True) as conn:
+                conn.execute(f'ALTER ROLE "{self.name}" LOGIN')
+
+
+@pytest.mark.parametrize("outcome", ["ok", "retry", "dead"])
+def test_a_failed_outcome_write_is_retried_while_the_child_runs_the_next_job(any_broker, outcome, tmp_path):
+    """ack / retry / dead-letter write meets a broker the master cannot reach: it is kept and retried with
+    backoff, the child meanwhile runs the prefetched next job, and the write lands once the broker is back."""
+    cut = Cut(any_broker)
+    db = str(tmp_path / "effects.db")
+    d = Daemon(tmp_path, broker_url=cut.url, handler_files=("effects.py",), supervisor={"workers": 1},
+               broker={"prefetch": 1, "lease_seconds": 20.0, "heartbeat_seconds": 0.5})
+    d._broker = any_broker.client
+    client = any_broker.client
+    other = client.enqueue(NewJob("effect", {"db": db}))
+    payload = dict(cut.payload, db=db, outcome=outcome, faults={"1": cut.payload["fault"]}, wait_running=[other])
+    job_id = client.enqueue(NewJob("effect", payload, priority=1, max_attempts=3))
+    try:
+        d.start()
+        pids = d.worker_pids()
+        wait_for(lambda: (s := d.status())["broker_down"] and s["pending_writes"] >= 1, timeout=30,
+                 message="the outcome write to fail")
+        # The child is free: it runs the prefetched job while the first job's outcome waits.
+        wait_for(lambda: executions(db, other), timeout=30, message="the child to run the next job")
+        assert client.get(job_id).state == "running" and d.status()["pending_writes"] >= 1
+        cut.heal()
+        want = "dead" if outcome == "dead" else "done"
+        job = d.wait_job(job_id, timeout=30)
+        assert job.state == want
+        assert d.wait_job(other, timeout=30).state == "done"
+        runs = executions(db, job_id)
+        if outcome == "retry":
+            assert job.attempt == 2 and [h["outcome"] for h in job.history] == ["retry", "done"]
+            assert [r[0] for r in runs] == [1, 2]
+        else:
+            assert job.attempt == 1 and [r[0] for r in runs] == [1]
+        assert count(db) == 2 and len(executions(db, other)) == 1
+        status = d.status()
+        assert d.worker_pids() == pids and status["restarts"] == 0 and status["pending_writes"] == 0
+        assert len(events(d, "broker_down")) == 1 and len(events(d, "broker_up")) == 1
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        cut.heal()
+        d.stop()
+
+
+def test_an_ack_the_broker_keeps_refusing_lets_the_lease_expire_and_the_job_run_again(postgres_broker, tmp_path):
+    """solid_queue #748: the ack fails while claims and lease renewals still work. The job must not stay
+    'running' under a live owner: its lease is left to expire, the job runs again (its effect once),
+    and the refused write is dropped as lease-lost."""
+    b = postgres_broker
+    db = str(tmp_path / "effects.db")
+    d = daemon(tmp_path, b, supervisor={"workers": 1}, broker={"lease_seconds": 2.0, "heartbeat_seconds": 0.25})
+    payload = {"db": db, "admin_url": b.server.url(), "schema": b.schema,
+               "faults": {"1": "pg_refuse_done", "2": "pg_allow_done"}}
+    job_id = b.client.enqueue(NewJob("effect", payload, max_attempts=3))
+    try:
+        d.start()
+        pids = d.worker_pids()
+        job = d.wait_job(job_id, states=("done",), timeout=30)
+        assert job.attempt == 2 and job.history[0]["outcome"] == "lease_expired"
+        assert [r[0] for r in executions(db, job_id)] == [1, 2] and count(db) == 1
+        wait_for(lambda: d.status()["pending_writes"] == 0, timeout=30, message="the refused write to be dropped")
+        assert d.status()["counters"]["lease_lost"] >= 1
+        assert d.worker_pids() == pids and d.status()["restarts"] == 0
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()

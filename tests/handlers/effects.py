@@ -19,6 +19,9 @@ master's ack / retry / dead-letter write meets the fault:
   ``done``: the ack fails while every other call (claim, lease renewal) works —
   the shape of solid_queue #748. ``pg_allow_done`` drops it again.
 
+With ``wait_running`` (job ids), it first waits until those jobs are leased
+(read through ``admin_broker_url``), so they sit prefetched in the master.
+
 ``outcome`` chooses what the handler then does: ``ok`` (default), ``retry``
 (raises, so the job is retried) or ``dead`` (raises ``Permanent``).
 """
@@ -60,6 +63,22 @@ def record(path, job_id, attempt):
         raise
 
 
+def wait_running(payload):
+    """Wait (bounded) until the jobs in ``payload["wait_running"]`` are leased: claimed by our master."""
+    ids = payload.get("wait_running")
+    if not ids:
+        return
+    from supervisor.backends import open_broker
+
+    with open_broker(payload["admin_broker_url"]) as broker:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if all((job := broker.get(i)) is not None and job.state == "running" for i in ids):
+                return
+            time.sleep(0.01)
+    raise RuntimeError(f"jobs {ids} were never claimed")
+
+
 def inject(ctx, payload, fault):
     if fault == "redis_acl_off":
         import redis
@@ -92,6 +111,7 @@ def effect(ctx, payload):
     faults = payload.get("faults", {})  # attempt number (as text) -> fault name
     fault = faults.get(str(ctx.job.attempt))
     if fault:
+        wait_running(payload)
         inject(ctx, payload, fault)
     outcome = payload.get("outcome", "ok")
     if outcome == "retry" and ctx.job.attempt == 1:
