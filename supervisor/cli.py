@@ -129,11 +129,22 @@ def build_parser():
     cfg_commands = cfg.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
     command(cfg_commands, "check", cmd_config_check, "validate the config")
     command(cfg_commands, "show", cmd_config_show, "print the effective config, defaults included", as_json)
-    command(cfg_commands, "init", cmd_config_init, "write a starter config").add_argument("path", metavar="PATH")
+    p = command(cfg_commands, "init", cmd_config_init, "write a starter config, or install the systemd service")
+    p.add_argument("path", metavar="PATH", nargs="?", help="where to write the config (not with --systemd)")
+    p.add_argument("--systemd", action="store_true",
+                   help="install as a service: user, /etc/tangguh/{config.toml,handlers/}, the unit (docs/service.md)")
+    p.add_argument("--root", default="/", metavar="DIR", help="with --systemd: write the files under DIR "
+                   "(for packaging and tests); accounts and systemctl are left alone")
+    p.add_argument("--user", default="tangguh", metavar="NAME", help="with --systemd: service user (default tangguh)")
+    p.add_argument("--group", default="tangguh", metavar="NAME", help="with --systemd: service group (default tangguh)")
+    p.add_argument("--exec", dest="exec_path", metavar="PATH",
+                   help="with --systemd: the tangguh command for ExecStart= (default: this installation's)")
+    p.add_argument("--dry-run", action="store_true", help="with --systemd: print what would be done, do nothing")
 
     db = command(commands, "db", None, "broker storage")
     db_commands = db.add_subparsers(dest="db_command", metavar="COMMAND", required=True)
-    command(db_commands, "migrate", cmd_db_migrate, "create or upgrade the broker's tables")
+    command(db_commands, "migrate", cmd_db_migrate,
+            "create or upgrade the broker's tables (and the toolkit's, if toolkit.database_url is set)")
 
     command(commands, "demo", cmd_demo, "run a demonstration").add_argument(
         "args", nargs=argparse.REMAINDER, metavar="NAME", help="demo name and its arguments")
@@ -254,6 +265,12 @@ def example_config():
 
 
 def cmd_config_init(args):
+    if args.systemd:
+        if args.path:
+            raise UsageError("config init --systemd: takes no PATH (the config goes to /etc/tangguh/config.toml)")
+        return daemon_module("install").main(args)
+    if not args.path:
+        raise UsageError("config init: give the PATH to write, or --systemd")
     text = example_config()
     try:
         with open(args.path, "x", encoding="utf-8") as f:
@@ -470,9 +487,15 @@ def cmd_dlq_purge(args):
 # -- broker storage -----------------------------------------------------------
 
 def cmd_db_migrate(args):
-    with open_client(args) as client:
+    cfg = load_config(args)
+    with open_client(args, cfg) as client:
         client.broker.migrate()
         print(f"migrated {redact(client.url)}: tables and indexes are up to date")
+    if cfg.toolkit.database_url:  # the handlers' database: idempotency_records
+        from . import toolkit
+
+        toolkit.migrate(cfg.toolkit.database_url)
+        print(f"migrated {redact(cfg.toolkit.database_url)}: idempotency_records is up to date")
 
 
 # -- the daemon (its modules are imported only when these commands run) -------
@@ -529,6 +552,18 @@ def cmd_status(args):
         return
     if not args.watch > 0:
         raise UsageError("status: --watch needs a positive number of seconds")
+    if not args.json:
+        pending = [reply]
+
+        def fetch():
+            if pending:
+                return pending.pop()
+            try:
+                return ask_supervisor(cfg, {"cmd": "status"})
+            except Failure as exc:  # keep watching across a restart
+                return {"error": str(exc)}
+
+        return daemon_module("watch").run(fetch, args.watch)
     try:
         while True:
             screen = json.dumps(reply, indent=2, default=str) if args.json else render_status(reply)

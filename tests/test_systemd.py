@@ -7,9 +7,13 @@ RELOADING/STOPPING message the real process sends. The unit-file tests run
 systemd.
 """
 import os
+import re
+import shutil
 import signal
 import socket
 import sqlite3
+import subprocess
+import sys
 import time
 import uuid
 
@@ -350,3 +354,187 @@ def test_a_daemon_gives_its_socket_to_socket_group_and_refuses_an_unknown_group(
         assert not os.path.exists(bad.socket)
     finally:
         bad.stop()
+
+
+# -- the unit file ---------------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UNIT_PATH = os.path.join(ROOT, "systemd", "tangguh.service")
+SECURITY_THRESHOLD = 2.0  # systemd-analyze security's exposure, 0 (best) to 10; ours is 1.4
+VENV_TANGGUH = os.path.join(os.path.dirname(sys.executable), "tangguh")
+
+
+def unit_settings(text):
+    """[(section, key, value)] in file order (keys may repeat, so no configparser)."""
+    out, section = [], None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        out.append((section, key.strip(), value.strip()))
+    return out
+
+
+def setting(text, key, section="Service"):
+    values = [v for s, k, v in unit_settings(text) if (s, k) == (section, key)]
+    assert len(values) == 1, f"{section}.{key}: {values}"
+    return values[0]
+
+
+def systemd_analyze():
+    path = shutil.which("systemd-analyze") or ("/usr/bin/systemd-analyze" if os.path.exists(
+        "/usr/bin/systemd-analyze") else None)
+    if path is None:
+        message = "systemd-analyze not found: install the Debian package `systemd` (apt-get install systemd)"
+        if os.environ.get("TANGGUH_REQUIRE_SERVICES") == "1":
+            pytest.fail(f"TANGGUH_REQUIRE_SERVICES=1 but {message}")
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture
+def rendered_unit(tmp_path):
+    """The unit as the installer writes it, with ExecStart= naming this venv's tangguh.
+
+    ``systemd-analyze verify`` checks that the ExecStart= binary exists, and
+    /opt/tangguh/venv does not exist on a test machine.
+    """
+    from supervisor import install
+
+    assert os.access(VENV_TANGGUH, os.X_OK), VENV_TANGGUH
+    path = tmp_path / "tangguh.service"
+    path.write_text(install.unit_text(VENV_TANGGUH))
+    return str(path)
+
+
+def test_packaged_unit_is_identical_to_the_systemd_one():
+    from supervisor import install
+
+    with open(UNIT_PATH) as a, open(os.path.join(install.DATA, "tangguh.service")) as b:
+        assert a.read() == b.read(), "copy systemd/tangguh.service to supervisor/data/ (they must stay identical)"
+
+
+def test_systemd_analyze_verify_prints_nothing(rendered_unit):
+    result = subprocess.run([systemd_analyze(), "verify", rendered_unit], capture_output=True, text=True, timeout=60)
+    # verify exits 0 on many mistakes (an unknown Type=, a misspelt key): its output is the verdict.
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_systemd_analyze_verify_would_catch_a_mistake(rendered_unit):
+    """The check above is not vacuous: the same run flags an option this systemd does not know."""
+    with open(rendered_unit, "a") as f:
+        f.write("[Service]\nProtectSystm=strict\n")
+    result = subprocess.run([systemd_analyze(), "verify", rendered_unit], capture_output=True, text=True, timeout=60)
+    assert "ProtectSystm" in result.stdout + result.stderr
+
+
+def test_systemd_analyze_security_scores_the_unit_under_the_threshold(rendered_unit):
+    result = subprocess.run([systemd_analyze(), "security", "--offline=yes", "--no-pager",
+                             f"--threshold={int(SECURITY_THRESHOLD * 10)}", rendered_unit],
+                            capture_output=True, text=True, timeout=60)
+    match = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert match, result.stdout + result.stderr
+    assert float(match.group(1)) <= SECURITY_THRESHOLD and result.returncode == 0, result.stdout
+
+
+def test_the_unit_agrees_with_the_config_defaults_and_the_installer():
+    from supervisor import arbiter, config, install
+
+    with open(UNIT_PATH) as f:
+        text = f.read()
+    defaults = config.from_dict({}).supervisor
+    assert setting(text, "Type") == "notify" and setting(text, "NotifyAccess") == "main"
+    # SIGTERM to the master only; it needs graceful_timeout + kill_grace + its last broker writes.
+    assert setting(text, "KillMode") == "mixed" and setting(text, "KillSignal") == "SIGTERM"
+    assert float(setting(text, "TimeoutStopSec")) > defaults.graceful_timeout + defaults.kill_grace + 10
+    assert setting(text, "ExecReload") == "/bin/kill -HUP $MAINPID"
+    assert setting(text, "Restart") == "on-failure"
+    assert str(arbiter.EXIT_CONFIG) in setting(text, "RestartPreventExitStatus").split()
+    # Broker calls block the loop up to 30 s (SQLite busy timeout, Redis socket timeout).
+    assert float(setting(text, "WatchdogSec")) > 30
+    assert setting(text, "OOMPolicy") == "continue"  # a child's OOM kill is ours to handle
+    assert setting(text, "ExecStart").split()[1:] == ["run", "-c", install.CONFIG]
+    # The paths the installed config uses are the ones systemd makes writable for the service.
+    assert setting(text, "ProtectSystem") == "strict"
+    assert install.SOCKET.startswith("/run/" + setting(text, "RuntimeDirectory") + "/")
+    assert install.STATE_DIR == "/var/lib/" + setting(text, "StateDirectory")
+    assert setting(text, "WorkingDirectory") == install.STATE_DIR
+    assert (setting(text, "User"), setting(text, "Group")) == ("tangguh", "tangguh")
+    assert defaults.socket_mode & 0o060 == 0o060 and defaults.socket_mode & 0o007 == 0  # group yes, others no
+    assert setting(text, "WantedBy", "Install") == "multi-user.target"
+
+
+# -- the installer ---------------------------------------------------------------------------
+
+def tangguh_cli(*args):
+    return subprocess.run([VENV_TANGGUH, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_config_init_systemd_installs_into_a_root(tmp_path):
+    import grp
+    import pwd
+
+    from supervisor import config, install
+
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    group = other_group() if os.geteuid() == 0 else grp.getgrgid(os.getegid())
+    root = tmp_path / "root"
+    result = tangguh_cli("config", "init", "--systemd", "--root", str(root), "--user", user, "--group", group.gr_name)
+    assert result.returncode == 0, result.stderr
+
+    def stat(path):
+        st = os.stat(root / path.lstrip("/"))
+        return oct(st.st_mode & 0o7777), st.st_gid
+
+    assert stat("/etc/tangguh") == (oct(0o750), group.gr_gid)
+    assert stat("/etc/tangguh/config.toml") == (oct(0o640), group.gr_gid)
+    assert stat("/etc/tangguh/handlers") == (oct(0o750), group.gr_gid)
+    assert stat("/etc/systemd/system/tangguh.service")[0] == oct(0o644)
+    assert os.listdir(root / "etc/tangguh/handlers") == []
+    assert not (root / "var").exists() and not (root / "run").exists()  # systemd makes those from the unit
+    # The config is the example with the service's paths; it is valid.
+    cfg = config.load(str(root / "etc/tangguh/config.toml"))
+    assert (cfg.supervisor.handlers, cfg.supervisor.socket) == (install.HANDLERS, install.SOCKET)
+    assert cfg.broker.url == f"sqlite:///{install.STATE_DIR}/tangguh.db"
+    unit = (root / "etc/systemd/system/tangguh.service").read_text()
+    assert setting(unit, "ExecStart") == f"{VENV_TANGGUH} run -c {install.CONFIG}"
+    assert (setting(unit, "User"), setting(unit, "Group")) == (user, group.gr_name)
+    assert "systemctl enable --now tangguh" in result.stdout
+
+    # Again: an operator's config and handlers are kept, the unit is brought up to date.
+    (root / "etc/tangguh/config.toml").write_text("[supervisor]\nworkers = 8\n")
+    (root / "etc/tangguh/handlers/mine.py").write_text("# mine\n")
+    (root / "etc/systemd/system/tangguh.service").write_text("stale\n")
+    result = tangguh_cli("config", "init", "--systemd", "--root", str(root), "--user", user, "--group", group.gr_name)
+    assert result.returncode == 0, result.stderr
+    assert (root / "etc/tangguh/config.toml").read_text() == "[supervisor]\nworkers = 8\n"
+    assert (root / "etc/tangguh/handlers/mine.py").read_text() == "# mine\n"
+    assert (root / "etc/systemd/system/tangguh.service").read_text() == unit
+    assert "kept the existing" in result.stdout
+
+
+def test_config_init_systemd_dry_run_prints_the_plan_and_touches_nothing(tmp_path):
+    root = tmp_path / "root"
+    result = tangguh_cli("config", "init", "--systemd", "--dry-run", "--root", str(root),
+                         "--user", "tangguh-test-nobody", "--group", "tangguh-test-nogroup")
+    assert result.returncode == 0, result.stderr
+    assert "would run: groupadd --system tangguh-test-nogroup" in result.stdout
+    assert ("would run: useradd --system --gid tangguh-test-nogroup --home-dir /var/lib/tangguh --no-create-home"
+            " --shell /usr/sbin/nologin") in result.stdout
+    assert f"would write {root}/etc/tangguh/config.toml (mode 0640)" in result.stdout
+    assert f"would write {root}/etc/systemd/system/tangguh.service (mode 0644)" in result.stdout
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("args, error", [
+    (["config", "init"], "config init: give the PATH to write, or --systemd"),
+    (["config", "init", "--systemd", "x.toml"], "takes no PATH"),
+    (["config", "init", "--systemd", "--exec", "/home/me/venv/bin/tangguh", "--dry-run"], "ProtectHome=yes"),
+])
+def test_config_init_systemd_refuses_bad_invocations(args, error):
+    result = tangguh_cli(*args)
+    assert result.returncode in (1, 2) and error in result.stderr, result.stderr
