@@ -109,7 +109,8 @@ def run_job(job, handlers, soft_timeout=None):
             result = spec.fn(ctx, job["payload"])
         timeouts.disarm()
         check_json(result, "handler result")
-        return dict(reply, ok=True, result=result, duration=time.monotonic() - started)
+        return dict(reply, ok=True, result=result, duration=time.monotonic() - started,
+                    metrics=_numbers(ctx.metrics))
     except BaseException as exc:  # noqa: BLE001 - every way a handler can end is an outcome
         timeouts.disarm()
         if isinstance(exc, (KeyboardInterrupt, SystemExit)) and not isinstance(exc, JobTimeout):
@@ -127,4 +128,13 @@ def run_job(job, handlers, soft_timeout=None):
             kind = "exception"
         ctx.log.warning("job failed: %s: %s", type(exc).__name__, exc)
         return dict(reply, ok=False, kind=kind, error_class=type(exc).__name__, message=str(exc),
-                    traceback=traceback.format_exc(), duration=time.monotonic() - started)
+                    traceback=traceback.format_exc(), duration=time.monotonic() - started,
+                    metrics=_numbers(ctx.metrics))
+
+
+def _numbers(counts):
+    """The counter deltas that can cross the pipe (a bad value must not break the reply)."""
+    if not isinstance(counts, dict):
+        return {}
+    return {str(k): v for k, v in counts.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")}

@@ -25,13 +25,21 @@ class _JobLogger(logging.LoggerAdapter):
 
 
 class Context:
-    """``fn(ctx, payload)``: ``ctx.job`` (JobInfo), ``ctx.log``, ``ctx.deadline``.
+    """``fn(ctx, payload)``: ``ctx.job`` (JobInfo), ``ctx.log``, ``ctx.deadline``, ``ctx.metrics``.
 
     ``ctx.deadline`` is the wall-clock time (``time.time()``) of the soft
-    timeout, or None when the job has none.
+    timeout, or None when the job has none. ``ctx.metrics`` is this job's
+    counter deltas (``ctx.count("cache_hit")``); the child sends them to the
+    master with the outcome, which adds them to its Prometheus counters
+    (known keys: ``supervisor.metrics.CHILD_KEYS``; others are ignored).
     """
 
     def __init__(self, job, deadline=None):
         self.job = JobInfo(**{f.name: job.get(f.name) for f in dataclasses.fields(JobInfo)})
         self.deadline = deadline
         self.log = _JobLogger(logging.getLogger(f"tangguh.job.{self.job.type}"), job_fields(job))
+        self.metrics = {}
+
+    def count(self, name, amount=1):
+        """Add ``amount`` to this job's counter ``name`` (e.g. ``duplicates_suppressed``)."""
+        self.metrics[name] = self.metrics.get(name, 0) + amount

@@ -67,3 +67,13 @@ def suicide(ctx, payload):
     if ctx.job.attempt <= int(payload.get("crashes", 1)):
         os.kill(os.getpid(), signal.SIGKILL)
     return {"survived_on": ctx.job.attempt}
+
+
+@supervisor.job("metered")
+def metered(ctx, payload):
+    """Reports the toolkit counter deltas in ``payload["metrics"]`` as the toolkit would (``ctx.count``)."""
+    for name, amount in payload.get("metrics", {}).items():
+        ctx.count(name, amount)
+    if payload.get("fail"):
+        raise supervisor.Permanent("metered failure")
+    return {}

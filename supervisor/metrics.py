@@ -1,0 +1,321 @@
+"""Prometheus metrics, owned by the master and rendered with ``prometheus_client``.
+
+One ``CollectorRegistry`` lives in the master; nothing is shared with the
+children (no multiprocess mode). Children report what their toolkit helpers
+counted as a ``"metrics"`` dict in each result message; the master adds it up
+here (``child_deltas``). Queue gauges are sampled from the broker on a timer
+by the main loop (``sample_queues``), never per scrape, so a scraper hammering
+``/metrics`` costs the broker nothing. Gauges about the master itself
+(workers, heartbeat) are read at scrape time from the live objects.
+
+``HttpExporter`` serves ``GET /metrics`` from the main loop's selector: a
+non-blocking listener, a bounded request, a client deadline, HTTP/1.0 and
+``Connection: close``. No thread (DESIGN.md, process-model rules).
+"""
+import selectors
+import socket
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+SAMPLE_SECONDS = 5.0  # how often queue gauges are refreshed from the broker
+
+# What a child may report per job (``ctx.metrics``), and the counter each key feeds.
+CHILD_KEYS = ("duplicates_suppressed", "lock_acquired", "lock_failed", "lock_wait_seconds", "cache_hit",
+              "cache_miss", "cache_rebuild", "cache_stale_served")
+
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+COMPLETE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 86400)
+# What generate_latest writes: the classic text format every Prometheus version reads.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BROKER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+JOB = ("queue", "type")
+
+
+class Metrics:
+    """Every metric the daemon exports; ``render()`` gives the text exposition."""
+
+    def __init__(self, arbiter=None):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        c = lambda name, doc, labels=(): Counter(name, doc, labels, registry=r)  # noqa: E731
+        g = lambda name, doc, labels=(): Gauge(name, doc, labels, registry=r)  # noqa: E731
+
+        # queue state, sampled from the broker
+        self.queue_ready = g("tangguh_queue_ready_jobs", "Jobs due now, waiting for a worker", ("queue",))
+        self.queue_scheduled = g("tangguh_queue_scheduled_jobs", "Jobs delayed or waiting for a retry backoff",
+                                 ("queue",))
+        self.queue_in_flight = g("tangguh_queue_in_flight_jobs", "Jobs leased by any supervisor", ("queue",))
+        self.queue_dead = g("tangguh_queue_dead_jobs", "Jobs in the dead-letter queue", ("queue",))
+        self.queue_oldest = g("tangguh_queue_oldest_ready_age_seconds",
+                              "Seconds the oldest due job has waited (0 when none is due)", ("queue",))
+        self.queue_sampled = g("tangguh_queue_sample_timestamp_seconds",
+                               "Unix time of the last successful queue sample")
+
+        # outcomes
+        self.claimed = c("tangguh_jobs_claimed_total", "Attempts started (jobs claimed)", JOB)
+        self.succeeded = c("tangguh_jobs_succeeded_total", "Jobs that ended ok", JOB)
+        self.failed = c("tangguh_jobs_failed_total", "Failed attempts, by reason", JOB + ("reason",))
+        self.retried = c("tangguh_jobs_retried_total", "Failed attempts scheduled for a retry", JOB + ("reason",))
+        self.dead = c("tangguh_jobs_dead_lettered_total", "Jobs moved to the dead-letter queue", JOB + ("reason",))
+        self.duration = Histogram("tangguh_job_duration_seconds", "Handler run time of one attempt",
+                                  JOB, buckets=DURATION_BUCKETS, registry=r)
+        self.complete = Histogram("tangguh_job_time_to_complete_seconds",
+                                  "From enqueue to the ack of the successful attempt", JOB,
+                                  buckets=COMPLETE_BUCKETS, registry=r)
+
+        # toolkit, as reported by the children
+        self.duplicates = c("tangguh_duplicates_suppressed_total",
+                            "Effects skipped because the idempotency key was already done", JOB)
+        self.lock_acquired = c("tangguh_lock_acquired_total", "Resource locks acquired", JOB)
+        self.lock_failed = c("tangguh_lock_failed_total", "Resource lock acquisitions that failed (contention)",
+                             JOB)
+        self.lock_wait = c("tangguh_lock_wait_seconds_total", "Seconds spent waiting for resource locks", JOB)
+        self.cache_hit = c("tangguh_cache_hits_total", "Cache reads served fresh", JOB)
+        self.cache_miss = c("tangguh_cache_misses_total", "Cache reads that found nothing", JOB)
+        self.cache_rebuild = c("tangguh_cache_rebuilds_total", "Cache entries recomputed", JOB)
+        self.cache_stale = c("tangguh_cache_stale_served_total", "Stale cache entries served while rebuilding",
+                             JOB)
+
+        # leases, timeouts, children
+        self.leases_lost = c("tangguh_leases_lost_total",
+                             "Leases found taken over (renewal or outcome refused); the result is dropped")
+        self.lease_expiries = c("tangguh_lease_expiries_total",
+                                "Jobs claimed again after an earlier lease ran out (visibility timeout)", JOB)
+        self.timeouts = c("tangguh_timeouts_total", "Attempts over their timeout: soft (JobTimeout raised) or"
+                          " hard (child killed)", JOB + ("kind",))
+        self.crashed = c("tangguh_children_crashed_total",
+                         "Children that died unasked: mid_job, idle, or at boot", ("when",))
+        self.restarted = c("tangguh_children_restarted_total", "Children replaced after an unplanned exit")
+        self.recycled = c("tangguh_children_recycled_total", "Children retired on max_jobs_per_child or RSS",
+                          ("reason",))
+        self.spawned = c("tangguh_children_spawned_total", "Children forked")
+        self.reloads = c("tangguh_reloads_total", "SIGHUP reloads", ("result",))
+
+        # the supervisor's own health
+        self.broker_rtt = Histogram("tangguh_broker_round_trip_seconds", "Broker calls from the main loop",
+                                    ("op",), buckets=BROKER_BUCKETS, registry=r)
+        self.broker_errors = c("tangguh_broker_errors_total", "Failed broker calls", ("source",))
+
+        for reason in ("mid_job", "idle", "boot"):
+            self.crashed.labels(reason)
+        for result in ("ok", "failed"):
+            self.reloads.labels(result)
+        self.broker_errors.labels("main")
+        if arbiter is not None:
+            r.register(_Live(arbiter))
+        ProcessCollector(registry=r)
+
+    # -- recording --------------------------------------------------------------------
+    def job_labels(self, job):
+        return job.queue, job.type
+
+    def child_deltas(self, job, deltas):
+        """Add a child's ``{"metrics": {...}}`` for ``job``; unknown keys and bad values are ignored."""
+        if not isinstance(deltas, dict):
+            return
+        labels = self.job_labels(job)
+        targets = {"duplicates_suppressed": self.duplicates, "lock_acquired": self.lock_acquired,
+                   "lock_failed": self.lock_failed, "lock_wait_seconds": self.lock_wait,
+                   "cache_hit": self.cache_hit, "cache_miss": self.cache_miss, "cache_rebuild": self.cache_rebuild,
+                   "cache_stale_served": self.cache_stale}
+        for key, counter in targets.items():
+            value = deltas.get(key, 0)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+                counter.labels(*labels).inc(value)
+
+    def sample_queues(self, stats):
+        """Set the queue gauges from ``broker.stats(queues)`` (``{queue: QueueStats}``)."""
+        for queue, s in stats.items():
+            self.queue_ready.labels(queue).set(s.ready)
+            self.queue_scheduled.labels(queue).set(s.scheduled)
+            self.queue_in_flight.labels(queue).set(s.in_flight)
+            self.queue_dead.labels(queue).set(s.dead)
+            self.queue_oldest.labels(queue).set(s.oldest_ready_age)
+        self.queue_sampled.set(time.time())
+
+    def render(self):
+        return generate_latest(self.registry).decode()
+
+
+class _Live:
+    """Gauges read from the master's objects at scrape time (cheap: no broker call)."""
+
+    def __init__(self, arbiter):
+        self.arbiter = arbiter
+
+    def describe(self):
+        return []  # unchecked collector: the names are not known to clash
+
+    def collect(self):
+        a = self.arbiter
+        states = GaugeMetricFamily("tangguh_workers", "Children by state", labels=["state"])
+        counts = dict.fromkeys(("starting", "idle", "busy", "stopping"), 0)
+        for w in list(a.workers.values()):
+            counts[w.state] = counts.get(w.state, 0) + 1
+        for state, n in counts.items():
+            states.add_metric([state], n)
+        yield states
+        yield GaugeMetricFamily("tangguh_workers_target", "Children the supervisor aims to keep", value=a.target)
+        yield GaugeMetricFamily("tangguh_generation", "Handler/config generation (SIGHUP reloads add one)",
+                                value=a.generation)
+        yield GaugeMetricFamily("tangguh_broker_up", "1 while the broker answers, 0 while it is down",
+                                value=0 if a.broker_down_since is not None else 1)
+        yield GaugeMetricFamily("tangguh_prefetched_jobs", "Jobs claimed but not yet handed to a child",
+                                value=len(a.prefetched))
+        yield GaugeMetricFamily("tangguh_pending_writes", "Outcomes waiting to be stored in the broker",
+                                value=len(a.writes))
+        hb = a.heartbeat
+        yield GaugeMetricFamily("tangguh_heartbeat_lag_seconds", "How late the last lease renewal round started",
+                                value=hb.lag)
+        yield GaugeMetricFamily("tangguh_heartbeat_age_seconds", "Seconds since the heartbeat thread last ran",
+                                value=max(0.0, time.monotonic() - hb.last_beat))
+        yield GaugeMetricFamily("tangguh_heartbeat_interval_seconds", "Configured heartbeat interval",
+                                value=hb.interval)
+        yield GaugeMetricFamily("tangguh_leases_held", "Leases the heartbeat renews", value=len(hb.held))
+        yield CounterMetricFamily("tangguh_lease_extensions", "Lease renewals accepted by the broker",
+                                  value=hb.extensions)
+        yield CounterMetricFamily("tangguh_heartbeat_errors", "Lease renewal rounds that failed on a broker error",
+                                  value=hb.errors)
+
+
+# -- HTTP /metrics ---------------------------------------------------------------------
+
+MAX_REQUEST = 8 * 1024
+
+
+class _HttpClient:
+    def __init__(self, sock, deadline):
+        self.sock, self.deadline = sock, deadline
+        self.inbox = bytearray()
+        self.outbox = b""
+
+
+def parse_listen(text):
+    """``"host:port"`` (or ``"[::1]:port"``) -> (family, (host, port))."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"metrics.listen: expected host:port, got {text!r}")
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return family, (host, int(port))
+
+
+class HttpExporter:
+    """A tiny HTTP/1.0 responder for ``GET /metrics`` inside the master's selector."""
+
+    def __init__(self, listen, selector, render, client_timeout=5.0):
+        family, address = parse_listen(listen)
+        self.selector, self.render, self.client_timeout = selector, render, client_timeout
+        self.listener = socket.socket(family, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(address)
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.clients = {}
+        selector.register(self.listener, selectors.EVENT_READ, self._accept)
+
+    @property
+    def address(self):
+        host, port = self.listener.getsockname()[:2]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _accept(self, _mask):
+        while len(self.clients) < 64:  # more at once waits in the backlog
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            conn.setblocking(False)
+            client = _HttpClient(conn, time.monotonic() + self.client_timeout)
+            self.clients[conn.fileno()] = client
+            self.selector.register(conn, selectors.EVENT_READ, lambda mask, c=client: self._io(c, mask))
+
+    def _io(self, client, mask):
+        if mask & selectors.EVENT_READ and not client.outbox:
+            try:
+                data = client.sock.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return self._drop(client)
+            if not data:
+                return self._drop(client)
+            client.inbox += data
+            if b"\r\n\r\n" in client.inbox or b"\n\n" in client.inbox:
+                self._respond(client, *self._answer(bytes(client.inbox)))
+            elif len(client.inbox) > MAX_REQUEST:
+                self._respond(client, 431, "request header too large\n")
+        if mask & selectors.EVENT_WRITE:
+            self._flush(client)
+
+    def _answer(self, request):
+        line = request.split(b"\n", 1)[0].decode("latin-1").strip()
+        parts = line.split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return 400, "bad request\n"
+        method, target = parts[0], parts[1].split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            return 405, "only GET\n"
+        if target == "/metrics":
+            try:
+                return 200, self.render(), CONTENT_TYPE, method == "HEAD"
+            except Exception as exc:  # noqa: BLE001 - a collector bug must not take the daemon down
+                return 500, f"{type(exc).__name__}: {exc}\n"
+        if target == "/":
+            return 200, "tangguh: metrics at /metrics\n"
+        return 404, "not found (try /metrics)\n"
+
+    def _respond(self, client, status, body, content_type="text/plain; charset=utf-8", head=False):
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
+                  431: "Request Header Fields Too Large", 500: "Internal Server Error"}[status]
+        data = body.encode()
+        header = (f"HTTP/1.0 {status} {reason}\r\nContent-Type: {content_type}\r\n"
+                  f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+        client.outbox = header + (b"" if head else data)
+        self.selector.modify(client.sock, selectors.EVENT_WRITE, lambda mask, c=client: self._io(c, mask))
+        self._flush(client)
+
+    def _flush(self, client):
+        try:
+            sent = client.sock.send(client.outbox)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return self._drop(client)
+        client.outbox = client.outbox[sent:]
+        if not client.outbox:
+            self._drop(client)
+
+    def _drop(self, client):
+        if self.clients.pop(client.sock.fileno(), None) is not None:
+            self.selector.unregister(client.sock)
+        client.sock.close()
+
+    def expire_clients(self):
+        """Drop clients past their deadline: a slow or silent client cannot hold a slot."""
+        now = time.monotonic()
+        for client in list(self.clients.values()):
+            if now > client.deadline:
+                if client.outbox:
+                    self._drop(client)
+                else:
+                    client.deadline = now + 1.0
+                    self._respond(client, 408, "timed out waiting for the request\n")
+
+    def close(self):
+        for client in list(self.clients.values()):
+            self._drop(client)
+        try:
+            self.selector.unregister(self.listener)
+        except (KeyError, ValueError):
+            pass
+        self.listener.close()
+
+    def close_in_child(self):
+        for client in self.clients.values():
+            client.sock.close()
+        self.listener.close()

@@ -1,0 +1,115 @@
+"""``tangguh status --watch``: a live view redrawn in place, fit for a plain terminal over SSH.
+
+``render_watch`` is pure (a status reply, an earlier one, the time in; text
+out). Rates are the difference of the status ``counters`` between the newest
+sample and the oldest one kept from the last minute, so they need no metric
+history in the daemon. The screen is redrawn with two plain ANSI sequences
+(home, clear): no curses, no terminal database.
+"""
+import collections
+import sys
+import time
+
+from .cli import duration, table
+
+WINDOW = 60.0  # seconds of samples the rates are computed over
+CLEAR = "\033[H\033[2J"
+RATES = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost")
+
+
+def rates(newer, older):
+    """Per-minute rates of the counters between two ``(t, reply)`` samples, or None if unknown."""
+    if older is None or newer is None:
+        return None
+    (t1, r1), (t0, r0) = newer, older
+    c1, c0 = r1.get("counters") or {}, r0.get("counters") or {}
+    if t1 <= t0 or r1.get("pid") != r0.get("pid"):
+        return None  # the same instant, or another supervisor (restarted): counters started over
+    out = {}
+    for name in RATES:
+        if isinstance(c1.get(name), (int, float)) and isinstance(c0.get(name), (int, float)):
+            out[name] = max(0.0, c1[name] - c0[name]) * 60.0 / (t1 - t0)
+    return out
+
+
+def render_watch(reply, now, older=None):
+    """One screen for ``reply`` (a status reply sampled at ``now``); ``older`` is ``(t, reply)`` or None."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(now))
+    if reply.get("error") and "workers" not in reply:
+        return f"tangguh status --watch  {stamp}\nerror: {reply['error']}"
+    started = reply.get("started_at")
+    up = f"up {duration(now - started)}" if isinstance(started, (int, float)) else ""
+    state = "stopping" if reply.get("stopping") else "running"
+    if reply.get("broker_down"):
+        state += ", BROKER DOWN"
+    if reply.get("reload_error"):
+        state += ", LAST RELOAD FAILED"
+    lines = [f"tangguh  pid {reply.get('pid', '-')}  gen {reply.get('generation', '-')}  {up}  {state}  {stamp}"]
+
+    queues = reply.get("queues") or {}
+    if queues:
+        rows = [[q, s.get("ready"), s.get("scheduled"), s.get("in_flight"), s.get("dead"),
+                 duration(s.get("oldest_ready_age")) if s.get("ready") else "-"] for q, s in queues.items()]
+        lines += ["", table(["QUEUE", "READY", "SCHEDULED", "IN FLIGHT", "DEAD", "OLDEST"], rows)]
+
+    workers = reply.get("workers") or []
+    busy = sum(1 for w in workers if w.get("job_id"))
+    lines += ["", f"workers {len(workers)}/{reply.get('target_workers', '-')}  busy {busy}  "
+                  f"restarts {reply.get('restarts', 0)}"]
+    if workers:
+        rows = [[w.get("slot"), w.get("pid"), w.get("state"), w.get("job_type") or "-", w.get("job_id") or "-",
+                 w.get("attempt") if w.get("job_id") else "-",
+                 duration(w.get("elapsed")) if w.get("job_id") and w.get("elapsed") is not None else "-"]
+                for w in workers]
+        lines.append(table(["SLOT", "PID", "STATE", "TYPE", "JOB", "ATTEMPT", "ELAPSED"], rows))
+
+    per_minute = rates((now, reply), older)
+    lines.append("")
+    if per_minute is None:
+        lines.append("rates: waiting for a second sample")
+    else:
+        span = now - older[0]
+        lines.append(f"rates over the last {duration(span)}, per minute: "
+                     + "  ".join(f"{name} {per_minute[name]:.1f}" for name in RATES if name in per_minute))
+    counters = reply.get("counters") or {}
+    if counters:
+        lines.append("totals: " + "  ".join(f"{k} {v}" for k, v in sorted(counters.items())))
+    return "\n".join(lines)
+
+
+class Samples:
+    """The status replies of the last ``WINDOW`` seconds, oldest first."""
+
+    def __init__(self, window=WINDOW):
+        self.window = window
+        self.items = collections.deque()
+
+    def add(self, t, reply):
+        if reply.get("error") and "workers" not in reply:
+            return
+        self.items.append((t, reply))
+        while len(self.items) > 2 and self.items[1][0] <= t - self.window:
+            self.items.popleft()  # keep one sample at or past the window's start
+
+    def oldest(self):
+        return self.items[0] if self.items else None
+
+
+def run(fetch, interval=1.0, out=sys.stdout, clock=time.time, sleep=time.sleep, frames=None):
+    """Redraw every ``interval`` seconds until Ctrl-C (or ``frames`` screens, for tests)."""
+    samples = Samples()
+    drawn = 0
+    try:
+        while frames is None or drawn < frames:
+            now = clock()
+            reply = fetch()
+            older = samples.oldest()
+            samples.add(now, reply)
+            out.write(CLEAR + render_watch(reply, now, older) + "\n")
+            out.flush()
+            drawn += 1
+            if frames is None or drawn < frames:
+                sleep(interval)
+    except KeyboardInterrupt:
+        out.write("\n")
+    return 0

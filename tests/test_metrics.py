@@ -1,0 +1,291 @@
+"""Metrics, logs and supervisor events of a real daemon, plus the exporter's pieces.
+
+One daemon (module fixture) runs jobs that succeed, retry, die, time out,
+crash, lose their lease, report toolkit counters, and sees a good and a bad
+reload. The tests then read its ``/metrics`` over HTTP and the health socket
+and its JSON log.
+"""
+import json
+import os
+import selectors
+import signal
+import socket
+import sqlite3
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.backends import open_broker
+from supervisor.metrics import HttpExporter, Metrics
+from supervisor.model import Job, NewJob
+
+from .daemon import Daemon, read_lines, tangguh
+from .util import wait_for
+
+DELTAS = {"duplicates_suppressed": 1, "lock_acquired": 2, "lock_failed": 1, "lock_wait_seconds": 0.25,
+          "cache_hit": 3, "cache_miss": 1, "cache_rebuild": 1, "cache_stale_served": 1, "not_a_metric": 7}
+
+
+def samples(text):
+    """{(sample name, ((label, value), ...)): value} of an exposition; it must parse."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(scrape, name, **labels):
+    return scrape.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def counters_only(scrape):
+    return {k: v for k, v in scrape.items() if k[0].endswith(("_total", "_count"))
+            and not k[0].startswith(("process_", "tangguh_broker_round_trip", "tangguh_lease_extensions",
+                                     "tangguh_heartbeat_errors"))}
+
+
+def http_get(url, data=None):
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.status, resp.headers.get("Content-Type"), resp.read().decode()
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    """Run the whole scenario once; yield (daemon, job ids)."""
+    d = Daemon(tmp_path_factory.mktemp("metrics"), metrics={"listen": "127.0.0.1:0"})
+    try:
+        d.start()
+        ids = {}
+        ids["noop"] = [d.enqueue("noop", {"i": i}, resource_id=f"r{i}", idempotency_key=f"k{i}") for i in range(3)]
+        ids["suicide"] = d.enqueue("suicide", {"crashes": 1})
+        ids["poison"] = d.enqueue("poison", {}, max_attempts=2)
+        ids["permanent"] = d.enqueue("permanent", {})
+        ids["spin"] = d.enqueue("spin", {}, timeout=1.0, max_attempts=1)
+        ids["soft"] = d.enqueue("soft_timeout", {}, max_attempts=1)
+        ids["metered"] = [d.enqueue("metered", {"metrics": DELTAS}),
+                          d.enqueue("metered", {"metrics": DELTAS, "fail": True})]
+        d.enqueue("noop", {}, delay=3600)
+        for job_id in [*ids["noop"], *ids["metered"], ids["suicide"], ids["poison"], ids["permanent"], ids["spin"],
+                       ids["soft"]]:
+            d.wait_job(job_id)
+
+        # A lease taken over by someone else: bump the fencing token under the running job.
+        marker, release = d.marker("hold"), d.marker("release")
+        ids["hold"] = d.enqueue("hold", {"marker": marker, "release": release})
+        wait_for(lambda: read_lines(marker), message="hold to start")
+        with sqlite3.connect(os.path.join(d.dir, "broker.db"), timeout=10) as db:
+            db.execute("UPDATE jobs SET token = token + 1 WHERE id = ?", (ids["hold"],))
+        wait_for(lambda: d.status()["counters"]["lease_lost"] == 1, message="the heartbeat to see the lost lease")
+        open(release, "w").close()
+        # The stolen lease runs out; the broker reclaims the job (a visibility-timeout expiry) and it runs again.
+        assert d.wait_job(ids["hold"], timeout=30).state == "done"
+
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: d.status()["generation"] == 2 and d.ready(), message="the reload")
+        d.config["supervisor"]["workers"] = "two"
+        d.write_config()
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: d.status()["reload_error"], message="the failed reload")
+        d.config["supervisor"]["workers"] = 2
+        d.write_config()  # good again for the CLI (no HUP: the counters stay as they are)
+        # Queue gauges come from a timer sample: wait for one taken after the last job ended.
+        wait_for(lambda: d.status()["queues"].get("default", {}).get("dead") == 5 and
+                 d.status()["queues"]["default"]["in_flight"] == 0, timeout=20, message="a fresh queue sample")
+        yield d, ids
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def test_every_counter_over_http_and_the_socket(ran):
+    d, ids = ran
+    address = d.status()["metrics_listen"]
+    status, ctype, text = http_get(f"http://{address}/metrics")
+    assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
+    http = samples(text)
+    cli = tangguh("metrics", "-c", d.config_path)
+    assert cli.returncode == 0, cli.stderr
+    sock = samples(cli.stdout)
+    assert counters_only(http) == counters_only(sock)
+
+    m = lambda name, **labels: value(http, name, queue="default", **labels)  # noqa: E731
+    assert m("tangguh_jobs_succeeded_total", type="noop") == 3
+    assert m("tangguh_jobs_succeeded_total", type="suicide") == 1
+    assert m("tangguh_jobs_succeeded_total", type="hold") == 1
+    assert m("tangguh_jobs_claimed_total", type="hold") == 2
+    # retry: the crash is retried, poison once then dead
+    assert m("tangguh_jobs_retried_total", type="suicide", reason="crashed") == 1
+    assert m("tangguh_jobs_retried_total", type="poison", reason="exception") == 1
+    assert m("tangguh_jobs_failed_total", type="poison", reason="exception") == 2
+    # die
+    assert m("tangguh_jobs_dead_lettered_total", type="poison", reason="exception") == 1
+    assert m("tangguh_jobs_dead_lettered_total", type="permanent", reason="permanent") == 1
+    assert m("tangguh_jobs_dead_lettered_total", type="spin", reason="timeout") == 1
+    assert m("tangguh_jobs_dead_lettered_total", type="soft_timeout", reason="timeout") == 1
+    assert m("tangguh_jobs_dead_lettered_total", type="metered", reason="permanent") == 1
+    # time out, soft and hard
+    assert m("tangguh_timeouts_total", type="spin", kind="hard") == 1
+    assert m("tangguh_timeouts_total", type="soft_timeout", kind="soft") == 1
+    assert m("tangguh_timeouts_total", type="spin", kind="soft") == 0
+    # crash, lost lease, expiry: the crash, the timeout kill and the lease-lost kill were replaced
+    assert value(http, "tangguh_children_crashed_total", when="mid_job") == 1
+    assert value(http, "tangguh_children_crashed_total", when="idle") == 0
+    assert value(http, "tangguh_children_restarted_total") == 3
+    assert value(http, "tangguh_leases_lost_total") == 1
+    assert m("tangguh_lease_expiries_total", type="hold") == 1
+    assert value(http, "tangguh_reloads_total", result="ok") == 1
+    assert value(http, "tangguh_reloads_total", result="failed") == 1
+    # toolkit deltas from two jobs (one failed), the unknown key ignored
+    assert m("tangguh_duplicates_suppressed_total", type="metered") == 2
+    assert m("tangguh_lock_acquired_total", type="metered") == 4
+    assert m("tangguh_lock_failed_total", type="metered") == 2
+    assert m("tangguh_lock_wait_seconds_total", type="metered") == 0.5
+    assert m("tangguh_cache_hits_total", type="metered") == 6
+    assert m("tangguh_cache_misses_total", type="metered") == 2
+    assert m("tangguh_cache_rebuilds_total", type="metered") == 2
+    assert m("tangguh_cache_stale_served_total", type="metered") == 2
+    assert not any("not_a_metric" in name for name, _ in http)
+    # histograms
+    assert m("tangguh_job_duration_seconds_count", type="noop") == 3
+    assert m("tangguh_job_time_to_complete_seconds_count", type="noop") == 3
+    assert m("tangguh_job_time_to_complete_seconds_count", type="poison") == 0
+    assert value(http, "tangguh_broker_round_trip_seconds_count", op="claim") > 0
+    assert value(http, "tangguh_broker_round_trip_seconds_count", op="ack") == 3 + 1 + 1 + 1  # noop, suicide, ...
+    assert value(http, "tangguh_lease_extensions_total") > 0
+    # queue gauges from the broker sample
+    assert m("tangguh_queue_dead_jobs") == 5
+    assert m("tangguh_queue_scheduled_jobs") == 1
+    assert m("tangguh_queue_ready_jobs") == 0 and m("tangguh_queue_in_flight_jobs") == 0
+    # the master's own state
+    assert value(http, "tangguh_broker_up") == 1
+    assert value(http, "tangguh_workers", state="idle") == 2
+    assert value(http, "tangguh_generation") == 2
+    assert value(http, "tangguh_heartbeat_interval_seconds") == 0.5
+
+
+def test_http_endpoint_answers_errors_and_stays_up(ran):
+    d, _ = ran
+    host, port = d.status()["metrics_listen"].rsplit(":", 1)
+    for request, expected in ((b"POST /metrics HTTP/1.0\r\n\r\n", b"HTTP/1.0 405"),
+                              (b"GET /nope HTTP/1.0\r\n\r\n", b"HTTP/1.0 404"),
+                              (b"garbage\r\n\r\n", b"HTTP/1.0 400"),
+                              (b"GET /metrics HTTP/1.0\r\nX: " + b"a" * 20000, b"HTTP/1.0 431")):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            try:
+                s.sendall(request)
+            except OSError:
+                pass  # it may answer and close before the oversize request is all sent
+            assert s.recv(100).startswith(expected), request[:20]
+    assert http_get(f"http://{host}:{port}/metrics")[0] == 200
+
+
+def records(d):
+    out = []
+    for line in d.logs().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a child's traceback on stderr
+    return out
+
+
+def test_log_follows_one_job_from_claim_to_ack(ran):
+    d, ids = ran
+    job_id = ids["noop"][1]
+    mine = [r for r in records(d) if r.get("job_id") == job_id]
+    assert [r["event"] for r in mine] == ["claim", "start", "done", "acked"]
+    for r in mine:
+        assert (r["type"], r["queue"], r["attempt"]) == ("noop", "default", 1)
+        assert (r["resource_id"], r["idempotency_key"]) == ("r1", "k1")
+        assert r["trace_id"] == d.job(job_id).trace_id
+
+    retried = [r["event"] for r in records(d) if r.get("job_id") == ids["suicide"]]
+    assert retried == ["claim", "start", "crash", "retry", "retry_stored", "claim", "start", "done", "acked"]
+
+
+def test_supervisor_events_are_one_record_each_with_slot_and_pid(ran):
+    d, ids = ran
+    recs = records(d)
+    crash = [r for r in recs if r.get("event") == "crash"]
+    assert len(crash) == 1 and crash[0]["job_id"] == ids["suicide"] and crash[0]["signal"] == signal.SIGKILL
+    kill = [r for r in recs if r.get("event") == "timeout_kill"]
+    assert len(kill) == 1 and kill[0]["job_id"] == ids["spin"]
+    lost = [r for r in recs if r.get("event") == "lease_lost"]
+    assert len(lost) == 1 and lost[0]["job_id"] == ids["hold"]
+    for r in crash + kill + lost:
+        assert isinstance(r["slot"], int) and isinstance(r["pid"], int)
+    spawns = [r for r in recs if r.get("event") == "spawn"]
+    # 2 at start, 3 replacements, 2 for the reload's new generation
+    assert len(spawns) == 7 and all(isinstance(r["slot"], int) and r["pid"] > 0 for r in spawns)
+    assert len({r["pid"] for r in spawns}) == 7
+    assert [r["event"] for r in recs if r.get("event", "").startswith("reload")] == ["reload", "reload_failed"]
+
+
+# -- the pieces, without a daemon --------------------------------------------------------------
+
+def test_queue_sample_sets_the_gauges(tmp_path):
+    broker = open_broker(f"sqlite:///{tmp_path}/b.db")
+    broker.migrate()
+    broker.enqueue(NewJob("a", {}))
+    broker.enqueue(NewJob("a", {}))
+    broker.enqueue(NewJob("a", {}, delay=60))
+    broker.enqueue(NewJob("a", {}, queue="other"))
+    [job] = broker.claim(["other"], 1, 30, "me")
+    broker.dead(job.lease, "permanent", {})
+    broker.enqueue(NewJob("a", {}, queue="other"))
+    [job] = broker.claim(["other"], 1, 30, "me")
+    wait_for(lambda: broker.stats(["default"])["default"].oldest_ready_age > 0, message="the ready jobs to age")
+    m = Metrics()
+    m.sample_queues(broker.stats(["default", "other"]))
+    s = samples(m.render())
+    assert value(s, "tangguh_queue_ready_jobs", queue="default") == 2
+    assert value(s, "tangguh_queue_scheduled_jobs", queue="default") == 1
+    assert value(s, "tangguh_queue_oldest_ready_age_seconds", queue="default") > 0
+    assert value(s, "tangguh_queue_dead_jobs", queue="other") == 1
+    assert value(s, "tangguh_queue_in_flight_jobs", queue="other") == 1
+    assert value(s, "tangguh_queue_oldest_ready_age_seconds", queue="other") == 0
+    assert value(s, "tangguh_queue_sample_timestamp_seconds") > 0
+    broker.close()
+
+
+def test_child_deltas_ignore_unknown_keys_and_bad_values():
+    m = Metrics()
+    job = Job(id="j", type="t", queue="q", payload={})
+    m.child_deltas(job, {"cache_hit": 2, "cache_miss": "x", "lock_failed": True, "lock_wait_seconds": -1,
+                         "duplicates_suppressed": float("nan"), "bogus": 5})
+    m.child_deltas(job, None)
+    m.child_deltas(job, ["cache_hit"])
+    s = samples(m.render())
+    assert value(s, "tangguh_cache_hits_total", queue="q", type="t") == 2
+    for name in ("tangguh_cache_misses_total", "tangguh_lock_failed_total", "tangguh_lock_wait_seconds_total",
+                 "tangguh_duplicates_suppressed_total"):
+        assert value(s, name, queue="q", type="t") == 0
+
+
+def test_exporter_times_out_a_silent_client():
+    sel = selectors.DefaultSelector()
+    exporter = HttpExporter("127.0.0.1:0", sel, lambda: "x 1\n", client_timeout=0.2)
+    host, port = exporter.address.rsplit(":", 1)
+    client = socket.create_connection((host, int(port)), timeout=10)
+    client.setblocking(False)
+    got = bytearray()
+
+    def answered():
+        for key, mask in sel.select(0.05):
+            key.data(mask)
+        exporter.expire_clients()
+        try:
+            got.extend(client.recv(4096))
+        except BlockingIOError:
+            pass
+        return got.startswith(b"HTTP/1.0 408") and not exporter.clients
+
+    wait_for(answered, message="the silent client to get 408 and be dropped")
+    client.close()
+    exporter.close()
+    sel.close()

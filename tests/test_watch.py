@@ -1,0 +1,88 @@
+"""``tangguh status --watch``: rendering of recorded status replies, rates from two samples, the redraw loop."""
+import copy
+import io
+
+from supervisor import watch
+
+T0 = 1_700_000_000.0
+
+RECORDED = {
+    "ok": True, "pid": 4100, "started_at": T0 - 3725, "generation": 2, "config": "/etc/tangguh/config.toml",
+    "broker": "sqlite:////var/lib/tangguh/broker.db", "reload_error": None, "stopping": None, "broker_down": False,
+    "target_workers": 2, "prefetched": 0, "pending_writes": 0, "restarts": 3,
+    "workers": [
+        {"slot": 0, "pid": 4101, "state": "busy", "job_id": "job_01JABCDEF", "job_type": "send_email",
+         "attempt": 2, "elapsed": 12.34, "rss_bytes": 50331648, "jobs_done": 120, "generation": 2},
+        {"slot": 1, "pid": 4102, "state": "idle", "job_id": None, "job_type": None, "attempt": None,
+         "elapsed": None, "rss_bytes": 41943040, "jobs_done": 7, "generation": 2},
+    ],
+    "counters": {"succeeded": 100, "failed": 10, "retried": 8, "dead": 2, "timeouts": 1, "crashed": 0,
+                 "lease_lost": 0},
+    "handlers": ["send_email"],
+    "queues": {"default": {"queue": "default", "ready": 42, "scheduled": 3, "in_flight": 1, "dead": 2, "done": 900,
+                           "oldest_ready_age": 95.5},
+               "low": {"queue": "low", "ready": 0, "scheduled": 0, "in_flight": 0, "dead": 0, "done": 0,
+                       "oldest_ready_age": 0.0}},
+    "metrics_listen": None,
+}
+
+
+def later(seconds, **counters):
+    reply = copy.deepcopy(RECORDED)
+    reply["counters"].update(counters)
+    return T0 + seconds, reply
+
+
+def test_render_a_recorded_status_without_rates():
+    screen = watch.render_watch(RECORDED, T0)
+    lines = screen.splitlines()
+    assert lines[0].startswith("tangguh  pid 4100  gen 2  up 1h02m  running")
+    # the queue table: depth and oldest age of the due jobs; no age when nothing is due
+    default = next(line for line in lines if line.startswith("default")).split()
+    assert default == ["default", "42", "3", "1", "2", "1m35s"]
+    low = next(line for line in lines if line.startswith("low")).split()
+    assert low == ["low", "0", "0", "0", "0", "-"]
+    assert "workers 2/2  busy 1  restarts 3" in screen
+    busy = next(line for line in lines if "job_01JABCDEF" in line).split()
+    assert busy == ["0", "4101", "busy", "send_email", "job_01JABCDEF", "2", "12.3s"]
+    idle = next(line for line in lines if line.split()[:3] == ["1", "4102", "idle"]).split()
+    assert idle[3:] == ["-", "-", "-", "-"]
+    assert "rates: waiting for a second sample" in screen
+    assert "\033" not in screen  # the loop clears the screen; the text itself is plain
+
+
+def test_rates_come_from_two_samples_a_minute_apart():
+    now, newer = later(60, succeeded=160, failed=13, retried=10, dead=3)
+    screen = watch.render_watch(newer, now, older=(T0, RECORDED))
+    rates_line = next(line for line in screen.splitlines() if line.startswith("rates"))
+    assert rates_line == ("rates over the last 1m00s, per minute: succeeded 60.0  failed 3.0  retried 2.0  dead 1.0"
+                          "  timeouts 0.0  crashed 0.0  lease_lost 0.0")
+    # Half a minute apart: the same increase is twice the rate.
+    now, newer = later(30, succeeded=130)
+    assert "succeeded 60.0" in watch.render_watch(newer, now, older=(T0, RECORDED))
+
+
+def test_a_restarted_supervisor_or_an_error_shows_no_rates():
+    now, newer = later(10, succeeded=1)
+    newer["pid"] = 5000
+    assert "rates: waiting for a second sample" in watch.render_watch(newer, now, older=(T0, RECORDED))
+    screen = watch.render_watch({"error": "no supervisor answering on /run/tangguh.sock"}, T0)
+    assert screen.splitlines()[1] == "error: no supervisor answering on /run/tangguh.sock"
+
+
+def test_samples_keep_one_minute_and_the_loop_redraws_in_place():
+    samples = watch.Samples()
+    for i in range(0, 100, 10):
+        samples.add(T0 + i, later(i)[1])
+    assert samples.oldest()[0] == T0 + 30  # the newest at or before 90 - 60
+    samples.add(T0 + 100, {"error": "gone"})
+    assert samples.items[-1][0] == T0 + 90  # errors are not samples
+
+    replies = iter([RECORDED, later(1, succeeded=101)[1], later(2, succeeded=102)[1]])
+    clock = iter([T0, T0 + 1, T0 + 2])
+    slept, out = [], io.StringIO()
+    watch.run(lambda: next(replies), 1.0, out=out, clock=lambda: next(clock), sleep=slept.append, frames=3)
+    frames = out.getvalue().split(watch.CLEAR)[1:]
+    assert len(frames) == 3 and slept == [1.0, 1.0]
+    assert "waiting for a second sample" in frames[0]
+    assert "succeeded 60.0" in frames[1] and "succeeded 60.0" in frames[2]
