@@ -14,7 +14,7 @@ import traceback
 
 import setproctitle
 
-from . import protocol, timeouts
+from . import protocol, timeouts, toolkit
 from .context import Context
 from .model import check_json
 from .retry import BadPayload, JobTimeout, Permanent, RetryLater
@@ -65,6 +65,7 @@ def main(sock, slot, handlers, master_pid):
             os.environ.pop(name, None)
         title(slot, "idle")
         protocol.send(sock, {"op": "ready", "pid": os.getpid()})
+        toolkit.attach_master(lambda msg: protocol.send(sock, msg))  # ctx.lock registers its locks
         serve(sock, slot, handlers, master_pid)
     except BaseException:  # noqa: BLE001 - a child must never unwind into the master's code
         traceback.print_exc()

@@ -43,3 +43,44 @@ class Context:
     def count(self, name, amount=1):
         """Add ``amount`` to this job's counter ``name`` (e.g. ``duplicates_suppressed``)."""
         self.metrics[name] = self.metrics.get(name, 0) + amount
+
+    # -- the handler toolkit (docs/safe-handlers.md); connections open on first use --
+    def transaction(self):
+        """``with ctx.transaction() as tx``: the handlers' database (``supervisor.transaction``)."""
+        from . import toolkit, transaction
+
+        return transaction.transaction(toolkit.database())
+
+    @property
+    def idempotency(self):
+        """``ctx.idempotency.begin(tx, key)`` (``supervisor.idempotency``)."""
+        from . import idempotency, toolkit
+
+        return idempotency.Idempotency(self.job, self.metrics, toolkit.settings().idempotency_retention)
+
+    def lock(self, name, ttl=30.0, wait=10.0):
+        """``with ctx.lock(name, ttl, wait) as lock``: a Redis lock with ``lock.fence`` (``supervisor.locks``)."""
+        from . import locks, toolkit
+
+        client, prefix = toolkit.redis()
+        return locks.Locks(client, prefix, self.metrics, toolkit.notify_master).acquire(name, ttl, wait)
+
+    def row_lock(self, tx, table, key, **options):
+        """``SELECT ... FOR UPDATE`` of one row: ``supervisor.locks.row_lock``."""
+        from . import locks
+
+        return locks.row_lock(tx, table, key, **options)
+
+    def advisory_lock(self, tx, key, timeout=None):
+        """A transaction-scoped PostgreSQL advisory lock: ``supervisor.locks.advisory_lock``."""
+        from . import locks
+
+        return locks.advisory_lock(tx, key, timeout)
+
+    @property
+    def cache(self):
+        """``ctx.cache.get_or_build(...)``, ``invalidate_after_commit(tx, ...)`` (``supervisor.cache``)."""
+        from . import cache, toolkit
+
+        client, prefix = toolkit.redis()
+        return cache.Cache(client, prefix, self.metrics)

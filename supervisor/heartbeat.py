@@ -30,6 +30,7 @@ class Heartbeat:
         self.thread = None
         self.stopping = threading.Event()
         self.broker = None
+        self.locks = None  # locks.MasterLocks: children's Redis locks, extended with the leases
         self.extensions = 0  # leases renewed
         self.errors = 0
         self.lag = 0.0  # how late the last beat ran, seconds
@@ -78,6 +79,8 @@ class Heartbeat:
     def beat(self):
         leases = self.holding()
         self.last_beat = time.monotonic()
+        if self.locks is not None:
+            self.locks.extend_all()  # one pipelined round trip; a lock lives only while its job runs
         if not leases:
             return
         try:

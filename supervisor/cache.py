@@ -1,0 +1,194 @@
+"""A Redis cache-aside that does not lie: ``ctx.cache``.
+
+Read::
+
+    summary = ctx.cache.get_or_build(f"invoice:{invoice_id}:summary", build, ttl=300,
+                                     tags=[f"invoice:{invoice_id}"])
+
+Write (in the transaction that changes the data)::
+
+    with ctx.transaction() as tx:
+        ...
+        ctx.cache.invalidate_after_commit(tx, f"invoice:{invoice_id}")
+
+* **TTL jitter**: each entry lives ``ttl`` minus up to ``jitter`` of it, so
+  entries filled together do not expire together.
+* **Single flight**: a miss takes a short *fill lease* (``SET NX``) before
+  reading the database; only the holder builds. Others poll for its value up
+  to ``wait`` seconds, then build for themselves without storing.
+* **Fill leases cancelled by invalidation**: an invalidation deletes the
+  entry *and* the outstanding fill lease; the store is a compare-and-set on
+  the lease token, so a builder that read the old row before the writer
+  committed cannot store it afterwards. Tags are registered when the lease
+  is taken, before the database read, so invalidating a tag reaches fills in
+  flight too.
+* **Stale-while-revalidate**, only for keys that say they tolerate it
+  (``stale_ttl > 0``): after ``ttl`` the entry is kept ``stale_ttl`` seconds
+  more; one reader (the lease holder) rebuilds, the others get the stale
+  value at once. An invalidation removes stale entries too: a stale value is
+  old, never wrong by a known write.
+* ``invalidate(*names)`` / ``invalidate_after_commit(tx, *names)``: each name
+  is a key, a tag, or both; a tag removes every key filled under it
+  (``invoice:123`` -> summary, list pages, aggregates). After commit means
+  never before (a reader could refill from the old row) and never on
+  rollback.
+* Counters: ``cache_hit``, ``cache_miss``, ``cache_rebuild`` (the builder
+  ran), ``cache_stale_served``.
+
+Values are stored as JSON. Redis keys: ``<prefix>cache:<key>``,
+``<prefix>cache-lease:<key>``, ``<prefix>cache-tag:<tag>``; the scripts
+build key names from the prefix, so use one Redis instance, not a cluster.
+"""
+import json
+import random
+import time
+import uuid
+
+TAKE_LEASE = """
+if ARGV[5] == 'absent' and redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  for i = 3, #KEYS do
+    redis.call('SADD', KEYS[i], ARGV[3])
+    if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[4]) then redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
+  end
+  return 1
+end
+return 0
+"""
+STORE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+INVALIDATE = """
+local p = ARGV[1]
+local n = 0
+for i = 2, #ARGV do
+  local name = ARGV[i]
+  n = n + redis.call('DEL', p .. 'cache:' .. name, p .. 'cache-lease:' .. name)
+  local tag = p .. 'cache-tag:' .. name
+  for _, key in ipairs(redis.call('SMEMBERS', tag)) do
+    n = n + redis.call('DEL', p .. 'cache:' .. key, p .. 'cache-lease:' .. key)
+  end
+  redis.call('DEL', tag)
+end
+return n
+"""
+
+
+def _count(metrics, name):
+    metrics[name] = metrics.get(name, 0) + 1
+
+
+class Cache:
+    """``ctx.cache``: ``get_or_build``, ``invalidate``, ``invalidate_after_commit``.
+
+    ``client``/``prefix`` come from ``toolkit.redis()``; ``metrics`` is the
+    job's counter dict. Usable outside a job too (web code reading the same
+    cache): ``Cache(redis.Redis(...), prefix)``.
+    """
+
+    def __init__(self, client, prefix="", metrics=None, jitter=0.1, lease_ttl=10.0, wait=2.0):
+        self.client, self.prefix = client, prefix
+        self.metrics = metrics if metrics is not None else {}
+        self.jitter, self.lease_ttl, self.wait = jitter, lease_ttl, wait
+
+    def _key(self, key):
+        return f"{self.prefix}cache:{key}"
+
+    def _lease(self, key):
+        return f"{self.prefix}cache-lease:{key}"
+
+    def _tag(self, tag):
+        return f"{self.prefix}cache-tag:{tag}"
+
+    def get_or_build(self, key, builder, ttl, tags=(), stale_ttl=0.0, wait=None):
+        """The value for ``key``: cached, or ``builder()``'s (stored only under a valid fill lease).
+
+        ``ttl`` seconds fresh (minus jitter); ``tags`` names to invalidate it
+        by; ``stale_ttl`` > 0 marks the key tolerant of stale reads for that
+        many seconds past ``ttl``; ``wait`` bounds the wait on another builder.
+        """
+        wait = self.wait if wait is None else wait
+        entry = self._read(key)
+        if entry is not None and entry["fresh"] > time.time():
+            _count(self.metrics, "cache_hit")
+            return entry["v"]
+        if entry is not None:  # stale, and the key tolerates it
+            token = self._take_lease(key, tags, ttl, stale_ttl, if_absent=False)
+            if token is None:
+                _count(self.metrics, "cache_stale_served")
+                return entry["v"]
+            return self._build(key, builder, ttl, stale_ttl, token)
+        _count(self.metrics, "cache_miss")
+        deadline = time.monotonic() + wait
+        pause = 0.005
+        while True:
+            # Atomic with the check that the key is still absent: a builder that
+            # stored between our read and this call must not be followed by a
+            # second build.
+            token = self._take_lease(key, tags, ttl, stale_ttl)
+            if token is not None:
+                return self._build(key, builder, ttl, stale_ttl, token)
+            entry = self._read(key)  # filled meanwhile, or being filled by another process
+            if entry is not None:
+                return entry["v"]
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(pause * random.uniform(0.5, 1.5))  # jittered: the waiters do not poll in step
+            pause = min(0.1, pause * 2)
+        _count(self.metrics, "cache_rebuild")
+        return builder()  # waited long enough: build for this caller, store nothing
+
+    def invalidate(self, *names):
+        """Delete the entries (and cancel the fill leases) of keys and tags ``names`` now."""
+        if names:
+            self.client.eval(INVALIDATE, 0, self.prefix, *names)
+
+    def invalidate_after_commit(self, tx, *names):
+        """``invalidate(*names)`` once ``tx`` commits; nothing if it rolls back."""
+        tx.after_commit(lambda: self.invalidate(*names))
+
+    # -- internals --------------------------------------------------------------------
+    def _read(self, key):
+        raw = self.client.get(self._key(key))
+        return None if raw is None else json.loads(raw)
+
+    def _take_lease(self, key, tags, ttl, stale_ttl, if_absent=True):
+        """Our fill-lease token, or None (another holds it, or ``if_absent`` and the key has a value)."""
+        token = uuid.uuid4().hex
+        tag_ms = int((ttl + stale_ttl + self.lease_ttl) * 1000) + 1000
+        keys = [self._lease(key), self._key(key)] + [self._tag(t) for t in tags]
+        mode = "absent" if if_absent else "any"
+        if self.client.eval(TAKE_LEASE, len(keys), *keys, token, int(self.lease_ttl * 1000), key, tag_ms, mode) == 1:
+            return token
+        return None
+
+    def _build(self, key, builder, ttl, stale_ttl, token):
+        """Run the builder under our lease; store its value only if the lease survived."""
+        _count(self.metrics, "cache_rebuild")
+        try:
+            value = builder()
+        except BaseException:
+            self.client.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end"
+                             " return 0", 1, self._lease(key), token)
+            raise
+        self.store(key, value, ttl, token, stale_ttl)
+        return value
+
+    def store(self, key, value, ttl, token, stale_ttl=0.0):
+        """Store ``value`` if fill lease ``token`` is still valid; False if an invalidation cancelled it."""
+        fresh = ttl * (1 - self.jitter * random.random())
+        entry = json.dumps({"v": value, "fresh": time.time() + fresh})
+        ms = max(1, int((fresh + stale_ttl) * 1000))
+        return bool(self.client.eval(STORE, 2, self._lease(key), self._key(key), token, entry, ms))
+
+    def lease(self, key, ttl, tags=(), stale_ttl=0.0):
+        """Take the fill lease of ``key`` by hand: its token, or None when another holds it.
+
+        For callers that fill in two steps (``lease``, then ``store``).
+        """
+        return self._take_lease(key, tags, ttl, stale_ttl, if_absent=False)

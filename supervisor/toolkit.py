@@ -1,0 +1,197 @@
+"""The handler toolkit's settings and connections, one set per child process.
+
+The ``[toolkit]`` config section names the handlers' own database and Redis
+(not the broker's)::
+
+    [toolkit]
+    database_url = "postgresql://app@db/app?schema=billing"   # or sqlite:///app.db
+    redis_url = "redis://127.0.0.1:6379/0?prefix=billing:"
+    idempotency_retention = 604800.0
+
+``?schema=`` (PostgreSQL) sets the ``search_path`` of every connection;
+``?prefix=`` (Redis) is put in front of every key the toolkit writes. Both are
+stripped before connecting.
+
+Connections open lazily, on a handler's first use, in the process that uses
+them: the master never opens one that a child could inherit (it forks). A
+connection found to belong to another process (after a fork) is forgotten,
+never closed (closing would end the parent's session), and a broken one is
+replaced on the next use.
+
+The child gets the settings through ``configure`` right after the fork; the
+CLI (``tangguh db migrate``) and scripts call ``configure`` themselves.
+"""
+import os
+import re
+import sqlite3
+import urllib.parse
+
+from .errors import ConfigError, TangguhError
+
+DEFAULT_RETENTION = 7 * 86400.0
+
+_settings = None
+_database = None
+_redis = None
+_notify = None
+
+
+class Settings:
+    def __init__(self, database_url="", redis_url="", idempotency_retention=DEFAULT_RETENTION):
+        self.database_url = database_url
+        self.redis_url = redis_url
+        self.idempotency_retention = idempotency_retention
+
+
+def configure(cfg):
+    """Use ``cfg`` (a ``config.ToolkitConfig`` or ``Settings``) from now on in this process."""
+    global _settings, _database, _redis
+    _settings = Settings(cfg.database_url, cfg.redis_url, cfg.idempotency_retention)
+    _database = None
+    _redis = None
+
+
+def attach_master(send):
+    """In a child: ``send(msg)`` delivers a message to the master (lock registration)."""
+    global _notify
+    _notify = send
+
+
+def notify_master(msg):
+    """Send ``msg`` to the master if this process is a child; a no-op elsewhere."""
+    if _notify is not None:
+        _notify(msg)
+
+
+def settings():
+    return _settings or Settings()
+
+
+def database():
+    """This process's ``Database`` for the handlers (opened on first use)."""
+    global _database
+    if _database is None or _database.url != settings().database_url:
+        url = settings().database_url
+        if not url:
+            raise ConfigError("toolkit.database_url is not set: ctx.transaction() needs the handlers' database")
+        _database = Database(url)
+    return _database
+
+
+def redis():
+    """``(client, prefix)`` for this process's Redis (the client connects on first command)."""
+    global _redis
+    if _redis is None or _redis[2] != settings().redis_url or _redis[3] != os.getpid():
+        url = settings().redis_url
+        if not url:
+            raise ConfigError("toolkit.redis_url is not set: ctx.lock() and ctx.cache need Redis")
+        client, prefix = open_redis(url)
+        _redis = (client, prefix, url, os.getpid())
+    return _redis[0], _redis[1]
+
+
+# -- URLs ---------------------------------------------------------------------------
+
+def split_query(url, own):
+    """``(url without the keys in own, {key: value} of those keys)``."""
+    parts = urllib.parse.urlsplit(url)
+    pairs = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    mine = {k: v for k, v in pairs if k in own}
+    rest = urllib.parse.urlencode([(k, v) for k, v in pairs if k not in own])
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), mine
+
+
+def open_redis(url, **kw):
+    """A redis-py client for ``url`` and the key prefix named by its ``?prefix=``."""
+    import redis as redis_py
+
+    bare, mine = split_query(url, ("prefix",))
+    kw.setdefault("socket_connect_timeout", 5)
+    kw.setdefault("socket_timeout", 10)
+    return redis_py.Redis.from_url(bare, **kw), mine.get("prefix", "")
+
+
+def database_kind(url):
+    scheme = urllib.parse.urlsplit(url).scheme
+    if scheme in ("postgresql", "postgres"):
+        return "postgres"
+    if scheme == "sqlite":
+        return "sqlite"
+    raise ConfigError(f"toolkit.database_url: expected postgresql://... or sqlite:///file, got {url!r}")
+
+
+class Database:
+    """The handlers' database: one lazily opened connection per process.
+
+    ``connection()`` returns ``(conn, kind)``. PostgreSQL connections are
+    psycopg 3, not autocommit (the first statement begins a transaction);
+    SQLite connections are in autocommit mode and ``transaction`` issues
+    ``BEGIN IMMEDIATE`` itself.
+    """
+
+    def __init__(self, url):
+        self.url = url
+        self.kind = database_kind(url)
+        self.schema = None
+        self._conn = None
+        self._pid = None
+
+    def connect(self):
+        if self.kind == "sqlite":
+            path = urllib.parse.unquote(urllib.parse.urlsplit(self.url).path)[1:]
+            conn = sqlite3.connect(path, timeout=5, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA busy_timeout=5000")
+            return conn
+        import psycopg
+
+        bare, mine = split_query(self.url, ("schema",))
+        self.schema = mine.get("schema")
+        if self.schema is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.schema):
+            raise ConfigError(f"toolkit.database_url: schema {self.schema!r} must be a plain identifier")
+        kw = {"connect_timeout": 10}
+        if self.schema:
+            kw["options"] = f"-c search_path={self.schema}"
+        if "connect_timeout" in bare:
+            kw.pop("connect_timeout")
+        return psycopg.connect(bare, autocommit=False, **kw)
+
+    def connection(self):
+        if self._conn is None or self._pid != os.getpid():
+            self._conn = self.connect()  # a parent's connection is forgotten, not closed
+            self._pid = os.getpid()
+        return self._conn, self.kind
+
+    def check(self, conn):
+        """Forget ``conn`` if it broke (the next transaction reconnects)."""
+        if conn is not self._conn or self.kind == "sqlite":
+            return
+        if conn.closed or conn.broken:
+            self._conn = None
+
+    def close(self):
+        if self._conn is not None and self._pid == os.getpid():
+            self._conn.close()
+        self._conn = None
+
+
+def migrate(url):
+    """Create the toolkit's tables (``idempotency_records``) in the database at ``url``."""
+    from . import idempotency
+
+    db = Database(url)
+    try:
+        conn, kind = db.connection()
+        if kind == "postgres" and db.schema:
+            conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{db.schema}"')
+        idempotency.create_table(conn, kind)
+        if kind == "postgres":
+            conn.commit()
+    except (OSError, sqlite3.Error, ImportError) as exc:
+        raise TangguhError(f"toolkit.database_url: cannot migrate: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - psycopg's errors: one line for the operator
+        if type(exc).__module__.startswith("psycopg"):
+            raise TangguhError(f"toolkit.database_url: cannot migrate: {exc}") from None
+        raise
+    finally:
+        db.close()

@@ -1,0 +1,405 @@
+"""The handler toolkit against real PostgreSQL and Redis: transactions, idempotency, locks, cache.
+
+Each test has its own PostgreSQL schema and Redis key prefix. Concurrency is
+real: other connections, threads, and (for the cache stampede) processes.
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import psycopg
+import pytest
+
+from supervisor import timeouts, toolkit
+from supervisor.cache import Cache
+from supervisor.config import ConfigError, from_dict
+from supervisor.idempotency import Idempotency, IdempotencyError, prune
+from supervisor.locks import LockBusy, LockLost, Locks, advisory_lock, row_lock
+from supervisor.retry import JobTimeout, RetryLater
+from supervisor.transaction import transaction
+
+from .daemon import tangguh
+from .toolkit_fixtures import handlers_db, invoices, new_invoice, query, toolkit_redis  # noqa: F401
+from .util import wait_for
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture
+def db(handlers_db):
+    d = toolkit.Database(handlers_db)
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def rc(toolkit_redis):
+    client, prefix = toolkit.open_redis(toolkit_redis)
+    yield client, prefix
+    client.close()
+
+
+# -- transaction ----------------------------------------------------------------------
+
+def test_after_commit_steps_run_after_the_commit_and_never_on_rollback(db, handlers_db):
+    seen = []
+    with transaction(db) as tx:
+        tx.execute("INSERT INTO invoices (id) VALUES (1)")
+        # Another connection sees the row only once it is committed.
+        tx.after_commit(lambda: seen.append(query(handlers_db, "SELECT id FROM invoices WHERE id = 1")))
+        assert seen == []
+    assert seen == [{"id": 1}] and tx.state == "committed"
+
+    with pytest.raises(ValueError):
+        with transaction(db) as tx:
+            tx.execute("INSERT INTO invoices (id) VALUES (2)")
+            tx.after_commit(lambda: seen.append("must not run"))
+            raise ValueError("boom")
+    assert seen == [{"id": 1}] and tx.state == "rolled_back"
+    assert query(handlers_db, "SELECT count(*) AS n FROM invoices WHERE id = 2")["n"] == 0
+    # The connection is usable after a rollback.
+    with transaction(db) as tx:
+        assert tx.scalar("SELECT count(*) FROM invoices") == 1
+
+
+def test_soft_timeout_waits_until_commit_and_after_commit_steps_are_over(db, handlers_db):
+    timeouts.install()
+    try:
+        with pytest.raises(JobTimeout):
+            with transaction(db) as tx:
+                tx.execute("INSERT INTO invoices (id) VALUES (7)")
+
+                def step():  # the alarm fires here, while the commit's critical section is open
+                    timeouts.arm(0.01)
+                    wait_for(lambda: timeouts._pending is not None, timeout=5, message="the soft timeout")
+                    tx.execute_after = True
+
+                tx.after_commit(step)
+        assert tx.state == "committed" and tx.execute_after
+        assert query(handlers_db, "SELECT count(*) AS n FROM invoices WHERE id = 7")["n"] == 1
+    finally:
+        timeouts.disarm()
+
+
+# -- idempotency -------------------------------------------------------------------------
+
+def test_done_key_suppresses_the_effect_and_counts_it(db):
+    metrics = {}
+    idem = Idempotency(metrics=metrics)
+    with transaction(db) as tx:
+        rec = idem.begin(tx, "k1")
+        assert not rec.done
+        tx.execute("INSERT INTO invoices (id) VALUES (1)")
+        rec.complete({"total": 5})
+    with transaction(db) as tx:
+        again = idem.begin(tx, "k1")
+    assert again.done and again.result == {"total": 5}
+    assert metrics == {"duplicates_suppressed": 1}
+    with transaction(db) as tx:
+        row = tx.fetchone("SELECT status, job_id, completed_at FROM idempotency_records WHERE key = 'k1'")
+    assert row["status"] == "done" and row["completed_at"] > 0
+
+
+def test_rollback_removes_the_record_with_the_effect(db):
+    idem = Idempotency()
+    with pytest.raises(RuntimeError):
+        with transaction(db) as tx:
+            idem.begin(tx, "k2")
+            tx.execute("INSERT INTO invoices (id) VALUES (2)")
+            raise RuntimeError("the effect failed")
+    with transaction(db) as tx:
+        assert tx.scalar("SELECT count(*) FROM idempotency_records") == 0
+        rec = idem.begin(tx, "k2")  # free to take again
+        assert not rec.done
+        rec.complete(None)
+
+
+def test_commit_without_complete_is_refused(db):
+    with pytest.raises(IdempotencyError):
+        with transaction(db) as tx:
+            Idempotency().begin(tx, "k3")
+            tx.execute("INSERT INTO invoices (id) VALUES (3)")
+    with transaction(db) as tx:
+        assert tx.scalar("SELECT count(*) FROM invoices") == 0
+        assert tx.scalar("SELECT count(*) FROM idempotency_records") == 0
+
+
+def test_no_key_uses_no_record(db):
+    with transaction(db) as tx:
+        rec = Idempotency().begin(tx)
+        rec.complete({"x": 1})
+        assert not rec.done
+    with transaction(db) as tx:
+        assert tx.scalar("SELECT count(*) FROM idempotency_records") == 0
+
+
+def _blocked_on_lock(handlers_db, pid):
+    return query(handlers_db, "SELECT count(*) AS n FROM pg_locks WHERE NOT granted AND pid = %s", (pid,))["n"] > 0
+
+
+def test_live_twin_gets_retry_later_then_the_done_result(db, handlers_db):
+    twin = toolkit.Database(handlers_db)
+    try:
+        with transaction(db) as tx:
+            rec = Idempotency().begin(tx, "twin")
+            # The twin's insert waits on ours, for its lock_timeout only.
+            with pytest.raises(RetryLater):
+                with transaction(twin) as tx2:
+                    Idempotency(lock_timeout=0.2).begin(tx2, "twin")
+            # A twin that waits while we commit sees "done".
+            out = {}
+
+            def run_twin():
+                with transaction(twin) as tx3:
+                    out["rec"] = Idempotency(metrics=out, lock_timeout=10).begin(tx3, "twin")
+
+            thread = threading.Thread(target=run_twin)
+            thread.start()
+            pid = twin.connection()[0].info.backend_pid
+            wait_for(lambda: _blocked_on_lock(handlers_db, pid), timeout=10, message="the twin to wait on our key")
+            rec.complete("first")
+        thread.join(10)
+        assert out["rec"].done and out["rec"].result == "first" and out["duplicates_suppressed"] == 1
+    finally:
+        twin.close()
+
+
+def test_prune_deletes_old_done_records_only(db):
+    with transaction(db) as tx:
+        for key, age in (("old", 1000), ("new", 10)):
+            tx.execute("INSERT INTO idempotency_records (key, status, created_at, completed_at)"
+                       " VALUES (%s, 'done', %s, %s)", (key, time.time() - age, time.time() - age))
+        assert prune(tx, 100) == 1
+        assert [r["key"] for r in tx.fetchall("SELECT key FROM idempotency_records")] == ["new"]
+
+
+def test_idempotency_on_sqlite(tmp_path):
+    url = f"sqlite:///{tmp_path}/handlers.db"
+    toolkit.migrate(url)
+    db = toolkit.Database(url)
+    metrics = {}
+    for _ in range(2):
+        with transaction(db) as tx:
+            rec = Idempotency(metrics=metrics).begin(tx, "s1")
+            if not rec.done:
+                rec.complete({"n": 1})
+    assert rec.done and rec.result == {"n": 1} and metrics["duplicates_suppressed"] == 1
+    db.close()
+
+
+# -- PostgreSQL locks --------------------------------------------------------------------
+
+def test_row_lock_waits_nowait_skip_locked_and_timeout(db, handlers_db):
+    new_invoice(handlers_db, 1, [100])
+    other = toolkit.Database(handlers_db)
+    try:
+        with transaction(db) as tx:
+            assert row_lock(tx, "invoices", 1)["id"] == 1
+            with pytest.raises(LockBusy):
+                with transaction(other) as tx2:
+                    row_lock(tx2, "invoices", 1, nowait=True)
+            with transaction(other) as tx2:
+                assert row_lock(tx2, "invoices", 1, skip_locked=True) is None
+            with pytest.raises(LockBusy):
+                with transaction(other) as tx2:
+                    row_lock(tx2, "invoices", 1, timeout=0.1)
+            with transaction(other) as tx2:  # lock_timeout was restored, not left at 0.1 s
+                assert tx2.scalar("SHOW lock_timeout") == "0"
+        with transaction(other) as tx2:  # released by the commit
+            assert row_lock(tx2, "invoices", 1, nowait=True)["id"] == 1
+    finally:
+        other.close()
+
+
+def test_advisory_lock_is_transaction_scoped(db, handlers_db):
+    other = toolkit.Database(handlers_db)
+    try:
+        with transaction(db) as tx:
+            advisory_lock(tx, "invoice:1:export")
+            with pytest.raises(LockBusy):
+                with transaction(other) as tx2:
+                    advisory_lock(tx2, "invoice:1:export", timeout=0)
+            with pytest.raises(LockBusy):
+                with transaction(other) as tx2:
+                    advisory_lock(tx2, "invoice:1:export", timeout=0.1)
+            with transaction(other) as tx2:
+                advisory_lock(tx2, "invoice:2:export", timeout=0)  # another key is free
+        with transaction(other) as tx2:
+            advisory_lock(tx2, "invoice:1:export", timeout=0)
+    finally:
+        other.close()
+
+
+# -- Redis locks ---------------------------------------------------------------------------
+
+def test_redis_lock_owner_only_release_fence_increases_and_busy_after_wait(rc):
+    client, prefix = rc
+    metrics = {}
+    locks = Locks(client, prefix, metrics)
+    first = locks.acquire("res", ttl=30, wait=0)
+    assert client.get(first.key).decode() == first.token and client.pttl(first.key) > 25000
+    with pytest.raises(LockBusy):
+        locks.acquire("res", ttl=30, wait=0.2)
+    assert metrics["lock_acquired"] == 1 and metrics["lock_failed"] == 1
+    assert metrics["lock_wait_seconds"] >= 0.2
+    # Someone else's token cannot release it.
+    assert not client.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end"
+                           " return 0", 1, first.key, "not-the-owner")
+    assert first.release()
+    second = locks.acquire("res", ttl=30, wait=0)
+    assert second.fence > first.fence
+    second.release()
+    assert not client.exists(first.key)
+
+
+def test_expired_holder_cannot_release_the_new_lock_and_its_fenced_write_is_rejected(rc, db, handlers_db):
+    client, prefix = rc
+    new_invoice(handlers_db, 5, [100])
+    locks = Locks(client, prefix)
+    stale = locks.acquire("invoice:5:export", ttl=0.1, wait=0)
+    wait_for(lambda: not client.exists(stale.key), timeout=5, message="the first lock to expire")
+    fresh = locks.acquire("invoice:5:export", ttl=30, wait=0)
+    assert fresh.fence > stale.fence
+    with transaction(db) as tx:
+        invoices.record_export(tx, 5, 100, fresh.fence)
+    # The stale holder wakes up and writes: refused by the fence, and its release leaves the new lock alone.
+    with pytest.raises(LockLost):
+        with transaction(db) as tx:
+            invoices.record_export(tx, 5, 999, stale.fence)
+    assert not stale.release()
+    assert client.get(fresh.key).decode() == fresh.token
+    assert query(handlers_db, "SELECT exported_total, export_fence FROM invoices WHERE id = 5") == {
+        "exported_total": 100, "export_fence": fresh.fence}
+    fresh.release()
+
+
+# -- cache -----------------------------------------------------------------------------------
+
+def test_cold_key_with_200_concurrent_readers_is_built_once(toolkit_redis, tmp_path, rc):
+    client, prefix = rc
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "cache_readers.py"), toolkit_redis, str(go),
+                               "50", "200"], stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    wait_for(lambda: int(client.get(prefix + "test:ready") or 0) == 200, timeout=30,
+             message="200 reader threads to be ready")
+    go.touch()
+    outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    values = [v for o in outs for v in o["values"]]
+    assert len(values) == 200 and set(values) == {"built once"}
+    assert int(client.get(prefix + "test:builds")) == 1
+    totals = {k: sum(o["metrics"].get(k, 0) for o in outs) for k in ("cache_rebuild", "cache_hit", "cache_miss")}
+    assert totals["cache_rebuild"] == 1 and totals["cache_hit"] + totals["cache_miss"] == 200
+
+
+def test_fill_lease_race_reader_cannot_store_a_row_read_before_the_writers_commit(rc, db, handlers_db):
+    client, prefix = rc
+    new_invoice(handlers_db, 9, [100])
+    reader = Cache(client, prefix)
+    writer_cache = Cache(client, prefix)
+    writer = toolkit.Database(handlers_db)
+
+    def build_then_writer_commits():
+        summary = query(handlers_db, "SELECT total FROM invoices WHERE id = 9")  # the old row
+        with transaction(writer) as tx:
+            tx.execute("UPDATE invoices SET total = 250 WHERE id = 9")
+            writer_cache.invalidate_after_commit(tx, "invoice:9")
+        return summary
+
+    try:
+        got = reader.get_or_build("invoice:9:summary", build_then_writer_commits, ttl=300, tags=["invoice:9"])
+        assert got == {"total": 0}  # this caller gets what it read...
+        assert not client.exists(prefix + "cache:invoice:9:summary")  # ...but its store was refused
+        fresh = reader.get_or_build("invoice:9:summary", lambda: query(handlers_db, "SELECT total FROM invoices"
+                                                                       " WHERE id = 9"), ttl=300, tags=["invoice:9"])
+        assert fresh == {"total": 250}
+        # The two-step form: a lease taken before the invalidation cannot store after it.
+        token = reader.lease("k", ttl=300, tags=["invoice:9"])
+        reader.invalidate("invoice:9")
+        assert reader.store("k", "old", 300, token) is False and not client.exists(prefix + "cache:k")
+    finally:
+        writer.close()
+
+
+def test_invalidate_after_commit_never_before_and_never_on_rollback(rc, db):
+    client, prefix = rc
+    cache = Cache(client, prefix)
+    cache.get_or_build("invoice:1:summary", lambda: "v1", ttl=300, tags=["invoice:1"])
+    cache.get_or_build("invoice:1:lines:p1", lambda: "p1", ttl=300, tags=["invoice:1"])
+    key = prefix + "cache:invoice:1:summary"
+    with pytest.raises(RuntimeError):
+        with transaction(db) as tx:
+            cache.invalidate_after_commit(tx, "invoice:1")
+            raise RuntimeError("rolled back")
+    assert client.exists(key)
+    with transaction(db) as tx:
+        cache.invalidate_after_commit(tx, "invoice:1")
+        assert client.exists(key)  # not before the commit
+    assert not client.exists(key) and not client.exists(prefix + "cache:invoice:1:lines:p1")
+
+
+def test_hits_misses_ttl_jitter_and_plain_keys(rc):
+    client, prefix = rc
+    metrics = {}
+    cache = Cache(client, prefix, metrics)
+    for i in range(20):
+        cache.get_or_build(f"k{i}", lambda: i, ttl=100)
+    assert cache.get_or_build("k3", lambda: "rebuilt", ttl=100) == 3
+    assert metrics == {"cache_miss": 20, "cache_rebuild": 20, "cache_hit": 1}
+    ttls = {client.pttl(f"{prefix}cache:k{i}") for i in range(20)}
+    assert all(89000 < t <= 100000 for t in ttls) and len(ttls) > 10  # spread, not one expiry instant
+    cache.invalidate("k3")  # a plain key, no tag
+    assert cache.get_or_build("k3", lambda: "rebuilt", ttl=100) == "rebuilt"
+
+
+def test_stale_while_revalidate_only_for_tolerant_keys(rc):
+    client, prefix = rc
+    metrics = {}
+    cache = Cache(client, prefix, metrics, jitter=0)
+    cache.get_or_build("tolerant", lambda: "old", ttl=0.05, stale_ttl=60)
+    cache.get_or_build("strict", lambda: "old", ttl=0.05)
+    entry = json.loads(client.get(prefix + "cache:tolerant"))
+    wait_for(lambda: time.time() > entry["fresh"] and not client.exists(prefix + "cache:strict"), timeout=5,
+             message="both entries to go stale")
+    # Another process is revalidating (holds the fill lease): serve stale at once.
+    token = cache.lease("tolerant", ttl=60)
+    assert cache.get_or_build("tolerant", lambda: "new", ttl=60, stale_ttl=60) == "old"
+    assert metrics["cache_stale_served"] == 1
+    assert cache.store("tolerant", "new", 60, token)
+    assert cache.get_or_build("tolerant", lambda: "newer", ttl=60, stale_ttl=60) == "new"
+    # Nobody revalidating: this reader rebuilds.
+    assert cache.get_or_build("strict", lambda: "new", ttl=60) == "new"
+    # An invalidation removes stale values too.
+    cache.invalidate("tolerant")
+    assert not client.exists(prefix + "cache:tolerant")
+
+
+# -- config and migrate ------------------------------------------------------------------------
+
+def test_toolkit_config_validates_urls_and_resolves_sqlite_paths(tmp_path):
+    cfg = from_dict({"toolkit": {"database_url": "sqlite:///app.db", "redis_url": "redis://h:6379/0?prefix=a:"}},
+                    str(tmp_path))
+    assert cfg.toolkit.database_url == f"sqlite:///{tmp_path}/app.db"
+    assert cfg.toolkit.idempotency_retention == 7 * 86400.0
+    with pytest.raises(ConfigError, match="toolkit.database_url: expected"):
+        from_dict({"toolkit": {"database_url": "mysql://x"}})
+    with pytest.raises(ConfigError, match="toolkit.redis_url: expected"):
+        from_dict({"toolkit": {"redis_url": 5}})
+    with pytest.raises(ConfigError, match="toolkit.idempotency_retention: expected a positive number"):
+        from_dict({"toolkit": {"idempotency_retention": 0}})
+
+
+def test_db_migrate_creates_the_idempotency_table_in_the_handlers_database(tmp_path, postgres_url):
+    config = tmp_path / "tangguh.toml"
+    config.write_text(f'[broker]\nurl = "sqlite:///broker.db"\n[toolkit]\ndatabase_url = "{postgres_url}"\n')
+    for _ in range(2):  # idempotent
+        done = tangguh("db", "migrate", "-c", str(config))
+        assert done.returncode == 0, done.stderr
+    assert "idempotency_records is up to date" in done.stdout
+    schema = postgres_url.split("schema=")[1]
+    with psycopg.connect(postgres_url.split("?")[0]) as conn:
+        assert conn.execute("SELECT count(*) FROM information_schema.tables WHERE table_schema = %s"
+                            " AND table_name = 'idempotency_records'", (schema,)).fetchone()[0] == 1
