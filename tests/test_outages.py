@@ -8,7 +8,9 @@ refuses the ack). Effects are recorded by the ``effect`` handler
 job (keyed by job id), beside a row for every execution.
 """
 import json
+import os
 import signal
+import socket
 import sqlite3
 import uuid
 
@@ -252,3 +254,74 @@ def test_an_ack_the_broker_keeps_refusing_lets_the_lease_expire_and_the_job_run_
         d.assert_clean()
     finally:
         d.stop()
+
+
+# -- two supervisors, one broker ------------------------------------------------------------------------------
+# 10,000 tiny jobs take about 10 s per backend on two cores; TANGGUH_TEST_SHARED_JOBS sets another N.
+N_SHARED = int(os.environ.get("TANGGUH_TEST_SHARED_JOBS", "10000"))
+
+
+@pytest.fixture
+def sqlite_broker(tmp_path):
+    url = f"sqlite:///{tmp_path}/broker.db"
+    b = Broker("sqlite", None, url, url)
+    b.client.migrate()
+    yield b
+    b.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis", "postgres"])
+def test_two_supervisors_split_the_queue_and_one_finishes_the_jobs_of_the_other_after_its_sigkill(
+        kind, request, tmp_path):
+    b = request.getfixturevalue(f"{kind}_broker")
+    db = str(tmp_path / "effects.db")
+    sections = dict(supervisor={"workers": 2}, broker={"prefetch": 4, "lease_seconds": 3.0,
+                                                       "heartbeat_seconds": 0.5}, log={"level": "warning"})
+    a = daemon(tmp_path / "a", b, **sections)
+    c = daemon(tmp_path / "c", b, **sections)
+    ids = b.client.enqueue_many([NewJob("effect", {"db": db}) for _ in range(N_SHARED)])
+    try:
+        a.start(wait=False)
+        c.start(wait=False)
+        wait_for(a.ready, timeout=30, message="supervisor a")
+        wait_for(c.ready, timeout=30, message="supervisor c")
+        a_pids, c_pids = set(a.worker_pids()), set(c.worker_pids())
+        ran_by = lambda pids: sum(1 for _, pid in all_executions(db) if pid in pids)  # noqa: E731
+        share = N_SHARED // 5  # kill a mid-run, once both have done a fair part of the work
+        wait_for(lambda: ran_by(a_pids) >= share and ran_by(c_pids) >= share, timeout=120, interval=0.1,
+                 message="both supervisors to run jobs")
+        a.signal(signal.SIGKILL)  # the master only: its children must notice and go
+        a.wait_exit()
+        wait_for(lambda: not a.group(), timeout=10, message="a's children to exit after their master")
+        assert count(db) < N_SHARED, "the kill came after the queue had drained"
+        wait_for(lambda: (s := stats(b.client)) and s.done == N_SHARED, timeout=180,
+                 message=f"all {N_SHARED} jobs to be done")
+        s = stats(b.client)
+        assert (s.ready, s.scheduled, s.in_flight, s.dead) == (0, 0, 0, 0)
+        got = effects(db)
+        assert len(got) == N_SHARED and {row[0] for row in got} == set(ids)  # each effect once, none lost
+        runs = all_executions(db)
+        by_a = {job_id for job_id, pid in runs if pid in a_pids}
+        assert by_a and any(pid in c_pids for _, pid in runs)  # both did work
+        # The jobs a held when it died (running or prefetched) came back once their lease expired,
+        # and c ran them to done.
+        a_owner = f"{socket.gethostname()}:{a.proc.pid}"
+        expired = [(j, h) for j in (b.client.get(i) for i in ids) for h in j.history
+                   if h.get("outcome") == "lease_expired"]
+        assert expired and all(h["owner"] == a_owner and j.state == "done" for j, h in expired)
+        assert all(any(pid in c_pids for job_id, pid in runs if job_id == j.id) for j, _ in expired)
+        assert set(c.worker_pids()) == c_pids and c.status()["restarts"] == 0
+        c.signal(signal.SIGTERM)
+        assert c.wait_exit() == 0
+        c.assert_clean()
+    finally:
+        a.stop()
+        c.stop()
+
+
+def all_executions(db):
+    try:
+        with sqlite3.connect(db, timeout=30) as conn:
+            return conn.execute("SELECT job_id, pid FROM executions").fetchall()
+    except sqlite3.OperationalError:
+        return []
