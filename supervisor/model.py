@@ -97,6 +97,46 @@ def _positive(x):
     return _number(x) and x > 0
 
 
+RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_rate(text):
+    """``"100/m"`` -> ``(100, 60.0)``: N jobs per second, minute or hour. ValueError otherwise."""
+    count, _, unit = text.partition("/") if isinstance(text, str) else ("", "", "")
+    if not count.strip().isdigit() or int(count) < 1 or unit.strip() not in RATE_UNITS:
+        raise ValueError(f'expected "N/s", "N/m" or "N/h", got {text!r}')
+    return int(count), RATE_UNITS[unit.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class TypeLimits:
+    """What the broker enforces at claim time for one job type (see ``Broker.claim``).
+
+    ``max_concurrency``: at most this many jobs of the type leased at once.
+    ``rate``: ``(count, per_seconds)``, a token bucket of ``count`` tokens
+    refilled at ``count / per_seconds`` a second. ``exclusive``: never two
+    leased jobs of the type with the same ``resource_id``.
+    """
+
+    max_concurrency: int | None = None
+    rate: tuple | None = None
+    exclusive: bool = False
+
+    def __bool__(self):
+        return self.max_concurrency is not None or self.rate is not None or self.exclusive
+
+    def validate(self):
+        if self.max_concurrency is not None and (
+                isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int)
+                or self.max_concurrency < 0):
+            raise BadInput(f"max_concurrency must be an integer >= 0, got {self.max_concurrency!r}")
+        if self.rate is not None:
+            count, per = self.rate
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1 or not _positive(per):
+                raise BadInput(f"rate must be (count >= 1, seconds > 0), got {self.rate!r}")
+        return self
+
+
 @dataclasses.dataclass
 class Job:
     """A job as a broker stores it. ``token`` is the current lease's fencing token."""

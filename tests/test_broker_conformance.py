@@ -12,7 +12,7 @@ import pytest
 
 from supervisor.backends import open_broker
 from supervisor.errors import BadInput, LeaseLost, NotDead
-from supervisor.model import NewJob, error_info
+from supervisor.model import NewJob, TypeLimits, error_info
 
 from .util import wait_for
 
@@ -318,3 +318,168 @@ def test_concurrent_claimers_never_share_a_job(broker, broker_url):
     assert sum(1 for seen in results if seen) >= 2, "work was actually shared"
     s = broker.stats(Q)["default"]
     assert (s.ready, s.in_flight, s.done) == (0, 0, total)
+
+
+# -- scheduling controls: priorities across queues, per-type limits, enqueue_once ------
+
+def test_high_priority_flood_does_not_starve_a_queue_listed_earlier(broker):
+    first = broker.enqueue(new(queue="first", priority=-5))
+    broker.enqueue_many([new(queue="second", priority=100, payload={"i": i}) for i in range(50)])
+    got = broker.claim(["first", "second"], 3, 30, "w")
+    assert [j.queue for j in got] == ["first", "second", "second"] and got[0].id == first
+
+
+def held_back(broker, job_id):
+    """A job a limit held back is untouched: queued, no attempt, no token, no history."""
+    job = broker.get(job_id)
+    return (job.state, job.attempt, job.token, job.history) == ("queued", 0, 0, [])
+
+
+def test_max_concurrency_leases_at_most_n_and_holds_the_rest_untouched(broker):
+    limits = {"a": TypeLimits(max_concurrency=2)}
+    a = [broker.enqueue(new("a", priority=1, payload={"i": i})) for i in range(5)]
+    b = [broker.enqueue(new("b", payload={"i": i})) for i in range(2)]
+    got = broker.claim(Q, 10, 30, "w", limits=limits)
+    assert [j.id for j in got] == a[:2] + b  # the held-back a's do not stop the b's behind them
+    assert all(held_back(broker, job_id) for job_id in a[2:])
+    assert broker.claim(Q, 10, 30, "w2", limits=limits) == []  # counted across claimers
+    broker.ack(got[0].lease)
+    assert [j.id for j in broker.claim(Q, 10, 30, "w", limits=limits)] == [a[2]]
+    assert [j.id for j in broker.claim(Q, 10, 30, "w")] == a[3:]  # no limits: the plain claim
+
+
+def test_max_concurrency_counts_every_queue_and_frees_on_retry_dead_release(broker):
+    limits = {"a": TypeLimits(max_concurrency=1)}
+    ids = [broker.enqueue(new("a", payload={"i": i})) for i in range(4)]
+    for finish in (lambda j: broker.retry(j.lease, broker.now() + 60, error_info("exception")),
+                   lambda j: broker.dead(j.lease, "permanent", error_info("permanent")),
+                   lambda j: broker.release(j.lease)):
+        got = broker.claim(Q, 5, 30, "w", limits=limits)
+        assert len(got) == 1
+        assert broker.claim(Q, 5, 30, "w", limits=limits) == []
+        finish(got[0])
+    assert len(broker.claim(Q, 5, 30, "w", limits=limits)) == 1
+    assert sum(broker.get(i).state == "running" for i in ids) == 1
+
+
+def test_expired_lease_frees_its_concurrency_slot(broker):
+    limits = {"a": TypeLimits(max_concurrency=1)}
+    first = broker.enqueue(new("a"))
+    second = broker.enqueue(new("a"))
+    [job] = broker.claim(Q, 5, 0.2, "w", limits=limits)
+    assert job.id == first and broker.claim(Q, 5, 30, "w", limits=limits) == []
+    wait_past(broker, job.lease_until)
+    got = broker.claim(Q, 5, 30, "w", limits=limits)
+    # The reclaimed job is due from the reclaim on, so the older second job goes first.
+    assert [j.id for j in got] == [second] and broker.get(first).state == "retrying"
+
+
+def test_exclusive_never_leases_two_jobs_of_one_resource(broker):
+    limits = {"x": TypeLimits(exclusive=True)}
+    r1 = broker.enqueue(new("x", resource_id="acct:1"))
+    r1b = broker.enqueue(new("x", resource_id="acct:1"))
+    r2 = broker.enqueue(new("x", resource_id="acct:2"))
+    free = [broker.enqueue(new("x")) for _ in range(2)]  # no resource: never held back
+    other = broker.enqueue(new("y", resource_id="acct:1"))  # another type on the same resource
+    got = broker.claim(Q, 10, 30, "w", limits=limits)
+    assert [j.id for j in got] == [r1, r2, *free, other]
+    assert held_back(broker, r1b)
+    assert broker.claim(Q, 10, 30, "w2", limits=limits) == []
+    broker.ack(got[0].lease)
+    assert [j.id for j in broker.claim(Q, 10, 30, "w", limits=limits)] == [r1b]
+
+
+def test_rate_limit_is_a_token_bucket_shared_by_claimers(broker):
+    limits = {"r": TypeLimits(rate=(3, 1.0))}  # 3 at once, then one every 1/3 s
+    ids = [broker.enqueue(new("r", payload={"i": i})) for i in range(6)]
+    other = broker.enqueue(new("s"))
+    got = broker.claim(Q, 10, 30, "w", limits=limits)
+    start = broker.now()
+    assert [j.id for j in got] == ids[:3] + [other]
+    assert all(held_back(broker, job_id) for job_id in ids[3:])
+    second = open_broker(broker.url)  # another claimer sees the same bucket
+    try:
+        later = second.claim(Q, 10, 30, "w2", limits=limits)
+        assert later == [] or broker.now() - start > 0.3
+        wait_past(broker, start + 0.4)
+        later += second.claim(Q, 10, 30, "w2", limits=limits)
+    finally:
+        second.close()
+    assert [j.id for j in later] == [ids[3]]
+
+
+def test_enqueue_once_enqueues_a_key_only_once_even_after_the_job_is_done(broker):
+    first = broker.enqueue_once(new(idempotency_key="cron:report:2026-01-01T00:00:00Z"))
+    assert first is not None and broker.get(first).state == "queued"
+    assert broker.enqueue_once(new(idempotency_key="cron:report:2026-01-01T00:00:00Z")) is None
+    broker.ack(claim_one(broker).lease)
+    assert broker.enqueue_once(new(idempotency_key="cron:report:2026-01-01T00:00:00Z")) is None
+    assert broker.stats(Q)["default"].done == 1 and broker.stats(Q)["default"].ready == 0
+    assert broker.enqueue_once(new(idempotency_key="cron:report:2026-01-01T00:01:00Z")) is not None
+    with pytest.raises(BadInput):
+        broker.enqueue_once(new())  # without a key there is nothing to remember
+
+
+LIMITS = {"c": TypeLimits(max_concurrency=3), "e": TypeLimits(exclusive=True), "r": TypeLimits(rate=(10, 1.0))}
+
+
+def _limited_claimer(url, stop, start):
+    broker = open_broker(url)
+    start.wait(10)
+    while not stop.is_set():
+        jobs = broker.claim(Q, 4, 30, f"p{multiprocessing.current_process().pid}", limits=LIMITS)
+        time.sleep(0.01)  # the "work": leases overlap across processes while it runs
+        for job in jobs:
+            broker.ack(job.lease)
+    broker.close()
+
+
+def max_overlap(intervals):
+    """The most intervals open at one instant (an end at t comes before a start at t)."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def test_limits_hold_across_four_concurrent_claimers(broker, broker_url):
+    """The broker's own lease history (started_at .. ended_at of each attempt) is the evidence."""
+    jobs = [new("c", payload={"i": i}) for i in range(30)]
+    jobs += [new("e", resource_id=f"acct:{i % 3}", payload={"i": i}) for i in range(30)]
+    jobs += [new("r", payload={"i": i}) for i in range(25)]
+    jobs += [new("free", payload={"i": i}) for i in range(20)]
+    ids = broker.enqueue_many(jobs)
+    ctx = multiprocessing.get_context("fork")
+    stop, start = ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=_limited_claimer, args=(broker_url, stop, start)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    start.set()
+    try:
+        wait_for(lambda: broker.stats(Q)["default"].done == len(ids), timeout=60, message="every job done")
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(30)
+    done = [broker.get(i) for i in ids]
+    assert all(j.state == "done" and j.attempt == 1 and len(j.history) == 1 for j in done)
+    assert len({h["owner"] for j in done for h in j.history}) >= 2, "work was actually shared"
+    spans = {}
+    for j in done:
+        spans.setdefault(j.type, []).append((j.history[0]["started_at"], j.history[0]["ended_at"]))
+    assert max_overlap(spans["c"]) <= 3
+    assert max_overlap(spans["c"]) >= 2, "the limit was actually under pressure"
+    for r in range(3):
+        on_r = [(j.history[0]["started_at"], j.history[0]["ended_at"]) for j in done
+                if j.type == "e" and j.resource_id == f"acct:{r}"]
+        assert max_overlap(on_r) == 1
+    # Rate 10/s from a full bucket: at most 10 + 10 * t leases in the first t seconds, and at
+    # most 10 (burst) + 10 (refill) in any 1 s window. Tolerance: 1 lease, for clock rounding.
+    starts = sorted(s for s, _ in spans["r"])
+    for i, t0 in enumerate(starts):
+        in_window = sum(1 for t in starts[i:] if t < t0 + 1.0)
+        assert in_window <= 20 + 1
+        assert i + 1 <= 10 + 10 * (t0 - starts[0]) + 1
+    assert starts[-1] - starts[0] >= 1.0, "25 jobs at 10/s cannot all start within a second"

@@ -17,6 +17,24 @@ backend):
   ``attempt += 1``, ``token += 1`` (the fencing token: strictly increasing per
   job), ``lease_until = now + lease_seconds``, ``owner``, and a new history
   entry ``{"attempt", "started_at", "owner"}``.
+* ``claim(..., limits={type: TypeLimits})`` also enforces per-type controls,
+  for every claimer that passes the same limits (each supervisor passes the
+  ones of its config): a job that a limit holds back stays ``queued`` or
+  ``retrying`` untouched (no attempt, no token, no history) and later jobs are
+  considered in its place. ``max_concurrency``: the type's leased (``running``)
+  jobs never exceed it. ``exclusive``: never two leased jobs of the type with
+  the same ``resource_id`` (jobs without one are not held back). ``rate``
+  ``(count, per)``: a token bucket of ``count`` tokens refilled at ``count /
+  per`` a second, stored in the broker and shared by every claimer; a lease
+  takes one token. Types not in ``limits`` are unlimited; ``limits=None`` (or
+  empty) is the plain claim, with no extra cost. Redis keeps the limit state in
+  each queue's slot, so there a type served from two queues is limited per
+  queue (see its module docstring).
+* ``enqueue_once(job)`` enqueues like ``enqueue`` unless any job was ever
+  enqueued through it with the same ``idempotency_key`` (done ones included,
+  until ``prune`` forgets records older than its horizon): it returns the new
+  job's id, or None. Atomic across processes; the scheduler's exactly-once
+  periodic ticks rest on it.
 * ``ack``/``retry``/``dead``/``release`` take the ``Lease`` (job id, token)
   and raise ``LeaseLost`` unless the job is ``running`` with that token. They
   close the last history entry with ``ended_at``, ``outcome`` (``done``,
@@ -57,7 +75,10 @@ class Broker(abc.ABC):
         return [self.enqueue(job) for job in jobs]
 
     @abc.abstractmethod
-    def claim(self, queues, n, lease_seconds, owner) -> list: ...
+    def claim(self, queues, n, lease_seconds, owner, limits=None) -> list: ...
+
+    @abc.abstractmethod
+    def enqueue_once(self, job: NewJob) -> str | None: ...
 
     @abc.abstractmethod
     def extend(self, leases, lease_seconds) -> list: ...
@@ -96,7 +117,8 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     def prune(self, done_older_than) -> int:
-        """Delete ``done`` jobs finished more than ``done_older_than`` seconds ago."""
+        """Delete ``done`` jobs finished more than ``done_older_than`` seconds ago
+        (and ``enqueue_once`` records older than that)."""
 
     def wakeup_fd(self):
         """A file descriptor that turns readable when a job may have become due, or None.

@@ -53,6 +53,7 @@ from psycopg.rows import dict_row, tuple_row
 from ..errors import BadInput, BrokerError, LeaseLost, NotDead
 from ..model import Job, QueueStats
 from .base import Broker
+from .limits import Admission, active, refill
 
 DEFAULT_SCHEMA = "tangguh"
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -144,6 +145,18 @@ def _migrations(s):
                 END LOOP;
             END
             $body$""",
+        ]),
+        # 2: per-type claim limits (see claim) and enqueue_once records.
+        (2, [
+            f"CREATE INDEX jobs_running_type ON {s}.jobs (type, resource_id) WHERE state = 'running'",
+            f"""CREATE TABLE {s}.rate_buckets (
+                type text PRIMARY KEY,
+                tokens double precision NOT NULL,
+                updated_at double precision NOT NULL)""",
+            f"""CREATE TABLE {s}.once_keys (
+                key text PRIMARY KEY,
+                created_at double precision NOT NULL)""",
+            f"CREATE INDEX once_keys_created ON {s}.once_keys (created_at)",
         ]),
     ]
 
@@ -451,19 +464,100 @@ class PostgresBroker(Broker):
             cur.execute(query, params)
             return cur.fetchall()
 
+    def enqueue_once(self, job):
+        job.validate()
+        if job.idempotency_key is None:
+            raise BadInput("enqueue_once needs an idempotency_key")
+        with self._guard("enqueue once"):
+            db = self._conn()
+            with db.transaction():
+                # A second caller waits here on the first one's uncommitted key, then inserts nothing.
+                if db.execute(f"INSERT INTO {self._s}.once_keys (key, created_at) VALUES (%s, {_NOW})"
+                              " ON CONFLICT DO NOTHING RETURNING key", (job.idempotency_key,)).fetchone() is None:
+                    return None
+                return self.enqueue_many([job], conn=db)[0]
+
     # -- leasing ----------------------------------------------------------
-    def claim(self, queues, n, lease_seconds, owner):
+    def claim(self, queues, n, lease_seconds, owner, limits=None):
         queues = list(queues)
         if n <= 0 or not queues:
             return []
-        rows = self._execute(self._sql_claim, (queues, int(n), float(lease_seconds), owner),
-                             row_factory=dict_row).fetchall()
+        limits = active(limits)
+        if limits:
+            with self._guard("claim"):
+                rows = self._claim_limited(queues, int(n), float(lease_seconds), owner, limits)
+        else:
+            rows = self._execute(self._sql_claim, (queues, int(n), float(lease_seconds), owner),
+                                 row_factory=dict_row).fetchall()
         order = {}
         for i, q in enumerate(queues):
             order.setdefault(q, i)
         jobs = [Job.from_dict(r) for r in rows]
         jobs.sort(key=lambda j: (order[j.queue], -j.priority, j.run_at, j.id))
         return jobs
+
+    def _claim_limited(self, queues, n, lease_seconds, owner, limits):
+        """The claim under per-type limits, one transaction of a few statements.
+
+        Claimers with limits take a transaction-scoped advisory lock per limited
+        type (sorted: no deadlock), so the counts below are exact until commit;
+        claims without limits never wait on it. Expired leases are reclaimed by
+        the plain claim function with n = 0 first.
+        """
+        t = self._jobs
+        types = sorted(limits)
+        db = self._conn()
+        with db.transaction():
+            db.execute(f"SELECT * FROM {self._s}.claim(%s::text[], 0, 0, '')", (queues,))
+            db.execute("SELECT count(pg_advisory_xact_lock(hashtextextended(%s || l.t, 0)))"
+                       " FROM (SELECT t FROM unnest(%s::text[]) AS t ORDER BY t) l",
+                       (f"tangguh-limit:{self.schema}:", types))
+            now = db.execute("SELECT date_part('epoch', clock_timestamp())").fetchone()[0]
+            running = dict(db.execute(f"SELECT type, count(*) FROM {t} WHERE state = 'running'"
+                                      " AND type = ANY(%s::text[]) GROUP BY type", (types,)).fetchall())
+            rated = [name for name in types if limits[name].rate is not None]
+            buckets = {row[0]: row[1:] for row in db.execute(
+                f"SELECT type, tokens, updated_at FROM {self._s}.rate_buckets WHERE type = ANY(%s::text[])",
+                (rated,)).fetchall()} if rated else {}
+            tokens = {name: refill(*buckets.get(name, (None, None)), now, *limits[name].rate) for name in rated}
+            admission = Admission(limits, running, tokens)
+            exclusive = admission.exclusive()
+            rows = []
+            for queue in queues:
+                while len(rows) < n:
+                    want = n - len(rows)
+                    candidates = db.execute(
+                        f"SELECT d.id, d.type, d.resource_id FROM {t} d WHERE d.queue = %s"
+                        " AND d.state IN ('queued', 'retrying') AND d.run_at <= %s AND d.type <> ALL(%s::text[])"
+                        " AND NOT (d.type = ANY(%s::text[]) AND d.resource_id IS NOT NULL AND EXISTS ("
+                        f"  SELECT 1 FROM {t} r WHERE r.state = 'running' AND r.type = d.type"
+                        "   AND r.resource_id = d.resource_id))"
+                        " ORDER BY d.priority DESC, d.run_at, d.id LIMIT %s FOR UPDATE SKIP LOCKED",
+                        (queue, now, admission.blocked(), exclusive, want)).fetchall()
+                    ids = [row[0] for row in candidates if admission.admit(row[1], row[2])]
+                    if ids:
+                        cur = db.cursor(row_factory=dict_row)
+                        cur.execute(
+                            f"UPDATE {t} j SET state = 'running', attempt = j.attempt + 1, token = j.token + 1,"
+                            " lease_until = c.now + %(lease)s::float8, owner = %(owner)s::text,"
+                            " history = j.history || jsonb_build_array(jsonb_build_object("
+                            "  'attempt', j.attempt + 1, 'started_at', c.now, 'owner', %(owner)s::text))"
+                            # The wall clock, not the transaction's start: the lease starts after the lock wait.
+                            " FROM (SELECT date_part('epoch', clock_timestamp()) AS now) c"
+                            " WHERE j.id = ANY(%(ids)s::text[]) RETURNING j.*",
+                            {"lease": lease_seconds, "owner": owner, "ids": ids})
+                        rows.extend(cur.fetchall())
+                    # A held-back row leaves the next query (its type is blocked or its resource leased now).
+                    if len(candidates) < want:
+                        break
+            tokens = admission.tokens
+            if tokens:
+                db.execute(
+                    f"INSERT INTO {self._s}.rate_buckets (type, tokens, updated_at)"
+                    " SELECT * FROM unnest(%s::text[], %s::float8[], %s::float8[])"
+                    " ON CONFLICT (type) DO UPDATE SET tokens = excluded.tokens, updated_at = excluded.updated_at",
+                    (list(tokens), list(tokens.values()), [now] * len(tokens)))
+        return rows
 
     def extend(self, leases, lease_seconds):
         leases = list(leases)
@@ -575,6 +669,7 @@ class PostgresBroker(Broker):
         sql = (f"DELETE FROM {self._jobs} WHERE id IN (SELECT id FROM {self._jobs}"
                " WHERE state = 'done' AND finished_at < %s LIMIT %s)")
         total = 0
+        self._execute(f"DELETE FROM {self._s}.once_keys WHERE created_at < %s", (cutoff,))
         while True:
             deleted = self._execute(sql, (cutoff, batch)).rowcount
             total += deleted

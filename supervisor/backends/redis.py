@@ -66,6 +66,7 @@ from redis.retry import Retry
 from ..errors import BadInput, BrokerError, LeaseLost, NotDead
 from ..model import Job, QueueStats
 from .base import Broker
+from .limits import active
 
 DEFAULT_PREFIX = "tangguh"
 DEFAULT_DONE_TTL = 7 * 24 * 3600
@@ -75,7 +76,11 @@ REDIS_OPTIONS = {
     "client_name", "max_connections", "retry_on_timeout", "protocol",
     "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname",
 }
-SCRIPTS = ("enqueue", "claim", "extend", "ack", "retry", "dead", "release", "replay", "purge", "stats", "prune")
+SCRIPTS = ("enqueue", "claim", "extend", "ack", "retry", "dead", "release", "replay", "purge", "stats", "prune",
+           "claim_limited", "enqueue_once")
+# A script made of several files, run in order (the first may return early).
+COMPOSED = {"enqueue_once": ("enqueue_once", "enqueue")}
+LIMITED_SCAN = 1000  # ready entries one limited claim looks at per queue (held-back jobs included)
 LUA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "redis_lua")
 BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one script's run time
 CLOCK_REFRESH = 30.0
@@ -105,8 +110,11 @@ def _load_lua():
         common = f.read()
     out = {}
     for name in SCRIPTS:
-        with open(os.path.join(LUA_DIR, f"{name}.lua"), encoding="utf-8") as f:
-            out[name] = common + "\n" + f.read()
+        parts = [common]
+        for part in COMPOSED.get(name, (name,)):
+            with open(os.path.join(LUA_DIR, f"{part}.lua"), encoding="utf-8") as f:
+                parts.append(f.read())
+        out[name] = "\n".join(parts)
     return out
 
 
@@ -281,16 +289,46 @@ class RedisBroker(Broker):
                 ids[i] = job_id
         return ids
 
+    @_guard
+    def enqueue_once(self, job):
+        job.validate()
+        if job.idempotency_key is None:
+            raise BadInput("enqueue_once needs an idempotency_key")
+        self._queue_keys(job.queue)
+        batch = json.dumps([_enqueue_args(job)], separators=(",", ":"), ensure_ascii=False)
+        got = self._run_many([("enqueue_once", job.queue, [batch])], before=[("sadd", self.queues_key, job.queue)])
+        return got[0][0] if got[0] else None
+
     # -- leasing ----------------------------------------------------------
     @_guard
-    def claim(self, queues, n, lease_seconds, owner):
+    def claim(self, queues, n, lease_seconds, owner, limits=None):
         lease_us = max(1, int(lease_seconds * 1e6))
         owner_json = json.dumps(owner)
+        limits = active(limits)
+        if limits:
+            return self._claim_limited(queues, n, lease_us, owner, owner_json, limits)
         claimed = []
         for queue in queues:
             if len(claimed) >= n:
                 break
             for fields in self._run("claim", queue, [n - len(claimed), lease_us, owner, owner_json]):
+                job = _job(json.loads(fields))
+                self._remember(job.id, queue)
+                claimed.append(job)
+        return claimed
+
+    def _claim_limited(self, queues, n, lease_us, owner, owner_json, limits):
+        """Per queue, one round trip: claim.lua with n = 0 (reclaim, promote), then claim_limited.lua."""
+        spec = json.dumps({t: [-1 if lim.max_concurrency is None else lim.max_concurrency, int(lim.exclusive),
+                               lim.rate[0] if lim.rate else 0, int(lim.rate[1] * 1e6) if lim.rate else 0]
+                           for t, lim in limits.items()}, separators=(",", ":"))
+        claimed = []
+        for queue in queues:
+            if len(claimed) >= n:
+                break
+            calls = [("claim", queue, [0, lease_us, owner, owner_json]),
+                     ("claim_limited", queue, [n - len(claimed), lease_us, owner, owner_json, spec, LIMITED_SCAN])]
+            for fields in self._run_many(calls)[1]:
                 job = _job(json.loads(fields))
                 self._remember(job.id, queue)
                 claimed.append(job)
@@ -421,7 +459,14 @@ class RedisBroker(Broker):
     def prune(self, done_older_than):
         age_us = max(0, int(done_older_than * 1e6))
         deleted = 0
-        for queue in sorted(self.r.smembers(self.queues_key)):
+        queues = sorted(self.r.smembers(self.queues_key))
+        if queues:  # enqueue_once records older than the horizon
+            cutoff = int(self.now() * 1e6) - age_us
+            pipe = self.r.pipeline(transaction=False)
+            for queue in queues:
+                pipe.zremrangebyscore(f"{self.prefix}:{{{queue}}}:once", "-inf", f"({cutoff}")
+            pipe.execute()
+        for queue in queues:
             while True:
                 jobs, entries = self._run("prune", queue, [age_us, BATCH])
                 deleted += jobs

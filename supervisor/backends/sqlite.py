@@ -7,6 +7,7 @@ are queued. URL: ``sqlite:////absolute/path.db`` or ``sqlite:///relative.db``
 own folder). ``?synchronous=normal`` trades durability on power loss (not on a
 process crash) for speed; the default is ``full``.
 """
+import contextlib
 import json
 import os
 import sqlite3
@@ -15,6 +16,7 @@ import urllib.parse
 from ..errors import BadInput, BrokerError, LeaseLost, NotDead
 from ..model import DEAD, DONE, RETRYING, Job, QueueStats, error_info
 from .base import Broker
+from .limits import Admission, active, refill
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -49,6 +51,9 @@ CREATE INDEX IF NOT EXISTS jobs_leased ON jobs (lease_until) WHERE state = 'runn
 CREATE INDEX IF NOT EXISTS jobs_finished ON jobs (state, finished_at) WHERE state IN ('done', 'dead');
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (idempotency_key)
     WHERE idempotency_key IS NOT NULL AND state IN ('queued', 'running', 'retrying');
+CREATE INDEX IF NOT EXISTS jobs_running_type ON jobs (type, resource_id) WHERE state = 'running';
+CREATE TABLE IF NOT EXISTS rate_buckets (type TEXT PRIMARY KEY, tokens REAL NOT NULL, updated_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS once_keys (key TEXT PRIMARY KEY, created_at REAL NOT NULL);
 """
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
@@ -110,11 +115,11 @@ class SQLiteBroker(Broker):
     def enqueue(self, job):
         return self.enqueue_many([job])[0]
 
-    def enqueue_many(self, jobs):
+    def enqueue_many(self, jobs, _in_tx=False):
         jobs = [job.validate() for job in jobs]
         now = self.now()
         ids = []
-        with self._write():
+        with contextlib.nullcontext() if _in_tx else self._write():
             for job in jobs:
                 if job.idempotency_key is not None:
                     row = self.db.execute(
@@ -134,12 +139,26 @@ class SQLiteBroker(Broker):
                 ids.append(job.id)
         return ids
 
+    def enqueue_once(self, job):
+        job.validate()
+        if job.idempotency_key is None:
+            raise BadInput("enqueue_once needs an idempotency_key")
+        with self._write():
+            inserted = self.db.execute("INSERT OR IGNORE INTO once_keys (key, created_at) VALUES (?, ?)",
+                                       (job.idempotency_key, self.now())).rowcount
+            if not inserted:
+                return None
+            return self.enqueue_many([job], _in_tx=True)[0]
+
     # -- leasing ----------------------------------------------------------
-    def claim(self, queues, n, lease_seconds, owner):
-        now = self.now()
+    def claim(self, queues, n, lease_seconds, owner, limits=None):
+        limits = active(limits)
         claimed = []
         with self._write():
+            now = self.now()  # after BEGIN IMMEDIATE: the lease starts once the write lock is ours
             self._reclaim_expired(now)
+            if limits:
+                return self._claim_limited(queues, n, lease_seconds, owner, limits, now)
             for queue in queues:
                 if len(claimed) >= n:
                     break
@@ -155,6 +174,55 @@ class SQLiteBroker(Broker):
                      "limit": n - len(claimed)},
                 ).fetchall()
                 claimed.extend(sorted((_job(r) for r in rows), key=lambda j: (-j.priority, j.run_at, j.id)))
+        return claimed
+
+    def _claim_limited(self, queues, n, lease_seconds, owner, limits, now):
+        """The claim under per-type limits: BEGIN IMMEDIATE makes the counts exact."""
+        types = sorted(limits)
+        marks = ",".join("?" * len(types))
+        running = dict(self.db.execute(
+            f"SELECT type, count(*) FROM jobs WHERE state = 'running' AND type IN ({marks}) GROUP BY type", types))
+        tokens = {}
+        for t, lim in limits.items():
+            if lim.rate is not None:
+                row = self.db.execute("SELECT tokens, updated_at FROM rate_buckets WHERE type = ?", (t,)).fetchone()
+                tokens[t] = refill(row and row[0], row and row[1], now, *lim.rate)
+        admission = Admission(limits, running, tokens)
+        exclusive = admission.exclusive()
+        claimed = []
+        for queue in queues:
+            while len(claimed) < n:
+                want = n - len(claimed)
+                blocked = admission.blocked()
+                sql = ("SELECT id, type, resource_id FROM jobs WHERE queue = ? AND state IN ('queued', 'retrying')"
+                       " AND run_at <= ?")
+                params = [queue, now]
+                if blocked:
+                    sql += f" AND type NOT IN ({','.join('?' * len(blocked))})"
+                    params += blocked
+                if exclusive:
+                    sql += (f" AND NOT (type IN ({','.join('?' * len(exclusive))}) AND resource_id IS NOT NULL"
+                            " AND EXISTS (SELECT 1 FROM jobs r WHERE r.state = 'running' AND r.type = jobs.type"
+                            " AND r.resource_id = jobs.resource_id))")
+                    params += exclusive
+                rows = self.db.execute(sql + " ORDER BY priority DESC, run_at, id LIMIT ?", params + [want]).fetchall()
+                ids = [r["id"] for r in rows if admission.admit(r["type"], r["resource_id"])]
+                if ids:
+                    leased = self.db.execute(
+                        "UPDATE jobs SET state = 'running', attempt = attempt + 1, token = token + 1,"
+                        " lease_until = ?, owner = ?,"
+                        " history = json_insert(history, '$[#]', json_object("
+                        "   'attempt', attempt + 1, 'started_at', ?, 'owner', ?))"
+                        f" WHERE id IN ({','.join('?' * len(ids))}) RETURNING *",
+                        [now + lease_seconds, owner, now, owner, *ids],
+                    ).fetchall()
+                    claimed.extend(sorted((_job(r) for r in leased), key=lambda j: (-j.priority, j.run_at, j.id)))
+                # A held-back row leaves the next query (its type is blocked or its resource leased now).
+                if len(rows) < want:
+                    break
+        for t, left in admission.tokens.items():
+            self.db.execute("INSERT OR REPLACE INTO rate_buckets (type, tokens, updated_at) VALUES (?, ?, ?)",
+                            (t, left, now))
         return claimed
 
     def _reclaim_expired(self, now):
@@ -307,9 +375,9 @@ class SQLiteBroker(Broker):
 
     def prune(self, done_older_than):
         with self._write():
-            cur = self.db.execute(
-                "DELETE FROM jobs WHERE state = 'done' AND finished_at < ?", (self.now() - done_older_than,)
-            )
+            cutoff = self.now() - done_older_than
+            cur = self.db.execute("DELETE FROM jobs WHERE state = 'done' AND finished_at < ?", (cutoff,))
+            self.db.execute("DELETE FROM once_keys WHERE created_at < ?", (cutoff,))
         return cur.rowcount
 
 
