@@ -1,0 +1,145 @@
+"""The effect rows of the crash matrix, with a real ``tangguh run``, PostgreSQL and Redis.
+
+The handlers' database is a fresh PostgreSQL schema and the locks and cache
+live under a fresh Redis key prefix; the broker is a SQLite file (the effects
+do not depend on it). Handlers are the real ``handlers/invoices.py`` and the
+wrappers in ``tests/handlers/toolkit_jobs.py`` that SIGKILL a child at a
+chosen instant. Each test ends with nothing leased, no lock left in Redis and
+the daemon stopped cleanly.
+"""
+import os
+import shutil
+import signal
+
+import pytest
+
+from supervisor import toolkit
+from supervisor.cache import Cache
+from supervisor.transaction import transaction
+
+from .daemon import Daemon, read_lines
+from .toolkit_fixtures import INVOICES, handlers_db, invoices, new_invoice, query, toolkit_redis  # noqa: F401
+from .util import wait_for
+
+
+@pytest.fixture
+def env(tmp_path, handlers_db, toolkit_redis):
+    made = []
+
+    def start(workers=2):
+        d = Daemon(tmp_path, handler_files=("toolkit_jobs.py",), supervisor={"workers": workers},
+                   toolkit={"database_url": handlers_db, "redis_url": toolkit_redis})
+        shutil.copy(INVOICES, d.handlers)
+        made.append(d)
+        return d.start()
+
+    client, prefix = toolkit.open_redis(toolkit_redis)
+    yield start, handlers_db, client, prefix
+    for d in made:
+        d.stop()
+    client.close()
+
+
+def finish(d, client, prefix):
+    """Stop the daemon and check it left nothing behind: no lease, no child, no Redis lock."""
+    d.signal(signal.SIGTERM)
+    assert d.wait_exit() == 0
+    d.assert_clean()
+    assert [k for k in client.scan_iter(match=f"{prefix}lock:*") if not k.endswith(b":fence")] == []
+
+
+def summary_reader(db_url, client, prefix):
+    """A reader outside the daemon (think: the web app) going through the same cache."""
+    db = toolkit.Database(db_url)
+    cache = Cache(client, prefix)
+    return lambda invoice_id: invoices.invoice_summary(cache, lambda: transaction(db), invoice_id)
+
+
+def test_child_killed_after_commit_before_ack_reruns_without_a_second_effect(env, tmp_path):
+    start, db_url, client, prefix = env
+    new_invoice(db_url, 1, [100, 250])
+    read = summary_reader(db_url, client, prefix)
+    assert read(1)["total"] == 0  # cached before the job
+    d = start()
+    marker, release = str(tmp_path / "m"), str(tmp_path / "release")
+    job_id = d.enqueue("recalc_crash", {"invoice_id": 1, "version": 1, "crash": "after_commit",
+                                        "marker": marker, "release": release})
+    wait_for(lambda: any(line[0] == "started" and line[1] == "2" for line in read_lines(marker)),
+             message="the re-run after the crash")
+    # Between the crash and the re-run: the effect is durable, the job not acked.
+    assert [line[0] for line in read_lines(marker)] == ["started", "done", "dying", "started"]
+    assert query(db_url, "SELECT total, recalculations FROM invoices WHERE id = 1") == {
+        "total": 350, "recalculations": 1}
+    assert d.job(job_id).state != "done"
+    open(release, "w").close()
+    job = d.wait_job(job_id)
+    assert (job.state, job.attempt) == ("done", 2)
+    assert job.history[0]["error"]["reason"] == "crashed"
+    assert job.result == {"invoice_id": 1, "version": 1, "total": 350}  # the stored result, not a re-run
+    assert query(db_url, "SELECT total, recalculations FROM invoices WHERE id = 1") == {
+        "total": 350, "recalculations": 1}
+    assert d.status()["counters"]["duplicates_suppressed"] == 1
+    assert read(1)["total"] == 350  # the cache tag was invalidated
+    finish(d, client, prefix)
+
+
+def test_child_killed_between_commit_and_invalidation_no_reader_sees_the_old_total(env, tmp_path):
+    start, db_url, client, prefix = env
+    new_invoice(db_url, 2, [40, 2])
+    read = summary_reader(db_url, client, prefix)
+    assert read(2)["total"] == 0
+    d = start()
+    marker, release = str(tmp_path / "m"), str(tmp_path / "release")
+    job_id = d.enqueue("recalc_crash", {"invoice_id": 2, "version": 1, "crash": "before_invalidation",
+                                        "marker": marker, "release": release})
+    wait_for(lambda: any(line[0] == "started" and line[1] == "2" for line in read_lines(marker)),
+             message="the re-run after the crash")
+    # The crash hit the window: committed, cache not yet invalidated (this is what the re-run repairs).
+    assert [line[0] for line in read_lines(marker)] == ["started", "dying", "started"]
+    assert query(db_url, "SELECT total FROM invoices WHERE id = 2")["total"] == 42
+    assert read(2)["total"] == 0
+    open(release, "w").close()
+    assert d.wait_job(job_id).state == "done"
+    assert read(2)["total"] == 42  # the duplicate path ran the after-commit invalidation
+    assert query(db_url, "SELECT recalculations FROM invoices WHERE id = 2")["recalculations"] == 1
+    assert d.status()["counters"]["duplicates_suppressed"] == 1
+    finish(d, client, prefix)
+
+
+def test_child_killed_holding_a_redis_lock_frees_it_long_before_its_ttl(env, tmp_path):
+    start, db_url, client, prefix = env
+    d = start()
+    marker = str(tmp_path / "m")
+    job_id = d.enqueue("hold_lock", {"name": "invoice:3:export", "ttl": 60, "wait": 30, "marker": marker})
+    first = wait_for(lambda: [line for line in read_lines(marker) if line[0] == "acquired"],
+                     message="the first attempt to hold the lock")[0]
+    key = first[6]
+    # The master knows the lock and keeps extending it: its PTTL goes back up.
+    seen = client.pttl(key)
+    wait_for(lambda: client.pttl(key) > seen, timeout=5, message="the heartbeat to extend the lock")
+    os.kill(int(first[2]), signal.SIGKILL)
+    job = d.wait_job(job_id)
+    second = [line for line in read_lines(marker) if line[0] == "acquired"][1]
+    assert (job.state, job.attempt, second[1]) == ("done", 2, "2")
+    assert int(second[4]) > int(first[4])  # a newer fencing token
+    # Waited far less than the 60 s TTL: the master released the dead child's lock at once.
+    assert float(second[5]) < 10
+    assert not client.exists(key)
+    finish(d, client, prefix)
+
+
+def test_50_recalculations_of_one_invoice_from_4_children_lose_no_update(env):
+    start, db_url, client, prefix = env
+    amounts = list(range(1, 31))
+    new_invoice(db_url, 4, amounts)
+    d = start(workers=4)
+    # 25 versions, each enqueued twice: 25 effects and 25 duplicates, all at once.
+    ids = [d.enqueue("recalculate_invoice", {"invoice_id": 4, "version": v}) for v in range(1, 26) for _ in (0, 1)]
+    for job_id in ids:
+        assert d.wait_job(job_id, timeout=60).state == "done"
+    row = query(db_url, "SELECT total, version, recalculations FROM invoices WHERE id = 4")
+    assert row == {"total": sum(amounts), "version": 25, "recalculations": 25}
+    assert query(db_url, "SELECT count(*) AS n FROM idempotency_records WHERE status = 'done'")["n"] == 25
+    assert d.status()["counters"]["duplicates_suppressed"] == 25
+    assert len({w["pid"] for w in d.status()["workers"]}) == 4
+    finish(d, client, prefix)
