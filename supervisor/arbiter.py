@@ -21,7 +21,7 @@ import traceback
 import psutil
 import setproctitle
 
-from . import child, config, logs, protocol, registry, toolkit
+from . import child, config, logs, protocol, registry, scheduler, toolkit
 from .metrics import SAMPLE_SECONDS, HttpExporter, Metrics
 from .backends import open_broker
 from .errors import BrokerError, ConfigError, LeaseLost, TangguhError
@@ -109,6 +109,7 @@ class Arbiter:
         self.signals = collections.deque()
         self.notifier = Notifier()
         self.ready_sent = False  # READY=1 goes out once the first children are up
+        self.plan_scheduling()
         self.metrics = Metrics(self)
         self.exporter = None  # HTTP /metrics, when [metrics] listen is set
         self.queue_stats = {}  # the last broker.stats() sample: {queue: QueueStats}
@@ -131,6 +132,7 @@ class Arbiter:
             self.flush_writes()
             self.manage_workers()
             self.claim_jobs()
+            self.run_schedules()
             self.housekeeping()
             self.report()
         self.shutdown()
@@ -204,6 +206,8 @@ class Arbiter:
         instants.extend(w.next_at for w in self.writes)
         if self.stop_deadline is not None:
             instants.append(self.stop_deadline)
+        if self.stopping is None and self.scheduler.schedules:
+            instants.append(self.schedule_at)
         if self.stopping is None and self.missing_workers() > 0:
             instants.append(self.next_spawn_at)
         ping_at = self.notifier.next_ping_at()
@@ -337,6 +341,7 @@ class Arbiter:
                       extra={"event": "reload_failed", "generation": self.generation})
             return
         self.cfg, self.handlers = cfg, handlers
+        self.plan_scheduling()
         self.generation += 1
         self.target = cfg.supervisor.workers
         self.reload_error = None
@@ -552,7 +557,7 @@ class Arbiter:
             return
         b = self.cfg.broker
         try:
-            jobs = self.call(lambda br: br.claim(b.queues, want, b.lease_seconds, self.owner), "claim")
+            jobs = self.call(lambda br: br.claim(b.queues, want, b.lease_seconds, self.owner, self.limits), "claim")
         except BrokerError:
             return
         for job in jobs:
@@ -572,6 +577,26 @@ class Arbiter:
             self.empty_claims += 1
             delay = min(self.cfg.supervisor.poll_interval, 0.005 * 2 ** self.empty_claims)
             self.next_claim_at = now + delay * random.uniform(0.75, 1.25)
+
+    def plan_scheduling(self):
+        """The claim limits and periodic jobs of the current config and handlers."""
+        self.limits = registry.type_limits(self.cfg, self.handlers) or None
+        self.scheduler = scheduler.from_config(self.cfg, self.handlers)
+        self.schedule_at = 0.0  # monotonic instant of the next check
+
+    def run_schedules(self):
+        if self.stopping is not None or not self.scheduler.schedules or time.monotonic() < self.schedule_at:
+            return
+        def check(br):
+            self.scheduler.tick(br)
+            return br.now()
+
+        try:
+            now = self.call(check, "schedule")
+        except BrokerError:
+            self.schedule_at = time.monotonic() + 1.0  # what was not enqueued stays due
+            return
+        self.schedule_at = time.monotonic() + max(0.0, self.scheduler.due_at() - now)
 
     def on_claimed(self, job):
         labels = self.metrics.job_labels(job)
@@ -622,6 +647,8 @@ class Arbiter:
             return
         w.job, w.started, w.deadline = None, None, None
         w.jobs_done += 1
+        if self.locks is not None:
+            self.locks.release_child(w.pid)  # a lock the job left behind ends with the job
         self.record_attempt(job, msg)
         if w.kill_reason == "lease_lost":
             self.heartbeat.drop(job.id)  # the lease is someone else's now: drop the outcome

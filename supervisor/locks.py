@@ -228,13 +228,22 @@ class MasterLocks:
         return open_redis(self.redis_url, socket_connect_timeout=1, socket_timeout=2)[0]
 
     def on_message(self, pid, msg):
+        """A child's ``lock`` or ``unlock`` message (a malformed one is logged and ignored)."""
+        try:
+            key, token = str(msg["key"]), str(msg["token"])
+            ttl = float(msg.get("ttl") or 0)
+        except (KeyError, TypeError, ValueError):
+            log.warning("ignoring a malformed %s message from child %d", msg.get("op"), pid)
+            return
         with self.mutex:
             if msg["op"] == "lock":
-                self.held.setdefault(pid, {})[msg["key"]] = (msg["token"], float(msg["ttl"]))
+                self.held.setdefault(pid, {})[key] = (token, ttl)
             else:
                 mine = self.held.get(pid, {})
-                if mine.get(msg["key"], (None,))[0] == msg["token"]:
-                    del mine[msg["key"]]
+                if mine.get(key, (None,))[0] == token:
+                    del mine[key]
+                if not mine:
+                    self.held.pop(pid, None)
 
     def release_child(self, pid):
         """Compare-and-delete every lock child ``pid`` held (it is dead). Main loop."""

@@ -169,6 +169,11 @@ class Database:
         if conn.closed or conn.broken:
             self._conn = None
 
+    def discard(self, conn):
+        """Close and forget ``conn`` (its state is unknown); the next transaction reconnects."""
+        if conn is self._conn:
+            self.close()
+
     def close(self):
         if self._conn is not None and self._pid == os.getpid():
             self._conn.close()

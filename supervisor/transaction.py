@@ -110,6 +110,7 @@ class Transaction:
         self.state = "committed"
 
     def _rollback(self):
+        """Roll back; False if even that failed (the connection is then not to be reused)."""
         self.state = "rolled_back"
         self._after_commit.clear()
         try:
@@ -120,6 +121,8 @@ class Transaction:
                 self.conn.rollback()
         except Exception as exc:  # noqa: BLE001 - the first error is the one that matters
             log.debug("rollback failed: %s: %s", type(exc).__name__, exc)
+            return False
+        return True
 
     def _run_after_commit(self):
         steps, self._after_commit = self._after_commit, []
@@ -153,11 +156,13 @@ class transaction:  # noqa: N801 - used as a context manager, reads like a funct
                 try:
                     tx._commit()
                 except BaseException:
-                    tx._rollback()
+                    if not tx._rollback():
+                        self.db.discard(tx.conn)
                     self.db.check(tx.conn)
                     raise
                 tx._run_after_commit()
             return False
-        tx._rollback()
+        if not tx._rollback():
+            self.db.discard(tx.conn)  # e.g. a JobTimeout landed inside a driver call
         self.db.check(tx.conn)
         return False

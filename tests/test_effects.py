@@ -17,7 +17,7 @@ from supervisor import toolkit
 from supervisor.cache import Cache
 from supervisor.transaction import transaction
 
-from .daemon import Daemon, read_lines
+from .daemon import Daemon, read_lines, tangguh
 from .toolkit_fixtures import INVOICES, handlers_db, invoices, new_invoice, query, toolkit_redis  # noqa: F401
 from .util import wait_for
 
@@ -143,3 +143,10 @@ def test_50_recalculations_of_one_invoice_from_4_children_lose_no_update(env):
     assert d.status()["counters"]["duplicates_suppressed"] == 25
     assert len({w["pid"] for w in d.status()["workers"]}) == 4
     finish(d, client, prefix)
+
+
+def test_demo_invoices_runs_the_example_end_to_end(handlers_db, toolkit_redis):
+    done = tangguh("demo", "invoices", "--database-url", handlers_db, "--redis-url", toolkit_redis, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "'total': 7249, 'version': 2, 'recalculations': 2}; duplicates suppressed: 1" in done.stdout
+    assert "(cache invalidated after the commit, rebuilt): {'id': 1001, 'total': 6549" in done.stdout
