@@ -16,7 +16,8 @@ import selectors
 import socket
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 SAMPLE_SECONDS = 5.0  # how often queue gauges are refreshed from the broker
@@ -38,6 +39,8 @@ class Metrics:
     """Every metric the daemon exports; ``render()`` gives the text exposition."""
 
     def __init__(self, arbiter=None):
+        # No *_created series: they double the series count and say only when the master started.
+        disable_created_metrics()
         self.registry = r = CollectorRegistry(auto_describe=True)
         c = lambda name, doc, labels=(): Counter(name, doc, labels, registry=r)  # noqa: E731
         g = lambda name, doc, labels=(): Gauge(name, doc, labels, registry=r)  # noqa: E731
@@ -121,6 +124,10 @@ class Metrics:
                    "cache_hit": self.cache_hit, "cache_miss": self.cache_miss, "cache_rebuild": self.cache_rebuild,
                    "cache_stale_served": self.cache_stale}
         for key, counter in targets.items():
+            if any(k.startswith(key.split("_")[0] + "_") for k in deltas):
+                # A lock or cache user gets all of that group's series at once, so
+                # ratios (failed / all, misses / all) exist even while one side is 0.
+                counter.labels(*labels)
             value = deltas.get(key, 0)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
                 counter.labels(*labels).inc(value)

@@ -7,7 +7,10 @@ and its JSON log.
 """
 import json
 import os
+import re
 import selectors
+import shutil
+import subprocess
 import signal
 import socket
 import sqlite3
@@ -15,6 +18,7 @@ import time
 import urllib.request
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.backends import open_broker
@@ -226,6 +230,109 @@ def test_supervisor_events_are_one_record_each_with_slot_and_pid(ran):
     assert [r["event"] for r in recs if r.get("event", "").startswith("reload")] == ["reload", "reload_failed"]
 
 
+# -- alert rules and dashboard: every name they use is one the daemon exports ---------------------
+
+OPS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops")
+DOCS = os.path.join(os.path.dirname(OPS), "docs", "operating.md")
+PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "offset",
+                "bool", "inf", "nan"}
+SCRAPED_BY_PROMETHEUS = {"up"}  # made by the scraper, not the daemon
+
+
+def exported_names(text):
+    """Every series name an exposition defines, with the suffixes Prometheus stores."""
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        names.update(s.name for s in family.samples)
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "summary": ("_count", "_sum")}
+        names.update(family.name + s for s in suffixes.get(family.type, ()))
+    return names
+
+
+def metric_names(expr):
+    """The metric names a PromQL expression reads (no parser needed for the subset the files use)."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range selectors, $__rate_interval
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
+        if m.start() > 0 and (expr[m.start() - 1].isdigit() or expr[m.start() - 1] in ".$"):
+            continue  # 1e-9, 5m, a $variable
+        if expr[m.end():].lstrip().startswith("(") or m.group().lower() in PROMQL_WORDS:
+            continue  # a function or a keyword
+        names.add(m.group())
+    return names
+
+
+def test_metric_names_reads_what_an_expression_reads():
+    expr = ('sum by (queue, type) (rate(tangguh_a_total{queue=~"$queue", x="rate(y)"}[5m] offset 5m)) '
+            '/ (histogram_quantile(0.9, tangguh_b_bucket) + 1e-9) > 3 * tangguh_c unless on (instance) up')
+    assert metric_names(expr) == {"tangguh_a_total", "tangguh_b_bucket", "tangguh_c", "up"}
+
+
+def anchors(markdown):
+    """GitHub's heading anchors of a Markdown file."""
+    out = set()
+    for line in markdown.splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^a-z0-9 _-]", "", title).replace(" ", "-"))
+    return out
+
+
+def test_alert_rules_use_exported_metrics_and_have_a_runbook(ran):
+    d, _ = ran
+    exported = exported_names(tangguh("metrics", "-c", d.config_path).stdout) | SCRAPED_BY_PROMETHEUS
+    with open(os.path.join(OPS, "alerts.yml")) as f:
+        rules = [r for g in yaml.safe_load(f)["groups"] for r in g["rules"]]
+    assert {r["alert"] for r in rules} >= {
+        "TangguhOldestJobOverSLA", "TangguhRetryRateRising", "TangguhDeadLetterGrowing",
+        "TangguhVisibilityTimeoutExpiries", "TangguhLockContentionHigh", "TangguhCacheMissRateJumping",
+        "TangguhChildrenCrashLooping", "TangguhNoHeartbeat"}
+    with open(DOCS) as f:
+        doc_anchors = anchors(f.read())
+    for rule in rules:
+        used = metric_names(rule["expr"])
+        assert used and used <= exported, f"{rule['alert']} reads {sorted(used - exported)}, not exported"
+        assert rule["labels"]["severity"] in ("page", "warning")
+        assert {"summary", "description", "runbook_url"} <= set(rule["annotations"])
+        anchor = rule["annotations"]["runbook_url"].split("#", 1)[1]
+        assert anchor in doc_anchors, f"{rule['alert']}: no heading #{anchor} in docs/operating.md"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian: prometheus)")
+def test_promtool_checks_the_rules_and_runs_their_unit_tests():
+    check = subprocess.run(["promtool", "check", "rules", "alerts.yml"], cwd=OPS, capture_output=True, text=True,
+                           timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    unit = subprocess.run(["promtool", "test", "rules", "alerts.test.yml"], cwd=OPS, capture_output=True, text=True,
+                          timeout=120)
+    assert unit.returncode == 0 and "SUCCESS" in unit.stdout, unit.stdout + unit.stderr
+
+
+def test_dashboard_panels_read_exported_metrics(ran):
+    d, _ = ran
+    exported = exported_names(tangguh("metrics", "-c", d.config_path).stdout)
+    with open(os.path.join(OPS, "grafana-dashboard.json")) as f:
+        dash = json.load(f)
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    assert dash["uid"] and len(panels) >= 12
+    seen = set()
+    for p in panels:
+        assert p["title"] and p["description"] and p["targets"], p.get("title")
+        for target in p["targets"]:
+            used = metric_names(target["expr"])
+            assert used and used <= exported, f"panel {p['title']!r} reads {sorted(used - exported)}"
+            seen |= used
+    # The dashboard shows every family the daemon exports (process_* aside).
+    families = {n for n in exported if n.startswith("tangguh_")}
+    shown = {re.sub(r"_(bucket|count|sum|total)$", "", n) for n in seen}
+    missing = {n for n in families if re.sub(r"_(bucket|count|sum|total|created)$", "", n) not in shown}
+    assert not missing, f"not on the dashboard: {sorted(missing)}"
+
+
 # -- the pieces, without a daemon --------------------------------------------------------------
 
 def test_queue_sample_sets_the_gauges(tmp_path):
@@ -262,6 +369,9 @@ def test_child_deltas_ignore_unknown_keys_and_bad_values():
     m.child_deltas(job, ["cache_hit"])
     s = samples(m.render())
     assert value(s, "tangguh_cache_hits_total", queue="q", type="t") == 2
+    # a cache user gets every cache series (ratios need both sides), a lock user every lock series
+    assert ("tangguh_cache_misses_total", (("queue", "q"), ("type", "t"))) in s
+    assert ("tangguh_lock_acquired_total", (("queue", "q"), ("type", "t"))) in s
     for name in ("tangguh_cache_misses_total", "tangguh_lock_failed_total", "tangguh_lock_wait_seconds_total",
                  "tangguh_duplicates_suppressed_total"):
         assert value(s, name, queue="q", type="t") == 0
