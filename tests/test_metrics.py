@@ -21,6 +21,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor import toolkit
 from supervisor.backends import open_broker
 from supervisor.metrics import HttpExporter, Metrics
 from supervisor.model import Job, NewJob
@@ -59,7 +60,10 @@ def http_get(url, data=None):
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
     """Run the whole scenario once; yield (daemon, job ids)."""
-    d = Daemon(tmp_path_factory.mktemp("metrics"), metrics={"listen": "127.0.0.1:0"})
+    tmp = tmp_path_factory.mktemp("metrics")
+    app_db = f"sqlite:///{tmp}/app.db"
+    toolkit.migrate(app_db)
+    d = Daemon(tmp, metrics={"listen": "127.0.0.1:0"}, toolkit={"database_url": app_db})
     try:
         d.start()
         ids = {}
@@ -71,10 +75,14 @@ def ran(tmp_path_factory):
         ids["soft"] = d.enqueue("soft_timeout", {}, max_attempts=1)
         ids["metered"] = [d.enqueue("metered", {"metrics": DELTAS}),
                           d.enqueue("metered", {"metrics": DELTAS, "fail": True})]
+        # A real duplicate: the effect commits, the child dies before replying, the re-run finds the key done.
+        ids["once"] = d.enqueue("effect_once", {"key": "invoice-7", "marker": d.marker("effect")})
         d.enqueue("noop", {}, delay=3600)
         for job_id in [*ids["noop"], *ids["metered"], ids["suicide"], ids["poison"], ids["permanent"], ids["spin"],
-                       ids["soft"]]:
+                       ids["soft"], ids["once"]]:
             d.wait_job(job_id)
+        assert read_lines(d.marker("effect")) == [["effect", "1"]]
+        assert d.job(ids["once"]).result == {"duplicate": True}
 
         # A lease taken over by someone else: bump the fencing token under the running job.
         marker, release = d.marker("hold"), d.marker("release")
@@ -121,9 +129,11 @@ def test_every_counter_over_http_and_the_socket(ran):
     assert m("tangguh_jobs_succeeded_total", type="noop") == 3
     assert m("tangguh_jobs_succeeded_total", type="suicide") == 1
     assert m("tangguh_jobs_succeeded_total", type="hold") == 1
+    assert m("tangguh_jobs_succeeded_total", type="effect_once") == 1
     assert m("tangguh_jobs_claimed_total", type="hold") == 2
     # retry: the crash is retried, poison once then dead
     assert m("tangguh_jobs_retried_total", type="suicide", reason="crashed") == 1
+    assert m("tangguh_jobs_retried_total", type="effect_once", reason="crashed") == 1
     assert m("tangguh_jobs_retried_total", type="poison", reason="exception") == 1
     assert m("tangguh_jobs_failed_total", type="poison", reason="exception") == 2
     # die
@@ -137,13 +147,15 @@ def test_every_counter_over_http_and_the_socket(ran):
     assert m("tangguh_timeouts_total", type="soft_timeout", kind="soft") == 1
     assert m("tangguh_timeouts_total", type="spin", kind="soft") == 0
     # crash, lost lease, expiry: the crash, the timeout kill and the lease-lost kill were replaced
-    assert value(http, "tangguh_children_crashed_total", when="mid_job") == 1
+    assert value(http, "tangguh_children_crashed_total", when="mid_job") == 2
     assert value(http, "tangguh_children_crashed_total", when="idle") == 0
-    assert value(http, "tangguh_children_restarted_total") == 3
+    assert value(http, "tangguh_children_restarted_total") == 4
     assert value(http, "tangguh_leases_lost_total") == 1
     assert m("tangguh_lease_expiries_total", type="hold") == 1
     assert value(http, "tangguh_reloads_total", result="ok") == 1
     assert value(http, "tangguh_reloads_total", result="failed") == 1
+    # duplicates: one real (the idempotency record), two reported by the metered jobs
+    assert m("tangguh_duplicates_suppressed_total", type="effect_once") == 1
     # toolkit deltas from two jobs (one failed), the unknown key ignored
     assert m("tangguh_duplicates_suppressed_total", type="metered") == 2
     assert m("tangguh_lock_acquired_total", type="metered") == 4
@@ -159,7 +171,8 @@ def test_every_counter_over_http_and_the_socket(ran):
     assert m("tangguh_job_time_to_complete_seconds_count", type="noop") == 3
     assert m("tangguh_job_time_to_complete_seconds_count", type="poison") == 0
     assert value(http, "tangguh_broker_round_trip_seconds_count", op="claim") > 0
-    assert value(http, "tangguh_broker_round_trip_seconds_count", op="ack") == 3 + 1 + 1 + 1  # noop, suicide, ...
+    acks = 3 + 1 + 1 + 1 + 1  # noop, suicide, hold, metered, effect_once
+    assert value(http, "tangguh_broker_round_trip_seconds_count", op="ack") == acks
     assert value(http, "tangguh_lease_extensions_total") > 0
     # queue gauges from the broker sample
     assert m("tangguh_queue_dead_jobs") == 5
@@ -216,7 +229,8 @@ def test_supervisor_events_are_one_record_each_with_slot_and_pid(ran):
     d, ids = ran
     recs = records(d)
     crash = [r for r in recs if r.get("event") == "crash"]
-    assert len(crash) == 1 and crash[0]["job_id"] == ids["suicide"] and crash[0]["signal"] == signal.SIGKILL
+    assert {r["job_id"] for r in crash} == {ids["suicide"], ids["once"]} and len(crash) == 2
+    assert all(r["signal"] == signal.SIGKILL for r in crash)
     kill = [r for r in recs if r.get("event") == "timeout_kill"]
     assert len(kill) == 1 and kill[0]["job_id"] == ids["spin"]
     lost = [r for r in recs if r.get("event") == "lease_lost"]
@@ -224,9 +238,9 @@ def test_supervisor_events_are_one_record_each_with_slot_and_pid(ran):
     for r in crash + kill + lost:
         assert isinstance(r["slot"], int) and isinstance(r["pid"], int)
     spawns = [r for r in recs if r.get("event") == "spawn"]
-    # 2 at start, 3 replacements, 2 for the reload's new generation
-    assert len(spawns) == 7 and all(isinstance(r["slot"], int) and r["pid"] > 0 for r in spawns)
-    assert len({r["pid"] for r in spawns}) == 7
+    # 2 at start, 4 replacements, 2 for the reload's new generation
+    assert len(spawns) == 8 and all(isinstance(r["slot"], int) and r["pid"] > 0 for r in spawns)
+    assert len({r["pid"] for r in spawns}) == 8
     assert [r["event"] for r in recs if r.get("event", "").startswith("reload")] == ["reload", "reload_failed"]
 
 

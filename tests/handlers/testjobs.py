@@ -77,3 +77,16 @@ def metered(ctx, payload):
     if payload.get("fail"):
         raise supervisor.Permanent("metered failure")
     return {}
+
+
+@supervisor.job("effect_once")
+def effect_once(ctx, payload):
+    """An effect guarded by an idempotency key; attempt 1 dies after the commit, before the reply."""
+    with ctx.transaction() as tx:
+        rec = ctx.idempotency.begin(tx, payload["key"])
+        if not rec.done:
+            _mark(payload, f"effect {ctx.job.attempt}")
+            rec.complete({"done_on": ctx.job.attempt})
+    if ctx.job.attempt == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # the master never hears of the commit: the job runs again
+    return {"duplicate": rec.done}
