@@ -330,6 +330,9 @@ def test_children_are_recycled_after_max_jobs(tmp_path):
         pids = [int(line[1]) for line in read_lines(marker)]
         assert len(set(pids[0:3])) == 1 and len(set(pids[3:6])) == 1 and pids[0] != pids[3] != pids[6]
         assert d.status()["restarts"] == 0  # recycling is not a crash
+        metrics = tangguh("metrics", "-c", d.config_path).stdout
+        assert 'tangguh_children_recycled_total{reason="max_jobs"} 2.0' in metrics.splitlines()
+        assert "tangguh_children_restarted_total 0.0" in metrics.splitlines()
         wait_for(lambda: len(d.status()["workers"]) == 1, message="the recycled children to be gone")
         assert pids[6] in d.worker_pids()
         d.assert_clean()

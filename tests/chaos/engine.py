@@ -1,0 +1,822 @@
+"""The chaos soak: real supervisors, a seeded fault schedule, checked invariants.
+
+Shared by the CI test (``tests/chaos/test_chaos.py``) and the long run
+(``python -m bench.chaos``). One run:
+
+1. start a private broker server (Redis with an append-only file, or a
+   throwaway PostgreSQL cluster: both are restarted by the injector; the
+   shared servers on 6379/5432 are never touched) or a SQLite file, and an
+   effects store the handlers write to (a SQLite file for the SQLite run, a
+   fresh schema in the shared PostgreSQL ``test`` database otherwise);
+2. start ``supervisors`` real ``tangguh run`` processes, each in its own
+   process group, serving ``tests/handlers/chaos.py``;
+3. enqueue ``jobs`` jobs (a seeded mix of quick, CPU-bound, slow, transiently
+   failing, fail-after-commit and poison jobs) over the first part of the run
+   while the injector fires faults from a seeded schedule for ``duration``
+   seconds;
+4. wait for quiescence (polled: nothing ready, scheduled or leased; no child
+   busy, nothing prefetched, no write pending), read every supervisor's
+   counters, stop them with SIGTERM, then check the invariants and build the
+   report.
+
+The seed fixes the job mix and the fault schedule (kinds, instants,
+durations). It cannot fix the interleaving with the processes it hits: a
+replay repeats the same faults at the same moments, not the same race.
+
+Faults (``FAULTS``): SIGKILL a busy child; SIGKILL a supervisor and start it
+again; SIGHUP, alternating a good config (workers count toggled) and a broken
+one (a bad config value, or a handler file that raises on import, in turn);
+a broker outage (private server SIGKILLed / stopped ``immediate`` and started
+again; for SQLite, which has no server, another process holds the file's
+write lock, so every broker call of every supervisor blocks, the closest a
+local file comes to being unreachable); SIGSTOP a child for longer than the
+lease (and sometimes longer than the hard timeout) then SIGCONT; SIGSTOP a
+whole supervisor for longer than the lease, so its leases expire, another
+supervisor re-runs its jobs and its late results meet the fencing tokens.
+"""
+import collections
+import dataclasses
+import heapq
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+
+import psutil
+
+from supervisor.backends import open_broker
+from supervisor.health import request
+from supervisor.model import NewJob
+
+from ..daemon import Daemon
+from ..util import wait_for
+
+FAULTS = ("kill_child", "kill_supervisor", "hup", "broker_outage", "stall_child", "stall_supervisor")
+WEIGHTS = (30, 10, 20, 12, 15, 13)
+MIX = (("chaos.quick", 58), ("chaos.cpu", 12), ("chaos.slow", 6), ("chaos.flaky", 12), ("chaos.after", 8),
+       ("chaos.poison", 4))
+ACCOUNTS = 16
+QUEUE = "default"
+# A non-poison job may die only when injected faults used up its attempts.
+FAULT_REASONS = ("crashed", "lease_expired", "timeout")
+SHARED_POSTGRES = os.environ.get("TANGGUH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@dataclasses.dataclass
+class Settings:
+    broker: str = "sqlite"  # sqlite, redis, postgres
+    jobs: int = 2000
+    seed: int = 0
+    duration: float = 20.0  # seconds of fault injection
+    enqueue_seconds: float | None = None  # enqueues spread over this (default: 60 % of duration)
+    fault_interval: float = 1.0  # mean seconds between faults
+    supervisors: int = 2
+    workers: int = 2
+    lease_seconds: float = 2.0
+    heartbeat_seconds: float = 0.3
+    timeout: float = 5.0  # hard timeout of every chaos job
+    max_attempts: int = 10  # poison jobs get 3
+    quiesce_timeout: float = 120.0
+    workdir: str | None = None
+    keep: bool = False  # keep the work folder (logs, databases) after the run
+
+
+class Incarnation:
+    """One life of one supervisor process."""
+
+    def __init__(self, pid):
+        self.pid = pid
+        self.pgid = pid  # Daemon starts it in a session (process group) of its own
+        self.owner = f"{socket.gethostname()}:{pid}"
+        self.last = None  # last status seen
+        self.killed = False
+        self.final = None  # status at quiescence (survivors only)
+        self.exit_code = None
+
+
+class Sup:
+    def __init__(self, index, daemon):
+        self.index, self.daemon = index, daemon
+        self.state = "up"  # up, down (killed, restart due), stopped (SIGSTOP)
+        self.lives = []
+        self.hup_good = 0
+        self.hup_broken = 0
+
+    @property
+    def life(self):
+        return self.lives[-1]
+
+    def start(self):
+        self.daemon.start(wait=False)
+        self.lives.append(Incarnation(self.daemon.proc.pid))
+        self.state = "up"
+
+    def status(self, timeout=1.0):
+        try:
+            st = request(self.daemon.socket, {"cmd": "status"}, timeout=timeout)
+        except Exception:  # noqa: BLE001 - not answering (starting, stopped, killed) is a state here
+            return None
+        if st.get("pid") == self.life.pid:
+            self.life.last = st
+            return st
+        return None
+
+
+class Soak:
+    def __init__(self, settings: Settings):
+        self.s = settings
+        self.rng_jobs = random.Random(f"jobs-{settings.seed}")
+        self.rng_faults = random.Random(f"faults-{settings.seed}")
+        self.tmp = settings.workdir or tempfile.mkdtemp(prefix=f"tangguh-chaos-{settings.broker}-")
+        os.makedirs(self.tmp, exist_ok=True)
+        self.server = None
+        self.sups = []
+        self.faults = collections.Counter()
+        self.fault_log = []  # (t, kind, detail)
+        self.pending = []  # heap of (at, seq, action, args): SIGCONTs, restarts, unlocks
+        self.seq = 0
+        self.ids = {}  # idempotency key -> job id
+        self.kinds = {}  # idempotency key -> (type, amount)
+        self.producer_error = None
+        self.enqueued_at = None
+        self.timings = {}
+        self.broker_lock = None
+        self.effects_schema = None
+        self.report = None
+        self.hup_unconfirmed = 0
+        self.outage = False
+
+    # -- set-up ------------------------------------------------------------------------
+    def setup(self):
+        b = self.s.broker
+        if b == "sqlite":
+            self.broker_url = f"sqlite:///{self.tmp}/broker.db"
+            self.effects_db = f"sqlite:///{self.tmp}/effects.db"
+        elif b == "redis":
+            from ..servers import RedisServer
+
+            os.makedirs(os.path.join(self.tmp, "redis"), exist_ok=True)
+            # appendonly: a SIGKILLed redis-server keeps every write it answered
+            # (written to the file before the reply; fsync matters only for host loss).
+            self.server = RedisServer(os.path.join(self.tmp, "redis"), appendonly=True).start()
+            self.broker_url = self.server.url + "?prefix=chaos"
+        elif b == "postgres":
+            from ..servers import PostgresCluster
+
+            self.server = PostgresCluster().start()
+            # The cluster runs with synchronous_commit=off for speed; an immediate
+            # stop would then lose answered commits (enqueues!), which is a
+            # durability setting, not the behaviour under test.
+            import psycopg
+
+            with psycopg.connect(self.server.url(), autocommit=True) as db:
+                db.execute("ALTER SYSTEM SET synchronous_commit = on")
+                db.execute("SELECT pg_reload_conf()")
+            self.broker_url = self.server.url("postgres") + "?schema=chaos"
+        else:
+            raise ValueError(f"unknown broker {b!r}")
+        if b != "sqlite":
+            self.effects_schema = f"tangguh_chaos_{uuid.uuid4().hex[:10]}"
+            self.effects_db = f"{SHARED_POSTGRES}?schema={self.effects_schema}"
+        self.effects = Effects(self.effects_db)
+        self.effects.create()
+        with open_broker(self.broker_url) as br:
+            br.migrate()
+        for k in range(self.s.supervisors):
+            d = Daemon(os.path.join(self.tmp, f"s{k}"), broker_url=self.broker_url, handler_files=("chaos.py",),
+                       supervisor={"workers": self.s.workers, "poll_interval": 0.2, "graceful_timeout": 15.0,
+                                   "kill_grace": 0.3},
+                       broker={"lease_seconds": self.s.lease_seconds, "heartbeat_seconds": self.s.heartbeat_seconds},
+                       jobs={"timeout": self.s.timeout, "max_attempts": self.s.max_attempts, "backoff_base": 0.05,
+                             "backoff_cap": 0.5, "jitter": 0.5},
+                       log={"level": "warning"}, toolkit={"database_url": self.effects_db})
+            self.sups.append(Sup(k, d))
+
+    def teardown(self):
+        for sup in self.sups:
+            if sup.daemon.proc is not None:
+                try:
+                    os.kill(sup.daemon.proc.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                sup.daemon.kill_group()
+        if self.broker_lock is not None:
+            self.broker_lock.close()
+        if self.server is not None:
+            if hasattr(self.server, "destroy"):
+                self.server.destroy()
+            else:
+                self.server.stop()
+        if self.effects_schema:
+            self.effects.drop()
+        self.effects.close()
+        if not self.s.keep:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # -- the run -------------------------------------------------------------------------
+    def run(self):
+        """Set up, soak, check; return the report (a dict). Always tears down."""
+        t0 = time.monotonic()
+        try:
+            self.setup()
+            for sup in self.sups:
+                sup.start()
+            for sup in self.sups:
+                wait_for(lambda sup=sup: sup.status(), timeout=60, message=f"supervisor {sup.index} to answer")
+            self.t0 = time.monotonic()
+            producer = threading.Thread(target=self.produce, name="chaos-producer", daemon=True)
+            producer.start()
+            self.inject()
+            producer.join(timeout=max(60.0, self.s.quiesce_timeout))
+            self.timings["inject"] = time.monotonic() - self.t0
+            self.quiesce()
+            self.timings["quiesce"] = time.monotonic() - self.t0 - self.timings["inject"]
+            self.stop_all()
+            self.report = self.check()
+            self.report["seconds"] = dict(self.timings, total=round(time.monotonic() - t0, 1))
+            return self.report
+        finally:
+            self.teardown()
+
+    # -- producer ------------------------------------------------------------------------
+    def produce(self):
+        n = self.s.jobs
+        spread = self.s.enqueue_seconds if self.s.enqueue_seconds is not None else 0.6 * self.s.duration
+        batch = max(1, min(200, n // 100))
+        jobs = []
+        names, weights = zip(*MIX)
+        for i in range(n):
+            kind = self.rng_jobs.choices(names, weights)[0]
+            key = f"chaos-{self.s.seed}-{i}"
+            payload = {"amount": self.rng_jobs.randint(1, 100), "acct": self.rng_jobs.randrange(ACCOUNTS)}
+            if kind == "chaos.cpu":
+                payload["rounds"] = self.rng_jobs.randint(5000, 40000)
+            elif kind == "chaos.slow":
+                payload["secs"] = round(self.rng_jobs.uniform(0.05, 0.5), 3)
+            elif kind == "chaos.flaky":
+                payload["fails"] = self.rng_jobs.randint(1, 2)
+            elif kind == "chaos.poison":
+                payload["permanent"] = self.rng_jobs.random() < 0.5
+            attempts = 3 if kind == "chaos.poison" else self.s.max_attempts
+            self.kinds[key] = (kind, payload["amount"])
+            jobs.append((key, kind, payload, attempts))
+        broker = None
+        try:
+            for start in range(0, n, batch):
+                due = self.t0 + spread * start / n
+                if due > time.monotonic():
+                    time.sleep(due - time.monotonic())  # the schedule of arrivals
+                chunk = jobs[start:start + batch]
+                while True:
+                    try:
+                        if broker is None:
+                            broker = open_broker(self.broker_url)
+                        # Fresh NewJobs on every try: a retried batch dedups on the
+                        # idempotency key (the job is unfinished) instead of reusing ids.
+                        got = broker.enqueue_many([NewJob(kind, payload, idempotency_key=key, max_attempts=a)
+                                                   for key, kind, payload, a in chunk])
+                        break
+                    except Exception:  # noqa: BLE001 - the broker is down: the outage fault at work
+                        if broker is not None:
+                            try:
+                                broker.close()
+                            except Exception:  # noqa: BLE001
+                                pass
+                        broker = None
+                        time.sleep(0.2)
+                for (key, *_), job_id in zip(chunk, got):
+                    self.ids[key] = job_id
+        except BaseException as exc:  # noqa: BLE001 - reported by the checker
+            self.producer_error = repr(exc)
+        finally:
+            self.enqueued_at = time.monotonic() - self.t0
+            if broker is not None:
+                broker.close()
+
+    # -- injector ------------------------------------------------------------------------
+    def schedule(self):
+        """The seeded fault schedule: [(offset seconds, kind)]."""
+        first = list(FAULTS)  # every kind once early on (in seeded order), then at random by weight
+        self.rng_faults.shuffle(first)
+        out, t = [], 0.0
+        while True:
+            t += self.rng_faults.expovariate(1.0 / self.s.fault_interval)
+            if t >= self.s.duration:
+                return out
+            out.append((t, first.pop(0) if first else self.rng_faults.choices(FAULTS, WEIGHTS)[0]))
+
+    def later(self, delay, action, *args):
+        self.seq += 1
+        heapq.heappush(self.pending, (time.monotonic() + delay, self.seq, action, args))
+
+    def run_pending(self, until):
+        while self.pending and self.pending[0][0] <= until:
+            at, _, action, args = heapq.heappop(self.pending)
+            if at > time.monotonic():
+                time.sleep(at - time.monotonic())
+            action(*args)
+
+    def wait_until(self, instant):
+        """Sleep until ``instant`` (the schedule), running pending actions on time meanwhile.
+
+        A fault that ran late (a status request to a blocked master waits out
+        its timeout) delays the next fault, never a SIGCONT or a restart.
+        """
+        while True:
+            now = time.monotonic()
+            self.run_pending(now)
+            if now >= instant:
+                return
+            nxt = self.pending[0][0] if self.pending else instant
+            time.sleep(max(0.0, min(instant, nxt) - now))
+
+    def inject(self):
+        owed = collections.deque()  # kinds that found no target (no busy child...): tried again next slot
+        for offset, kind in self.schedule():
+            self.wait_until(self.t0 + offset)
+            if owed:
+                owed.append(kind)
+                kind = owed.popleft()
+            detail = getattr(self, f"fault_{kind}")()
+            if detail is None:
+                if len(owed) < 10:
+                    owed.appendleft(kind)
+            else:
+                self.faults[kind if kind != "hup" else detail.split()[0]] += 1
+                self.fault_log.append((round(time.monotonic() - self.t0, 2), kind, detail))
+        self.wait_until(self.t0 + self.s.duration)
+        self.run_pending(float("inf"))  # every stopped process resumed, every server back
+
+    def note(self, kind, detail):
+        self.fault_log.append((round(time.monotonic() - self.t0, 2), kind, detail))
+
+    def up(self):
+        return [s for s in self.sups if s.state == "up"]
+
+    def fault_kill_child(self):
+        busy = []
+        for sup in self.up():
+            st = sup.status()
+            if st:
+                busy += [(sup, w) for w in st["workers"] if w["state"] == "busy"]
+        if not busy:
+            return None
+        sup, w = self.rng_faults.choice(busy)
+        try:
+            os.kill(w["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        return f"s{sup.index} worker {w['slot']} pid {w['pid']} ({w['job_type']})"
+
+    def fault_kill_supervisor(self):
+        live = self.up()
+        if len(live) < len(self.sups) or not live:
+            return None  # one supervisor down at a time keeps the queue flowing
+        sup = self.rng_faults.choice(live)
+        sup.status()  # the last counters this incarnation shows
+        os.kill(sup.life.pid, signal.SIGKILL)
+        sup.daemon.proc.wait(10)
+        sup.life.killed, sup.state = True, "down"
+        self.later(self.rng_faults.uniform(0.2, 1.5), self.restart_supervisor, sup)
+        return f"s{sup.index} pid {sup.life.pid}"
+
+    def restart_supervisor(self, sup):
+        sup.start()
+        self.note("restart", f"s{sup.index} pid {sup.life.pid}")
+
+    def fault_hup(self):
+        live = [s for s in self.up() if s.status()]  # a master not yet past its start dies of a HUP
+        if not live:
+            return None
+        sup = self.rng_faults.choice(live)
+        d = sup.daemon
+        if (sup.hup_good + sup.hup_broken) % 2 == 0:  # alternate good and broken, per supervisor
+            sup.hup_good += 1
+            cfg = json.loads(json.dumps(d.config))
+            cfg["supervisor"]["workers"] = self.s.workers + sup.hup_good % 2
+            d.write_config(cfg)
+            os.kill(sup.life.pid, signal.SIGHUP)
+            return f"hup_good s{sup.index} workers={cfg['supervisor']['workers']}"
+        sup.hup_broken += 1
+        current = sup.life.last["target_workers"]
+        broken_handler = sup.hup_broken % 2 == 0  # a bad config value and a bad handler file, in turn
+        bad = os.path.join(d.handlers, "zz_broken.py")
+        if broken_handler:
+            with open(bad, "w") as f:
+                f.write("raise RuntimeError('a handler that does not import')\n")
+        else:
+            cfg = json.loads(json.dumps(d.config))
+            cfg["supervisor"]["workers"] = "many"
+            d.write_config(cfg)
+        os.kill(sup.life.pid, signal.SIGHUP)
+        try:
+            wait_for(lambda: (st := sup.status()) and st.get("reload_error"), timeout=5,
+                     message="reload_error after a broken reload")
+            seen = "reload_error seen"
+        except AssertionError:
+            seen = "reload_error NOT seen"
+            self.hup_unconfirmed += 1
+        # Put a good config back (without a HUP) so a later restart can start.
+        if broken_handler:
+            os.unlink(bad)
+        cfg = json.loads(json.dumps(d.config))
+        cfg["supervisor"]["workers"] = current
+        d.write_config(cfg)
+        return f"hup_broken s{sup.index} {'handler' if broken_handler else 'config'}, {seen}"
+
+    def fault_broker_outage(self):
+        down = round(self.rng_faults.uniform(0.5, 2.0), 2)
+        if self.s.broker == "sqlite":
+            if self.broker_lock is not None:
+                return None
+            lock = sqlite3.connect(self.broker_url[len("sqlite:///"):], timeout=30, isolation_level=None)
+            lock.execute("BEGIN EXCLUSIVE")
+            self.broker_lock = lock
+            self.later(down, self.end_outage)
+            return f"sqlite write lock held {down}s"
+        if self.outage:
+            return None
+        if self.s.broker == "redis":
+            self.server.stop()
+        else:
+            self.server.stop("immediate")
+        self.outage = True
+        self.later(down, self.end_outage)
+        return f"{self.s.broker} server down {down}s"
+
+    def end_outage(self):
+        if self.s.broker == "sqlite":
+            self.broker_lock.execute("ROLLBACK")
+            self.broker_lock.close()
+            self.broker_lock = None
+        else:
+            self.server.start()
+            self.outage = False
+        self.note("broker_back", "")
+
+    def fault_stall_child(self):
+        busy = []
+        for sup in self.up():
+            st = sup.status()
+            if st:
+                busy += [(sup, w) for w in st["workers"] if w["state"] == "busy"]
+        if not busy:
+            return None
+        sup, w = self.rng_faults.choice(busy)
+        # Longer than the lease always; past the hard timeout about a third of the time.
+        stall = round(self.rng_faults.uniform(self.s.lease_seconds * 1.2, self.s.timeout * 1.4), 2)
+        try:
+            proc = psutil.Process(w["pid"])
+            proc.suspend()
+        except psutil.Error:
+            return None
+        self.later(stall, self.resume, proc)
+        return f"s{sup.index} worker pid {w['pid']} stopped {stall}s"
+
+    def resume(self, proc):
+        try:
+            proc.resume()  # psutil checks the pid still names the same process
+        except psutil.Error:
+            pass
+
+    def fault_stall_supervisor(self):
+        live = self.up()
+        if len(live) < len(self.sups) or not live:
+            return None
+        sup = self.rng_faults.choice(live)
+        stall = round(self.rng_faults.uniform(self.s.lease_seconds * 1.5, self.s.lease_seconds * 3), 2)
+        sup.status()
+        os.kill(sup.life.pid, signal.SIGSTOP)
+        sup.state = "stopped"
+        self.later(stall, self.resume_supervisor, sup)
+        return f"s{sup.index} pid {sup.life.pid} stopped {stall}s"
+
+    def resume_supervisor(self, sup):
+        os.kill(sup.life.pid, signal.SIGCONT)
+        sup.state = "up"
+
+    # -- the end -----------------------------------------------------------------------------
+    def quiet(self, broker):
+        if len(self.ids) < self.s.jobs and self.producer_error is None:
+            return False
+        st = broker.stats([QUEUE])[QUEUE]
+        if st.ready or st.scheduled or st.in_flight:
+            return False
+        for sup in self.sups:
+            status = sup.status()
+            if status is None or status["prefetched"] or status["pending_writes"] or status["broker_down"]:
+                return False
+            if any(w["state"] != "idle" for w in status["workers"]):
+                return False
+            if status["reload_error"] is None and len(status["workers"]) != status["target_workers"]:
+                return False
+        return True
+
+    def quiesce(self):
+        broker = [None]
+        streak = [0]
+
+        def settled():
+            try:
+                if broker[0] is None:
+                    broker[0] = open_broker(self.broker_url)
+                ok = self.quiet(broker[0])
+            except Exception:  # noqa: BLE001 - a restarted server's first refusal
+                if broker[0] is not None:
+                    broker[0].close()
+                broker[0] = None
+                ok = False
+            streak[0] = streak[0] + 1 if ok else 0
+            return streak[0] >= 3  # quiet three polls in a row, 0.2 s apart
+
+        try:
+            wait_for(settled, timeout=self.s.quiesce_timeout, interval=0.2, message="quiescence")
+            self.quiesced = True
+        except AssertionError:
+            self.quiesced = False
+        finally:
+            if broker[0] is not None:
+                broker[0].close()
+        for sup in self.sups:
+            sup.life.final = sup.status(timeout=5)
+            sup.group_at_rest = group_members(sup.life.pgid)
+
+    def stop_all(self):
+        for sup in self.sups:
+            os.kill(sup.life.pid, signal.SIGTERM)
+        for sup in self.sups:
+            try:
+                sup.life.exit_code = sup.daemon.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                sup.life.exit_code = None
+
+    # -- checks ----------------------------------------------------------------------------------
+    def check(self):
+        checks = []
+
+        def check(name, ok, detail=""):
+            checks.append({"name": name, "ok": bool(ok), "detail": detail})
+
+        s = self.s
+        check("producer enqueued every job", self.producer_error is None and len(self.ids) == s.jobs,
+              f"{len(self.ids)} of {s.jobs} enqueued" + (f"; error {self.producer_error}" if self.producer_error
+                                                          else ""))
+        check("quiescence reached", self.quiesced, f"within {s.quiesce_timeout}s" if self.quiesced else "timed out")
+
+        jobs = {}
+        with open_broker(self.broker_url) as br:
+            for key, job_id in self.ids.items():
+                jobs[key] = br.get(job_id)
+            stats = br.stats([QUEUE])[QUEUE]
+        states = collections.Counter(j.state if j else "lost" for j in jobs.values())
+        lost = [k for k, j in jobs.items() if j is None]
+        stuck = [(k, j.id, j.state) for k, j in jobs.items() if j is not None and j.state not in ("done", "dead")]
+        check("every job is done or dead (none lost, none stuck)", not lost and not stuck,
+              f"lost {len(lost)} {lost[:5]}, not finished {len(stuck)} {stuck[:5]}")
+        check("no leased job left (no leaked lease)", stats.in_flight == 0 and not any(
+            j and j.state == "running" for j in jobs.values()), f"in flight {stats.in_flight}")
+
+        fx = self.effects.summary()
+        effects_of = fx["effects_per_key"]
+        done = [k for k, j in jobs.items() if j and j.state == "done"]
+        not_once = [(k, effects_of.get(k, 0)) for k in done if effects_of.get(k, 0) != 1]
+        check("every done job's effect committed exactly once", not not_once,
+              f"{len(done)} done; wrong effect counts {not_once[:5]}")
+        twice = [(k, n) for k, n in effects_of.items() if n > 1]
+        check("no effect committed twice (any job)", not twice, f"{twice[:5]}")
+
+        dead = [(k, j) for k, j in jobs.items() if j and j.state == "dead"]
+        poison = [(k, j) for k, j in dead if self.kinds[k][0] == "chaos.poison"]
+        exhausted = [(k, j) for k, j in dead if self.kinds[k][0] != "chaos.poison" and j.reason in FAULT_REASONS
+                     and j.attempt >= j.max_attempts]
+        unexplained = [(k, j.type, j.reason, j.attempt) for k, j in dead
+                       if self.kinds[k][0] != "chaos.poison" and (k, j) not in exhausted]
+        bad_poison = [(k, j.reason) for k, j in poison if j.reason not in ("exception", "permanent", *FAULT_REASONS)]
+        check("every dead job is poison, or injected faults used up its attempts",
+              not unexplained and not bad_poison,
+              f"poison {len(poison)}, exhausted by faults {len(exhausted)}; unexplained {unexplained[:5]} "
+              f"{bad_poison[:5]}")
+        poison_all = [k for k, (kind, _) in self.kinds.items() if kind == "chaos.poison"]
+        poison_done = [k for k in poison_all if jobs.get(k) and jobs[k].state == "done"]
+        poison_fx = [k for k in poison_all if effects_of.get(k)]
+        check("no poison job succeeded or committed an effect", not poison_done and not poison_fx,
+              f"done {poison_done[:5]}, effects {poison_fx[:5]}")
+
+        execs, effects, suppressed, starts = fx["executions"], fx["effects"], fx["suppressed"], fx["starts"]
+        check("executions >= effects (at-least-once shows)", execs >= effects,
+              f"executions {execs}, effects {effects}")
+        check("duplicates suppressed = executions - effects", suppressed == execs - effects,
+              f"suppressed {suppressed}, executions - effects {execs - effects}")
+        check("runs started >= executions committed", starts >= execs, f"starts {starts}, executions {execs}")
+        expected = sum(self.kinds[k][1] for k in effects_of)
+        check("account balances = sum of committed effects", fx["balance"] == fx["effect_amount"] == expected,
+              f"balances {fx['balance']}, effect rows {fx['effect_amount']}, payload amounts {expected}")
+        check("one done idempotency record per effect, none left processing",
+              fx["records_done"] == effects and fx["records_open"] == 0,
+              f"done records {fx['records_done']}, effects {effects}, processing {fx['records_open']}")
+        executed = fx["execution_runs"]
+        unbacked = []
+        for k in done:
+            j = jobs[k]
+            entry = next((h for h in reversed(j.history) if h.get("outcome") == "done"), None)
+            if entry is None or (entry.get("attempt"), entry.get("pid")) not in executed.get(k, set()):
+                unbacked.append((k, j.id, entry and (entry.get("attempt"), entry.get("pid"))))
+        check("every ack follows a committed execution of that attempt (ack is the last step)", not unbacked,
+              f"{unbacked[:5]}")
+
+        # Processes.
+        strays = {}
+        for sup in self.sups:
+            st = sup.life.final
+            expected_pids = {sup.life.pid} | ({w["pid"] for w in st["workers"]} if st else set())
+            extra = set(sup.group_at_rest) - expected_pids
+            if extra:
+                strays[f"s{sup.index}"] = sorted(extra)
+        check("at rest, each supervisor's group is exactly its master and its children", not strays, f"{strays}")
+        pgids = [life.pgid for sup in self.sups for life in sup.lives]
+        try:
+            wait_for(lambda: not any(group_members(g) for g in pgids), timeout=10, interval=0.2,
+                     message="every process group of the soak to be empty")
+            left = {}
+        except AssertionError:
+            left = {g: group_members(g) for g in pgids if group_members(g)}
+        check("no orphan process (every group of every incarnation empty after stop)", not left, f"{left}")
+        codes = {f"s{sup.index}": sup.life.exit_code for sup in self.sups}
+        check("every surviving supervisor exits 0 on SIGTERM", all(c == 0 for c in codes.values()), f"{codes}")
+
+        # Counters. They live in the master's memory: a SIGKILLed incarnation's are
+        # gone (its last status read is a lower bound), a survivor's are exact,
+        # except that an outcome whose write met LeaseLost is counted but not stored.
+        by_owner = collections.defaultdict(collections.Counter)
+        for j in jobs.values():
+            for h in j.history if j else ():
+                owner = by_owner[h.get("owner")]
+                owner[h.get("outcome")] += 1
+                if (j.id, h.get("attempt"), h.get("pid")) in fx["suppressed_runs"]:
+                    # A suppressed run the master heard of (its result carried the
+                    # child's duplicates_suppressed delta), or one it may not have
+                    # (the child died after its commit, or the result came late).
+                    reason = (h.get("error") or {}).get("reason")
+                    heard = h.get("outcome") == "done" or (h.get("outcome") in ("retry", "dead")
+                                                           and reason not in ("crashed", "timeout"))
+                    owner["dup_heard" if heard else "dup_maybe"] += 1
+        counter_rows, counter_bad = [], []
+        for sup in self.sups:
+            for life in sup.lives:
+                seen = by_owner.get(life.owner, collections.Counter())
+                st = life.final if not life.killed else life.last
+                if st is None:
+                    counter_rows.append((f"s{sup.index}", life.pid, "no status", dict(seen)))
+                    continue
+                c = st["counters"]
+                slack = c["lease_lost"]
+                row = (f"s{sup.index}", life.pid, "killed" if life.killed else "survived",
+                       {k: c.get(k) for k in ("succeeded", "retried", "dead", "crashed", "timeouts", "lease_lost",
+                                              "duplicates_suppressed")},
+                       {k: seen[k] for k in ("done", "retry", "dead", "dup_heard", "dup_maybe")})
+                counter_rows.append(row)
+                if not life.killed:
+                    dup = c.get("duplicates_suppressed", 0)
+                    if not seen["dup_heard"] <= dup <= seen["dup_heard"] + seen["dup_maybe"] + slack:
+                        counter_bad.append((row[0], life.pid, "duplicates_suppressed", dup, "suppressed runs",
+                                            (seen["dup_heard"], seen["dup_maybe"])))
+                    pairs = (("succeeded", "done"), ("retried", "retry"), ("dead", "dead"))
+                    for counter, outcome in pairs:
+                        if not seen[outcome] <= c[counter] <= seen[outcome] + slack:
+                            counter_bad.append((row[0], life.pid, counter, c[counter], outcome, seen[outcome]))
+                else:
+                    pend = st.get("pending_writes", 0)
+                    if seen["done"] < c["succeeded"] - pend - slack:
+                        counter_bad.append((row[0], life.pid, "succeeded(last seen)", c["succeeded"], "done",
+                                            seen["done"]))
+        check("daemon counters agree with the broker's history (survivors exact, killed: lower bound)",
+              not counter_bad, f"{counter_bad[:5]}")
+        check("every broken reload was refused and shown in status (reload_error)", self.hup_unconfirmed == 0,
+              f"{self.hup_unconfirmed} broken reloads without a reload_error")
+        owners = {life.owner for sup in self.sups for life in sup.lives}
+        foreign = {o for o in by_owner if o not in owners}
+        check("every attempt in the broker belongs to an incarnation of this soak", not foreign, f"{foreign}")
+
+        report = {
+            "broker": s.broker, "jobs": s.jobs, "seed": s.seed, "supervisors": s.supervisors, "workers": s.workers,
+            "lease_seconds": s.lease_seconds, "inject_seconds": s.duration, "fault_interval": s.fault_interval,
+            "faults": dict(sorted(self.faults.items())), "faults_total": sum(self.faults.values()),
+            "states": dict(states), "dead_poison": len(poison), "dead_exhausted_by_faults": len(exhausted),
+            "starts": starts, "executions": execs, "effects": effects, "suppressed": suppressed,
+            "incarnations": sum(len(sup.lives) for sup in self.sups),
+            "counters": counter_rows, "checks": checks, "ok": all(c["ok"] for c in checks),
+            "fault_log": self.fault_log,
+        }
+        return report
+
+
+class Effects:
+    """The checker's view of the handlers' database (tables: ``tests/handlers/chaos.py``)."""
+
+    def __init__(self, url):
+        from supervisor import toolkit
+
+        self.url = url
+        self.db = toolkit.Database(url)
+        self.conn = None
+
+    def connect(self):
+        if self.conn is None:
+            self.conn, self.kind = self.db.connection()
+            if self.kind == "postgres":
+                self.conn.autocommit = True
+        return self.conn
+
+    def q(self, sql, params=()):
+        conn = self.connect()
+        if self.kind == "sqlite":
+            sql = sql.replace("%s", "?")
+        return conn.execute(sql, params).fetchall()
+
+    def create(self):
+        from supervisor import toolkit
+
+        from ..handlers import chaos as handler
+
+        toolkit.migrate(self.url)  # idempotency_records (and the schema, on PostgreSQL)
+        for statement in handler.TABLES:
+            self.connect().execute(statement)
+        for i in range(ACCOUNTS):
+            self.q("INSERT INTO accounts VALUES (%s, 0)", (i,))
+
+    def summary(self):
+        one = lambda sql: self.q(sql)[0][0] or 0  # noqa: E731
+        runs = collections.defaultdict(set)
+        suppressed_runs = set()
+        for key, job_id, attempt, pid, suppressed in self.q("SELECT key, job_id, attempt, pid, suppressed"
+                                                            " FROM executions"):
+            runs[key].add((attempt, pid))
+            if suppressed:
+                suppressed_runs.add((job_id, attempt, pid))
+        return {
+            "starts": one("SELECT count(*) FROM starts"),
+            "executions": one("SELECT count(*) FROM executions"),
+            "suppressed": one("SELECT count(*) FROM executions WHERE suppressed"),
+            "effects": one("SELECT count(*) FROM effects"),
+            "effect_amount": one("SELECT sum(amount) FROM effects"),
+            "balance": one("SELECT sum(balance) FROM accounts"),
+            "effects_per_key": dict(self.q("SELECT key, count(*) FROM effects GROUP BY key")),
+            "execution_runs": runs,
+            "suppressed_runs": suppressed_runs,
+            "records_done": one("SELECT count(*) FROM idempotency_records WHERE status = 'done'"),
+            "records_open": one("SELECT count(*) FROM idempotency_records WHERE status <> 'done'"),
+        }
+
+    def drop(self):
+        self.connect().execute(f'DROP SCHEMA IF EXISTS "{self.db.schema}" CASCADE')
+
+    def close(self):
+        self.db.close()
+        self.conn = None
+
+
+def group_members(pgid):
+    """Live (non-zombie) processes in process group ``pgid``."""
+    out = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+def format_report(r):
+    lines = [
+        f"chaos soak: broker={r['broker']} jobs={r['jobs']} seed={r['seed']} "
+        f"supervisors={r['supervisors']}x{r['workers']} workers, lease {r['lease_seconds']}s",
+        f"time: faults for {r['seconds'].get('inject', 0):.1f}s, quiescent after {r['seconds'].get('quiesce', 0):.1f}s"
+        f" more, {r['seconds']['total']:.1f}s in all",
+        f"faults injected ({r['faults_total']}): " + ", ".join(f"{k} {v}" for k, v in r["faults"].items()),
+        f"supervisor incarnations: {r['incarnations']}",
+        "jobs: " + ", ".join(f"{k} {v}" for k, v in sorted(r["states"].items()))
+        + f" (dead: poison {r['dead_poison']}, attempts used up by faults {r['dead_exhausted_by_faults']})",
+        f"runs: started {r['starts']}, executions committed {r['executions']}, effects {r['effects']}, "
+        f"duplicates suppressed {r['suppressed']}",
+        "counters (supervisor, pid, fate, counters, broker history by owner):",
+    ]
+    lines += [f"  {row}" for row in r["counters"]]
+    lines.append("invariants:")
+    lines += [f"  {'PASS' if c['ok'] else 'FAIL'}  {c['name']}" + ("" if c["ok"] else f": {c['detail']}")
+              for c in r["checks"]]
+    lines.append(f"result: {'PASS' if r['ok'] else 'FAIL'} (replay: TANGGUH_CHAOS_SEED={r['seed']})")
+    return "\n".join(lines)
+
+
+def seed_from_env():
+    value = os.environ.get("TANGGUH_CHAOS_SEED")
+    return int(value) if value else random.SystemRandom().randrange(1, 2 ** 31)
