@@ -333,6 +333,9 @@ class Arbiter:
             cfg = config.load(self.cfg.path)
             if cfg.broker.url != self.cfg.broker.url:
                 raise ConfigError("broker.url: changing the broker needs a restart, not a reload")
+            if cfg.toolkit.redis_url != self.cfg.toolkit.redis_url:
+                # The master extends and releases the children's locks on this Redis.
+                raise ConfigError("toolkit.redis_url: changing it needs a restart, not a reload")
             handlers = registry.load_handlers(cfg.supervisor.handlers, self.generation + 1)
         except TangguhError as exc:
             self.reload_error = str(exc)

@@ -59,6 +59,7 @@ class Transaction:
         return dict(zip([d[0] for d in cur.description], row))
 
     def fetchall(self, sql, params=()):
+        """Every row as a dict."""
         cur = self.execute(sql, params)
         names = [d[0] for d in cur.description]
         return [dict(zip(names, row)) for row in cur.fetchall()]

@@ -128,6 +128,27 @@ def test_child_killed_holding_a_redis_lock_frees_it_long_before_its_ttl(env, tmp
     finish(d, client, prefix)
 
 
+def test_a_lock_the_job_left_behind_is_released_with_its_result(env):
+    start, db_url, client, prefix = env
+    d = start()
+    job = d.wait_job(d.enqueue("leak_lock", {"name": "leaked"}))
+    assert job.state == "done" and job.result["key"] == prefix + "lock:leaked"
+    wait_for(lambda: not client.exists(job.result["key"]), timeout=5, message="the master to release the lock")
+    finish(d, client, prefix)
+
+
+def test_reload_refuses_a_new_toolkit_redis_url(env):
+    start, db_url, client, prefix = env
+    d = start()
+    d.config["toolkit"]["redis_url"] = "redis://127.0.0.1:6379/1"
+    d.write_config()
+    d.signal(signal.SIGHUP)
+    status = wait_for(lambda: (s := d.status())["reload_error"] and s, message="the reload to be refused")
+    assert "toolkit.redis_url: changing it needs a restart" in status["reload_error"]
+    assert status["generation"] == 1
+    finish(d, client, prefix)
+
+
 def test_50_recalculations_of_one_invoice_from_4_children_lose_no_update(env):
     start, db_url, client, prefix = env
     amounts = list(range(1, 31))

@@ -79,3 +79,10 @@ def hold_lock(ctx, payload):
             while time.monotonic() < deadline:  # the test SIGKILLs us here
                 time.sleep(0.05)
     return {"fence": lock.fence, "waited": waited}
+
+
+@supervisor.job("leak_lock")
+def leak_lock(ctx, payload):
+    """Takes a lock and returns without releasing it (a handler bug the master cleans up)."""
+    lock = ctx.lock(payload["name"], ttl=60, wait=1)
+    return {"key": lock.key, "fence": lock.fence}
