@@ -230,6 +230,45 @@ def test_a_failed_outcome_write_is_retried_while_the_child_runs_the_next_job(any
         d.stop()
 
 
+def test_an_outcome_write_that_never_lands_leaves_the_job_to_another_supervisor(any_broker, tmp_path):
+    """Supervisor a cannot reach the broker after its job ran: its ack waits, the lease expires,
+    supervisor c claims the job and runs it again (its effect once); when a is let back in, its
+    stale ack meets LeaseLost and is dropped, and a kept its children all along."""
+    cut = Cut(any_broker)
+    db = str(tmp_path / "effects.db")
+    sections = dict(supervisor={"workers": 1}, broker={"lease_seconds": 2.0, "heartbeat_seconds": 0.25})
+    a = Daemon(tmp_path / "a", broker_url=cut.url, handler_files=("effects.py",), **sections)
+    a._broker = any_broker.client
+    c = daemon(tmp_path / "c", any_broker, **sections)
+    payload = dict(cut.payload, db=db, faults={"1": cut.payload["fault"]})
+    job_id = any_broker.client.enqueue(NewJob("effect", payload, max_attempts=3))
+    try:
+        a.start()
+        pids = a.worker_pids()
+        wait_for(lambda: (s := a.status())["broker_down"] and s["pending_writes"] >= 1, timeout=30,
+                 message="a's ack to fail")
+        c.start()
+        job = c.wait_job(job_id, states=("done",), timeout=30)
+        assert job.attempt == 2 and [h["outcome"] for h in job.history] == ["lease_expired", "done"]
+        assert job.history[0]["owner"] == f"{socket.gethostname()}:{a.proc.pid}"
+        assert job.history[1]["owner"] == f"{socket.gethostname()}:{c.proc.pid}"
+        assert [r[0] for r in executions(db, job_id)] == [1, 2] and count(db) == 1
+        cut.heal()
+        wait_for(lambda: a.status()["pending_writes"] == 0, timeout=30, message="a's stale ack to be dropped")
+        status = a.status()
+        assert status["counters"]["lease_lost"] == 1 and len(events(a, "lease_lost")) == 1
+        assert a.worker_pids() == pids and status["restarts"] == 0
+        assert c.job(job_id).state == "done"
+        for d in (a, c):
+            d.signal(signal.SIGTERM)
+            assert d.wait_exit() == 0
+        c.assert_clean()
+    finally:
+        cut.heal()
+        a.stop()
+        c.stop()
+
+
 def test_an_ack_the_broker_keeps_refusing_lets_the_lease_expire_and_the_job_run_again(postgres_broker, tmp_path):
     """solid_queue #748: the ack fails while claims and lease renewals still work. The job must not stay
     'running' under a live owner: its lease is left to expire, the job runs again (its effect once),
