@@ -105,6 +105,7 @@ def build_parser():
         "--watch", nargs="?", const=1.0, type=float, metavar="SECONDS", help="refresh every SECONDS (default 1)")
     command(commands, "metrics", cmd_metrics, "print the supervisor's Prometheus metrics")
     command(commands, "stats", cmd_stats, "show per-queue counts", as_json)
+    command(commands, "schedules", cmd_schedules, "list the periodic jobs with their next run", as_json)
     command(commands, "job", cmd_job, "show one job with its history", as_json).add_argument("job_id", metavar="ID")
 
     dlq = command(commands, "dlq", None, "inspect and replay dead-lettered jobs")
@@ -386,6 +387,28 @@ def cmd_stats(args):
     rows = [[q, s.ready, s.scheduled, s.in_flight, s.dead, s.done, duration(s.oldest_ready_age) if s.ready else "-"]
             for q, s in stats.items()]
     print(table(headers, rows))
+
+
+def cmd_schedules(args):
+    """``[schedules.*]`` plus the handlers' ``cron=``; next runs by this host's clock."""
+    import datetime
+    import time
+
+    from . import registry, scheduler
+
+    cfg = load_config(args)
+    handlers = registry.load_handlers(cfg.supervisor.handlers) if os.path.isdir(cfg.supervisor.handlers) else {}
+    listing = scheduler.Scheduler(scheduler.schedules_from(cfg, handlers), None).listing(time.time())
+    for item in listing:
+        item["next_run_iso"] = datetime.datetime.fromtimestamp(item["next_run"], datetime.timezone.utc).isoformat()
+    if args.json:
+        print_json(listing)
+        return
+    if not listing:
+        print("no schedules")
+        return
+    rows = [[i["name"], i["cron"], i["timezone"], i["type"], i["queue"] or "-", i["next_run_iso"]] for i in listing]
+    print(table(["NAME", "CRON", "TIMEZONE", "TYPE", "QUEUE", "NEXT_RUN (UTC)"], rows))
 
 
 # -- dead letters -------------------------------------------------------------

@@ -13,7 +13,8 @@ import re
 import tomllib
 import urllib.parse
 
-from .errors import ConfigError
+from .errors import BadInput, ConfigError
+from .model import check_json
 
 DEFAULT_PATHS = ("./tangguh.toml", "/etc/tangguh/config.toml")
 
@@ -85,6 +86,40 @@ def boolean(v):
     raise ValueError("expected true or false")
 
 
+def rate(v):
+    from .model import parse_rate
+
+    try:
+        parse_rate(v)
+    except ValueError:
+        raise ValueError('expected "N/s", "N/m" or "N/h"') from None
+    return v
+
+
+def cron(v):
+    import croniter
+
+    if isinstance(v, str) and croniter.croniter.is_valid(v):
+        return v
+    raise ValueError('expected a cron expression ("*/5 * * * *"; a 6th field, last, is seconds)')
+
+
+def timezone(v):
+    import zoneinfo
+
+    try:
+        zoneinfo.ZoneInfo(v)
+    except (TypeError, ValueError, zoneinfo.ZoneInfoNotFoundError):
+        raise ValueError("expected an IANA time zone name (\"Europe/Berlin\", \"UTC\")") from None
+    return v
+
+
+def table(v):
+    if isinstance(v, dict):
+        return v
+    raise ValueError("expected a table")
+
+
 def one_of(*choices):
     def check(v):
         if v in choices:
@@ -145,6 +180,21 @@ class JobTypeConfig:
     soft_timeout: float | None = option(non_negative_number, "soft timeout", default=None)
     max_attempts: int | None = option(positive_int, "attempts", default=None)
     queue: str | None = option(name, "queue this type is enqueued to", default=None)
+    max_concurrency: int | None = option(positive_int, "most jobs of the type running at once", default=None)
+    rate_limit: str | None = option(rate, 'most jobs started per second/minute/hour: "100/m"', default=None)
+    exclusive: bool | None = option(boolean, "never two jobs with one resource_id at once", default=None)
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+    """``[schedules.<name>]``: enqueue a job of ``type`` at every tick of ``cron``."""
+
+    cron: str | None = option(cron, "cron expression; a 6th field, last, is seconds", default=None)
+    type: str | None = option(name, "job type to enqueue", default=None)
+    payload: dict = option(table, "the job's payload", default_factory=dict)
+    queue: str | None = option(name, "queue (default: the type's)", default=None)
+    timezone: str = option(timezone, "time zone the cron fields are read in", default="UTC")
+    catch_up: int = option(non_negative_int, "missed ticks enqueued after downtime (latest first)", default=1)
 
 
 @dataclasses.dataclass
@@ -187,6 +237,7 @@ class Config:
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
     toolkit: ToolkitConfig = dataclasses.field(default_factory=ToolkitConfig)
+    schedules: dict = dataclasses.field(default_factory=dict)  # name -> ScheduleConfig
     path: str | None = None  # the file it came from
 
     def job_type(self, type_name):
@@ -201,6 +252,9 @@ class Config:
             if section == "jobs":
                 data["types"] = {t: {k: v for k, v in d.items() if v is not None} for t, d in data["types"].items()}
             out[section] = data
+        if self.schedules:
+            out["schedules"] = {n: {k: v for k, v in dataclasses.asdict(sc).items() if v is not None}
+                                for n, sc in self.schedules.items()}
         return out
 
 
@@ -233,6 +287,22 @@ def _types(data, path):
     return {type_name: _build(JobTypeConfig, table, f"{path}.{type_name}") for type_name, table in data.items()}
 
 
+def _schedules(data, path):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table")
+    out = {}
+    for sched_name, tbl in data.items():
+        sc = out[sched_name] = _build(ScheduleConfig, tbl, f"{path}.{sched_name}")
+        try:
+            check_json(sc.payload, "payload")
+        except BadInput as exc:
+            raise ConfigError(f"{path}.{sched_name}.payload: {exc}") from None
+        for key in ("cron", "type"):
+            if getattr(sc, key) is None:
+                raise ConfigError(f"{path}.{sched_name}.{key}: required")
+    return out
+
+
 def _show(value):
     if isinstance(value, str):
         return '"' + value + '"'
@@ -242,9 +312,10 @@ def _show(value):
 def from_dict(data, base_dir="."):
     """Validate parsed TOML ``data``; resolve relative paths against ``base_dir``."""
     for key in data:
-        if key not in SECTIONS:
+        if key not in SECTIONS and key != "schedules":
             raise ConfigError(f"{key}: unknown section")
-    cfg = Config(**{key: _build(SECTIONS[key], value, key) for key, value in data.items()})
+    cfg = Config(**{key: _build(SECTIONS[key], value, key) for key, value in data.items() if key in SECTIONS},
+                 schedules=_schedules(data.get("schedules", {}), "schedules"))
     if cfg.broker.heartbeat_seconds >= cfg.broker.lease_seconds:
         raise ConfigError(
             f"broker.heartbeat_seconds: must be shorter than broker.lease_seconds ({cfg.broker.lease_seconds:g}),"
@@ -253,6 +324,9 @@ def from_dict(data, base_dir="."):
     for type_name, t in cfg.jobs.types.items():
         if t.queue is not None and t.queue not in cfg.broker.queues:
             raise ConfigError(f"jobs.types.{type_name}.queue: {t.queue!r} is not in broker.queues")
+    for sched_name, sc in cfg.schedules.items():
+        if sc.queue is not None and sc.queue not in cfg.broker.queues:
+            raise ConfigError(f"schedules.{sched_name}.queue: {sc.queue!r} is not in broker.queues")
     base_dir = os.path.abspath(base_dir)
     cfg.supervisor.handlers = os.path.normpath(os.path.join(base_dir, cfg.supervisor.handlers))
     cfg.supervisor.socket = os.path.normpath(os.path.join(base_dir, cfg.supervisor.socket))

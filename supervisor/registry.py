@@ -25,22 +25,40 @@ class HandlerSpec:
     soft_timeout: float | None = None
     max_attempts: int | None = None
     queue: str | None = None
+    max_concurrency: int | None = None
+    rate_limit: str | None = None
+    exclusive: bool = False
+    cron: str | None = None
     is_async: bool = False
     source: str = ""
 
 
-def job(type_name, *, timeout=None, soft_timeout=None, max_attempts=None, queue=None):
+def job(type_name, *, timeout=None, soft_timeout=None, max_attempts=None, queue=None,
+        max_concurrency=None, rate_limit=None, exclusive=False, cron=None):
     """Mark ``fn(ctx, payload)`` as the handler of jobs of ``type_name``.
 
     The keyword values are defaults; ``[jobs.types.<type_name>]`` in the
-    config overrides them.
+    config overrides them. ``max_concurrency``, ``rate_limit`` (``"100/m"``)
+    and ``exclusive`` are enforced by the broker at claim time;
+    ``cron`` enqueues a job of this type (payload ``{}``) at every tick, as a
+    schedule named after the type (docs/scheduling.md).
     """
     if not isinstance(type_name, str) or not type_name.strip():
         raise ValueError("job type must be a non-empty string")
+    from . import config
+
+    for key, value, check in (("max_concurrency", max_concurrency, config.positive_int),
+                              ("rate_limit", rate_limit, config.rate), ("cron", cron, config.cron)):
+        if value is not None:
+            try:
+                check(value)
+            except ValueError as exc:
+                raise ValueError(f"job {type_name!r}: {key}: {exc}, got {value!r}") from None
 
     def mark(fn):
         setattr(fn, _MARK, dict(type=type_name, timeout=timeout, soft_timeout=soft_timeout,
-                                max_attempts=max_attempts, queue=queue))
+                                max_attempts=max_attempts, queue=queue, max_concurrency=max_concurrency,
+                                rate_limit=rate_limit, exclusive=bool(exclusive), cron=cron))
         return fn
 
     return mark
@@ -95,3 +113,20 @@ def _describe(path, exc):
         if os.path.abspath(frame.filename) == os.path.abspath(path):
             line = frame.lineno
     return f"{path}:{line}: {type(exc).__name__}: {exc}"
+
+
+def type_limits(cfg, handlers):
+    """``{type: TypeLimits}`` for every type with a claim limit: ``[jobs.types.<t>]`` over the decorator."""
+    from .model import TypeLimits, parse_rate
+
+    out = {}
+    for type_name in sorted(set(handlers) | set(cfg.jobs.types)):
+        spec, override = handlers.get(type_name), cfg.job_type(type_name)
+        first = lambda *values: next((v for v in values if v is not None), None)  # noqa: E731
+        concurrency = first(override.max_concurrency, spec and spec.max_concurrency)
+        rate = first(override.rate_limit, spec and spec.rate_limit)
+        exclusive = first(override.exclusive, spec and spec.exclusive)
+        limits = TypeLimits(concurrency, parse_rate(rate) if rate else None, bool(exclusive))
+        if limits:
+            out[type_name] = limits
+    return out

@@ -1,0 +1,139 @@
+"""Periodic jobs: enqueue one job per cron tick, once across every supervisor.
+
+Every supervisor runs the same schedules from its master's main loop (no
+thread of its own: DESIGN.md's fork rule); the arbiter calls ``tick`` when
+``due_at`` has passed and sleeps no longer than until then. Each tick's job
+is enqueued with ``broker.enqueue_once`` under the key
+``cron:<name>:<tick time, UTC>``. Why not the plain enqueue dedup: it only
+covers unfinished jobs, so a job that finished before a slower supervisor got
+to the same tick would run twice. ``enqueue_once`` keeps a small record per
+key (until ``prune`` passes the retention horizon), atomically with the
+enqueue: exactly one job per tick, however many supervisors, however fast
+the job.
+
+Catch-up: a check enqueues the ticks due since the previous check, at most
+``catch_up`` of them (the latest; at least one while running). A supervisor
+that just started looks back too, so a tick missed while every supervisor was
+down still runs (``catch_up = 0``: it does not). Ticks older than the
+retention horizon are skipped: their records may be pruned already.
+Times are the broker's clock (``broker.now()``), so supervisors agree on it.
+"""
+import dataclasses
+import datetime
+import logging
+import zoneinfo
+
+import croniter
+
+log = logging.getLogger("tangguh.scheduler")
+
+
+@dataclasses.dataclass
+class Schedule:
+    name: str
+    cron: str
+    type: str
+    payload: dict
+    queue: str | None = None
+    timezone: str = "UTC"
+    catch_up: int = 1
+
+    def _iter(self, t):
+        return croniter.croniter(self.cron, datetime.datetime.fromtimestamp(t, zoneinfo.ZoneInfo(self.timezone)))
+
+    def next_after(self, t):
+        """The first tick strictly after epoch ``t``."""
+        return self._iter(t).get_next(float)
+
+    def latest(self, t, count, after=None):
+        """Up to ``count`` ticks ``<= t`` (and ``> after``), oldest first."""
+        out = []
+        it = self._iter(t + 1e-6)  # get_prev is strictly before its start: include a tick at t itself
+        while len(out) < count:
+            tick = it.get_prev(float)
+            if after is not None and tick <= after:
+                break
+            out.append(tick)
+        return out[::-1]
+
+
+def tick_key(name, tick):
+    stamp = datetime.datetime.fromtimestamp(tick, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"cron:{name}:{stamp}"
+
+
+def schedules_from(cfg, handlers):
+    """``[schedules.<name>]`` plus every handler's ``cron=`` (named for its type), by name."""
+    out = {}
+    for type_name, spec in sorted(handlers.items()):
+        if spec.cron:
+            out[type_name] = Schedule(type_name, spec.cron, type_name, {}, spec.queue)
+    for name, sc in cfg.schedules.items():
+        out[name] = Schedule(name, sc.cron, sc.type, dict(sc.payload), sc.queue, sc.timezone, sc.catch_up)
+    return out
+
+
+class Scheduler:
+    """Which schedules are due and what they enqueue; one per master.
+
+    ``new_job(schedule, key)`` builds the ``NewJob`` (the arbiter's client
+    applies the config's queue and attempt defaults). ``horizon``: seconds a
+    tick may be late and still be enqueued (None: no limit).
+    """
+
+    def __init__(self, schedules, new_job, horizon=None):
+        self.schedules = schedules
+        self.new_job = new_job
+        self.horizon = horizon
+        self.checked = {}  # name -> broker time of the last check
+        self.next_at = {}  # name -> the next tick after that check
+
+    def due_at(self):
+        """Broker time of the soonest tick to check, or None without schedules; -inf before the first check."""
+        if not self.schedules:
+            return None
+        if len(self.next_at) < len(self.schedules):
+            return float("-inf")
+        return min(self.next_at.values())
+
+    def tick(self, broker, now=None):
+        """Enqueue the due ticks; returns ``[(name, tick, job id or None)]``. BrokerError propagates:
+        what was not enqueued stays due and is retried on the next call."""
+        now = broker.now() if now is None else now
+        done = []
+        for name, sched in self.schedules.items():
+            if self.next_at.get(name, float("-inf")) > now:
+                continue
+            last = self.checked.get(name)
+            count = sched.catch_up if last is None else max(1, sched.catch_up)
+            after = last
+            if self.horizon is not None:
+                after = max(after if after is not None else float("-inf"), now - self.horizon)
+            for tick in sched.latest(now, count, after):
+                key = tick_key(name, tick)
+                job_id = broker.enqueue_once(self.new_job(sched, key))
+                done.append((name, tick, job_id))
+                if job_id is not None:
+                    log.info("periodic job %s enqueued for %s", name, key,
+                             extra={"event": "schedule", "schedule": name, "job_id": job_id, "key": key})
+            self.checked[name] = now
+            self.next_at[name] = sched.next_after(now)
+        return done
+
+    def listing(self, now):
+        """Each schedule with its next run (broker time), for ``tangguh schedules``."""
+        return [{"name": name, "cron": s.cron, "timezone": s.timezone, "type": s.type, "queue": s.queue,
+                 "payload": s.payload, "catch_up": s.catch_up, "next_run": s.next_after(now)}
+                for name, s in sorted(self.schedules.items())]
+
+
+def from_config(cfg, handlers):
+    """The master's scheduler: jobs built like ``Client.new_job`` builds them from this config."""
+    from .client import Client
+
+    client = Client(cfg.broker.url, config=cfg)  # only builds jobs; it never opens the broker
+
+    def new_job(sched, key):
+        return client.new_job(sched.type, sched.payload, queue=sched.queue, idempotency_key=key)
+
+    return Scheduler(schedules_from(cfg, handlers), new_job, horizon=cfg.broker.retention or None)

@@ -1,0 +1,231 @@
+"""Scheduling controls above the broker: periodic jobs, the config and decorator keys, the CLI.
+
+The broker side of each control (limits at claim time, ``enqueue_once``) is in
+the conformance suite; here: the scheduler's exactly-once ticks with two
+schedulers racing on every backend, catch-up, and real supervisors.
+"""
+import json
+import multiprocessing
+import os
+import re
+import signal
+import tomllib
+
+import pytest
+
+import supervisor
+from supervisor import config, registry
+from supervisor.backends import open_broker
+from supervisor.errors import ConfigError
+from supervisor.model import NewJob, TypeLimits
+from supervisor.scheduler import Schedule, Scheduler, tick_key
+
+from .daemon import Daemon, tangguh
+from .util import wait_for
+
+T0 = 1_800_000_000.0  # a whole second: "* * * * * *" ticks on it
+
+
+def new_job(sched, key):
+    return NewJob(sched.type, dict(sched.payload), idempotency_key=key)
+
+
+def every_second(catch_up=1):
+    return {"beat": Schedule("beat", "* * * * * *", "beat", {"n": 1}, catch_up=catch_up)}
+
+
+def _racing_scheduler(url, barrier, out):
+    broker = open_broker(url)
+    sched = Scheduler(every_second(), new_job)
+    got = []
+    for k in range(3):
+        barrier.wait(20)
+        got += sched.tick(broker, now=T0 + k)  # both schedulers, the same tick, at once
+        barrier.wait(20)  # the test runs the jobs to done here
+        barrier.wait(20)
+        got += sched.tick(broker, now=T0 + k + 0.5)  # a late look at the same tick: its job is done
+    broker.close()
+    out.put([(name, tick, job_id) for name, tick, job_id in got])
+
+
+def test_two_schedulers_enqueue_exactly_one_job_per_tick(broker, broker_url):
+    ctx = multiprocessing.get_context("fork")
+    barrier, out = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_racing_scheduler, args=(broker_url, barrier, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in range(3):
+            barrier.wait(20)
+            barrier.wait(20)
+            for job in broker.claim(["default"], 10, 30, "test"):
+                broker.ack(job.lease)  # a fast job: done before anyone looks at its tick again
+            barrier.wait(20)
+        results = [out.get(timeout=30) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(10)
+    created = [job_id for got in results for _, _, job_id in got if job_id is not None]
+    assert len(created) == 3, results
+    jobs = [broker.get(job_id) for job_id in created]
+    assert sorted(j.idempotency_key for j in jobs) == [tick_key("beat", T0 + k) for k in range(3)]
+    assert all(j.state == "done" and j.type == "beat" and j.payload == {"n": 1} for j in jobs)
+    assert broker.stats(["default"])["default"].done == 3
+
+
+def test_catch_up_enqueues_only_the_latest_missed_ticks(broker):
+    keys = lambda got: [tick_key("beat", tick) for _, tick, job_id in got if job_id]  # noqa: E731
+    # Started after ten missed ticks: the latest one only (the default).
+    sched = Scheduler(every_second(), new_job)
+    assert keys(sched.tick(broker, now=T0 + 10.5)) == [tick_key("beat", T0 + 10)]
+    assert sched.tick(broker, now=T0 + 10.9) == []  # nothing new is due
+    # The loop was held up for three ticks: still the latest one only.
+    assert keys(sched.tick(broker, now=T0 + 13.5)) == [tick_key("beat", T0 + 13)]
+    # catch_up = 3: the three latest, oldest first; ticks already enqueued are not again.
+    sched = Scheduler(every_second(catch_up=3), new_job)
+    assert keys(sched.tick(broker, now=T0 + 13.5)) == [tick_key("beat", T0 + 11), tick_key("beat", T0 + 12)]
+    # catch_up = 0: a fresh start skips what it missed, then follows the schedule.
+    sched = Scheduler(every_second(catch_up=0), new_job)
+    assert sched.tick(broker, now=T0 + 20.5) == []
+    assert keys(sched.tick(broker, now=T0 + 21.2)) == [tick_key("beat", T0 + 21)]
+    # Ticks older than the horizon (the retention that prunes enqueue_once records) are skipped.
+    sched = Scheduler(every_second(catch_up=5), new_job, horizon=2.0)
+    assert keys(sched.tick(broker, now=T0 + 40.5)) == [tick_key("beat", T0 + 39), tick_key("beat", T0 + 40)]
+
+
+def test_schedule_in_a_time_zone_ticks_on_local_time():
+    sched = Schedule("report", "0 9 * * *", "report", {}, timezone="Europe/Berlin")
+    # 2026-07-01 12:00 UTC: the next 09:00 in Berlin (summer time, UTC+2) is 07:00 UTC the next day.
+    assert tick_key("report", sched.next_after(1782907200.0)) == "cron:report:2026-07-02T07:00:00Z"
+
+
+# -- config and decorator ------------------------------------------------------------
+
+@pytest.mark.parametrize("data,error", [
+    ({"jobs": {"types": {"x": {"rate_limit": "fast"}}}},
+     'jobs.types.x.rate_limit: expected "N/s", "N/m" or "N/h", got "fast"'),
+    ({"jobs": {"types": {"x": {"max_concurrency": 0}}}}, "jobs.types.x.max_concurrency: expected a positive integer"),
+    ({"jobs": {"types": {"x": {"exclusive": "yes"}}}}, "jobs.types.x.exclusive: expected true or false"),
+    ({"schedules": {"r": {"cron": "every day", "type": "t"}}}, "schedules.r.cron: expected a cron expression"),
+    ({"schedules": {"r": {"type": "t"}}}, "schedules.r.cron: required"),
+    ({"schedules": {"r": {"cron": "* * * * *"}}}, "schedules.r.type: required"),
+    ({"schedules": {"r": {"cron": "* * * * *", "type": "t", "timezone": "Mars/Olympus"}}},
+     "schedules.r.timezone: expected an IANA time zone name"),
+    ({"schedules": {"r": {"cron": "* * * * *", "type": "t", "queue": "nope"}}},
+     "schedules.r.queue: 'nope' is not in broker.queues"),
+    ({"schedules": {"r": {"cron": "* * * * *", "type": "t", "every": 5}}}, "schedules.r.every: unknown key"),
+])
+def test_config_errors_name_the_key_path(data, error):
+    with pytest.raises(ConfigError) as info:
+        config.from_dict(data)
+    assert str(info.value).startswith(error)
+
+
+def test_decorator_rejects_bad_values_and_the_config_overrides_it():
+    with pytest.raises(ValueError, match="rate_limit"):
+        supervisor.job("x", rate_limit="fast")
+    with pytest.raises(ValueError, match="cron"):
+        supervisor.job("x", cron="at noon")
+
+    @supervisor.job("sync", max_concurrency=4, rate_limit="100/m", exclusive=True)
+    def sync(ctx, payload):
+        pass
+
+    spec = registry.HandlerSpec(fn=sync, **getattr(sync, registry._MARK))
+    cfg = config.from_dict({"jobs": {"types": {"sync": {"max_concurrency": 2}, "mail": {"rate_limit": "5/s"}}}})
+    assert registry.type_limits(cfg, {"sync": spec}) == {
+        "mail": TypeLimits(rate=(5, 1.0)),
+        "sync": TypeLimits(max_concurrency=2, rate=(100, 60.0), exclusive=True),
+    }
+    assert registry.type_limits(config.from_dict({}), {}) == {}
+
+
+def test_the_two_example_configs_are_identical_and_valid():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "config.example.toml")) as a, \
+            open(os.path.join(root, "supervisor", "data", "config.example.toml")) as b:
+        text = a.read()
+        assert text == b.read()
+    config.load(os.path.join(root, "config.example.toml"))
+    # Uncommented, the commented examples are valid too: the new keys are spelled right there.
+    lines = [line[2:] if line.startswith("# [") or re.match(r"^# [a-z_]+ = ", line) else line
+             for line in text.splitlines(keepends=True)]
+    cfg = config.from_dict(tomllib.loads("".join(lines)))
+    assert registry.type_limits(cfg, {})["example"] == TypeLimits(4, (100, 60.0), True)
+    assert cfg.schedules["nightly_report"].cron == "0 2 * * *"
+
+
+def test_cli_lists_schedules_with_their_next_run(tmp_path):
+    handlers = tmp_path / "handlers"
+    handlers.mkdir()
+    (handlers / "beat.py").write_text('import supervisor\n\n@supervisor.job("beat", cron="*/5 * * * *")\n'
+                                      "def beat(ctx, payload):\n    pass\n")
+    (tmp_path / "tangguh.toml").write_text('[schedules.report]\ncron = "0 9 * * 1-5"\ntype = "report"\n'
+                                           'timezone = "Europe/Berlin"\npayload = {kind = "daily"}\n')
+    done = tangguh("schedules", "--json", "-c", str(tmp_path / "tangguh.toml"))
+    assert done.returncode == 0, done.stderr
+    listing = {s["name"]: s for s in json.loads(done.stdout)}
+    assert sorted(listing) == ["beat", "report"]
+    assert listing["report"]["payload"] == {"kind": "daily"} and listing["report"]["timezone"] == "Europe/Berlin"
+    assert listing["beat"]["next_run"] % 300 == 0
+    text = tangguh("schedules", "-c", str(tmp_path / "tangguh.toml")).stdout
+    assert "report" in text and "0 9 * * 1-5" in text and "NEXT_RUN" in text
+
+
+# -- real supervisors ----------------------------------------------------------------
+
+def test_two_supervisors_on_one_broker_enqueue_one_job_per_tick(tmp_path):
+    url = f"sqlite:///{tmp_path}/shared.db"
+    schedules = {"beat": {"cron": "* * * * * *", "type": "noop", "catch_up": 0}}
+    daemons = [Daemon(tmp_path / name, broker_url=url, schedules=schedules) for name in ("a", "b")]
+    try:
+        for d in daemons:
+            d.start()
+        broker = daemons[0].broker
+
+        def beats():
+            return [j for j in (broker.get(i) for i in _ids(broker)) if j.idempotency_key.startswith("cron:beat:")]
+
+        wait_for(lambda: len({j.idempotency_key for j in beats() if j.state == "done"}) >= 3, timeout=20,
+                 message="three ticks run")
+        for d in daemons:
+            d.signal(signal.SIGTERM)
+        for d in daemons:
+            assert d.wait_exit() == 0
+        got = beats()
+        keys = [j.idempotency_key for j in got]
+        assert len(keys) == len(set(keys)) >= 3, keys  # one job per tick, never two
+        assert {j.state for j in got} == {"done"}
+        owners = {h["owner"].rsplit(":", 1)[1] for j in got for h in j.history}
+        assert owners <= {str(d.proc.pid) for d in daemons}
+        for d in daemons:
+            d.assert_clean()
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+def _ids(broker):
+    return [row[0] for row in broker.db.execute("SELECT id FROM jobs WHERE idempotency_key IS NOT NULL")]
+
+
+def test_supervisor_passes_type_limits_to_the_broker(tmp_path):
+    d = Daemon(tmp_path, jobs={"types": {"hold": {"max_concurrency": 1}}})
+    release = d.marker("release")
+    marker = d.marker("hold.log")
+    try:
+        d.start()
+        ids = [d.enqueue("hold", {"release": release, "marker": marker}) for _ in range(2)]
+        wait_for(lambda: os.path.exists(marker), message="the first job to start")
+        states = sorted(d.job(i).state for i in ids)
+        assert states == ["queued", "running"]
+        busy = [w for w in d.status()["workers"] if w["state"] == "busy"]
+        assert len(busy) == 1  # the second worker is idle: the broker held the job back
+        open(release, "w").close()
+        for job_id in ids:
+            assert d.wait_job(job_id).state == "done"
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
