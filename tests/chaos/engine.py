@@ -739,7 +739,8 @@ class Effects:
         conn = self.connect()
         if self.kind == "sqlite":
             sql = sql.replace("%s", "?")
-        return conn.execute(sql, params).fetchall()
+        cur = conn.execute(sql, params)
+        return cur.fetchall() if cur.description else None
 
     def create(self):
         from supervisor import toolkit
