@@ -32,6 +32,9 @@ Write (in the transaction that changes the data)::
   (``invoice:123`` -> summary, list pages, aggregates). After commit means
   never before (a reader could refill from the old row) and never on
   rollback.
+* With Redis unreachable, ``get_or_build`` returns ``builder()`` (nothing
+  stored); ``invalidate`` raises, so the job fails and its retry, finding its
+  idempotency record done, invalidates again.
 * Counters: ``cache_hit``, ``cache_miss``, ``cache_rebuild`` (the builder
   ran), ``cache_stale_served``.
 
@@ -40,9 +43,14 @@ Values are stored as JSON. Redis keys: ``<prefix>cache:<key>``,
 build key names from the prefix, so use one Redis instance, not a cluster.
 """
 import json
+import logging
 import random
 import time
 import uuid
+
+import redis as redis_py
+
+log = logging.getLogger("tangguh.cache")
 
 TAKE_LEASE = """
 if ARGV[5] == 'absent' and redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
@@ -112,6 +120,17 @@ class Cache:
         by; ``stale_ttl`` > 0 marks the key tolerant of stale reads for that
         many seconds past ``ttl``; ``wait`` bounds the wait on another builder.
         """
+        try:
+            return self._get_or_build(key, builder, ttl, tags, stale_ttl, wait)
+        except (redis_py.ConnectionError, redis_py.TimeoutError) as exc:
+            # Cache-aside: with the cache away, read the source of truth. Nothing
+            # is stored, so nothing stale can be left behind.
+            log.warning("cache unreachable, building %s directly: %s", key, exc)
+            _count(self.metrics, "cache_miss")
+            _count(self.metrics, "cache_rebuild")
+            return builder()
+
+    def _get_or_build(self, key, builder, ttl, tags, stale_ttl, wait):
         wait = self.wait if wait is None else wait
         entry = self._read(key)
         if entry is not None and entry["fresh"] > time.time():

@@ -142,13 +142,18 @@ class transaction:  # noqa: N801 - used as a context manager, reads like a funct
         self.tx = None
 
     def __enter__(self):
+        if getattr(self.db, "busy", False):
+            # One connection per process: an inner COMMIT would commit the outer block too.
+            raise RuntimeError("ctx.transaction() is already open in this process: do not nest them")
         conn, kind = self.db.connection()
+        self.db.busy = True
         if kind == "sqlite":
             conn.execute("BEGIN IMMEDIATE")  # take the write lock now: no upgrade deadlocks later
         self.tx = Transaction(conn, kind)
         return self.tx
 
     def __exit__(self, exc_type, exc, tb):
+        self.db.busy = False
         tx = self.tx
         if exc_type is None:
             # A soft timeout waits until the commit and the after-commit steps

@@ -377,6 +377,30 @@ def test_stale_while_revalidate_only_for_tolerant_keys(rc):
     assert not client.exists(prefix + "cache:tolerant")
 
 
+def test_cache_unreachable_reads_the_source_and_invalidation_fails_loudly():
+    import redis
+
+    metrics = {}
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    cache = Cache(redis.Redis(port=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)), "p:", metrics)
+    assert cache.get_or_build("k", lambda: "from the database", ttl=10) == "from the database"
+    assert metrics == {"cache_miss": 1, "cache_rebuild": 1}
+    with pytest.raises(redis.ConnectionError):
+        cache.invalidate("k")
+
+
+def test_transactions_do_not_nest(db):
+    with transaction(db) as tx:
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with transaction(db):
+                pass
+        tx.execute("INSERT INTO invoices (id) VALUES (1)")
+    with transaction(db) as tx:  # the outer one committed and the connection is free again
+        assert tx.scalar("SELECT count(*) FROM invoices") == 1
+
+
 # -- config and migrate ------------------------------------------------------------------------
 
 def test_toolkit_config_validates_urls_and_resolves_sqlite_paths(tmp_path):
