@@ -95,8 +95,9 @@ class Samples:
         return self.items[0] if self.items else None
 
 
-def run(fetch, interval=1.0, out=sys.stdout, clock=time.time, sleep=time.sleep, frames=None):
+def run(fetch, interval=1.0, out=None, clock=time.time, sleep=time.sleep, frames=None):
     """Redraw every ``interval`` seconds until Ctrl-C (or ``frames`` screens, for tests)."""
+    out = out or sys.stdout
     samples = Samples()
     drawn = 0
     try:

@@ -463,8 +463,23 @@ def fake_supervisor(tmp_path):
     cfg = tmp_path / "fake.toml"
     cfg.write_text('[supervisor]\nsocket = "fake.sock"\n')
     yield str(cfg), requests
+    server.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() (close alone does not)
     server.close()
     thread.join(5)
+
+
+def test_status_watch_redraws_from_the_socket(capsys, fake_supervisor, monkeypatch):
+    from supervisor import watch
+
+    cfg, requests = fake_supervisor
+    real_run = watch.run
+    monkeypatch.setattr(watch, "run", lambda fetch, interval: real_run(fetch, interval, sleep=lambda s: None,
+                                                                       frames=3))
+    code, out, _ = tangguh(capsys, "status", "--watch", "-c", cfg)
+    assert code == 0
+    frames = out.split(watch.CLEAR)[1:]
+    assert len(frames) == 3 and all("job_01JABCDEF" in f and "send_email" in f for f in frames)
+    assert requests == [{"cmd": "status"}] * 3
 
 
 def test_status_and_metrics_ask_the_health_socket(capsys, fake_supervisor):
