@@ -20,6 +20,10 @@ all of a queue's keys share one Redis Cluster slot)::
     P:{Q}:done     zset    retained done jobs by finish time (us); the job hashes
                            carry an EXPIRE of done_ttl, stale entries are trimmed
     P:{Q}:idem     hash    idempotency key -> id of the unfinished job holding it
+    P:{Q}:once     zset    enqueue_once keys by first use (us); prune trims them
+    P:{Q}:run:T    set     ids of type T leased under a concurrency limit
+    P:{Q}:excl:T   hash    resource id -> the job of exclusive type T last leased on it
+    P:{Q}:rate:T   hash    type T's token bucket: tokens, ts (us)
     P:queues       set     every queue name ever enqueued to (dlq_list, prune, get)
     P:wakeup       channel published when a job becomes due now
 
@@ -47,6 +51,11 @@ Semantics beyond the shared contract:
   and raises ``BadInput`` if another unfinished job holds it by then.
 * ``claim`` reclaims expired leases of the queues it claims from (bounded per
   call); a queue nobody claims from keeps its expired leases until someone does.
+* ``claim`` with limits (``claim_limited.lua``) keeps the limit state in the
+  queue's slot: a type enqueued to two queues is limited per queue. It looks
+  at up to ``LIMITED_SCAN`` ready jobs per queue and call, so jobs behind more
+  held-back ones than that wait until those move. A concurrency limit counts
+  the jobs leased by limited claims, not those a claim without limits took.
 * ``dlq_replay``/``dlq_purge`` over several queues check every job first, then
   run one all-or-nothing script per queue.
 * ``now()`` is the server clock: an offset to the local clock measured at first
@@ -362,6 +371,29 @@ class RedisBroker(Broker):
     def ack(self, lease, result=None, info=None):
         self._finish("ack", lease, [json.dumps(result), _body(info), self.done_ttl])
         self._where.pop(lease.job_id, None)
+
+    @_guard
+    def ack_many(self, acks):
+        """Every ack script in one pipelined round trip."""
+        acks = list(acks)
+        if not acks:
+            return []
+        where = self._queues_of([lease.job_id for lease, _, _ in acks])
+        calls, sent, lost = [], [], []
+        for lease, result, info in acks:
+            queue = where.get(lease.job_id)
+            if queue is None:
+                lost.append(lease)
+                continue
+            calls.append(("ack", queue, [lease.job_id, lease.token, json.dumps(result), _body(info), self.done_ttl]))
+            sent.append(lease)
+        for lease, ok in zip(sent, self._run_many(calls) if calls else ()):
+            if ok:
+                self._where.pop(lease.job_id, None)
+            else:
+                lost.append(lease)
+        order = {id(lease): i for i, (lease, _, _) in enumerate(acks)}
+        return sorted(lost, key=lambda lease: order[id(lease)])
 
     @_guard
     def retry(self, lease, run_at, error, info=None):
