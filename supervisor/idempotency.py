@@ -127,6 +127,9 @@ class Idempotency:
             # A twin holds the key in a transaction still open after lock_timeout.
             tx.execute("ROLLBACK TO SAVEPOINT tangguh_idempotency")
             raise RetryLater(self.retry_delay, f"idempotency key {key!r} is held by a running twin") from None
+        except psycopg.errors.UndefinedTable:
+            raise IdempotencyError("table idempotency_records is missing: run `tangguh db migrate`"
+                                   " with toolkit.database_url set") from None
         return inserted
 
     def _check_completed(self, record):

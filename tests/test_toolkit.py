@@ -176,6 +176,14 @@ def test_prune_deletes_old_done_records_only(db):
         assert [r["key"] for r in tx.fetchall("SELECT key FROM idempotency_records")] == ["new"]
 
 
+def test_missing_table_names_the_fix(postgres_url):
+    db = toolkit.Database(postgres_url)  # a schema nobody migrated
+    with pytest.raises(IdempotencyError, match="run `tangguh db migrate`"):
+        with transaction(db) as tx:
+            Idempotency().begin(tx, "k")
+    db.close()
+
+
 def test_idempotency_on_sqlite(tmp_path):
     url = f"sqlite:///{tmp_path}/handlers.db"
     toolkit.migrate(url)
