@@ -317,7 +317,11 @@ def test_alert_rules_use_exported_metrics_and_have_a_runbook(ran):
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian: prometheus)")
-def test_promtool_checks_the_rules_and_runs_their_unit_tests():
+def test_promtool_checks_the_rules_and_runs_their_unit_tests(ran):
+    d, _ = ran
+    scrape = tangguh("metrics", "-c", d.config_path).stdout
+    lint = subprocess.run(["promtool", "check", "metrics"], input=scrape, capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0 and not lint.stdout.strip(), lint.stdout + lint.stderr  # naming conventions
     check = subprocess.run(["promtool", "check", "rules", "alerts.yml"], cwd=OPS, capture_output=True, text=True,
                            timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
