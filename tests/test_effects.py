@@ -128,6 +128,23 @@ def test_child_killed_holding_a_redis_lock_frees_it_long_before_its_ttl(env, tmp
     finish(d, client, prefix)
 
 
+def test_export_under_a_redis_lock_stores_its_fence_and_an_older_fence_is_refused(env):
+    start, db_url, client, prefix = env
+    new_invoice(db_url, 6, [500])
+    d = start()
+    first = d.wait_job(d.enqueue("export_invoice", {"invoice_id": 6}))
+    second = d.wait_job(d.enqueue("export_invoice", {"invoice_id": 6}))
+    assert first.state == second.state == "done" and second.result["fence"] > first.result["fence"]
+    assert query(db_url, "SELECT export_fence FROM invoices WHERE id = 6")["export_fence"] == second.result["fence"]
+    # The first holder, late: its fence is older than the one stored.
+    db = toolkit.Database(db_url)
+    with pytest.raises(invoices.LockLost):
+        with transaction(db) as tx:
+            invoices.record_export(tx, 6, 1, first.result["fence"])
+    db.close()
+    finish(d, client, prefix)
+
+
 def test_a_lock_the_job_left_behind_is_released_with_its_result(env):
     start, db_url, client, prefix = env
     d = start()
