@@ -71,6 +71,9 @@ def test_child_killed_after_commit_before_ack_reruns_without_a_second_effect(env
     assert query(db_url, "SELECT total, recalculations FROM invoices WHERE id = 1") == {
         "total": 350, "recalculations": 1}
     assert d.job(job_id).state != "done"
+    # Plant a wrong entry under the tag: only the duplicate path's invalidation can remove it.
+    Cache(client, prefix).get_or_build("invoice:1:summary", lambda: {"total": -1}, ttl=300, tags=["invoice:1"])
+    assert read(1) == {"total": -1}
     open(release, "w").close()
     job = d.wait_job(job_id)
     assert (job.state, job.attempt) == ("done", 2)
@@ -79,7 +82,7 @@ def test_child_killed_after_commit_before_ack_reruns_without_a_second_effect(env
     assert query(db_url, "SELECT total, recalculations FROM invoices WHERE id = 1") == {
         "total": 350, "recalculations": 1}
     assert d.status()["counters"]["duplicates_suppressed"] == 1
-    assert read(1)["total"] == 350  # the cache tag was invalidated
+    assert read(1)["total"] == 350  # the re-run invalidated the cache tag after its (empty) commit
     finish(d, client, prefix)
 
 
