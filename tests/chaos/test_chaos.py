@@ -25,7 +25,7 @@ def _needs(binary):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("broker", ["sqlite", "redis"])
+@pytest.mark.parametrize("broker", ["sqlite", "redis", "postgres"])
 def test_chaos_soak(broker, tmp_path):
     if broker == "redis":
         _needs("redis-server")
