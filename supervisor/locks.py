@@ -225,7 +225,11 @@ class MasterLocks:
     def _client(self):
         from .toolkit import open_redis
 
-        return open_redis(self.redis_url, socket_connect_timeout=1, socket_timeout=2)[0]
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # One try, short timeouts: the main loop must not stall on a Redis outage (the TTL covers it).
+        return open_redis(self.redis_url, socket_connect_timeout=1, socket_timeout=2, retry=Retry(NoBackoff(), 0))[0]
 
     def on_message(self, pid, msg):
         """A child's ``lock`` or ``unlock`` message (a malformed one is logged and ignored)."""
