@@ -190,6 +190,7 @@ class _Live:
 # -- HTTP /metrics ---------------------------------------------------------------------
 
 MAX_REQUEST = 8 * 1024
+MAX_CLIENTS = 64
 
 
 class _HttpClient:
@@ -229,13 +230,14 @@ class HttpExporter:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def _accept(self, _mask):
-        while len(self.clients) < 64:  # more at once waits in the backlog
+        while True:
             try:
                 conn, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
+            except OSError:  # BlockingIOError: none left; anything else: try on the next wake-up
                 return
-            except OSError:
-                return
+            if len(self.clients) >= MAX_CLIENTS:
+                conn.close()  # a scrape storm must not grow the master's memory or fd table
+                continue
             conn.setblocking(False)
             client = _HttpClient(conn, time.monotonic() + self.client_timeout)
             self.clients[conn.fileno()] = client

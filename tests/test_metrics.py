@@ -171,8 +171,11 @@ def test_every_counter_over_http_and_the_socket(ran):
     assert m("tangguh_job_time_to_complete_seconds_count", type="noop") == 3
     assert m("tangguh_job_time_to_complete_seconds_count", type="poison") == 0
     assert value(http, "tangguh_broker_round_trip_seconds_count", op="claim") > 0
+    # Acks due together go in one round trip (ack_many): at least one, at most one per job.
     acks = 3 + 1 + 1 + 1 + 1  # noop, suicide, hold, metered, effect_once
-    assert value(http, "tangguh_broker_round_trip_seconds_count", op="ack") == acks
+    assert 0 < value(http, "tangguh_broker_round_trip_seconds_count", op="ack") <= acks
+    assert 0 < value(http, "tangguh_broker_round_trip_seconds_count", op="dead") <= 5
+    assert value(http, "tangguh_broker_errors_total", source="main") == 0
     assert value(http, "tangguh_lease_extensions_total") > 0
     # queue gauges from the broker sample
     assert m("tangguh_queue_dead_jobs") == 5
