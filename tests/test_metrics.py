@@ -319,8 +319,12 @@ def test_alert_rules_use_exported_metrics_and_have_a_runbook(ran):
         assert anchor in doc_anchors, f"{rule['alert']}: no heading #{anchor} in docs/operating.md"
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian: prometheus)")
 def test_promtool_checks_the_rules_and_runs_their_unit_tests(ran):
+    if shutil.which("promtool") is None:
+        message = "promtool not installed (Debian package prometheus; .ci/run extracts it)"
+        if os.environ.get("TANGGUH_REQUIRE_SERVICES") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
     d, _ = ran
     scrape = tangguh("metrics", "-c", d.config_path).stdout
     lint = subprocess.run(["promtool", "check", "metrics"], input=scrape, capture_output=True, text=True, timeout=60)
