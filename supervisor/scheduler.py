@@ -25,6 +25,8 @@ import zoneinfo
 
 import croniter
 
+from .errors import BadInput
+
 log = logging.getLogger("tangguh.scheduler")
 
 
@@ -111,7 +113,13 @@ class Scheduler:
                 after = max(after if after is not None else float("-inf"), now - self.horizon)
             for tick in sched.latest(now, count, after):
                 key = tick_key(name, tick)
-                job_id = broker.enqueue_once(self.new_job(sched, key))
+                try:
+                    job = self.new_job(sched, key)
+                except BadInput as exc:  # e.g. a decorator's queue the config does not serve
+                    log.error("schedule %s cannot enqueue: %s", name, exc, extra={"event": "schedule_failed",
+                                                                                 "schedule": name})
+                    break
+                job_id = broker.enqueue_once(job)
                 done.append((name, tick, job_id))
                 if job_id is not None:
                     log.info("periodic job %s enqueued for %s", name, key,

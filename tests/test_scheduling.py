@@ -229,3 +229,16 @@ def test_supervisor_passes_type_limits_to_the_broker(tmp_path):
         d.assert_clean()
     finally:
         d.stop()
+
+
+def test_a_schedule_that_cannot_build_its_job_is_skipped_not_fatal(broker):
+    from supervisor.errors import BadInput
+
+    def refuse(sched, key):
+        if sched.name == "bad":
+            raise BadInput("queue 'nope' is not served")
+        return new_job(sched, key)
+
+    schedules = dict(every_second(), bad=Schedule("bad", "* * * * * *", "t", {}))
+    got = Scheduler(schedules, refuse).tick(broker, now=T0 + 0.5)
+    assert [(name, job_id is not None) for name, _, job_id in got] == [("beat", True)]
