@@ -24,6 +24,8 @@ from .daemon import Daemon
 from .servers import private_postgres, private_redis  # noqa: F401 - fixtures
 from .util import wait_for
 
+pytestmark = pytest.mark.services
+
 
 class Broker:
     """One test's namespace on a private server: the supervisor's URL, an admin URL, and the server."""
@@ -116,10 +118,10 @@ N_FLOW = 2000
 def test_broker_restart_while_jobs_flow_loses_nothing_and_keeps_the_children(any_broker, tmp_path):
     db = str(tmp_path / "effects.db")
     d = daemon(tmp_path, any_broker, supervisor={"workers": 2}, broker={"prefetch": 4}, log={"level": "info"})
-    ids = any_broker.client.enqueue_many([NewJob("effect", {"db": db}) for _ in range(N_FLOW)])
     try:
         d.start()
         pids = sorted(d.worker_pids())
+        ids = any_broker.client.enqueue_many([NewJob("effect", {"db": db}) for _ in range(N_FLOW)])
         wait_for(lambda: count(db) >= 200, timeout=60, message="200 jobs to run")
         any_broker.server.stop()
         wait_for(lambda: d.status()["broker_down"], timeout=30, message="the supervisor to see the broker gone")
@@ -318,17 +320,17 @@ def test_two_supervisors_split_the_queue_and_one_finishes_the_jobs_of_the_other_
                                                        "heartbeat_seconds": 0.5}, log={"level": "warning"})
     a = daemon(tmp_path / "a", b, **sections)
     c = daemon(tmp_path / "c", b, **sections)
-    ids = b.client.enqueue_many([NewJob("effect", {"db": db}) for _ in range(N_SHARED)])
     try:
         a.start(wait=False)
         c.start(wait=False)
         wait_for(a.ready, timeout=30, message="supervisor a")
         wait_for(c.ready, timeout=30, message="supervisor c")
         a_pids, c_pids = set(a.worker_pids()), set(c.worker_pids())
+        ids = b.client.enqueue_many([NewJob("effect", {"db": db}) for _ in range(N_SHARED)])
         ran_by = lambda pids: sum(1 for _, pid in all_executions(db) if pid in pids)  # noqa: E731
-        share = N_SHARED // 5  # kill a mid-run, once both have done a fair part of the work
-        wait_for(lambda: ran_by(a_pids) >= share and ran_by(c_pids) >= share, timeout=120, interval=0.1,
-                 message="both supervisors to run jobs")
+        # Kill a mid-run: both have worked, a quarter of the queue is done.
+        wait_for(lambda: ran_by(a_pids) >= 100 and ran_by(c_pids) >= 100 and count(db) >= N_SHARED // 4,
+                 timeout=120, interval=0.05, message="both supervisors to run jobs")
         a.signal(signal.SIGKILL)  # the master only: its children must notice and go
         a.wait_exit()
         wait_for(lambda: not a.group(), timeout=10, message="a's children to exit after their master")
