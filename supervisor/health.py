@@ -9,11 +9,10 @@ import errno
 import grp
 import json
 import os
-import selectors
 import socket
-import time
 
 from .errors import ConfigError, TangguhError
+from .oneshot import OneShotServer
 
 MAX_LINE = 64 * 1024
 
@@ -97,61 +96,33 @@ def claim_path(path, mode, group=""):
     return sock
 
 
-class _Client:
-    def __init__(self, sock):
-        self.sock = sock
-        self.inbox = bytearray()
-        self.outbox = b""
-        self.deadline = time.monotonic()
-
-
-class HealthServer:
+class HealthServer(OneShotServer):
     """Registers itself in ``selector``; ``dispatch(request) -> reply`` answers."""
+
+    max_request = MAX_LINE
 
     def __init__(self, path, mode, selector, dispatch, client_timeout=5.0, group=""):
         self.path = path
-        self.selector = selector
         self.dispatch = dispatch
-        self.client_timeout = client_timeout
-        self.listener = claim_path(path, mode, group)
-        self.clients = {}
-        selector.register(self.listener, selectors.EVENT_READ, self._accept)
+        super().__init__(claim_path(path, mode, group), selector, client_timeout)
 
-    def fileno_owned(self):
-        return [self.listener.fileno()] + [c.sock.fileno() for c in self.clients.values()]
+    def complete(self, inbox):
+        return b"\n" in inbox
 
-    def _accept(self, _mask):
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            conn.setblocking(False)
-            client = _Client(conn)
-            client.deadline = time.monotonic() + self.client_timeout
-            self.clients[conn.fileno()] = client
-            self.selector.register(conn, selectors.EVENT_READ, lambda mask, c=client: self._io(c, mask))
+    def answer(self, inbox):
+        return self._line(self._reply(inbox.split(b"\n", 1)[0]))
 
-    def _io(self, client, mask):
-        if mask & selectors.EVENT_READ and not client.outbox:
-            try:
-                data = client.sock.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return self._drop(client)
-            if not data:
-                return self._drop(client)
-            client.inbox += data
-            if b"\n" in client.inbox:
-                line = bytes(client.inbox.split(b"\n", 1)[0])
-                self._reply(client, self._answer(line))
-            elif len(client.inbox) > MAX_LINE:
-                self._reply(client, {"ok": False, "error": f"request line over {MAX_LINE} bytes"})
-        if mask & selectors.EVENT_WRITE:
-            self._flush(client)
+    def too_large(self):
+        return self._line({"ok": False, "error": f"request line over {MAX_LINE} bytes"})
 
-    def _answer(self, line):
+    def timed_out(self):
+        return self._line({"ok": False, "error": "timed out waiting for a request line"})
+
+    @staticmethod
+    def _line(reply):
+        return json.dumps(reply, default=str).encode() + b"\n"
+
+    def _reply(self, line):
         try:
             req = json.loads(line)
         except (ValueError, UnicodeDecodeError):
@@ -163,55 +134,10 @@ class HealthServer:
         except Exception as exc:  # noqa: BLE001 - a bad request must never take the daemon down
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
-    def _reply(self, client, reply):
-        client.outbox = json.dumps(reply, default=str).encode() + b"\n"
-        self.selector.modify(client.sock, selectors.EVENT_WRITE, lambda mask, c=client: self._io(c, mask))
-        self._flush(client)
-
-    def _flush(self, client):
-        try:
-            sent = client.sock.send(client.outbox)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            return self._drop(client)
-        client.outbox = client.outbox[sent:]
-        if not client.outbox:
-            self._drop(client)
-
-    def _drop(self, client):
-        if self.clients.pop(client.sock.fileno(), None) is not None:
-            self.selector.unregister(client.sock)
-        client.sock.close()
-
-    def expire_clients(self):
-        """Answer clients that sent no full line in time, and drop them."""
-        now = time.monotonic()
-        for client in list(self.clients.values()):
-            if now > client.deadline:
-                if client.outbox:
-                    self._drop(client)
-                else:
-                    self._reply(client, {"ok": False, "error": "timed out waiting for a request line"})
-                    if client.sock.fileno() in self.clients:
-                        client.deadline = now + 1.0
-
     def close(self, unlink=True):
-        for client in list(self.clients.values()):
-            self._drop(client)
-        try:
-            self.selector.unregister(self.listener)
-        except (KeyError, ValueError):
-            pass
-        self.listener.close()
+        super().close()
         if unlink:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-
-    def close_in_child(self):
-        """In a forked child: close our copies of the descriptors, keep the file."""
-        for client in self.clients.values():
-            client.sock.close()
-        self.listener.close()

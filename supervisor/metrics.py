@@ -12,13 +12,14 @@ by the main loop (``sample_queues``), never per scrape, so a scraper hammering
 non-blocking listener, a bounded request, a client deadline, HTTP/1.0 and
 ``Connection: close``. No thread (DESIGN.md, process-model rules).
 """
-import selectors
 import socket
 import time
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .oneshot import OneShotServer
 
 SAMPLE_SECONDS = 5.0  # how often queue gauges are refreshed from the broker
 
@@ -193,13 +194,6 @@ MAX_REQUEST = 8 * 1024
 MAX_CLIENTS = 64
 
 
-class _HttpClient:
-    def __init__(self, sock, deadline):
-        self.sock, self.deadline = sock, deadline
-        self.inbox = bytearray()
-        self.outbox = b""
-
-
 def parse_listen(text):
     """``"host:port"`` (or ``"[::1]:port"``) -> (family, (host, port))."""
     host, sep, port = text.rpartition(":")
@@ -210,121 +204,61 @@ def parse_listen(text):
     return family, (host, int(port))
 
 
-class HttpExporter:
+class HttpExporter(OneShotServer):
     """A tiny HTTP/1.0 responder for ``GET /metrics`` inside the master's selector."""
+
+    max_request = MAX_REQUEST
+    max_clients = MAX_CLIENTS
+    read_size = 4096
 
     def __init__(self, listen, selector, render, client_timeout=5.0):
         family, address = parse_listen(listen)
-        self.selector, self.render, self.client_timeout = selector, render, client_timeout
-        self.listener = socket.socket(family, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(address)
-        self.listener.listen(64)
-        self.listener.setblocking(False)
-        self.clients = {}
-        selector.register(self.listener, selectors.EVENT_READ, self._accept)
+        self.render = render
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(64)
+        listener.setblocking(False)
+        super().__init__(listener, selector, client_timeout)
 
     @property
     def address(self):
         host, port = self.listener.getsockname()[:2]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    def _accept(self, _mask):
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:  # BlockingIOError: none left; anything else: try on the next wake-up
-                return
-            if len(self.clients) >= MAX_CLIENTS:
-                conn.close()  # a scrape storm must not grow the master's memory or fd table
-                continue
-            conn.setblocking(False)
-            client = _HttpClient(conn, time.monotonic() + self.client_timeout)
-            self.clients[conn.fileno()] = client
-            self.selector.register(conn, selectors.EVENT_READ, lambda mask, c=client: self._io(c, mask))
+    def complete(self, inbox):
+        return b"\r\n\r\n" in inbox or b"\n\n" in inbox
 
-    def _io(self, client, mask):
-        if mask & selectors.EVENT_READ and not client.outbox:
-            try:
-                data = client.sock.recv(4096)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return self._drop(client)
-            if not data:
-                return self._drop(client)
-            client.inbox += data
-            if b"\r\n\r\n" in client.inbox or b"\n\n" in client.inbox:
-                self._respond(client, *self._answer(bytes(client.inbox)))
-            elif len(client.inbox) > MAX_REQUEST:
-                self._respond(client, 431, "request header too large\n")
-        if mask & selectors.EVENT_WRITE:
-            self._flush(client)
-
-    def _answer(self, request):
+    def answer(self, request):
         line = request.split(b"\n", 1)[0].decode("latin-1").strip()
         parts = line.split()
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-            return 400, "bad request\n"
+            return _http(400, "bad request\n")
         method, target = parts[0], parts[1].split("?", 1)[0]
         if method not in ("GET", "HEAD"):
-            return 405, "only GET\n"
+            return _http(405, "only GET\n")
         if target == "/metrics":
             try:
-                return 200, self.render(), CONTENT_TYPE, method == "HEAD"
+                return _http(200, self.render(), CONTENT_TYPE, method == "HEAD")
             except Exception as exc:  # noqa: BLE001 - a collector bug must not take the daemon down
-                return 500, f"{type(exc).__name__}: {exc}\n"
+                return _http(500, f"{type(exc).__name__}: {exc}\n")
         if target == "/":
-            return 200, "tangguh: metrics at /metrics\n"
-        return 404, "not found (try /metrics)\n"
+            return _http(200, "tangguh: metrics at /metrics\n")
+        return _http(404, "not found (try /metrics)\n")
 
-    def _respond(self, client, status, body, content_type="text/plain; charset=utf-8", head=False):
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
-                  431: "Request Header Fields Too Large", 500: "Internal Server Error"}[status]
-        data = body.encode()
-        header = (f"HTTP/1.0 {status} {reason}\r\nContent-Type: {content_type}\r\n"
-                  f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
-        client.outbox = header + (b"" if head else data)
-        self.selector.modify(client.sock, selectors.EVENT_WRITE, lambda mask, c=client: self._io(c, mask))
-        self._flush(client)
+    def too_large(self):
+        return _http(431, "request header too large\n")
 
-    def _flush(self, client):
-        try:
-            sent = client.sock.send(client.outbox)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            return self._drop(client)
-        client.outbox = client.outbox[sent:]
-        if not client.outbox:
-            self._drop(client)
+    def timed_out(self):
+        return _http(408, "timed out waiting for the request\n")
 
-    def _drop(self, client):
-        if self.clients.pop(client.sock.fileno(), None) is not None:
-            self.selector.unregister(client.sock)
-        client.sock.close()
 
-    def expire_clients(self):
-        """Drop clients past their deadline: a slow or silent client cannot hold a slot."""
-        now = time.monotonic()
-        for client in list(self.clients.values()):
-            if now > client.deadline:
-                if client.outbox:
-                    self._drop(client)
-                else:
-                    client.deadline = now + 1.0
-                    self._respond(client, 408, "timed out waiting for the request\n")
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error"}
 
-    def close(self):
-        for client in list(self.clients.values()):
-            self._drop(client)
-        try:
-            self.selector.unregister(self.listener)
-        except (KeyError, ValueError):
-            pass
-        self.listener.close()
 
-    def close_in_child(self):
-        for client in self.clients.values():
-            client.sock.close()
-        self.listener.close()
+def _http(status, body, content_type="text/plain; charset=utf-8", head=False):
+    data = body.encode()
+    header = (f"HTTP/1.0 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+              f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+    return header + (b"" if head else data)
