@@ -38,6 +38,9 @@ EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_RUNNING, EXIT_BOOT = 0, 1, 2, 3, 4
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU,
            signal.SIGCHLD)
 STOP_WRITES_SECONDS = 10.0  # how long a stopping master keeps retrying unstored outcomes
+# An ack waits this long for others to share its round trip (and its commit, on SQLite).
+# Delaying an ack is safe: the effect is durable already and the lease is still renewed.
+ACK_LINGER = 0.005
 COUNTERS = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost", "duplicates_suppressed")
 
 
@@ -558,6 +561,8 @@ class Arbiter:
         want = self.capacity()
         if want <= 0 or now < self.next_claim_at:
             return
+        if self.prefetched and len(self.prefetched) * 2 > self.cfg.broker.prefetch:
+            return  # refill the prefetch buffer once it is half empty: fewer, larger claims
         b = self.cfg.broker
         try:
             jobs = self.call(lambda br: br.claim(b.queues, want, b.lease_seconds, self.owner, self.limits), "claim")
@@ -659,7 +664,9 @@ class Arbiter:
             self.counters["succeeded"] += 1
             self.metrics.succeeded.labels(*self.metrics.job_labels(job)).inc()
             info = self.attempt_info(w, msg)
-            self.writes.append(Write(job, "ack", (msg.get("result"), info)))
+            write = Write(job, "ack", (msg.get("result"), info))
+            write.next_at = time.monotonic() + ACK_LINGER
+            self.writes.append(write)
             log.info("job done in %.3fs", msg.get("duration", 0), extra=logs.job_fields(job, event="done"))
         elif w.term_at is not None:
             # It answered our SIGTERM in its grace period: still a hard timeout.
@@ -680,6 +687,8 @@ class Arbiter:
                 log.info("recycling worker %d after %d jobs", w.slot, w.jobs_done,
                          extra={"event": "recycle", "slot": w.slot, "pid": w.pid})
                 self.retire(w)
+            elif self.stopping is None:
+                self.dispatch()  # the next prefetched job now: the child need not wait for the ack
 
     def record_attempt(self, job, msg):
         """Metrics of one finished attempt: its duration and the child's counter deltas."""
@@ -843,8 +852,14 @@ class Arbiter:
 
     def flush_writes(self):
         now = time.monotonic()
+        acks = []
+        # One due ack takes every first-try ack along (they are only lingering for company).
+        ack_due = any(w.op == "ack" and w.next_at <= now for w in self.writes)
         for _ in range(len(self.writes)):
             write = self.writes.popleft()
+            if write.op == "ack" and (write.next_at <= now or (ack_due and write.tries == 0)):
+                acks.append(write)  # stored together below
+                continue
             if write.next_at > now:
                 self.writes.append(write)
                 continue
@@ -865,6 +880,30 @@ class Arbiter:
                 write.next_at = now + min(10.0, 0.1 * 2 ** write.tries) * random.uniform(0.5, 1.0)
                 self.writes.append(write)
                 continue
+            else:
+                self.stored(write)
+            self.heartbeat.drop(write.job.id)
+        if acks:
+            self.flush_acks(acks, now)
+
+    def flush_acks(self, acks, now):
+        """Every due ack in one ``ack_many``: one round trip (one commit on SQLite) per loop turn."""
+        try:
+            lost = self.call(lambda br: br.ack_many([(w.job.lease, *w.args) for w in acks]), "ack")
+        except BrokerError:
+            for write in acks:  # as in flush_writes: retried with backoff, lease no longer renewed
+                self.heartbeat.drop(write.job.id)
+                write.tries += 1
+                write.next_at = now + min(10.0, 0.1 * 2 ** write.tries) * random.uniform(0.5, 1.0)
+                self.writes.append(write)
+            return
+        lost = {(lease.job_id, lease.token) for lease in lost}
+        for write in acks:
+            if (write.job.id, write.job.token) in lost:
+                self.counters["lease_lost"] += 1
+                self.metrics.leases_lost.inc()
+                log.warning("lease lost before the outcome was stored; the job will run again",
+                            extra=logs.job_fields(write.job, event="lease_lost"))
             else:
                 self.stored(write)
             self.heartbeat.drop(write.job.id)

@@ -188,6 +188,23 @@ def test_ack_stores_result_and_closes_history(broker):
     assert broker.stats(Q)["default"].done == 1
 
 
+def test_ack_many_acks_current_leases_and_returns_stale_ones(broker):
+    ids = [broker.enqueue(new(payload={"n": i})) for i in range(3)]
+    jobs = broker.claim(Q, 3, 30, "w1")
+    assert sorted(j.id for j in jobs) == sorted(ids)
+    first = jobs[0]
+    broker.ack(first.lease)  # acked already: its lease is stale in the batch below
+    lost = broker.ack_many([(first.lease, None, None), (jobs[1].lease, {"r": 1}, {"pid": 7}),
+                            (jobs[2].lease, None, {"pid": 8})])
+    assert lost == [first.lease]
+    done = broker.get(jobs[1].id)
+    assert (done.state, done.result, done.lease_until) == ("done", {"r": 1}, None)
+    assert (done.history[-1]["outcome"], done.history[-1]["pid"]) == ("done", 7)
+    assert broker.get(jobs[2].id).state == "done"
+    assert broker.ack_many([]) == []
+    assert broker.stats(Q)["default"].done == 3
+
+
 def test_retry_waits_for_run_at_and_keeps_the_error(broker):
     job_id = broker.enqueue(new())
     job = claim_one(broker)

@@ -41,6 +41,8 @@ backend):
   ``retry``, ``dead``) and the caller's ``info`` (pid, host, duration...).
   ``release`` gives the attempt back: ``attempt -= 1``, the open history entry
   is dropped, the job is ``queued`` and due now.
+* ``ack_many`` is ``ack`` for several leases at once: the current ones are
+  acked, the stale ones are returned (not raised).
 * ``extend`` pushes ``lease_until`` to ``now + lease_seconds`` for every lease
   still current, in one round trip, and returns the leases that are not.
 * Dead jobs keep everything (payload, history, error, reason, failure times);
@@ -51,7 +53,7 @@ import abc
 import time
 import urllib.parse
 
-from ..errors import BrokerError
+from ..errors import BrokerError, LeaseLost
 from ..model import Job, Lease, NewJob, QueueStats  # noqa: F401  (re-exported for backends)
 
 
@@ -85,6 +87,22 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     def ack(self, lease, result=None, info=None) -> None: ...
+
+    def ack_many(self, acks) -> list:
+        """Ack several jobs, ``acks`` being ``(lease, result, info)`` triples.
+
+        Each ack is fenced exactly as ``ack``; a stale one changes nothing and
+        its lease is returned (no exception), in the order given. Backends
+        override this with one round trip (one commit on SQLite): the
+        supervisor acks every result that arrived in a loop turn at once.
+        """
+        lost = []
+        for lease, result, info in acks:
+            try:
+                self.ack(lease, result, info)
+            except LeaseLost:
+                lost.append(lease)
+        return lost
 
     @abc.abstractmethod
     def retry(self, lease, run_at, error, info=None) -> None: ...

@@ -247,6 +247,14 @@ class PostgresBroker(Broker):
             f"UPDATE {t} SET state = 'done', result = %(result)s::json, finished_at = {_NOW}, lease_until = NULL, "
             + close + f"'ended_at', {_NOW}, 'outcome', 'done')) " + leased
         )
+        self._sql_ack_many = (
+            f"UPDATE {t} j SET state = 'done', result = a.result::json, finished_at = {_NOW}, lease_until = NULL,"
+            " history = jsonb_set(j.history, '{-1}', (j.history -> -1) || a.info::jsonb || jsonb_build_object("
+            f"'ended_at', {_NOW}, 'outcome', 'done'))"
+            " FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::text[]) AS a(id, token, result, info)"
+            " WHERE j.id = a.id AND j.token = a.token AND j.state = 'running'"
+            " RETURNING j.id, j.token"
+        )
         self._sql_retry = (
             f"UPDATE {t} SET state = 'retrying', run_at = %(run_at)s::float8, error = %(error)s::jsonb,"
             f" first_failure_at = coalesce(first_failure_at, {_NOW}), last_failure_at = {_NOW}, lease_until = NULL, "
@@ -577,6 +585,18 @@ class PostgresBroker(Broker):
 
     def ack(self, lease, result=None, info=None):
         self._finish(self._sql_ack, lease, {"result": json.dumps(result), "info": json.dumps(info or {})})
+
+    def ack_many(self, acks):
+        """Every ack in one statement (one round trip, one commit)."""
+        acks = list(acks)
+        if not acks:
+            return []
+        rows = self._execute(self._sql_ack_many, (
+            [lease.job_id for lease, _, _ in acks], [lease.token for lease, _, _ in acks],
+            [json.dumps(result) for _, result, _ in acks], [json.dumps(info or {}) for _, _, info in acks],
+        )).fetchall()
+        done = set(rows)
+        return [lease for lease, _, _ in acks if (lease.job_id, lease.token) not in done]
 
     def retry(self, lease, run_at, error, info=None):
         self._finish(self._sql_retry, lease, {"run_at": float(run_at), "error": json.dumps(error),
