@@ -59,15 +59,18 @@ from supervisor.model import NewJob
 from ..daemon import Daemon
 from ..util import wait_for
 
-FAULTS = ("kill_child", "kill_supervisor", "hup", "broker_outage", "stall_child", "stall_supervisor")
-WEIGHTS = (30, 10, 20, 12, 15, 13)
-MIX = (("chaos.quick", 58), ("chaos.cpu", 12), ("chaos.slow", 6), ("chaos.flaky", 12), ("chaos.after", 8),
-       ("chaos.poison", 4))
+FAULTS = ("kill_child", "kill_supervisor", "term_supervisor", "hup", "broker_outage", "stall_child",
+          "stall_supervisor")
+WEIGHTS = (28, 10, 6, 18, 12, 14, 12)
+MIX = (("chaos.quick", 52), ("chaos.cpu", 12), ("chaos.slow", 6), ("chaos.flaky", 12), ("chaos.after", 8),
+       ("chaos.locked", 6), ("chaos.poison", 4))
+LOCK_TTL = 4.0
 ACCOUNTS = 16
 QUEUE = "default"
 # A non-poison job may die only when injected faults used up its attempts.
 FAULT_REASONS = ("crashed", "lease_expired", "timeout")
 SHARED_POSTGRES = os.environ.get("TANGGUH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+SHARED_REDIS = os.environ.get("TANGGUH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @dataclasses.dataclass
@@ -97,7 +100,8 @@ class Incarnation:
         self.pgid = pid  # Daemon starts it in a session (process group) of its own
         self.owner = f"{socket.gethostname()}:{pid}"
         self.last = None  # last status seen
-        self.killed = False
+        self.killed = False  # ended by the soak: SIGKILL, or a graceful restart (SIGTERM)
+        self.fate = "survived"  # or "killed", "terminated"
         self.final = None  # status at quiescence (survivors only)
         self.exit_code = None
 
@@ -152,6 +156,8 @@ class Soak:
         self.effects_schema = None
         self.report = None
         self.hup_unconfirmed = 0
+        self.hups = 0
+        self.graceful_failures = []  # (supervisor, pid, exit code) of graceful restarts that did not exit 0
         self.outage = False
 
     # -- set-up ------------------------------------------------------------------------
@@ -186,6 +192,10 @@ class Soak:
         if b != "sqlite":
             self.effects_schema = f"tangguh_chaos_{uuid.uuid4().hex[:10]}"
             self.effects_db = f"{SHARED_POSTGRES}?schema={self.effects_schema}"
+        # The handlers' Redis (ctx.lock) is the shared server, under a prefix of
+        # this run's own: the soak restarts only the broker's server.
+        self.lock_prefix = f"tangguh-chaos-{uuid.uuid4().hex[:10]}:"
+        self.locks_url = f"{SHARED_REDIS}?prefix={self.lock_prefix}"
         self.effects = Effects(self.effects_db)
         self.effects.create()
         with open_broker(self.broker_url) as br:
@@ -194,10 +204,13 @@ class Soak:
             d = Daemon(os.path.join(self.tmp, f"s{k}"), broker_url=self.broker_url, handler_files=("chaos.py",),
                        supervisor={"workers": self.s.workers, "poll_interval": 0.2, "graceful_timeout": 15.0,
                                    "kill_grace": 0.3},
-                       broker={"lease_seconds": self.s.lease_seconds, "heartbeat_seconds": self.s.heartbeat_seconds},
+                       # The second supervisor prefetches: its claimed-not-started jobs
+                       # are released on SIGTERM, lost with it on SIGKILL.
+                       broker={"lease_seconds": self.s.lease_seconds, "heartbeat_seconds": self.s.heartbeat_seconds,
+                               "prefetch": 2 if k % 2 else 0},
                        jobs={"timeout": self.s.timeout, "max_attempts": self.s.max_attempts, "backoff_base": 0.05,
                              "backoff_cap": 0.5, "jitter": 0.5},
-                       log={"level": "warning"}, toolkit={"database_url": self.effects_db})
+                       log={"level": "warning"}, toolkit={"database_url": self.effects_db, "redis_url": self.locks_url})
             self.sups.append(Sup(k, d))
 
     def teardown(self):
@@ -217,6 +230,10 @@ class Soak:
                 self.server.stop()
         if self.effects_schema:
             self.effects.drop()
+        if getattr(self, "lock_prefix", None):
+            with self.redis_locks() as r:
+                for key in r.scan_iter(match=f"{self.lock_prefix}*", count=1000):
+                    r.delete(key)
         self.effects.close()
         if not self.s.keep:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -263,6 +280,8 @@ class Soak:
                 payload["secs"] = round(self.rng_jobs.uniform(0.05, 0.5), 3)
             elif kind == "chaos.flaky":
                 payload["fails"] = self.rng_jobs.randint(1, 2)
+            elif kind == "chaos.locked":
+                payload["ttl"] = LOCK_TTL
             elif kind == "chaos.poison":
                 payload["permanent"] = self.rng_jobs.random() < 0.5
             attempts = 3 if kind == "chaos.poison" else self.s.max_attempts
@@ -304,7 +323,7 @@ class Soak:
     # -- injector ------------------------------------------------------------------------
     def schedule(self):
         """The seeded fault schedule: [(offset seconds, kind)]."""
-        first = list(FAULTS)  # every kind once early on (in seeded order), then at random by weight
+        first = list(FAULTS) + ["hup"]  # every kind early on (in seeded order; HUP good and broken), then by weight
         self.rng_faults.shuffle(first)
         out, t = [], 0.0
         while True:
@@ -384,9 +403,32 @@ class Soak:
         sup.status()  # the last counters this incarnation shows
         os.kill(sup.life.pid, signal.SIGKILL)
         sup.daemon.proc.wait(10)
-        sup.life.killed, sup.state = True, "down"
+        sup.life.killed, sup.life.fate, sup.state = True, "killed", "down"
         self.later(self.rng_faults.uniform(0.2, 1.5), self.restart_supervisor, sup)
         return f"s{sup.index} pid {sup.life.pid}"
+
+    def fault_term_supervisor(self):
+        """A graceful restart: SIGTERM (prefetched jobs released, running ones finish), then start again."""
+        live = [s for s in self.up() if s.status()]  # a master past its start (handlers installed)
+        if len(live) < len(self.sups):
+            return None
+        sup = self.rng_faults.choice(live)
+        os.kill(sup.life.pid, signal.SIGTERM)
+        sup.life.killed, sup.life.fate, sup.state = True, "terminated", "down"
+        self.later(0.1, self.await_exit, sup, time.monotonic() + 30)
+        return f"s{sup.index} pid {sup.life.pid}"
+
+    def await_exit(self, sup, deadline):
+        code = sup.daemon.proc.poll()
+        if code is None and time.monotonic() < deadline:
+            self.later(0.1, self.await_exit, sup, deadline)
+            return
+        sup.life.exit_code = code
+        if code != 0:
+            self.graceful_failures.append((sup.index, sup.life.pid, code))
+            sup.daemon.kill_group()
+        self.note("exited", f"s{sup.index} pid {sup.life.pid} exit {code}")
+        self.later(self.rng_faults.uniform(0.1, 1.0), self.restart_supervisor, sup)
 
     def restart_supervisor(self, sup):
         sup.start()
@@ -398,7 +440,8 @@ class Soak:
             return None
         sup = self.rng_faults.choice(live)
         d = sup.daemon
-        if (sup.hup_good + sup.hup_broken) % 2 == 0:  # alternate good and broken, per supervisor
+        self.hups += 1
+        if self.hups % 2 == 1:  # alternate good and broken
             sup.hup_good += 1
             cfg = json.loads(json.dumps(d.config))
             cfg["supervisor"]["workers"] = self.s.workers + sup.hup_good % 2
@@ -407,7 +450,7 @@ class Soak:
             return f"hup_good s{sup.index} workers={cfg['supervisor']['workers']}"
         sup.hup_broken += 1
         current = sup.life.last["target_workers"]
-        broken_handler = sup.hup_broken % 2 == 0  # a bad config value and a bad handler file, in turn
+        broken_handler = (self.hups // 2) % 2 == 0  # a bad config value and a bad handler file, in turn
         bad = os.path.join(d.handlers, "zz_broken.py")
         if broken_handler:
             with open(bad, "w") as f:
@@ -545,9 +588,20 @@ class Soak:
         finally:
             if broker[0] is not None:
                 broker[0].close()
+        self.locks_at_rest = self.lock_keys()
         for sup in self.sups:
             sup.life.final = sup.status(timeout=5)
             sup.group_at_rest = group_members(sup.life.pgid)
+
+    def redis_locks(self):
+        from supervisor import toolkit
+
+        return toolkit.open_redis(self.locks_url)[0]
+
+    def lock_keys(self):
+        with self.redis_locks() as r:
+            return [k.decode() for k in r.scan_iter(match=f"{self.lock_prefix}lock:*", count=1000)
+                    if not k.endswith(b":fence")]
 
     def stop_all(self):
         for sup in self.sups:
@@ -632,6 +686,18 @@ class Soak:
         check("every ack follows a committed execution of that attempt (ack is the last step)", not unbacked,
               f"{unbacked[:5]}")
 
+        # Locks: at rest none may be held, except one whose holder's master was
+        # SIGKILLed (nobody left to release it); those must expire by their TTL.
+        try:
+            wait_for(lambda: not self.lock_keys(), timeout=LOCK_TTL + 2, interval=0.2, message="locks to expire")
+            late = []
+        except AssertionError:
+            late = self.lock_keys()
+        killed_any = any(life.fate == "killed" for sup in self.sups for life in sup.lives)
+        check("no leaked lock (none held at rest unless its master was SIGKILLed; none after the TTL)",
+              not late and (not self.locks_at_rest or killed_any),
+              f"held at rest {self.locks_at_rest[:5]}, after the TTL {late[:5]}")
+
         # Processes.
         strays = {}
         for sup in self.sups:
@@ -650,7 +716,9 @@ class Soak:
             left = {g: group_members(g) for g in pgids if group_members(g)}
         check("no orphan process (every group of every incarnation empty after stop)", not left, f"{left}")
         codes = {f"s{sup.index}": sup.life.exit_code for sup in self.sups}
-        check("every surviving supervisor exits 0 on SIGTERM", all(c == 0 for c in codes.values()), f"{codes}")
+        check("every SIGTERM (graceful restarts, final stop) ends its supervisor with exit 0",
+              all(c == 0 for c in codes.values()) and not self.graceful_failures,
+              f"final {codes}, graceful restarts {self.graceful_failures}")
 
         # Counters. They live in the master's memory: a SIGKILLed incarnation's are
         # gone (its last status read is a lower bound), a survivor's are exact,
@@ -678,7 +746,7 @@ class Soak:
                     continue
                 c = st["counters"]
                 slack = c["lease_lost"]
-                row = (f"s{sup.index}", life.pid, "killed" if life.killed else "survived",
+                row = (f"s{sup.index}", life.pid, life.fate,
                        {k: c.get(k) for k in ("succeeded", "retried", "dead", "crashed", "timeouts", "lease_lost",
                                               "duplicates_suppressed")},
                        {k: seen[k] for k in ("done", "retry", "dead", "dup_heard", "dup_maybe")})
@@ -697,7 +765,7 @@ class Soak:
                     if seen["done"] < c["succeeded"] - pend - slack:
                         counter_bad.append((row[0], life.pid, "succeeded(last seen)", c["succeeded"], "done",
                                             seen["done"]))
-        check("daemon counters agree with the broker's history (survivors exact, killed: lower bound)",
+        check("daemon counters agree with the broker's history (survivors exact, ended lives: lower bound)",
               not counter_bad, f"{counter_bad[:5]}")
         check("every broken reload was refused and shown in status (reload_error)", self.hup_unconfirmed == 0,
               f"{self.hup_unconfirmed} broken reloads without a reload_error")
@@ -710,6 +778,7 @@ class Soak:
             "lease_seconds": s.lease_seconds, "inject_seconds": s.duration, "fault_interval": s.fault_interval,
             "faults": dict(sorted(self.faults.items())), "faults_total": sum(self.faults.values()),
             "states": dict(states), "dead_poison": len(poison), "dead_exhausted_by_faults": len(exhausted),
+            "fenced_writes_refused": fx["fenced"], "locks_held_at_rest": len(self.locks_at_rest),
             "starts": starts, "executions": execs, "effects": effects, "suppressed": suppressed,
             "incarnations": sum(len(sup.lives) for sup in self.sups),
             "counters": counter_rows, "checks": checks, "ok": all(c["ok"] for c in checks),
@@ -751,7 +820,7 @@ class Effects:
         for statement in handler.TABLES:
             self.connect().execute(statement)
         for i in range(ACCOUNTS):
-            self.q("INSERT INTO accounts VALUES (%s, 0)", (i,))
+            self.q("INSERT INTO accounts (id, balance) VALUES (%s, 0)", (i,))
 
     def summary(self):
         one = lambda sql: self.q(sql)[0][0] or 0  # noqa: E731
@@ -772,6 +841,7 @@ class Effects:
             "effects_per_key": dict(self.q("SELECT key, count(*) FROM effects GROUP BY key")),
             "execution_runs": runs,
             "suppressed_runs": suppressed_runs,
+            "fenced": one("SELECT count(*) FROM fenced"),
             "records_done": one("SELECT count(*) FROM idempotency_records WHERE status = 'done'"),
             "records_open": one("SELECT count(*) FROM idempotency_records WHERE status <> 'done'"),
         }
@@ -807,7 +877,8 @@ def format_report(r):
         "jobs: " + ", ".join(f"{k} {v}" for k, v in sorted(r["states"].items()))
         + f" (dead: poison {r['dead_poison']}, attempts used up by faults {r['dead_exhausted_by_faults']})",
         f"runs: started {r['starts']}, executions committed {r['executions']}, effects {r['effects']}, "
-        f"duplicates suppressed {r['suppressed']}",
+        f"duplicates suppressed {r['suppressed']}, fenced writes refused {r['fenced_writes_refused']}, "
+        f"locks held at rest {r['locks_held_at_rest']}",
         "counters (supervisor, pid, fate, counters, broker history by owner):",
     ]
     lines += [f"  {row}" for row in r["counters"]]

@@ -37,7 +37,7 @@ def test_chaos_soak(broker, tmp_path):
                 pytest.fail("TANGGUH_REQUIRE_SERVICES=1 but no PostgreSQL server binaries")
             pytest.skip("no PostgreSQL server binaries under /usr/lib/postgresql")
     seed = engine.seed_from_env()
-    settings = engine.Settings(broker=broker, jobs=JOBS, seed=seed, duration=20.0, fault_interval=0.8,
+    settings = engine.Settings(broker=broker, jobs=JOBS, seed=seed, duration=20.0, fault_interval=0.7,
                                quiesce_timeout=90.0, workdir=str(tmp_path / "soak"), keep=True)
     try:
         report = engine.Soak(settings).run()
@@ -47,7 +47,7 @@ def test_chaos_soak(broker, tmp_path):
     text = engine.format_report(report)
     print(text)
     assert report["ok"], f"chaos soak failed on {broker}; replay with TANGGUH_CHAOS_SEED={seed}\n{text}"
-    kinds = {"kill_child", "kill_supervisor", "hup_good", "hup_broken", "broker_outage", "stall_child",
-             "stall_supervisor"}
+    kinds = {"kill_child", "kill_supervisor", "term_supervisor", "hup_good", "hup_broken", "broker_outage",
+             "stall_child", "stall_supervisor"}
     missing = kinds - set(report["faults"])
     assert not missing, f"faults that never landed: {sorted(missing)} (seed {seed})\n{text}"

@@ -18,14 +18,18 @@ a server the soak never restarts), outside the broker:
 
 Types: ``chaos.quick``, ``chaos.cpu`` (a hash chain), ``chaos.slow`` (sleeps),
 ``chaos.flaky`` (raises before its effect on the first ``fails`` attempts),
-``chaos.after`` (commits, then raises on attempt 1: a duplicate by design) and
-``chaos.poison`` (always raises; ``Permanent`` when ``permanent`` is set).
+``chaos.after`` (commits, then raises on attempt 1: a duplicate by design),
+``chaos.locked`` (the effect under ``ctx.lock`` on the account, its write fenced
+by the lock's token: a holder whose lock expired under it, its supervisor
+stopped, has its write refused) and ``chaos.poison`` (always raises;
+``Permanent`` when ``permanent`` is set).
 """
 import hashlib
 import os
 import time
 
 import supervisor
+import supervisor.locks
 
 # Created by the soak next to the toolkit's idempotency_records (same SQL on both databases).
 TABLES = (
@@ -35,12 +39,18 @@ TABLES = (
     " pid INTEGER, suppressed BOOLEAN NOT NULL, at DOUBLE PRECISION)",
     "CREATE TABLE IF NOT EXISTS effects (key TEXT NOT NULL, job_id TEXT NOT NULL, amount INTEGER NOT NULL,"
     " pid INTEGER)",
-    "CREATE TABLE IF NOT EXISTS accounts (id INTEGER PRIMARY KEY, balance BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS accounts (id INTEGER PRIMARY KEY, balance BIGINT NOT NULL,"
+    " fence BIGINT NOT NULL DEFAULT 0)",
+    "CREATE TABLE IF NOT EXISTS fenced (key TEXT NOT NULL, job_id TEXT NOT NULL, attempt INTEGER, fence BIGINT)",
 )
 ACCOUNTS = 16
 
 
-def _run(ctx, payload, work=None, fail_before=False, fail_after=False):
+class _Refused(Exception):
+    """The fenced write matched no row: a newer lock holder has written."""
+
+
+def _run(ctx, payload, work=None, fail_before=False, fail_after=False, fence=None):
     job, pid = ctx.job, os.getpid()
     with ctx.transaction() as tx:
         tx.execute("INSERT INTO starts VALUES (%s, %s, %s, %s, %s)",
@@ -49,15 +59,25 @@ def _run(ctx, payload, work=None, fail_before=False, fail_after=False):
         work()
     if fail_before:
         raise RuntimeError(f"transient failure on attempt {job.attempt}")
-    with ctx.transaction() as tx:
-        rec = ctx.idempotency.begin(tx)  # the job's idempotency key
-        if not rec.done:
-            tx.execute("INSERT INTO effects VALUES (%s, %s, %s, %s)",
-                       (job.idempotency_key, job.id, payload["amount"], pid))
-            tx.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s", (payload["amount"], payload["acct"]))
-            rec.complete({"pid": pid})
-        tx.execute("INSERT INTO executions VALUES (%s, %s, %s, %s, %s, %s)",
-                   (job.idempotency_key, job.id, job.attempt, pid, rec.done, time.time()))
+    try:
+        with ctx.transaction() as tx:
+            rec = ctx.idempotency.begin(tx)  # the job's idempotency key
+            if not rec.done:
+                tx.execute("INSERT INTO effects VALUES (%s, %s, %s, %s)",
+                           (job.idempotency_key, job.id, payload["amount"], pid))
+                if fence is None:
+                    tx.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s",
+                               (payload["amount"], payload["acct"]))
+                elif tx.execute("UPDATE accounts SET balance = balance + %s, fence = %s WHERE id = %s AND fence < %s",
+                                (payload["amount"], fence, payload["acct"], fence)).rowcount != 1:
+                    raise _Refused()
+                rec.complete({"pid": pid})
+            tx.execute("INSERT INTO executions VALUES (%s, %s, %s, %s, %s, %s)",
+                       (job.idempotency_key, job.id, job.attempt, pid, rec.done, time.time()))
+    except _Refused:
+        with ctx.transaction() as tx:  # evidence of the refused write (the effect's transaction rolled back)
+            tx.execute("INSERT INTO fenced VALUES (%s, %s, %s, %s)", (job.idempotency_key, job.id, job.attempt, fence))
+        raise supervisor.locks.LockLost(f"a newer holder of the lock wrote with a fence above {fence}") from None
     if fail_after:
         raise RuntimeError("failed after the commit: the retry must be suppressed")
     return {"fresh": not rec.done}
@@ -91,6 +111,12 @@ def flaky(ctx, payload):
 @supervisor.job("chaos.after")
 def after(ctx, payload):
     return _run(ctx, payload, fail_after=ctx.job.attempt == 1)
+
+
+@supervisor.job("chaos.locked")
+def locked(ctx, payload):
+    with ctx.lock(f"acct:{payload['acct']}", ttl=payload.get("ttl", 5.0), wait=5.0) as lock:
+        return _run(ctx, payload, fence=lock.fence)
 
 
 @supervisor.job("chaos.poison")
