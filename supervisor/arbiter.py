@@ -745,7 +745,11 @@ class Arbiter:
             return
         if delay is None:
             j = self.cfg.jobs
-            delay = next_delay(job.attempt, j.backoff_base, j.backoff_cap, j.jitter)
+            # A child that died under a job's first attempt was most likely killed from
+            # outside (OOM killer, an operator, a deploy): run the job again at once. A
+            # job that keeps killing its child backs off like any other failure.
+            failures = job.attempt - 1 if kind == "crashed" else job.attempt
+            delay = next_delay(failures, j.backoff_base, j.backoff_cap, j.jitter) if failures > 0 else 0.0
         self.counters["retried"] += 1
         self.metrics.retried.labels(*labels, reason).inc()
         self.writes.append(Write(job, "retry", (None, error, info, delay)))

@@ -8,6 +8,7 @@ own folder). ``?synchronous=normal`` trades durability on power loss (not on a
 process crash) for speed; the default is ``full``.
 """
 import contextlib
+import ctypes
 import json
 import os
 import sqlite3
@@ -51,7 +52,6 @@ CREATE INDEX IF NOT EXISTS jobs_leased ON jobs (lease_until) WHERE state = 'runn
 CREATE INDEX IF NOT EXISTS jobs_finished ON jobs (state, finished_at) WHERE state IN ('done', 'dead');
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (idempotency_key)
     WHERE idempotency_key IS NOT NULL AND state IN ('queued', 'running', 'retrying');
-CREATE INDEX IF NOT EXISTS jobs_running_type ON jobs (type, resource_id) WHERE state = 'running';
 CREATE TABLE IF NOT EXISTS rate_buckets (type TEXT PRIMARY KEY, tokens REAL NOT NULL, updated_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS once_keys (key TEXT PRIMARY KEY, created_at REAL NOT NULL);
 """
@@ -78,6 +78,7 @@ class SQLiteBroker(Broker):
         if options:
             raise BrokerError(f"sqlite url {url!r}: unknown option(s) {', '.join(sorted(options))}")
         self.path = path
+        self._inotify = None  # wake-up fd, opened on first wakeup_fd()
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise BrokerError(f"sqlite database folder {folder} does not exist")
@@ -106,9 +107,33 @@ class SQLiteBroker(Broker):
         return _Tx(self.db, "BEGIN")
 
     def close(self):
+        if self._inotify is not None:
+            os.close(self._inotify)
+            self._inotify = None
         try:
             self.db.close()
         except sqlite3.Error:
+            pass
+
+    def wakeup_fd(self):
+        """An inotify descriptor on the database's WAL file (Linux), or None.
+
+        Every commit, by any process, writes the WAL, so an enqueue wakes an idle
+        supervisor at once instead of at its next poll. Commits that change
+        nothing (an empty claim) write no WAL, so an idle supervisor does not
+        wake itself. Elsewhere (no inotify) the supervisor polls.
+        """
+        if self._inotify is None:
+            self._inotify = _watch_modifications([os.path.abspath(self.path) + "-wal"])
+        return self._inotify
+
+    def drain_wakeups(self):
+        if self._inotify is None:
+            return
+        try:
+            while os.read(self._inotify, 65536):
+                pass
+        except BlockingIOError:
             pass
 
     # -- producing --------------------------------------------------------
@@ -180,15 +205,14 @@ class SQLiteBroker(Broker):
         """The claim under per-type limits: BEGIN IMMEDIATE makes the counts exact."""
         types = sorted(limits)
         marks = ",".join("?" * len(types))
-        running = dict(self.db.execute(
-            f"SELECT type, count(*) FROM jobs WHERE state = 'running' AND type IN ({marks}) GROUP BY type", types))
+        leased = self.db.execute(f"SELECT type, resource_id FROM jobs WHERE state = 'running' AND type IN ({marks})",
+                                 types).fetchall()
         tokens = {}
         for t, lim in limits.items():
             if lim.rate is not None:
                 row = self.db.execute("SELECT tokens, updated_at FROM rate_buckets WHERE type = ?", (t,)).fetchone()
                 tokens[t] = refill(row and row[0], row and row[1], now, *lim.rate)
-        admission = Admission(limits, running, tokens)
-        exclusive = admission.exclusive()
+        admission = Admission(limits, leased, tokens)
         claimed = []
         for queue in queues:
             while len(claimed) < n:
@@ -200,11 +224,10 @@ class SQLiteBroker(Broker):
                 if blocked:
                     sql += f" AND type NOT IN ({','.join('?' * len(blocked))})"
                     params += blocked
-                if exclusive:
-                    sql += (f" AND NOT (type IN ({','.join('?' * len(exclusive))}) AND resource_id IS NOT NULL"
-                            " AND EXISTS (SELECT 1 FROM jobs r WHERE r.state = 'running' AND r.type = jobs.type"
-                            " AND r.resource_id = jobs.resource_id))")
-                    params += exclusive
+                if admission.busy:
+                    sql += (" AND NOT (resource_id IS NOT NULL AND (type, resource_id) IN (VALUES "
+                            + ",".join(["(?, ?)"] * len(admission.busy)) + "))")
+                    params += [x for pair in sorted(admission.busy) for x in pair]
                 rows = self.db.execute(sql + " ORDER BY priority DESC, run_at, id LIMIT ?", params + [want]).fetchall()
                 ids = [r["id"] for r in rows if admission.admit(r["type"], r["resource_id"])]
                 if ids:
@@ -217,7 +240,7 @@ class SQLiteBroker(Broker):
                         [now + lease_seconds, owner, now, owner, *ids],
                     ).fetchall()
                     claimed.extend(sorted((_job(r) for r in leased), key=lambda j: (-j.priority, j.run_at, j.id)))
-                # A held-back row leaves the next query (its type is blocked or its resource leased now).
+                # A held-back row leaves the next query (its type is blocked or its resource busy now).
                 if len(rows) < want:
                     break
         for t, left in admission.tokens.items():
@@ -408,6 +431,25 @@ class _Tx:
 
     def __exit__(self, exc_type, exc, tb):
         self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+
+_IN_MODIFY = 0x00000002
+
+
+def _watch_modifications(paths):
+    """A non-blocking inotify fd reporting writes to ``paths``; None without inotify."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, AttributeError):
+        return None
+    if fd < 0:
+        return None
+    for path in paths:
+        if libc.inotify_add_watch(fd, os.fsencode(path), _IN_MODIFY) < 0:
+            os.close(fd)
+            return None
+    return fd
 
 
 def _job(row):
