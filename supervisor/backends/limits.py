@@ -1,11 +1,13 @@
 """Per-type claim limits, the part the SQL brokers share (see ``Broker.claim``).
 
-A claim with limits loads, once, how many jobs of each limited type are
-leased and how many rate tokens each has; ``Admission`` then decides job by
-job, in claim order, which candidates may be leased. The broker's query
-leaves out the types with no room left (``blocked``) and the resources that
-are busy, so a flood of held-back jobs costs one skipped index range, not a
-scan. Redis does the same inside its claim script.
+A claim with limits loads, once, the leased jobs of the limited types (type
+and resource: a scan of the leased jobs only, through the index every broker
+has on them, so no new index slows the plain claim) and the rate tokens;
+``Admission`` then decides job by job, in claim order, which candidates may be
+leased. The broker's candidate query leaves out the types with no room left
+(``blocked``) and the busy resources (``busy``), so a flood of held-back jobs
+is skipped by the query, not walked in Python. Redis does the same inside its
+claim script.
 """
 
 
@@ -19,21 +21,23 @@ def refill(tokens, updated_at, now, count, per):
 class Admission:
     """What one claim may still lease under ``limits`` ({type: TypeLimits})."""
 
-    def __init__(self, limits, running, tokens):
+    def __init__(self, limits, leased, tokens):
+        """``leased``: (type, resource_id) of every leased job of the limited types."""
         self.limits = limits
-        self.room = {t: lim.max_concurrency - running.get(t, 0)
-                     for t, lim in limits.items() if lim.max_concurrency is not None}
+        self.room = {t: lim.max_concurrency for t, lim in limits.items() if lim.max_concurrency is not None}
+        self.busy = set()  # (type, resource_id) leased, of exclusive types; this claim's leases join it
+        for type_, resource_id in leased:
+            if type_ in self.room:
+                self.room[type_] -= 1
+            if resource_id is not None and limits[type_].exclusive:
+                self.busy.add((type_, resource_id))
         self.tokens = dict(tokens)  # type -> tokens now (rate-limited types only)
-        self.taken = set()  # (type, resource_id) leased by this claim
 
     def blocked(self):
         """Types nothing more may be leased of in this claim."""
         out = {t for t, room in self.room.items() if room <= 0}
         out.update(t for t, tokens in self.tokens.items() if tokens < 1)
         return sorted(out)
-
-    def exclusive(self):
-        return sorted(t for t, lim in self.limits.items() if lim.exclusive)
 
     def admit(self, type_, resource_id):
         """True (and the room taken) when a job of ``type_`` on ``resource_id`` may be leased."""
@@ -43,9 +47,9 @@ class Admission:
         if self.room.get(type_, 1) <= 0 or self.tokens.get(type_, 1) < 1:
             return False
         if lim.exclusive and resource_id is not None:
-            if (type_, resource_id) in self.taken:
+            if (type_, resource_id) in self.busy:
                 return False
-            self.taken.add((type_, resource_id))
+            self.busy.add((type_, resource_id))
         if type_ in self.room:
             self.room[type_] -= 1
         if type_ in self.tokens:

@@ -148,7 +148,6 @@ def _migrations(s):
         ]),
         # 2: per-type claim limits (see claim) and enqueue_once records.
         (2, [
-            f"CREATE INDEX jobs_running_type ON {s}.jobs (type, resource_id) WHERE state = 'running'",
             f"""CREATE TABLE {s}.rate_buckets (
                 type text PRIMARY KEY,
                 tokens double precision NOT NULL,
@@ -521,27 +520,28 @@ class PostgresBroker(Broker):
                        " FROM (SELECT t FROM unnest(%s::text[]) AS t ORDER BY t) l",
                        (f"tangguh-limit:{self.schema}:", types))
             now = db.execute("SELECT date_part('epoch', clock_timestamp())").fetchone()[0]
-            running = dict(db.execute(f"SELECT type, count(*) FROM {t} WHERE state = 'running'"
-                                      " AND type = ANY(%s::text[]) GROUP BY type", (types,)).fetchall())
+            leased = db.execute(f"SELECT type, resource_id FROM {t} WHERE state = 'running'"
+                                " AND type = ANY(%s::text[])", (types,)).fetchall()
             rated = [name for name in types if limits[name].rate is not None]
             buckets = {row[0]: row[1:] for row in db.execute(
                 f"SELECT type, tokens, updated_at FROM {self._s}.rate_buckets WHERE type = ANY(%s::text[])",
                 (rated,)).fetchall()} if rated else {}
             tokens = {name: refill(*buckets.get(name, (None, None)), now, *limits[name].rate) for name in rated}
-            admission = Admission(limits, running, tokens)
-            exclusive = admission.exclusive()
+            admission = Admission(limits, leased, tokens)
             rows = []
             for queue in queues:
                 while len(rows) < n:
                     want = n - len(rows)
+                    busy = sorted(admission.busy)
                     candidates = db.execute(
                         f"SELECT d.id, d.type, d.resource_id FROM {t} d WHERE d.queue = %s"
                         " AND d.state IN ('queued', 'retrying') AND d.run_at <= %s AND d.type <> ALL(%s::text[])"
-                        " AND NOT (d.type = ANY(%s::text[]) AND d.resource_id IS NOT NULL AND EXISTS ("
-                        f"  SELECT 1 FROM {t} r WHERE r.state = 'running' AND r.type = d.type"
-                        "   AND r.resource_id = d.resource_id))"
+                        " AND NOT (d.resource_id IS NOT NULL AND EXISTS ("
+                        "  SELECT 1 FROM unnest(%s::text[], %s::text[]) AS b(type, resource_id)"
+                        "  WHERE b.type = d.type AND b.resource_id = d.resource_id))"
                         " ORDER BY d.priority DESC, d.run_at, d.id LIMIT %s FOR UPDATE SKIP LOCKED",
-                        (queue, now, admission.blocked(), exclusive, want)).fetchall()
+                        (queue, now, admission.blocked(), [b[0] for b in busy], [b[1] for b in busy],
+                         want)).fetchall()
                     ids = [row[0] for row in candidates if admission.admit(row[1], row[2])]
                     if ids:
                         cur = db.cursor(row_factory=dict_row)
@@ -555,7 +555,7 @@ class PostgresBroker(Broker):
                             " WHERE j.id = ANY(%(ids)s::text[]) RETURNING j.*",
                             {"lease": lease_seconds, "owner": owner, "ids": ids})
                         rows.extend(cur.fetchall())
-                    # A held-back row leaves the next query (its type is blocked or its resource leased now).
+                    # A held-back row leaves the next query (its type is blocked or its resource busy now).
                     if len(candidates) < want:
                         break
             tokens = admission.tokens
