@@ -76,19 +76,30 @@ def main(sock, slot, handlers, master_pid):
 
 def serve(sock, slot, handlers, master_pid):
     while True:
-        ready, _, _ = select.select([sock], [], [], 1.0)
-        if os.getppid() != master_pid:
-            return  # orphaned: nobody renews our lease any more
-        if not ready:
-            continue
-        msg = protocol.recv(sock)
+        try:
+            ready, _, _ = select.select([sock], [], [], 1.0)
+            if os.getppid() != master_pid:
+                return  # orphaned: nobody renews our lease any more
+            if not ready:
+                continue
+            msg = protocol.recv(sock)
+        except JobTimeout:
+            # The master's hard-timeout SIGTERM landed after the job ended (the
+            # reply crossed it): nothing to interrupt, leave quietly.
+            return
+        except ConnectionError:
+            return  # the master died (its PR_SET_PDEATHSIG kill is on the way)
         if msg is None or msg.get("op") == "stop":
             return
         if msg.get("op") == "run":
             job = msg["job"]
             title(slot, f"{job['type']} {job['id']} since {time.strftime('%H:%M:%S')}")
             reply = run_job(job, handlers, msg.get("soft_timeout"))
-            protocol.send(sock, reply)
+            try:
+                with timeouts.critical():  # a SIGTERM now waits for the whole reply: never a torn frame
+                    protocol.send(sock, reply)
+            except JobTimeout:
+                return  # the reply is out; the master is stopping us (hard timeout crossed the reply)
             title(slot, "idle")
 
 

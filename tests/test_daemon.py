@@ -362,3 +362,19 @@ def _new(type_, payload, **kw):
     from supervisor.model import NewJob
 
     return NewJob(type_, payload, **kw)
+
+
+def test_a_sigterm_between_jobs_ends_the_child_quietly(daemon):
+    """Found by the chaos soak: a hard-timeout SIGTERM can land just after the job
+    ended (its reply already on the way). The idle child must leave without a
+    JobTimeout traceback in the log; the master replaces it and jobs flow."""
+    daemon.start()
+    victim = daemon.worker_pids()[0]
+    os.kill(victim, signal.SIGTERM)
+    wait_for(lambda: victim not in daemon.worker_pids() and daemon.ready(), message="the child to be replaced")
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    assert daemon.status()["restarts"] == 1
+    assert "Traceback" not in daemon.logs()
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    daemon.assert_clean()
