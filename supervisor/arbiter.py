@@ -551,6 +551,8 @@ class Arbiter:
     def capacity(self):
         idle = sum(1 for w in self.workers.values()
                    if w.state == "idle" and not w.retiring and w.generation == self.generation)
+        if self.prefetched and len(self.prefetched) * 2 > self.cfg.broker.prefetch:
+            return 0  # refill the prefetch buffer once it is half empty: fewer, larger claims
         return idle + self.cfg.broker.prefetch - len(self.prefetched)
 
     def claim_jobs(self):
@@ -561,8 +563,6 @@ class Arbiter:
         want = self.capacity()
         if want <= 0 or now < self.next_claim_at:
             return
-        if self.prefetched and len(self.prefetched) * 2 > self.cfg.broker.prefetch:
-            return  # refill the prefetch buffer once it is half empty: fewer, larger claims
         b = self.cfg.broker
         try:
             jobs = self.call(lambda br: br.claim(b.queues, want, b.lease_seconds, self.owner, self.limits), "claim")
