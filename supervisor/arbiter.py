@@ -857,11 +857,13 @@ class Arbiter:
     def flush_writes(self):
         now = time.monotonic()
         acks = []
-        # One due ack takes every first-try ack along (they are only lingering for company).
-        ack_due = any(w.op == "ack" and w.next_at <= now for w in self.writes)
+        # One due ack takes every first-try ack along (they are only lingering for
+        # company). An ack that failed once is retried alone below, so one ack the
+        # broker refuses cannot keep failing the others until their leases expire.
+        ack_due = any(w.op == "ack" and w.tries == 0 and w.next_at <= now for w in self.writes)
         for _ in range(len(self.writes)):
             write = self.writes.popleft()
-            if write.op == "ack" and (write.next_at <= now or (ack_due and write.tries == 0)):
+            if write.op == "ack" and write.tries == 0 and ack_due:
                 acks.append(write)  # stored together below
                 continue
             if write.next_at > now:
