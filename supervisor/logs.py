@@ -5,6 +5,7 @@ followed from claim to ack with ``grep job_01J...`` or ``jq``.
 """
 import json
 import logging
+import os
 import sys
 import time
 
@@ -53,12 +54,40 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+# syslog priorities (sd-daemon(3)): journald reads a "<N>" line prefix as the priority.
+_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+
+class JournalPrefix(logging.Formatter):
+    """Prefix each line with its syslog priority, so ``journalctl -p warning`` means something."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record):
+        level = _PRIORITY.get(record.levelno, 6 if record.levelno < logging.WARNING else 3)
+        return f"<{level}>" + self.inner.format(record)
+
+
+def to_journal(stream, env=None):
+    """Whether ``stream`` is the journal: ``$JOURNAL_STREAM`` names its device and inode."""
+    value = (os.environ if env is None else env).get("JOURNAL_STREAM", "")
+    try:
+        dev, ino = (int(x) for x in value.split(":"))
+        st = os.fstat(stream.fileno())
+    except (ValueError, OSError, AttributeError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
 def setup(level="info", fmt="auto", stream=None):
     stream = stream or sys.stderr
     if fmt == "auto":
         fmt = "text" if stream.isatty() else "json"
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    formatter = JsonFormatter() if fmt == "json" else TextFormatter()
+    handler.setFormatter(JournalPrefix(formatter) if to_journal(stream) else formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
