@@ -3,7 +3,18 @@ import json
 import logging
 import os
 
+import pytest
+
 from supervisor import logs
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logger():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def _logger(stream, fmt, env):
