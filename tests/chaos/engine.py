@@ -64,7 +64,7 @@ FAULTS = ("kill_child", "kill_supervisor", "term_supervisor", "hup", "broker_out
 WEIGHTS = (28, 10, 6, 18, 12, 14, 12)
 MIX = (("chaos.quick", 52), ("chaos.cpu", 12), ("chaos.slow", 6), ("chaos.flaky", 12), ("chaos.after", 8),
        ("chaos.locked", 6), ("chaos.poison", 4))
-LOCK_TTL = 4.0
+LOCK_TTL = 2.0  # the master renews it with the job's lease; only a stopped master lets it lapse
 ACCOUNTS = 16
 QUEUE = "default"
 # A non-poison job may die only when injected faults used up its attempts.
@@ -282,6 +282,8 @@ class Soak:
                 payload["fails"] = self.rng_jobs.randint(1, 2)
             elif kind == "chaos.locked":
                 payload["ttl"] = LOCK_TTL
+                if self.rng_jobs.random() < 0.15:
+                    payload["secs"] = round(self.rng_jobs.uniform(1.0, 2.5), 3)
             elif kind == "chaos.poison":
                 payload["permanent"] = self.rng_jobs.random() < 0.5
             attempts = 3 if kind == "chaos.poison" else self.s.max_attempts

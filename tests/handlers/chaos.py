@@ -116,7 +116,8 @@ def after(ctx, payload):
 @supervisor.job("chaos.locked")
 def locked(ctx, payload):
     with ctx.lock(f"acct:{payload['acct']}", ttl=payload.get("ttl", 5.0), wait=5.0) as lock:
-        return _run(ctx, payload, fence=lock.fence)
+        secs = payload.get("secs")  # a few hold the lock a while: a supervisor stopped meanwhile lets it expire
+        return _run(ctx, payload, (lambda: time.sleep(secs)) if secs else None, fence=lock.fence)
 
 
 @supervisor.job("chaos.poison")
