@@ -88,7 +88,7 @@ REDIS_OPTIONS = {
     "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname",
 }
 SCRIPTS = ("enqueue", "claim", "extend", "ack", "retry", "dead", "release", "replay", "purge", "stats", "prune",
-           "claim_limited", "enqueue_once")
+           "claim_limited", "enqueue_once", "ack_many")
 # A script made of several files, run in order (the first may return early).
 COMPOSED = {"enqueue_once": ("enqueue_once", "enqueue")}
 LIMITED_SCAN = 1000  # ready entries one limited claim looks at per queue (held-back jobs included)
@@ -376,24 +376,33 @@ class RedisBroker(Broker):
 
     @_guard
     def ack_many(self, acks):
-        """Every ack script in one pipelined round trip."""
+        """One ack_many.lua call per queue (and per BATCH jobs), all in one pipelined round trip."""
         acks = list(acks)
         if not acks:
             return []
         where = self._queues_of([lease.job_id for lease, _, _ in acks])
-        calls, sent, lost = [], [], []
+        groups, lost = {}, []
         for lease, result, info in acks:
             queue = where.get(lease.job_id)
             if queue is None:
                 lost.append(lease)
-                continue
-            calls.append(("ack", queue, [lease.job_id, lease.token, json.dumps(result), _body(info), self.done_ttl]))
-            sent.append(lease)
-        for lease, ok in zip(sent, self._run_many(calls) if calls else ()):
-            if ok:
-                self._where.pop(lease.job_id, None)
             else:
-                lost.append(lease)
+                groups.setdefault(queue, []).append((lease, result, info))
+        calls, chunks = [], []
+        for queue, items in groups.items():
+            for i in range(0, len(items), BATCH):
+                chunk = items[i:i + BATCH]
+                args = [self.done_ttl]
+                for lease, result, info in chunk:
+                    args += [lease.job_id, lease.token, json.dumps(result), _body(info)]
+                calls.append(("ack_many", queue, args))
+                chunks.append(chunk)
+        for chunk, flags in zip(chunks, self._run_many(calls) if calls else ()):
+            for (lease, _, _), ok in zip(chunk, flags):
+                if ok:
+                    self._where.pop(lease.job_id, None)
+                else:
+                    lost.append(lease)
         order = {id(lease): i for i, (lease, _, _) in enumerate(acks)}
         return sorted(lost, key=lambda lease: order[id(lease)])
 
