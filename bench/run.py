@@ -60,6 +60,7 @@ class Settings:
         self.latency_samples = 10 if quick else 40
         self.recovery_bound = 12.0 if quick else 20.0
         self.timeout_limit = 2.0
+        self.throughput_runs = 1 if quick else 2
 
 
 # -- frameworks ---------------------------------------------------------------------
@@ -473,10 +474,7 @@ def scenario_throughput(fw, ev, s):
             fw.enqueue(p)
     fw.start()
     try:
-        done = ev.wait_count(s.noop_jobs, s.throughput_budget + 15.0)  # + start-up time
-        if not done:
-            # bounded: count what ran in the budget after the first execution
-            pass
+        ev.wait_count(s.noop_jobs, s.throughput_budget + 5.0)  # + start-up; a slow framework is cut off here
     finally:
         fw.stop()
     recs = ev.records()
@@ -566,6 +564,12 @@ def scenario_cpu(fw, ev, s):
     """3. N jobs of ~100 ms pure-Python work on 2 workers; ideal wall time / measured wall time."""
     n_iter, one = calibrate_spin(s.cpu_seconds)
     key = ev.fresh()
+    before = {}
+    for p in fw.processes():
+        try:
+            before[p.pid] = (p, sum(p.cpu_times()[:2]))
+        except psutil.Error:
+            pass
     payloads = [{"kind": "cpu", "key": key, "n": n_iter}] * s.cpu_jobs
     if fw.batch is None:
         fw.enqueue_many(payloads)
@@ -578,10 +582,21 @@ def scenario_cpu(fw, ev, s):
         return {"efficiency": None, "note": f"only {len(recs)} of {s.cpu_jobs} jobs ran"}
     wall = max(r[1] for r in recs) - min(r[0] for r in recs)
     ideal = s.cpu_jobs * one / 2
+    # CPU the framework's other processes (master, consumers, threads' hosts) burnt meanwhile
+    runners = {int(r[3]) for r in recs}
+    overhead = 0.0
+    for pid, (p, t0) in before.items():
+        if pid in runners:
+            continue
+        try:
+            overhead += sum(p.cpu_times()[:2]) - t0
+        except psutil.Error:
+            pass
     return {"jobs": len(recs), "job_seconds_alone": round(one, 4), "ideal_s": round(ideal, 3),
             "wall_s": round(wall, 3), "efficiency": round(ideal / wall, 3),
             # the jobs' own durations packed on 2 workers / wall: gaps between jobs, not machine contention
             "packing": round(sum(r[1] - r[0] for r in recs) / 2 / wall, 3),
+            "overhead_cpu_s": round(overhead, 3), "overhead_cpu_share": round(overhead / (2 * wall), 4),
             "mean_job_s": round(statistics.mean(r[1] - r[0] for r in recs), 4)}
 
 
@@ -599,7 +614,7 @@ def scenario_timeout(fw, ev, s):
     bound = time.monotonic() + s.timeout_limit + 15.0
     gone = None
     while time.monotonic() < bound:
-        if gone is None and not psutil.pid_exists(pid):
+        if gone is None and not _alive(pid):
             gone = time.time()
             break
         alive = float(ev.r.get(f"{key}:alive") or started)
@@ -611,6 +626,14 @@ def scenario_timeout(fw, ev, s):
     if gone is not None:
         return {"over_s": round(gone - started - s.timeout_limit, 3), "process": "killed"}
     return {"over_s": round(alive - started - s.timeout_limit, 3), "process": "kept (job interrupted in-process)"}
+
+
+def _alive(pid):
+    """A killed process its parent has not reaped yet (a zombie) counts as gone."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def scenario_recovery_child(fw, ev, s):
@@ -667,7 +690,14 @@ def run_framework(fw, ev, s, wanted):
         print(f"  {fw.name} {name}: {out[name]}", file=sys.stderr, flush=True)
 
     if wanted("throughput"):
-        record("throughput", scenario_throughput, fw, ev, s)
+        # Best of N: other load on a shared machine only ever slows a run down.
+        runs = []
+        for _ in range(s.throughput_runs):
+            record("throughput", scenario_throughput, fw, ev, s)
+            runs.append(out["throughput"])
+        rated = [r for r in runs if r.get("jobs_per_s")]
+        best = max(rated, key=lambda r: r["jobs_per_s"]) if rated else runs[-1]
+        out["throughput"] = dict(best, all_jobs_per_s=[r.get("jobs_per_s") for r in runs])
     if wanted("enqueue"):
         record("enqueue", scenario_enqueue, fw, ev, s)
     steps = [(n, f) for n, f in SESSION if wanted(n)]
