@@ -417,6 +417,11 @@ class Evidence:
         for k in self.r.scan_iter(match=f"{self.key}*", count=1000):
             self.r.delete(k)
 
+    def clear_all(self):
+        """Every key of every run (late writes of killed or restarted workers included)."""
+        for k in self.r.scan_iter(match="bench:*", count=1000):
+            self.r.delete(k)
+
     def count(self):
         return int(self.r.get(f"{self.key}:n") or 0)
 
@@ -835,7 +840,7 @@ def main(argv=None):
             res = run_framework(fw, ev, s, lambda scen, fw=fw: only(scen, fw.name))
             results[fw.name] = {"broker": fw.broker, "settings": fw.settings, "results": res}
     finally:
-        ev.clear()
+        ev.clear_all()
         shutil.rmtree(tmp, ignore_errors=True)
     table = markdown(results)
     print(table)
