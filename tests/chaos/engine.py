@@ -5,13 +5,14 @@ Shared by the CI test (``tests/chaos/test_chaos.py``) and the long run
 
 1. start a private broker server (Redis with an append-only file, or a
    throwaway PostgreSQL cluster: both are restarted by the injector; the
-   shared servers on 6379/5432 are never touched) or a SQLite file, and an
-   effects store the handlers write to (a SQLite file for the SQLite run, a
-   fresh schema in the shared PostgreSQL ``test`` database otherwise);
+   shared servers on 6379/5432 are never touched) or a SQLite file, and the
+   handlers' database (``[toolkit] database_url``: a SQLite file for the
+   SQLite run, a fresh schema in the shared PostgreSQL ``test`` database
+   otherwise; ``ctx.lock`` uses the shared Redis under a fresh prefix);
 2. start ``supervisors`` real ``tangguh run`` processes, each in its own
    process group, serving ``tests/handlers/chaos.py``;
 3. enqueue ``jobs`` jobs (a seeded mix of quick, CPU-bound, slow, transiently
-   failing, fail-after-commit and poison jobs) over the first part of the run
+   failing, fail-after-commit, locked and poison jobs) over the first part of the run
    while the injector fires faults from a seeded schedule for ``duration``
    seconds;
 4. wait for quiescence (polled: nothing ready, scheduled or leased; no child
@@ -24,7 +25,7 @@ durations). It cannot fix the interleaving with the processes it hits: a
 replay repeats the same faults at the same moments, not the same race.
 
 Faults (``FAULTS``): SIGKILL a busy child; SIGKILL a supervisor and start it
-again; SIGHUP, alternating a good config (workers count toggled) and a broken
+again; SIGTERM a supervisor (graceful) and start it again; SIGHUP, alternating a good config (workers count toggled) and a broken
 one (a bad config value, or a handler file that raises on import, in turn);
 a broker outage (private server SIGKILLed / stopped ``immediate`` and started
 again; for SQLite, which has no server, another process holds the file's
