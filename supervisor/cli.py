@@ -279,6 +279,11 @@ def cmd_config_init(args):
     except FileExistsError:
         raise UsageError(f"{args.path}: already exists, not overwriting it") from None
     print(f"wrote {args.path}")
+    # The starter config names ./handlers beside it: make it, so `tangguh run` starts at once.
+    handlers = config_module.load(args.path).supervisor.handlers
+    if not os.path.isdir(handlers):
+        os.makedirs(handlers, exist_ok=True)
+        print(f"made {handlers}/ (drop handler modules here)")
 
 
 # -- producing and reading ----------------------------------------------------

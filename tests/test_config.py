@@ -230,7 +230,8 @@ def test_config_show_round_trips_through_tomllib(capsys, tmp_path):
 def test_config_init_writes_the_example_and_refuses_to_overwrite(capsys, tmp_path):
     target = tmp_path / "new.toml"
     code, out, _ = tangguh(capsys, "config", "init", target)
-    assert (code, out) == (0, f"wrote {target}\n")
+    assert (code, out) == (0, f"wrote {target}\nmade {tmp_path / 'handlers'}/ (drop handler modules here)\n")
+    assert (tmp_path / "handlers").is_dir()  # the folder the starter config names: `run` can start at once
     with open(EXAMPLE) as f:
         assert target.read_text() == f.read()
     assert tangguh(capsys, "config", "check", "-c", target)[0] == 0
