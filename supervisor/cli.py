@@ -436,9 +436,7 @@ def cmd_dlq_list(args):
 
 
 def dead_job(broker, job_id):
-    job = broker.get(job_id)
-    if job is None:
-        raise Failure(f"job {job_id} not found")
+    job = get_job(broker, job_id)
     if job.state != "dead":
         raise NotDead(f"job {job_id} is {job.state}, not dead")
     return job

@@ -37,8 +37,22 @@ def main(argv=()):
     folder = tempfile.mkdtemp(prefix="tangguh-demo-")
     try:
         return Tour(folder).run()
+    except TimeoutError as exc:
+        print(f"tangguh: error: demo: {exc}", file=sys.stderr)
+        return 1
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def wait_until(condition, what, timeout=30, interval=0.02):
+    """Poll ``condition()`` until it returns something truthy; TimeoutError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what}")
 
 
 class Tour:
@@ -67,7 +81,7 @@ class Tour:
         proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "-c", self.config],
                                 stdout=log, stderr=subprocess.STDOUT)
         try:
-            self.wait(lambda: self.ping(proc), "the supervisor to start")
+            wait_until(lambda: self.ping(proc), "the supervisor to start")
             broker = open_broker(self.url)
             jobs = {
                 "hash_chain": broker.enqueue(NewJob("hash_chain", {"rounds": 200_000}, max_attempts=4)),
@@ -77,10 +91,10 @@ class Tour:
                 "no_such_type": broker.enqueue(NewJob("no_such_type", {}, max_attempts=4)),
             }
             self.say(f"Enqueued {len(jobs)} jobs: " + ", ".join(jobs))
-            victim = self.wait(lambda: self.worker_running(jobs["sleep"]), "the sleep job to start")
+            victim = wait_until(lambda: self.worker_running(jobs["sleep"]), "the sleep job to start")
             os.kill(victim, signal.SIGKILL)
             self.say(f"SIGKILLed child {victim} in the middle of the sleep job")
-            self.wait(lambda: all(broker.get(j).state in ("done", "dead") for j in jobs.values()),
+            wait_until(lambda: all(broker.get(j).state in ("done", "dead") for j in jobs.values()),
                       "every job to finish", timeout=60)
             self.say("\nWhat happened to each job:")
             for name, job_id in jobs.items():
@@ -115,14 +129,6 @@ class Tour:
                 return w["pid"]
         return None
 
-    def wait(self, condition, what, timeout=30):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = condition()
-            if value:
-                return value
-            time.sleep(0.02)
-        raise SystemExit(f"tangguh: error: demo timed out waiting for {what}")
 
 
 def story(job):

@@ -18,13 +18,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 
 import tomli_w
 
 from . import toolkit
 from .cache import Cache
+from .demo import wait_until
 from .health import NoSupervisor, request
 from .model import NewJob
 from .transaction import transaction
@@ -102,7 +102,7 @@ class Tour:
         self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "-c", self.config],
                                      stdout=open(os.path.join(self.folder, "daemon.log"), "wb"),
                                      stderr=subprocess.STDOUT)
-        self.wait(self.ping, "the supervisor to start")
+        wait_until(self.ping, "the supervisor to start")
         broker = open_broker(self.broker_url)
         try:
             payload = {"invoice_id": INVOICE_ID, "version": 1}
@@ -127,7 +127,7 @@ class Tour:
         return 0
 
     def done(self, broker, job_id):
-        job = self.wait(lambda: (j := broker.get(job_id)) is not None and j.state in ("done", "dead") and j,
+        job = wait_until(lambda: (j := broker.get(job_id)) is not None and j.state in ("done", "dead") and j,
                         f"job {job_id}")
         if job.state != "done":
             raise RuntimeError(f"job {job_id} was dead-lettered: {job.error}")
@@ -142,14 +142,6 @@ class Tour:
             return False
         return any(w["state"] == "idle" for w in status["workers"])
 
-    def wait(self, condition, what, timeout=30):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = condition()
-            if value:
-                return value
-            time.sleep(0.05)
-        raise RuntimeError(f"timed out waiting for {what}")
 
     def cleanup(self, dropped_schema):
         if self.proc is not None and self.proc.poll() is None:
