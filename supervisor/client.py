@@ -19,11 +19,17 @@ queue, else the first of ``broker.queues``), ``max_attempts`` from
 the handler decorator's timeout, then ``[jobs].timeout``).
 """
 import inspect
+import logging
 
 from . import config as config_module
 from .backends.base import open_broker, scheme_of
 from .errors import BadInput, BrokerError
+from .logs import job_fields
 from .model import NewJob
+
+# One DEBUG record per stored job, with its ids: the first line of a job's
+# trail, which the supervisor's claim/start/done/acked records continue.
+log = logging.getLogger("tangguh.client")
 
 DEFAULT_QUEUE = "default"
 
@@ -103,7 +109,9 @@ class Client:
         job = self.new_job(type, payload, queue=queue, resource_id=resource_id, idempotency_key=idempotency_key,
                            delay=delay, max_attempts=max_attempts, timeout=timeout, trace_id=trace_id,
                            priority=priority)
-        return self._call("enqueue", job, broker_kwargs)
+        job_id = self._call("enqueue", job, broker_kwargs)
+        _log_enqueued(job, job_id)
+        return job_id
 
     def enqueue_many(self, jobs, **broker_kwargs):
         """Store several jobs in one round trip; return their ids in order.
@@ -121,7 +129,10 @@ class Client:
                 raise BadInput(f"job {i}: {exc}") from None
         if not new_jobs:
             return []
-        return self._call("enqueue_many", new_jobs, broker_kwargs)
+        ids = self._call("enqueue_many", new_jobs, broker_kwargs)
+        for job, job_id in zip(new_jobs, ids):
+            _log_enqueued(job, job_id)
+        return ids
 
     def _call(self, method_name, arg, broker_kwargs):
         method = getattr(self.broker, method_name)
@@ -162,3 +173,10 @@ def _job_args(item):
 
 
 __all__ = ["Client", "BadInput", "BrokerError"]
+
+
+def _log_enqueued(job, job_id):
+    if log.isEnabledFor(logging.DEBUG):
+        deduped = job_id != job.id  # an unfinished job with the same idempotency key already existed
+        log.debug("job enqueued" + (" (deduplicated)" if deduped else ""),
+                  extra=job_fields(job, job_id=job_id, event="enqueue"))

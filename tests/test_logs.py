@@ -2,6 +2,7 @@
 import json
 import logging
 import os
+import signal
 
 import pytest
 
@@ -47,3 +48,44 @@ def test_no_prefix_when_stderr_is_not_the_journal(tmp_path):
         log = _logger(stream, "text", {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
         log.warning("plain")
     assert not (tmp_path / "a").read_text().startswith("<")
+
+
+def test_one_job_can_be_followed_from_enqueue_to_ack(tmp_path, caplog):
+    """The producer's record, then the supervisor's: every one carries the same ids."""
+    import json as _json
+
+    from supervisor.client import Client
+
+    from .daemon import Daemon
+
+    d = Daemon(tmp_path)
+    try:
+        d.start()
+        with caplog.at_level(logging.DEBUG, logger="tangguh.client"), Client.from_url(d.broker_url) as client:
+            job_id = client.enqueue("noop", {"i": 1}, resource_id="order:7", idempotency_key="receipt:7")
+            again = client.enqueue("noop", {"i": 1}, idempotency_key="receipt:7")
+        assert d.wait_job(job_id).state == "done"
+        produced = [r for r in caplog.records if getattr(r, "job_id", None) == job_id]
+        assert [(r.event, r.getMessage()) for r in produced] == [
+            ("enqueue", "job enqueued"), ("enqueue", "job enqueued (deduplicated)")]
+        assert again == job_id
+        trace_id = d.job(job_id).trace_id
+        assert produced[0].trace_id == trace_id
+        assert (produced[0].type, produced[0].queue, produced[0].resource_id) == ("noop", "default", "order:7")
+
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        supervised = []
+        for line in d.logs().splitlines():
+            try:
+                record = _json.loads(line)
+            except ValueError:
+                continue
+            if record.get("job_id") == job_id:
+                supervised.append(record)
+        assert [r["event"] for r in supervised] == ["claim", "start", "done", "acked"]
+        assert {(r["trace_id"], r["idempotency_key"], r["resource_id"]) for r in supervised} == {
+            (trace_id, "receipt:7", "order:7")}
+        d.assert_clean()
+    finally:
+        d.stop()
