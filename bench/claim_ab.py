@@ -1,0 +1,107 @@
+"""Claim+ack throughput of two revisions, side by side, rounds interleaved.
+
+    python -m bench.claim_ab REV [--against REV2] [--backend sqlite|redis|postgres] [--rounds 20]
+
+``REV`` is checked out into a temporary git worktree; ``--against`` defaults
+to the working tree. Each side runs in its own process importing its own
+``supervisor`` package, and the two alternate round by round (ABBA), so the
+load of a shared machine falls on both alike. A round enqueues 1,000 jobs with
+no scheduling controls, then claims them 10 at a time and acks each one.
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REDIS = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/0")
+POSTGRES = os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def worker(backend):
+    """One side: answer each line on stdin with one round's jobs/s."""
+    from supervisor.backends import open_broker
+    from supervisor.model import NewJob
+
+    tag = uuid.uuid4().hex[:8]
+    folder = tempfile.mkdtemp(prefix="claim-ab-")
+    url = {"sqlite": f"sqlite:///{folder}/ab.db", "redis": f"{REDIS}?prefix=claim-ab-{tag}",
+           "postgres": f"{POSTGRES}?schema=claim_ab_{tag}"}[backend]
+    broker = open_broker(url)
+    broker.migrate()
+    try:
+        for _ in sys.stdin:
+            broker.enqueue_many([NewJob("bench", {"n": i}, queue="bench") for i in range(1000)])
+            started, n = time.perf_counter(), 0
+            while jobs := broker.claim(["bench"], 10, 30, "ab"):
+                for job in jobs:
+                    broker.ack(job.lease)
+                    n += 1
+            print(n / (time.perf_counter() - started), flush=True)
+    finally:
+        broker.close()
+        if backend == "redis":
+            import redis
+
+            client = redis.Redis.from_url(REDIS)
+            for key in client.scan_iter(match=f"claim-ab-{tag}*", count=1000):
+                client.delete(key)
+        elif backend == "postgres":
+            import psycopg
+
+            with psycopg.connect(POSTGRES, autocommit=True) as conn:
+                conn.execute(f'DROP SCHEMA IF EXISTS "claim_ab_{tag}" CASCADE')
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.claim_ab", description=__doc__.splitlines()[0])
+    p.add_argument("rev", help="the revision to compare (e.g. the commit before a change)")
+    p.add_argument("--against", default=None, help="the other revision (default: the working tree)")
+    p.add_argument("--backend", choices=("sqlite", "redis", "postgres"), default="sqlite")
+    p.add_argument("--rounds", type=int, default=20)
+    args = p.parse_args(argv)
+    trees, made = {}, []
+    for label, rev in (("A", args.rev), ("B", args.against)):
+        if rev is None:
+            trees[label] = (HERE, "working tree")
+            continue
+        path = tempfile.mkdtemp(prefix=f"claim-ab-{label}-")
+        subprocess.run(["git", "-C", HERE, "worktree", "add", "--detach", "-q", path, rev], check=True)
+        made.append(path)
+        trees[label] = (path, rev)
+    try:
+        # The worker is this file; PYTHONPATH makes it import each side's own supervisor package.
+        procs = {label: subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", args.backend],
+                                         cwd=path, env=dict(os.environ, PYTHONPATH=path), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+                 for label, (path, _) in trees.items()}
+        results = {"A": [], "B": []}
+        for r in range(args.rounds):
+            for label in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                procs[label].stdin.write("go\n")
+                procs[label].stdin.flush()
+                results[label].append(float(procs[label].stdout.readline()))
+        for proc in procs.values():
+            proc.stdin.close()
+            proc.wait()
+    finally:
+        for path in made:
+            subprocess.run(["git", "-C", HERE, "worktree", "remove", "--force", path], check=False)
+    print(f"| {args.backend} | revision | median claim+ack/s | best | rounds |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for label, (_, rev) in trees.items():
+        xs = results[label]
+        print(f"| {label} | {rev} | {statistics.median(xs):,.0f} | {max(xs):,.0f} | {len(xs)} |")
+    a, b = statistics.median(results["A"]), statistics.median(results["B"])
+    print(f"\nB / A (medians): {b / a:.2f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(sys.argv[2])
+    else:
+        main()
