@@ -41,6 +41,7 @@ STOP_WRITES_SECONDS = 10.0  # how long a stopping master keeps retrying unstored
 # An ack waits this long for others to share its round trip (and its commit, on SQLite).
 # Delaying an ack is safe: the effect is durable already and the lease is still renewed.
 ACK_LINGER = 0.005
+WRITE_OPS = ("ack", "retry", "dead", "release")  # outcome writes: retried on their own, see call()
 COUNTERS = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost", "duplicates_suppressed")
 
 
@@ -825,6 +826,11 @@ class Arbiter:
         except Exception as exc:  # noqa: BLE001 - every driver error means the same: try later
             self.metrics.broker_errors.labels("main").inc()
             self.drop_broker()
+            if op in WRITE_OPS:
+                # A refused outcome write retries on its own backoff. Pausing claims for
+                # it could starve the very claim that reclaims its expired lease, which is
+                # what finally ends that write (LeaseLost). A real outage fails the claims.
+                raise BrokerError(f"{type(exc).__name__}: {exc}") from None
             if self.broker_down_since is None:
                 self.broker_down_since = now
                 log.error("broker unreachable, pausing claims: %s: %s", type(exc).__name__, exc,
@@ -876,7 +882,8 @@ class Arbiter:
                 self.metrics.leases_lost.inc()
                 log.warning("lease lost before the outcome was stored; the job will run again",
                             extra=logs.job_fields(write.job, event="lease_lost"))
-            except BrokerError:
+            except BrokerError as exc:
+                self.write_failed(write, exc)
                 # Stop renewing the lease: a write the broker keeps refusing while lease
                 # renewals still pass would leave the job 'running' under a live owner
                 # forever (solid_queue #748). The outcome has the rest of the lease to land;
@@ -896,8 +903,9 @@ class Arbiter:
         """Every due ack in one ``ack_many``: one round trip (one commit on SQLite) per loop turn."""
         try:
             lost = self.call(lambda br: br.ack_many([(w.job.lease, *w.args) for w in acks]), "ack")
-        except BrokerError:
+        except BrokerError as exc:
             for write in acks:  # as in flush_writes: retried with backoff, lease no longer renewed
+                self.write_failed(write, exc)
                 self.heartbeat.drop(write.job.id)
                 write.tries += 1
                 write.next_at = now + min(10.0, 0.1 * 2 ** write.tries) * random.uniform(0.5, 1.0)
@@ -913,6 +921,11 @@ class Arbiter:
             else:
                 self.stored(write)
             self.heartbeat.drop(write.job.id)
+
+    def write_failed(self, write, exc):
+        if write.tries == 0:  # once per outcome, not once per try
+            log.warning("%s not stored yet, retrying: %s", write.op, exc,
+                        extra=logs.job_fields(write.job, event="write_failed"))
 
     def stored(self, write):
         job = write.job
