@@ -65,6 +65,7 @@ FAULTS = ("kill_child", "kill_supervisor", "term_supervisor", "hup", "broker_out
 WEIGHTS = (28, 10, 6, 18, 12, 14, 12)
 MIX = (("chaos.quick", 52), ("chaos.cpu", 12), ("chaos.slow", 6), ("chaos.flaky", 12), ("chaos.after", 8),
        ("chaos.locked", 6), ("chaos.poison", 4))
+OWED_GRACE_SECONDS = 15.0  # extra tries, after the window, for a fault kind that never found a target
 LOCK_TTL = 2.0  # the master renews it with the job's lease; only a stopped master lets it lapse
 ACCOUNTS = 16
 QUEUE = "default"
@@ -367,15 +368,28 @@ class Soak:
             if owed:
                 owed.append(kind)
                 kind = owed.popleft()
-            detail = getattr(self, f"fault_{kind}")()
-            if detail is None:
-                if len(owed) < 10:
-                    owed.appendleft(kind)
-            else:
-                self.faults[kind if kind != "hup" else detail.split()[0]] += 1
-                self.fault_log.append((round(time.monotonic() - self.t0, 2), kind, detail))
+            if not self.fire(kind) and len(owed) < 10:
+                owed.appendleft(kind)
+        # A kind still owed found no target in any of its slots (a supervisor was down each
+        # time, no child was busy): it gets more tries after the window, so that every run
+        # exercises every kind whatever the seed.
+        deadline = time.monotonic() + OWED_GRACE_SECONDS
+        while owed and time.monotonic() < deadline:
+            self.wait_until(time.monotonic() + 0.25)  # pending restarts and SIGCONTs run meanwhile
+            kind = owed.popleft()
+            if not self.fire(kind):
+                owed.append(kind)
         self.wait_until(self.t0 + self.s.duration)
         self.run_pending(float("inf"))  # every stopped process resumed, every server back
+
+    def fire(self, kind):
+        """Inject one fault of ``kind``; False when it found no target."""
+        detail = getattr(self, f"fault_{kind}")()
+        if detail is None:
+            return False
+        self.faults[kind if kind != "hup" else detail.split()[0]] += 1
+        self.fault_log.append((round(time.monotonic() - self.t0, 2), kind, detail))
+        return True
 
     def note(self, kind, detail):
         self.fault_log.append((round(time.monotonic() - self.t0, 2), kind, detail))
