@@ -878,20 +878,9 @@ class Arbiter:
             try:
                 self.call(lambda br: self.apply(br, write), write.op)
             except LeaseLost:
-                self.counters["lease_lost"] += 1
-                self.metrics.leases_lost.inc()
-                log.warning("lease lost before the outcome was stored; the job will run again",
-                            extra=logs.job_fields(write.job, event="lease_lost"))
+                self.write_lost(write)
             except BrokerError as exc:
-                self.write_failed(write, exc)
-                # Stop renewing the lease: a write the broker keeps refusing while lease
-                # renewals still pass would leave the job 'running' under a live owner
-                # forever (solid_queue #748). The outcome has the rest of the lease to land;
-                # after that whoever claims the job runs it again, and this write meets LeaseLost.
-                self.heartbeat.drop(write.job.id)
-                write.tries += 1
-                write.next_at = now + min(10.0, 0.1 * 2 ** write.tries) * random.uniform(0.5, 1.0)
-                self.writes.append(write)
+                self.write_failed(write, exc, now)
                 continue
             else:
                 self.stored(write)
@@ -904,28 +893,38 @@ class Arbiter:
         try:
             lost = self.call(lambda br: br.ack_many([(w.job.lease, *w.args) for w in acks]), "ack")
         except BrokerError as exc:
-            for write in acks:  # as in flush_writes: retried with backoff, lease no longer renewed
-                self.write_failed(write, exc)
-                self.heartbeat.drop(write.job.id)
-                write.tries += 1
-                write.next_at = now + min(10.0, 0.1 * 2 ** write.tries) * random.uniform(0.5, 1.0)
-                self.writes.append(write)
+            for write in acks:
+                self.write_failed(write, exc, now)
             return
         lost = {(lease.job_id, lease.token) for lease in lost}
         for write in acks:
             if (write.job.id, write.job.token) in lost:
-                self.counters["lease_lost"] += 1
-                self.metrics.leases_lost.inc()
-                log.warning("lease lost before the outcome was stored; the job will run again",
-                            extra=logs.job_fields(write.job, event="lease_lost"))
+                self.write_lost(write)
             else:
                 self.stored(write)
             self.heartbeat.drop(write.job.id)
 
-    def write_failed(self, write, exc):
+    def write_failed(self, write, exc, now):
+        """Retry an outcome write with backoff, and stop renewing its lease.
+
+        A write the broker keeps refusing while lease renewals still pass would
+        leave the job 'running' under a live owner forever (solid_queue #748).
+        The outcome has the rest of the lease to land; after that whoever claims
+        the job runs it again, and this write meets LeaseLost.
+        """
         if write.tries == 0:  # once per outcome, not once per try
             log.warning("%s not stored yet, retrying: %s", write.op, exc,
                         extra=logs.job_fields(write.job, event="write_failed"))
+        self.heartbeat.drop(write.job.id)
+        write.tries += 1
+        write.next_at = now + min(10.0, 0.1 * 2 ** write.tries) * random.uniform(0.5, 1.0)
+        self.writes.append(write)
+
+    def write_lost(self, write):
+        self.counters["lease_lost"] += 1
+        self.metrics.leases_lost.inc()
+        log.warning("lease lost before the outcome was stored; the job will run again",
+                    extra=logs.job_fields(write.job, event="lease_lost"))
 
     def stored(self, write):
         job = write.job
