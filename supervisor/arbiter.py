@@ -247,8 +247,7 @@ class Arbiter:
         self.health.close()
         if self.exporter is not None:
             self.exporter.close()
-        if self.broker is not None:
-            self.broker.close()
+        self.drop_broker()
         signal.set_wakeup_fd(-1)
         self.notifier.close()
         log.info("supervisor stopped", extra={"event": "stop", "pid": self.pid, "exit_code": self.exit_code})
@@ -426,6 +425,8 @@ class Arbiter:
             w.sock.close()
         for fd in (self.sig_r, self.sig_w, self.wake_r, self.wake_w):
             os.close(fd)
+        if self.broker_fd is not None:
+            os.close(self.broker_fd)  # our dup: it would keep the broker's socket alive
         self.selector.close()
         self.notifier.close()
 
@@ -458,7 +459,10 @@ class Arbiter:
         except OSError:
             data = b""
         if not data:
-            self.selector.unregister(w.sock)  # EOF: the child is gone; reaping does the rest
+            try:
+                self.selector.unregister(w.sock)  # EOF: the child is gone; reaping does the rest
+            except (KeyError, ValueError):
+                pass
             return
         for msg in w.reader.feed(data):
             if msg["op"] == "ready":
@@ -797,8 +801,12 @@ class Arbiter:
             broker = open_broker(self.cfg.broker.url)
             if self.cfg.broker.migrate:
                 broker.migrate()
-            self.broker_fd = broker.wakeup_fd()
-            if self.broker_fd is not None:
+            fd = broker.wakeup_fd()
+            if fd is not None:
+                # Our own duplicate: the driver may close its socket behind our back (a
+                # Redis restart), and a bare number in the selector could then come to
+                # name a child's pipe. A dup stays ours until drop_broker closes it.
+                self.broker_fd = os.dup(fd)
                 self.selector.register(self.broker_fd, selectors.EVENT_READ, self._on_broker_wakeup)
             self.broker = broker
         return self.broker
@@ -852,6 +860,7 @@ class Arbiter:
                 self.selector.unregister(self.broker_fd)
             except (KeyError, ValueError):
                 pass
+            os.close(self.broker_fd)
             self.broker_fd = None
         if self.broker is not None:
             try:
