@@ -397,15 +397,20 @@ class Soak:
     def up(self):
         return [s for s in self.sups if s.state == "up"]
 
-    def fault_kill_child(self):
+    def busy_child(self):
+        """A (supervisor, worker) running a job right now, chosen by the seeded RNG; None if none is."""
         busy = []
         for sup in self.up():
             st = sup.status()
             if st:
                 busy += [(sup, w) for w in st["workers"] if w["state"] == "busy"]
-        if not busy:
+        return self.rng_faults.choice(busy) if busy else None
+
+    def fault_kill_child(self):
+        picked = self.busy_child()
+        if picked is None:
             return None
-        sup, w = self.rng_faults.choice(busy)
+        sup, w = picked
         try:
             os.kill(w["pid"], signal.SIGKILL)
         except ProcessLookupError:
@@ -523,14 +528,10 @@ class Soak:
         self.note("broker_back", "")
 
     def fault_stall_child(self):
-        busy = []
-        for sup in self.up():
-            st = sup.status()
-            if st:
-                busy += [(sup, w) for w in st["workers"] if w["state"] == "busy"]
-        if not busy:
+        picked = self.busy_child()
+        if picked is None:
             return None
-        sup, w = self.rng_faults.choice(busy)
+        sup, w = picked
         # Longer than the lease always; past the hard timeout about a third of the time.
         stall = round(self.rng_faults.uniform(self.s.lease_seconds * 1.2, self.s.timeout * 1.4), 2)
         try:
