@@ -17,7 +17,8 @@ import setproctitle
 from . import protocol, timeouts, toolkit
 from .context import Context
 from .model import check_json
-from .retry import BadPayload, JobTimeout, Permanent, RetryLater
+from .retry import BadPayload, Permanent, RetryLater
+from .timeouts import JobTimeout
 
 PR_SET_PDEATHSIG = 1
 
@@ -75,7 +76,7 @@ def main(sock, slot, handlers, master_pid):
         for name in ("NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC"):
             os.environ.pop(name, None)
         title(slot, "idle")
-        protocol.send(sock, {"op": "ready", "pid": os.getpid()})
+        protocol.send(sock, {"op": protocol.READY, "pid": os.getpid()})
         toolkit.attach_master(lambda msg: protocol.send(sock, msg))  # ctx.lock registers its locks
         serve(sock, slot, handlers, master_pid)
     except BaseException:  # noqa: BLE001 - a child must never unwind into the master's code
@@ -100,9 +101,9 @@ def serve(sock, slot, handlers, master_pid):
             return
         except ConnectionError:
             return  # the master died (its PR_SET_PDEATHSIG kill is on the way)
-        if msg is None or msg.get("op") == "stop":
+        if msg is None or msg.get("op") == protocol.STOP:
             return
-        if msg.get("op") == "run":
+        if msg.get("op") == protocol.RUN:
             job = msg["job"]
             title(slot, f"{job['type']} {job['id']} since {time.strftime('%H:%M:%S')}")
             reply = run_job(job, handlers, msg.get("soft_timeout"))
@@ -117,10 +118,10 @@ def serve(sock, slot, handlers, master_pid):
 def run_job(job, handlers, soft_timeout=None):
     """Run one job; return the reply for the master (never raises)."""
     started = time.monotonic()
-    reply = {"op": "result", "job_id": job["id"], "token": job["token"]}
+    reply = {"op": protocol.RESULT, "job_id": job["id"], "token": job["token"]}
     spec = handlers.get(job["type"])
     if spec is None:
-        return dict(reply, ok=False, kind="unknown_type", error_class="UnknownType",
+        return dict(reply, ok=False, kind=protocol.UNKNOWN_TYPE, error_class="UnknownType",
                     message=f"no handler for job type {job['type']!r}", traceback="", duration=0.0)
     deadline = time.time() + soft_timeout if soft_timeout else None
     ctx = Context(job, deadline)
@@ -137,18 +138,18 @@ def run_job(job, handlers, soft_timeout=None):
     except BaseException as exc:  # noqa: BLE001 - every way a handler can end is an outcome
         timeouts.disarm()
         if isinstance(exc, (KeyboardInterrupt, SystemExit)) and not isinstance(exc, JobTimeout):
-            kind = "exception"
+            kind = protocol.EXCEPTION
         elif isinstance(exc, JobTimeout):
-            kind = "timeout"
+            kind = protocol.TIMEOUT
         elif isinstance(exc, BadPayload):
-            kind = "bad_payload"
+            kind = protocol.BAD_PAYLOAD
         elif isinstance(exc, Permanent):
-            kind = "permanent"
+            kind = protocol.PERMANENT
         elif isinstance(exc, RetryLater):
-            kind = "retry_later"
+            kind = protocol.RETRY_LATER
             reply["delay"] = exc.delay
         else:
-            kind = "exception"
+            kind = protocol.EXCEPTION
         ctx.log.warning("job failed: %s: %s", type(exc).__name__, exc)
         return dict(reply, ok=False, kind=kind, error_class=type(exc).__name__, message=str(exc),
                     traceback=traceback.format_exc(), duration=time.monotonic() - started,

@@ -537,7 +537,7 @@ def daemon_module(name):
 
 
 def cmd_run(args):
-    return daemon_module("arbiter").run(config_module.find_config(args.config))
+    return daemon_module("master").run(config_module.find_config(args.config))
 
 
 def cmd_demo(args):

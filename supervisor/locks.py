@@ -40,10 +40,10 @@ write lock (``BEGIN IMMEDIATE``), so both only read.
 import hashlib
 import logging
 import random
-import threading
 import time
 import uuid
 
+from . import protocol
 from .retry import RetryLater
 
 log = logging.getLogger("tangguh.locks")
@@ -98,7 +98,7 @@ class Lock:
         ok = bool(self.locks.client.eval(RELEASE, 1, self.key, self.token))
         # Deleted first: a child killed right here leaves the master a
         # compare-and-delete that finds nothing, never a lock held to its TTL.
-        self.locks.notify({"op": "unlock", "key": self.key, "token": self.token})
+        self.locks.notify({"op": protocol.UNLOCK, "key": self.key, "token": self.token})
         if not ok:
             log.warning("lock %s expired before its release: another holder may have run", self.key)
         return ok
@@ -136,7 +136,7 @@ class Locks:
             if fence is not None:
                 count(self.metrics, "lock_acquired")
                 count(self.metrics, "lock_wait_seconds", time.monotonic() - started)
-                self.notify({"op": "lock", "key": key, "token": token, "ttl": ttl})
+                self.notify({"op": protocol.LOCK, "key": key, "token": token, "ttl": ttl})
                 return Lock(self, key, token, int(fence), ttl)
             left = started + wait - time.monotonic()
             if left <= 0:
@@ -201,93 +201,3 @@ def _ident(name):
     if not name.replace("_", "").replace(".", "").isalnum():
         raise ValueError(f"not a plain SQL identifier: {name!r}")
     return name
-
-
-# -- the master's side -------------------------------------------------------------------
-
-class MasterLocks:
-    """The master's record of the Redis locks its children hold.
-
-    The main loop adds and removes entries as ``lock``/``unlock`` messages
-    arrive and calls ``release_child`` when a child dies; the heartbeat thread
-    calls ``extend_all`` once per beat. Each call opens a short-lived Redis
-    connection and closes it before returning, so no socket of the master's
-    is open across a fork (and only beats with locks held pay for one).
-    """
-
-    def __init__(self, redis_url):
-        self.redis_url = redis_url
-        self.held = {}  # pid -> {key: (token, ttl)}
-        self.mutex = threading.Lock()
-        self.released = 0  # locks released for dead children
-        self.extended = 0
-
-    def _client(self):
-        from .toolkit import open_redis
-
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        # One try, short timeouts: the main loop must not stall on a Redis outage (the TTL covers it).
-        return open_redis(self.redis_url, socket_connect_timeout=1, socket_timeout=2, retry=Retry(NoBackoff(), 0))[0]
-
-    def on_message(self, pid, msg):
-        """A child's ``lock`` or ``unlock`` message (a malformed one is logged and ignored)."""
-        try:
-            key, token = str(msg["key"]), str(msg["token"])
-            ttl = float(msg.get("ttl") or 0)
-        except (KeyError, TypeError, ValueError):
-            log.warning("ignoring a malformed %s message from child %d", msg.get("op"), pid)
-            return
-        with self.mutex:
-            if msg["op"] == "lock":
-                self.held.setdefault(pid, {})[key] = (token, ttl)
-            else:
-                mine = self.held.get(pid, {})
-                if mine.get(key, (None,))[0] == token:
-                    del mine[key]
-                if not mine:
-                    self.held.pop(pid, None)
-
-    def release_child(self, pid):
-        """Compare-and-delete every lock child ``pid`` held (it is dead). Main loop."""
-        with self.mutex:
-            mine = self.held.pop(pid, None)
-        if not mine:
-            return 0
-        client = None
-        try:
-            client = self._client()
-            pipe = client.pipeline(transaction=False)
-            for key, (token, _) in mine.items():
-                pipe.eval(RELEASE, 1, key, token)
-            released = sum(1 for r in pipe.execute() if r)
-        except Exception as exc:  # noqa: BLE001 - Redis away: the TTL frees them instead
-            log.warning("could not release %d lock(s) of dead child %d (they expire by TTL): %s",
-                        len(mine), pid, exc)
-            return 0
-        finally:
-            if client is not None:
-                client.close()
-        self.released += released
-        log.info("released %d lock(s) of dead child %d", released, pid, extra={"event": "locks_released"})
-        return released
-
-    def extend_all(self):
-        """Extend every registered lock by its TTL in one pipelined round trip. Heartbeat thread."""
-        with self.mutex:
-            entries = [(key, token, ttl) for mine in self.held.values() for key, (token, ttl) in mine.items()]
-        if not entries:
-            return
-        client = None
-        try:
-            client = self._client()
-            pipe = client.pipeline(transaction=False)
-            for key, token, ttl in entries:
-                pipe.eval(EXTEND, 1, key, token, int(ttl * 1000))
-            self.extended += sum(1 for r in pipe.execute() if r)
-        except Exception as exc:  # noqa: BLE001 - a Redis error must not kill the heartbeat
-            log.warning("lock extension failed: %s: %s", type(exc).__name__, exc)
-        finally:
-            if client is not None:
-                client.close()

@@ -160,20 +160,20 @@ class _Live:
         a = self.arbiter
         states = GaugeMetricFamily("tangguh_workers", "Children by state", labels=["state"])
         counts = dict.fromkeys(("starting", "idle", "busy", "stopping"), 0)
-        for w in list(a.workers.values()):
-            counts[w.state] = counts.get(w.state, 0) + 1
+        for c in list(a.pool.children.values()):
+            counts[c.state] = counts.get(c.state, 0) + 1
         for state, n in counts.items():
             states.add_metric([state], n)
         yield states
-        yield GaugeMetricFamily("tangguh_workers_target", "Children the supervisor aims to keep", value=a.target)
+        yield GaugeMetricFamily("tangguh_workers_target", "Children the supervisor aims to keep", value=a.pool.target)
         yield GaugeMetricFamily("tangguh_generation", "Handler/config generation (SIGHUP reloads add one)",
                                 value=a.generation)
         yield GaugeMetricFamily("tangguh_broker_up", "1 while the broker answers, 0 while it is down",
-                                value=0 if a.broker_down_since is not None else 1)
+                                value=0 if a.link.down else 1)
         yield GaugeMetricFamily("tangguh_prefetched_jobs", "Jobs claimed but not yet handed to a child",
-                                value=len(a.prefetched))
+                                value=len(a.dispatcher.prefetched))
         yield GaugeMetricFamily("tangguh_pending_writes", "Outcomes waiting to be stored in the broker",
-                                value=len(a.writes))
+                                value=len(a.writer))
         hb = a.heartbeat
         yield GaugeMetricFamily("tangguh_heartbeat_lag_seconds", "How late the last lease renewal round started",
                                 value=hb.lag)

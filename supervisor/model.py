@@ -12,8 +12,9 @@ QUEUED, RUNNING, RETRYING, DONE, DEAD = "queued", "running", "retrying", "done",
 STATES = (QUEUED, RUNNING, RETRYING, DONE, DEAD)
 UNFINISHED = (QUEUED, RUNNING, RETRYING)
 
-# Reason codes of a dead-lettered job (and of a failed attempt).
-REASONS = ("exception", "permanent", "timeout", "crashed", "lease_expired", "unknown_type", "bad_payload")
+# What the master stores when an attempt ends (``Outcome.op``). DEAD, the state,
+# doubles as the op that leads to it; DROP stores nothing (the lease is gone).
+ACK, RETRY, RELEASE, DROP = "ack", "retry", "release", "drop"
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
@@ -199,6 +200,28 @@ class QueueStats:
 
     def to_dict(self):
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What to store: ``op`` is ACK, RETRY, DEAD, RELEASE or DROP (store nothing: the lease is gone)."""
+
+    op: str
+    reason: str | None = None  # why the attempt failed (RETRY, DEAD)
+    error_class: str = ""
+    message: str = ""
+    traceback: str = ""
+    delay: float | None = None  # RETRY: seconds until the job is due again
+    result: object = None  # ACK
+    kind: str | None = None  # the failure as reported (``retry_later`` is stored as ``exception``)
+
+    @property
+    def failed(self):
+        return self.op in (RETRY, DEAD)
+
+    @property
+    def hard_timeout(self):
+        return self.kind == "timeout" and self.error_class == "HardTimeout"
 
 
 def error_info(reason, exc_class="", message="", traceback=""):

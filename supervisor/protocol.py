@@ -1,9 +1,41 @@
-"""Messages between the master and a child: 4-byte length + JSON, over a socketpair."""
+"""Messages between the master and a child: 4-byte length + JSON, over a socketpair.
+
+The whole vocabulary is here: the message ops, the ways an attempt can fail,
+and the job fields a child receives. The master, the child and the lock
+helpers use these names, never the strings.
+"""
 import json
 import struct
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 64 * 1024 * 1024
+
+# master -> child
+RUN, STOP = "run", "stop"
+# child -> master
+READY, RESULT, LOCK, UNLOCK = "ready", "result", "lock", "unlock"
+
+# How an attempt failed: a child's reply says one of the first five ("kind");
+# the master decides the rest itself. Each is also the reason stored with the
+# failed attempt, except RETRY_LATER, which is stored as EXCEPTION.
+EXCEPTION, PERMANENT, BAD_PAYLOAD, RETRY_LATER, TIMEOUT = (
+    "exception", "permanent", "bad_payload", "retry_later", "timeout")
+CRASHED, UNKNOWN_TYPE = "crashed", "unknown_type"
+
+# Why the master kills a child.
+KILLED_TIMEOUT, KILLED_LEASE_LOST, KILLED_SHUTDOWN = "timeout", "lease_lost", "shutdown"
+
+# The job fields a child receives in a RUN message (``max_attempts`` is the
+# effective one, after config overrides).
+JOB_FIELDS = ("id", "type", "queue", "payload", "attempt", "max_attempts", "resource_id", "idempotency_key",
+              "trace_id", "token")
+
+
+def run_message(job, max_attempts, soft_timeout):
+    """The RUN message that hands ``job`` to a child."""
+    fields = {name: getattr(job, name) for name in JOB_FIELDS if name != "max_attempts"}
+    fields["max_attempts"] = max_attempts
+    return {"op": RUN, "soft_timeout": soft_timeout, "job": fields}
 
 
 def encode(obj):

@@ -115,6 +115,29 @@ def _describe(path, exc):
     return f"{path}:{line}: {type(exc).__name__}: {exc}"
 
 
+def first(*values):
+    """The first value that is set: the precedence rule of every per-type setting."""
+    return next((v for v in values if v is not None), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSettings:
+    """The rules one attempt runs under, fixed when it is claimed (a reload mid-job changes nothing)."""
+
+    timeout: float
+    soft_timeout: float | None
+    max_attempts: int
+
+
+def job_settings(cfg, handlers, job):
+    """``[jobs.types.<t>]`` over the decorator over the job's own values over ``[jobs]``."""
+    spec, override = handlers.get(job.type), cfg.job_type(job.type)
+    timeout = first(job.timeout, override.timeout, spec and spec.timeout, cfg.jobs.timeout)
+    soft = first(override.soft_timeout, spec and spec.soft_timeout, cfg.jobs.soft_timeout)
+    attempts = first(override.max_attempts, spec and spec.max_attempts, job.max_attempts)
+    return JobSettings(timeout, soft or None, attempts)
+
+
 def type_limits(cfg, handlers):
     """``{type: TypeLimits}`` for every type with a claim limit: ``[jobs.types.<t>]`` over the decorator."""
     from .model import TypeLimits, parse_rate
@@ -122,7 +145,6 @@ def type_limits(cfg, handlers):
     out = {}
     for type_name in sorted(set(handlers) | set(cfg.jobs.types)):
         spec, override = handlers.get(type_name), cfg.job_type(type_name)
-        first = lambda *values: next((v for v in values if v is not None), None)  # noqa: E731
         concurrency = first(override.max_concurrency, spec and spec.max_concurrency)
         rate = first(override.rate_limit, spec and spec.rate_limit)
         exclusive = first(override.exclusive, spec and spec.exclusive)

@@ -6,6 +6,8 @@ jitter until the job's ``max_attempts``, then dead-lettered (reason
 """
 import random
 
+from .timeouts import JobTimeout  # noqa: F401 - where handlers have imported it from
+
 
 class Permanent(Exception):
     """The job can never succeed (bad data, business rule): dead-letter it now."""
@@ -27,13 +29,18 @@ class RetryLater(Exception):
         self.delay = float(delay)
 
 
-class JobTimeout(Exception):
-    """Raised inside a handler when its soft timeout passes.
+MAX_EXPONENT = 62  # 2**62 is far past every cap; a larger exponent would only overflow the float
 
-    Never raised in the middle of a critical section (a commit, a broker call):
-    see ``supervisor.timeouts.critical``. Catch it to clean up; the attempt
-    counts as failed with reason ``timeout``.
+
+def backoff(exponent, base, cap, jitter=0.5, rng=random.random):
+    """``base * 2**exponent`` seconds, capped at ``cap``, then reduced by up to ``jitter`` (0..1) at random.
+
+    The one backoff of the daemon (retries, empty polls, reconnects, outcome
+    writes). The exponent is clamped, so a counter that keeps growing through a
+    months-long idle spell or outage can never overflow the float.
     """
+    exponent = min(max(0, int(exponent)), MAX_EXPONENT)
+    return min(float(cap), float(base) * 2.0 ** exponent) * (1.0 - float(jitter) * rng())
 
 
 def next_delay(attempt, base=1.0, cap=300.0, jitter=0.5, rng=random.random):
@@ -43,6 +50,4 @@ def next_delay(attempt, base=1.0, cap=300.0, jitter=0.5, rng=random.random):
     by up to ``jitter`` (a fraction, 0..1) at random, so that jobs which failed
     together (a database went away) do not all come back in the same instant.
     """
-    attempt = max(1, int(attempt))
-    delay = min(float(cap), float(base) * (2.0 ** min(attempt - 1, 62)))
-    return delay * (1.0 - float(jitter) * rng())
+    return backoff(max(1, int(attempt)) - 1, base, cap, jitter, rng)

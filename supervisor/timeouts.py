@@ -10,7 +10,15 @@ before a hard-timeout SIGKILL) takes the same path.
 import contextlib
 import signal
 
-from .retry import JobTimeout
+
+class JobTimeout(Exception):
+    """Raised inside a handler when its soft timeout passes.
+
+    Never raised in the middle of a critical section (a commit, a broker call):
+    see ``supervisor.timeouts.critical``. Catch it to clean up; the attempt
+    counts as failed with reason ``timeout``.
+    """
+
 
 _depth = 0
 _pending = None

@@ -282,16 +282,16 @@ def test_notifier_never_blocks_on_a_full_socket(tmp_path):
 def test_the_main_loop_wakes_up_in_time_for_the_next_ping(tmp_path):
     """An idle loop sleeps up to a second; a WatchdogSec= under two seconds needs it to wake sooner."""
     from supervisor import config
-    from supervisor.arbiter import Arbiter
+    from supervisor.master import Arbiter
 
     fake = FakeSystemd(str(tmp_path / "n.sock"))
     arbiter = Arbiter(config.from_dict({}, str(tmp_path)), {})
-    arbiter.target = 0  # no children to spawn: only the ping is due
+    arbiter.pool.target = 0  # no children to spawn: only the ping is due
     assert arbiter.next_wakeup() > 0.5
-    arbiter.notifier = Notifier({"NOTIFY_SOCKET": fake.address, "WATCHDOG_USEC": str(WATCHDOG_USEC)})
-    arbiter.notifier.watchdog()
+    arbiter.status.notifier = Notifier({"NOTIFY_SOCKET": fake.address, "WATCHDOG_USEC": str(WATCHDOG_USEC)})
+    arbiter.status.notifier.watchdog()
     assert 0 < arbiter.next_wakeup() <= WATCHDOG_USEC / 2e6
-    arbiter.notifier.close(), fake.close()
+    arbiter.status.notifier.close(), fake.close()
 
 
 # -- the health socket's group ---------------------------------------------------------------
@@ -442,7 +442,7 @@ def test_systemd_analyze_security_scores_the_unit_under_the_threshold(rendered_u
 
 
 def test_the_unit_agrees_with_the_config_defaults_and_the_installer():
-    from supervisor import arbiter, config, install
+    from supervisor import config, install, master as arbiter
 
     with open(UNIT_PATH) as f:
         text = f.read()

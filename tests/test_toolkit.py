@@ -18,7 +18,8 @@ from supervisor.cache import Cache
 from supervisor.config import ConfigError, from_dict
 from supervisor.idempotency import Idempotency, IdempotencyError, prune
 from supervisor.locks import LockBusy, LockLost, Locks, advisory_lock, row_lock
-from supervisor.retry import JobTimeout, RetryLater
+from supervisor.retry import RetryLater
+from supervisor.timeouts import JobTimeout
 from supervisor.transaction import transaction
 
 from .daemon import tangguh

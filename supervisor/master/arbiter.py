@@ -1,0 +1,454 @@
+"""The master: wires the parts together and runs the loop.
+
+``Arbiter.run`` is the whole life of the master: wait on the selector and
+read what is ready (signals via a self-pipe, child pipes, the health socket,
+the broker's wake-up fd), then in order handle signals, reap children, act on
+lost leases, kill overdue children, write outcomes to the broker, bring the
+pool to size, claim work and hand it out, enqueue due schedules, keep house
+and report. Nothing blocks except broker calls, and those are bounded by the
+broker's own timeouts. docs/design.md draws the parts and the rules.
+
+This is the only module of ``supervisor.master`` that knows the others:
+
+* ``pool``: the children (fork, pipes, reaping, deadlines, recycling);
+* ``dispatch``: claiming, prefetch, handing jobs to free children;
+* ``verdict``: what becomes of a job when its attempt ends (pure);
+* ``outcomes``: storing those verdicts in the broker;
+* ``brokerlink``: the main loop's broker connection and outage state;
+* ``status``: counters, status JSON, systemd, the process title;
+* ``locks``: the children's Redis locks, from the master's side.
+"""
+import collections
+import logging
+import os
+import random
+import selectors
+import signal
+import socket
+import sys
+import time
+
+from .. import child, config, logs, registry, scheduler, toolkit
+from ..errors import BrokerError, ConfigError, TangguhError
+from ..health import AlreadyRunning, HealthServer
+from ..heartbeat import Heartbeat
+from ..metrics import SAMPLE_SECONDS, HttpExporter, Metrics
+from ..protocol import KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT, UNKNOWN_TYPE
+from ..retry import next_delay
+from ..sdnotify import Notifier
+from . import verdict
+from .brokerlink import BrokerLink
+from .dispatch import Dispatcher
+from .locks import MasterLocks
+from .outcomes import OutcomeWriter, attempt_info
+from .pool import Pool
+from .status import Status
+
+log = logging.getLogger("tangguh.arbiter")
+
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_RUNNING, EXIT_BOOT = 0, 1, 2, 3, 4
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU,
+           signal.SIGCHLD)
+
+
+class Arbiter:
+    def __init__(self, cfg, handlers):
+        self.cfg = cfg
+        self.handlers = handlers
+        self.generation = 1
+        self.pid = os.getpid()
+        self.owner = f"{socket.gethostname()}:{self.pid}"
+        self.started_at = time.time()
+        self.reload_error = None
+        self.stopping = None  # None, "graceful", "fast"
+        self.stop_deadline = None
+        self.exit_code = EXIT_OK
+        self.next_prune_at = time.monotonic() + 60
+        self.queue_stats = {}  # the last broker.stats() sample: {queue: QueueStats}
+        self.next_sample_at = 0.0
+        self.selector = selectors.DefaultSelector()
+        self.signals = collections.deque()
+        self.exporter = None  # HTTP /metrics, when [metrics] listen is set
+        self.plan_scheduling()
+        b = cfg.broker
+        self.metrics = Metrics(self)
+        self.status = Status(self, self.metrics, Notifier())
+        count = self.status.count
+        self.link = BrokerLink(b.url, b.migrate, self.selector, self.metrics, on_wakeup=self.on_broker_wakeup,
+                               on_down=self.on_broker_down, pid=self.pid)
+        # The wake-up pipe is made in start(); the heartbeat only writes to it once started.
+        self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, None)
+        self.pool = Pool(cfg.supervisor, self.selector, self.heartbeat, run_child=self.run_child,
+                         on_reply=self.on_reply, on_lock=self.on_lock, on_exit=self.on_child_exit,
+                         on_boot_failed=self.on_boot_failed, count=count)
+        self.dispatcher = Dispatcher(cfg, handlers, self.limits, self.owner, self.link, self.pool,
+                                     hold=self.heartbeat.hold, settings_for=self.settings_for,
+                                     on_claimed=self.status.claimed, on_unknown=self.on_unknown_type)
+        self.writer = OutcomeWriter(self.link, unhold=self.heartbeat.drop, on_stored=self.status.stored,
+                                    on_lost=lambda job: count("lease_lost"))
+
+    # -- life -------------------------------------------------------------------------
+    def run(self):
+        try:
+            self.start()
+        except AlreadyRunning as exc:
+            log.error("%s", exc)
+            return EXIT_RUNNING
+        log.info("supervisor started", extra={"event": "start", "pid": self.pid, "generation": self.generation})
+        while not self.finished():
+            self.wait_and_read()
+            self.handle_signals()
+            self.pool.reap()
+            self.handle_lost_leases()
+            self.pool.kill_overdue()
+            self.check_stop_deadline()
+            self.writer.flush()
+            self.pool.manage()
+            self.claim_and_dispatch()
+            self.run_schedules()
+            self.housekeeping()
+            self.status.report()
+        self.shutdown()
+        return self.exit_code
+
+    def start(self):
+        self.health = HealthServer(self.cfg.supervisor.socket, self.cfg.supervisor.socket_mode, self.selector,
+                                   self.status.answer, group=self.cfg.supervisor.socket_group)
+        self.sig_r, self.sig_w = os.pipe()
+        self.wake_r, self.wake_w = os.pipe()
+        for fd in (self.sig_r, self.sig_w, self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)
+        self.selector.register(self.sig_r, selectors.EVENT_READ, self.read_signals)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, self.read_wakeups)
+        for sig in SIGNALS:
+            signal.signal(sig, lambda *_: None)  # the byte on the self-pipe is all we need
+        signal.set_wakeup_fd(self.sig_w)
+        if self.cfg.metrics.listen:
+            try:
+                self.exporter = HttpExporter(self.cfg.metrics.listen, self.selector, self.metrics.render)
+            except (OSError, ValueError) as exc:
+                # Jobs matter more than their metrics: run on, loudly, without the endpoint.
+                log.error("metrics endpoint %s not started: %s", self.cfg.metrics.listen, exc,
+                          extra={"event": "metrics_failed"})
+        self.heartbeat.wake_fd = self.wake_w
+        # Redis locks the children hold: extended by the heartbeat, released when a child dies.
+        self.locks = MasterLocks(self.cfg.toolkit.redis_url) if self.cfg.toolkit.redis_url else None
+        self.heartbeat.locks = self.locks
+        try:
+            self.link.call(lambda br: br)
+        except BrokerError:
+            if self.cfg.broker.url.startswith("sqlite:"):
+                self.health.close()
+                raise  # a local file we cannot open is a setup error, not an outage
+        self.status.set_title()
+        self.pool.manage()
+        self.heartbeat.start()
+
+    def finished(self):
+        return self.stopping is not None and not self.pool.children and self.writer.settled()
+
+    def wait_and_read(self):
+        """Sleep until the next due instant or until a descriptor is ready, and read what is."""
+        for key, mask in self.selector.select(self.next_wakeup()):
+            key.data(mask)
+        self.health.expire_clients()
+        if self.exporter is not None:
+            self.exporter.expire_clients()
+
+    def next_wakeup(self):
+        """Seconds until the earliest instant some part needs the loop."""
+        now = time.monotonic()
+        instants = [now + 1.0, self.writer.due_at(), self.stop_deadline, self.status.notifier.next_ping_at()]
+        instants.extend(self.pool.deadlines())
+        if self.stopping is None:
+            # A WatchdogSec= under 2 s must not expire while we sleep: the ping is in the list.
+            instants += [self.dispatcher.due_at(), self.pool.spawn_due_at()]
+            if self.scheduler.schedules:
+                instants.append(self.schedule_at)
+        return max(0.0, min(i for i in instants if i is not None) - now)
+
+    def shutdown(self):
+        self.heartbeat.close()
+        self.health.close()
+        if self.exporter is not None:
+            self.exporter.close()
+        self.link.drop()
+        signal.set_wakeup_fd(-1)
+        self.status.notifier.close()
+        log.info("supervisor stopped", extra={"event": "stop", "pid": self.pid, "exit_code": self.exit_code})
+
+    # -- signals -------------------------------------------------------------------------
+    def read_signals(self, _mask):
+        try:
+            data = os.read(self.sig_r, 4096)
+        except BlockingIOError:
+            return
+        self.signals.extend(data)
+
+    def read_wakeups(self, _mask):
+        try:
+            os.read(self.wake_r, 4096)
+        except BlockingIOError:
+            pass
+
+    def handle_signals(self):
+        while self.signals:
+            sig = self.signals.popleft()
+            handler = {
+                signal.SIGTERM: self.handle_term, signal.SIGINT: self.handle_term,
+                signal.SIGQUIT: self.stop_fast, signal.SIGHUP: self.reload,
+                signal.SIGTTIN: self.handle_ttin, signal.SIGTTOU: self.handle_ttou,
+            }.get(sig)
+            if handler is not None:
+                handler()
+
+    def handle_term(self):
+        if self.stopping is None:
+            self.stop_gracefully()
+        else:
+            self.stop_fast()  # a second TERM/INT: the operator means it
+
+    def handle_ttin(self):
+        self.pool.target += 1
+        log.info("worker count raised to %d", self.pool.target, extra={"event": "ttin"})
+
+    def handle_ttou(self):
+        if self.pool.target > 1:
+            self.pool.target -= 1
+        log.info("worker count lowered to %d", self.pool.target, extra={"event": "ttou"})
+
+    # -- stopping ------------------------------------------------------------------------
+    def stop_gracefully(self):
+        log.info("graceful stop: finishing running jobs", extra={"event": "stopping"})
+        self.begin_stop("graceful")
+        self.stop_deadline = time.monotonic() + self.cfg.supervisor.graceful_timeout
+        self.pool.retire_all()
+
+    def stop_fast(self):
+        log.info("fast stop: killing children", extra={"event": "stopping"})
+        self.begin_stop("fast")
+        self.stop_deadline = None
+        self.pool.kill_all(KILLED_SHUTDOWN)
+
+    def begin_stop(self, how):
+        self.stopping = how
+        self.pool.stopping = True
+        self.status.notifier.stopping()
+        for job in self.dispatcher.take_all():
+            self.writer.release(job)
+
+    def check_stop_deadline(self):
+        if self.stopping == "graceful" and self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
+            log.warning("graceful timeout passed: killing the remaining children", extra={"event": "stopping"})
+            self.stop_deadline = None
+            self.pool.kill_all(KILLED_SHUTDOWN)
+
+    def on_boot_failed(self):
+        self.exit_code = EXIT_BOOT
+        self.stop_fast()
+
+    # -- reload ----------------------------------------------------------------------------
+    def reload(self):
+        if self.stopping:
+            return
+        self.status.notifier.reloading()
+        try:
+            self.load_generation()
+        finally:
+            self.status.reloaded()
+
+    def load_generation(self):
+        try:
+            cfg = config.load(self.cfg.path)
+            if cfg.broker.url != self.cfg.broker.url:
+                raise ConfigError("broker.url: changing the broker needs a restart, not a reload")
+            if cfg.toolkit.redis_url != self.cfg.toolkit.redis_url:
+                # The master extends and releases the children's locks on this Redis.
+                raise ConfigError("toolkit.redis_url: changing it needs a restart, not a reload")
+            handlers = registry.load_handlers(cfg.supervisor.handlers, self.generation + 1)
+        except TangguhError as exc:
+            self.reload_error = str(exc)
+            self.status.count("reload", "failed")
+            log.error("reload failed, keeping generation %d: %s", self.generation, exc,
+                      extra={"event": "reload_failed", "generation": self.generation})
+            return
+        self.cfg, self.handlers = cfg, handlers
+        self.plan_scheduling()
+        self.generation += 1
+        self.reload_error = None
+        self.dispatcher.configure(cfg, handlers, self.limits)
+        self.pool.cfg, self.pool.generation, self.pool.target = cfg.supervisor, self.generation, cfg.supervisor.workers
+        self.heartbeat.lease_seconds = cfg.broker.lease_seconds
+        self.heartbeat.interval = cfg.broker.heartbeat_seconds
+        logging.getLogger().setLevel(cfg.log.level.upper())
+        self.pool.retire_all(older_than=self.generation)
+        self.status.set_title()
+        self.status.count("reload", "ok")
+        log.info("reloaded: generation %d with %d handler types", self.generation, len(handlers),
+                 extra={"event": "reload", "generation": self.generation})
+
+    # -- children ----------------------------------------------------------------------------
+    def run_child(self, sock, slot):
+        """In a fresh child: close the master's descriptors, then serve jobs (never returns)."""
+        self.health.close_in_child()
+        if self.exporter is not None:
+            self.exporter.close_in_child()
+        for fd in (self.sig_r, self.sig_w, self.wake_r, self.wake_w):
+            os.close(fd)
+        self.link.close_in_child()
+        self.selector.close()
+        self.status.notifier.close()
+        toolkit.configure(self.cfg.toolkit)  # the child opens its own connections, lazily
+        child.main(sock, slot, self.handlers, self.pid)
+
+    def on_lock(self, c, msg):
+        if self.locks is not None:
+            self.locks.on_message(c.pid, msg)
+
+    def on_reply(self, c, reply):
+        if c.job is None or reply.get("job_id") != c.job.id:
+            return
+        job, settings = self.pool.finish(c)
+        if self.locks is not None:
+            self.locks.release_child(c.pid)  # a lock the job left behind ends with the job
+        self.status.attempt(job, reply)
+        ending = verdict.Ending(reply=reply, kill_reason=c.kill_reason, term_sent=c.term_at is not None)
+        self.settle(job, settings, ending, c, reply)
+        if self.pool.after_reply(c) and self.stopping is None:
+            self.dispatcher.dispatch()  # the next prefetched job now: the child need not wait for the ack
+
+    def on_child_exit(self, c, how, fields):
+        if self.locks is not None:
+            self.locks.release_child(c.pid)  # now, not at their TTL: the retry may need them
+        if c.job is None:
+            return
+        job, settings = c.job, c.settings
+        c.job = c.settings = None
+        if c.kill_reason == KILLED_TIMEOUT:
+            log.warning("worker %d killed: job over its hard timeout", c.slot,
+                        extra=logs.job_fields(job, event="timeout_exit", **fields))
+        elif c.kill_reason not in (KILLED_LEASE_LOST, KILLED_SHUTDOWN):
+            log.error("worker %d died mid-job (%s)", c.slot, how, extra=logs.job_fields(job, event="crash", **fields))
+            self.status.count("crashed_mid_job")
+        self.settle(job, settings, verdict.Ending(exit_how=how, kill_reason=c.kill_reason), c)
+
+    # -- jobs ----------------------------------------------------------------------------------
+    def settings_for(self, job):
+        return registry.job_settings(self.cfg, self.handlers, job)
+
+    def backoff(self, failures):
+        j = self.cfg.jobs
+        return next_delay(failures, j.backoff_base, j.backoff_cap, j.jitter)
+
+    def settle(self, job, settings, ending, c=None, reply=None):
+        """Judge an ended attempt, count it, and queue its outcome for the broker."""
+        outcome = verdict.judge(job.attempt, settings.max_attempts, ending, self.backoff)
+        self.status.outcome(job, outcome, (reply or {}).get("duration", 0))
+        self.writer.add(job, outcome, attempt_info(c, reply))
+
+    def on_unknown_type(self, job, settings):
+        outcome = verdict.failure(job.attempt, settings.max_attempts, UNKNOWN_TYPE, "UnknownType",
+                                  f"no handler for job type {job.type!r}", self.backoff)
+        self.status.outcome(job, outcome)
+        self.writer.add(job, outcome, attempt_info())
+
+    def claim_and_dispatch(self):
+        if self.stopping is not None:
+            return
+        self.dispatcher.dispatch()
+        self.dispatcher.claim()
+        self.dispatcher.dispatch()
+
+    def on_broker_wakeup(self):
+        self.dispatcher.wake()
+
+    def on_broker_down(self, retry_at):
+        self.dispatcher.hold_claims_until(retry_at)
+
+    def handle_lost_leases(self):
+        while self.heartbeat.lost:
+            lease = self.heartbeat.lost.popleft()
+            self.status.count("lease_lost")
+            self.dispatcher.forget(lease)
+            c = self.pool.running(lease)
+            if c is not None:
+                log.warning("lease lost: killing worker %d", c.slot,
+                            extra=logs.job_fields(c.job, event="lease_lost", slot=c.slot, pid=c.pid))
+                self.pool.kill(c, KILLED_LEASE_LOST)
+
+    # -- periodic work ------------------------------------------------------------------------
+    def plan_scheduling(self):
+        """The claim limits and periodic jobs of the current config and handlers."""
+        self.limits = registry.type_limits(self.cfg, self.handlers) or None
+        self.scheduler = scheduler.from_config(self.cfg, self.handlers)
+        self.schedule_at = 0.0  # monotonic instant of the next check
+
+    def run_schedules(self):
+        if self.stopping is not None or not self.scheduler.schedules or time.monotonic() < self.schedule_at:
+            return
+
+        def check(br):
+            self.scheduler.tick(br)
+            return br.now()
+
+        try:
+            now = self.link.call(check, "schedule")
+        except BrokerError:
+            self.schedule_at = time.monotonic() + 1.0  # what was not enqueued stays due
+            return
+        self.schedule_at = time.monotonic() + max(0.0, self.scheduler.due_at() - now)
+
+    def housekeeping(self):
+        now = time.monotonic()
+        if now >= self.next_prune_at and self.cfg.broker.retention > 0 and not self.link.down:
+            self.next_prune_at = now + 300 * random.uniform(0.9, 1.1)
+            try:
+                self.link.call(lambda br: br.prune(self.cfg.broker.retention), "prune")
+            except BrokerError:
+                pass
+        if now >= self.next_sample_at and not self.link.down:
+            self.next_sample_at = now + SAMPLE_SECONDS
+            try:
+                self.queue_stats = self.link.call(lambda br: br.stats(self.cfg.broker.queues), "stats")
+            except BrokerError:
+                return
+            self.metrics.sample_queues(self.queue_stats)
+
+    @property
+    def broker_shown(self):
+        return _redact(self.cfg.broker.url)
+
+
+def _redact(url):
+    """Hide a password in a broker URL shown to operators."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+def run(config_path=None):
+    """``tangguh run``: load everything, then supervise until stopped. Returns the exit code."""
+    try:
+        cfg = config.load(config_path)
+    except ConfigError as exc:
+        print(f"tangguh: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    logs.setup(cfg.log.level, cfg.log.format)
+    try:
+        handlers = registry.load_handlers(cfg.supervisor.handlers, generation=1)
+    except ConfigError as exc:
+        print(f"tangguh: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    arbiter = Arbiter(cfg, handlers)
+    try:
+        return arbiter.run()
+    except ConfigError as exc:  # found only at start (supervisor.socket_group): exit 2, no restart loop
+        print(f"tangguh: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except BrokerError as exc:
+        print(f"tangguh: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR

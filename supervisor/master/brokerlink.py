@@ -1,0 +1,117 @@
+"""The main loop's connection to the broker: one ``call()`` for every operation.
+
+A broker call from the main loop either returns or raises ``BrokerError``
+(``LeaseLost`` passes through: it is an answer, not a failure). A failure
+drops the connection; the next call reconnects. The link logs once when the
+broker goes away and once when it is back, not once per try, and tells the
+claimer when to try again (``on_down``) with a capped, jittered backoff.
+
+The heartbeat thread has a connection of its own; this one is the main loop's.
+"""
+import logging
+import os
+import selectors
+import time
+
+from ..backends import open_broker
+from ..errors import BrokerError, LeaseLost
+from ..retry import backoff
+
+log = logging.getLogger("tangguh.arbiter")
+
+# Outcome writes retry on their own backoff (see OutcomeWriter): their failure
+# does not mean the broker is down for the claims.
+WRITE_OPS = ("ack", "retry", "dead", "release")
+
+
+class BrokerLink:
+    def __init__(self, url, migrate, selector, metrics, on_wakeup, on_down, pid):
+        self.url, self.migrate = url, migrate
+        self.selector = selector
+        self.metrics = metrics
+        self.on_wakeup = on_wakeup  # the broker says new work is due (a notification, an inotify event)
+        self.on_down = on_down  # on_down(instant): do not claim before this monotonic instant
+        self.pid = pid
+        self.broker = None
+        self.fd = None  # our dup of the broker's wake-up descriptor
+        self.down_since = None  # monotonic instant of the first failure of this outage
+        self.failures = 0  # failed calls in a row (the reconnect backoff's exponent)
+
+    @property
+    def down(self):
+        return self.down_since is not None
+
+    def connect(self):
+        if self.broker is None:
+            broker = open_broker(self.url)
+            if self.migrate:
+                broker.migrate()
+            fd = broker.wakeup_fd()
+            if fd is not None:
+                # Our own duplicate: the driver may close its socket behind our back (a
+                # Redis restart), and a bare number in the selector could then come to
+                # name a child's pipe. A dup stays ours until drop() closes it.
+                self.fd = os.dup(fd)
+                self.selector.register(self.fd, selectors.EVENT_READ, self._on_wakeup)
+            self.broker = broker
+        return self.broker
+
+    def _on_wakeup(self, _mask):
+        try:
+            self.broker.drain_wakeups()
+        except Exception:  # noqa: BLE001 - the listener broke: reconnect everything on the next call
+            self.drop()
+        self.on_wakeup()
+
+    def call(self, fn, op="connect"):
+        """Run ``fn(broker)``; on failure mark the broker down and reconnect later.
+
+        ``op`` labels the round-trip time metric.
+        """
+        now = time.monotonic()
+        try:
+            result = fn(self.connect())
+        except LeaseLost:
+            self.metrics.broker_rtt.labels(op).observe(time.monotonic() - now)
+            raise
+        except Exception as exc:  # noqa: BLE001 - every driver error means the same: try later
+            self.metrics.broker_errors.labels("main").inc()
+            self.drop()
+            if op in WRITE_OPS:
+                # A refused outcome write retries on its own backoff. Pausing claims for
+                # it could starve the very claim that reclaims its expired lease, which is
+                # what finally ends that write (LeaseLost). A real outage fails the claims.
+                raise BrokerError(f"{type(exc).__name__}: {exc}") from None
+            if self.down_since is None:
+                self.down_since = now
+                log.error("broker unreachable, pausing claims: %s: %s", type(exc).__name__, exc,
+                          extra={"event": "broker_down", "pid": self.pid})
+            self.failures += 1
+            self.on_down(now + backoff(self.failures, 0.2, 10.0, jitter=0.5))
+            raise BrokerError(str(exc)) from None
+        self.metrics.broker_rtt.labels(op).observe(time.monotonic() - now)
+        if self.down_since is not None:
+            log.info("broker reachable again after %.1fs", now - self.down_since,
+                     extra={"event": "broker_up", "pid": self.pid})
+            self.down_since = None
+        self.failures = 0
+        return result
+
+    def drop(self):
+        if self.fd is not None:
+            try:
+                self.selector.unregister(self.fd)
+            except (KeyError, ValueError):
+                pass
+            os.close(self.fd)
+            self.fd = None
+        if self.broker is not None:
+            try:
+                self.broker.close()
+            except Exception:  # noqa: BLE001 - it is being thrown away anyway
+                pass
+            self.broker = None
+
+    def close_in_child(self):
+        if self.fd is not None:
+            os.close(self.fd)  # our dup: it would keep the broker's socket alive

@@ -1,0 +1,109 @@
+"""Claiming work and handing it to free children: prefetch, capacity, claim pacing.
+
+A claim asks for as many jobs as there are free children plus the prefetch
+room. Claimed jobs wait in ``prefetched`` with the rules they were claimed
+under (``registry.JobSettings``), so a reload between the claim and the
+verdict cannot change a running job's rules. While the queue is empty the
+claims back off up to ``poll_interval``; a broker wake-up (a notification, an
+inotify event) brings the next claim forward at once.
+"""
+import collections
+import logging
+import random
+import time
+
+from .. import logs
+from ..errors import BrokerError
+from ..retry import backoff
+
+log = logging.getLogger("tangguh.arbiter")
+
+
+class Dispatcher:
+    """Callbacks: ``hold(lease)`` the heartbeat starts renewing it; ``on_claimed(job)``
+    counts and logs a claim; ``on_unknown(job, settings)`` a job no handler takes;
+    ``settings_for(job)`` the rules to claim it under."""
+
+    def __init__(self, cfg, handlers, limits, owner, link, pool, hold, settings_for, on_claimed, on_unknown):
+        self.configure(cfg, handlers, limits)
+        self.owner = owner  # "host:pid", stored with every lease this supervisor takes
+        self.link, self.pool = link, pool
+        self.hold, self.settings_for = hold, settings_for
+        self.on_claimed, self.on_unknown = on_claimed, on_unknown
+        self.prefetched = collections.deque()  # (job, settings), oldest first
+        self.next_claim_at = 0.0
+        self.empty_claims = 0  # empty claims in a row: the poll backoff's exponent
+
+    def configure(self, cfg, handlers, limits):
+        """The config, handlers and claim limits of the current generation."""
+        self.cfg, self.handlers, self.limits = cfg, handlers, limits
+
+    def capacity(self):
+        prefetch = self.cfg.broker.prefetch
+        if self.prefetched and len(self.prefetched) * 2 > prefetch:
+            return 0  # refill the prefetch buffer once it is half empty: fewer, larger claims
+        return len(self.pool.free()) + prefetch - len(self.prefetched)
+
+    def due_at(self):
+        return self.next_claim_at if self.capacity() > 0 else None
+
+    def wake(self):
+        """New work may be due: claim on the next loop turn."""
+        self.next_claim_at = time.monotonic()
+        self.empty_claims = 0
+
+    def hold_claims_until(self, instant):
+        self.next_claim_at = instant
+
+    def claim(self):
+        """Claim what the free children and the prefetch room can take."""
+        now = time.monotonic()
+        want = self.capacity()
+        if want <= 0 or now < self.next_claim_at:
+            return
+        b = self.cfg.broker
+        try:
+            jobs = self.link.call(lambda br: br.claim(b.queues, want, b.lease_seconds, self.owner, self.limits),
+                                  "claim")
+        except BrokerError:
+            return
+        for job in jobs:
+            self.hold(job.lease)
+            self.on_claimed(job)
+            settings = self.settings_for(job)
+            if job.type not in self.handlers:
+                self.on_unknown(job, settings)
+            else:
+                self.prefetched.append((job, settings))
+        if jobs:
+            self.empty_claims = 0
+            self.next_claim_at = now
+        else:
+            # Back off while the queue is empty; the jitter keeps many supervisors
+            # from polling a shared broker in lockstep.
+            self.empty_claims += 1
+            delay = backoff(self.empty_claims, 0.005, self.cfg.supervisor.poll_interval, jitter=0)
+            self.next_claim_at = now + delay * random.uniform(0.75, 1.25)
+
+    def dispatch(self):
+        """Hand prefetched jobs to free children, oldest first."""
+        for c in self.pool.free():
+            if not self.prefetched:
+                return
+            job, settings = self.prefetched.popleft()
+            self.pool.run(c, job, settings)
+
+    def take_all(self):
+        """Every prefetched job, removed (to be released at a stop)."""
+        jobs = [job for job, _ in self.prefetched]
+        self.prefetched.clear()
+        return jobs
+
+    def forget(self, lease):
+        """Drop the prefetched job of a lost ``lease``; True if there was one."""
+        for entry in list(self.prefetched):
+            if entry[0].lease == lease:
+                self.prefetched.remove(entry)
+                log.warning("lease lost on a prefetched job", extra=logs.job_fields(entry[0], event="lease_lost"))
+                return True
+        return False

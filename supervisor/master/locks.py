@@ -1,0 +1,102 @@
+"""The master's record of the Redis locks its children hold (``ctx.lock``).
+
+The handler's side (acquire, release, fences) is ``supervisor.locks``; this is
+the other half: the children report each lock over their pipe, the heartbeat
+thread extends them with the job's lease, and a dead child's locks are
+released at once so the next attempt does not wait out their TTL.
+"""
+import logging
+import threading
+
+from .. import protocol
+from ..locks import EXTEND, RELEASE
+
+log = logging.getLogger("tangguh.locks")
+
+
+class MasterLocks:
+    """The master's record of the Redis locks its children hold.
+
+    The main loop adds and removes entries as ``lock``/``unlock`` messages
+    arrive and calls ``release_child`` when a child dies; the heartbeat thread
+    calls ``extend_all`` once per beat. Each call opens a short-lived Redis
+    connection and closes it before returning, so no socket of the master's
+    is open across a fork (and only beats with locks held pay for one).
+    """
+
+    def __init__(self, redis_url):
+        self.redis_url = redis_url
+        self.held = {}  # pid -> {key: (token, ttl)}
+        self.mutex = threading.Lock()
+        self.released = 0  # locks released for dead children
+        self.extended = 0
+
+    def _client(self):
+        from ..toolkit import open_redis
+
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # One try, short timeouts: the main loop must not stall on a Redis outage (the TTL covers it).
+        return open_redis(self.redis_url, socket_connect_timeout=1, socket_timeout=2, retry=Retry(NoBackoff(), 0))[0]
+
+    def on_message(self, pid, msg):
+        """A child's ``lock`` or ``unlock`` message (a malformed one is logged and ignored)."""
+        try:
+            key, token = str(msg["key"]), str(msg["token"])
+            ttl = float(msg.get("ttl") or 0)
+        except (KeyError, TypeError, ValueError):
+            log.warning("ignoring a malformed %s message from child %d", msg.get("op"), pid)
+            return
+        with self.mutex:
+            if msg["op"] == protocol.LOCK:
+                self.held.setdefault(pid, {})[key] = (token, ttl)
+            else:
+                mine = self.held.get(pid, {})
+                if mine.get(key, (None,))[0] == token:
+                    del mine[key]
+                if not mine:
+                    self.held.pop(pid, None)
+
+    def release_child(self, pid):
+        """Compare-and-delete every lock child ``pid`` held (it is dead). Main loop."""
+        with self.mutex:
+            mine = self.held.pop(pid, None)
+        if not mine:
+            return 0
+        client = None
+        try:
+            client = self._client()
+            pipe = client.pipeline(transaction=False)
+            for key, (token, _) in mine.items():
+                pipe.eval(RELEASE, 1, key, token)
+            released = sum(1 for r in pipe.execute() if r)
+        except Exception as exc:  # noqa: BLE001 - Redis away: the TTL frees them instead
+            log.warning("could not release %d lock(s) of dead child %d (they expire by TTL): %s",
+                        len(mine), pid, exc)
+            return 0
+        finally:
+            if client is not None:
+                client.close()
+        self.released += released
+        log.info("released %d lock(s) of dead child %d", released, pid, extra={"event": "locks_released"})
+        return released
+
+    def extend_all(self):
+        """Extend every registered lock by its TTL in one pipelined round trip. Heartbeat thread."""
+        with self.mutex:
+            entries = [(key, token, ttl) for mine in self.held.values() for key, (token, ttl) in mine.items()]
+        if not entries:
+            return
+        client = None
+        try:
+            client = self._client()
+            pipe = client.pipeline(transaction=False)
+            for key, token, ttl in entries:
+                pipe.eval(EXTEND, 1, key, token, int(ttl * 1000))
+            self.extended += sum(1 for r in pipe.execute() if r)
+        except Exception as exc:  # noqa: BLE001 - a Redis error must not kill the heartbeat
+            log.warning("lock extension failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            if client is not None:
+                client.close()

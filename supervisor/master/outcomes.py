@@ -1,0 +1,185 @@
+"""The outcome writer: every verdict reaches the broker through here.
+
+Acks linger a few milliseconds so that the acks of one loop turn share one
+``ack_many`` round trip (and, on SQLite, one commit). A write the broker
+refuses is retried on its own backoff; a write that meets ``LeaseLost`` is
+dropped (someone else holds the job now). A job's lease leaves the
+heartbeat's care in exactly one place, ``stop_renewing``.
+"""
+import collections
+import dataclasses
+import logging
+import socket
+import time
+
+from .. import logs
+from ..errors import BrokerError, LeaseLost
+from ..model import ACK, DEAD, DROP, RELEASE, RETRY, error_info
+from ..retry import backoff
+
+log = logging.getLogger("tangguh.arbiter")
+
+# An ack waits this long for others to share its round trip (and its commit, on SQLite).
+# Delaying an ack is safe: the effect is durable already and the lease is still renewed.
+ACK_LINGER = 0.005
+STOP_WRITES_SECONDS = 10.0  # how long a stopping master keeps retrying unstored outcomes
+STORED_EVENTS = {ACK: "acked", RETRY: "retry_stored", DEAD: "dead_stored", RELEASE: "released"}
+
+
+@dataclasses.dataclass(eq=False)
+class Write:
+    """One outcome to store, retried with backoff while the broker refuses it."""
+
+    job: object
+    op: str  # ACK, RETRY, DEAD or RELEASE
+    result: object = None  # ACK
+    info: dict | None = None  # the attempt's host, pid, slot, duration
+    reason: str | None = None  # DEAD
+    error: dict | None = None  # RETRY, DEAD
+    delay: float = 0.0  # RETRY: seconds from the broker's now
+    tries: int = 0
+    next_at: float = 0.0
+
+    def apply(self, broker):
+        lease = self.job.lease
+        if self.op == ACK:
+            broker.ack(lease, self.result, self.info)
+        elif self.op == RETRY:
+            broker.retry(lease, broker.now() + self.delay, self.error, self.info)
+        elif self.op == DEAD:
+            broker.dead(lease, self.reason, self.error, self.info)
+        elif self.op == RELEASE:
+            broker.release(lease)
+
+
+def attempt_info(child=None, reply=None):
+    """Where and how long an attempt ran, stored with its outcome."""
+    info = {"host": socket.gethostname()}
+    if child is not None:
+        info.update(pid=child.pid, slot=child.slot)
+    if reply and "duration" in reply:
+        info["duration"] = round(reply["duration"], 6)
+    return info
+
+
+class OutcomeWriter:
+    def __init__(self, link, unhold, on_stored, on_lost):
+        self.link = link  # BrokerLink
+        self.unhold = unhold  # unhold(job_id): the heartbeat stops renewing that lease
+        self.on_stored = on_stored  # on_stored(write): metrics of a stored outcome
+        self.on_lost = on_lost  # on_lost(job): the broker refused the write, the lease is someone else's
+        self.writes = collections.deque()
+        self.give_up_at = None
+
+    def __len__(self):
+        return len(self.writes)
+
+    def add(self, job, outcome, info):
+        """Queue the store of a verdict (see ``verdict.Outcome``)."""
+        if outcome.op == DROP:
+            self.stop_renewing(job)
+            return
+        write = Write(job, outcome.op, info=info)
+        if outcome.op == ACK:
+            write.result = outcome.result
+            write.next_at = time.monotonic() + ACK_LINGER
+        elif outcome.failed:
+            write.error = error_info(outcome.reason, outcome.error_class, outcome.message, outcome.traceback)
+            write.reason, write.delay = outcome.reason, outcome.delay or 0.0
+        self.writes.append(write)
+
+    def release(self, job):
+        """Give a claimed job back untouched (a stop, a child killed at shutdown)."""
+        self.writes.append(Write(job, RELEASE))
+
+    def due_at(self):
+        return min((w.next_at for w in self.writes), default=None)
+
+    def stop_renewing(self, job):
+        self.unhold(job.id)
+
+    def flush(self):
+        now = time.monotonic()
+        acks = []
+        # One due ack takes every first-try ack along (they are only lingering for
+        # company). An ack that failed once is retried alone below, so one ack the
+        # broker refuses cannot keep failing the others until their leases expire.
+        ack_due = any(w.op == ACK and w.tries == 0 and w.next_at <= now for w in self.writes)
+        for _ in range(len(self.writes)):
+            write = self.writes.popleft()
+            if write.op == ACK and write.tries == 0 and ack_due:
+                acks.append(write)  # stored together below
+                continue
+            if write.next_at > now:
+                self.writes.append(write)
+                continue
+            try:
+                self.link.call(write.apply, write.op)
+            except LeaseLost:
+                self.lost(write)
+            except BrokerError as exc:
+                self.failed(write, exc, now)
+                continue
+            else:
+                self.stored(write)
+            self.stop_renewing(write.job)
+        if acks:
+            self.flush_acks(acks, now)
+
+    def flush_acks(self, acks, now):
+        """Every due ack in one ``ack_many``: one round trip (one commit on SQLite) per loop turn."""
+        try:
+            lost = self.link.call(lambda br: br.ack_many([(w.job.lease, w.result, w.info) for w in acks]), ACK)
+        except BrokerError as exc:
+            for write in acks:
+                self.failed(write, exc, now)
+            return
+        lost = {(lease.job_id, lease.token) for lease in lost}
+        for write in acks:
+            if (write.job.id, write.job.token) in lost:
+                self.lost(write)
+            else:
+                self.stored(write)
+            self.stop_renewing(write.job)
+
+    def failed(self, write, exc, now):
+        """Retry an outcome write with backoff, and stop renewing its lease.
+
+        A write the broker keeps refusing while lease renewals still pass would
+        leave the job 'running' under a live owner forever (solid_queue #748).
+        The outcome has the rest of the lease to land; after that whoever claims
+        the job runs it again, and this write meets LeaseLost.
+        """
+        if write.tries == 0:  # once per outcome, not once per try
+            log.warning("%s not stored yet, retrying: %s", write.op, exc,
+                        extra=logs.job_fields(write.job, event="write_failed"))
+        self.stop_renewing(write.job)
+        write.tries += 1
+        write.next_at = now + backoff(write.tries, 0.1, 10.0, jitter=0.5)
+        self.writes.append(write)
+
+    def lost(self, write):
+        self.on_lost(write.job)
+        log.warning("lease lost before the outcome was stored; the job will run again",
+                    extra=logs.job_fields(write.job, event="lease_lost"))
+
+    def stored(self, write):
+        self.on_stored(write)
+        log.debug("outcome stored: %s", write.op, extra=logs.job_fields(write.job, event=STORED_EVENTS[write.op]))
+
+    def settled(self):
+        """At a stop: True once every outcome is stored, or after giving up on the rest.
+
+        Outcomes the broker would not take are abandoned after a while rather
+        than hang the stop. Their leases expire and the jobs run again.
+        """
+        if not self.writes:
+            return True
+        now = time.monotonic()
+        if self.give_up_at is None:
+            self.give_up_at = now + STOP_WRITES_SECONDS
+        if now < self.give_up_at:
+            return False
+        log.error("stopping with %d outcomes not stored; those jobs will run again after their lease",
+                  len(self.writes), extra={"event": "writes_abandoned"})
+        return True

@@ -1,0 +1,336 @@
+"""The pool of children: forking, reading their pipes, reaping, deadlines, recycling.
+
+The pool keeps the master's record of each child (``Child``) and never
+touches the broker: what a child says and how it dies go to the wiring
+through callbacks. Children are forked only while no other thread runs in
+the master (docs/design.md, "Process-model rules"): the heartbeat is stopped
+and joined around every batch of forks.
+"""
+import logging
+import os
+import selectors
+import signal
+import socket
+import time
+import traceback
+
+import psutil
+
+from .. import logs, protocol
+from ..protocol import KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT
+from ..retry import backoff
+
+log = logging.getLogger("tangguh.arbiter")
+
+STARTING, IDLE, BUSY, STOPPING = "starting", "idle", "busy", "stopping"
+
+
+class Child:
+    """The master's record of one child process."""
+
+    def __init__(self, slot, pid, sock, generation):
+        self.slot, self.pid, self.sock, self.generation = slot, pid, sock, generation
+        self.reader = protocol.Reader()
+        self.state = STARTING
+        self.job = None
+        self.settings = None  # registry.JobSettings the job was claimed under
+        self.started = None  # monotonic start of the current job
+        self.deadline = None  # monotonic hard-timeout instant
+        self.term_at = None  # when SIGTERM was sent (hard timeout grace)
+        self.kill_reason = None  # KILLED_*: why we are killing it
+        self.jobs_done = 0
+        self.retiring = False
+
+    def view(self):
+        elapsed = None if self.started is None or self.job is None else round(time.monotonic() - self.started, 3)
+        try:
+            rss = psutil.Process(self.pid).memory_info().rss
+        except psutil.Error:
+            rss = None
+        return {"slot": self.slot, "pid": self.pid, "state": self.state,
+                "job_id": self.job.id if self.job else None, "job_type": self.job.type if self.job else None,
+                "attempt": self.job.attempt if self.job else None, "elapsed": elapsed, "rss_bytes": rss,
+                "jobs_done": self.jobs_done, "generation": self.generation}
+
+
+class Pool:
+    """``target`` children of the current ``generation``, kept whole.
+
+    Callbacks (all run in the main loop):
+    ``run_child(sock, slot)`` runs in a fresh child and never returns;
+    ``on_reply(child, msg)`` a child's RESULT; ``on_lock(child, msg)`` its
+    LOCK/UNLOCK; ``on_exit(child, how, fields)`` a reaped child;
+    ``on_boot_failed()`` children keep dying at start; ``count(event, *labels)``.
+    """
+
+    def __init__(self, cfg, selector, heartbeat, run_child, on_reply, on_lock, on_exit, on_boot_failed, count):
+        self.cfg = cfg  # config.SupervisorConfig; replaced on reload
+        self.selector = selector
+        self.heartbeat = heartbeat
+        self.run_child, self.on_reply, self.on_lock = run_child, on_reply, on_lock
+        self.on_exit, self.on_boot_failed, self.count = on_exit, on_boot_failed, count
+        self.children = {}  # pid -> Child
+        self.target = cfg.workers
+        self.generation = 1
+        self.stopping = False
+        self.restarts = 0
+        self.boot_failures = 0
+        self.next_spawn_at = 0.0
+
+    # -- size ---------------------------------------------------------------------------
+    def live(self):
+        return [c for c in self.children.values() if c.generation == self.generation and not c.retiring]
+
+    def missing(self):
+        return self.target - len(self.live())
+
+    def free(self):
+        """Idle children of the current generation, ready for a job."""
+        return [c for c in self.children.values()
+                if c.state == IDLE and not c.retiring and c.generation == self.generation]
+
+    def all_started(self):
+        return self.missing() <= 0 and all(c.state != STARTING for c in self.children.values())
+
+    def spawn_due_at(self):
+        return self.next_spawn_at if not self.stopping and self.missing() > 0 else None
+
+    def manage(self):
+        """Spawn or retire children to reach ``target``."""
+        if self.stopping:
+            return
+        missing = self.missing()
+        if missing > 0 and time.monotonic() >= self.next_spawn_at:
+            self.spawn(missing)
+        elif missing < 0:
+            order = {STARTING: 0, IDLE: 1, BUSY: 2}
+            for c in sorted(self.live(), key=lambda c: (order.get(c.state, 3), -c.slot))[:-missing]:
+                self.retire(c)
+
+    def spawn(self, n):
+        # Fork only while no other thread runs (docs/design.md, process-model rules).
+        running = self.heartbeat.thread is not None
+        self.heartbeat.stop()
+        try:
+            for _ in range(n):
+                self.spawn_one()
+        finally:
+            if running:
+                self.heartbeat.start()
+
+    def spawn_one(self):
+        used = {c.slot for c in self.children.values()}
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        parent_sock, child_sock = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            # From here on this is the child: whatever happens, it must never
+            # return into the master's loop.
+            try:
+                parent_sock.close()
+                for c in self.children.values():
+                    c.sock.close()
+                self.run_child(child_sock, slot)  # never returns
+            except BaseException:  # noqa: BLE001 - shown in the log; the master counts a boot failure
+                traceback.print_exc()
+            finally:
+                os._exit(1)
+        child_sock.close()
+        parent_sock.settimeout(5.0)
+        c = Child(slot, pid, parent_sock, self.generation)
+        self.children[pid] = c
+        self.selector.register(parent_sock, selectors.EVENT_READ, lambda mask, c=c: self.read(c))
+        self.count("spawned")
+        log.info("spawned worker %d", slot, extra={"event": "spawn", "slot": slot, "pid": pid,
+                                                   "generation": self.generation})
+
+    # -- talking to children -------------------------------------------------------------
+    def run(self, c, job, settings):
+        """Hand ``job`` to idle child ``c``."""
+        c.job, c.settings, c.state, c.started = job, settings, BUSY, time.monotonic()
+        c.deadline, c.term_at = c.started + settings.timeout, None
+        log.debug("job started on worker %d", c.slot, extra=logs.job_fields(job, event="start", slot=c.slot, pid=c.pid))
+        try:
+            protocol.send(c.sock, protocol.run_message(job, settings.max_attempts, settings.soft_timeout))
+        except OSError:
+            pass  # the child just died: reaping records the crash and re-queues the job
+
+    def finish(self, c):
+        """The job ``c`` ran has ended (a reply came): forget it; returns (job, settings)."""
+        job, settings = c.job, c.settings
+        c.job = c.settings = c.started = c.deadline = None
+        c.jobs_done += 1
+        return job, settings
+
+    def after_reply(self, c):
+        """Decide what becomes of ``c`` once its reply is judged; True when it is free for the next job."""
+        if c.term_at is not None or c.kill_reason is not None:
+            c.state = STOPPING
+            self.kill(c, c.kill_reason or KILLED_TIMEOUT)  # a child we were killing: finish it off
+            return False
+        c.state = IDLE
+        if c.retiring:
+            self.retire(c)
+            return False
+        why = self.should_recycle(c)
+        if why:
+            self.count("recycled", why)
+            log.info("recycling worker %d after %d jobs", c.slot, c.jobs_done,
+                     extra={"event": "recycle", "slot": c.slot, "pid": c.pid})
+            self.retire(c)
+            return False
+        return True
+
+    def should_recycle(self, c):
+        s = self.cfg
+        if s.max_jobs_per_child and c.jobs_done >= s.max_jobs_per_child:
+            return "max_jobs"
+        if s.max_child_rss_mb:
+            try:
+                if psutil.Process(c.pid).memory_info().rss > s.max_child_rss_mb * 1024 * 1024:
+                    return "max_rss"
+            except psutil.Error:
+                return None
+        return None
+
+    def retire(self, c):
+        """Ask a child to exit after its current job (at once when idle)."""
+        c.retiring = True
+        if c.state != BUSY:
+            c.state = STOPPING
+            try:
+                protocol.send(c.sock, {"op": protocol.STOP})
+            except OSError:
+                pass  # already gone: reaping will account for it
+
+    def retire_all(self, older_than=None):
+        """Retire every child, or those of a generation before ``older_than``."""
+        for c in self.children.values():
+            if older_than is None or c.generation < older_than:
+                self.retire(c)
+
+    def kill(self, c, reason, sig=signal.SIGKILL):
+        if c.kill_reason is None or reason == KILLED_LEASE_LOST:
+            c.kill_reason = reason  # a lost lease wins: its outcome must be dropped, whatever else happened
+        try:
+            os.kill(c.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill_all(self, reason=KILLED_SHUTDOWN):
+        for c in self.children.values():
+            self.kill(c, reason)
+
+    def running(self, lease):
+        """The child running the job of ``lease``, if any."""
+        return next((c for c in self.children.values() if c.job is not None and c.job.lease == lease), None)
+
+    def read(self, c):
+        try:
+            data = c.sock.recv(65536)
+        except (BlockingIOError, InterruptedError, socket.timeout):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            try:
+                self.selector.unregister(c.sock)  # EOF: the child is gone; reaping does the rest
+            except (KeyError, ValueError):
+                pass
+            return
+        self.messages(c, data)
+
+    def messages(self, c, data):
+        for msg in c.reader.feed(data):
+            op = msg["op"]
+            if op == protocol.READY:
+                c.state = IDLE if c.state == STARTING else c.state
+                self.boot_failures = 0
+            elif op == protocol.RESULT:
+                self.on_reply(c, msg)
+            elif op in (protocol.LOCK, protocol.UNLOCK):
+                self.on_lock(c, msg)
+
+    # -- deadlines ---------------------------------------------------------------------
+    def deadlines(self):
+        """The instants at which a hard timeout needs the loop awake."""
+        grace = self.cfg.kill_grace
+        return [c.term_at + grace if c.term_at else c.deadline for c in self.children.values()
+                if c.deadline is not None]
+
+    def kill_overdue(self):
+        """SIGTERM a child whose job is past its hard timeout; SIGKILL it after the grace."""
+        now = time.monotonic()
+        grace = self.cfg.kill_grace
+        for c in list(self.children.values()):
+            if c.job is None or c.deadline is None or now < c.deadline:
+                continue
+            if c.term_at is None:
+                c.term_at = now
+                log.warning("job over its hard timeout: SIGTERM to worker %d, SIGKILL after %.1fs", c.slot, grace,
+                            extra=logs.job_fields(c.job, event="timeout_kill", slot=c.slot, pid=c.pid,
+                                              signal=int(signal.SIGTERM)))
+                self.kill(c, KILLED_TIMEOUT, signal.SIGTERM)
+            elif now >= c.term_at + grace:
+                self.kill(c, KILLED_TIMEOUT, signal.SIGKILL)
+
+    # -- reaping -----------------------------------------------------------------------
+    def reap(self):
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            c = self.children.pop(pid, None)
+            if c is None:
+                continue  # not ours (a handler's own subprocess): reaped so it leaves no zombie
+            self.drain(c)
+            try:
+                self.selector.unregister(c.sock)
+            except (KeyError, ValueError):
+                pass
+            c.sock.close()
+            self.exited(c, status)
+
+    def drain(self, c):
+        """Read what a dead child wrote before it exited (a result must not be taken for a crash)."""
+        c.sock.setblocking(False)
+        while True:
+            try:
+                data = c.sock.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            self.messages(c, data)
+
+    def exited(self, c, status):
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        how = f"signal {signal.Signals(sig).name}" if sig else f"exit code {code}"
+        fields = {"slot": c.slot, "pid": c.pid, "signal": sig, "exit_code": code}
+        if not self.stopping and not c.retiring:
+            self.restarts += 1
+            self.count("restarted")
+        had_job = c.job is not None
+        self.on_exit(c, how, fields)  # a job it was running is judged there
+        if had_job:
+            return
+        if c.state == STARTING and c.kill_reason is None and not self.stopping:
+            self.boot_failures += 1
+            self.count("crashed_boot")
+            delay = backoff(self.boot_failures, 0.1, 30.0, jitter=0)
+            self.next_spawn_at = time.monotonic() + delay
+            log.error("worker %d died at start (%s); failure %d of %d, next try in %.1fs", c.slot, how,
+                      self.boot_failures, self.cfg.max_boot_failures, delay,
+                      extra=dict(fields, event="boot_failure"))
+            if self.boot_failures >= self.cfg.max_boot_failures:
+                log.critical("children keep dying at start: giving up", extra={"event": "boot_failed"})
+                self.on_boot_failed()
+        elif c.kill_reason is None and not c.retiring and not self.stopping:
+            self.count("crashed_idle")
+            log.error("worker %d died while idle (%s)", c.slot, how, extra=dict(fields, event="crash"))
+        else:
+            log.debug("worker %d exited (%s)", c.slot, how, extra=dict(fields, event="exit"))

@@ -1,0 +1,168 @@
+"""What the master tells the world: counters, the status JSON, systemd, the process title.
+
+Every event is counted once, through ``count(event)``, which moves both the
+status counters (``tangguh status``) and the Prometheus series: the two can
+never disagree. The status reporter reads the master's parts; it changes none.
+"""
+import logging
+import time
+
+import setproctitle
+
+from .. import logs
+from ..model import ACK, DEAD, RETRY
+from ..protocol import TIMEOUT
+
+log = logging.getLogger("tangguh.arbiter")
+
+COUNTERS = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost", "duplicates_suppressed")
+
+# event -> (status counter or None, Metrics attribute, fixed labels). Job events
+# get the job's (queue, type) labels first; the caller adds the rest (a reason).
+EVENTS = {
+    "claimed": (None, "claimed", ()),
+    "lease_expired": (None, "lease_expiries", ()),
+    "succeeded": ("succeeded", "succeeded", ()),
+    "failed": ("failed", "failed", ()),
+    "timeout": ("timeouts", "timeouts", ()),
+    "retried": ("retried", "retried", ()),
+    "dead": ("dead", "dead", ()),
+    "lease_lost": ("lease_lost", "leases_lost", ()),
+    "crashed_mid_job": ("crashed", "crashed", ("mid_job",)),  # the status counter counts only these
+    "crashed_idle": (None, "crashed", ("idle",)),
+    "crashed_boot": (None, "crashed", ("boot",)),
+    "spawned": (None, "spawned", ()),
+    "restarted": (None, "restarted", ()),
+    "recycled": (None, "recycled", ()),
+    "reload": (None, "reloads", ()),
+}
+
+
+class Status:
+    def __init__(self, master, metrics, notifier):
+        self.master = master  # the wiring: read, never changed
+        self.metrics = metrics
+        self.notifier = notifier
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.ready_sent = False  # READY=1 goes out once the first children are up
+
+    # -- counting --------------------------------------------------------------------------
+    def count(self, event, *labels, job=None, n=1):
+        key, attribute, fixed = EVENTS[event]
+        if job is not None:
+            labels = (*self.metrics.job_labels(job), *labels)
+        labels = (*labels, *fixed)
+        metric = getattr(self.metrics, attribute)
+        (metric.labels(*labels) if labels else metric).inc(n)
+        if key is not None:
+            self.counters[key] += n
+
+    def claimed(self, job):
+        self.count("claimed", job=job)
+        # The broker reclaims an expired lease inside claim and closes that
+        # attempt as "lease_expired": seen here as the entry before the new one.
+        expired = len(job.history) >= 2 and job.history[-2].get("outcome") == "lease_expired"
+        if expired:
+            self.count("lease_expired", job=job)
+        log.debug("job claimed", extra=logs.job_fields(job, event="claim",
+                                                       reason="lease_expired" if expired else None))
+
+    def attempt(self, job, reply):
+        """Metrics of one finished attempt: its duration and the child's counter deltas."""
+        labels = self.metrics.job_labels(job)
+        if isinstance(reply.get("duration"), (int, float)):
+            self.metrics.duration.labels(*labels).observe(reply["duration"])
+        deltas = reply.get("metrics")
+        if isinstance(deltas, dict) and isinstance(deltas.get("duplicates_suppressed"), int):
+            self.counters["duplicates_suppressed"] += deltas["duplicates_suppressed"]
+        self.metrics.child_deltas(job, deltas)  # the Prometheus side of the same deltas
+        if isinstance(deltas, dict) and deltas.get("lock_failed"):
+            # The metric is per type; this record names the contended resource.
+            log.info("lock contention: %s failed acquisitions", deltas["lock_failed"],
+                     extra=logs.job_fields(job, event="lock_contention"))
+
+    def outcome(self, job, outcome, duration=0):
+        """Count and log a verdict (``model.Outcome``) before it is stored."""
+        if outcome.op == ACK:
+            self.count("succeeded", job=job)
+            log.info("job done in %.3fs", duration, extra=logs.job_fields(job, event="done"))
+            return
+        if not outcome.failed:
+            return
+        self.count("failed", outcome.reason, job=job)
+        if outcome.kind == TIMEOUT:
+            self.count("timeout", "hard" if outcome.hard_timeout else "soft", job=job)
+        fields = logs.job_fields(job, reason=outcome.reason, error=f"{outcome.error_class}: {outcome.message}")
+        if outcome.op == DEAD:
+            self.count("dead", outcome.reason, job=job)
+            log.warning("job dead-lettered (%s)", outcome.reason, extra=dict(fields, event="dead"))
+        elif outcome.op == RETRY:
+            self.count("retried", outcome.reason, job=job)
+            log.info("job failed (%s), retry in %.2fs", outcome.reason, outcome.delay,
+                     extra=dict(fields, event="retry", delay=outcome.delay))
+
+    def stored(self, write):
+        if write.op == ACK and write.job.queued_at:
+            waited = max(0.0, time.time() - write.job.queued_at)  # the broker's clock set queued_at: close enough
+            self.metrics.complete.labels(*self.metrics.job_labels(write.job)).observe(waited)
+
+    # -- reporting ---------------------------------------------------------------------------
+    def set_title(self):
+        m = self.master
+        setproctitle.setproctitle(f"tangguh: master [{m.cfg.path or 'defaults'}] gen {m.generation}")
+
+    def summary(self):
+        m = self.master
+        busy = sum(1 for c in m.pool.children.values() if c.state == "busy")
+        c = self.counters
+        text = (f"gen {m.generation}: {len(m.pool.children)} workers, {busy} busy; "
+                f"{c['succeeded']} done, {c['retried']} retried, {c['dead']} dead")
+        if m.link.down:
+            text += "; BROKER DOWN"
+        if m.reload_error:
+            text += "; last reload failed"
+        return text
+
+    def report(self):
+        """Tell systemd how we are: READY once, STATUS on change, WATCHDOG while the loop turns."""
+        m = self.master
+        if not self.ready_sent and m.stopping is None and m.pool.all_started():
+            self.ready_sent = True
+            self.notifier.ready(self.summary())
+        self.notifier.status(self.summary())
+        # Pings prove the loop turns, nothing more: a wedged loop stops them.
+        # A broker outage does not (STATUS says BROKER DOWN): a restart by the
+        # watchdog would kill running jobs and could not bring the broker back.
+        self.notifier.watchdog()
+
+    def reloaded(self):
+        """After a reload, good or bad: the old or new generation serves."""
+        # Before the first READY, report() sends it once the children are up.
+        if self.ready_sent:
+            self.notifier.ready(self.summary())
+
+    def answer(self, req):
+        """A health-socket request -> its reply."""
+        cmd = req["cmd"]
+        if cmd == "ping":
+            return {"ok": True, "pong": True, "pid": self.master.pid}
+        if cmd == "status":
+            return self.view()
+        if cmd == "metrics":
+            return {"ok": True, "text": self.metrics.render()}
+        return {"ok": False, "error": f"unknown command {cmd!r} (try ping, status, metrics)"}
+
+    def view(self):
+        m = self.master
+        return {
+            "ok": True, "pid": m.pid, "started_at": m.started_at, "generation": m.generation,
+            "config": m.cfg.path, "broker": m.broker_shown, "reload_error": m.reload_error,
+            "stopping": m.stopping, "broker_down": m.link.down,
+            "target_workers": m.pool.target, "prefetched": len(m.dispatcher.prefetched),
+            "pending_writes": len(m.writer),
+            "workers": [c.view() for c in sorted(m.pool.children.values(), key=lambda c: c.slot)],
+            "restarts": m.pool.restarts, "counters": dict(self.counters),
+            "handlers": sorted(m.handlers),
+            "queues": {q: s.to_dict() for q, s in m.queue_stats.items()},
+            "metrics_listen": m.exporter.address if m.exporter is not None else None,
+        }
