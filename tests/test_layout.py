@@ -1,0 +1,57 @@
+"""The package's shape, held by tests: the master's parts stay parts.
+
+Only the wiring (``supervisor/master/arbiter.py``) may know the other roles of
+the master; each role gets its collaborators passed in. A part that imports
+a sibling grows back into the one big class this package replaced.
+"""
+import ast
+import pathlib
+
+import supervisor
+
+PACKAGE = pathlib.Path(supervisor.__file__).parent
+MASTER = PACKAGE / "master"
+WIRING = {"arbiter.py", "__init__.py"}
+
+
+def imported_modules(path, root=PACKAGE.parent):
+    """Every module ``path`` imports, as absolute dotted names (``root`` holds the top package)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module
+            names.append(module)
+            names += [f"{module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def test_no_part_of_the_master_imports_another_part():
+    parts = sorted(p for p in MASTER.glob("*.py") if p.name not in WIRING)
+    assert len(parts) >= 6, "the master's roles are expected as modules of supervisor/master/"
+    siblings = {f"supervisor.master.{p.stem}" for p in MASTER.glob("*.py")} | {"supervisor.master"}
+    offenders = {p.name: sorted(set(imported_modules(p)) & siblings) for p in parts}
+    assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_the_layout_check_sees_a_sibling_import(tmp_path):
+    # The rule above must be able to fail: relative and absolute sibling imports are both found.
+    probe = tmp_path / "supervisor" / "master" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("from .verdict import judge\nfrom . import outcomes\nimport supervisor.master.pool\n"
+                     "from .. import protocol\n")
+    found = set(imported_modules(probe, root=tmp_path))
+    assert {"supervisor.master.verdict", "supervisor.master.outcomes", "supervisor.master.pool",
+            "supervisor.protocol"} <= found
+
+
+def test_no_module_of_the_master_is_over_500_lines():
+    sizes = {p.name: len(p.read_text().splitlines()) for p in MASTER.glob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 500} == {}
