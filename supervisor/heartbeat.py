@@ -1,7 +1,7 @@
 """The heartbeat thread: renews every lease the master holds, in one call.
 
 It is the only thread besides the main loop, and it is stopped and joined
-before every batch of forks (see DESIGN.md, process-model rules). It owns its
+before every batch of forks (see docs/design.md, process-model rules). It owns its
 own broker connection, opened when it starts. Lost leases are handed to the
 main loop through a deque and a byte on a wake-up pipe; the thread itself
 never touches children.

@@ -10,7 +10,7 @@ by the main loop (``sample_queues``), never per scrape, so a scraper hammering
 
 ``HttpExporter`` serves ``GET /metrics`` from the main loop's selector: a
 non-blocking listener, a bounded request, a client deadline, HTTP/1.0 and
-``Connection: close``. No thread (DESIGN.md, process-model rules).
+``Connection: close``. No thread (docs/design.md, process-model rules).
 """
 import socket
 import time

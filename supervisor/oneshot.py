@@ -1,7 +1,7 @@
 """A listener in the master's selector that answers one request per connection.
 
 The health socket and the HTTP ``/metrics`` endpoint are both served this way:
-no thread (DESIGN.md's fork rule), no blocking call, a deadline per client so a
+no thread (docs/design.md's fork rule), no blocking call, a deadline per client so a
 silent or slow client cannot hold the loop or a slot, and a size limit so an
 endless request cannot grow the master's memory. Subclasses say when a
 request is complete and what to answer.

@@ -1,7 +1,7 @@
 """Periodic jobs: enqueue one job per cron tick, once across every supervisor.
 
 Every supervisor runs the same schedules from its master's main loop (no
-thread of its own: DESIGN.md's fork rule); the arbiter calls ``tick`` when
+thread of its own: docs/design.md's fork rule); the arbiter calls ``tick`` when
 ``due_at`` has passed and sleeps no longer than until then. Each tick's job
 is enqueued with ``broker.enqueue_once`` under the key
 ``cron:<name>:<tick time, UTC>``. Why not the plain enqueue dedup: it only
