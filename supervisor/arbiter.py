@@ -30,7 +30,7 @@ from .heartbeat import Heartbeat
 from .locks import MasterLocks
 from .sdnotify import Notifier
 from .model import error_info
-from .retry import next_delay
+from .retry import backoff, next_delay
 
 log = logging.getLogger("tangguh.arbiter")
 
@@ -103,7 +103,8 @@ class Arbiter:
         self.boot_failures = 0
         self.next_spawn_at = 0.0
         self.next_claim_at = 0.0
-        self.empty_claims = 0
+        self.empty_claims = 0  # empty claims in a row: the idle backoff
+        self.empty_polls = 0  # empty claims since start, for status
         self.broker = None
         self.broker_fd = None
         self.broker_down_since = None
@@ -537,7 +538,7 @@ class Arbiter:
         elif w.state == "starting" and w.kill_reason is None and self.stopping is None:
             self.boot_failures += 1
             self.metrics.crashed.labels("boot").inc()
-            delay = min(30.0, 0.1 * 2 ** self.boot_failures)
+            delay = backoff(self.boot_failures + 1, 0.1, 30.0)
             self.next_spawn_at = time.monotonic() + delay
             log.error("worker %d died at start (%s); failure %d of %d, next try in %.1fs", w.slot, how,
                       self.boot_failures, self.cfg.supervisor.max_boot_failures, delay,
@@ -588,8 +589,9 @@ class Arbiter:
             # Back off while the queue is empty; the jitter keeps many supervisors
             # from polling a shared broker in lockstep.
             self.empty_claims += 1
-            delay = min(self.cfg.supervisor.poll_interval, 0.005 * 2 ** self.empty_claims)
-            self.next_claim_at = now + delay * random.uniform(0.75, 1.25)
+            self.empty_polls += 1
+            delay = backoff(self.empty_claims + 1, 0.005, self.cfg.supervisor.poll_interval, jitter=0.25)
+            self.next_claim_at = now + delay
 
     def plan_scheduling(self):
         """The claim limits and periodic jobs of the current config and handlers."""
@@ -844,7 +846,7 @@ class Arbiter:
                 log.error("broker unreachable, pausing claims: %s: %s", type(exc).__name__, exc,
                           extra={"event": "broker_down", "pid": self.pid})
             self.broker_retry += 1
-            self.next_claim_at = now + min(10.0, 0.2 * 2 ** self.broker_retry) * random.uniform(0.5, 1.0)
+            self.next_claim_at = now + backoff(self.broker_retry + 1, 0.2, 10.0, jitter=0.5)
             raise BrokerError(str(exc)) from None
         self.metrics.broker_rtt.labels(op).observe(time.monotonic() - now)
         if self.broker_down_since is not None:
@@ -926,7 +928,7 @@ class Arbiter:
                         extra=logs.job_fields(write.job, event="write_failed"))
         self.heartbeat.drop(write.job.id)
         write.tries += 1
-        write.next_at = now + min(10.0, 0.1 * 2 ** write.tries) * random.uniform(0.5, 1.0)
+        write.next_at = now + backoff(write.tries + 1, 0.1, 10.0, jitter=0.5)
         self.writes.append(write)
 
     def write_lost(self, write):
@@ -994,7 +996,7 @@ class Arbiter:
             "stopping": self.stopping, "broker_down": self.broker_down_since is not None,
             "target_workers": self.target, "prefetched": len(self.prefetched), "pending_writes": len(self.writes),
             "workers": [w.view() for w in sorted(self.workers.values(), key=lambda w: w.slot)],
-            "restarts": self.restarts, "counters": dict(self.counters),
+            "restarts": self.restarts, "counters": dict(self.counters), "empty_polls": self.empty_polls,
             "handlers": sorted(self.handlers),
             "queues": {q: s.to_dict() for q, s in self.queue_stats.items()},
             "metrics_listen": self.exporter.address if self.exporter is not None else None,
