@@ -127,6 +127,8 @@ class HealthServer(OneShotServer):
             req = json.loads(line)
         except (ValueError, UnicodeDecodeError):
             return {"ok": False, "error": "request is not a JSON line"}
+        except RecursionError:  # the parser's own depth limit: 64 KiB of "[" passes the size check
+            return {"ok": False, "error": "request nests too deep (a request is one flat JSON object)"}
         if not isinstance(req, dict) or not isinstance(req.get("cmd"), str):
             return {"ok": False, "error": 'request must be a JSON object with a "cmd" string'}
         try:

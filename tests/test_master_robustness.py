@@ -5,12 +5,15 @@ Process tests run the real ``tangguh run`` (tests/daemon.py) and end with the
 daemon still serving: a job runs after the hostile part.
 """
 import os
+import selectors
 import signal
 import socket
 import stat
 
 import pytest
 
+from supervisor.health import HealthServer
+from supervisor.oneshot import OneShotServer
 from supervisor.retry import backoff, next_delay
 
 from .daemon import Daemon, tangguh
@@ -55,3 +58,110 @@ def test_idle_supervisor_survives_thousands_of_empty_polls_then_serves(tmp_path)
         d.assert_clean()
     finally:
         d.stop()
+
+
+# -- the health socket ---------------------------------------------------------------------
+
+def connect(path):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)  # blocking: waits while the listen backlog is full
+    s.settimeout(10)
+    return s
+
+
+def reply_or_eof(s):
+    """The reply line, or b"" when the daemon closed the connection without one."""
+    data = bytearray()
+    while not data.endswith(b"\n"):
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
+
+def test_deeply_nested_json_on_the_health_socket_gets_an_error(daemon):
+    daemon.start()
+    for line, error in ((b"[" * 60_000 + b"\n", b"nests too deep"), (b"{\"a\": " * 12_000 + b"\n", b"nests too deep"),
+                        (b'{"cmd": ' + b"[" * 900 + b"]" * 900 + b"}\n", b'"cmd\\" string')):
+        s = connect(daemon.socket)
+        s.sendall(line)
+        reply = reply_or_eof(s)
+        s.close()
+        assert reply.startswith(b'{"ok": false') and error in reply, reply[:200]
+    assert daemon.proc.poll() is None
+    result = tangguh("status", "-c", daemon.config_path)
+    assert result.returncode == 0, result.stderr
+    serves_a_job(daemon)
+    daemon.assert_clean()
+
+
+def closed_by_peer(s):
+    """Whether the daemon has closed ``s`` (a reply it sent first is read and ignored)."""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return True
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_connections_cannot_lock_out_status_and_are_closed(daemon):
+    daemon.start()
+    idle = [connect(daemon.socket) for _ in range(OneShotServer.max_clients)]
+    try:
+        for s in idle:
+            s.setblocking(False)
+        # Every slot is held by a silent connection: the next client still gets its answer.
+        for _ in range(3):
+            result = tangguh("status", "-c", daemon.config_path)
+            assert result.returncode == 0, result.stderr
+        assert daemon.status()["ok"] is True
+        assert closed_by_peer(idle[0])  # the oldest silent one made room
+        # The rest are closed after the idle bound, without anyone else connecting.
+        wait_for(lambda: all(closed_by_peer(s) for s in idle), timeout=20, message="idle connections closed")
+    finally:
+        for s in idle:
+            s.close()
+    serves_a_job(daemon)
+    daemon.assert_clean()
+
+
+def test_a_failure_answering_one_client_drops_that_client_only(tmp_path):
+    class Broken(HealthServer):
+        def answer(self, inbox):
+            if b"boom" in inbox:
+                raise RecursionError("maximum recursion depth exceeded")
+            return super().answer(inbox)
+
+    sel = selectors.DefaultSelector()
+    path = str(tmp_path / "s.sock")
+    server = Broken(path, 0o600, sel, lambda req: {"ok": True, "pong": True})
+    bad, good = connect(path), connect(path)
+    bad.setblocking(False)
+    bad.sendall(b'{"cmd": "boom"}\n')
+    good.sendall(b'{"cmd": "ping"}\n')
+    got = bytearray()
+
+    def served():
+        for key, mask in sel.select(0.05):
+            key.data(mask)
+        good.setblocking(False)
+        try:
+            got.extend(good.recv(4096))
+        except BlockingIOError:
+            pass
+        return closed_by_peer(bad) and got.endswith(b"\n")
+
+    wait_for(served, message="the failing client dropped and the other answered")
+    assert b'"pong": true' in got and not server.clients
+    bad.close()
+    good.close()
+    server.close()
+    sel.close()
