@@ -10,6 +10,7 @@ import grp
 import json
 import os
 import socket
+import stat
 
 from .errors import ConfigError, TangguhError
 from .oneshot import OneShotServer
@@ -54,10 +55,17 @@ def claim_path(path, mode, group=""):
     """Bind the socket at ``path``, refusing if a live supervisor owns it.
 
     A socket file that accepts a connection belongs to a running supervisor;
-    one that refuses is left over from a crash and is removed. ``group`` (a
+    one that refuses is left over from a crash and is removed. Anything else
+    at ``path`` (a file, a symlink) is refused, never deleted. ``group`` (a
     name) gets the file, so that an ops group can talk to the daemon.
     """
-    if os.path.exists(path):
+    try:
+        existing = os.lstat(path).st_mode
+    except FileNotFoundError:
+        existing = None
+    if existing is not None:
+        if not stat.S_ISSOCK(existing):
+            raise ConfigError(f"supervisor.socket: {path} exists and is not a socket; not replacing it")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
         try:
@@ -65,7 +73,7 @@ def claim_path(path, mode, group=""):
         except (ConnectionRefusedError, FileNotFoundError):
             os.unlink(path)
         except OSError as exc:
-            if exc.errno not in (errno.ECONNREFUSED, errno.ENOTSOCK):
+            if exc.errno != errno.ECONNREFUSED:
                 raise
             os.unlink(path)
         else:

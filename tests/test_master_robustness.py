@@ -165,3 +165,17 @@ def test_a_failure_answering_one_client_drops_that_client_only(tmp_path):
     good.close()
     server.close()
     sel.close()
+
+
+# -- the socket path ---------------------------------------------------------------------------
+
+def test_a_socket_path_that_is_a_regular_file_is_refused_and_kept(daemon):
+    with open(daemon.socket, "w") as f:
+        f.write("precious\n")
+    result = tangguh("run", "-c", daemon.config_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and daemon.socket in errors[0] and "not a socket" in errors[0], result.stderr
+    with open(daemon.socket) as f:
+        assert f.read() == "precious\n"
+    assert stat.S_ISREG(os.stat(daemon.socket).st_mode)
