@@ -59,6 +59,7 @@ class Worker:
         self.kill_reason = None  # "timeout", "lease_lost", "shutdown": why we killed it
         self.jobs_done = 0
         self.retiring = False
+        self.bad_frame = None  # the error of a message the protocol cannot take: no more reading
 
     def view(self):
         elapsed = None if self.started is None or self.job is None else round(time.monotonic() - self.started, 3)
@@ -465,7 +466,7 @@ class Arbiter:
             except (KeyError, ValueError):
                 pass
             return
-        for msg in w.reader.feed(data):
+        for msg in self.read_messages(w, data):
             if msg["op"] == "ready":
                 w.state = "idle" if w.state == "starting" else w.state
                 self.boot_failures = 0
@@ -473,6 +474,31 @@ class Arbiter:
                 self.on_result(w, msg)
             elif msg["op"] in ("lock", "unlock") and self.locks is not None:
                 self.locks.on_message(w.pid, msg)
+
+    def read_messages(self, w, data):
+        """The whole messages in a child's bytes; a frame we cannot take kills that child.
+
+        A child sends only well-formed frames under the size limit (it fails an
+        oversize result itself); anything else means it no longer speaks the
+        protocol, so its job fails and it goes, never the master.
+        """
+        if w.bad_frame is not None:
+            return []
+        try:
+            messages = w.reader.feed(data)
+            if not all(isinstance(m, dict) and isinstance(m.get("op"), str) for m in messages):
+                raise ValueError("a message without an op")
+            return messages
+        except (ValueError, RecursionError) as exc:
+            w.bad_frame, w.reader.buffer = exc, bytearray()
+            log.error("worker %d sent a bad message (%s): killing it", w.slot, exc,
+                      extra={"event": "bad_frame", "slot": w.slot, "pid": w.pid})
+            try:
+                self.selector.unregister(w.sock)
+            except (KeyError, ValueError):
+                pass
+            self.kill_worker(w, "bad_frame")
+            return []
 
     def reap_workers(self):
         while True:
@@ -503,7 +529,7 @@ class Arbiter:
                 return
             if not data:
                 return
-            for msg in w.reader.feed(data):
+            for msg in self.read_messages(w, data):
                 if msg["op"] == "result":
                     self.on_result(w, msg)
                 elif msg["op"] in ("lock", "unlock") and self.locks is not None:
@@ -525,6 +551,11 @@ class Arbiter:
                 self.heartbeat.drop(job.id)
             elif w.kill_reason == "shutdown":
                 self.writes.append(Write(job, "release", ()))
+            elif w.kill_reason == "bad_frame":
+                if isinstance(w.bad_frame, protocol.TooLarge):
+                    self.fail(job, w, "result_too_large", "ResultTooLarge", f"result: {w.bad_frame}")
+                else:
+                    self.fail(job, w, "crashed", "BadMessage", f"child sent a bad message: {w.bad_frame}")
             elif w.kill_reason == "timeout":
                 log.warning("worker %d killed: job over its hard timeout", w.slot,
                             extra=logs.job_fields(job, event="timeout_exit", **fields))
@@ -744,7 +775,7 @@ class Arbiter:
         error = error_info(reason, exc_class, message, traceback)
         info = self.attempt_info(w, msg)
         fields = logs.job_fields(job, reason=reason, error=f"{exc_class}: {message}")
-        if kind in ("permanent", "bad_payload", "unknown_type") or job.attempt >= attempts:
+        if kind in ("permanent", "bad_payload", "unknown_type", "result_too_large") or job.attempt >= attempts:
             self.counters["dead"] += 1
             self.metrics.dead.labels(*labels, reason).inc()
             self.writes.append(Write(job, "dead", (reason, error, info)))

@@ -108,10 +108,23 @@ def serve(sock, slot, handlers, master_pid):
             reply = run_job(job, handlers, msg.get("soft_timeout"))
             try:
                 with timeouts.critical():  # a SIGTERM now waits for the whole reply: never a torn frame
-                    protocol.send(sock, reply)
+                    send_reply(sock, reply)
             except JobTimeout:
                 return  # the reply is out; the master is stopping us (hard timeout crossed the reply)
             title(slot, "idle")
+
+
+def send_reply(sock, reply):
+    """Send a job's reply; one over the protocol's limit fails the job instead (``result_too_large``)."""
+    try:
+        frame = protocol.encode(reply, limit=protocol.MAX_MESSAGE)
+    except protocol.TooLarge as exc:
+        what = "result" if reply.get("ok") else f"{reply.get('error_class')} error reply"
+        frame = protocol.encode({
+            "op": "result", "job_id": reply["job_id"], "token": reply["token"], "ok": False,
+            "kind": "result_too_large", "error_class": "ResultTooLarge", "message": f"{what}: {exc}",
+            "traceback": "", "duration": reply.get("duration"), "metrics": reply.get("metrics", {})})
+    sock.sendall(frame)
 
 
 def run_job(job, handlers, soft_timeout=None):

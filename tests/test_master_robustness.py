@@ -16,7 +16,7 @@ from supervisor.health import HealthServer
 from supervisor.oneshot import OneShotServer
 from supervisor.retry import backoff, next_delay
 
-from .daemon import Daemon, tangguh
+from .daemon import Daemon, read_lines, tangguh
 from .util import wait_for
 
 
@@ -179,3 +179,31 @@ def test_a_socket_path_that_is_a_regular_file_is_refused_and_kept(daemon):
     with open(daemon.socket) as f:
         assert f.read() == "precious\n"
     assert stat.S_ISREG(os.stat(daemon.socket).st_mode)
+
+
+# -- results over the message limit ------------------------------------------------------------
+
+def test_a_result_over_the_message_limit_dead_letters_the_job(daemon):
+    daemon.start()
+    job = daemon.wait_job(daemon.enqueue("huge_result", {}, max_attempts=5), timeout=60)
+    assert (job.state, job.reason, job.attempt) == ("dead", "result_too_large", 1)
+    assert "limit" in job.history[-1]["error"]["message"]
+    assert daemon.status()["restarts"] == 0  # the child failed the job itself and stays
+    serves_a_job(daemon)
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    daemon.assert_clean()
+
+
+def test_an_oversize_frame_from_a_child_kills_that_child_not_the_master(daemon):
+    daemon.start()
+    marker = daemon.marker("m")
+    job = daemon.wait_job(daemon.enqueue("oversize_frame", {"marker": marker}, max_attempts=5), timeout=60)
+    assert (job.state, job.reason, job.attempt) == ("dead", "result_too_large", 1)
+    pid = int(read_lines(marker)[0][1])
+    wait_for(lambda: pid not in daemon.worker_pids() and len(daemon.worker_pids()) == 2,
+             message="the child killed and replaced")
+    serves_a_job(daemon)
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    daemon.assert_clean()
