@@ -29,7 +29,7 @@ from .health import AlreadyRunning, HealthServer
 from .heartbeat import Heartbeat
 from .locks import MasterLocks
 from .sdnotify import Notifier
-from .model import error_info
+from .model import REASONS, error_info
 from .retry import backoff, next_delay
 
 log = logging.getLogger("tangguh.arbiter")
@@ -711,7 +711,10 @@ class Arbiter:
             self.fail(job, w, "timeout", "HardTimeout", "job exceeded its timeout; child stopped by SIGTERM",
                       msg.get("traceback", ""), None, msg)
         else:
-            self.fail(job, w, msg.get("kind", "exception"), msg.get("error_class", ""), msg.get("message", ""),
+            kind = msg.get("kind")
+            if kind not in REASONS and kind != "retry_later":
+                kind = "exception"  # the reason becomes a metric label: only known values
+            self.fail(job, w, kind, msg.get("error_class", ""), msg.get("message", ""),
                       msg.get("traceback", ""), msg.get("delay"), msg)
         if w.term_at is not None or w.kill_reason is not None:
             w.state = "stopping"

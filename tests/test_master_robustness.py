@@ -11,8 +11,10 @@ import socket
 import stat
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.health import HealthServer
+from supervisor.health import HealthServer, request
+from supervisor.model import NewJob
 from supervisor.oneshot import OneShotServer
 from supervisor.retry import backoff, next_delay
 
@@ -206,4 +208,27 @@ def test_an_oversize_frame_from_a_child_kills_that_child_not_the_master(daemon):
     serves_a_job(daemon)
     daemon.signal(signal.SIGTERM)
     assert daemon.wait_exit() == 0
+    daemon.assert_clean()
+
+
+# -- metric labels ---------------------------------------------------------------------------------
+
+def test_unknown_job_types_share_one_metric_label(daemon):
+    daemon.start()
+    total = 500
+    daemon.broker.enqueue_many([NewJob(f"random-{i}-{os.urandom(4).hex()}", {}) for i in range(total)])
+    wait_for(lambda: daemon.broker.stats(["default"])["default"].dead == total, timeout=120,
+             message="every unknown type dead-lettered")
+    serves_a_job(daemon)
+    text = request(daemon.socket, {"cmd": "metrics"})["text"]
+    types, dead = set(), {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "type" in sample.labels:
+                types.add(sample.labels["type"])
+            if sample.name == "tangguh_jobs_dead_lettered_total":
+                dead[sample.labels["type"], sample.labels["reason"]] = sample.value
+    assert types == {"unknown", "noop"}, sorted(types)[:10]
+    assert dead == {("unknown", "unknown_type"): total}
+    assert daemon.status()["counters"]["dead"] == total
     daemon.assert_clean()
