@@ -723,10 +723,11 @@ class Arbiter:
             w.state = "idle"
             if w.retiring:
                 self.retire(w)
-            elif why := self.should_recycle(w):
+            elif recycle := self.should_recycle(w):
+                why, detail = recycle
                 self.metrics.recycled.labels(why).inc()
-                log.info("recycling worker %d after %d jobs", w.slot, w.jobs_done,
-                         extra={"event": "recycle", "slot": w.slot, "pid": w.pid})
+                log.info("recycling worker %d: %s", w.slot, detail,
+                         extra={"event": "recycle", "slot": w.slot, "pid": w.pid, "reason": why})
                 self.retire(w)
             elif self.stopping is None:
                 self.dispatch()  # the next prefetched job now: the child need not wait for the ack
@@ -746,15 +747,17 @@ class Arbiter:
                      extra=logs.job_fields(job, event="lock_contention"))
 
     def should_recycle(self, w):
+        """(reason, what to log) when ``w`` should be replaced, else None."""
         s = self.cfg.supervisor
         if s.max_jobs_per_child and w.jobs_done >= s.max_jobs_per_child:
-            return "max_jobs"
+            return "max_jobs", f"after {w.jobs_done} jobs (max_jobs_per_child)"
         if s.max_child_rss_mb:
             try:
-                if psutil.Process(w.pid).memory_info().rss > s.max_child_rss_mb * 1024 * 1024:
-                    return "max_rss"
+                rss = psutil.Process(w.pid).memory_info().rss
             except psutil.Error:
                 return None
+            if rss > s.max_child_rss_mb * 1024 * 1024:
+                return "max_rss", f"RSS {rss / 1048576:.1f} MiB over max_child_rss_mb = {s.max_child_rss_mb}"
         return None
 
     def attempt_info(self, w, msg=None):

@@ -162,10 +162,19 @@ def run_job(job, handlers, soft_timeout=None):
             reply["delay"] = exc.delay
         else:
             kind = "exception"
-        ctx.log.warning("job failed: %s: %s", type(exc).__name__, exc)
-        return dict(reply, ok=False, kind=kind, error_class=type(exc).__name__, message=str(exc),
+        message = _text(exc)
+        ctx.log.warning("job failed: %s: %s", type(exc).__name__, message)
+        return dict(reply, ok=False, kind=kind, error_class=type(exc).__name__, message=message,
                     traceback=traceback.format_exc(), duration=time.monotonic() - started,
                     metrics=_numbers(ctx.metrics))
+
+
+def _text(exc):
+    """``str(exc)``, or a stand-in when the exception's own ``__str__`` fails: still the handler's failure."""
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - any failure of a handler's __str__
+        return f"<unprintable {type(exc).__name__}>"
 
 
 def _numbers(counts):

@@ -4,6 +4,7 @@ socket, oversize results, unbounded label sets, a socket path that is a file.
 Process tests run the real ``tangguh run`` (tests/daemon.py) and end with the
 daemon still serving: a job runs after the hostile part.
 """
+import json
 import os
 import selectors
 import signal
@@ -232,3 +233,43 @@ def test_unknown_job_types_share_one_metric_label(daemon):
     assert dead == {("unknown", "unknown_type"): total}
     assert daemon.status()["counters"]["dead"] == total
     daemon.assert_clean()
+
+
+# -- handler edge cases --------------------------------------------------------------------------
+
+def test_an_exception_that_cannot_be_printed_is_an_exception_not_a_crash(daemon):
+    daemon.start()
+    job = daemon.wait_job(daemon.enqueue("unprintable", {}, max_attempts=2))
+    assert (job.state, job.reason, job.attempt) == ("dead", "exception", 2)
+    error = job.history[-1]["error"]
+    assert error["class"] == "_Unprintable" and error["message"] == "<unprintable _Unprintable>", error
+    status = daemon.status()
+    assert status["restarts"] == 0 and status["counters"]["crashed"] == 0
+    serves_a_job(daemon)
+    daemon.assert_clean()
+
+
+def test_a_max_rss_recycle_is_logged_with_its_reason(tmp_path):
+    d = Daemon(tmp_path, supervisor={"max_child_rss_mb": 1})  # every child is over 1 MiB
+    try:
+        d.start()
+        serves_a_job(d)
+        recycles = wait_for(lambda: [r for r in log_records(d) if r.get("event") == "recycle"],
+                            message="the recycle record")
+        assert recycles[0]["reason"] == "max_rss" and "RSS" in recycles[0]["msg"], recycles[0]
+        assert "after" not in recycles[0]["msg"]
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def log_records(d):
+    out = []
+    for line in d.logs().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out

@@ -109,3 +109,14 @@ def oversize_frame(ctx, payload):
     sock.sendall(struct.pack("!I", protocol.MAX_MESSAGE + 1) + b"x" * 1024)
     _mark(payload, f"sent {os.getpid()}")
     time.sleep(60)
+
+
+class _Unprintable(ValueError):
+    def __str__(self):
+        raise RuntimeError("no text for you")
+
+
+@supervisor.job("unprintable")
+def unprintable(ctx, payload):
+    """Raises an exception whose ``str()`` itself raises."""
+    raise _Unprintable()
