@@ -51,6 +51,17 @@ def request(path, obj, timeout=5.0):
     return json.loads(data)
 
 
+def socket_exists(path):
+    """Whether a socket file is at ``path``; ConfigError if anything else is (it is never replaced)."""
+    try:
+        existing = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(existing):
+        raise ConfigError(f"supervisor.socket: {path} exists and is not a socket; not replacing it")
+    return True
+
+
 def claim_path(path, mode, group=""):
     """Bind the socket at ``path``, refusing if a live supervisor owns it.
 
@@ -59,13 +70,7 @@ def claim_path(path, mode, group=""):
     at ``path`` (a file, a symlink) is refused, never deleted. ``group`` (a
     name) gets the file, so that an ops group can talk to the daemon.
     """
-    try:
-        existing = os.lstat(path).st_mode
-    except FileNotFoundError:
-        existing = None
-    if existing is not None:
-        if not stat.S_ISSOCK(existing):
-            raise ConfigError(f"supervisor.socket: {path} exists and is not a socket; not replacing it")
+    if socket_exists(path):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
         try:
