@@ -1,9 +1,11 @@
 """The health socket: one JSON line in, one JSON line out, served by the main loop.
 
 No thread: the listening socket and every client live in the master's
-selector. A client gets ``client_timeout`` seconds to send its line; garbage,
-an unknown command or an oversize line gets an error reply, and no client can
-block the loop (all client I/O is non-blocking).
+selector. A client gets 2 s for its first byte and ``client_timeout`` seconds
+for its whole line; garbage, JSON nested too deep, an unknown command or an
+oversize line gets an error reply, and no client can block or stop the loop
+(all client I/O is non-blocking, and a failure answering one client closes
+only that client).
 """
 import errno
 import grp
