@@ -106,8 +106,8 @@ def oversize_frame(ctx, payload):
     from supervisor import protocol, toolkit
 
     sock = toolkit._notify.__closure__[0].cell_contents  # the child's end of the pipe to the master
+    _mark(payload, f"sending {os.getpid()}")  # first: the master may kill us as soon as the header lands
     sock.sendall(struct.pack("!I", protocol.MAX_MESSAGE + 1) + b"x" * 1024)
-    _mark(payload, f"sent {os.getpid()}")
     time.sleep(60)
 
 
