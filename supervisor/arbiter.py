@@ -29,8 +29,8 @@ from .health import AlreadyRunning, HealthServer
 from .heartbeat import Heartbeat
 from .locks import MasterLocks
 from .sdnotify import Notifier
-from .model import error_info
-from .retry import next_delay
+from .model import REASONS, error_info
+from .retry import backoff, next_delay
 
 log = logging.getLogger("tangguh.arbiter")
 
@@ -59,6 +59,7 @@ class Worker:
         self.kill_reason = None  # "timeout", "lease_lost", "shutdown": why we killed it
         self.jobs_done = 0
         self.retiring = False
+        self.bad_frame = None  # the error of a message the protocol cannot take: no more reading
 
     def view(self):
         elapsed = None if self.started is None or self.job is None else round(time.monotonic() - self.started, 3)
@@ -103,7 +104,8 @@ class Arbiter:
         self.boot_failures = 0
         self.next_spawn_at = 0.0
         self.next_claim_at = 0.0
-        self.empty_claims = 0
+        self.empty_claims = 0  # empty claims in a row: the idle backoff
+        self.empty_polls = 0  # empty claims since start, for status
         self.broker = None
         self.broker_fd = None
         self.broker_down_since = None
@@ -464,7 +466,7 @@ class Arbiter:
             except (KeyError, ValueError):
                 pass
             return
-        for msg in w.reader.feed(data):
+        for msg in self.read_messages(w, data):
             if msg["op"] == "ready":
                 w.state = "idle" if w.state == "starting" else w.state
                 self.boot_failures = 0
@@ -472,6 +474,31 @@ class Arbiter:
                 self.on_result(w, msg)
             elif msg["op"] in ("lock", "unlock") and self.locks is not None:
                 self.locks.on_message(w.pid, msg)
+
+    def read_messages(self, w, data):
+        """The whole messages in a child's bytes; a frame we cannot take kills that child.
+
+        A child sends only well-formed frames under the size limit (it fails an
+        oversize result itself); anything else means it no longer speaks the
+        protocol, so its job fails and it goes, never the master.
+        """
+        if w.bad_frame is not None:
+            return []
+        try:
+            messages = w.reader.feed(data)
+            if not all(isinstance(m, dict) and isinstance(m.get("op"), str) for m in messages):
+                raise ValueError("a message without an op")
+            return messages
+        except (ValueError, RecursionError) as exc:
+            w.bad_frame, w.reader.buffer = exc, bytearray()
+            log.error("worker %d sent a bad message (%s): killing it", w.slot, exc,
+                      extra={"event": "bad_frame", "slot": w.slot, "pid": w.pid})
+            try:
+                self.selector.unregister(w.sock)
+            except (KeyError, ValueError):
+                pass
+            self.kill_worker(w, "bad_frame")
+            return []
 
     def reap_workers(self):
         while True:
@@ -502,7 +529,7 @@ class Arbiter:
                 return
             if not data:
                 return
-            for msg in w.reader.feed(data):
+            for msg in self.read_messages(w, data):
                 if msg["op"] == "result":
                     self.on_result(w, msg)
                 elif msg["op"] in ("lock", "unlock") and self.locks is not None:
@@ -524,6 +551,11 @@ class Arbiter:
                 self.heartbeat.drop(job.id)
             elif w.kill_reason == "shutdown":
                 self.writes.append(Write(job, "release", ()))
+            elif w.kill_reason == "bad_frame":
+                if isinstance(w.bad_frame, protocol.TooLarge):
+                    self.fail(job, w, "result_too_large", "ResultTooLarge", f"result: {w.bad_frame}")
+                else:
+                    self.fail(job, w, "crashed", "BadMessage", f"child sent a bad message: {w.bad_frame}")
             elif w.kill_reason == "timeout":
                 log.warning("worker %d killed: job over its hard timeout", w.slot,
                             extra=logs.job_fields(job, event="timeout_exit", **fields))
@@ -537,7 +569,7 @@ class Arbiter:
         elif w.state == "starting" and w.kill_reason is None and self.stopping is None:
             self.boot_failures += 1
             self.metrics.crashed.labels("boot").inc()
-            delay = min(30.0, 0.1 * 2 ** self.boot_failures)
+            delay = backoff(self.boot_failures + 1, 0.1, 30.0)
             self.next_spawn_at = time.monotonic() + delay
             log.error("worker %d died at start (%s); failure %d of %d, next try in %.1fs", w.slot, how,
                       self.boot_failures, self.cfg.supervisor.max_boot_failures, delay,
@@ -588,8 +620,9 @@ class Arbiter:
             # Back off while the queue is empty; the jitter keeps many supervisors
             # from polling a shared broker in lockstep.
             self.empty_claims += 1
-            delay = min(self.cfg.supervisor.poll_interval, 0.005 * 2 ** self.empty_claims)
-            self.next_claim_at = now + delay * random.uniform(0.75, 1.25)
+            self.empty_polls += 1
+            delay = backoff(self.empty_claims + 1, 0.005, self.cfg.supervisor.poll_interval, jitter=0.25)
+            self.next_claim_at = now + delay
 
     def plan_scheduling(self):
         """The claim limits and periodic jobs of the current config and handlers."""
@@ -678,7 +711,10 @@ class Arbiter:
             self.fail(job, w, "timeout", "HardTimeout", "job exceeded its timeout; child stopped by SIGTERM",
                       msg.get("traceback", ""), None, msg)
         else:
-            self.fail(job, w, msg.get("kind", "exception"), msg.get("error_class", ""), msg.get("message", ""),
+            kind = msg.get("kind")
+            if kind not in REASONS and kind != "retry_later":
+                kind = "exception"  # the reason becomes a metric label: only known values
+            self.fail(job, w, kind, msg.get("error_class", ""), msg.get("message", ""),
                       msg.get("traceback", ""), msg.get("delay"), msg)
         if w.term_at is not None or w.kill_reason is not None:
             w.state = "stopping"
@@ -687,10 +723,11 @@ class Arbiter:
             w.state = "idle"
             if w.retiring:
                 self.retire(w)
-            elif why := self.should_recycle(w):
+            elif recycle := self.should_recycle(w):
+                why, detail = recycle
                 self.metrics.recycled.labels(why).inc()
-                log.info("recycling worker %d after %d jobs", w.slot, w.jobs_done,
-                         extra={"event": "recycle", "slot": w.slot, "pid": w.pid})
+                log.info("recycling worker %d: %s", w.slot, detail,
+                         extra={"event": "recycle", "slot": w.slot, "pid": w.pid, "reason": why})
                 self.retire(w)
             elif self.stopping is None:
                 self.dispatch()  # the next prefetched job now: the child need not wait for the ack
@@ -710,15 +747,17 @@ class Arbiter:
                      extra=logs.job_fields(job, event="lock_contention"))
 
     def should_recycle(self, w):
+        """(reason, what to log) when ``w`` should be replaced, else None."""
         s = self.cfg.supervisor
         if s.max_jobs_per_child and w.jobs_done >= s.max_jobs_per_child:
-            return "max_jobs"
+            return "max_jobs", f"after {w.jobs_done} jobs (max_jobs_per_child)"
         if s.max_child_rss_mb:
             try:
-                if psutil.Process(w.pid).memory_info().rss > s.max_child_rss_mb * 1024 * 1024:
-                    return "max_rss"
+                rss = psutil.Process(w.pid).memory_info().rss
             except psutil.Error:
                 return None
+            if rss > s.max_child_rss_mb * 1024 * 1024:
+                return "max_rss", f"RSS {rss / 1048576:.1f} MiB over max_child_rss_mb = {s.max_child_rss_mb}"
         return None
 
     def attempt_info(self, w, msg=None):
@@ -742,7 +781,7 @@ class Arbiter:
         error = error_info(reason, exc_class, message, traceback)
         info = self.attempt_info(w, msg)
         fields = logs.job_fields(job, reason=reason, error=f"{exc_class}: {message}")
-        if kind in ("permanent", "bad_payload", "unknown_type") or job.attempt >= attempts:
+        if kind in ("permanent", "bad_payload", "unknown_type", "result_too_large") or job.attempt >= attempts:
             self.counters["dead"] += 1
             self.metrics.dead.labels(*labels, reason).inc()
             self.writes.append(Write(job, "dead", (reason, error, info)))
@@ -844,7 +883,7 @@ class Arbiter:
                 log.error("broker unreachable, pausing claims: %s: %s", type(exc).__name__, exc,
                           extra={"event": "broker_down", "pid": self.pid})
             self.broker_retry += 1
-            self.next_claim_at = now + min(10.0, 0.2 * 2 ** self.broker_retry) * random.uniform(0.5, 1.0)
+            self.next_claim_at = now + backoff(self.broker_retry + 1, 0.2, 10.0, jitter=0.5)
             raise BrokerError(str(exc)) from None
         self.metrics.broker_rtt.labels(op).observe(time.monotonic() - now)
         if self.broker_down_since is not None:
@@ -926,7 +965,7 @@ class Arbiter:
                         extra=logs.job_fields(write.job, event="write_failed"))
         self.heartbeat.drop(write.job.id)
         write.tries += 1
-        write.next_at = now + min(10.0, 0.1 * 2 ** write.tries) * random.uniform(0.5, 1.0)
+        write.next_at = now + backoff(write.tries + 1, 0.1, 10.0, jitter=0.5)
         self.writes.append(write)
 
     def write_lost(self, write):
@@ -994,7 +1033,7 @@ class Arbiter:
             "stopping": self.stopping, "broker_down": self.broker_down_since is not None,
             "target_workers": self.target, "prefetched": len(self.prefetched), "pending_writes": len(self.writes),
             "workers": [w.view() for w in sorted(self.workers.values(), key=lambda w: w.slot)],
-            "restarts": self.restarts, "counters": dict(self.counters),
+            "restarts": self.restarts, "counters": dict(self.counters), "empty_polls": self.empty_polls,
             "handlers": sorted(self.handlers),
             "queues": {q: s.to_dict() for q, s in self.queue_stats.items()},
             "metrics_listen": self.exporter.address if self.exporter is not None else None,

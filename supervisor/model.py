@@ -13,7 +13,8 @@ STATES = (QUEUED, RUNNING, RETRYING, DONE, DEAD)
 UNFINISHED = (QUEUED, RUNNING, RETRYING)
 
 # Reason codes of a dead-lettered job (and of a failed attempt).
-REASONS = ("exception", "permanent", "timeout", "crashed", "lease_expired", "unknown_type", "bad_payload")
+REASONS = ("exception", "permanent", "timeout", "crashed", "lease_expired", "unknown_type", "bad_payload",
+           "result_too_large")
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 

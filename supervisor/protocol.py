@@ -6,8 +6,15 @@ _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 64 * 1024 * 1024
 
 
-def encode(obj):
+class TooLarge(ValueError):
+    """A message over ``MAX_MESSAGE`` bytes."""
+
+
+def encode(obj, limit=None):
+    """The frame of ``obj``; ``TooLarge`` if its body is over ``limit`` bytes (when given)."""
     body = json.dumps(obj, separators=(",", ":")).encode()
+    if limit is not None and len(body) > limit:
+        raise TooLarge(f"message of {len(body)} bytes is over the {limit} byte limit")
     return _HEADER.pack(len(body)) + body
 
 
@@ -49,7 +56,7 @@ class Reader:
         while len(self.buffer) >= _HEADER.size:
             (size,) = _HEADER.unpack_from(self.buffer)
             if size > MAX_MESSAGE:
-                raise ValueError(f"message of {size} bytes is over the limit")
+                raise TooLarge(f"message of {size} bytes is over the {MAX_MESSAGE} byte limit")
             if len(self.buffer) < _HEADER.size + size:
                 break
             body = bytes(self.buffer[_HEADER.size:_HEADER.size + size])

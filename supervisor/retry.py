@@ -36,6 +36,23 @@ class JobTimeout(Exception):
     """
 
 
+# 2.0 ** 1024 overflows a float: every exponent stops here, long after any cap is reached.
+MAX_EXPONENT = 62
+
+
+def backoff(tries, base, cap, jitter=0.0, rng=random.random):
+    """Seconds to wait after ``tries`` failures (or empty polls) in a row.
+
+    ``base * 2**(tries-1)``, capped at ``cap``, then reduced by up to ``jitter``
+    (a fraction, 0..1) at random. The one exponential backoff of the package:
+    the exponent is clamped, so a streak that runs for months (an idle queue, a
+    long outage) gives ``cap``, never an OverflowError.
+    """
+    tries = max(1, int(tries))
+    delay = min(float(cap), float(base) * (2.0 ** min(tries - 1, MAX_EXPONENT)))
+    return delay * (1.0 - float(jitter) * rng())
+
+
 def next_delay(attempt, base=1.0, cap=300.0, jitter=0.5, rng=random.random):
     """Seconds to wait before retrying after failed attempt number ``attempt``.
 
@@ -43,6 +60,4 @@ def next_delay(attempt, base=1.0, cap=300.0, jitter=0.5, rng=random.random):
     by up to ``jitter`` (a fraction, 0..1) at random, so that jobs which failed
     together (a database went away) do not all come back in the same instant.
     """
-    attempt = max(1, int(attempt))
-    delay = min(float(cap), float(base) * (2.0 ** min(attempt - 1, 62)))
-    return delay * (1.0 - float(jitter) * rng())
+    return backoff(attempt, base, cap, jitter, rng)
