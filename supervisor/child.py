@@ -109,10 +109,23 @@ def serve(sock, slot, handlers, master_pid):
             reply = run_job(job, handlers, msg.get("soft_timeout"))
             try:
                 with timeouts.critical():  # a SIGTERM now waits for the whole reply: never a torn frame
-                    protocol.send(sock, reply)
+                    send_reply(sock, reply)
             except JobTimeout:
                 return  # the reply is out; the master is stopping us (hard timeout crossed the reply)
             title(slot, "idle")
+
+
+def send_reply(sock, reply):
+    """Send a job's reply; one over the protocol's limit fails the job instead (``result_too_large``)."""
+    try:
+        frame = protocol.encode(reply, limit=protocol.MAX_MESSAGE)
+    except protocol.TooLarge as exc:
+        what = "result" if reply.get("ok") else f"{reply.get('error_class')} error reply"
+        frame = protocol.encode({
+            "op": protocol.RESULT, "job_id": reply["job_id"], "token": reply["token"], "ok": False,
+            "kind": protocol.RESULT_TOO_LARGE, "error_class": "ResultTooLarge", "message": f"{what}: {exc}",
+            "traceback": "", "duration": reply.get("duration"), "metrics": reply.get("metrics", {})})
+    sock.sendall(frame)
 
 
 def run_job(job, handlers, soft_timeout=None):
@@ -150,10 +163,19 @@ def run_job(job, handlers, soft_timeout=None):
             reply["delay"] = exc.delay
         else:
             kind = protocol.EXCEPTION
-        ctx.log.warning("job failed: %s: %s", type(exc).__name__, exc)
-        return dict(reply, ok=False, kind=kind, error_class=type(exc).__name__, message=str(exc),
+        message = _text(exc)
+        ctx.log.warning("job failed: %s: %s", type(exc).__name__, message)
+        return dict(reply, ok=False, kind=kind, error_class=type(exc).__name__, message=message,
                     traceback=traceback.format_exc(), duration=time.monotonic() - started,
                     metrics=_numbers(ctx.metrics))
+
+
+def _text(exc):
+    """``str(exc)``, or a stand-in when the exception's own ``__str__`` fails: still the handler's failure."""
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - any failure of a handler's __str__
+        return f"<unprintable {type(exc).__name__}>"
 
 
 def _numbers(counts):

@@ -1,15 +1,18 @@
 """The health socket: one JSON line in, one JSON line out, served by the main loop.
 
 No thread: the listening socket and every client live in the master's
-selector. A client gets ``client_timeout`` seconds to send its line; garbage,
-an unknown command or an oversize line gets an error reply, and no client can
-block the loop (all client I/O is non-blocking).
+selector. A client gets 2 s for its first byte and ``client_timeout`` seconds
+for its whole line; garbage, JSON nested too deep, an unknown command or an
+oversize line gets an error reply, and no client can block or stop the loop
+(all client I/O is non-blocking, and a failure answering one client closes
+only that client).
 """
 import errno
 import grp
 import json
 import os
 import socket
+import stat
 
 from .errors import ConfigError, TangguhError
 from .oneshot import OneShotServer
@@ -50,14 +53,26 @@ def request(path, obj, timeout=5.0):
     return json.loads(data)
 
 
+def socket_exists(path):
+    """Whether a socket file is at ``path``; ConfigError if anything else is (it is never replaced)."""
+    try:
+        existing = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(existing):
+        raise ConfigError(f"supervisor.socket: {path} exists and is not a socket; not replacing it")
+    return True
+
+
 def claim_path(path, mode, group=""):
     """Bind the socket at ``path``, refusing if a live supervisor owns it.
 
     A socket file that accepts a connection belongs to a running supervisor;
-    one that refuses is left over from a crash and is removed. ``group`` (a
+    one that refuses is left over from a crash and is removed. Anything else
+    at ``path`` (a file, a symlink) is refused, never deleted. ``group`` (a
     name) gets the file, so that an ops group can talk to the daemon.
     """
-    if os.path.exists(path):
+    if socket_exists(path):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
         try:
@@ -65,7 +80,7 @@ def claim_path(path, mode, group=""):
         except (ConnectionRefusedError, FileNotFoundError):
             os.unlink(path)
         except OSError as exc:
-            if exc.errno not in (errno.ECONNREFUSED, errno.ENOTSOCK):
+            if exc.errno != errno.ECONNREFUSED:
                 raise
             os.unlink(path)
         else:
@@ -127,6 +142,8 @@ class HealthServer(OneShotServer):
             req = json.loads(line)
         except (ValueError, UnicodeDecodeError):
             return {"ok": False, "error": "request is not a JSON line"}
+        except RecursionError:  # the parser's own depth limit: 64 KiB of "[" passes the size check
+            return {"ok": False, "error": "request nests too deep (a request is one flat JSON object)"}
         if not isinstance(req, dict) or not isinstance(req.get("cmd"), str):
             return {"ok": False, "error": 'request must be a JSON object with a "cmd" string'}
         try:

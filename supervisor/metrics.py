@@ -34,6 +34,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BROKER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 JOB = ("queue", "type")
+UNKNOWN_TYPE = "unknown"  # the type label of every job type no handler serves
 
 
 class Metrics:
@@ -42,6 +43,7 @@ class Metrics:
     def __init__(self, arbiter=None):
         # No *_created series: they double the series count and say only when the master started.
         disable_created_metrics()
+        self.arbiter = arbiter
         self.registry = r = CollectorRegistry(auto_describe=True)
         c = lambda name, doc, labels=(): Counter(name, doc, labels, registry=r)  # noqa: E731
         g = lambda name, doc, labels=(): Gauge(name, doc, labels, registry=r)  # noqa: E731
@@ -113,6 +115,12 @@ class Metrics:
 
     # -- recording --------------------------------------------------------------------
     def job_labels(self, job):
+        """(queue, type) labels of ``job``; producers choose types, so only served types become labels.
+
+        The queue needs no such care: the master claims only its configured queues.
+        """
+        if self.arbiter is not None and job.type not in self.arbiter.handlers:
+            return job.queue, UNKNOWN_TYPE
         return job.queue, job.type
 
     def child_deltas(self, job, deltas):

@@ -12,6 +12,10 @@ QUEUED, RUNNING, RETRYING, DONE, DEAD = "queued", "running", "retrying", "done",
 STATES = (QUEUED, RUNNING, RETRYING, DONE, DEAD)
 UNFINISHED = (QUEUED, RUNNING, RETRYING)
 
+# Reason codes of a dead-lettered job (and of a failed attempt).
+REASONS = ("exception", "permanent", "timeout", "crashed", "lease_expired", "unknown_type", "bad_payload",
+           "result_too_large")
+
 # What the master stores when an attempt ends (``Outcome.op``). DEAD, the state,
 # doubles as the op that leads to it; DROP stores nothing (the lease is gone).
 ACK, RETRY, RELEASE, DROP = "ack", "retry", "release", "drop"

@@ -3,16 +3,27 @@
 The health socket and the HTTP ``/metrics`` endpoint are both served this way:
 no thread (docs/design.md's fork rule), no blocking call, a deadline per client so a
 silent or slow client cannot hold the loop or a slot, and a size limit so an
-endless request cannot grow the master's memory. Subclasses say when a
-request is complete and what to answer.
+endless request cannot grow the master's memory. A connection that sends
+nothing gets ``IDLE_SECONDS``; at ``max_clients`` the oldest connection still
+waiting for its request makes room for a new one, so idle connections held
+open (slowloris) cannot lock an operator out. A failure while answering one
+client closes that client, never the loop. Subclasses say when a request is
+complete and what to answer.
 """
+import logging
 import selectors
 import time
+
+log = logging.getLogger("tangguh.socket")
+
+IDLE_SECONDS = 2.0  # before the first byte; a real client writes its request at once
 
 
 class _Client:
     def __init__(self, sock, deadline):
         self.sock, self.deadline = sock, deadline
+        self.fd = sock.fileno()
+        self.accepted = time.monotonic()
         self.inbox = bytearray()
         self.outbox = b""
 
@@ -51,15 +62,30 @@ class OneShotServer:
                 conn, _ = self.listener.accept()
             except OSError:  # BlockingIOError: none left; anything else: try on the next wake-up
                 return
-            if len(self.clients) >= self.max_clients:
+            if len(self.clients) >= self.max_clients and not self._make_room():
                 conn.close()  # a connection storm must not grow the master's memory or fd table
                 continue
             conn.setblocking(False)
-            client = _Client(conn, time.monotonic() + self.client_timeout)
-            self.clients[conn.fileno()] = client
+            client = _Client(conn, time.monotonic() + min(IDLE_SECONDS, self.client_timeout))
+            self.clients[client.fd] = client
             self.selector.register(conn, selectors.EVENT_READ, lambda mask, c=client: self._io(c, mask))
 
+    def _make_room(self):
+        """Drop the oldest client still waiting for its request, silent ones first."""
+        waiting = [c for c in self.clients.values() if not c.outbox]
+        if not waiting:
+            return False
+        self._drop(min(waiting, key=lambda c: (len(c.inbox) > 0, c.accepted)))
+        return True
+
     def _io(self, client, mask):
+        try:
+            self._serve(client, mask)
+        except Exception:  # noqa: BLE001 - one client's request must never stop the master's loop
+            log.exception("health/metrics client dropped: answering it failed", extra={"event": "client_error"})
+            self._drop(client)
+
+    def _serve(self, client, mask):
         if mask & selectors.EVENT_READ and not client.outbox:
             try:
                 data = client.sock.recv(self.read_size)
@@ -69,6 +95,8 @@ class OneShotServer:
                 return self._drop(client)
             if not data:
                 return self._drop(client)
+            if not client.inbox:  # the first bytes: now the whole request gets its time
+                client.deadline = client.accepted + self.client_timeout
             client.inbox += data
             if self.complete(client.inbox):
                 self._send(client, self.answer(bytes(client.inbox)))
@@ -94,8 +122,11 @@ class OneShotServer:
             self._drop(client)
 
     def _drop(self, client):
-        if self.clients.pop(client.sock.fileno(), None) is not None:
-            self.selector.unregister(client.sock)
+        if self.clients.pop(client.fd, None) is not None:
+            try:
+                self.selector.unregister(client.sock)
+            except (KeyError, ValueError):
+                pass
         client.sock.close()
 
     def expire_clients(self):

@@ -15,15 +15,15 @@ RUN, STOP = "run", "stop"
 # child -> master
 READY, RESULT, LOCK, UNLOCK = "ready", "result", "lock", "unlock"
 
-# How an attempt failed: a child's reply says one of the first five ("kind");
+# How an attempt failed: a child's reply says one of the first six ("kind");
 # the master decides the rest itself. Each is also the reason stored with the
-# failed attempt, except RETRY_LATER, which is stored as EXCEPTION.
-EXCEPTION, PERMANENT, BAD_PAYLOAD, RETRY_LATER, TIMEOUT = (
-    "exception", "permanent", "bad_payload", "retry_later", "timeout")
+# failed attempt (model.REASONS), except RETRY_LATER, stored as EXCEPTION.
+EXCEPTION, PERMANENT, BAD_PAYLOAD, RETRY_LATER, TIMEOUT, RESULT_TOO_LARGE = (
+    "exception", "permanent", "bad_payload", "retry_later", "timeout", "result_too_large")
 CRASHED, UNKNOWN_TYPE = "crashed", "unknown_type"
 
 # Why the master kills a child.
-KILLED_TIMEOUT, KILLED_LEASE_LOST, KILLED_SHUTDOWN = "timeout", "lease_lost", "shutdown"
+KILLED_TIMEOUT, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_BAD_FRAME = "timeout", "lease_lost", "shutdown", "bad_frame"
 
 # The job fields a child receives in a RUN message (``max_attempts`` is the
 # effective one, after config overrides).
@@ -38,8 +38,15 @@ def run_message(job, max_attempts, soft_timeout):
     return {"op": RUN, "soft_timeout": soft_timeout, "job": fields}
 
 
-def encode(obj):
+class TooLarge(ValueError):
+    """A message over ``MAX_MESSAGE`` bytes."""
+
+
+def encode(obj, limit=None):
+    """The frame of ``obj``; ``TooLarge`` if its body is over ``limit`` bytes (when given)."""
     body = json.dumps(obj, separators=(",", ":")).encode()
+    if limit is not None and len(body) > limit:
+        raise TooLarge(f"message of {len(body)} bytes is over the {limit} byte limit")
     return _HEADER.pack(len(body)) + body
 
 
@@ -81,7 +88,7 @@ class Reader:
         while len(self.buffer) >= _HEADER.size:
             (size,) = _HEADER.unpack_from(self.buffer)
             if size > MAX_MESSAGE:
-                raise ValueError(f"message of {size} bytes is over the limit")
+                raise TooLarge(f"message of {size} bytes is over the {MAX_MESSAGE} byte limit")
             if len(self.buffer) < _HEADER.size + size:
                 break
             body = bytes(self.buffer[_HEADER.size:_HEADER.size + size])

@@ -29,18 +29,21 @@ class RetryLater(Exception):
         self.delay = float(delay)
 
 
-MAX_EXPONENT = 62  # 2**62 is far past every cap; a larger exponent would only overflow the float
+# 2.0 ** 1024 overflows a float: every exponent stops here, long after any cap is reached.
+MAX_EXPONENT = 62
 
 
-def backoff(exponent, base, cap, jitter=0.5, rng=random.random):
-    """``base * 2**exponent`` seconds, capped at ``cap``, then reduced by up to ``jitter`` (0..1) at random.
+def backoff(tries, base, cap, jitter=0.0, rng=random.random):
+    """Seconds to wait after ``tries`` failures (or empty polls) in a row.
 
-    The one backoff of the daemon (retries, empty polls, reconnects, outcome
-    writes). The exponent is clamped, so a counter that keeps growing through a
-    months-long idle spell or outage can never overflow the float.
+    ``base * 2**(tries-1)``, capped at ``cap``, then reduced by up to ``jitter``
+    (a fraction, 0..1) at random. The one exponential backoff of the package:
+    the exponent is clamped, so a streak that runs for months (an idle queue, a
+    long outage) gives ``cap``, never an OverflowError.
     """
-    exponent = min(max(0, int(exponent)), MAX_EXPONENT)
-    return min(float(cap), float(base) * 2.0 ** exponent) * (1.0 - float(jitter) * rng())
+    tries = max(1, int(tries))
+    delay = min(float(cap), float(base) * (2.0 ** min(tries - 1, MAX_EXPONENT)))
+    return delay * (1.0 - float(jitter) * rng())
 
 
 def next_delay(attempt, base=1.0, cap=300.0, jitter=0.5, rng=random.random):
@@ -50,4 +53,4 @@ def next_delay(attempt, base=1.0, cap=300.0, jitter=0.5, rng=random.random):
     by up to ``jitter`` (a fraction, 0..1) at random, so that jobs which failed
     together (a database went away) do not all come back in the same instant.
     """
-    return backoff(max(1, int(attempt)) - 1, base, cap, jitter, rng)
+    return backoff(attempt, base, cap, jitter, rng)

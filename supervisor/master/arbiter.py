@@ -28,12 +28,12 @@ import socket
 import sys
 import time
 
-from .. import child, config, logs, registry, scheduler, toolkit
+from .. import child, config, logs, protocol, registry, scheduler, toolkit
 from ..errors import BrokerError, ConfigError, TangguhError
 from ..health import AlreadyRunning, HealthServer
 from ..heartbeat import Heartbeat
 from ..metrics import SAMPLE_SECONDS, HttpExporter, Metrics
-from ..protocol import KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT, UNKNOWN_TYPE
+from ..protocol import KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT, UNKNOWN_TYPE
 from ..retry import next_delay
 from ..sdnotify import Notifier
 from . import verdict
@@ -327,10 +327,13 @@ class Arbiter:
         if c.kill_reason == KILLED_TIMEOUT:
             log.warning("worker %d killed: job over its hard timeout", c.slot,
                         extra=logs.job_fields(job, event="timeout_exit", **fields))
-        elif c.kill_reason not in (KILLED_LEASE_LOST, KILLED_SHUTDOWN):
+        elif c.kill_reason not in (KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_BAD_FRAME):
             log.error("worker %d died mid-job (%s)", c.slot, how, extra=logs.job_fields(job, event="crash", **fields))
             self.status.count("crashed_mid_job")
-        self.settle(job, settings, verdict.Ending(exit_how=how, kill_reason=c.kill_reason), c)
+        bad = c.bad_frame
+        ending = verdict.Ending(exit_how=how, kill_reason=c.kill_reason, bad_frame=str(bad or ""),
+                                too_large=isinstance(bad, protocol.TooLarge))
+        self.settle(job, settings, ending, c)
 
     # -- jobs ----------------------------------------------------------------------------------
     def settings_for(self, job):

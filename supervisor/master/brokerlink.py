@@ -87,7 +87,7 @@ class BrokerLink:
                 log.error("broker unreachable, pausing claims: %s: %s", type(exc).__name__, exc,
                           extra={"event": "broker_down", "pid": self.pid})
             self.failures += 1
-            self.on_down(now + backoff(self.failures, 0.2, 10.0, jitter=0.5))
+            self.on_down(now + backoff(self.failures + 1, 0.2, 10.0, jitter=0.5))
             raise BrokerError(str(exc)) from None
         self.metrics.broker_rtt.labels(op).observe(time.monotonic() - now)
         if self.down_since is not None:

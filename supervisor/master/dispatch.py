@@ -9,7 +9,6 @@ inotify event) brings the next claim forward at once.
 """
 import collections
 import logging
-import random
 import time
 
 from .. import logs
@@ -32,7 +31,8 @@ class Dispatcher:
         self.on_claimed, self.on_unknown = on_claimed, on_unknown
         self.prefetched = collections.deque()  # (job, settings), oldest first
         self.next_claim_at = 0.0
-        self.empty_claims = 0  # empty claims in a row: the poll backoff's exponent
+        self.empty_claims = 0  # empty claims in a row: the idle backoff
+        self.empty_polls = 0  # empty claims since start, for status
 
     def configure(self, cfg, handlers, limits):
         """The config, handlers and claim limits of the current generation."""
@@ -82,8 +82,9 @@ class Dispatcher:
             # Back off while the queue is empty; the jitter keeps many supervisors
             # from polling a shared broker in lockstep.
             self.empty_claims += 1
-            delay = backoff(self.empty_claims, 0.005, self.cfg.supervisor.poll_interval, jitter=0)
-            self.next_claim_at = now + delay * random.uniform(0.75, 1.25)
+            self.empty_polls += 1
+            self.next_claim_at = now + backoff(self.empty_claims + 1, 0.005, self.cfg.supervisor.poll_interval,
+                                               jitter=0.25)
 
     def dispatch(self):
         """Hand prefetched jobs to free children, oldest first."""

@@ -155,7 +155,7 @@ class OutcomeWriter:
                         extra=logs.job_fields(write.job, event="write_failed"))
         self.stop_renewing(write.job)
         write.tries += 1
-        write.next_at = now + backoff(write.tries, 0.1, 10.0, jitter=0.5)
+        write.next_at = now + backoff(write.tries + 1, 0.1, 10.0, jitter=0.5)
         self.writes.append(write)
 
     def lost(self, write):

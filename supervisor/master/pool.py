@@ -17,7 +17,7 @@ import traceback
 import psutil
 
 from .. import logs, protocol
-from ..protocol import KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT
+from ..protocol import KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT
 from ..retry import backoff
 
 log = logging.getLogger("tangguh.arbiter")
@@ -40,6 +40,7 @@ class Child:
         self.kill_reason = None  # KILLED_*: why we are killing it
         self.jobs_done = 0
         self.retiring = False
+        self.bad_frame = None  # the error of a message the protocol cannot take: no more reading
 
     def view(self):
         elapsed = None if self.started is None or self.job is None else round(time.monotonic() - self.started, 3)
@@ -172,25 +173,28 @@ class Pool:
         if c.retiring:
             self.retire(c)
             return False
-        why = self.should_recycle(c)
-        if why:
+        recycle = self.should_recycle(c)
+        if recycle:
+            why, detail = recycle
             self.count("recycled", why)
-            log.info("recycling worker %d after %d jobs", c.slot, c.jobs_done,
-                     extra={"event": "recycle", "slot": c.slot, "pid": c.pid})
+            log.info("recycling worker %d: %s", c.slot, detail,
+                     extra={"event": "recycle", "slot": c.slot, "pid": c.pid, "reason": why})
             self.retire(c)
             return False
         return True
 
     def should_recycle(self, c):
+        """(reason, what to log) when ``c`` should be replaced, else None."""
         s = self.cfg
         if s.max_jobs_per_child and c.jobs_done >= s.max_jobs_per_child:
-            return "max_jobs"
+            return "max_jobs", f"after {c.jobs_done} jobs (max_jobs_per_child)"
         if s.max_child_rss_mb:
             try:
-                if psutil.Process(c.pid).memory_info().rss > s.max_child_rss_mb * 1024 * 1024:
-                    return "max_rss"
+                rss = psutil.Process(c.pid).memory_info().rss
             except psutil.Error:
                 return None
+            if rss > s.max_child_rss_mb * 1024 * 1024:
+                return "max_rss", f"RSS {rss / 1048576:.1f} MiB over max_child_rss_mb = {s.max_child_rss_mb}"
         return None
 
     def retire(self, c):
@@ -241,7 +245,7 @@ class Pool:
         self.messages(c, data)
 
     def messages(self, c, data):
-        for msg in c.reader.feed(data):
+        for msg in self.decode(c, data):
             op = msg["op"]
             if op == protocol.READY:
                 c.state = IDLE if c.state == STARTING else c.state
@@ -250,6 +254,31 @@ class Pool:
                 self.on_reply(c, msg)
             elif op in (protocol.LOCK, protocol.UNLOCK):
                 self.on_lock(c, msg)
+
+    def decode(self, c, data):
+        """The whole messages in a child's bytes; a frame we cannot take kills that child.
+
+        A child sends only well-formed frames under the size limit (it fails an
+        oversize result itself); anything else means it no longer speaks the
+        protocol, so its job fails and it goes, never the master.
+        """
+        if c.bad_frame is not None:
+            return []
+        try:
+            messages = c.reader.feed(data)
+            if not all(isinstance(m, dict) and isinstance(m.get("op"), str) for m in messages):
+                raise ValueError("a message without an op")
+            return messages
+        except (ValueError, RecursionError) as exc:
+            c.bad_frame, c.reader.buffer = exc, bytearray()
+            log.error("worker %d sent a bad message (%s): killing it", c.slot, exc,
+                      extra={"event": "bad_frame", "slot": c.slot, "pid": c.pid})
+            try:
+                self.selector.unregister(c.sock)
+            except (KeyError, ValueError):
+                pass
+            self.kill(c, KILLED_BAD_FRAME)
+            return []
 
     # -- deadlines ---------------------------------------------------------------------
     def deadlines(self):
@@ -321,7 +350,7 @@ class Pool:
         if c.state == STARTING and c.kill_reason is None and not self.stopping:
             self.boot_failures += 1
             self.count("crashed_boot")
-            delay = backoff(self.boot_failures, 0.1, 30.0, jitter=0)
+            delay = backoff(self.boot_failures + 1, 0.1, 30.0)
             self.next_spawn_at = time.monotonic() + delay
             log.error("worker %d died at start (%s); failure %d of %d, next try in %.1fs", c.slot, how,
                       self.boot_failures, self.cfg.max_boot_failures, delay,

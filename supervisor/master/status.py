@@ -161,7 +161,7 @@ class Status:
             "target_workers": m.pool.target, "prefetched": len(m.dispatcher.prefetched),
             "pending_writes": len(m.writer),
             "workers": [c.view() for c in sorted(m.pool.children.values(), key=lambda c: c.slot)],
-            "restarts": m.pool.restarts, "counters": dict(self.counters),
+            "restarts": m.pool.restarts, "counters": dict(self.counters), "empty_polls": m.dispatcher.empty_polls,
             "handlers": sorted(m.handlers),
             "queues": {q: s.to_dict() for q, s in m.queue_stats.items()},
             "metrics_listen": m.exporter.address if m.exporter is not None else None,

@@ -9,12 +9,12 @@ I/O, keeps no state and reads no clock: the retry policy comes in as
 """
 import dataclasses
 
-from ..model import ACK, DEAD, DROP, RELEASE, RETRY, Outcome  # noqa: F401 - the ops a verdict can give
-from ..protocol import (BAD_PAYLOAD, CRASHED, EXCEPTION, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT,
-                        PERMANENT, RETRY_LATER, TIMEOUT, UNKNOWN_TYPE)
+from ..model import ACK, DEAD, DROP, REASONS, RELEASE, RETRY, Outcome  # noqa: F401 - the ops a verdict gives
+from ..protocol import (BAD_PAYLOAD, CRASHED, EXCEPTION, KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN,
+                        KILLED_TIMEOUT, PERMANENT, RESULT_TOO_LARGE, RETRY_LATER, TIMEOUT, UNKNOWN_TYPE)
 
 # Failures that no retry can mend: dead-lettered on the first attempt.
-DEAD_AT_ONCE = (PERMANENT, BAD_PAYLOAD, UNKNOWN_TYPE)
+DEAD_AT_ONCE = (PERMANENT, BAD_PAYLOAD, UNKNOWN_TYPE, RESULT_TOO_LARGE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,12 +25,16 @@ class Ending:
     the child died without one ("signal SIGKILL", "exit code 1").
     ``kill_reason``: why the master was killing the child, if it was.
     ``term_sent``: the master had sent the hard-timeout SIGTERM.
+    ``bad_frame``: what was wrong with a message the child sent (it was
+    killed for it); ``too_large``: that message was over the size limit.
     """
 
     reply: dict | None = None
     exit_how: str = ""
     kill_reason: str | None = None
     term_sent: bool = False
+    bad_frame: str = ""
+    too_large: bool = False
 
 
 def judge(attempt, max_attempts, ending, backoff):
@@ -45,8 +49,17 @@ def judge(attempt, max_attempts, ending, backoff):
             # It answered our SIGTERM in its grace period: still a hard timeout.
             return failure(attempt, max_attempts, TIMEOUT, "HardTimeout",
                            "job exceeded its timeout; child stopped by SIGTERM", backoff, reply.get("traceback", ""))
-        return failure(attempt, max_attempts, reply.get("kind", EXCEPTION), reply.get("error_class", ""),
+        kind = reply.get("kind")
+        if kind not in REASONS and kind != RETRY_LATER:
+            kind = EXCEPTION  # the reason becomes a metric label: only known values
+        return failure(attempt, max_attempts, kind, reply.get("error_class", ""),
                        reply.get("message", ""), backoff, reply.get("traceback", ""), reply.get("delay"))
+    if ending.kill_reason == KILLED_BAD_FRAME:
+        if ending.too_large:
+            return failure(attempt, max_attempts, RESULT_TOO_LARGE, "ResultTooLarge", f"result: {ending.bad_frame}",
+                           backoff)
+        return failure(attempt, max_attempts, CRASHED, "BadMessage",
+                       f"child sent a bad message: {ending.bad_frame}", backoff)
     if ending.kill_reason == KILLED_SHUTDOWN:
         return Outcome(RELEASE)  # stopped by us, not by the job: it runs again elsewhere, no attempt burnt
     if ending.kill_reason == KILLED_TIMEOUT:

@@ -90,3 +90,33 @@ def effect_once(ctx, payload):
     if ctx.job.attempt == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # the master never hears of the commit: the job runs again
     return {"duplicate": rec.done}
+
+
+@supervisor.job("huge_result")
+def huge_result(ctx, payload):
+    """A result over the 64 MiB message limit (protocol.MAX_MESSAGE)."""
+    return {"blob": "x" * (64 * 1024 * 1024 + 1)}
+
+
+@supervisor.job("oversize_frame")
+def oversize_frame(ctx, payload):
+    """A child gone wrong: writes a frame header over the limit straight into its pipe, then hangs."""
+    import struct
+
+    from supervisor import protocol, toolkit
+
+    sock = toolkit._notify.__closure__[0].cell_contents  # the child's end of the pipe to the master
+    _mark(payload, f"sending {os.getpid()}")  # first: the master may kill us as soon as the header lands
+    sock.sendall(struct.pack("!I", protocol.MAX_MESSAGE + 1) + b"x" * 1024)
+    time.sleep(60)
+
+
+class _Unprintable(ValueError):
+    def __str__(self):
+        raise RuntimeError("no text for you")
+
+
+@supervisor.job("unprintable")
+def unprintable(ctx, payload):
+    """Raises an exception whose ``str()`` itself raises."""
+    raise _Unprintable()

@@ -1,0 +1,275 @@
+"""The master survives idle time and hostile input: idle polling, the health
+socket, oversize results, unbounded label sets, a socket path that is a file.
+
+Process tests run the real ``tangguh run`` (tests/daemon.py) and end with the
+daemon still serving: a job runs after the hostile part.
+"""
+import json
+import os
+import selectors
+import signal
+import socket
+import stat
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.health import HealthServer, request
+from supervisor.model import NewJob
+from supervisor.oneshot import OneShotServer
+from supervisor.retry import backoff, next_delay
+
+from .daemon import Daemon, read_lines, tangguh
+from .util import wait_for
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(tmp_path)
+    yield d
+    d.stop()
+
+
+def serves_a_job(d):
+    job_id = d.enqueue("noop", {})
+    assert d.wait_job(job_id).state == "done"
+
+
+# -- backoff ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tries", [1_000, 1_025, 10_000, 10**6, 10**18])
+def test_backoff_after_a_very_long_streak_is_the_cap(tries):
+    assert backoff(tries, 0.005, 0.5) == 0.5
+    assert backoff(tries, 0.2, 10.0, jitter=0.5, rng=lambda: 1.0) == 5.0
+    assert next_delay(tries, 1.0, 300.0, 0.0) == 300.0
+
+
+def test_backoff_doubles_from_base():
+    assert [backoff(n, 0.1, 100.0) for n in (0, 1, 2, 3, 4)] == [0.1, 0.1, 0.2, 0.4, 0.8]
+
+
+def test_idle_supervisor_survives_thousands_of_empty_polls_then_serves(tmp_path):
+    # The old backoff overflowed a float after ~1,024 empty claims in a row.
+    d = Daemon(tmp_path, supervisor={"poll_interval": 0.001})
+    try:
+        d.start()
+        wait_for(lambda: d.status()["empty_polls"] >= 3000, timeout=120, message="3,000 empty polls")
+        assert d.proc.poll() is None
+        serves_a_job(d)
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+# -- the health socket ---------------------------------------------------------------------
+
+def connect(path):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)  # blocking: waits while the listen backlog is full
+    s.settimeout(10)
+    return s
+
+
+def reply_or_eof(s):
+    """The reply line, or b"" when the daemon closed the connection without one."""
+    data = bytearray()
+    while not data.endswith(b"\n"):
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
+
+def test_deeply_nested_json_on_the_health_socket_gets_an_error(daemon):
+    daemon.start()
+    for line, error in ((b"[" * 60_000 + b"\n", b"nests too deep"), (b"{\"a\": " * 12_000 + b"\n", b"nests too deep"),
+                        (b'{"cmd": ' + b"[" * 900 + b"]" * 900 + b"}\n", b'"cmd\\" string')):
+        s = connect(daemon.socket)
+        s.sendall(line)
+        reply = reply_or_eof(s)
+        s.close()
+        assert reply.startswith(b'{"ok": false') and error in reply, reply[:200]
+    assert daemon.proc.poll() is None
+    result = tangguh("status", "-c", daemon.config_path)
+    assert result.returncode == 0, result.stderr
+    serves_a_job(daemon)
+    daemon.assert_clean()
+
+
+def closed_by_peer(s):
+    """Whether the daemon has closed ``s`` (a reply it sent first is read and ignored)."""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return True
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_connections_cannot_lock_out_status_and_are_closed(daemon):
+    daemon.start()
+    idle = [connect(daemon.socket) for _ in range(OneShotServer.max_clients)]
+    try:
+        for s in idle:
+            s.setblocking(False)
+        # Every slot is held by a silent connection: the next client still gets its answer.
+        for _ in range(3):
+            result = tangguh("status", "-c", daemon.config_path)
+            assert result.returncode == 0, result.stderr
+        assert daemon.status()["ok"] is True
+        assert closed_by_peer(idle[0])  # the oldest silent one made room
+        # The rest are closed after the idle bound, without anyone else connecting.
+        wait_for(lambda: all(closed_by_peer(s) for s in idle), timeout=20, message="idle connections closed")
+    finally:
+        for s in idle:
+            s.close()
+    serves_a_job(daemon)
+    daemon.assert_clean()
+
+
+def test_a_failure_answering_one_client_drops_that_client_only(tmp_path):
+    class Broken(HealthServer):
+        def answer(self, inbox):
+            if b"boom" in inbox:
+                raise RecursionError("maximum recursion depth exceeded")
+            return super().answer(inbox)
+
+    sel = selectors.DefaultSelector()
+    path = str(tmp_path / "s.sock")
+    server = Broken(path, 0o600, sel, lambda req: {"ok": True, "pong": True})
+    bad, good = connect(path), connect(path)
+    bad.setblocking(False)
+    bad.sendall(b'{"cmd": "boom"}\n')
+    good.sendall(b'{"cmd": "ping"}\n')
+    got = bytearray()
+
+    def served():
+        for key, mask in sel.select(0.05):
+            key.data(mask)
+        good.setblocking(False)
+        try:
+            got.extend(good.recv(4096))
+        except BlockingIOError:
+            pass
+        return closed_by_peer(bad) and got.endswith(b"\n")
+
+    wait_for(served, message="the failing client dropped and the other answered")
+    assert b'"pong": true' in got and not server.clients
+    bad.close()
+    good.close()
+    server.close()
+    sel.close()
+
+
+# -- the socket path ---------------------------------------------------------------------------
+
+def test_a_socket_path_that_is_a_regular_file_is_refused_and_kept(daemon):
+    with open(daemon.socket, "w") as f:
+        f.write("precious\n")
+    result = tangguh("run", "-c", daemon.config_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and daemon.socket in errors[0] and "not a socket" in errors[0], result.stderr
+    with open(daemon.socket) as f:
+        assert f.read() == "precious\n"
+    assert stat.S_ISREG(os.stat(daemon.socket).st_mode)
+
+
+# -- results over the message limit ------------------------------------------------------------
+
+def test_a_result_over_the_message_limit_dead_letters_the_job(daemon):
+    daemon.start()
+    job = daemon.wait_job(daemon.enqueue("huge_result", {}, max_attempts=5), timeout=60)
+    assert (job.state, job.reason, job.attempt) == ("dead", "result_too_large", 1)
+    assert "limit" in job.history[-1]["error"]["message"]
+    assert daemon.status()["restarts"] == 0  # the child failed the job itself and stays
+    serves_a_job(daemon)
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    daemon.assert_clean()
+
+
+def test_an_oversize_frame_from_a_child_kills_that_child_not_the_master(daemon):
+    daemon.start()
+    marker = daemon.marker("m")
+    job = daemon.wait_job(daemon.enqueue("oversize_frame", {"marker": marker}, max_attempts=5), timeout=60)
+    assert (job.state, job.reason, job.attempt) == ("dead", "result_too_large", 1)
+    pid = int(read_lines(marker)[0][1])
+    wait_for(lambda: pid not in daemon.worker_pids() and len(daemon.worker_pids()) == 2,
+             message="the child killed and replaced")
+    serves_a_job(daemon)
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    daemon.assert_clean()
+
+
+# -- metric labels ---------------------------------------------------------------------------------
+
+def test_unknown_job_types_share_one_metric_label(daemon):
+    daemon.start()
+    total = 500
+    daemon.broker.enqueue_many([NewJob(f"random-{i}-{os.urandom(4).hex()}", {}) for i in range(total)])
+    wait_for(lambda: daemon.broker.stats(["default"])["default"].dead == total, timeout=120,
+             message="every unknown type dead-lettered")
+    serves_a_job(daemon)
+    text = request(daemon.socket, {"cmd": "metrics"})["text"]
+    types, dead = set(), {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "type" in sample.labels:
+                types.add(sample.labels["type"])
+            if sample.name == "tangguh_jobs_dead_lettered_total":
+                dead[sample.labels["type"], sample.labels["reason"]] = sample.value
+    assert types == {"unknown", "noop"}, sorted(types)[:10]
+    assert dead == {("unknown", "unknown_type"): total}
+    assert daemon.status()["counters"]["dead"] == total
+    daemon.assert_clean()
+
+
+# -- handler edge cases --------------------------------------------------------------------------
+
+def test_an_exception_that_cannot_be_printed_is_an_exception_not_a_crash(daemon):
+    daemon.start()
+    job = daemon.wait_job(daemon.enqueue("unprintable", {}, max_attempts=2))
+    assert (job.state, job.reason, job.attempt) == ("dead", "exception", 2)
+    error = job.history[-1]["error"]
+    assert error["class"] == "_Unprintable" and error["message"] == "<unprintable _Unprintable>", error
+    status = daemon.status()
+    assert status["restarts"] == 0 and status["counters"]["crashed"] == 0
+    serves_a_job(daemon)
+    daemon.assert_clean()
+
+
+def test_a_max_rss_recycle_is_logged_with_its_reason(tmp_path):
+    d = Daemon(tmp_path, supervisor={"max_child_rss_mb": 1})  # every child is over 1 MiB
+    try:
+        d.start()
+        serves_a_job(d)
+        recycles = wait_for(lambda: [r for r in log_records(d) if r.get("event") == "recycle"],
+                            message="the recycle record")
+        assert recycles[0]["reason"] == "max_rss" and "RSS" in recycles[0]["msg"], recycles[0]
+        assert "after" not in recycles[0]["msg"]
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def log_records(d):
+    out = []
+    for line in d.logs().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
