@@ -17,6 +17,7 @@ import urllib.parse
 
 from . import config as config_module
 from .errors import BadInput, ConfigError, NotDead, TangguhError
+from .model import MAX_DEPTH
 
 PROG = "tangguh"
 EXAMPLE_CONFIG = "data/config.example.toml"
@@ -297,6 +298,8 @@ def parse_payload(text):
         payload = json.loads(text)
     except ValueError as exc:
         raise BadInput(f"payload: malformed JSON: {exc}") from None
+    except RecursionError:
+        raise BadInput(f"payload: nested more than {MAX_DEPTH} levels deep") from None
     if not isinstance(payload, dict):
         raise BadInput(f"payload: expected a JSON object, got {_JSON_TYPES.get(type(payload), type(payload).__name__)}")
     return payload

@@ -201,12 +201,13 @@ def test_prune_works_in_batches(rb, monkeypatch):
 
 def test_text_round_trips_exactly(rb):
     odd = 'é 😀 "q" \\ / \n\t\x00 ]}'
-    job_id = rb.enqueue(NewJob(odd, {odd: [odd, 1.5, 2**60, None, True]}, resource_id=odd, idempotency_key=odd,
-                               trace_id=odd))
-    assert rb.enqueue(NewJob("t", {}, idempotency_key=odd)) == job_id
+    name = odd.replace("\x00", "")  # no broker stores a NUL in a name (PostgreSQL cannot)
+    job_id = rb.enqueue(NewJob(name, {odd: [odd, 1.5, 2**60, None, True]}, resource_id=name, idempotency_key=name,
+                               trace_id=name))
+    assert rb.enqueue(NewJob("t", {}, idempotency_key=name)) == job_id
     job = rb.claim(["default"], 1, 30, odd)[0]
     assert (job.type, job.payload, job.resource_id, job.idempotency_key, job.trace_id, job.owner) == (
-        odd, {odd: [odd, 1.5, 2**60, None, True]}, odd, odd, odd, odd)
+        name, {odd: [odd, 1.5, 2**60, None, True]}, name, name, name, odd)
     assert job.history[0]["owner"] == odd
     rb.ack(job.lease, {odd: odd}, {odd: odd})
     done = rb.get(job_id)

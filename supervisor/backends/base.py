@@ -54,7 +54,7 @@ import time
 import urllib.parse
 
 from ..errors import BrokerError, LeaseLost
-from ..model import Job, Lease, NewJob, QueueStats  # noqa: F401  (re-exported for backends)
+from ..model import Job, Lease, NewJob, QueueStats, error_info, payload_problem  # noqa: F401  (re-exported)
 
 
 class Broker(abc.ABC):
@@ -78,6 +78,25 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     def claim(self, queues, n, lease_seconds, owner, limits=None) -> list: ...
+
+    def _runnable(self, jobs):
+        """The claimed jobs a worker can be given; the others are dead-lettered ``bad_payload`` now.
+
+        A payload that does not decode, or is nested past the enqueue limit (stored
+        behind the producer API's back, or before it had the limit), would fail every
+        attempt or break the claimer itself; it must not hold up the jobs behind it.
+        """
+        runnable = []
+        for job in jobs:
+            problem = payload_problem(job.payload)
+            if problem is None:
+                runnable.append(job)
+                continue
+            try:
+                self.dead(job.lease, "bad_payload", error_info("bad_payload", "BadPayload", problem))
+            except LeaseLost:
+                pass  # someone else's now: their claim dead-letters it
+        return runnable
 
     @abc.abstractmethod
     def enqueue_once(self, job: NewJob) -> str | None: ...

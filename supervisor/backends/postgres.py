@@ -49,9 +49,10 @@ import urllib.parse
 import psycopg
 from psycopg import errors as pgerrors
 from psycopg.rows import dict_row, tuple_row
+from psycopg.types.json import set_json_loads
 
 from ..errors import BadInput, BrokerError, LeaseLost, NotDead
-from ..model import Job, QueueStats
+from ..model import Job, QueueStats, load_json
 from .base import Broker
 from .limits import Admission, active, refill
 
@@ -272,7 +273,9 @@ class PostgresBroker(Broker):
         )
 
     def _connect(self):
-        return psycopg.connect(self.conninfo, autocommit=True)
+        conn = psycopg.connect(self.conninfo, autocommit=True)
+        set_json_loads(load_json, conn)  # a value that does not decode must not fail the whole fetch
+        return conn
 
     def _conn(self):
         """The main connection, reconnecting when the previous one broke (or belongs to our parent)."""
@@ -501,7 +504,7 @@ class PostgresBroker(Broker):
             order.setdefault(q, i)
         jobs = [Job.from_dict(r) for r in rows]
         jobs.sort(key=lambda j: (order[j.queue], -j.priority, j.run_at, j.id))
-        return jobs
+        return self._runnable(jobs)
 
     def _claim_limited(self, queues, n, lease_seconds, owner, limits):
         """The claim under per-type limits, one transaction of a few statements.

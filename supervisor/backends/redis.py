@@ -75,7 +75,7 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
 from ..errors import BadInput, BrokerError, LeaseLost, NotDead
-from ..model import Job, QueueStats
+from ..model import Job, QueueStats, load_json
 from .base import Broker
 from .limits import active
 
@@ -317,7 +317,7 @@ class RedisBroker(Broker):
         owner_json = json.dumps(owner)
         limits = active(limits)
         if limits:
-            return self._claim_limited(queues, n, lease_us, owner, owner_json, limits)
+            return self._runnable(self._claim_limited(queues, n, lease_us, owner, owner_json, limits))
         claimed = []
         for queue in queues:
             if len(claimed) >= n:
@@ -326,7 +326,7 @@ class RedisBroker(Broker):
                 job = _job(json.loads(fields))
                 self._remember(job.id, queue)
                 claimed.append(job)
-        return claimed
+        return self._runnable(claimed)
 
     def _claim_limited(self, queues, n, lease_us, owner, owner_json, limits):
         """Per queue, one round trip: claim.lua with n = 0 (reclaim, promote), then claim_limited.lua."""
@@ -607,7 +607,7 @@ def _job(fields):
             d[key] = float(d[key])
     for key in _JSON:
         if key in d:
-            d[key] = json.loads(d[key])
+            d[key] = load_json(d[key])
     history = json.loads(d.pop("history", "[]"))
     open_entry = d.pop("open", None)
     if open_entry:

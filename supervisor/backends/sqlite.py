@@ -15,7 +15,7 @@ import sqlite3
 import urllib.parse
 
 from ..errors import BadInput, BrokerError, LeaseLost, NotDead
-from ..model import DEAD, DONE, RETRYING, Job, QueueStats, error_info
+from ..model import DEAD, DONE, RETRYING, Job, QueueStats, error_info, load_json
 from .base import Broker
 from .limits import Admission, active, refill
 
@@ -177,6 +177,9 @@ class SQLiteBroker(Broker):
 
     # -- leasing ----------------------------------------------------------
     def claim(self, queues, n, lease_seconds, owner, limits=None):
+        return self._runnable(self._claim(queues, n, lease_seconds, owner, limits))
+
+    def _claim(self, queues, n, lease_seconds, owner, limits):
         limits = active(limits)
         claimed = []
         with self._write():
@@ -456,6 +459,6 @@ def _job(row):
     d = dict(row)
     for key in ("payload", "result", "error", "history"):
         if d.get(key) is not None:
-            d[key] = json.loads(d[key])
+            d[key] = load_json(d[key])
     return Job.from_dict(d)
 
