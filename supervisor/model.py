@@ -253,7 +253,8 @@ class Job:
         return Lease(self.id, self.token)
 
     def to_dict(self):
-        return dataclasses.asdict(self)
+        # Field by field, not dataclasses.asdict: that copies payload and result recursively.
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, d):
