@@ -10,6 +10,8 @@ import json
 import pytest
 
 from supervisor.backends import open_broker
+from supervisor.client import Client
+from supervisor.errors import BadInput
 from supervisor.model import NewJob, error_info
 
 from .daemon import Daemon, tangguh
@@ -102,3 +104,13 @@ def test_job_json_prints_a_result_stored_900_deep(tmp_path):
         broker.ack(broker.claim(["default"], 1, 30, "w")[0].lease, result)
     assert json.loads(cli(d, "job", job_id, "--json"))["result"] == result
     assert job_id in cli(d, "job", job_id)
+
+
+@pytest.mark.parametrize("queue", ["a{b}", "{default}", "two words", "q" * 65, "new\nline"])
+def test_client_refuses_a_queue_name_no_broker_can_serve(broker_url, queue):
+    with Client.from_url(broker_url) as client:  # no config: any queue name the rule allows is taken
+        client.broker.migrate()
+        with pytest.raises(BadInput, match="is not a valid queue name"):
+            client.enqueue("t", {}, queue=queue)
+        client.enqueue("t", {}, queue="bulk.eu-1:low")
+        assert client.stats(["bulk.eu-1:low"])["bulk.eu-1:low"].ready == 1

@@ -6,7 +6,7 @@ import pytest
 
 from supervisor.backends import open_broker
 from supervisor.errors import BadInput, BrokerError
-from supervisor.model import NewJob, error_info
+from supervisor.model import NewJob, TypeLimits, error_info
 
 from .util import wait_for
 
@@ -126,6 +126,14 @@ def test_connection_refused_is_a_broker_error():
 def test_queue_names_with_braces_are_refused(rb):
     with pytest.raises(BadInput):
         rb.enqueue(new(queue="a{b}"))
+
+
+def test_a_claim_naming_a_bad_queue_leases_nothing(rb):
+    job_id = rb.enqueue(new())
+    for limits in (None, {"t": TypeLimits(max_concurrency=5)}):
+        with pytest.raises(BadInput, match="'a{b}' is not a valid queue name"):
+            rb.claim(["default", "a{b}"], 5, 30, "w", limits)
+        assert rb.get(job_id).state == "queued" and rb.get(job_id).attempt == 0
 
 
 def test_priority_levels_and_oldest_ready_age(rb):
