@@ -1,11 +1,14 @@
 """PostgreSQL-specific behaviour beyond the shared contract: the transactional
 outbox, LISTEN/NOTIFY wake-ups, migrations, URL handling, reconnects, pruning."""
+import os
 import select
 import threading
+import urllib.parse
 
 import psycopg
 import pytest
 
+from supervisor import toolkit
 from supervisor.backends import open_broker
 from supervisor.errors import BrokerError
 from supervisor.model import NewJob
@@ -338,3 +341,60 @@ def test_a_schema_newer_than_the_code_is_refused(pg, producer):
     producer.commit()
     with pytest.raises(BrokerError, match="newer"):
         pg.migrate()
+
+
+# -- every libpq URL form connects -------------------------------------------------
+
+SOCKET_DIR = "/var/run/postgresql"
+URL_FORMS = {
+    # postgresql:///db has no host: libpq's Unix socket (its built-in directory, or ?host=).
+    "no host": "postgresql:///test?user=postgres",
+    "no host, socket dir in the query": f"postgresql:///test?host={SOCKET_DIR}&user=postgres",
+    "socket dir as a percent-encoded host": "postgresql://postgres@%2Fvar%2Frun%2Fpostgresql/test",
+    "host list": "postgresql://postgres@127.0.0.1,127.0.0.1:5432/test",
+    "percent-encoded password": "postgresql://postgres:p%40ss%2Fw%3Ard%3F@127.0.0.1:5432/test",
+}
+
+
+def _schema_of(url):
+    return urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["schema"][0]
+
+
+def _with_schema(url, schema):
+    return url + ("&" if "?" in url else "?") + f"schema={schema}"
+
+
+@pytest.mark.parametrize("form", sorted(URL_FORMS))
+def test_every_libpq_url_form_connects(postgres_url, form):
+    if "socket" in form or form == "no host":
+        if not os.path.exists(os.path.join(SOCKET_DIR, ".s.PGSQL.5432")):
+            pytest.skip(f"no PostgreSQL socket in {SOCKET_DIR}")
+    url = _with_schema(URL_FORMS[form], _schema_of(postgres_url))
+    b = open_broker(url)
+    try:
+        b.migrate()
+        job_id = b.enqueue(new())
+        assert [j.id for j in b.claim(Q, 1, 30, "w")] == [job_id]
+        assert b.wakeup_fd() >= 0
+        info = b._conn().info
+        if form == "percent-encoded password":
+            assert info.password == "p@ss/w:rd?"
+        if "socket" in form or form == "no host":
+            assert info.host == SOCKET_DIR
+        if form == "host list":
+            assert info.host == "127.0.0.1"
+    finally:
+        b.close()
+    toolkit_db = toolkit.Database(url)
+    try:
+        conn, kind = toolkit_db.connection()
+        assert kind == "postgres"
+        assert conn.execute("SELECT current_setting('search_path')").fetchone()[0] == _schema_of(postgres_url)
+    finally:
+        toolkit_db.close()
+
+
+def test_a_url_libpq_cannot_read_is_a_broker_error_without_its_password():
+    with pytest.raises(BrokerError, match="not a connection URL libpq can read") as err:
+        open_broker("postgresql://postgres:s3cr%zzet@127.0.0.1:5432/test")  # a bad percent-escape
+    assert "s3cr" not in str(err.value)

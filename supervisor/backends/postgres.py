@@ -48,6 +48,7 @@ import urllib.parse
 
 import psycopg
 from psycopg import errors as pgerrors
+from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row, tuple_row
 from psycopg.types.json import set_json_loads
 
@@ -173,33 +174,25 @@ class PostgresBroker(Broker):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme.lower() not in ("postgresql", "postgres"):
             raise BrokerError(f"postgres url {url!r}: expected postgresql://...")
-        options = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-        schema = DEFAULT_SCHEMA
-        passed = []
-        unknown = []
-        for key, value in options:
-            if key == "schema":
-                schema = value
-            elif key in _LIBPQ_PARAMS:
-                passed.append((key, value))
-            else:
-                unknown.append(key)
+        options = urllib.parse.parse_qsl(url.partition("?")[2], keep_blank_values=True)
+        schema = dict(options).get("schema", DEFAULT_SCHEMA)
+        names = {key for key, _ in options if key != "schema"}
+        unknown = names - _LIBPQ_PARAMS
         if unknown:
             raise BrokerError(f"postgres url {_redact(url)}: unknown option(s) {', '.join(sorted(set(unknown)))}"
                               " (tangguh knows schema=; the rest must be libpq connection parameters)")
         if not _SCHEMA_NAME.match(schema):
             raise BrokerError(f"postgres url {_redact(url)}: schema {schema!r} must be a plain identifier"
                               " (letters, digits, underscore; at most 63 characters)")
-        names = {k for k, _ in passed}
-        if "connect_timeout" not in names:
-            passed.append(("connect_timeout", "10"))
+        defaults = {"connect_timeout": "10", "fallback_application_name": "tangguh"}
         if not names & {"keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count"}:
             # Notice a silently dropped TCP connection (the idle LISTEN one above all) within ~a minute.
-            passed += [("keepalives_idle", "30"), ("keepalives_interval", "10"), ("keepalives_count", "3")]
-        if "fallback_application_name" not in names:
-            passed.append(("fallback_application_name", "tangguh"))
+            defaults.update(keepalives_idle="30", keepalives_interval="10", keepalives_count="3")
         self.schema = schema
-        self.conninfo = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(passed)))
+        try:
+            self.conninfo, _ = libpq_conninfo(url, ("schema",), **defaults)
+        except psycopg.Error:
+            raise BrokerError(f"postgres url {_redact(url)}: not a connection URL libpq can read") from None
         self.channel = f"tangguh_{schema}"[:63]
         s = _quote(schema)
         self._s = s
@@ -698,6 +691,23 @@ class PostgresBroker(Broker):
             total += deleted
             if deleted < batch:
                 return total
+
+
+def libpq_conninfo(url, own=(), **defaults):
+    """``(conninfo, {key: value})`` for a ``postgresql://`` URL whose query keys in ``own`` are Tangguh's.
+
+    Those keys are taken out (libpq would refuse them) and returned; ``defaults``
+    apply where the query does not set a key. psycopg builds the conninfo from the
+    URL, so every libpq form works: no host (``postgresql:///db``, the Unix socket),
+    host lists, ``?host=/socket/dir``, percent-encoded user and password. Raises
+    ``psycopg.ProgrammingError`` for what libpq cannot read.
+    """
+    base, _, query = url.partition("?")
+    params = dict(defaults)
+    mine = {}
+    for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
+        (mine if key in own else params)[key] = value
+    return make_conninfo(base, **params), mine
 
 
 def _redact(url):
