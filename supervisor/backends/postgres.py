@@ -20,8 +20,11 @@ same clock; ``now()`` on the broker returns the server's time from an offset
 measured when connecting (re-measured every minute).
 
 * ``migrate()`` creates the schema under ``pg_advisory_xact_lock`` and records
-  applied versions in ``<schema>.schema_version``: idempotent, and safe when
-  several processes migrate at once.
+  applied versions in ``<schema>.tangguh_schema_version``: idempotent, and safe
+  when several processes migrate at once. A schema Tangguh made under the old
+  name (``schema_version`` beside Tangguh's ``jobs``) is adopted; a schema
+  holding tables of the same names that are not Tangguh's is refused
+  (``ConfigError``), never written into.
 * ``claim`` is one call of the SQL function ``<schema>.claim`` (one round
   trip, one transaction): it reclaims expired leases, then leases due jobs
   queue by queue with ``FOR UPDATE SKIP LOCKED`` in (priority desc, run_at, id)
@@ -52,7 +55,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row, tuple_row
 from psycopg.types.json import set_json_loads
 
-from ..errors import BadInput, BrokerError, LeaseLost, NotDead
+from ..errors import BadInput, BrokerError, ConfigError, LeaseLost, NotDead
 from ..model import Job, QueueStats, load_json
 from .base import Broker
 from .limits import Admission, active, refill
@@ -63,6 +66,8 @@ _LIBPQ_PARAMS = frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_de
 _NOW = "date_part('epoch', now())"  # the server's clock, epoch seconds (double precision)
 _UNFINISHED = "('queued', 'running', 'retrying')"
 _CLOCK_RESYNC = 60.0
+_VERSIONS = "tangguh_schema_version"  # a name of our own: "schema_version" is common in applications' schemas
+_JOB_COLUMNS = {"id", "queue", "type", "payload", "state", "attempt", "token", "lease_until", "history"}
 
 
 def _migrations(s):
@@ -331,9 +336,13 @@ class PostgresBroker(Broker):
                 # CREATE SCHEMA IF NOT EXISTS needs the CREATE privilege even when the schema exists.
                 if db.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.schema,)).fetchone() is None:
                     db.execute(f"CREATE SCHEMA {s}")
-                db.execute(f"CREATE TABLE IF NOT EXISTS {s}.schema_version ("
+                tables = {row[0] for row in db.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s",
+                                                       (self.schema,))}
+                if _VERSIONS not in tables:
+                    self._adopt(db, tables)
+                db.execute(f"CREATE TABLE IF NOT EXISTS {s}.{_VERSIONS} ("
                            " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())")
-                current = db.execute(f"SELECT coalesce(max(version), 0) FROM {s}.schema_version").fetchone()[0]
+                current = db.execute(f"SELECT coalesce(max(version), 0) FROM {s}.{_VERSIONS}").fetchone()[0]
                 migrations = _migrations(s)
                 if current > migrations[-1][0]:
                     raise BrokerError(f"postgres broker schema {self.schema!r} is at version {current}, newer than"
@@ -343,7 +352,23 @@ class PostgresBroker(Broker):
                         continue
                     for statement in statements:
                         db.execute(statement)
-                    db.execute(f"INSERT INTO {s}.schema_version (version) VALUES (%s)", (version,))
+                    db.execute(f"INSERT INTO {s}.{_VERSIONS} (version) VALUES (%s)", (version,))
+
+    def _adopt(self, db, tables):
+        """Before its first migration here: a fresh schema, or one Tangguh made under the
+        old version table name (renamed now). Anything else is someone else's schema."""
+        ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys"})
+        if not ours:
+            return
+        if "schema_version" in tables and "jobs" in tables:
+            columns = {row[0] for row in db.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = 'jobs'",
+                (self.schema,))}
+            if _JOB_COLUMNS <= columns:
+                db.execute(f"ALTER TABLE {self._s}.schema_version RENAME TO {_VERSIONS}")
+                return
+        raise ConfigError(f"postgres broker schema {self.schema!r} holds tables that are not Tangguh's"
+                          f" ({', '.join(ours)}): name a schema of Tangguh's own in the broker url (?schema=...)")
 
     def close(self):
         if self._pid != os.getpid():

@@ -14,7 +14,7 @@ import os
 import sqlite3
 import urllib.parse
 
-from ..errors import BadInput, BrokerError, LeaseLost, NotDead
+from ..errors import BadInput, BrokerError, ConfigError, LeaseLost, NotDead
 from ..model import DEAD, DONE, RETRYING, Job, QueueStats, error_info, load_json
 from .base import Broker
 from .limits import Admission, active, refill
@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS once_keys (key TEXT PRIMARY KEY, created_at REAL NOT 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
 _CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(history, '$[#-1]'), json(:entry)))"
 _LEASED = "id = :id AND token = :token AND state = 'running'"
+_JOB_COLUMNS = {"id", "queue", "type", "payload", "state", "attempt", "token", "lease_until", "history"}
 
 
 class SQLiteBroker(Broker):
@@ -90,12 +91,20 @@ class SQLiteBroker(Broker):
             self.db.execute(f"PRAGMA synchronous={synchronous}")
             self.db.execute("PRAGMA busy_timeout=30000")
             self.migrate()
+        except ConfigError:
+            self.db.close()
+            raise
         except sqlite3.Error as exc:
             raise BrokerError(f"cannot open sqlite database {path}: {exc}") from None
 
     # -- plumbing ---------------------------------------------------------
     def migrate(self):
         with self._write():
+            columns = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
+            if columns and not _JOB_COLUMNS <= columns:
+                # CREATE TABLE IF NOT EXISTS would keep it and write our jobs into it.
+                raise ConfigError(f"sqlite database {self.path} has a jobs table that is not Tangguh's:"
+                                  " give the broker a database file of its own")
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     self.db.execute(statement)
