@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from supervisor.backends import open_broker
-from supervisor.errors import ConfigError
+from supervisor.client import Client
+from supervisor.errors import BrokerError, ConfigError
 from supervisor.model import NewJob
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify wake-ups are Linux-only")
@@ -41,3 +42,17 @@ def test_a_database_whose_jobs_table_is_not_tangguhs_is_refused(tmp_path):
     with sqlite3.connect(path) as app:
         assert app.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall() == [("jobs",)]
         assert app.execute("SELECT title FROM jobs").fetchall() == [("the application's own",)]
+
+
+def test_a_full_database_is_a_broker_error_and_stores_nothing(tmp_path):
+    with Client.from_url(f"sqlite:///{tmp_path}/full.db") as client:
+        kept = client.enqueue("t", {})
+        db = client.broker.db
+        # SQLite's own "database or disk is full" (SQLITE_FULL), without filling a real disk.
+        db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+        with pytest.raises(BrokerError, match="full.db: database or disk is full"):
+            client.enqueue_many([("t", {"blob": "x" * 100_000})] * 10)
+        assert client.stats(["default"])["default"].ready == 1
+        assert client.get(kept).state == "queued"
+        db.execute("PRAGMA max_page_count = 1073741823")
+        assert client.enqueue("t", {}) != kept  # the broker works on once there is room

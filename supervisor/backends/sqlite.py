@@ -110,10 +110,10 @@ class SQLiteBroker(Broker):
                     self.db.execute(statement)
 
     def _write(self):
-        return _Tx(self.db, "BEGIN IMMEDIATE")
+        return _Tx(self.db, "BEGIN IMMEDIATE", self.path)
 
     def _read(self):
-        return _Tx(self.db, "BEGIN")
+        return _Tx(self.db, "BEGIN", self.path)
 
     def close(self):
         if self._inotify is not None:
@@ -353,7 +353,8 @@ class SQLiteBroker(Broker):
 
     # -- reading ----------------------------------------------------------
     def get(self, job_id):
-        row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        with _errors(self.path):
+            row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return _job(row) if row else None
 
     def stats(self, queues):
@@ -394,7 +395,8 @@ class SQLiteBroker(Broker):
         if limit is not None:
             sql += " LIMIT ?"
             params.append(int(limit))
-        return [_job(r) for r in self.db.execute(sql, params)]
+        with _errors(self.path):
+            return [_job(r) for r in self.db.execute(sql, params).fetchall()]
 
     def dlq_replay(self, job_ids):
         now = self.now()
@@ -433,16 +435,43 @@ class SQLiteBroker(Broker):
 
 
 class _Tx:
-    """BEGIN ... COMMIT, or ROLLBACK when the block raises."""
+    """BEGIN ... COMMIT, or ROLLBACK when the block raises.
 
-    def __init__(self, db, begin):
-        self.db, self.begin = db, begin
+    SQLite's own errors (a full disk, a lock held past the busy timeout, an I/O
+    error) leave as BrokerError naming the file, like every broker's failures.
+    """
+
+    def __init__(self, db, begin, path):
+        self.db, self.begin, self.path = db, begin, path
 
     def __enter__(self):
-        self.db.execute(self.begin)
+        with _errors(self.path):
+            self.db.execute(self.begin)
 
     def __exit__(self, exc_type, exc, tb):
-        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        with _errors(self.path):
+            if exc_type is None:
+                try:
+                    self.db.execute("COMMIT")
+                except sqlite3.Error:
+                    self._rollback()
+                    raise
+                return
+            self._rollback()
+            if isinstance(exc, sqlite3.Error):
+                raise exc
+
+    def _rollback(self):
+        if self.db.in_transaction:  # SQLite may have rolled back by itself (a full disk does)
+            self.db.execute("ROLLBACK")
+
+
+@contextlib.contextmanager
+def _errors(path):
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise BrokerError(f"sqlite database {path}: {exc}") from None
 
 
 _IN_MODIFY = 0x00000002
