@@ -114,3 +114,20 @@ def test_client_refuses_a_queue_name_no_broker_can_serve(broker_url, queue):
             client.enqueue("t", {}, queue=queue)
         client.enqueue("t", {}, queue="bulk.eu-1:low")
         assert client.stats(["bulk.eu-1:low"])["bulk.eu-1:low"].ready == 1
+
+
+def test_a_stored_payload_the_master_cannot_hand_out_is_dead_lettered_and_the_rest_run(daemon):
+    from .test_broker_conformance import store_payload_raw
+
+    daemon.broker.migrate()  # the jobs go in before the supervisor starts
+    bad = daemon.enqueue("noop")
+    good = daemon.enqueue("noop")
+    store_payload_raw(daemon.broker, bad, "[" * 2000 + "]" * 2000)
+    daemon.start()
+    assert daemon.wait_job(good).state == "done"
+    job = daemon.wait_job(bad)
+    assert (job.state, job.reason, job.attempt) == ("dead", "bad_payload", 1)
+    later = daemon.enqueue("noop")
+    assert daemon.wait_job(later).state == "done"  # claims go on
+    assert "broker_down" not in daemon.logs()
+    daemon.assert_clean()
