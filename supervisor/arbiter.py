@@ -170,6 +170,9 @@ class Arbiter:
         self.heartbeat.locks = self.locks
         try:
             self.call(lambda br: br)
+        except ConfigError:
+            self.health.close()
+            raise
         except BrokerError:
             if self.cfg.broker.url.startswith("sqlite:"):
                 self.health.close()
@@ -870,6 +873,9 @@ class Arbiter:
         except LeaseLost:
             self.metrics.broker_rtt.labels(op).observe(time.monotonic() - now)
             raise
+        except ConfigError:
+            self.drop_broker()
+            raise  # e.g. the broker's schema is not Tangguh's: no retry can fix that
         except Exception as exc:  # noqa: BLE001 - every driver error means the same: try later
             self.metrics.broker_errors.labels("main").inc()
             self.drop_broker()
