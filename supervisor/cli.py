@@ -8,15 +8,18 @@ error is one line on stderr (``tangguh: error: ...``), and input is checked
 before the broker is opened, so a rejected command writes nothing.
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
+import re
 import sys
 import time
 import urllib.parse
 
 from . import config as config_module
 from .errors import BadInput, ConfigError, NotDead, TangguhError
+from .model import MAX_DEPTH
 
 PROG = "tangguh"
 EXAMPLE_CONFIG = "data/config.example.toml"
@@ -39,6 +42,11 @@ class _Parser(argparse.ArgumentParser):
 # -- entry point ----------------------------------------------------------------
 
 def main(argv=None):
+    for stream in (sys.stdout, sys.stderr):
+        # A job's text may hold what the terminal's encoding cannot show (a lone
+        # surrogate): show it escaped rather than fail the whole listing.
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -165,7 +173,30 @@ def open_client(args, cfg=None):
 
 
 def print_json(data):
-    print(json.dumps(data, indent=2, sort_keys=False, default=str))
+    try:
+        text = json.dumps(data, indent=2, sort_keys=False, default=str)
+    except RecursionError:  # the indenting encoder recurses in Python: deep data prints compact
+        try:
+            text = json.dumps(data, default=str)
+        except RecursionError:
+            raise Failure("too deeply nested to print as JSON") from None
+    print(text)
+
+
+# Control characters (C0, DEL, C1): a job's type or error could otherwise send
+# escape sequences to the operator's terminal.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text, keep="\n"):
+    """``text`` with every control character but those in ``keep`` shown escaped (``\\x1b``)."""
+    return _CONTROL.sub(lambda m: m.group() if m.group() in keep else m.group().encode("unicode_escape").decode(),
+                        str(text))
+
+
+def say(text):
+    """Print text output: every text printer goes through here."""
+    print(printable(text))
 
 
 def redact(url):
@@ -181,7 +212,10 @@ def when(ts):
     """A timestamp as UTC ISO 8601, or '-'."""
     if ts is None:
         return "-"
-    moment = datetime.datetime.fromtimestamp(ts, datetime.timezone.utc)
+    try:
+        moment = datetime.datetime.fromtimestamp(ts, datetime.timezone.utc)
+    except (OverflowError, OSError, ValueError):  # past year 9999: show the number
+        return f"{ts!r} (epoch seconds)"
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
@@ -213,7 +247,7 @@ def size(n):
 
 def table(headers, rows):
     """Rows of strings as aligned columns (numbers right-aligned)."""
-    rows = [["-" if v is None else str(v) for v in row] for row in rows]
+    rows = [["-" if v is None else printable(v, keep="") for v in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     numeric = [all(_looks_numeric(r[i]) for r in rows) and rows for i in range(len(headers))]
 
@@ -297,6 +331,8 @@ def parse_payload(text):
         payload = json.loads(text)
     except ValueError as exc:
         raise BadInput(f"payload: malformed JSON: {exc}") from None
+    except RecursionError:
+        raise BadInput(f"payload: nested more than {MAX_DEPTH} levels deep") from None
     if not isinstance(payload, dict):
         raise BadInput(f"payload: expected a JSON object, got {_JSON_TYPES.get(type(payload), type(payload).__name__)}")
     return payload
@@ -327,7 +363,7 @@ def cmd_job(args):
     if args.json:
         print_json(job.to_dict())
     else:
-        print(render_job(job))
+        say(render_job(job))
 
 
 def render_job(job):
@@ -391,7 +427,7 @@ def cmd_stats(args):
     headers = ["QUEUE", "READY", "SCHEDULED", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY"]
     rows = [[q, s.ready, s.scheduled, s.in_flight, s.dead, s.done, duration(s.oldest_ready_age) if s.ready else "-"]
             for q, s in stats.items()]
-    print(table(headers, rows))
+    say(table(headers, rows))
 
 
 def cmd_schedules(args):
@@ -413,7 +449,7 @@ def cmd_schedules(args):
         print("no schedules")
         return
     rows = [[i["name"], i["cron"], i["timezone"], i["type"], i["queue"] or "-", i["next_run_iso"]] for i in listing]
-    print(table(["NAME", "CRON", "TIMEZONE", "TYPE", "QUEUE", "NEXT_RUN (UTC)"], rows))
+    say(table(["NAME", "CRON", "TIMEZONE", "TYPE", "QUEUE", "NEXT_RUN (UTC)"], rows))
 
 
 # -- dead letters -------------------------------------------------------------
@@ -432,7 +468,7 @@ def cmd_dlq_list(args):
     rows = [[j.id, j.type, j.queue, j.reason, f"{j.attempt}/{j.max_attempts}", when(j.last_failure_at),
              one_line(((j.error or {}).get("class") or "") + ": " + ((j.error or {}).get("message") or ""), 50)]
             for j in jobs]
-    print(table(["ID", "TYPE", "QUEUE", "REASON", "ATTEMPTS", "LAST_FAILURE", "ERROR"], rows))
+    say(table(["ID", "TYPE", "QUEUE", "REASON", "ATTEMPTS", "LAST_FAILURE", "ERROR"], rows))
 
 
 def dead_job(broker, job_id):
@@ -454,7 +490,7 @@ def cmd_dlq_show(args):
              f"{'first_failure_at:':<17} {when(job.first_failure_at)}",
              f"{'last_failure_at:':<17} {when(job.last_failure_at)}",
              f"{'payload:':<17} {json.dumps(job.payload, sort_keys=True)}"]
-    print("\n".join(lines + render_error(job.error, "error:") + render_history(job.history)))
+    say("\n".join(lines + render_error(job.error, "error:") + render_history(job.history)))
 
 
 def _selection(args, verb):
@@ -574,7 +610,7 @@ def cmd_status(args):
     cfg = load_config(args)
     reply = ask_supervisor(cfg, {"cmd": "status"})
     if args.watch is None:
-        print_json(reply) if args.json else print(render_status(reply))
+        print_json(reply) if args.json else say(render_status(reply))
         return
     if not args.watch > 0:
         raise UsageError("status: --watch needs a positive number of seconds")
@@ -592,7 +628,7 @@ def cmd_status(args):
         return daemon_module("watch").run(fetch, args.watch)
     try:
         while True:
-            screen = json.dumps(reply, indent=2, default=str) if args.json else render_status(reply)
+            screen = json.dumps(reply, indent=2, default=str) if args.json else printable(render_status(reply))
             sys.stdout.write("\033[H\033[2J" + screen + "\n")
             sys.stdout.flush()
             time.sleep(args.watch)

@@ -14,7 +14,7 @@ import tomllib
 import urllib.parse
 
 from .errors import BadInput, ConfigError
-from .model import check_json
+from .model import QUEUE_NAME, QUEUE_RULE, check_json
 
 DEFAULT_PATHS = ("./tangguh.toml", "/etc/tangguh/config.toml")
 
@@ -71,6 +71,20 @@ def names(v):
     if isinstance(v, list) and v and all(isinstance(x, str) and x.strip() for x in v) and len(set(v)) == len(v):
         return list(v)
     raise ValueError("expected a non-empty list of distinct names")
+
+
+def queue_name(v):
+    # The rule enqueue applies: a queue the config names must be one a producer can use.
+    if isinstance(v, str) and QUEUE_NAME.fullmatch(v):
+        return v
+    raise ValueError(f"expected a queue name ({QUEUE_RULE})")
+
+
+def queue_names(v):
+    for q in names(v):
+        if not QUEUE_NAME.fullmatch(q):
+            raise ValueError(f"{q!r} is not a queue name ({QUEUE_RULE})")
+    return list(v)
 
 
 def group_name(v):
@@ -153,7 +167,7 @@ class SupervisorConfig:
 @dataclasses.dataclass
 class BrokerConfig:
     url: str = option(string, "sqlite:///file.db, redis://..., postgresql://...", default="sqlite:///tangguh.db")
-    queues: list = option(names, "queues served, in order of precedence", default_factory=lambda: ["default"])
+    queues: list = option(queue_names, "queues served, in order of precedence", default_factory=lambda: ["default"])
     lease_seconds: float = option(positive_number, "how long a claim holds a job without renewal", default=30.0)
     heartbeat_seconds: float = option(positive_number, "how often held leases are renewed", default=5.0)
     prefetch: int = option(non_negative_int, "jobs claimed beyond the idle children", default=0)
@@ -179,7 +193,7 @@ class JobTypeConfig:
     timeout: float | None = option(positive_number, "hard timeout", default=None)
     soft_timeout: float | None = option(non_negative_number, "soft timeout", default=None)
     max_attempts: int | None = option(positive_int, "attempts", default=None)
-    queue: str | None = option(name, "queue this type is enqueued to", default=None)
+    queue: str | None = option(queue_name, "queue this type is enqueued to", default=None)
     max_concurrency: int | None = option(positive_int, "most jobs of the type running at once", default=None)
     rate_limit: str | None = option(rate, 'most jobs started per second/minute/hour: "100/m"', default=None)
     exclusive: bool | None = option(boolean, "never two jobs with one resource_id at once", default=None)
@@ -192,7 +206,7 @@ class ScheduleConfig:
     cron: str | None = option(cron, "cron expression; a 6th field, last, is seconds", default=None)
     type: str | None = option(name, "job type to enqueue", default=None)
     payload: dict = option(table, "the job's payload", default_factory=dict)
-    queue: str | None = option(name, "queue (default: the type's)", default=None)
+    queue: str | None = option(queue_name, "queue (default: the type's)", default=None)
     timezone: str = option(timezone, "time zone the cron fields are read in", default="UTC")
     catch_up: int = option(non_negative_int, "missed ticks enqueued after downtime (latest first)", default=1)
 

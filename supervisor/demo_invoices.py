@@ -161,8 +161,9 @@ class Tour:
         if dropped_schema:
             import psycopg
 
-            bare, _ = toolkit.split_query(self.db_url, ("schema",))
-            with psycopg.connect(bare, autocommit=True) as conn:
+            from .backends.postgres import libpq_conninfo
+
+            with psycopg.connect(libpq_conninfo(self.db_url, ("schema",))[0], autocommit=True) as conn:
                 conn.execute(f'DROP SCHEMA IF EXISTS "{dropped_schema}" CASCADE')
 
 

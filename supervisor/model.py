@@ -3,6 +3,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 import uuid
 
@@ -21,6 +22,20 @@ REASONS = ("exception", "permanent", "timeout", "crashed", "lease_expired", "unk
 ACK, RETRY, RELEASE, DROP = "ack", "retry", "release", "drop"
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+# What a producer may store. Each bound is checked at enqueue on every broker,
+# so a job that one broker would refuse (or could not hand to a worker) is
+# refused by all of them, before anything is written.
+MAX_DEPTH = 64  # nesting levels of a payload: far from any parser's recursion limit
+MAX_NAME = 255  # characters of a type, resource_id, idempotency_key or trace_id
+MAX_DELAY = 10 * 365 * 86400.0  # seconds: ten years
+MAX_INT = 2**31 - 1  # priority and max_attempts fit a 32-bit integer column
+MAX_TIMEOUT = 365 * 86400.0  # seconds: a year
+# Queue names become Redis keys ("{queue}" is the hash tag) and metric labels.
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+QUEUE_RULE = "1 to 64 letters, digits or _ . : -"
+# Characters no text column takes (PostgreSQL refuses NUL; UTF-8 has no lone surrogates).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 def new_job_id(now=None):
@@ -43,11 +58,82 @@ def new_trace_id():
 
 
 def check_json(value, what):
-    """Return ``value`` serialised as JSON, or raise BadInput naming ``what``."""
+    """Return ``value`` serialised as JSON, or raise BadInput naming ``what``.
+
+    The nesting is measured first, without recursion: a value deeper than
+    ``MAX_DEPTH`` (or cyclic) is refused whatever the caller's stack depth.
+    """
+    if json_depth(value) > MAX_DEPTH:
+        raise BadInput(f"{what} is nested more than {MAX_DEPTH} levels deep")
     try:
         return json.dumps(value, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise BadInput(f"{what} must be JSON-serialisable: {exc}") from None
+
+
+def json_depth(value, stop=MAX_DEPTH):
+    """Levels of lists and dicts in ``value`` (0 for a scalar), counted up to ``stop + 1``."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > stop:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def load_json(text):
+    """Decode a stored JSON value; text that does not decode (invalid, or too deep for
+    the parser) comes back as the text itself, so reading a job never raises."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text.decode("utf-8", "replace") if isinstance(text, (bytes, bytearray)) else text
+
+
+def payload_problem(payload):
+    """Why a stored payload cannot be handed to a worker, or None."""
+    if not isinstance(payload, dict):
+        return "the stored payload is not a JSON object (or does not decode)"
+    if json_depth(payload) > MAX_DEPTH:
+        return f"the stored payload is nested more than {MAX_DEPTH} levels deep"
+    return None
+
+
+def storable(text):
+    """``text`` with what no database text column takes (NUL, lone surrogates) replaced by U+FFFD."""
+    return _UNSTORABLE.sub("\ufffd", text) if isinstance(text, str) else text
+
+
+def check_queue(queue, what="queue"):
+    if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+        raise BadInput(f"{what} {queue!r} is not a valid queue name ({QUEUE_RULE})")
+    return queue
+
+
+def _check_text(value, name, required=False):
+    if value is None and not required:
+        return
+    if not isinstance(value, str) or (required and not value.strip()):
+        raise BadInput(f"{name} must be a {'non-empty ' if required else ''}string")
+    if len(value) > MAX_NAME:
+        raise BadInput(f"{name} is {len(value)} characters long, more than {MAX_NAME}")
+    if _UNSTORABLE.search(value):
+        raise BadInput(f"{name} contains a NUL character or a lone surrogate")
+
+
+def _check_int(value, name, low):
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_INT:
+        what = "a positive integer" if low == 1 else f"an integer from {low}"
+        raise BadInput(f"{name} must be {what} up to {MAX_INT}, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -68,25 +154,21 @@ class NewJob:
 
     def validate(self):
         """Raise BadInput on anything a broker must not store; fill defaults."""
-        if not isinstance(self.type, str) or not self.type.strip():
-            raise BadInput("job type must be a non-empty string")
-        if not isinstance(self.queue, str) or not self.queue.strip():
-            raise BadInput("queue must be a non-empty string")
+        _check_text(self.type, "job type", required=True)
+        check_queue(self.queue)
         if not isinstance(self.payload, dict):
             raise BadInput(f"payload must be a JSON object, got {type(self.payload).__name__}")
         check_json(self.payload, "payload")
         for name in ("resource_id", "idempotency_key", "trace_id"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise BadInput(f"{name} must be a string")
-        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
-            raise BadInput(f"max_attempts must be a positive integer, got {self.max_attempts!r}")
-        if self.timeout is not None and not _positive(self.timeout):
-            raise BadInput(f"timeout must be a positive number of seconds, got {self.timeout!r}")
-        if not _number(self.delay) or self.delay < 0:
-            raise BadInput(f"delay must be a number of seconds >= 0, got {self.delay!r}")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise BadInput(f"priority must be an integer, got {self.priority!r}")
+            _check_text(getattr(self, name), name)
+        _check_int(self.max_attempts, "max_attempts", 1)
+        _check_int(self.priority, "priority", -MAX_INT)
+        if self.timeout is not None and not (_positive(self.timeout) and self.timeout <= MAX_TIMEOUT):
+            raise BadInput(f"timeout must be a positive number of seconds up to {MAX_TIMEOUT:.0f} (a year),"
+                           f" got {self.timeout!r}")
+        if not _number(self.delay) or not 0 <= self.delay <= MAX_DELAY:
+            raise BadInput(f"delay must be a number of seconds >= 0 and up to {MAX_DELAY:.0f} (ten years),"
+                           f" got {self.delay!r}")
         if not self.id:
             self.id = new_job_id()
         if not self.trace_id:
@@ -176,7 +258,8 @@ class Job:
         return Lease(self.id, self.token)
 
     def to_dict(self):
-        return dataclasses.asdict(self)
+        # Field by field, not dataclasses.asdict: that copies payload and result recursively.
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, d):
@@ -229,5 +312,11 @@ class Outcome:
 
 
 def error_info(reason, exc_class="", message="", traceback=""):
-    """The error record stored with a failed attempt or a dead job."""
-    return {"reason": reason, "class": exc_class, "message": message, "traceback": traceback}
+    """The error record stored with a failed attempt or a dead job.
+
+    Its text comes from handlers: anything a database cannot store is replaced
+    here, once for every broker, so the write is never refused and the error
+    is never lost.
+    """
+    return {"reason": reason, "class": storable(exc_class), "message": storable(message),
+            "traceback": storable(traceback)}

@@ -145,16 +145,14 @@ class Database:
             return conn
         import psycopg
 
-        bare, mine = split_query(self.url, ("schema",))
+        from .backends.postgres import libpq_conninfo
+
+        conninfo, mine = libpq_conninfo(self.url, ("schema",), connect_timeout="10")
         self.schema = mine.get("schema")
         if self.schema is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.schema):
             raise ConfigError(f"toolkit.database_url: schema {self.schema!r} must be a plain identifier")
-        kw = {"connect_timeout": 10}
-        if self.schema:
-            kw["options"] = f"-c search_path={self.schema}"
-        if "connect_timeout" in bare:
-            kw.pop("connect_timeout")
-        return psycopg.connect(bare, autocommit=False, **kw)
+        kw = {"options": f"-c search_path={self.schema}"} if self.schema else {}
+        return psycopg.connect(conninfo, autocommit=False, **kw)
 
     def connection(self):
         if self._conn is None or self._pid != os.getpid():

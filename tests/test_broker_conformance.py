@@ -55,11 +55,43 @@ def test_enqueue_rejects_non_json_objects_and_stores_nothing(broker, payload):
     assert broker.stats(Q)["default"].ready == 0
 
 
-@pytest.mark.parametrize("field,value", [("delay", -1), ("max_attempts", 0), ("timeout", -3), ("queue", "")])
+def nested(depth):
+    payload = {}
+    for _ in range(depth - 1):
+        payload = {"a": payload}
+    return payload
+
+
+def test_enqueue_takes_a_payload_nested_64_deep_and_refuses_one_deeper(broker):
+    job_id = broker.enqueue(new(payload=nested(64)))
+    assert broker.get(job_id).payload == nested(64)
+    for depth in (65, 950, 100_000):
+        with pytest.raises(BadInput, match="nested more than 64 levels"):
+            broker.enqueue(new(payload=nested(depth)))
+    assert broker.stats(Q)["default"].ready == 1
+
+
+@pytest.mark.parametrize("field,value", [
+    ("delay", -1), ("max_attempts", 0), ("timeout", -3), ("queue", ""),
+    # Past what one of the brokers can store: refused by all of them, with BadInput.
+    ("delay", 1e300), ("priority", 10**20), ("priority", 2**31), ("max_attempts", 2**31), ("timeout", 1e300),
+    ("idempotency_key", "k" * 8192), ("resource_id", "r" * 256), ("trace_id", "t\x00"),
+    ("idempotency_key", "\udc80"), ("type_", "t" * 256), ("type_", "t\x00"),
+    ("queue", "a{b}"), ("queue", "q" * 65), ("queue", "two words"), ("queue", "tab\t"),
+])
 def test_enqueue_rejects_bad_fields(broker, field, value):
     with pytest.raises(BadInput):
         broker.enqueue(new(**{field: value}))
     assert broker.stats(Q)["default"].ready == 0
+
+
+def test_enqueue_takes_the_largest_values_it_allows(broker):
+    job_id = broker.enqueue(new(priority=2**31 - 1, max_attempts=2**31 - 1, delay=10 * 365 * 86400.0,
+                                idempotency_key="k" * 255, resource_id="é" * 255, queue="a.b:c-d_9"))
+    job = broker.get(job_id)
+    assert (job.priority, job.max_attempts, job.idempotency_key, job.queue) == (2**31 - 1, 2**31 - 1, "k" * 255,
+                                                                              "a.b:c-d_9")
+    assert broker.enqueue(new(priority=-(2**31 - 1), queue="a.b:c-d_9")) != job_id
 
 
 def test_enqueue_many_returns_ids_in_order(broker):
@@ -500,3 +532,48 @@ def test_limits_hold_across_four_concurrent_claimers(broker, broker_url):
         assert in_window <= 20 + 1
         assert i + 1 <= 10 + 10 * (t0 - starts[0]) + 1
     assert starts[-1] - starts[0] >= 1.0, "25 jobs at 10/s cannot all start within a second"
+
+
+# -- a stored job that cannot be handed to a worker ----------------------------
+
+def store_payload_raw(broker, job_id, text):
+    """Overwrite a job's stored payload behind the producer API's back."""
+    kind = type(broker).__name__
+    if kind == "SQLiteBroker":
+        broker.db.execute("UPDATE jobs SET payload = ? WHERE id = ?", (text, job_id))
+    elif kind == "RedisBroker":
+        assert broker.r.hset(f"{broker.prefix}:{{default}}:j:{job_id}", "payload", text) == 0
+    else:
+        assert broker._execute(f"UPDATE {broker._jobs} SET payload = %s::json WHERE id = %s",
+                               (text, job_id)).rowcount == 1
+
+
+@pytest.mark.parametrize("depth", [2000, 100])
+def test_a_stored_payload_too_deep_to_decode_is_dead_lettered_at_claim(broker, depth):
+    first = broker.enqueue(new(payload={"n": 1}))
+    bad = broker.enqueue(new(payload={"n": 2}))
+    last = broker.enqueue(new(payload={"n": 3}))
+    store_payload_raw(broker, bad, '{"a":' * depth + "1" + "}" * depth)
+    claimed = broker.claim(Q, 3, 30, "w1")
+    assert sorted(j.id for j in claimed) == sorted([first, last])
+    dead = broker.get(bad)
+    assert (dead.state, dead.reason, dead.error["reason"]) == ("dead", "bad_payload", "bad_payload")
+    assert dead.history[-1]["outcome"] == "dead"
+    assert [j.id for j in broker.dlq_list()] == [bad]
+    assert broker.claim(Q, 3, 30, "w1") == []
+
+
+def test_error_text_no_database_can_store_is_replaced_not_refused(broker):
+    raw = "bad \x00 byte and a lone \udc80 surrogate"
+    clean = "bad \ufffd byte and a lone \ufffd surrogate"
+    job_id = broker.enqueue(new(max_attempts=2))
+    broker.retry(claim_one(broker).lease, 0, error_info("exception", "Boom\x00", raw, "Traceback\n" + raw))
+    job = broker.get(job_id)
+    assert job.state == "retrying"
+    assert (job.error["class"], job.error["message"], job.error["traceback"]) == ("Boom\ufffd", clean,
+                                                                                "Traceback\n" + clean)
+    wait_past(broker, job.run_at)
+    broker.dead(claim_one(broker).lease, "exception", error_info("exception", "Boom", raw))
+    dead = broker.dlq_list()
+    assert [j.id for j in dead] == [job_id] and dead[0].error["message"] == clean
+    assert [h["error"]["message"] for h in broker.get(job_id).history] == [clean, clean]

@@ -243,6 +243,15 @@ BAD_ENQUEUES = {
     "non-numeric delay": (["--delay", "soon"], 2, "--delay: invalid float value"),
     "zero max attempts": (["--max-attempts", "0"], 2, "max_attempts must be a positive integer"),
     "negative timeout": (["--timeout", "-1"], 2, "timeout must be a positive number"),
+    "payload nested 950 deep": (["--payload", '{"a":' * 950 + "1" + "}" * 950], 2,
+                                "payload is nested more than 64 levels deep"),
+    "payload too deep to parse": (["--payload", "[" * 100_000], 2, "payload: nested more than 64 levels deep"),
+    "delay of 1e300 seconds": (["--delay", "1e300"], 2, "delay must be a number of seconds >= 0 and up to"),
+    "priority past 32 bits": (["--priority", str(10**20)], 2, "priority must be an integer from -2147483647"),
+    "max attempts past 32 bits": (["--max-attempts", str(2**31)], 2, "max_attempts must be a positive integer up to"),
+    "timeout of 1e300 seconds": (["--timeout", "1e300"], 2, "timeout must be a positive number of seconds up to"),
+    "8 KB idempotency key": (["--idempotency-key", "k" * 8192], 2, "idempotency_key is 8192 characters long"),
+    "8 KB resource id": (["--resource-id", "r" * 8192], 2, "resource_id is 8192 characters long"),
 }
 
 

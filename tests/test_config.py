@@ -117,7 +117,14 @@ BAD = [
     ("[jobs]\nmax_attempts = 0", "jobs.max_attempts: expected a positive integer, got 0"),
     ("[jobs]\ntypes = 3", "jobs.types: expected a table"),
     ("[jobs.types.mail]\ntimeout = -1", "jobs.types.mail.timeout: expected a positive number, got -1"),
-    ("[jobs.types.mail]\nqueue = \"\"", 'jobs.types.mail.queue: expected a non-empty name, got ""'),
+    ("[jobs.types.mail]\nqueue = \"\"", 'jobs.types.mail.queue: expected a queue name (1 to 64 letters, digits or'
+     ' _ . : -), got ""'),
+    # Braces are a Redis hash tag: such a queue broke every claim that reached it.
+    ("[broker]\nqueues = [\"default\", \"a{b}\"]", "broker.queues: 'a{b}' is not a queue name (1 to 64 letters,"),
+    ("[broker]\nqueues = [\"two words\"]", "broker.queues: 'two words' is not a queue name"),
+    ("[broker]\nqueues = [\"%s\"]" % ("q" * 65), "broker.queues: '%s' is not a queue name" % ("q" * 65)),
+    ("[jobs.types.mail]\nqueue = \"{x}\"", "jobs.types.mail.queue: expected a queue name"),
+    ("[schedules.s]\ncron = \"* * * * *\"\ntype = \"t\"\nqueue = \"x}\"", "schedules.s.queue: expected a queue name"),
     ("[jobs.types.mail]\nqueue = \"nope\"", "jobs.types.mail.queue: 'nope' is not in broker.queues"),
     ("[log]\nlevel = \"loud\"", "log.level: expected one of 'debug', 'info', 'warning', 'error', got \"loud\""),
     ("[log]\nformat = 1", "log.format: expected one of"),

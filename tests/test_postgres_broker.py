@@ -1,15 +1,19 @@
 """PostgreSQL-specific behaviour beyond the shared contract: the transactional
 outbox, LISTEN/NOTIFY wake-ups, migrations, URL handling, reconnects, pruning."""
+import os
 import select
 import threading
+import urllib.parse
 
 import psycopg
 import pytest
 
+from supervisor import toolkit
 from supervisor.backends import open_broker
-from supervisor.errors import BrokerError
+from supervisor.errors import BrokerError, ConfigError
 from supervisor.model import NewJob
 
+from .daemon import Daemon, tangguh
 from .util import wait_for
 
 pytestmark = pytest.mark.services
@@ -119,7 +123,7 @@ def test_broker_without_listener_drains_nothing(pg):
 def test_migrate_twice_keeps_one_version_row(pg, producer):
     pg.migrate()
     pg.migrate()
-    rows = producer.execute(f'SELECT version FROM "{pg.schema}".schema_version ORDER BY version').fetchall()
+    rows = producer.execute(f'SELECT version FROM "{pg.schema}".tangguh_schema_version ORDER BY version').fetchall()
     assert rows == [(1,), (2,)]
 
 
@@ -137,11 +141,70 @@ def test_a_version_1_schema_is_upgraded_in_place(postgres_url, monkeypatch):
     b = open_broker(postgres_url)
     try:
         b.migrate()
-        rows = b._execute(f'SELECT version FROM "{b.schema}".schema_version ORDER BY version').fetchall()
+        rows = b._execute(f'SELECT version FROM "{b.schema}".tangguh_schema_version ORDER BY version').fetchall()
         assert rows == [(1,), (2,)]
         assert [j.id for j in b.claim(Q, 5, 30, "w", limits={"a": TypeLimits(max_concurrency=1)})] == [kept]
     finally:
         b.close()
+
+
+def _tables(conn, schema):
+    return sorted(r[0] for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,)))
+
+
+@pytest.fixture
+def app_schema(postgres_url):
+    """The broker URL's schema, made first by an application: its own schema_version and jobs."""
+    schema = urllib.parse.parse_qs(urllib.parse.urlsplit(postgres_url).query)["schema"][0]
+    with psycopg.connect(postgres_url.partition("?")[0], autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+        conn.execute(f'CREATE TABLE "{schema}".schema_version (version integer PRIMARY KEY, applied_at timestamptz)')
+        conn.execute(f'INSERT INTO "{schema}".schema_version VALUES (7, now())')
+    return schema
+
+
+def test_migrate_refuses_a_schema_whose_schema_version_is_not_tangguhs(postgres_url, app_schema):
+    b = open_broker(postgres_url)
+    try:
+        with pytest.raises(ConfigError, match=f"schema '{app_schema}' holds tables that are not Tangguh's"
+                                              r" \(schema_version\)"):
+            b.migrate()
+    finally:
+        b.close()
+    with psycopg.connect(postgres_url.partition("?")[0], autocommit=True) as conn:
+        assert _tables(conn, app_schema) == ["schema_version"]  # nothing created, nothing written
+        assert conn.execute(f'SELECT version FROM "{app_schema}".schema_version').fetchall() == [(7,)]
+
+
+def test_db_migrate_and_run_exit_2_on_a_schema_that_is_not_tangguhs(postgres_url, app_schema, tmp_path):
+    d = Daemon(tmp_path, broker_url=postgres_url)
+    result = tangguh("db", "migrate", "-c", d.config_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "holds tables that are not Tangguh's" in result.stderr
+    d.start(wait=False)
+    try:
+        assert d.wait_exit(timeout=30) == 2
+        assert "holds tables that are not Tangguh's" in d.logs()
+    finally:
+        d.stop()
+
+
+def test_a_schema_tangguh_made_under_the_old_version_table_name_is_adopted(pg, producer):
+    kept = pg.enqueue(new())
+    producer.execute(f'ALTER TABLE "{pg.schema}".tangguh_schema_version RENAME TO schema_version')
+    producer.commit()
+    pg.migrate()
+    assert _tables(producer, pg.schema) == ["jobs", "once_keys", "rate_buckets", "tangguh_schema_version"]
+    assert producer.execute(f'SELECT version FROM "{pg.schema}".tangguh_schema_version ORDER BY version'
+                            ).fetchall() == [(1,), (2,)]
+    assert [j.id for j in pg.claim(Q, 5, 30, "w")] == [kept]
+
+
+def test_migrate_refuses_a_jobs_table_that_is_not_tangguhs(postgres_url, app_schema):
+    with psycopg.connect(postgres_url.partition("?")[0], autocommit=True) as conn:
+        conn.execute(f'CREATE TABLE "{app_schema}".jobs (id serial PRIMARY KEY, name text)')
+    with open_broker(postgres_url) as b, pytest.raises(ConfigError, match=r"\(jobs, schema_version\)"):
+        b.migrate()
 
 
 def test_concurrent_migrations_do_not_collide(postgres_url):
@@ -164,7 +227,7 @@ def test_concurrent_migrations_do_not_collide(postgres_url):
     try:
         assert errors == []
         with psycopg.connect(brokers[0].conninfo) as conn:
-            assert conn.execute(f'SELECT count(*) FROM "{brokers[0].schema}".schema_version').fetchone()[0] == 2
+            assert conn.execute(f'SELECT count(*) FROM "{brokers[0].schema}".tangguh_schema_version').fetchone()[0] == 2
         assert brokers[0].get(brokers[1].enqueue(new())).state == "queued"
     finally:
         for b in brokers:
@@ -334,7 +397,64 @@ def test_a_forked_child_opens_its_own_connection_and_leaves_the_parents_alone(pg
 
 
 def test_a_schema_newer_than_the_code_is_refused(pg, producer):
-    producer.execute(f'INSERT INTO "{pg.schema}".schema_version (version) VALUES (999)')
+    producer.execute(f'INSERT INTO "{pg.schema}".tangguh_schema_version (version) VALUES (999)')
     producer.commit()
     with pytest.raises(BrokerError, match="newer"):
         pg.migrate()
+
+
+# -- every libpq URL form connects -------------------------------------------------
+
+SOCKET_DIR = "/var/run/postgresql"
+URL_FORMS = {
+    # postgresql:///db has no host: libpq's Unix socket (its built-in directory, or ?host=).
+    "no host": "postgresql:///test?user=postgres",
+    "no host, socket dir in the query": f"postgresql:///test?host={SOCKET_DIR}&user=postgres",
+    "socket dir as a percent-encoded host": "postgresql://postgres@%2Fvar%2Frun%2Fpostgresql/test",
+    "host list": "postgresql://postgres@127.0.0.1,127.0.0.1:5432/test",
+    "percent-encoded password": "postgresql://postgres:p%40ss%2Fw%3Ard%3F@127.0.0.1:5432/test",
+}
+
+
+def _schema_of(url):
+    return urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["schema"][0]
+
+
+def _with_schema(url, schema):
+    return url + ("&" if "?" in url else "?") + f"schema={schema}"
+
+
+@pytest.mark.parametrize("form", sorted(URL_FORMS))
+def test_every_libpq_url_form_connects(postgres_url, form):
+    if "socket" in form or form == "no host":
+        if not os.path.exists(os.path.join(SOCKET_DIR, ".s.PGSQL.5432")):
+            pytest.skip(f"no PostgreSQL socket in {SOCKET_DIR}")
+    url = _with_schema(URL_FORMS[form], _schema_of(postgres_url))
+    b = open_broker(url)
+    try:
+        b.migrate()
+        job_id = b.enqueue(new())
+        assert [j.id for j in b.claim(Q, 1, 30, "w")] == [job_id]
+        assert b.wakeup_fd() >= 0
+        info = b._conn().info
+        if form == "percent-encoded password":
+            assert info.password == "p@ss/w:rd?"
+        if "socket" in form or form == "no host":
+            assert info.host == SOCKET_DIR
+        if form == "host list":
+            assert info.host == "127.0.0.1"
+    finally:
+        b.close()
+    toolkit_db = toolkit.Database(url)
+    try:
+        conn, kind = toolkit_db.connection()
+        assert kind == "postgres"
+        assert conn.execute("SELECT current_setting('search_path')").fetchone()[0] == _schema_of(postgres_url)
+    finally:
+        toolkit_db.close()
+
+
+def test_a_url_libpq_cannot_read_is_a_broker_error_without_its_password():
+    with pytest.raises(BrokerError, match="not a connection URL libpq can read") as err:
+        open_broker("postgresql://postgres:s3cr%zzet@127.0.0.1:5432/test")  # a bad percent-escape
+    assert "s3cr" not in str(err.value)

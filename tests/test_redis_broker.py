@@ -6,7 +6,7 @@ import pytest
 
 from supervisor.backends import open_broker
 from supervisor.errors import BadInput, BrokerError
-from supervisor.model import NewJob, error_info
+from supervisor.model import NewJob, TypeLimits, error_info
 
 from .util import wait_for
 
@@ -128,6 +128,14 @@ def test_queue_names_with_braces_are_refused(rb):
         rb.enqueue(new(queue="a{b}"))
 
 
+def test_a_claim_naming_a_bad_queue_leases_nothing(rb):
+    job_id = rb.enqueue(new())
+    for limits in (None, {"t": TypeLimits(max_concurrency=5)}):
+        with pytest.raises(BadInput, match="'a{b}' is not a valid queue name"):
+            rb.claim(["default", "a{b}"], 5, 30, "w", limits)
+        assert rb.get(job_id).state == "queued" and rb.get(job_id).attempt == 0
+
+
 def test_priority_levels_and_oldest_ready_age(rb):
     old = rb.enqueue(new(priority=-3))
     wait_for(lambda: rb.stats(["default"])["default"].oldest_ready_age >= 0.2, timeout=10,
@@ -201,12 +209,13 @@ def test_prune_works_in_batches(rb, monkeypatch):
 
 def test_text_round_trips_exactly(rb):
     odd = 'é 😀 "q" \\ / \n\t\x00 ]}'
-    job_id = rb.enqueue(NewJob(odd, {odd: [odd, 1.5, 2**60, None, True]}, resource_id=odd, idempotency_key=odd,
-                               trace_id=odd))
-    assert rb.enqueue(NewJob("t", {}, idempotency_key=odd)) == job_id
+    name = odd.replace("\x00", "")  # no broker stores a NUL in a name (PostgreSQL cannot)
+    job_id = rb.enqueue(NewJob(name, {odd: [odd, 1.5, 2**60, None, True]}, resource_id=name, idempotency_key=name,
+                               trace_id=name))
+    assert rb.enqueue(NewJob("t", {}, idempotency_key=name)) == job_id
     job = rb.claim(["default"], 1, 30, odd)[0]
     assert (job.type, job.payload, job.resource_id, job.idempotency_key, job.trace_id, job.owner) == (
-        odd, {odd: [odd, 1.5, 2**60, None, True]}, odd, odd, odd, odd)
+        name, {odd: [odd, 1.5, 2**60, None, True]}, name, name, name, odd)
     assert job.history[0]["owner"] == odd
     rb.ack(job.lease, {odd: odd}, {odd: odd})
     done = rb.get(job_id)

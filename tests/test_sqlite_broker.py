@@ -1,10 +1,13 @@
 """SQLite-only behaviour (the shared contract is in test_broker_conformance.py)."""
 import select
+import sqlite3
 import sys
 
 import pytest
 
 from supervisor.backends import open_broker
+from supervisor.client import Client
+from supervisor.errors import BrokerError, ConfigError
 from supervisor.model import NewJob
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify wake-ups are Linux-only")
@@ -27,3 +30,29 @@ def test_wakeup_fd_turns_readable_after_an_enqueue_elsewhere(tmp_path):
         supervisor_side.drain_wakeups()
         assert not readable(fd)  # drained, and draining never blocks
         supervisor_side.drain_wakeups()
+
+
+def test_a_database_whose_jobs_table_is_not_tangguhs_is_refused(tmp_path):
+    path = tmp_path / "app.db"
+    with sqlite3.connect(path) as app:
+        app.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, title TEXT)")
+        app.execute("INSERT INTO jobs (title) VALUES ('the application''s own')")
+    with pytest.raises(ConfigError, match="has a jobs table that is not Tangguh's"):
+        open_broker(f"sqlite:///{path}")
+    with sqlite3.connect(path) as app:
+        assert app.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall() == [("jobs",)]
+        assert app.execute("SELECT title FROM jobs").fetchall() == [("the application's own",)]
+
+
+def test_a_full_database_is_a_broker_error_and_stores_nothing(tmp_path):
+    with Client.from_url(f"sqlite:///{tmp_path}/full.db") as client:
+        kept = client.enqueue("t", {})
+        db = client.broker.db
+        # SQLite's own "database or disk is full" (SQLITE_FULL), without filling a real disk.
+        db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+        with pytest.raises(BrokerError, match="full.db: database or disk is full"):
+            client.enqueue_many([("t", {"blob": "x" * 100_000})] * 10)
+        assert client.stats(["default"])["default"].ready == 1
+        assert client.get(kept).state == "queued"
+        db.execute("PRAGMA max_page_count = 1073741823")
+        assert client.enqueue("t", {}) != kept  # the broker works on once there is room

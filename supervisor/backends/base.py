@@ -4,9 +4,11 @@ Semantics every backend must honour (the conformance suite in
 ``tests/test_broker_conformance.py`` checks each of them, unchanged, on every
 backend):
 
-* ``enqueue`` stores a job ``queued`` (``run_at = now + delay``). If its
-  ``idempotency_key`` matches a job that is not finished (queued, running,
-  retrying) it stores nothing and returns that job's id.
+* ``enqueue`` stores a job ``queued`` (``run_at = now + delay``) once
+  ``NewJob.validate`` passes (the same limits on every backend; BadInput and
+  nothing stored otherwise). If its ``idempotency_key`` matches a job that is
+  not finished (queued, running, retrying) it stores nothing and returns that
+  job's id.
 * ``claim`` is atomic. It first reclaims expired leases (``running`` and
   ``lease_until < now``): the lost attempt is recorded (history outcome
   ``lease_expired``); a job with attempts left becomes due again at once, one
@@ -16,7 +18,9 @@ backend):
   ``run_at``, then id. Each leased job gets ``state = running``,
   ``attempt += 1``, ``token += 1`` (the fencing token: strictly increasing per
   job), ``lease_until = now + lease_seconds``, ``owner``, and a new history
-  entry ``{"attempt", "started_at", "owner"}``.
+  entry ``{"attempt", "started_at", "owner"}``. A leased job whose stored
+  payload does not decode as a JSON object within ``model.MAX_DEPTH`` levels
+  is dead-lettered at once with reason ``bad_payload`` and not returned.
 * ``claim(..., limits={type: TypeLimits})`` also enforces per-type controls,
   for every claimer that passes the same limits (each supervisor passes the
   ones of its config): a job that a limit holds back stays ``queued`` or
@@ -54,7 +58,7 @@ import time
 import urllib.parse
 
 from ..errors import BrokerError, LeaseLost
-from ..model import Job, Lease, NewJob, QueueStats  # noqa: F401  (re-exported for backends)
+from ..model import Job, Lease, NewJob, QueueStats, error_info, payload_problem  # noqa: F401  (re-exported)
 
 
 class Broker(abc.ABC):
@@ -78,6 +82,25 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     def claim(self, queues, n, lease_seconds, owner, limits=None) -> list: ...
+
+    def _runnable(self, jobs):
+        """The claimed jobs a worker can be given; the others are dead-lettered ``bad_payload`` now.
+
+        A payload that does not decode, or is nested past the enqueue limit (stored
+        behind the producer API's back, or before it had the limit), would fail every
+        attempt or break the claimer itself; it must not hold up the jobs behind it.
+        """
+        runnable = []
+        for job in jobs:
+            problem = payload_problem(job.payload)
+            if problem is None:
+                runnable.append(job)
+                continue
+            try:
+                self.dead(job.lease, "bad_payload", error_info("bad_payload", "BadPayload", problem))
+            except LeaseLost:
+                pass  # someone else's now: their claim dead-letters it
+        return runnable
 
     @abc.abstractmethod
     def enqueue_once(self, job: NewJob) -> str | None: ...

@@ -20,8 +20,11 @@ same clock; ``now()`` on the broker returns the server's time from an offset
 measured when connecting (re-measured every minute).
 
 * ``migrate()`` creates the schema under ``pg_advisory_xact_lock`` and records
-  applied versions in ``<schema>.schema_version``: idempotent, and safe when
-  several processes migrate at once.
+  applied versions in ``<schema>.tangguh_schema_version``: idempotent, and safe
+  when several processes migrate at once. A schema Tangguh made under the old
+  name (``schema_version`` beside Tangguh's ``jobs``) is adopted; a schema
+  holding tables of the same names that are not Tangguh's is refused
+  (``ConfigError``), never written into.
 * ``claim`` is one call of the SQL function ``<schema>.claim`` (one round
   trip, one transaction): it reclaims expired leases, then leases due jobs
   queue by queue with ``FOR UPDATE SKIP LOCKED`` in (priority desc, run_at, id)
@@ -48,10 +51,12 @@ import urllib.parse
 
 import psycopg
 from psycopg import errors as pgerrors
+from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row, tuple_row
+from psycopg.types.json import set_json_loads
 
-from ..errors import BadInput, BrokerError, LeaseLost, NotDead
-from ..model import Job, QueueStats
+from ..errors import BadInput, BrokerError, ConfigError, LeaseLost, NotDead
+from ..model import Job, QueueStats, load_json
 from .base import Broker
 from .limits import Admission, active, refill
 
@@ -61,6 +66,8 @@ _LIBPQ_PARAMS = frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_de
 _NOW = "date_part('epoch', now())"  # the server's clock, epoch seconds (double precision)
 _UNFINISHED = "('queued', 'running', 'retrying')"
 _CLOCK_RESYNC = 60.0
+_VERSIONS = "tangguh_schema_version"  # a name of our own: "schema_version" is common in applications' schemas
+_JOB_COLUMNS = {"id", "queue", "type", "payload", "state", "attempt", "token", "lease_until", "history"}
 
 
 def _migrations(s):
@@ -172,33 +179,25 @@ class PostgresBroker(Broker):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme.lower() not in ("postgresql", "postgres"):
             raise BrokerError(f"postgres url {url!r}: expected postgresql://...")
-        options = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-        schema = DEFAULT_SCHEMA
-        passed = []
-        unknown = []
-        for key, value in options:
-            if key == "schema":
-                schema = value
-            elif key in _LIBPQ_PARAMS:
-                passed.append((key, value))
-            else:
-                unknown.append(key)
+        options = urllib.parse.parse_qsl(url.partition("?")[2], keep_blank_values=True)
+        schema = dict(options).get("schema", DEFAULT_SCHEMA)
+        names = {key for key, _ in options if key != "schema"}
+        unknown = names - _LIBPQ_PARAMS
         if unknown:
             raise BrokerError(f"postgres url {_redact(url)}: unknown option(s) {', '.join(sorted(set(unknown)))}"
                               " (tangguh knows schema=; the rest must be libpq connection parameters)")
         if not _SCHEMA_NAME.match(schema):
             raise BrokerError(f"postgres url {_redact(url)}: schema {schema!r} must be a plain identifier"
                               " (letters, digits, underscore; at most 63 characters)")
-        names = {k for k, _ in passed}
-        if "connect_timeout" not in names:
-            passed.append(("connect_timeout", "10"))
+        defaults = {"connect_timeout": "10", "fallback_application_name": "tangguh"}
         if not names & {"keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count"}:
             # Notice a silently dropped TCP connection (the idle LISTEN one above all) within ~a minute.
-            passed += [("keepalives_idle", "30"), ("keepalives_interval", "10"), ("keepalives_count", "3")]
-        if "fallback_application_name" not in names:
-            passed.append(("fallback_application_name", "tangguh"))
+            defaults.update(keepalives_idle="30", keepalives_interval="10", keepalives_count="3")
         self.schema = schema
-        self.conninfo = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(passed)))
+        try:
+            self.conninfo, _ = libpq_conninfo(url, ("schema",), **defaults)
+        except psycopg.Error:
+            raise BrokerError(f"postgres url {_redact(url)}: not a connection URL libpq can read") from None
         self.channel = f"tangguh_{schema}"[:63]
         s = _quote(schema)
         self._s = s
@@ -272,7 +271,9 @@ class PostgresBroker(Broker):
         )
 
     def _connect(self):
-        return psycopg.connect(self.conninfo, autocommit=True)
+        conn = psycopg.connect(self.conninfo, autocommit=True)
+        set_json_loads(load_json, conn)  # a value that does not decode must not fail the whole fetch
+        return conn
 
     def _conn(self):
         """The main connection, reconnecting when the previous one broke (or belongs to our parent)."""
@@ -335,9 +336,13 @@ class PostgresBroker(Broker):
                 # CREATE SCHEMA IF NOT EXISTS needs the CREATE privilege even when the schema exists.
                 if db.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.schema,)).fetchone() is None:
                     db.execute(f"CREATE SCHEMA {s}")
-                db.execute(f"CREATE TABLE IF NOT EXISTS {s}.schema_version ("
+                tables = {row[0] for row in db.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s",
+                                                       (self.schema,))}
+                if _VERSIONS not in tables:
+                    self._adopt(db, tables)
+                db.execute(f"CREATE TABLE IF NOT EXISTS {s}.{_VERSIONS} ("
                            " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())")
-                current = db.execute(f"SELECT coalesce(max(version), 0) FROM {s}.schema_version").fetchone()[0]
+                current = db.execute(f"SELECT coalesce(max(version), 0) FROM {s}.{_VERSIONS}").fetchone()[0]
                 migrations = _migrations(s)
                 if current > migrations[-1][0]:
                     raise BrokerError(f"postgres broker schema {self.schema!r} is at version {current}, newer than"
@@ -347,7 +352,23 @@ class PostgresBroker(Broker):
                         continue
                     for statement in statements:
                         db.execute(statement)
-                    db.execute(f"INSERT INTO {s}.schema_version (version) VALUES (%s)", (version,))
+                    db.execute(f"INSERT INTO {s}.{_VERSIONS} (version) VALUES (%s)", (version,))
+
+    def _adopt(self, db, tables):
+        """Before its first migration here: a fresh schema, or one Tangguh made under the
+        old version table name (renamed now). Anything else is someone else's schema."""
+        ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys"})
+        if not ours:
+            return
+        if "schema_version" in tables and "jobs" in tables:
+            columns = {row[0] for row in db.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = 'jobs'",
+                (self.schema,))}
+            if _JOB_COLUMNS <= columns:
+                db.execute(f"ALTER TABLE {self._s}.schema_version RENAME TO {_VERSIONS}")
+                return
+        raise ConfigError(f"postgres broker schema {self.schema!r} holds tables that are not Tangguh's"
+                          f" ({', '.join(ours)}): name a schema of Tangguh's own in the broker url (?schema=...)")
 
     def close(self):
         if self._pid != os.getpid():
@@ -501,7 +522,7 @@ class PostgresBroker(Broker):
             order.setdefault(q, i)
         jobs = [Job.from_dict(r) for r in rows]
         jobs.sort(key=lambda j: (order[j.queue], -j.priority, j.run_at, j.id))
-        return jobs
+        return self._runnable(jobs)
 
     def _claim_limited(self, queues, n, lease_seconds, owner, limits):
         """The claim under per-type limits, one transaction of a few statements.
@@ -695,6 +716,23 @@ class PostgresBroker(Broker):
             total += deleted
             if deleted < batch:
                 return total
+
+
+def libpq_conninfo(url, own=(), **defaults):
+    """``(conninfo, {key: value})`` for a ``postgresql://`` URL whose query keys in ``own`` are Tangguh's.
+
+    Those keys are taken out (libpq would refuse them) and returned; ``defaults``
+    apply where the query does not set a key. psycopg builds the conninfo from the
+    URL, so every libpq form works: no host (``postgresql:///db``, the Unix socket),
+    host lists, ``?host=/socket/dir``, percent-encoded user and password. Raises
+    ``psycopg.ProgrammingError`` for what libpq cannot read.
+    """
+    base, _, query = url.partition("?")
+    params = dict(defaults)
+    mine = {}
+    for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
+        (mine if key in own else params)[key] = value
+    return make_conninfo(base, **params), mine
 
 
 def _redact(url):

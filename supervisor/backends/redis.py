@@ -75,7 +75,7 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
 from ..errors import BadInput, BrokerError, LeaseLost, NotDead
-from ..model import Job, QueueStats
+from ..model import Job, QueueStats, check_queue, load_json
 from .base import Broker
 from .limits import active
 
@@ -181,8 +181,7 @@ class RedisBroker(Broker):
     def _queue_keys(self, queue):
         got = self._keys.get(queue)
         if got is None:
-            if "{" in queue or "}" in queue:
-                raise BadInput(f"queue name {queue!r} must not contain braces (redis hash tags)")
+            check_queue(queue)  # no braces above all: they would move the keys out of the hash tag
             base = f"{self.prefix}:{{{queue}}}:"
             keys = [base + k for k in ("ready", "delayed", "leased", "dead", "done", "idem")]
             got = self._keys[queue] = (keys, [base + "j:", self.channel])
@@ -315,9 +314,11 @@ class RedisBroker(Broker):
     def claim(self, queues, n, lease_seconds, owner, limits=None):
         lease_us = max(1, int(lease_seconds * 1e6))
         owner_json = json.dumps(owner)
+        for queue in queues:
+            self._queue_keys(queue)  # a bad name fails the claim before any queue's jobs are leased
         limits = active(limits)
         if limits:
-            return self._claim_limited(queues, n, lease_us, owner, owner_json, limits)
+            return self._runnable(self._claim_limited(queues, n, lease_us, owner, owner_json, limits))
         claimed = []
         for queue in queues:
             if len(claimed) >= n:
@@ -326,7 +327,7 @@ class RedisBroker(Broker):
                 job = _job(json.loads(fields))
                 self._remember(job.id, queue)
                 claimed.append(job)
-        return claimed
+        return self._runnable(claimed)
 
     def _claim_limited(self, queues, n, lease_us, owner, owner_json, limits):
         """Per queue, one round trip: claim.lua with n = 0 (reclaim, promote), then claim_limited.lua."""
@@ -607,7 +608,7 @@ def _job(fields):
             d[key] = float(d[key])
     for key in _JSON:
         if key in d:
-            d[key] = json.loads(d[key])
+            d[key] = load_json(d[key])
     history = json.loads(d.pop("history", "[]"))
     open_entry = d.pop("open", None)
     if open_entry:

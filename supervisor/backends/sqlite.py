@@ -14,8 +14,8 @@ import os
 import sqlite3
 import urllib.parse
 
-from ..errors import BadInput, BrokerError, LeaseLost, NotDead
-from ..model import DEAD, DONE, RETRYING, Job, QueueStats, error_info
+from ..errors import BadInput, BrokerError, ConfigError, LeaseLost, NotDead
+from ..model import DEAD, DONE, RETRYING, Job, QueueStats, error_info, load_json
 from .base import Broker
 from .limits import Admission, active, refill
 
@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS once_keys (key TEXT PRIMARY KEY, created_at REAL NOT 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
 _CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(history, '$[#-1]'), json(:entry)))"
 _LEASED = "id = :id AND token = :token AND state = 'running'"
+_JOB_COLUMNS = {"id", "queue", "type", "payload", "state", "attempt", "token", "lease_until", "history"}
 
 
 class SQLiteBroker(Broker):
@@ -90,21 +91,29 @@ class SQLiteBroker(Broker):
             self.db.execute(f"PRAGMA synchronous={synchronous}")
             self.db.execute("PRAGMA busy_timeout=30000")
             self.migrate()
+        except ConfigError:
+            self.db.close()
+            raise
         except sqlite3.Error as exc:
             raise BrokerError(f"cannot open sqlite database {path}: {exc}") from None
 
     # -- plumbing ---------------------------------------------------------
     def migrate(self):
         with self._write():
+            columns = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
+            if columns and not _JOB_COLUMNS <= columns:
+                # CREATE TABLE IF NOT EXISTS would keep it and write our jobs into it.
+                raise ConfigError(f"sqlite database {self.path} has a jobs table that is not Tangguh's:"
+                                  " give the broker a database file of its own")
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     self.db.execute(statement)
 
     def _write(self):
-        return _Tx(self.db, "BEGIN IMMEDIATE")
+        return _Tx(self.db, "BEGIN IMMEDIATE", self.path)
 
     def _read(self):
-        return _Tx(self.db, "BEGIN")
+        return _Tx(self.db, "BEGIN", self.path)
 
     def close(self):
         if self._inotify is not None:
@@ -177,6 +186,9 @@ class SQLiteBroker(Broker):
 
     # -- leasing ----------------------------------------------------------
     def claim(self, queues, n, lease_seconds, owner, limits=None):
+        return self._runnable(self._claim(queues, n, lease_seconds, owner, limits))
+
+    def _claim(self, queues, n, lease_seconds, owner, limits):
         limits = active(limits)
         claimed = []
         with self._write():
@@ -341,7 +353,8 @@ class SQLiteBroker(Broker):
 
     # -- reading ----------------------------------------------------------
     def get(self, job_id):
-        row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        with _errors(self.path):
+            row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return _job(row) if row else None
 
     def stats(self, queues):
@@ -382,7 +395,8 @@ class SQLiteBroker(Broker):
         if limit is not None:
             sql += " LIMIT ?"
             params.append(int(limit))
-        return [_job(r) for r in self.db.execute(sql, params)]
+        with _errors(self.path):
+            return [_job(r) for r in self.db.execute(sql, params).fetchall()]
 
     def dlq_replay(self, job_ids):
         now = self.now()
@@ -421,16 +435,43 @@ class SQLiteBroker(Broker):
 
 
 class _Tx:
-    """BEGIN ... COMMIT, or ROLLBACK when the block raises."""
+    """BEGIN ... COMMIT, or ROLLBACK when the block raises.
 
-    def __init__(self, db, begin):
-        self.db, self.begin = db, begin
+    SQLite's own errors (a full disk, a lock held past the busy timeout, an I/O
+    error) leave as BrokerError naming the file, like every broker's failures.
+    """
+
+    def __init__(self, db, begin, path):
+        self.db, self.begin, self.path = db, begin, path
 
     def __enter__(self):
-        self.db.execute(self.begin)
+        with _errors(self.path):
+            self.db.execute(self.begin)
 
     def __exit__(self, exc_type, exc, tb):
-        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        with _errors(self.path):
+            if exc_type is None:
+                try:
+                    self.db.execute("COMMIT")
+                except sqlite3.Error:
+                    self._rollback()
+                    raise
+                return
+            self._rollback()
+            if isinstance(exc, sqlite3.Error):
+                raise exc
+
+    def _rollback(self):
+        if self.db.in_transaction:  # SQLite may have rolled back by itself (a full disk does)
+            self.db.execute("ROLLBACK")
+
+
+@contextlib.contextmanager
+def _errors(path):
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise BrokerError(f"sqlite database {path}: {exc}") from None
 
 
 _IN_MODIFY = 0x00000002
@@ -456,6 +497,6 @@ def _job(row):
     d = dict(row)
     for key in ("payload", "result", "error", "history"):
         if d.get(key) is not None:
-            d[key] = json.loads(d[key])
+            d[key] = load_json(d[key])
     return Job.from_dict(d)
 

@@ -136,6 +136,9 @@ class Arbiter:
         self.heartbeat.locks = self.locks
         try:
             self.link.call(lambda br: br)
+        except ConfigError:
+            self.health.close()
+            raise
         except BrokerError:
             if self.cfg.broker.url.startswith("sqlite:"):
                 self.health.close()

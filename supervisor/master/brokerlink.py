@@ -14,7 +14,7 @@ import selectors
 import time
 
 from ..backends import open_broker
-from ..errors import BrokerError, LeaseLost
+from ..errors import BrokerError, ConfigError, LeaseLost
 from ..retry import backoff
 
 log = logging.getLogger("tangguh.arbiter")
@@ -74,6 +74,9 @@ class BrokerLink:
         except LeaseLost:
             self.metrics.broker_rtt.labels(op).observe(time.monotonic() - now)
             raise
+        except ConfigError:
+            self.drop()
+            raise  # e.g. the broker's schema is not Tangguh's: no retry can fix that
         except Exception as exc:  # noqa: BLE001 - every driver error means the same: try later
             self.metrics.broker_errors.labels("main").inc()
             self.drop()
