@@ -50,8 +50,9 @@ import psycopg
 from psycopg import errors as pgerrors
 from psycopg.rows import dict_row, tuple_row
 
-from ..errors import BadInput, BrokerError, LeaseLost, NotDead
+from ..errors import BadInput, BrokerError, BrokerUnusable, LeaseLost, NotDead
 from ..model import Job, QueueStats
+from ..urls import redact
 from .base import Broker
 from .limits import Admission, active, refill
 
@@ -160,6 +161,14 @@ def _migrations(s):
     ]
 
 
+# libpq's and the server's words for a connection that can never work as configured.
+# (A server starting up, full or shutting down is an outage, and so is a host
+# that does not answer: those are waited out.)
+_UNUSABLE = re.compile(r'invalid port number|invalid connection option|invalid (integer |sslmode )?value'
+                       r'|missing "=" after|database "[^"]*" does not exist|role "[^"]*" does not exist'
+                       r'|password authentication failed|no pg_hba\.conf entry|no password supplied')
+
+
 def _quote(name):
     return '"' + name.replace('"', '""') + '"'
 
@@ -171,7 +180,7 @@ class PostgresBroker(Broker):
         self.url = url
         parts = urllib.parse.urlsplit(url)
         if parts.scheme.lower() not in ("postgresql", "postgres"):
-            raise BrokerError(f"postgres url {url!r}: expected postgresql://...")
+            raise BrokerUnusable(f"postgres url {redact(url)}: expected postgresql://...")
         options = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
         schema = DEFAULT_SCHEMA
         passed = []
@@ -184,10 +193,10 @@ class PostgresBroker(Broker):
             else:
                 unknown.append(key)
         if unknown:
-            raise BrokerError(f"postgres url {_redact(url)}: unknown option(s) {', '.join(sorted(set(unknown)))}"
+            raise BrokerUnusable(f"postgres url {redact(url)}: unknown option(s) {', '.join(sorted(set(unknown)))}"
                               " (tangguh knows schema=; the rest must be libpq connection parameters)")
         if not _SCHEMA_NAME.match(schema):
-            raise BrokerError(f"postgres url {_redact(url)}: schema {schema!r} must be a plain identifier"
+            raise BrokerUnusable(f"postgres url {redact(url)}: schema {schema!r} must be a plain identifier"
                               " (letters, digits, underscore; at most 63 characters)")
         names = {k for k, _ in passed}
         if "connect_timeout" not in names:
@@ -307,7 +316,8 @@ class PostgresBroker(Broker):
             raise BrokerError(f"postgres broker schema {self.schema!r} is missing or outdated"
                               f" (run `tangguh db migrate`): {exc}") from exc
         except psycopg.Error as exc:
-            raise BrokerError(f"postgres broker ({_redact(self.url)}): {what} failed: {exc}") from exc
+            kind = BrokerUnusable if _UNUSABLE.search(str(exc)) else BrokerError
+            raise kind(f"postgres broker ({redact(self.url)}): {what} failed: {exc}") from exc
 
     def _execute(self, query, params=None, row_factory=tuple_row):
         with self._guard("query"):
@@ -400,7 +410,7 @@ class PostgresBroker(Broker):
             self._listener = None
             with contextlib.suppress(psycopg.Error):
                 listener.close()
-            raise BrokerError(f"postgres broker ({_redact(self.url)}): listening connection lost: {exc}") from exc
+            raise BrokerError(f"postgres broker ({redact(self.url)}): listening connection lost: {exc}") from exc
 
     # -- producing --------------------------------------------------------
     def enqueue(self, job, conn=None):
@@ -696,11 +706,3 @@ class PostgresBroker(Broker):
             if deleted < batch:
                 return total
 
-
-def _redact(url):
-    """The URL without its password, for messages."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
