@@ -398,7 +398,8 @@ def check_host(cfg):
         try:
             grp.getgrnam(s.socket_group)
         except KeyError:
-            raise ConfigError(f"supervisor.socket_group: no such group {s.socket_group!r}") from None
+            raise ConfigError(f"supervisor.socket_group: cannot give {s.socket} to group {s.socket_group!r}:"
+                              " no such group") from None
 
 
 def find_config(path=None):
