@@ -194,10 +194,10 @@ class PostgresBroker(Broker):
                 unknown.append(key)
         if unknown:
             raise BrokerUnusable(f"postgres url {redact(url)}: unknown option(s) {', '.join(sorted(set(unknown)))}"
-                              " (tangguh knows schema=; the rest must be libpq connection parameters)")
+                                 " (tangguh knows schema=; the rest must be libpq connection parameters)")
         if not _SCHEMA_NAME.match(schema):
             raise BrokerUnusable(f"postgres url {redact(url)}: schema {schema!r} must be a plain identifier"
-                              " (letters, digits, underscore; at most 63 characters)")
+                                 " (letters, digits, underscore; at most 63 characters)")
         names = {k for k, _ in passed}
         if "connect_timeout" not in names:
             passed.append(("connect_timeout", "10"))
