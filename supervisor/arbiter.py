@@ -24,13 +24,15 @@ import setproctitle
 from . import child, config, logs, protocol, registry, scheduler, toolkit
 from .metrics import SAMPLE_SECONDS, HttpExporter, Metrics
 from .backends import open_broker
-from .errors import BrokerError, ConfigError, LeaseLost, TangguhError
+from .errors import BrokerError, BrokerUnusable, ConfigError, LeaseLost, TangguhError
 from .health import AlreadyRunning, HealthServer
 from .heartbeat import Heartbeat
 from .locks import MasterLocks
 from .sdnotify import Notifier
 from .model import REASONS, error_info
 from .retry import backoff, next_delay
+from .urls import redact
+from . import __version__
 
 log = logging.getLogger("tangguh.arbiter")
 
@@ -169,11 +171,17 @@ class Arbiter:
         self.locks = MasterLocks(self.cfg.toolkit.redis_url) if self.cfg.toolkit.redis_url else None
         self.heartbeat.locks = self.locks
         try:
-            self.call(lambda br: br)
+            # One round trip (Redis connects lazily): a URL the server refuses shows now.
+            self.call(lambda br: br.now())
         except ConfigError:
             self.health.close()
             raise
-        except BrokerError:
+        except BrokerError as exc:
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(cause, BrokerUnusable):
+                # Waiting cannot fix a bad option, port, database or login: exit 2, no restart loop.
+                self.health.close()
+                raise ConfigError("broker.url: " + " ".join(str(cause).split())) from None
             if self.cfg.broker.url.startswith("sqlite:"):
                 self.health.close()
                 raise  # a local file we cannot open is a setup error, not an outage
@@ -1035,7 +1043,8 @@ class Arbiter:
     def status(self):
         return {
             "ok": True, "pid": self.pid, "started_at": self.started_at, "generation": self.generation,
-            "config": self.cfg.path, "broker": _redact(self.cfg.broker.url), "reload_error": self.reload_error,
+            "version": __version__,
+            "config": self.cfg.path, "broker": redact(self.cfg.broker.url), "reload_error": self.reload_error,
             "stopping": self.stopping, "broker_down": self.broker_down_since is not None,
             "target_workers": self.target, "prefetched": len(self.prefetched), "pending_writes": len(self.writes),
             "workers": [w.view() for w in sorted(self.workers.values(), key=lambda w: w.slot)],
@@ -1044,17 +1053,6 @@ class Arbiter:
             "queues": {q: s.to_dict() for q, s in self.queue_stats.items()},
             "metrics_listen": self.exporter.address if self.exporter is not None else None,
         }
-
-
-def _redact(url):
-    """Hide a password in a broker URL shown to operators."""
-    import urllib.parse
-
-    parts = urllib.parse.urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-    return url
 
 
 def run(config_path=None):
@@ -1066,6 +1064,7 @@ def run(config_path=None):
         return EXIT_CONFIG
     logs.setup(cfg.log.level, cfg.log.format)
     try:
+        config.check_host(cfg)
         handlers = registry.load_handlers(cfg.supervisor.handlers, generation=1)
     except ConfigError as exc:
         print(f"tangguh: error: {exc}", file=sys.stderr)
