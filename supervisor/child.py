@@ -6,6 +6,7 @@ instant loses nothing the master cannot account for.
 """
 import asyncio
 import ctypes
+import logging
 import os
 import select
 import signal
@@ -48,8 +49,11 @@ def batch_scheduling():
     jobs, the acks) first. Same nice value and CPU share; needs no privilege."""
     try:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
+    except AttributeError:
+        pass  # not Linux
+    except OSError as exc:  # a seccomp filter or a security policy: the jobs run, the gain is lost
+        logging.getLogger("tangguh.child").debug("SCHED_BATCH refused (%s): the default policy stays", exc,
+                                                 extra={"event": "sched_batch_refused"})
 
 
 def reset_signals():

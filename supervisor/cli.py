@@ -13,16 +13,18 @@ import datetime
 import json
 import os
 import re
+import shutil
 import sys
 import time
-import urllib.parse
 
 from . import config as config_module
 from .errors import BadInput, ConfigError, NotDead, TangguhError
 from .model import MAX_DEPTH
+from .urls import redact
 
 PROG = "tangguh"
 EXAMPLE_CONFIG = "data/config.example.toml"
+EXAMPLE_HANDLERS = "data/handlers/examples.py"
 
 
 class UsageError(Exception):
@@ -83,8 +85,12 @@ def build_parser():
                         help="config file (default: ./tangguh.toml, else /etc/tangguh/config.toml)")
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print JSON")
+    to_socket = argparse.ArgumentParser(add_help=False)
+    to_socket.add_argument("--socket", metavar="PATH", help="the supervisor's health socket (default: the config's"
+                           " supervisor.socket; read leniently when the config file is broken)")
 
     parser = _Parser(prog=PROG, description="Tangguh: a pre-fork worker-queue supervisor.")
+    parser.add_argument("--version", action="version", version=version_text())
     parser.add_argument("-c", "--config", metavar="PATH", default=None,
                         help="config file (default: ./tangguh.toml, else /etc/tangguh/config.toml)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -109,9 +115,10 @@ def build_parser():
     p.add_argument("--priority", type=int, default=0, metavar="N", help="higher runs first within a queue")
     p.add_argument("--trace-id", metavar="T", help="trace id (default: a new one)")
 
-    command(commands, "status", cmd_status, "show the running supervisor's workers", as_json).add_argument(
+    command(commands, "status", cmd_status, "show the running supervisor's workers", as_json,
+            to_socket).add_argument(
         "--watch", nargs="?", const=1.0, type=float, metavar="SECONDS", help="refresh every SECONDS (default 1)")
-    command(commands, "metrics", cmd_metrics, "print the supervisor's Prometheus metrics")
+    command(commands, "metrics", cmd_metrics, "print the supervisor's Prometheus metrics", to_socket)
     command(commands, "stats", cmd_stats, "show per-queue counts", as_json)
     command(commands, "schedules", cmd_schedules, "list the periodic jobs with their next run", as_json)
     command(commands, "job", cmd_job, "show one job with its history", as_json).add_argument("job_id", metavar="ID")
@@ -162,6 +169,14 @@ def build_parser():
 
 # -- helpers ------------------------------------------------------------------
 
+def version_text():
+    import platform
+
+    from . import __version__
+
+    return f"{PROG} {__version__} (Python {platform.python_version()})"
+
+
 def load_config(args):
     return config_module.load(args.config)
 
@@ -197,15 +212,6 @@ def printable(text, keep="\n"):
 def say(text):
     """Print text output: every text printer goes through here."""
     print(printable(text))
-
-
-def redact(url):
-    """``url`` without its password, for printing."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(":" + parts.password + "@", ":***@", 1)
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def when(ts):
@@ -278,6 +284,7 @@ def one_line(text, width=60):
 
 def cmd_config_check(args):
     cfg = load_config(args)
+    config_module.check_host(cfg)
     print(f"ok: {cfg.path or 'no config file found, built-in defaults'}")
 
 
@@ -313,11 +320,15 @@ def cmd_config_init(args):
     except FileExistsError:
         raise UsageError(f"{args.path}: already exists, not overwriting it") from None
     print(f"wrote {args.path}")
-    # The starter config names ./handlers beside it: make it, so `tangguh run` starts at once.
+    # The starter config names ./handlers beside it: make it, with the example handlers the
+    # README's walk-through enqueues, so `tangguh run` starts at once and its first job runs.
     handlers = config_module.load(args.path).supervisor.handlers
     if not os.path.isdir(handlers):
         os.makedirs(handlers, exist_ok=True)
         print(f"made {handlers}/ (drop handler modules here)")
+        example = os.path.join(handlers, os.path.basename(EXAMPLE_HANDLERS))
+        shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), EXAMPLE_HANDLERS), example)
+        print(f"wrote {example} (example handlers: hash_chain, sleep, flaky, always_permanent)")
 
 
 # -- producing and reading ----------------------------------------------------
@@ -580,35 +591,50 @@ def cmd_demo(args):
     return daemon_module("demo").main(list(args.args))
 
 
-def ask_supervisor(cfg, request):
+def supervisor_socket(args):
+    """The socket to ask: ``--socket``, else the config's; a broken config warns and is read leniently.
+
+    The config is most often broken just after an edit and a reload, exactly
+    when the operator needs ``status`` to see the running generation.
+    """
+    if args.socket:
+        return os.path.abspath(args.socket)
+    try:
+        return load_config(args).supervisor.socket
+    except ConfigError as exc:
+        path = config_module.socket_path(args.config)
+        print(f"{PROG}: warning: {' '.join(str(exc).split())}; asking the supervisor on {path}", file=sys.stderr)
+        return path
+
+
+def ask_supervisor(socket_path, request):
     """Send one request to the health socket; a Failure naming the socket when nobody answers."""
     health = daemon_module("health")
     try:
-        reply = health.request(cfg.supervisor.socket, request)
+        reply = health.request(socket_path, request)
     except ValueError as exc:  # not JSON
-        raise Failure(f"supervisor on {cfg.supervisor.socket} sent an invalid reply ({exc})") from None
+        raise Failure(f"supervisor on {socket_path} sent an invalid reply ({exc})") from None
     except (OSError, TangguhError) as exc:
-        socket_path = cfg.supervisor.socket
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         if isinstance(exc, TangguhError) and socket_path in reason:
             raise Failure(reason) from None  # already says which socket and what went wrong
         raise Failure(f"no supervisor answering on {socket_path} ({reason})") from None
     if not isinstance(reply, dict):
-        raise Failure(f"supervisor on {cfg.supervisor.socket} sent a reply that is not a JSON object")
+        raise Failure(f"supervisor on {socket_path} sent a reply that is not a JSON object")
     if reply.get("ok") is False:
-        raise Failure(f"supervisor on {cfg.supervisor.socket}: {reply.get('error') or 'request refused'}")
+        raise Failure(f"supervisor on {socket_path}: {reply.get('error') or 'request refused'}")
     return reply
 
 
 def cmd_metrics(args):
-    reply = ask_supervisor(load_config(args), {"cmd": "metrics"})
+    reply = ask_supervisor(supervisor_socket(args), {"cmd": "metrics"})
     text = reply.get("text", "")
     sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
 
 
 def cmd_status(args):
-    cfg = load_config(args)
-    reply = ask_supervisor(cfg, {"cmd": "status"})
+    path = supervisor_socket(args)
+    reply = ask_supervisor(path, {"cmd": "status"})
     if args.watch is None:
         print_json(reply) if args.json else say(render_status(reply))
         return
@@ -621,7 +647,7 @@ def cmd_status(args):
             if pending:
                 return pending.pop()
             try:
-                return ask_supervisor(cfg, {"cmd": "status"})
+                return ask_supervisor(path, {"cmd": "status"})
             except Failure as exc:  # keep watching across a restart
                 return {"error": str(exc)}
 
@@ -633,7 +659,7 @@ def cmd_status(args):
             sys.stdout.flush()
             time.sleep(args.watch)
             try:
-                reply = ask_supervisor(cfg, {"cmd": "status"})
+                reply = ask_supervisor(path, {"cmd": "status"})
             except Failure as exc:  # keep watching across a restart
                 reply = {"error": str(exc)}
     except KeyboardInterrupt:
@@ -647,7 +673,9 @@ def render_status(reply, now=None):
     now = time.time() if now is None else now
     started = reply.get("started_at")
     up = f"up {duration(now - started)} (since {when(started)})" if isinstance(started, (int, float)) else ""
-    lines = [f"supervisor pid {reply.get('pid', '-')}  generation {reply.get('generation', '-')}  {up}".rstrip()]
+    version = f"  version {reply['version']}" if reply.get("version") else ""  # older daemons do not say
+    lines = [f"supervisor pid {reply.get('pid', '-')}  generation {reply.get('generation', '-')}{version}"
+             f"  {up}".rstrip()]
     for key in ("config", "broker"):
         lines.append(f"{key + ':':<8} {_flat(reply.get(key))}")
     state = ["stopping" if reply.get("stopping") else "running"]

@@ -222,11 +222,25 @@ class MetricsConfig:
     listen: str = option(string, "host:port for HTTP /metrics (empty: off)", default="")
 
 
+def _scheme(url):
+    try:
+        return urllib.parse.urlsplit(url).scheme
+    except ValueError:
+        return ""
+
+
+class Unshown(ValueError):
+    """A bad value that must not be echoed (it may hold a password): the message says enough."""
+
+
 def url_of(*schemes):
     def check(v):
-        if isinstance(v, str) and (v == "" or urllib.parse.urlsplit(v).scheme in schemes):
+        if isinstance(v, str) and (v == "" or _scheme(v) in schemes):
             return v
-        raise ValueError("expected an empty string or a " + " or ".join(f"{s}://" for s in schemes) + " URL")
+        expected = "expected an empty string or a " + " or ".join(f"{s}://" for s in schemes) + " URL"
+        if not isinstance(v, str):
+            raise ValueError(expected)
+        raise Unshown(f"{expected}, got " + (f"scheme {_scheme(v)!r}" if _scheme(v) else "no URL"))
 
     return check
 
@@ -290,6 +304,8 @@ def _build(cls, data, path):
             continue
         try:
             values[key] = fields[key].metadata["check"](value)
+        except Unshown as exc:
+            raise ConfigError(f"{path}.{key}: {exc}") from None
         except ValueError as exc:
             raise ConfigError(f"{path}.{key}: {exc}, got {_show(value)}") from None
     return cls(**values)
@@ -372,6 +388,34 @@ def resolve_broker_url(url, base_dir):
     return "sqlite:///" + urllib.parse.quote(path) + ("?" + parts.query if parts.query else "")
 
 
+# sun_path of struct sockaddr_un holds 108 bytes, the final NUL included.
+SOCKET_PATH_MAX = 107
+
+
+def check_host(cfg):
+    """What ``run`` needs from this machine beyond valid TOML: ConfigError naming the first gap.
+
+    ``config check`` runs it too, so a config it passes also starts.
+    """
+    s = cfg.supervisor
+    if len(os.fsencode(s.socket)) > SOCKET_PATH_MAX:
+        raise ConfigError(f"supervisor.socket: {s.socket} is {len(os.fsencode(s.socket))} bytes long,"
+                          f" over the {SOCKET_PATH_MAX} a UNIX socket path may have")
+    if not os.path.isdir(os.path.dirname(s.socket)):
+        raise ConfigError(f"supervisor.socket: folder {os.path.dirname(s.socket)} does not exist")
+    if not os.path.isdir(s.handlers):
+        raise ConfigError(f"supervisor.handlers: {s.handlers} is not a folder"
+                          " (`tangguh config init PATH` writes a config and a handlers folder with an example)")
+    if s.socket_group:
+        import grp
+
+        try:
+            grp.getgrnam(s.socket_group)
+        except KeyError:
+            raise ConfigError(f"supervisor.socket_group: cannot give {s.socket} to group {s.socket_group!r}:"
+                              " no such group") from None
+
+
 def find_config(path=None):
     """The config file to use: ``path`` if given, else the first default that exists."""
     if path:
@@ -380,6 +424,38 @@ def find_config(path=None):
         if os.path.exists(candidate):
             return candidate
     return None
+
+
+_TABLE = re.compile(r"\s*\[\s*([^\]]*?)\s*\]")
+_SOCKET = re.compile(r"""\s*socket\s*=\s*("(?:[^"\\]|\\.)*"|'[^']*')""")
+
+
+def socket_path(path=None):
+    """The health socket a config file names, read leniently: for talking to a running
+    supervisor while its config file is broken (say, just after a bad edit and a reload).
+
+    Only ``socket = "..."`` under ``[supervisor]`` is read; a file that cannot be read,
+    or does not name one, means the default, all resolved as ``load`` would.
+    """
+    found = find_config(path)
+    if found is None:
+        return os.path.join(os.getcwd(), SupervisorConfig.socket)
+    base_dir = os.path.dirname(os.path.abspath(found))
+    value, table = SupervisorConfig.socket, None
+    try:
+        with open(found, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        if m := _TABLE.match(line):
+            table = m.group(1)
+        elif table == "supervisor" and (m := _SOCKET.match(line)):
+            try:
+                value = tomllib.loads("v = " + m.group(1))["v"]
+            except tomllib.TOMLDecodeError:
+                pass
+    return os.path.normpath(os.path.join(base_dir, value))
 
 
 def load(path=None):

@@ -17,7 +17,7 @@ import tomli_w
 from .health import NoSupervisor, request
 from .model import NewJob
 
-HANDLERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "handlers")
+HANDLERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "handlers")  # shipped in the package
 
 
 def main(argv=()):
@@ -30,10 +30,6 @@ def main(argv=()):
         print(f"tangguh: error: unknown demo {argv[0]!r} (try: tangguh demo, tangguh demo invoices)",
               file=sys.stderr)
         return 2
-    if not os.path.isdir(HANDLERS):
-        print(f"tangguh: error: example handlers not found at {HANDLERS}; run the demo from a source checkout "
-              "(pip install -e .)", file=sys.stderr)
-        return 1
     folder = tempfile.mkdtemp(prefix="tangguh-demo-")
     try:
         return Tour(folder).run()

@@ -17,6 +17,14 @@ class BrokerError(TangguhError):
     """The broker could not be reached or refused the call."""
 
 
+class BrokerUnusable(BrokerError):
+    """The broker URL can never work as written (bad option or port, unknown database, refused login).
+
+    At start this is a configuration error (exit 2); a server that does not
+    answer is an outage instead, waited out with the daemon running.
+    """
+
+
 class LeaseLost(TangguhError):
     """A call presented a lease token that is no longer current.
 

@@ -117,7 +117,7 @@ def database_kind(url):
         return "postgres"
     if scheme == "sqlite":
         return "sqlite"
-    raise ConfigError(f"toolkit.database_url: expected postgresql://... or sqlite:///file, got {url!r}")
+    raise ConfigError(f"toolkit.database_url: expected postgresql://... or sqlite:///file, got scheme {scheme!r}")
 
 
 class Database:

@@ -109,7 +109,7 @@ BAD = [
     ("[broker]\nretention = -1.0", "broker.retention: expected a number >= 0"),
     ("[broker]\nurl = 5", "broker.url: expected a string, got 5"),
     ("[broker]\nurl = \"ftp://x/y\"", "broker.url: unknown broker scheme 'ftp'"),
-    ("[broker]\nurl = \"just-a-file.db\"", "broker.url: broker url 'just-a-file.db' is not a URL"),
+    ("[broker]\nurl = \"just-a-file.db\"", "broker.url: broker url is not a URL"),
     ("[broker]\nurl = \"sqlite:///\"", "broker.url: 'sqlite:///' names no database file"),
     ("[broker]\nlease_seconds = 5\nheartbeat_seconds = 5",
      "broker.heartbeat_seconds: must be shorter than broker.lease_seconds (5), got 5"),
@@ -186,6 +186,7 @@ def test_unreadable_missing_and_invalid_files(tmp_path):
 
 def test_config_check(capsys, tmp_path):
     good = write(tmp_path, "[supervisor]\nworkers = 3\n")
+    (tmp_path / "handlers").mkdir()
     assert tangguh(capsys, "config", "check", "-c", good) == (0, f"ok: {good}\n", "")
     bad = write(tmp_path, "[broker]\nlease_seconds = \"abc\"\n", name="bad.toml")
     code, out, err = tangguh(capsys, "config", "check", "-c", bad)
@@ -237,7 +238,9 @@ def test_config_show_round_trips_through_tomllib(capsys, tmp_path):
 def test_config_init_writes_the_example_and_refuses_to_overwrite(capsys, tmp_path):
     target = tmp_path / "new.toml"
     code, out, _ = tangguh(capsys, "config", "init", target)
-    assert (code, out) == (0, f"wrote {target}\nmade {tmp_path / 'handlers'}/ (drop handler modules here)\n")
+    example = tmp_path / "handlers" / "examples.py"
+    assert (code, out) == (0, f"wrote {target}\nmade {tmp_path / 'handlers'}/ (drop handler modules here)\n"
+                              f"wrote {example} (example handlers: hash_chain, sleep, flaky, always_permanent)\n")
     assert (tmp_path / "handlers").is_dir()  # the folder the starter config names: `run` can start at once
     with open(EXAMPLE) as f:
         assert target.read_text() == f.read()

@@ -6,6 +6,7 @@ RELOADING/STOPPING message the real process sends. The unit-file tests run
 ``systemd-analyze`` (Debian package ``systemd``), which needs no running
 systemd.
 """
+import logging
 import os
 import re
 import shutil
@@ -360,7 +361,7 @@ def test_a_daemon_gives_its_socket_to_socket_group_and_refuses_an_unknown_group(
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT_PATH = os.path.join(ROOT, "systemd", "tangguh.service")
-SECURITY_THRESHOLD = 2.0  # systemd-analyze security's exposure, 0 (best) to 10; ours is 1.4
+SECURITY_THRESHOLD = 2.0  # systemd-analyze security's exposure, 0 (best) to 10; ours is 1.5
 VENV_TANGGUH = os.path.join(os.path.dirname(sys.executable), "tangguh")
 
 
@@ -538,3 +539,58 @@ def test_config_init_systemd_dry_run_prints_the_plan_and_touches_nothing(tmp_pat
 def test_config_init_systemd_refuses_bad_invocations(args, error):
     result = tangguh_cli(*args)
     assert result.returncode in (1, 2) and error in result.stderr, result.stderr
+
+
+def syscalls(analyze, name, seen=None):
+    """The system calls a SystemCallFilter= item names, groups expanded (systemd-analyze syscall-filter)."""
+    if not name.startswith("@"):
+        return {name}
+    seen = set() if seen is None else seen
+    if name in seen:
+        return set()
+    seen.add(name)
+    listing = subprocess.run([analyze, "syscall-filter", name], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+    out = set()
+    for line in listing.splitlines()[1:]:
+        item = line.strip()
+        if item and not item.startswith("#"):
+            out |= syscalls(analyze, item, seen)
+    return out
+
+
+def test_the_unit_lets_the_children_use_sched_batch_and_nothing_else_of_resources():
+    """systemd.exec(5): the first SystemCallFilter= line sets the kind (here an allow list);
+    later lines with ~ remove their calls from it, lines without add theirs."""
+    analyze = systemd_analyze()
+    with open(UNIT_PATH) as f:
+        lines = [v for s, k, v in unit_settings(f.read()) if (s, k) == ("Service", "SystemCallFilter")]
+    assert not lines[0].startswith("~")
+    allowed = set()
+    for value in lines:
+        names = set().union(*(syscalls(analyze, n) for n in value.lstrip("~").split()))
+        allowed = allowed - names if value.startswith("~") else allowed | names
+    resources = syscalls(analyze, "@resources")
+    assert "sched_setscheduler" in resources and "sched_setscheduler" in allowed
+    assert allowed & resources == {"sched_setscheduler"}
+    assert {"setpriority", "setrlimit", "nice", "sched_setattr"} <= resources
+
+
+def test_systemd_reads_the_filter_the_same_way(rendered_unit):
+    result = subprocess.run([systemd_analyze(), "security", "--offline=yes", "--no-pager", rendered_unit],
+                            capture_output=True, text=True, timeout=60)
+    (line,) = [line for line in result.stdout.splitlines() if "SystemCallFilter=~@resources" in line]
+    assert "sched_setscheduler is allowed" in line
+
+
+def test_a_child_says_at_debug_when_sched_batch_is_refused(monkeypatch, caplog):
+    from supervisor import child
+
+    def refuse(*_):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)  # what the seccomp filter answers
+    with caplog.at_level(logging.DEBUG, logger="tangguh.child"):
+        child.batch_scheduling()
+    assert [r.event for r in caplog.records] == ["sched_batch_refused"]
+    assert "SCHED_BATCH refused" in caplog.records[0].getMessage()

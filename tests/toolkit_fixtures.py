@@ -14,7 +14,7 @@ from supervisor import toolkit
 from supervisor.transaction import transaction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INVOICES = os.path.join(ROOT, "handlers", "invoices.py")
+INVOICES = os.path.join(ROOT, "supervisor", "data", "handlers", "invoices.py")
 
 
 def load_invoices():

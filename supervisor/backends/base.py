@@ -55,7 +55,7 @@ backend):
 """
 import abc
 import time
-import urllib.parse
+import re
 
 from ..errors import BrokerError, LeaseLost
 from ..model import Job, Lease, NewJob, QueueStats, error_info, payload_problem  # noqa: F401  (re-exported)
@@ -194,11 +194,12 @@ SCHEMES = {
 
 def scheme_of(url):
     """The broker URL's scheme, or BrokerError naming what is wrong with it."""
-    if not isinstance(url, str) or "://" not in url:
-        raise BrokerError(f"broker url {url!r} is not a URL (expected sqlite:///path, redis://..., postgresql://...)")
-    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if not isinstance(url, str) or not re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", url):
+        # Never the text itself: a mistyped URL still holds its password.
+        raise BrokerError("broker url is not a URL (expected sqlite:///path, redis://..., postgresql://...)")
+    scheme = url.partition("://")[0].lower()
     if scheme not in SCHEMES:
-        raise BrokerError(f"unknown broker scheme {scheme!r} in {url!r} (expected sqlite, redis, rediss or postgresql)")
+        raise BrokerError(f"unknown broker scheme {scheme!r} (expected sqlite, redis, rediss or postgresql)")
     return scheme
 
 

@@ -55,8 +55,9 @@ from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row, tuple_row
 from psycopg.types.json import set_json_loads
 
-from ..errors import BadInput, BrokerError, ConfigError, LeaseLost, NotDead
+from ..errors import BadInput, BrokerError, BrokerUnusable, ConfigError, LeaseLost, NotDead
 from ..model import Job, QueueStats, load_json
+from ..urls import redact
 from .base import Broker
 from .limits import Admission, active, refill
 
@@ -167,6 +168,14 @@ def _migrations(s):
     ]
 
 
+# libpq's and the server's words for a connection that can never work as configured.
+# (A server starting up, full or shutting down is an outage, and so is a host
+# that does not answer: those are waited out.)
+_UNUSABLE = re.compile(r'invalid port number|invalid connection option|invalid (integer |sslmode )?value'
+                       r'|missing "=" after|database "[^"]*" does not exist|role "[^"]*" does not exist'
+                       r'|password authentication failed|no pg_hba\.conf entry|no password supplied')
+
+
 def _quote(name):
     return '"' + name.replace('"', '""') + '"'
 
@@ -178,17 +187,17 @@ class PostgresBroker(Broker):
         self.url = url
         parts = urllib.parse.urlsplit(url)
         if parts.scheme.lower() not in ("postgresql", "postgres"):
-            raise BrokerError(f"postgres url {url!r}: expected postgresql://...")
+            raise BrokerUnusable(f"postgres url {redact(url)}: expected postgresql://...")
         options = urllib.parse.parse_qsl(url.partition("?")[2], keep_blank_values=True)
         schema = dict(options).get("schema", DEFAULT_SCHEMA)
         names = {key for key, _ in options if key != "schema"}
         unknown = names - _LIBPQ_PARAMS
         if unknown:
-            raise BrokerError(f"postgres url {_redact(url)}: unknown option(s) {', '.join(sorted(set(unknown)))}"
-                              " (tangguh knows schema=; the rest must be libpq connection parameters)")
+            raise BrokerUnusable(f"postgres url {redact(url)}: unknown option(s) {', '.join(sorted(set(unknown)))}"
+                                 " (tangguh knows schema=; the rest must be libpq connection parameters)")
         if not _SCHEMA_NAME.match(schema):
-            raise BrokerError(f"postgres url {_redact(url)}: schema {schema!r} must be a plain identifier"
-                              " (letters, digits, underscore; at most 63 characters)")
+            raise BrokerUnusable(f"postgres url {redact(url)}: schema {schema!r} must be a plain identifier"
+                                 " (letters, digits, underscore; at most 63 characters)")
         defaults = {"connect_timeout": "10", "fallback_application_name": "tangguh"}
         if not names & {"keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count"}:
             # Notice a silently dropped TCP connection (the idle LISTEN one above all) within ~a minute.
@@ -197,7 +206,7 @@ class PostgresBroker(Broker):
         try:
             self.conninfo, _ = libpq_conninfo(url, ("schema",), **defaults)
         except psycopg.Error:
-            raise BrokerError(f"postgres url {_redact(url)}: not a connection URL libpq can read") from None
+            raise BrokerUnusable(f"postgres url {redact(url)}: not a connection URL libpq can read") from None
         self.channel = f"tangguh_{schema}"[:63]
         s = _quote(schema)
         self._s = s
@@ -308,7 +317,8 @@ class PostgresBroker(Broker):
             raise BrokerError(f"postgres broker schema {self.schema!r} is missing or outdated"
                               f" (run `tangguh db migrate`): {exc}") from exc
         except psycopg.Error as exc:
-            raise BrokerError(f"postgres broker ({_redact(self.url)}): {what} failed: {exc}") from exc
+            kind = BrokerUnusable if _UNUSABLE.search(str(exc)) else BrokerError
+            raise kind(f"postgres broker ({redact(self.url)}): {what} failed: {exc}") from exc
 
     def _execute(self, query, params=None, row_factory=tuple_row):
         with self._guard("query"):
@@ -421,7 +431,7 @@ class PostgresBroker(Broker):
             self._listener = None
             with contextlib.suppress(psycopg.Error):
                 listener.close()
-            raise BrokerError(f"postgres broker ({_redact(self.url)}): listening connection lost: {exc}") from exc
+            raise BrokerError(f"postgres broker ({redact(self.url)}): listening connection lost: {exc}") from exc
 
     # -- producing --------------------------------------------------------
     def enqueue(self, job, conn=None):
@@ -734,11 +744,3 @@ def libpq_conninfo(url, own=(), **defaults):
         (mine if key in own else params)[key] = value
     return make_conninfo(base, **params), mine
 
-
-def _redact(url):
-    """The URL without its password, for messages."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))

@@ -74,8 +74,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
-from ..errors import BadInput, BrokerError, LeaseLost, NotDead
+from ..errors import BadInput, BrokerError, BrokerUnusable, LeaseLost, NotDead
 from ..model import Job, QueueStats, check_queue, load_json
+from ..urls import redact
 from .base import Broker
 from .limits import active
 
@@ -110,10 +111,18 @@ def _guard(method):
         try:
             return method(self, *args, **kwargs)
         except RedisError as exc:
+            if _unusable(exc):
+                raise BrokerUnusable(f"redis broker {self.where} refused the URL's settings: {exc}") from None
             kind = "unreachable" if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) else "error"
             raise BrokerError(f"redis broker {self.where} {kind}: {exc}") from None
 
     return guarded
+
+
+def _unusable(exc):
+    """Whether the server's answer says the URL can never work (a login it refuses, no such db number)."""
+    return (isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError))
+            or (isinstance(exc, redis.ResponseError) and "DB index is out of range" in str(exc)))
 
 
 def _load_lua():
@@ -136,24 +145,24 @@ class RedisBroker(Broker):
         self.url = url
         parts = urllib.parse.urlsplit(url)
         if parts.scheme.lower() not in ("redis", "rediss"):
-            raise BrokerError(f"redis url {_safe(url)!r}: scheme must be redis:// or rediss://")
+            raise BrokerUnusable(f"redis url {redact(url)!r}: scheme must be redis:// or rediss://")
         options = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
         ours = {k: v for k, v in options if k in ("prefix", "done_ttl")}
         unknown = sorted({k for k, _ in options if k not in REDIS_OPTIONS and k not in ours})
         if unknown:
-            raise BrokerError(f"redis url {_safe(url)!r}: unknown option(s) {', '.join(unknown)}")
+            raise BrokerUnusable(f"redis url {redact(url)!r}: unknown option(s) {', '.join(unknown)}")
         self.prefix = ours.get("prefix", DEFAULT_PREFIX)
         if not self.prefix or "{" in self.prefix or "}" in self.prefix:
-            raise BrokerError(f"redis url {_safe(url)!r}: prefix must be non-empty and without braces")
+            raise BrokerUnusable(f"redis url {redact(url)!r}: prefix must be non-empty and without braces")
         try:
             self.done_ttl = int(ours.get("done_ttl", DEFAULT_DONE_TTL))
             if self.done_ttl < 1:
                 raise ValueError
         except ValueError:
-            raise BrokerError(f"redis url {_safe(url)!r}: done_ttl must be a positive number of seconds") from None
+            raise BrokerUnusable(f"redis url {redact(url)!r}: done_ttl must be a positive number of seconds") from None
         rest = urllib.parse.urlencode([(k, v) for k, v in options if k in REDIS_OPTIONS])
-        self.where = f"{parts.hostname or 'localhost'}:{parts.port or 6379}"
         try:
+            self.where = f"{parts.hostname or 'localhost'}:{parts.port or 6379}"
             self.r = redis.Redis.from_url(
                 urllib.parse.urlunsplit(parts._replace(query=rest)),
                 decode_responses=True,
@@ -164,7 +173,7 @@ class RedisBroker(Broker):
                 retry=Retry(NoBackoff(), 1),
             )
         except (ValueError, TypeError, RedisError) as exc:
-            raise BrokerError(f"redis url {_safe(url)!r}: {exc}") from None
+            raise BrokerUnusable(f"redis url {redact(url)!r}: {exc}") from None
         if RedisBroker._lua is None:
             RedisBroker._lua = _load_lua()
         self.scripts = {name: self.r.register_script(src) for name, src in RedisBroker._lua.items()}
@@ -252,6 +261,7 @@ class RedisBroker(Broker):
         """Nothing to create; loads the scripts, which also proves the server is there."""
         self._load_scripts()
 
+    @_guard
     @_guard
     def now(self):
         mono = time.monotonic()
@@ -585,15 +595,6 @@ def _check_script_reply(reply):
     if reply[0] == "conflict":
         raise BadInput(f"cannot replay {reply[1]}: its idempotency key is held by an unfinished job")
     return reply
-
-
-def _safe(url):
-    """The URL without its password, for messages."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(":" + parts.password + "@", ":***@")
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-    return url
 
 
 def _job(fields):

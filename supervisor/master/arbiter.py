@@ -29,13 +29,14 @@ import sys
 import time
 
 from .. import child, config, logs, protocol, registry, scheduler, toolkit
-from ..errors import BrokerError, ConfigError, TangguhError
+from ..errors import BrokerError, BrokerUnusable, ConfigError, TangguhError
 from ..health import AlreadyRunning, HealthServer
 from ..heartbeat import Heartbeat
 from ..metrics import SAMPLE_SECONDS, HttpExporter, Metrics
 from ..protocol import KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT, UNKNOWN_TYPE
 from ..retry import next_delay
 from ..sdnotify import Notifier
+from ..urls import redact
 from . import verdict
 from .brokerlink import BrokerLink
 from .dispatch import Dispatcher
@@ -135,11 +136,17 @@ class Arbiter:
         self.locks = MasterLocks(self.cfg.toolkit.redis_url) if self.cfg.toolkit.redis_url else None
         self.heartbeat.locks = self.locks
         try:
-            self.link.call(lambda br: br)
+            # One round trip (Redis connects lazily): a URL the server refuses shows now.
+            self.link.call(lambda br: br.now())
         except ConfigError:
             self.health.close()
             raise
-        except BrokerError:
+        except BrokerError as exc:
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(cause, BrokerUnusable):
+                # Waiting cannot fix a bad option, port, database or login: exit 2, no restart loop.
+                self.health.close()
+                raise ConfigError("broker.url: " + " ".join(str(cause).split())) from None
             if self.cfg.broker.url.startswith("sqlite:"):
                 self.health.close()
                 raise  # a local file we cannot open is a setup error, not an outage
@@ -422,18 +429,7 @@ class Arbiter:
 
     @property
     def broker_shown(self):
-        return _redact(self.cfg.broker.url)
-
-
-def _redact(url):
-    """Hide a password in a broker URL shown to operators."""
-    import urllib.parse
-
-    parts = urllib.parse.urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-    return url
+        return redact(self.cfg.broker.url)
 
 
 def run(config_path=None):
@@ -445,6 +441,7 @@ def run(config_path=None):
         return EXIT_CONFIG
     logs.setup(cfg.log.level, cfg.log.format)
     try:
+        config.check_host(cfg)
         handlers = registry.load_handlers(cfg.supervisor.handlers, generation=1)
     except ConfigError as exc:
         print(f"tangguh: error: {exc}", file=sys.stderr)

@@ -9,7 +9,7 @@ import time
 
 import setproctitle
 
-from .. import logs
+from .. import __version__, logs
 from ..model import ACK, DEAD, RETRY
 from ..protocol import TIMEOUT
 
@@ -156,6 +156,7 @@ class Status:
         m = self.master
         return {
             "ok": True, "pid": m.pid, "started_at": m.started_at, "generation": m.generation,
+            "version": __version__,
             "config": m.cfg.path, "broker": m.broker_shown, "reload_error": m.reload_error,
             "stopping": m.stopping, "broker_down": m.link.down,
             "target_workers": m.pool.target, "prefetched": len(m.dispatcher.prefetched),

@@ -1,6 +1,13 @@
 """Example handlers: one of each kind the supervisor must cope with.
 
-Loaded by path from the handlers folder; ``tangguh demo`` and the tests use them.
+``tangguh config init`` puts this file in a new handlers folder, so the README's
+walk-through (``tangguh enqueue hash_chain --payload '{"rounds": 100000}'``) runs
+at once; ``tangguh demo`` uses it too. A handler is a function ``fn(ctx, payload)``
+marked with ``@supervisor.job("type")``; what it returns is stored as the job's
+result, what it raises decides a retry (``Transient``, any exception) or the dead
+letters (``Permanent``). Every ``*.py`` here is loaded by path: add your own
+modules beside this one (and delete it when you no longer want the examples),
+then ``systemctl reload tangguh`` (SIGHUP) to load them.
 """
 import hashlib
 import os
