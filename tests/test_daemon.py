@@ -123,6 +123,27 @@ def test_poison_job_is_retried_with_growing_delays_then_dead_lettered(daemon):
     daemon.assert_clean()
 
 
+def test_retry_delays_are_jittered_and_capped_in_the_stored_run_at(tmp_path):
+    """Jitter on (the default is 0.5): each retry's run_at, as the broker stores it, lies in
+    [cap * (1 - jitter), cap] after the failed attempt ended, and the delays are not all equal."""
+    d = Daemon(tmp_path, jobs={"backoff_base": 100.0, "backoff_cap": 30.0, "jitter": 0.5})
+    try:
+        d.start()
+        ids = d.broker.enqueue_many([_new("poison", {}, max_attempts=2) for _ in range(8)])
+        jobs = [d.wait_job(job_id, states=("retrying",)) for job_id in ids]
+        delays = [j.run_at - j.history[-1]["ended_at"] for j in jobs]
+        # run_at is now + delay at the write and ended_at is the broker's clock in the same
+        # write: they differ by the delay plus at most the write's round trip.
+        assert all(15.0 - 0.5 <= delay <= 30.0 + 0.5 for delay in delays), delays
+        assert len({round(delay, 2) for delay in delays}) >= 2, delays
+        assert all(j.attempt == 1 and j.history[-1]["outcome"] == "retry" for j in jobs)
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
 def test_permanent_failure_is_dead_after_one_attempt(daemon):
     daemon.start()
     marker = daemon.marker("m")
@@ -137,14 +158,15 @@ def test_sigterm_lets_the_running_job_finish_and_exits_zero(daemon):
     daemon.start()
     marker, release = daemon.marker("m"), daemon.marker("release")
     job_id = daemon.enqueue("hold", {"marker": marker, "release": release})
-    queued = daemon.enqueue("noop", delay=0)  # waits behind; must be left queued, not lost
     wait_for(lambda: read_lines(marker), message="job to start")
     daemon.signal(signal.SIGTERM)
     wait_for(lambda: daemon.status()["stopping"] == "graceful", message="graceful stop to begin")
+    queued = daemon.enqueue("noop")  # due while stopping, with an idle child: must be left queued, untouched
     open(release, "w").close()
     assert daemon.wait_exit() == 0
     assert daemon.job(job_id).state == "done"
-    assert daemon.job(queued).state in ("done", "queued")
+    left = daemon.job(queued)
+    assert (left.state, left.attempt, left.history) == ("queued", 0, [])
     assert "graceful timeout passed" not in daemon.logs()  # it exited because the job ended
     daemon.assert_clean()
 
