@@ -20,6 +20,7 @@ def pair(tmp_path, broker_url):
     sups = [Daemon(tmp_path / name, broker_url=broker_url, broker={"lease_seconds": LEASE, "heartbeat_seconds": 0.2})
             for name in ("a", "b")]
     yield sups
+    open(tmp_path / "release", "w").close()  # a failed test must not leave the job holding the stop
     for d in sups:
         d.stop()
 
