@@ -90,8 +90,9 @@ def test_claim_leases_with_fresh_token_and_history(broker):
     assert job.lease_until > broker.now()
     assert [h["attempt"] for h in job.history] == [1] and job.history[0]["owner"] == "host:1"
     assert broker.claim(Q, 5, 30, "w2") == []  # leased jobs are not handed out twice
-    stored = broker.get(job_id)
-    assert (stored.state, stored.token, stored.attempt) == ("running", job.token, 1)
+    stored = broker.get(job_id)  # what the broker keeps, not only what claim returned
+    assert (stored.state, stored.token, stored.attempt, stored.owner) == ("running", job.token, 1, "host:1")
+    assert stored.lease_until == pytest.approx(job.lease_until, abs=0.001) and stored.history == job.history
 
 
 def test_claim_oldest_first_and_respects_n(broker):
