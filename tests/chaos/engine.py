@@ -387,7 +387,8 @@ class Soak:
             if owed:
                 owed.append(kind)
                 kind = owed.popleft()
-            if not self.fire(kind) and len(owed) < 10:
+            # A full queue drops repeats, never a kind that has not landed yet this run.
+            if not self.fire(kind) and (len(owed) < 10 or not self.landed(kind)):
                 owed.appendleft(kind)
         # A kind still owed found no target in any of its slots (a supervisor was down each
         # time, no child was busy): it gets more tries after the window, so that every run
@@ -400,6 +401,9 @@ class Soak:
                 owed.append(kind)
         self.wait_until(self.t0 + self.s.duration)
         self.run_pending(float("inf"))  # every stopped process resumed, every server back
+
+    def landed(self, kind):
+        return all(self.faults[k] for k in (("hup_good", "hup_broken") if kind == "hup" else (kind,)))
 
     def fire(self, kind):
         """Inject one fault of ``kind``; False when it found no target."""
@@ -417,9 +421,10 @@ class Soak:
         return [s for s in self.sups if s.state == "up"]
 
     def hittable(self, sups):
-        """The supervisors a supervisor fault may hit: none with a stopped child, whose
-        attempt must end by its hard timeout or by its own return (see check_faults)."""
-        return [s for s in sups if s not in self.stalled.values()]
+        """The supervisors a supervisor fault should hit: one without a stopped child when there
+        is one (that child's attempt must end by its hard timeout or its own return, to show its
+        lease kept: see check_faults), any otherwise, so no fault kind waits for a stall to end."""
+        return [s for s in sups if s not in self.stalled.values()] or sups
 
     def busy_child(self):
         """A (supervisor, worker) running a job right now, chosen by the seeded RNG; None if none is.
@@ -449,7 +454,7 @@ class Soak:
 
     def fault_kill_supervisor(self):
         live = self.up()
-        if len(live) < len(self.sups) or not self.hittable(live):
+        if len(live) < len(self.sups) or not live:
             return None  # one supervisor down at a time keeps the queue flowing
         sup = self.rng_faults.choice(self.hittable(live))
         sup.status()  # the last counters this incarnation shows
@@ -463,7 +468,7 @@ class Soak:
     def fault_term_supervisor(self):
         """A graceful restart: SIGTERM (prefetched jobs released, running ones finish), then start again."""
         live = [s for s in self.up() if s.status()]  # a master past its start (handlers installed)
-        if len(live) < len(self.sups) or not self.hittable(live):
+        if len(live) < len(self.sups) or not live:
             return None
         sup = self.rng_faults.choice(self.hittable(live))
         os.kill(sup.life.pid, signal.SIGTERM)
