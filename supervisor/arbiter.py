@@ -937,6 +937,9 @@ class Arbiter:
             if write.next_at > now:
                 self.writes.append(write)
                 continue
+            # Stop renewing before the write: a renewal racing a stored outcome would find
+            # the job finished and report its lease lost.
+            self.heartbeat.drop(write.job.id)
             try:
                 self.call(lambda br: self.apply(br, write), write.op)
             except LeaseLost:
@@ -946,12 +949,13 @@ class Arbiter:
                 continue
             else:
                 self.stored(write)
-            self.heartbeat.drop(write.job.id)
         if acks:
             self.flush_acks(acks, now)
 
     def flush_acks(self, acks, now):
         """Every due ack in one ``ack_many``: one round trip (one commit on SQLite) per loop turn."""
+        for write in acks:
+            self.heartbeat.drop(write.job.id)  # before the write, as in flush_writes
         try:
             lost = self.call(lambda br: br.ack_many([(w.job.lease, *w.args) for w in acks]), "ack")
         except BrokerError as exc:
@@ -964,7 +968,6 @@ class Arbiter:
                 self.write_lost(write)
             else:
                 self.stored(write)
-            self.heartbeat.drop(write.job.id)
 
     def write_failed(self, write, exc, now):
         """Retry an outcome write with backoff, and stop renewing its lease.
