@@ -122,8 +122,9 @@ def test_claim_leases_with_fresh_token_and_history(broker):
     assert job.lease_until > broker.now()
     assert [h["attempt"] for h in job.history] == [1] and job.history[0]["owner"] == "host:1"
     assert broker.claim(Q, 5, 30, "w2") == []  # leased jobs are not handed out twice
-    stored = broker.get(job_id)
-    assert (stored.state, stored.token, stored.attempt) == ("running", job.token, 1)
+    stored = broker.get(job_id)  # what the broker keeps, not only what claim returned
+    assert (stored.state, stored.token, stored.attempt, stored.owner) == ("running", job.token, 1, "host:1")
+    assert stored.lease_until == pytest.approx(job.lease_until, abs=0.001) and stored.history == job.history
 
 
 def test_claim_oldest_first_and_respects_n(broker):
@@ -147,6 +148,17 @@ def test_claim_higher_priority_first_within_a_queue(broker):
     b = broker.enqueue(new(priority=5))
     c = broker.enqueue(new(priority=0))
     assert [j.id for j in broker.claim(Q, 3, 30, "w")] == [b, a, c]
+
+
+def test_a_claim_of_fewer_than_ready_takes_the_highest_priorities(broker):
+    """The broker picks the jobs (not a re-sort of what it returned): 3 of 10 ready, mixed priorities."""
+    priorities = [0, 3, -1, 7, 0, 3, 9, 1, 0, 7]
+    ids = [broker.enqueue(new(priority=p, payload={"i": i})) for i, p in enumerate(priorities)]
+    got = broker.claim(Q, 3, 30, "w")
+    assert [j.id for j in got] == [ids[6], ids[3], ids[9]]  # 9, then the two 7s oldest first
+    leased = {i for i in ids if broker.get(i).state == "running"}
+    assert leased == {ids[6], ids[3], ids[9]}
+    assert [j.id for j in broker.claim(Q, 2, 30, "w")] == [ids[1], ids[5]]
 
 
 def test_delayed_job_is_not_claimed_before_due(broker):
@@ -204,6 +216,64 @@ def test_extend_keeps_a_lease_alive_and_reports_lost_ones(broker):
     broker.ack(ja.lease)
     broker.ack(jb.lease)
     assert {broker.get(a).state, broker.get(b).state} == {"done"}
+
+
+def stolen(broker, lease=0.2, **kw):
+    """A job claimed by owner "slow", its lease expired and reclaimed by "fast": (slow's job, fast's job)."""
+    job_id = broker.enqueue(new(**kw))
+    first = claim_one(broker, lease=lease, owner="slow")
+    wait_past(broker, first.lease_until)
+    second = claim_one(broker, owner="fast")
+    assert (second.id, second.owner) == (job_id, "fast") and second.token > first.token
+    return first, second
+
+
+def snapshot(broker, job_id):
+    """What the broker stores about a job, read back from the broker."""
+    j = broker.get(job_id)
+    return (j.state, j.token, j.attempt, j.owner, j.lease_until, j.run_at, j.result, j.error, j.reason,
+            j.finished_at, j.history)
+
+
+@pytest.mark.parametrize("write", ["ack", "ack_many", "retry", "dead", "release"])
+def test_a_live_stale_lease_is_refused_on_every_write(broker, write):
+    """The slow owner's late outcome meets a job that runs again under a new token: it must change nothing."""
+    first, second = stolen(broker)
+    before = snapshot(broker, second.id)
+    assert before[:4] == ("running", second.token, 2, "fast")
+    if write == "ack_many":
+        assert broker.ack_many([(first.lease, {"late": True}, {"pid": 1})]) == [first.lease]
+    else:
+        call = {"ack": lambda: broker.ack(first.lease, {"late": True}),
+                "retry": lambda: broker.retry(first.lease, broker.now() + 60, error_info("exception")),
+                "dead": lambda: broker.dead(first.lease, "permanent", error_info("permanent")),
+                "release": lambda: broker.release(first.lease)}[write]
+        with pytest.raises(LeaseLost):
+            call()
+    assert snapshot(broker, second.id) == before
+    assert broker.extend([second.lease], 30) == []  # the new owner's lease is untouched and current
+    assert broker.ack_many([(second.lease, {"on_time": True}, {"pid": 2})]) == []
+    done = broker.get(second.id)
+    assert (done.state, done.result, done.token) == ("done", {"on_time": True}, second.token)
+    assert [h.get("outcome") for h in done.history] == ["lease_expired", "done"]
+    assert [h["owner"] for h in done.history] == ["slow", "fast"] and done.history[-1]["pid"] == 2
+
+
+def test_ack_many_with_live_stale_and_current_leases_stores_only_the_current(broker):
+    stale = [stolen(broker, payload={"s": i}) for i in range(2)]
+    ids = [broker.enqueue(new(payload={"c": i})) for i in range(2)]
+    current = broker.claim(Q, 2, 30, "fast")
+    assert sorted(j.id for j in current) == sorted(ids)
+    before = {second.id: snapshot(broker, second.id) for _, second in stale}
+    batch = [(stale[0][0].lease, {"late": 0}, None), (current[0].lease, {"r": 0}, {"pid": 10}),
+             (stale[1][0].lease, {"late": 1}, None), (current[1].lease, {"r": 1}, {"pid": 11})]
+    assert broker.ack_many(batch) == [stale[0][0].lease, stale[1][0].lease]
+    for job_id, snap in before.items():
+        assert snapshot(broker, job_id) == snap  # still running under the new owner, no late result
+    for i, job in enumerate(current):
+        stored = broker.get(job.id)
+        assert (stored.state, stored.result, stored.history[-1]["pid"]) == ("done", {"r": i}, 10 + i)
+    assert broker.stats(Q)["default"].done == 2 and broker.stats(Q)["default"].in_flight == 2
 
 
 def test_ack_stores_result_and_closes_history(broker):
@@ -309,9 +379,11 @@ def test_stats_counts_every_state(broker):
     assert (d.ready, d.scheduled, d.in_flight, d.dead, d.done) == (0, 1, 1, 1, 1)
     assert s["other"].ready == 1 and s["empty"].ready == 0
     assert running.state == "running"
-    wait_past(broker, broker.get(broker.enqueue(new(queue="other"))).queued_at + 0.2)
-    assert s["other"].oldest_ready_age >= 0
-    assert broker.stats(["other"])["other"].oldest_ready_age >= 0.2
+    ready_at = broker.get(broker.enqueue(new(queue="ready"))).run_at
+    wait_past(broker, ready_at + 0.3)
+    age = broker.stats(["ready"])["ready"].oldest_ready_age
+    assert 0.3 <= age < broker.now() - ready_at + 0.01
+    assert broker.stats(["empty"])["empty"].oldest_ready_age == 0
 
 
 def test_prune_deletes_only_old_done_jobs(broker):

@@ -21,6 +21,8 @@ from supervisor.client import Client
 from supervisor.errors import BadInput, BrokerError
 from supervisor.model import NewJob, error_info
 
+from .util import wait_for
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -209,7 +211,7 @@ def test_job_not_found_is_exit_1_one_line(capsys, cfg_path, broker):
 
 
 def test_enqueue_delay_queue_and_type_defaults_show_in_stats(capsys, cfg_path, broker):
-    enqueue(capsys, cfg_path, "email", "{}")
+    ready = enqueue(capsys, cfg_path, "email", "{}")
     enqueue(capsys, cfg_path, "email", "{}", "--delay", "3600")
     report = enqueue(capsys, cfg_path, "report", "{}")
     assert (broker.get(report).queue, broker.get(report).max_attempts) == ("bulk", 2)
@@ -220,10 +222,13 @@ def test_enqueue_delay_queue_and_type_defaults_show_in_stats(capsys, cfg_path, b
     assert lines[0].split() == ["QUEUE", "READY", "SCHEDULED", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY"]
     assert lines[1].split()[:6] == ["default", "1", "1", "0", "1", "0"]
     assert lines[2].split()[:6] == ["bulk", "1", "0", "0", "0", "0"]
+    ready_at = broker.get(ready).run_at
+    wait_for(lambda: broker.now() > ready_at + 0.3, message="the ready job to wait 0.3 s")
     code, out, _ = tangguh(capsys, "stats", "--json", "-c", cfg_path)
     data = json.loads(out)
     assert data["default"]["ready"] == 1 and data["default"]["scheduled"] == 1 and data["default"]["dead"] == 1
-    assert data["bulk"]["ready"] == 1 and data["default"]["oldest_ready_age"] >= 0
+    assert data["bulk"]["ready"] == 1
+    assert 0.3 <= data["default"]["oldest_ready_age"] < broker.now() - ready_at + 0.01
 
 
 # -- the error contract: one line, the right exit code, nothing written ------------------

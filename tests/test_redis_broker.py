@@ -1,5 +1,7 @@
 """Redis-specific behaviour of the Redis broker (the contract is in test_broker_conformance)."""
+import os
 import select
+import stat
 import urllib.parse
 
 import pytest
@@ -45,7 +47,7 @@ def readable(fd):
 
 def test_wakeup_fd_turns_readable_after_an_enqueue_elsewhere(rb, redis_url):
     fd = rb.wakeup_fd()
-    assert isinstance(fd, int) and fd >= 0
+    assert stat.S_ISSOCK(os.fstat(fd).st_mode)  # an open socket: the pub/sub connection
     wait_for(lambda: readable(fd), timeout=5, message="subscribe confirmation")
     rb.drain_wakeups()
     assert not readable(fd)
@@ -217,6 +219,9 @@ def test_text_round_trips_exactly(rb):
     assert (job.type, job.payload, job.resource_id, job.idempotency_key, job.trace_id, job.owner) == (
         name, {odd: [odd, 1.5, 2**60, None, True]}, name, name, name, odd)
     assert job.history[0]["owner"] == odd
+    stored = rb.get(job_id)  # what the broker keeps, not only what claim returned
+    assert (stored.type, stored.payload, stored.resource_id, stored.idempotency_key, stored.trace_id, stored.owner,
+            stored.history[0]["owner"]) == (odd, {odd: [odd, 1.5, 2**60, None, True]}, odd, odd, odd, odd, odd)
     rb.ack(job.lease, {odd: odd}, {odd: odd})
     done = rb.get(job_id)
     assert done.result == {odd: odd} and done.history[0][odd] == odd and done.history[0]["owner"] == odd

@@ -113,6 +113,9 @@ class OutcomeWriter:
             if write.next_at > now:
                 self.writes.append(write)
                 continue
+            # Stop renewing before the write: a renewal racing a stored outcome would find
+            # the job finished and report its lease lost.
+            self.stop_renewing(write.job)
             try:
                 self.link.call(write.apply, write.op)
             except LeaseLost:
@@ -122,12 +125,13 @@ class OutcomeWriter:
                 continue
             else:
                 self.stored(write)
-            self.stop_renewing(write.job)
         if acks:
             self.flush_acks(acks, now)
 
     def flush_acks(self, acks, now):
         """Every due ack in one ``ack_many``: one round trip (one commit on SQLite) per loop turn."""
+        for write in acks:
+            self.stop_renewing(write.job)  # before the write, as in flush
         try:
             lost = self.link.call(lambda br: br.ack_many([(w.job.lease, w.result, w.info) for w in acks]), ACK)
         except BrokerError as exc:
@@ -140,7 +144,6 @@ class OutcomeWriter:
                 self.lost(write)
             else:
                 self.stored(write)
-            self.stop_renewing(write.job)
 
     def failed(self, write, exc, now):
         """Retry an outcome write with backoff, and stop renewing its lease.

@@ -34,6 +34,15 @@ local file comes to being unreachable); SIGSTOP a child for longer than the
 lease (and sometimes longer than the hard timeout) then SIGCONT; SIGSTOP a
 whole supervisor for longer than the lease, so its leases expire, another
 supervisor re-runs its jobs and its late results meet the fencing tokens.
+
+Besides the invariants, the checker proves from the broker's history that each
+fault kind that fired did what it is for (a killed child's attempt recorded
+crashed, a stopped child's lease kept past ``lease_seconds``, a stopped
+supervisor's leases taken over and noticed, no attempt started during an
+outage...), and it explains every lost lease: a survivor's ``lease_lost`` is at
+least the number of its attempts the broker took over, and non-zero only when a
+stall or an outage hit it. Counter checks take their slack from the broker's
+history (attempts taken over), never from the daemon's own ``lease_lost``.
 """
 import collections
 import dataclasses
@@ -69,6 +78,7 @@ OWED_GRACE_SECONDS = 15.0  # extra tries, after the window, for a fault kind tha
 LOCK_TTL = 2.0  # the master renews it with the job's lease; only a stopped master lets it lapse
 ACCOUNTS = 16
 QUEUE = "default"
+LONG_JOBS = ("chaos.slow", "chaos.cpu", "chaos.locked")
 # A non-poison job may die only when injected faults used up its attempts.
 FAULT_REASONS = ("crashed", "lease_expired", "timeout")
 SHARED_POSTGRES = os.environ.get("TANGGUH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -106,6 +116,7 @@ class Incarnation:
         self.fate = "survived"  # or "killed", "terminated"
         self.final = None  # status at quiescence (survivors only)
         self.exit_code = None
+        self.hits = collections.Counter()  # the faults that hit this life (what may explain its lost leases)
 
 
 class Sup:
@@ -161,6 +172,14 @@ class Soak:
         self.hups = 0
         self.graceful_failures = []  # (supervisor, pid, exit code) of graceful restarts that did not exit 0
         self.outage = False
+        # What each fault hit, for the checker to prove it did what it is for.
+        self.child_kills = []  # (pid, job id)
+        self.child_stalls = []  # (pid, job id, seconds)
+        self.sup_stalls = []  # (Incarnation, job ids its busy children ran, seconds)
+        self.outages = []  # (start, end) wall-clock seconds: the broker could not be written meanwhile
+        self.outage_start = None
+        self.stalled = {}  # pid of a stopped child -> its supervisor: no other fault may end its attempt
+        self.hup_good_unconfirmed = 0
 
     # -- set-up ------------------------------------------------------------------------
     def setup(self):
@@ -368,7 +387,8 @@ class Soak:
             if owed:
                 owed.append(kind)
                 kind = owed.popleft()
-            if not self.fire(kind) and len(owed) < 10:
+            # A full queue drops repeats, never a kind that has not landed yet this run.
+            if not self.fire(kind) and (len(owed) < 10 or not self.landed(kind)):
                 owed.appendleft(kind)
         # A kind still owed found no target in any of its slots (a supervisor was down each
         # time, no child was busy): it gets more tries after the window, so that every run
@@ -381,6 +401,9 @@ class Soak:
                 owed.append(kind)
         self.wait_until(self.t0 + self.s.duration)
         self.run_pending(float("inf"))  # every stopped process resumed, every server back
+
+    def landed(self, kind):
+        return all(self.faults[k] for k in (("hup_good", "hup_broken") if kind == "hup" else (kind,)))
 
     def fire(self, kind):
         """Inject one fault of ``kind``; False when it found no target."""
@@ -397,14 +420,25 @@ class Soak:
     def up(self):
         return [s for s in self.sups if s.state == "up"]
 
+    def hittable(self, sups):
+        """The supervisors a supervisor fault should hit: one without a stopped child when there
+        is one (that child's attempt must end by its hard timeout or its own return, to show its
+        lease kept: see check_faults), any otherwise, so no fault kind waits for a stall to end."""
+        return [s for s in sups if s not in self.stalled.values()] or sups
+
     def busy_child(self):
-        """A (supervisor, worker) running a job right now, chosen by the seeded RNG; None if none is."""
+        """A (supervisor, worker) running a job right now, chosen by the seeded RNG; None if none is.
+
+        A long job first when one runs: a quick one may end before the signal lands,
+        and the fault would then prove nothing.
+        """
         busy = []
         for sup in self.up():
             st = sup.status()
             if st:
-                busy += [(sup, w) for w in st["workers"] if w["state"] == "busy"]
-        return self.rng_faults.choice(busy) if busy else None
+                busy += [(sup, w) for w in st["workers"] if w["state"] == "busy" and w["pid"] not in self.stalled]
+        long = [(sup, w) for sup, w in busy if w["job_type"] in LONG_JOBS]
+        return self.rng_faults.choice(long or busy) if busy else None
 
     def fault_kill_child(self):
         picked = self.busy_child()
@@ -415,15 +449,17 @@ class Soak:
             os.kill(w["pid"], signal.SIGKILL)
         except ProcessLookupError:
             return None
+        self.child_kills.append((w["pid"], w["job_id"]))
         return f"s{sup.index} worker {w['slot']} pid {w['pid']} ({w['job_type']})"
 
     def fault_kill_supervisor(self):
         live = self.up()
         if len(live) < len(self.sups) or not live:
             return None  # one supervisor down at a time keeps the queue flowing
-        sup = self.rng_faults.choice(live)
+        sup = self.rng_faults.choice(self.hittable(live))
         sup.status()  # the last counters this incarnation shows
         os.kill(sup.life.pid, signal.SIGKILL)
+        sup.life.hits["kill_supervisor"] += 1
         sup.daemon.proc.wait(10)
         sup.life.killed, sup.life.fate, sup.state = True, "killed", "down"
         self.later(self.rng_faults.uniform(0.2, 1.5), self.restart_supervisor, sup)
@@ -432,9 +468,9 @@ class Soak:
     def fault_term_supervisor(self):
         """A graceful restart: SIGTERM (prefetched jobs released, running ones finish), then start again."""
         live = [s for s in self.up() if s.status()]  # a master past its start (handlers installed)
-        if len(live) < len(self.sups):
+        if len(live) < len(self.sups) or not live:
             return None
-        sup = self.rng_faults.choice(live)
+        sup = self.rng_faults.choice(self.hittable(live))
         os.kill(sup.life.pid, signal.SIGTERM)
         sup.life.killed, sup.life.fate, sup.state = True, "terminated", "down"
         self.later(0.1, self.await_exit, sup, time.monotonic() + 30)
@@ -468,8 +504,16 @@ class Soak:
             cfg = json.loads(json.dumps(d.config))
             cfg["supervisor"]["workers"] = self.s.workers + sup.hup_good % 2
             d.write_config(cfg)
+            generation = sup.life.last["generation"]
             os.kill(sup.life.pid, signal.SIGHUP)
-            return f"hup_good s{sup.index} workers={cfg['supervisor']['workers']}"
+            try:
+                wait_for(lambda: (st := sup.status()) and st["generation"] > generation, timeout=5,
+                         message="a new generation after a good reload")
+                seen = "new generation seen"
+            except AssertionError:
+                seen = "new generation NOT seen"
+                self.hup_good_unconfirmed += 1
+            return f"hup_good s{sup.index} workers={cfg['supervisor']['workers']}, {seen}"
         sup.hup_broken += 1
         current = sup.life.last["target_workers"]
         broken_handler = (self.hups // 2) % 2 == 0  # a bad config value and a bad handler file, in turn
@@ -505,6 +549,7 @@ class Soak:
             lock = sqlite3.connect(self.broker_url[len("sqlite:///"):], timeout=30, isolation_level=None)
             lock.execute("BEGIN EXCLUSIVE")
             self.broker_lock = lock
+            self.outage_began()
             self.later(down, self.end_outage)
             return f"sqlite write lock held {down}s"
         if self.outage:
@@ -514,10 +559,18 @@ class Soak:
         else:
             self.server.stop("immediate")
         self.outage = True
+        self.outage_began()
         self.later(down, self.end_outage)
         return f"{self.s.broker} server down {down}s"
 
+    def outage_began(self):
+        self.outage_start = time.time()
+        for sup in self.sups:
+            if sup.state != "down":
+                sup.life.hits["broker_outage"] += 1
+
     def end_outage(self):
+        self.outages.append((self.outage_start, time.time()))
         if self.s.broker == "sqlite":
             self.broker_lock.execute("ROLLBACK")
             self.broker_lock.close()
@@ -539,24 +592,42 @@ class Soak:
             proc.suspend()
         except psutil.Error:
             return None
+        st = sup.status()
+        if not st or not any((x["pid"], x["job_id"]) == (w["pid"], w["job_id"]) for x in st["workers"]):
+            proc.resume()  # the job ended before the stop landed: a stall of an idle child proves nothing
+            return None
+        self.stalled[w["pid"]] = sup
+        self.child_stalls.append((w["pid"], w["job_id"], stall))
         self.later(stall, self.resume, proc)
         return f"s{sup.index} worker pid {w['pid']} stopped {stall}s"
 
     def resume(self, proc):
+        self.stalled.pop(proc.pid, None)
         try:
             proc.resume()  # psutil checks the pid still names the same process
         except psutil.Error:
             pass
 
     def fault_stall_supervisor(self):
+        """SIGSTOP a master that holds leases (a child busy): they expire, another supervisor runs the
+        jobs again, and the late outcomes of the stopped one must meet the fencing tokens."""
         live = self.up()
         if len(live) < len(self.sups) or not live:
             return None
-        sup = self.rng_faults.choice(live)
+        holding = []
+        for sup in self.hittable(live):
+            st = sup.status()
+            busy = [w["job_id"] for w in st["workers"] if w["state"] == "busy"] if st else []
+            if busy:
+                holding.append((sup, busy))
+        if not holding:
+            return None
+        sup, busy = self.rng_faults.choice(holding)
         stall = round(self.rng_faults.uniform(self.s.lease_seconds * 1.5, self.s.lease_seconds * 3), 2)
-        sup.status()
         os.kill(sup.life.pid, signal.SIGSTOP)
         sup.state = "stopped"
+        sup.life.hits["stall_supervisor"] += 1
+        self.sup_stalls.append((sup.life, busy, stall))
         self.later(stall, self.resume_supervisor, sup)
         return f"s{sup.index} pid {sup.life.pid} stopped {stall}s"
 
@@ -740,7 +811,9 @@ class Soak:
 
         # Counters. They live in the master's memory: a SIGKILLed incarnation's are
         # gone (its last status read is a lower bound), a survivor's are exact,
-        # except that an outcome whose write met LeaseLost is counted but not stored.
+        # except that an outcome whose write met LeaseLost is counted but not stored:
+        # that attempt shows in the broker as closed "lease_expired" under its owner,
+        # so the broker's history, not the daemon's own lease_lost, bounds the gap.
         by_owner = collections.defaultdict(collections.Counter)
         for j in jobs.values():
             for h in j.history if j else ():
@@ -754,37 +827,53 @@ class Soak:
                     heard = h.get("outcome") == "done" or (h.get("outcome") in ("retry", "dead")
                                                            and reason not in ("crashed", "timeout"))
                     owner["dup_heard" if heard else "dup_maybe"] += 1
-        counter_rows, counter_bad = [], []
+        counter_rows, counter_bad, lost_bad = [], [], []
         for sup in self.sups:
             for life in sup.lives:
                 seen = by_owner.get(life.owner, collections.Counter())
+                taken = seen["lease_expired"]  # this life's attempts whose lease the broker gave to another claim
                 st = life.final if not life.killed else life.last
                 if st is None:
-                    counter_rows.append((f"s{sup.index}", life.pid, "no status", dict(seen)))
+                    if life.fate == "killed":
+                        # SIGKILLed before it ever answered: no counters to compare, and every
+                        # attempt it began was taken over (checked: no leased job left).
+                        counter_rows.append((f"s{sup.index}", life.pid, "killed before its first status", dict(seen)))
+                    else:
+                        counter_rows.append((f"s{sup.index}", life.pid, f"{life.fate}, NO STATUS", dict(seen)))
+                        counter_bad.append((f"s{sup.index}", life.pid, life.fate, "no status at quiescence"))
                     continue
                 c = st["counters"]
-                slack = c["lease_lost"]
                 row = (f"s{sup.index}", life.pid, life.fate,
                        {k: c.get(k) for k in ("succeeded", "retried", "dead", "crashed", "timeouts", "lease_lost",
                                               "duplicates_suppressed")},
-                       {k: seen[k] for k in ("done", "retry", "dead", "dup_heard", "dup_maybe")})
+                       {k: seen[k] for k in ("done", "retry", "dead", "lease_expired", "dup_heard", "dup_maybe")},
+                       dict(life.hits))
                 counter_rows.append(row)
                 if not life.killed:
                     dup = c.get("duplicates_suppressed", 0)
-                    if not seen["dup_heard"] <= dup <= seen["dup_heard"] + seen["dup_maybe"] + slack:
+                    if not seen["dup_heard"] <= dup <= seen["dup_heard"] + seen["dup_maybe"] + taken:
                         counter_bad.append((row[0], life.pid, "duplicates_suppressed", dup, "suppressed runs",
                                             (seen["dup_heard"], seen["dup_maybe"])))
                     pairs = (("succeeded", "done"), ("retried", "retry"), ("dead", "dead"))
                     for counter, outcome in pairs:
-                        if not seen[outcome] <= c[counter] <= seen[outcome] + slack:
+                        if not seen[outcome] <= c[counter] <= seen[outcome] + taken:
                             counter_bad.append((row[0], life.pid, counter, c[counter], outcome, seen[outcome]))
+                    # Every lease the broker took away from a live master is noticed (heartbeat or a
+                    # refused write), and a master loses leases only to a fault that stops its renewals.
+                    if c["lease_lost"] < taken:
+                        lost_bad.append((row[0], life.pid, "lease_lost", c["lease_lost"], "taken over", taken))
+                    if c["lease_lost"] and not (life.hits["stall_supervisor"] or life.hits["broker_outage"]):
+                        lost_bad.append((row[0], life.pid, "lease_lost", c["lease_lost"], "faults", dict(life.hits)))
                 else:
                     pend = st.get("pending_writes", 0)
-                    if seen["done"] < c["succeeded"] - pend - slack:
+                    if seen["done"] < c["succeeded"] - pend - taken:
                         counter_bad.append((row[0], life.pid, "succeeded(last seen)", c["succeeded"], "done",
                                             seen["done"]))
-        check("daemon counters agree with the broker's history (survivors exact, ended lives: lower bound)",
-              not counter_bad, f"{counter_bad[:5]}")
+        check("daemon counters agree with the broker's history (survivors exact, ended lives: lower bound); "
+              "every incarnation's status accounted for", not counter_bad, f"{counter_bad[:5]}")
+        check("lost leases explained: each one the broker took over was noticed, and only stalls and outages "
+              "cause them", not lost_bad, f"{lost_bad[:5]}")
+        self.check_faults(check, jobs, fx)
         check("every broken reload was refused and shown in status (reload_error)", self.hup_unconfirmed == 0,
               f"{self.hup_unconfirmed} broken reloads without a reload_error")
         owners = {life.owner for sup in self.sups for life in sup.lives}
@@ -792,6 +881,7 @@ class Soak:
         check("every attempt in the broker belongs to an incarnation of this soak", not foreign, f"{foreign}")
 
         report = {
+            "stale_leases_taken_over": self.stale_taken,
             "broker": s.broker, "jobs": s.jobs, "seed": s.seed, "supervisors": s.supervisors, "workers": s.workers,
             "lease_seconds": s.lease_seconds, "inject_seconds": s.duration, "fault_interval": s.fault_interval,
             "faults": dict(sorted(self.faults.items())), "faults_total": sum(self.faults.values()),
@@ -803,6 +893,55 @@ class Soak:
             "fault_log": self.fault_log,
         }
         return report
+
+
+    def check_faults(self, check, jobs, fx):
+        """Each fault kind that fired did what it is for, shown by the broker's history."""
+        by_id = {j.id: j for j in jobs.values() if j}
+        attempts = [(j, h) for j in by_id.values() for h in j.history]
+        faults, lease = self.faults, self.s.lease_seconds
+
+        def entry(job_id, pid):
+            j = by_id.get(job_id)
+            return next((h for h in (j.history if j else ()) if h.get("pid") == pid), None)
+
+        if faults["kill_child"]:
+            crashed = [e for pid, job_id in self.child_kills if (e := entry(job_id, pid))
+                       and (e.get("error") or {}).get("reason") == "crashed"]
+            check("a SIGKILLed child's job was recorded crashed (and ran again)", crashed,
+                  f"{len(self.child_kills)} kills, none landed mid-job")
+        if faults["stall_child"]:
+            kept = [e for pid, job_id, _ in self.child_stalls if (e := entry(job_id, pid)) and "ended_at" in e
+                    and e.get("outcome") != "lease_expired" and e["ended_at"] - e["started_at"] > lease]
+            check("a stopped child kept its lease past lease_seconds (renewed by its master)", kept,
+                  f"{len(self.child_stalls)} stalls, none outlived the lease while keeping it")
+        self.stale_taken = 0
+        if faults["stall_supervisor"]:
+            per_stall = []
+            for life, job_ids, _ in self.sup_stalls:
+                n = sum(1 for job_id in job_ids for h in (by_id[job_id].history if job_id in by_id else ())
+                        if h.get("owner") == life.owner and h.get("outcome") == "lease_expired")
+                per_stall.append(n)
+            self.stale_taken = sum(per_stall)
+            # The survivors' lease_lost >= their taken-over attempts is checked with the counters:
+            # the late outcome of each was refused (or dropped once the heartbeat saw the loss).
+            check("a supervisor stall outlived its lease: its leases were taken over and its late writes refused",
+                  self.stale_taken > 0, f"stalls {len(self.sup_stalls)}, leases taken over per stall {per_stall}")
+        if faults["kill_supervisor"] or faults["term_supervisor"]:
+            unrestarted = [(f"s{sup.index}", life.pid) for sup in self.sups for i, life in enumerate(sup.lives)
+                           if life.killed and not any(later.last for later in sup.lives[i + 1:])]
+            check("every supervisor killed or stopped came back and answered", not unrestarted, f"{unrestarted}")
+        if faults["hup_good"]:
+            check("every good reload started a new generation", self.hup_good_unconfirmed == 0,
+                  f"{self.hup_good_unconfirmed} good reloads without a new generation")
+        if faults["broker_outage"]:
+            during = [(j.id, h["started_at"]) for j, h in attempts for start, end in self.outages
+                      if start < h["started_at"] < end]
+            check("the broker outages were real: no attempt started while the broker was down or locked",
+                  self.outages and not during, f"windows {len(self.outages)}, started inside {during[:5]}")
+        if fx["fenced"]:
+            check("lock-fenced writes refused only when a stall or an outage stopped lock renewal",
+                  faults["stall_supervisor"] or faults["broker_outage"], f"{fx['fenced']} refused")
 
 
 class Effects:
@@ -896,6 +1035,7 @@ def format_report(r):
         + f" (dead: poison {r['dead_poison']}, attempts used up by faults {r['dead_exhausted_by_faults']})",
         f"runs: started {r['starts']}, executions committed {r['executions']}, effects {r['effects']}, "
         f"duplicates suppressed {r['suppressed']}, fenced writes refused {r['fenced_writes_refused']}, "
+        f"leases taken over from stalled supervisors {r['stale_leases_taken_over']}, "
         f"locks held at rest {r['locks_held_at_rest']}",
         "counters (supervisor, pid, fate, counters, broker history by owner):",
     ]

@@ -50,4 +50,5 @@ def test_chaos_soak(broker, tmp_path):
     kinds = {"kill_child", "kill_supervisor", "term_supervisor", "hup_good", "hup_broken", "broker_outage",
              "stall_child", "stall_supervisor"}
     missing = kinds - set(report["faults"])
-    assert not missing, f"faults that never landed: {sorted(missing)} (seed {seed})\n{text}"
+    log = "\n".join(f"  {t:6.2f} {kind} {detail}" for t, kind, detail in report["fault_log"])
+    assert not missing, f"faults that never landed: {sorted(missing)} (seed {seed})\n{text}\nfault log:\n{log}"

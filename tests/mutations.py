@@ -1,0 +1,226 @@
+"""The mutation check: does the suite catch a broken guarantee?
+
+``python -m tests.mutations`` copies the repository to a scratch folder and,
+one at a time, breaks one guarantee with a small textual edit (an anchor that
+must match exactly once: when the code moves, the check fails loudly instead of
+testing nothing), then runs the tests written to catch it against the scratch
+copy (``PYTHONPATH`` points there; the first run checks that ``supervisor`` is
+imported from it, and the daemon subprocesses inherit it). A mutation that no
+test fails is a guarantee without a test: the exit status is then 1.
+
+Options: ``--list`` prints the mutations; ``--only NAME`` (repeatable) runs
+those; ``--baseline`` first runs each selection without its mutation, which
+must pass (a failure there means the catch would prove nothing).
+
+Service tests need the Redis and PostgreSQL servers of ``tests/conftest.py``;
+a skipped test is never counted as a catch (``TANGGUH_REQUIRE_SERVICES`` is
+unset in the runs, so a missing server shows as a survivor, not as a failure).
+"""
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFORMANCE = "tests/test_broker_conformance.py"
+NOT_FENCED = "WHERE id = :id AND state = 'running'"  # the SQLite fence without its token
+
+
+@dataclasses.dataclass
+class Mutation:
+    name: str
+    path: str  # relative to the repository
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple  # pytest arguments (files, -k)
+    breaks: str  # the guarantee it breaks
+
+
+MUTATIONS = [
+    # The four the suite used to miss.
+    Mutation("sqlite-ack-many-fencing", "supervisor/backends/sqlite.py",
+             'f" {_CLOSE_ENTRY} WHERE {_LEASED}",', f'f" {{_CLOSE_ENTRY}} {NOT_FENCED}",',
+             (CONFORMANCE, "-k", "sqlite and (stale or ack_many)"), "ack_many refuses a stale lease (SQLite)"),
+    Mutation("redis-ack-many-fencing", "supervisor/backends/redis_lua/ack_many.lua",
+             "  if is_leased(key, token) then", "  if redis.call('HGET', key, 'state') == 'running' then",
+             (CONFORMANCE, "-k", "redis and (stale or ack_many)"), "ack_many refuses a stale lease (Redis)"),
+    Mutation("postgres-ack-many-fencing", "supervisor/backends/postgres.py",
+             '" WHERE j.id = a.id AND j.token = a.token AND j.state = \'running\'"',
+             '" WHERE j.id = a.id AND j.state = \'running\'"',
+             (CONFORMANCE, "-k", "postgres and (stale or ack_many)"), "ack_many refuses a stale lease (PostgreSQL)"),
+    Mutation("lease-renewal-off", "supervisor/heartbeat.py",
+             "lost = self.broker.extend(leases, self.lease_seconds)",
+             # Still finds lost leases, never extends one.
+             "lost = [x for x in leases if (lambda j: j is None or (j.state, j.token) != ('running', x.token))"
+             "(self.broker.get(x.job_id))]",
+             ("tests/test_leases.py", "-k", "sqlite"), "the heartbeat renews the leases of running jobs"),
+    Mutation("next-delay-no-jitter", "supervisor/retry.py",
+             "return delay * (1.0 - float(jitter) * rng())", "return delay",
+             ("tests/test_retry.py",), "retry delays are spread by jitter"),
+    Mutation("sqlite-claim-no-priority", "supervisor/backends/sqlite.py",
+             "ORDER BY priority DESC, run_at, id LIMIT :limit)", "ORDER BY run_at, id LIMIT :limit)",
+             (CONFORMANCE, "-k", "sqlite and priorit"), "the broker claims the highest priorities first"),
+    # The ones the suite caught already: kept so that it goes on catching them.
+    Mutation("redis-ack-fencing", "supervisor/backends/redis_lua/ack.lua",
+             "if not is_leased(key, token) then return 0 end",
+             "if redis.call('HGET', key, 'state') ~= 'running' then return 0 end",
+             (CONFORMANCE, "-k", "redis and (stale or reclaimed)"), "ack refuses a stale lease"),
+    Mutation("redis-retry-fencing", "supervisor/backends/redis_lua/retry.lua",
+             "if not is_leased(key, token) then return 0 end",
+             "if redis.call('HGET', key, 'state') ~= 'running' then return 0 end",
+             (CONFORMANCE, "-k", "redis and (stale or reclaimed)"), "retry refuses a stale lease"),
+    Mutation("redis-dead-fencing", "supervisor/backends/redis_lua/dead.lua",
+             "if not is_leased(key, token) then return 0 end",
+             "if redis.call('HGET', key, 'state') ~= 'running' then return 0 end",
+             (CONFORMANCE, "-k", "redis and (stale or reclaimed)"), "dead refuses a stale lease"),
+    Mutation("sqlite-release-fencing", "supervisor/backends/sqlite.py",
+             "history = json_remove(history, '$[#-1]') WHERE \" + _LEASED,",
+             f"history = json_remove(history, '$[#-1]') {NOT_FENCED}\",",
+             (CONFORMANCE, "-k", "sqlite and (stale or reclaimed)"), "release refuses a stale lease"),
+    Mutation("postgres-single-write-fencing", "supervisor/backends/postgres.py",
+             "leased = \"WHERE id = %(id)s AND token = %(token)s AND state = 'running'\"",
+             "leased = \"WHERE id = %(id)s AND state = 'running'\"",
+             (CONFORMANCE, "-k", "postgres and (stale or reclaimed)"), "ack/retry/dead/release refuse a stale lease"),
+    Mutation("lease-reclaim-off", "supervisor/backends/sqlite.py",
+             "WHERE state = 'running' AND lease_until < ?\", (now,)",
+             "WHERE state = 'running' AND lease_until < ? AND 0\", (now,)",
+             (CONFORMANCE, "-k", "sqlite and reclaimed"), "an expired lease is reclaimed"),
+    Mutation("dead-letter-off", "supervisor/master/verdict.py",
+             "if kind in DEAD_AT_ONCE or attempt >= max_attempts:",
+             "if kind in DEAD_AT_ONCE:",
+             ("tests/test_daemon.py", "-k", "poison"), "a job out of attempts is dead-lettered"),
+    Mutation("crash-not-rerun", "supervisor/master/verdict.py",
+             'return failure(attempt, max_attempts, CRASHED, "WorkerCrashed", f"child died mid-job ({ending.exit_how})", backoff)',
+             "return Outcome(ACK)",
+             ("tests/test_daemon.py", "-k", "child_killed_mid_job"), "a job whose child died runs again"),
+    Mutation("graceful-stop-kills", "supervisor/master/arbiter.py",
+             'self.begin_stop("graceful")\n        self.stop_deadline = time.monotonic() + self.cfg.supervisor.graceful_timeout\n'
+             "        self.pool.retire_all()",
+             'self.begin_stop("graceful")\n        self.stop_deadline = time.monotonic() + self.cfg.supervisor.graceful_timeout\n'
+             "        self.pool.kill_all(KILLED_SHUTDOWN)",
+             ("tests/test_daemon.py", "-k", "sigterm_lets"), "SIGTERM lets running jobs finish"),
+    Mutation("hard-timeout-off", "supervisor/master/pool.py",
+             "if c.job is None or c.deadline is None or now < c.deadline:", "if True:",
+             ("tests/test_daemon.py", "-k", "hard_timeout"), "a job over its hard timeout is killed"),
+    Mutation("idempotency-off", "supervisor/idempotency.py",
+             'elif row["status"] == "done":', "elif False:",
+             ("tests/test_toolkit.py", "-k", "idempotency_on_sqlite"), "a done idempotency key suppresses the effect"),
+    Mutation("backoff-flat", "supervisor/retry.py",
+             "float(base) * (2.0 ** min(tries - 1, MAX_EXPONENT))", "float(base)",
+             ("tests/test_retry.py", "tests/test_daemon.py", "-k", "delay or poison"),
+             "retry delays grow with the attempt"),
+]
+
+
+def copy_repo(dest):
+    skip = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", "*.pyc")
+    shutil.copytree(ROOT, dest, ignore=skip)
+
+
+def scratch_env(scratch):
+    env = dict(os.environ, PYTHONPATH=scratch, PYTHONDONTWRITEBYTECODE="1")
+    env.pop("TANGGUH_REQUIRE_SERVICES", None)
+    return env
+
+
+def check_import(scratch):
+    out = subprocess.run([sys.executable, "-c", "import supervisor; print(supervisor.__file__)"], cwd=scratch,
+                         env=scratch_env(scratch), capture_output=True, text=True, check=True)
+    where = os.path.realpath(out.stdout.strip())
+    if not where.startswith(os.path.realpath(scratch) + os.sep):
+        raise SystemExit(f"mutations: the scratch run imports supervisor from {where}, not from {scratch}")
+
+
+def apply(scratch, m):
+    """Write the mutated file; return its original text. Raises LookupError when the anchor moved."""
+    path = os.path.join(scratch, m.path)
+    with open(path) as f:
+        text = f.read()
+    found = text.count(m.old)
+    if found != 1:
+        raise LookupError(f"anchor found {found} times in {m.path} (expected once): {m.old!r}")
+    with open(path, "w") as f:
+        f.write(text.replace(m.old, m.new))
+    return text
+
+
+def run_tests(scratch, m):
+    """(pytest exit code, its summary line)."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *m.tests]
+    out = subprocess.run(cmd, cwd=scratch, env=scratch_env(scratch), capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    summary = next((line.strip("= ") for line in reversed(lines) if re.search(r"\d+ (passed|failed|error|skipped|"
+                                                                            r"deselected)", line)), "no summary")
+    return out.returncode, summary
+
+
+def check(scratch, m, baseline):
+    """One row of the table: (verdict, summary, seconds)."""
+    t0 = time.monotonic()
+    if baseline:
+        code, summary = run_tests(scratch, m)
+        if code != 0:
+            return "BASELINE FAILS", summary, time.monotonic() - t0
+    try:
+        original = apply(scratch, m)
+    except LookupError as exc:
+        return "ANCHOR MISSING", str(exc), time.monotonic() - t0
+    try:
+        code, summary = run_tests(scratch, m)
+    finally:
+        with open(os.path.join(scratch, m.path), "w") as f:
+            f.write(original)
+    if code == 1:
+        verdict = "caught"
+    elif code == 0:
+        verdict = "SURVIVED"
+    else:
+        verdict = f"ERROR (pytest exit {code})"  # collection error, no test selected...
+    return verdict, summary, time.monotonic() - t0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m tests.mutations", description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="print the mutations and exit")
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only this mutation (repeatable)")
+    parser.add_argument("--baseline", action="store_true", help="first check each selection passes unmutated")
+    args = parser.parse_args(argv)
+    chosen = MUTATIONS
+    if args.only:
+        names = {m.name for m in MUTATIONS}
+        unknown = [n for n in args.only if n not in names]
+        if unknown:
+            print(f"mutations: unknown mutation {', '.join(unknown)} (see --list)", file=sys.stderr)
+            return 2
+        chosen = [m for m in MUTATIONS if m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:32} {m.path:46} {' '.join(m.tests)}\n{'':32} breaks: {m.breaks}")
+        return 0
+    scratch = tempfile.mkdtemp(prefix="tangguh-mutations-")
+    t0 = time.monotonic()
+    rows = []
+    try:
+        copy_repo(os.path.join(scratch, "repo"))
+        scratch = os.path.join(scratch, "repo")
+        check_import(scratch)
+        for m in chosen:
+            verdict, summary, seconds = check(scratch, m, args.baseline)
+            rows.append((m.name, " ".join(m.tests), verdict, summary, seconds))
+            print(f"{m.name:32} {verdict:14} {seconds:6.1f}s  {' '.join(m.tests)}  [{summary}]", flush=True)
+    finally:
+        shutil.rmtree(os.path.dirname(scratch), ignore_errors=True)
+    bad = [r for r in rows if r[2] != "caught"]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutations caught in {time.monotonic() - t0:.0f}s")
+    for name, tests, verdict, summary, _ in bad:
+        print(f"  {verdict}: {name} ({tests}): {summary}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
