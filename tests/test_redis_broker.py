@@ -221,7 +221,7 @@ def test_text_round_trips_exactly(rb):
     assert job.history[0]["owner"] == odd
     stored = rb.get(job_id)  # what the broker keeps, not only what claim returned
     assert (stored.type, stored.payload, stored.resource_id, stored.idempotency_key, stored.trace_id, stored.owner,
-            stored.history[0]["owner"]) == (odd, {odd: [odd, 1.5, 2**60, None, True]}, odd, odd, odd, odd, odd)
+            stored.history[0]["owner"]) == (name, {odd: [odd, 1.5, 2**60, None, True]}, name, name, name, odd, odd)
     rb.ack(job.lease, {odd: odd}, {odd: odd})
     done = rb.get(job_id)
     assert done.result == {odd: odd} and done.history[0][odd] == odd and done.history[0]["owner"] == odd
