@@ -4,8 +4,8 @@
 read what is ready (signals via a self-pipe, child pipes, the health socket,
 the broker's wake-up fd), then in order handle signals, reap children, act on
 lost leases, kill overdue children, write outcomes to the broker, bring the
-pool to size, claim work and hand it out, enqueue due schedules, keep house
-and report. Nothing blocks except broker calls, and those are bounded by the
+pool to size, claim work and hand it out, run the periodic chores (schedules,
+pruning, queue samples) and report. Nothing blocks except broker calls, and those are bounded by the
 broker's own timeouts. docs/design.md draws the parts and the rules.
 
 This is the only module of ``supervisor.master`` that knows the others:
@@ -16,19 +16,18 @@ This is the only module of ``supervisor.master`` that knows the others:
 * ``outcomes``: storing those verdicts in the broker;
 * ``brokerlink``: the main loop's broker connection and outage state;
 * ``status``: counters, status JSON, systemd, the process title;
+* ``periodic``: schedules, pruning, queue samples;
 * ``locks``: the children's Redis locks, from the master's side.
 """
 import collections
 import logging
 import os
-import random
 import selectors
 import signal
 import socket
-import sys
 import time
 
-from .. import child, config, logs, protocol, registry, scheduler, toolkit
+from .. import child, config, logs, protocol, registry, toolkit
 from ..errors import BrokerError, BrokerUnusable, ConfigError, TangguhError
 from ..health import AlreadyRunning, HealthServer
 from ..heartbeat import Heartbeat
@@ -42,6 +41,7 @@ from .brokerlink import BrokerLink
 from .dispatch import Dispatcher
 from .locks import MasterLocks
 from .outcomes import OutcomeWriter, attempt_info
+from .periodic import Periodic
 from .pool import Pool
 from .status import Status
 
@@ -64,13 +64,9 @@ class Arbiter:
         self.stopping = None  # None, "graceful", "fast"
         self.stop_deadline = None
         self.exit_code = EXIT_OK
-        self.next_prune_at = time.monotonic() + 60
-        self.queue_stats = {}  # the last broker.stats() sample: {queue: QueueStats}
-        self.next_sample_at = 0.0
         self.selector = selectors.DefaultSelector()
         self.signals = collections.deque()
         self.exporter = None  # HTTP /metrics, when [metrics] listen is set
-        self.plan_scheduling()
         b = cfg.broker
         self.metrics = Metrics(self)
         self.status = Status(self, self.metrics, Notifier())
@@ -82,11 +78,12 @@ class Arbiter:
         self.pool = Pool(cfg.supervisor, self.selector, self.heartbeat, run_child=self.run_child,
                          on_reply=self.on_reply, on_lock=self.on_lock, on_exit=self.on_child_exit,
                          on_boot_failed=self.on_boot_failed, count=count)
-        self.dispatcher = Dispatcher(cfg, handlers, self.limits, self.owner, self.link, self.pool,
+        self.dispatcher = Dispatcher(cfg, handlers, self.owner, self.link, self.pool,
                                      hold=self.heartbeat.hold, settings_for=self.settings_for,
                                      on_claimed=self.status.claimed, on_unknown=self.on_unknown_type)
         self.writer = OutcomeWriter(self.link, unhold=self.heartbeat.drop, on_stored=self.status.stored,
                                     on_lost=lambda job: count("lease_lost"))
+        self.periodic = Periodic(cfg, handlers, self.link, self.metrics, SAMPLE_SECONDS)
 
     # -- life -------------------------------------------------------------------------
     def run(self):
@@ -106,8 +103,7 @@ class Arbiter:
             self.writer.flush()
             self.pool.manage()
             self.claim_and_dispatch()
-            self.run_schedules()
-            self.housekeeping()
+            self.run_periodic()
             self.status.report()
         self.shutdown()
         return self.exit_code
@@ -172,9 +168,7 @@ class Arbiter:
         instants.extend(self.pool.deadlines())
         if self.stopping is None:
             # A WatchdogSec= under 2 s must not expire while we sleep: the ping is in the list.
-            instants += [self.dispatcher.due_at(), self.pool.spawn_due_at()]
-            if self.scheduler.schedules:
-                instants.append(self.schedule_at)
+            instants += [self.dispatcher.due_at(), self.pool.spawn_due_at(), self.periodic.due_at()]
         return max(0.0, min(i for i in instants if i is not None) - now)
 
     def shutdown(self):
@@ -283,10 +277,10 @@ class Arbiter:
                       extra={"event": "reload_failed", "generation": self.generation})
             return
         self.cfg, self.handlers = cfg, handlers
-        self.plan_scheduling()
         self.generation += 1
         self.reload_error = None
-        self.dispatcher.configure(cfg, handlers, self.limits)
+        self.dispatcher.configure(cfg, handlers)
+        self.periodic.configure(cfg, handlers)
         self.pool.cfg, self.pool.generation, self.pool.target = cfg.supervisor, self.generation, cfg.supervisor.workers
         self.heartbeat.lease_seconds = cfg.broker.lease_seconds
         self.heartbeat.interval = cfg.broker.heartbeat_seconds
@@ -372,6 +366,9 @@ class Arbiter:
         self.dispatcher.claim()
         self.dispatcher.dispatch()
 
+    def run_periodic(self):
+        self.periodic.run(schedules=self.stopping is None)  # a stopping master enqueues nothing new
+
     def on_broker_wakeup(self):
         self.dispatcher.wake()
 
@@ -389,69 +386,7 @@ class Arbiter:
                             extra=logs.job_fields(c.job, event="lease_lost", slot=c.slot, pid=c.pid))
                 self.pool.kill(c, KILLED_LEASE_LOST)
 
-    # -- periodic work ------------------------------------------------------------------------
-    def plan_scheduling(self):
-        """The claim limits and periodic jobs of the current config and handlers."""
-        self.limits = registry.type_limits(self.cfg, self.handlers) or None
-        self.scheduler = scheduler.from_config(self.cfg, self.handlers)
-        self.schedule_at = 0.0  # monotonic instant of the next check
-
-    def run_schedules(self):
-        if self.stopping is not None or not self.scheduler.schedules or time.monotonic() < self.schedule_at:
-            return
-
-        def check(br):
-            self.scheduler.tick(br)
-            return br.now()
-
-        try:
-            now = self.link.call(check, "schedule")
-        except BrokerError:
-            self.schedule_at = time.monotonic() + 1.0  # what was not enqueued stays due
-            return
-        self.schedule_at = time.monotonic() + max(0.0, self.scheduler.due_at() - now)
-
-    def housekeeping(self):
-        now = time.monotonic()
-        if now >= self.next_prune_at and self.cfg.broker.retention > 0 and not self.link.down:
-            self.next_prune_at = now + 300 * random.uniform(0.9, 1.1)
-            try:
-                self.link.call(lambda br: br.prune(self.cfg.broker.retention), "prune")
-            except BrokerError:
-                pass
-        if now >= self.next_sample_at and not self.link.down:
-            self.next_sample_at = now + SAMPLE_SECONDS
-            try:
-                self.queue_stats = self.link.call(lambda br: br.stats(self.cfg.broker.queues), "stats")
-            except BrokerError:
-                return
-            self.metrics.sample_queues(self.queue_stats)
-
     @property
     def broker_shown(self):
         return redact(self.cfg.broker.url)
 
-
-def run(config_path=None):
-    """``tangguh run``: load everything, then supervise until stopped. Returns the exit code."""
-    try:
-        cfg = config.load(config_path)
-    except ConfigError as exc:
-        print(f"tangguh: error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    logs.setup(cfg.log.level, cfg.log.format)
-    try:
-        config.check_host(cfg)
-        handlers = registry.load_handlers(cfg.supervisor.handlers, generation=1)
-    except ConfigError as exc:
-        print(f"tangguh: error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    arbiter = Arbiter(cfg, handlers)
-    try:
-        return arbiter.run()
-    except ConfigError as exc:  # found only at start (supervisor.socket_group): exit 2, no restart loop
-        print(f"tangguh: error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    except BrokerError as exc:
-        print(f"tangguh: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR

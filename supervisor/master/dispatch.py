@@ -11,7 +11,7 @@ import collections
 import logging
 import time
 
-from .. import logs
+from .. import logs, registry
 from ..errors import BrokerError
 from ..retry import backoff
 
@@ -23,8 +23,8 @@ class Dispatcher:
     counts and logs a claim; ``on_unknown(job, settings)`` a job no handler takes;
     ``settings_for(job)`` the rules to claim it under."""
 
-    def __init__(self, cfg, handlers, limits, owner, link, pool, hold, settings_for, on_claimed, on_unknown):
-        self.configure(cfg, handlers, limits)
+    def __init__(self, cfg, handlers, owner, link, pool, hold, settings_for, on_claimed, on_unknown):
+        self.configure(cfg, handlers)
         self.owner = owner  # "host:pid", stored with every lease this supervisor takes
         self.link, self.pool = link, pool
         self.hold, self.settings_for = hold, settings_for
@@ -34,9 +34,10 @@ class Dispatcher:
         self.empty_claims = 0  # empty claims in a row: the idle backoff
         self.empty_polls = 0  # empty claims since start, for status
 
-    def configure(self, cfg, handlers, limits):
+    def configure(self, cfg, handlers):
         """The config, handlers and claim limits of the current generation."""
-        self.cfg, self.handlers, self.limits = cfg, handlers, limits
+        self.cfg, self.handlers = cfg, handlers
+        self.limits = registry.type_limits(cfg, handlers) or None  # enforced by the broker at claim
 
     def capacity(self):
         prefetch = self.cfg.broker.prefetch

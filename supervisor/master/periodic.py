@@ -1,0 +1,73 @@
+"""The main loop's timed chores: due schedules, pruning old jobs, sampling queue gauges.
+
+Each chore keeps its own next instant; the loop calls ``run()`` every turn and
+``due_at()`` tells it when a schedule next needs it. Nothing here blocks
+beyond one bounded broker call, and a failed call just waits for its next turn.
+"""
+import random
+import time
+
+from .. import scheduler
+from ..errors import BrokerError
+
+PRUNE_SECONDS = 300  # how often finished jobs past the retention are deleted (jittered: many supervisors)
+
+
+class Periodic:
+    def __init__(self, cfg, handlers, link, metrics, sample_seconds):
+        self.link, self.metrics, self.sample_seconds = link, metrics, sample_seconds
+        self.configure(cfg, handlers)
+        self.next_prune_at = time.monotonic() + 60
+        self.next_sample_at = 0.0
+        self.queue_stats = {}  # the last broker.stats() sample: {queue: QueueStats}
+
+    def configure(self, cfg, handlers):
+        """The periodic jobs of the current config and handlers."""
+        self.cfg = cfg
+        self.scheduler = scheduler.from_config(cfg, handlers)
+        self.schedule_at = 0.0  # monotonic instant of the next check
+
+    def due_at(self):
+        return self.schedule_at if self.scheduler.schedules else None
+
+    def run(self, schedules=True):
+        if schedules:
+            self.run_schedules()
+        self.prune()
+        self.sample()
+
+    def run_schedules(self):
+        if not self.scheduler.schedules or time.monotonic() < self.schedule_at:
+            return
+
+        def check(br):
+            self.scheduler.tick(br)
+            return br.now()
+
+        try:
+            now = self.link.call(check, "schedule")
+        except BrokerError:
+            self.schedule_at = time.monotonic() + 1.0  # what was not enqueued stays due
+            return
+        self.schedule_at = time.monotonic() + max(0.0, self.scheduler.due_at() - now)
+
+    def prune(self):
+        now = time.monotonic()
+        if now < self.next_prune_at or self.cfg.broker.retention <= 0 or self.link.down:
+            return
+        self.next_prune_at = now + PRUNE_SECONDS * random.uniform(0.9, 1.1)
+        try:
+            self.link.call(lambda br: br.prune(self.cfg.broker.retention), "prune")
+        except BrokerError:
+            pass
+
+    def sample(self):
+        now = time.monotonic()
+        if now < self.next_sample_at or self.link.down:
+            return
+        self.next_sample_at = now + self.sample_seconds
+        try:
+            self.queue_stats = self.link.call(lambda br: br.stats(self.cfg.broker.queues), "stats")
+        except BrokerError:
+            return
+        self.metrics.sample_queues(self.queue_stats)
