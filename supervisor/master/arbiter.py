@@ -5,8 +5,9 @@ read what is ready (signals via a self-pipe, child pipes, the health socket,
 the broker's wake-up fd), then in order handle signals, reap children, act on
 lost leases, kill overdue children, write outcomes to the broker, bring the
 pool to size, claim work and hand it out, run the periodic chores (schedules,
-pruning, queue samples) and report. Nothing blocks except broker calls, and those are bounded by the
-broker's own timeouts. docs/design.md draws the parts and the rules.
+pruning, queue samples) and report. Nothing blocks except broker calls, and
+those are bounded by the broker's own timeouts. docs/design.md draws the parts
+and the rules.
 
 This is the only module of ``supervisor.master`` that knows the others:
 
