@@ -1,4 +1,5 @@
 """A real ``tangguh run`` in a subprocess, driven only through files, the socket and signals."""
+import json
 import os
 import shutil
 import signal
@@ -106,6 +107,18 @@ class Daemon:
     def logs(self):
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")
+
+    def records(self, **match):
+        """The daemon's JSON log records whose fields equal ``match`` (other lines, e.g. tracebacks, skipped)."""
+        out = []
+        for line in self.logs().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and all(record.get(k) == v for k, v in match.items()):
+                out.append(record)
+        return out
 
     # -- processes ----------------------------------------------------------------------
     def group(self):

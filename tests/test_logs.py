@@ -52,7 +52,6 @@ def test_no_prefix_when_stderr_is_not_the_journal(tmp_path):
 
 def test_one_job_can_be_followed_from_enqueue_to_ack(tmp_path, caplog):
     """The producer's record, then the supervisor's: every one carries the same ids."""
-    import json as _json
 
     from supervisor.client import Client
 
@@ -75,14 +74,7 @@ def test_one_job_can_be_followed_from_enqueue_to_ack(tmp_path, caplog):
 
         d.signal(signal.SIGTERM)
         assert d.wait_exit() == 0
-        supervised = []
-        for line in d.logs().splitlines():
-            try:
-                record = _json.loads(line)
-            except ValueError:
-                continue
-            if record.get("job_id") == job_id:
-                supervised.append(record)
+        supervised = d.records(job_id=job_id)
         assert [r["event"] for r in supervised] == ["claim", "start", "done", "acked"]
         assert {(r["trace_id"], r["idempotency_key"], r["resource_id"]) for r in supervised} == {
             (trace_id, "receipt:7", "order:7")}

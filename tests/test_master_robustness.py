@@ -4,7 +4,6 @@ socket, oversize results, unbounded label sets, a socket path that is a file.
 Process tests run the real ``tangguh run`` (tests/daemon.py) and end with the
 daemon still serving: a job runs after the hostile part.
 """
-import json
 import os
 import selectors
 import signal
@@ -254,7 +253,7 @@ def test_a_max_rss_recycle_is_logged_with_its_reason(tmp_path):
     try:
         d.start()
         serves_a_job(d)
-        recycles = wait_for(lambda: [r for r in log_records(d) if r.get("event") == "recycle"],
+        recycles = wait_for(lambda: d.records(event="recycle"),
                             message="the recycle record")
         assert recycles[0]["reason"] == "max_rss" and "RSS" in recycles[0]["msg"], recycles[0]
         assert "after" not in recycles[0]["msg"]
@@ -264,12 +263,3 @@ def test_a_max_rss_recycle_is_logged_with_its_reason(tmp_path):
     finally:
         d.stop()
 
-
-def log_records(d):
-    out = []
-    for line in d.logs().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out

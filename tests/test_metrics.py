@@ -14,7 +14,6 @@ import subprocess
 import signal
 import socket
 import sqlite3
-import time
 import urllib.request
 
 import pytest
@@ -204,33 +203,24 @@ def test_http_endpoint_answers_errors_and_stays_up(ran):
     assert http_get(f"http://{host}:{port}/metrics")[0] == 200
 
 
-def records(d):
-    out = []
-    for line in d.logs().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a child's traceback on stderr
-    return out
-
 
 def test_log_follows_one_job_from_claim_to_ack(ran):
     d, ids = ran
     job_id = ids["noop"][1]
-    mine = [r for r in records(d) if r.get("job_id") == job_id]
+    mine = d.records(job_id=job_id)
     assert [r["event"] for r in mine] == ["claim", "start", "done", "acked"]
     for r in mine:
         assert (r["type"], r["queue"], r["attempt"]) == ("noop", "default", 1)
         assert (r["resource_id"], r["idempotency_key"]) == ("r1", "k1")
         assert r["trace_id"] == d.job(job_id).trace_id
 
-    retried = [r["event"] for r in records(d) if r.get("job_id") == ids["suicide"]]
+    retried = [r["event"] for r in d.records(job_id=ids["suicide"])]
     assert retried == ["claim", "start", "crash", "retry", "retry_stored", "claim", "start", "done", "acked"]
 
 
 def test_supervisor_events_are_one_record_each_with_slot_and_pid(ran):
     d, ids = ran
-    recs = records(d)
+    recs = d.records()
     crash = [r for r in recs if r.get("event") == "crash"]
     assert {r["job_id"] for r in crash} == {ids["suicide"], ids["once"]} and len(crash) == 2
     assert all(r["signal"] == signal.SIGKILL for r in crash)

@@ -7,7 +7,6 @@ refuses the ack). Effects are recorded by the ``effect`` handler
 (``tests/handlers/effects.py``) in a SQLite file outside the broker, once per
 job (keyed by job id), beside a row for every execution.
 """
-import json
 import os
 import signal
 import socket
@@ -86,15 +85,7 @@ def executions(db, job_id):
 
 def events(d, name):
     """The JSON log lines of daemon ``d`` with ``event == name``."""
-    out = []
-    for line in d.logs().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == name:
-            out.append(record)
-    return out
+    return d.records(event=name)
 
 
 def stats(broker, queue="default"):

@@ -48,13 +48,7 @@ def test_status_keys_metric_names_and_a_jobs_log_trail_are_as_recorded(tmp_path,
     finally:
         d.stop()
     trail = [(r.event, r.getMessage()) for r in caplog.records if getattr(r, "job_id", None) == job_id]
-    for line in d.logs().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("job_id") == job_id:
-            trail.append((record.get("event"), record.get("msg")))
+    trail += [(record.get("event"), record.get("msg")) for record in d.records(job_id=job_id)]
     status["queues"] = {"default": status["queues"]["default"]}  # the queue's name is the test's own
     seen = {"status": shape(status), "metrics": metric_names(metrics),
             "trail": [[event, _generic(message)] for event, message in trail]}
