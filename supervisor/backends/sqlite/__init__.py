@@ -6,60 +6,27 @@ are queued. URL: ``sqlite:////absolute/path.db`` or ``sqlite:///relative.db``
 (relative to the working directory; config files resolve it against their
 own folder). ``?synchronous=normal`` trades durability on power loss (not on a
 process crash) for speed; the default is ``full``.
+
+The package's parts: ``schema`` (the tables, the foreign-table refusal),
+``database`` (opening the file, transactions, errors), ``wakeup`` (inotify on
+the WAL); the broker's operations are here.
 """
 import contextlib
-import ctypes
 import json
 import os
 import sqlite3
 import urllib.parse
 
-from ..errors import BadInput, BrokerError, ConfigError, LeaseLost, NotDead
-from ..model import DEAD, DONE, RETRYING, Job, QueueStats, error_info, load_json
-from .base import Broker
-from .limits import Admission, active, refill
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    queue TEXT NOT NULL,
-    type TEXT NOT NULL,
-    payload TEXT NOT NULL,
-    state TEXT NOT NULL,
-    resource_id TEXT,
-    idempotency_key TEXT,
-    attempt INTEGER NOT NULL DEFAULT 0,
-    max_attempts INTEGER NOT NULL,
-    timeout REAL,
-    priority INTEGER NOT NULL DEFAULT 0,
-    run_at REAL NOT NULL,
-    queued_at REAL NOT NULL,
-    trace_id TEXT,
-    token INTEGER NOT NULL DEFAULT 0,
-    lease_until REAL,
-    owner TEXT,
-    result TEXT,
-    error TEXT,
-    reason TEXT,
-    first_failure_at REAL,
-    last_failure_at REAL,
-    finished_at REAL,
-    history TEXT NOT NULL DEFAULT '[]'
-);
-CREATE INDEX IF NOT EXISTS jobs_ready ON jobs (queue, priority DESC, run_at, id)
-    WHERE state IN ('queued', 'retrying');
-CREATE INDEX IF NOT EXISTS jobs_leased ON jobs (lease_until) WHERE state = 'running';
-CREATE INDEX IF NOT EXISTS jobs_finished ON jobs (state, finished_at) WHERE state IN ('done', 'dead');
-CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (idempotency_key)
-    WHERE idempotency_key IS NOT NULL AND state IN ('queued', 'running', 'retrying');
-CREATE TABLE IF NOT EXISTS rate_buckets (type TEXT PRIMARY KEY, tokens REAL NOT NULL, updated_at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS once_keys (key TEXT PRIMARY KEY, created_at REAL NOT NULL);
-"""
+from ...errors import BadInput, BrokerError, ConfigError, LeaseLost, NotDead
+from ...model import DEAD, DONE, RETRYING, Job, QueueStats, error_info, load_json
+from ..base import Broker
+from ..limits import Admission, active, refill
+from . import schema, wakeup
+from .database import Transaction, connect, errors
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
 _CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(history, '$[#-1]'), json(:entry)))"
 _LEASED = "id = :id AND token = :token AND state = 'running'"
-_JOB_COLUMNS = {"id", "queue", "type", "payload", "state", "attempt", "token", "lease_until", "history"}
 
 
 class SQLiteBroker(Broker):
@@ -84,12 +51,7 @@ class SQLiteBroker(Broker):
         if not os.path.isdir(folder):
             raise BrokerError(f"sqlite database folder {folder} does not exist")
         try:
-            # isolation_level=None: we issue BEGIN ourselves (IMMEDIATE where we write).
-            self.db = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
-            self.db.row_factory = sqlite3.Row
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute(f"PRAGMA synchronous={synchronous}")
-            self.db.execute("PRAGMA busy_timeout=30000")
+            self.db = connect(path, synchronous)
             self.migrate()
         except ConfigError:
             self.db.close()
@@ -100,20 +62,13 @@ class SQLiteBroker(Broker):
     # -- plumbing ---------------------------------------------------------
     def migrate(self):
         with self._write():
-            columns = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
-            if columns and not _JOB_COLUMNS <= columns:
-                # CREATE TABLE IF NOT EXISTS would keep it and write our jobs into it.
-                raise ConfigError(f"sqlite database {self.path} has a jobs table that is not Tangguh's:"
-                                  " give the broker a database file of its own")
-            for statement in SCHEMA.split(";"):
-                if statement.strip():
-                    self.db.execute(statement)
+            schema.migrate(self.db, self.path)
 
     def _write(self):
-        return _Tx(self.db, "BEGIN IMMEDIATE", self.path)
+        return Transaction(self.db, "BEGIN IMMEDIATE", self.path)
 
     def _read(self):
-        return _Tx(self.db, "BEGIN", self.path)
+        return Transaction(self.db, "BEGIN", self.path)
 
     def close(self):
         if self._inotify is not None:
@@ -125,25 +80,14 @@ class SQLiteBroker(Broker):
             pass
 
     def wakeup_fd(self):
-        """An inotify descriptor on the database's WAL file (Linux), or None.
-
-        Every commit, by any process, writes the WAL, so an enqueue wakes an idle
-        supervisor at once instead of at its next poll. Commits that change
-        nothing (an empty claim) write no WAL, so an idle supervisor does not
-        wake itself. Elsewhere (no inotify) the supervisor polls.
-        """
+        """An inotify descriptor on the database's WAL file (Linux), or None (see ``wakeup``)."""
         if self._inotify is None:
-            self._inotify = _watch_modifications([os.path.abspath(self.path) + "-wal"])
+            self._inotify = wakeup.watch_modifications([os.path.abspath(self.path) + "-wal"])
         return self._inotify
 
     def drain_wakeups(self):
-        if self._inotify is None:
-            return
-        try:
-            while os.read(self._inotify, 65536):
-                pass
-        except BlockingIOError:
-            pass
+        if self._inotify is not None:
+            wakeup.drain(self._inotify)
 
     # -- producing --------------------------------------------------------
     def enqueue(self, job):
@@ -353,7 +297,7 @@ class SQLiteBroker(Broker):
 
     # -- reading ----------------------------------------------------------
     def get(self, job_id):
-        with _errors(self.path):
+        with errors(self.path):
             row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return _job(row) if row else None
 
@@ -395,7 +339,7 @@ class SQLiteBroker(Broker):
         if limit is not None:
             sql += " LIMIT ?"
             params.append(int(limit))
-        with _errors(self.path):
+        with errors(self.path):
             return [_job(r) for r in self.db.execute(sql, params).fetchall()]
 
     def dlq_replay(self, job_ids):
@@ -432,65 +376,6 @@ class SQLiteBroker(Broker):
             cur = self.db.execute("DELETE FROM jobs WHERE state = 'done' AND finished_at < ?", (cutoff,))
             self.db.execute("DELETE FROM once_keys WHERE created_at < ?", (cutoff,))
         return cur.rowcount
-
-
-class _Tx:
-    """BEGIN ... COMMIT, or ROLLBACK when the block raises.
-
-    SQLite's own errors (a full disk, a lock held past the busy timeout, an I/O
-    error) leave as BrokerError naming the file, like every broker's failures.
-    """
-
-    def __init__(self, db, begin, path):
-        self.db, self.begin, self.path = db, begin, path
-
-    def __enter__(self):
-        with _errors(self.path):
-            self.db.execute(self.begin)
-
-    def __exit__(self, exc_type, exc, tb):
-        with _errors(self.path):
-            if exc_type is None:
-                try:
-                    self.db.execute("COMMIT")
-                except sqlite3.Error:
-                    self._rollback()
-                    raise
-                return
-            self._rollback()
-            if isinstance(exc, sqlite3.Error):
-                raise exc
-
-    def _rollback(self):
-        if self.db.in_transaction:  # SQLite may have rolled back by itself (a full disk does)
-            self.db.execute("ROLLBACK")
-
-
-@contextlib.contextmanager
-def _errors(path):
-    try:
-        yield
-    except sqlite3.Error as exc:
-        raise BrokerError(f"sqlite database {path}: {exc}") from None
-
-
-_IN_MODIFY = 0x00000002
-
-
-def _watch_modifications(paths):
-    """A non-blocking inotify fd reporting writes to ``paths``; None without inotify."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-    except (OSError, AttributeError):
-        return None
-    if fd < 0:
-        return None
-    for path in paths:
-        if libc.inotify_add_watch(fd, os.fsencode(path), _IN_MODIFY) < 0:
-            os.close(fd)
-            return None
-    return fd
 
 
 def _job(row):

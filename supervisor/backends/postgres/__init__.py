@@ -1,0 +1,390 @@
+"""The PostgreSQL broker: one table per schema, leases claimed with SKIP LOCKED.
+
+URL: ``postgresql://user@host:5432/dbname?schema=tangguh``; the options, the
+connections and the server's clock are in ``connection``. Times are stored as
+``double precision`` epoch seconds taken from the server's clock (``now()``),
+so every supervisor measures leases against the same clock.
+
+The package's parts: ``connection`` (the URL, the sessions, the clock, errors
+as BrokerError, LISTEN/NOTIFY), ``schema`` (the versions, ``migrate``, the
+foreign-schema refusal), ``statements`` (the SQL of the hot paths); the
+broker's operations are here.
+
+* ``claim`` is one call of the SQL function ``<schema>.claim`` (one round
+  trip, one transaction): it reclaims expired leases, then leases due jobs
+  queue by queue with ``FOR UPDATE SKIP LOCKED`` in (priority desc, run_at, id)
+  order, so concurrent supervisors never wait on each other.
+* ``ack``/``retry``/``dead``/``release`` are one fenced ``UPDATE`` each
+  (id + token + state running); ``extend`` is one ``UPDATE ... FROM unnest``
+  for the whole batch; ``enqueue_many`` is one ``INSERT ... SELECT FROM
+  unnest ... ON CONFLICT DO NOTHING``.
+* Enqueue, release, replay and a retry that is due at once send
+  ``NOTIFY tangguh_<schema>`` (payload: the queue); ``wakeup_fd()`` opens a
+  second connection that LISTENs on it.
+* Transactional outbox: ``enqueue(job, conn=producer_conn)`` inserts (and
+  notifies) on the producer's own psycopg 3 connection, inside its current
+  transaction: the job exists if and only if the producer commits.
+"""
+import json
+
+from psycopg import errors as pgerrors
+from psycopg.rows import dict_row, tuple_row
+
+from ...errors import BadInput, BrokerError, LeaseLost, NotDead
+from ...model import Job, QueueStats
+from ..base import Broker
+from ..limits import Admission, active, refill
+from . import schema
+from .connection import Connections, libpq_conninfo, quote, read_url
+from .schema import migrations as _migrations  # looked up at each migrate: a test stands in older versions
+from .statements import NOW, Statements
+
+__all__ = ["PostgresBroker", "libpq_conninfo"]
+
+
+class PostgresBroker(Broker):
+    prune_batch = 10_000  # rows deleted per statement by prune()
+
+    def __init__(self, url):
+        self.url = url
+        self.conninfo, self.schema = read_url(url)
+        self.channel = f"tangguh_{self.schema}"[:63]
+        self._s = quote(self.schema)
+        self._jobs = f"{self._s}.jobs"
+        self._sql = Statements(self._s)
+        self._connections = Connections(url, self.conninfo, self.schema)
+        with self._guard("connect"):
+            self._conn()
+
+    # -- plumbing ---------------------------------------------------------
+    def _conn(self):
+        return self._connections.main()
+
+    def _guard(self, what):
+        return self._connections.guard(what)
+
+    def _execute(self, query, params=None, row_factory=tuple_row):
+        return self._connections.execute(query, params, row_factory)
+
+    @property
+    def _listener(self):
+        """The LISTENing connection, once ``wakeup_fd`` opened it."""
+        return self._connections.listener
+
+    def now(self):
+        return self._connections.now()
+
+    def migrate(self):
+        with self._guard("migrate"):
+            schema.migrate(self._conn(), self.schema, _migrations(self._s))
+
+    def close(self):
+        self._connections.close()
+
+    # -- wake-ups -----------------------------------------------------------
+    def wakeup_fd(self):
+        """A LISTENing connection's socket: readable after an enqueue (or release, replay, due retry).
+
+        After a BrokerError from ``drain_wakeups`` the descriptor is gone; call
+        ``wakeup_fd()`` again for a new one.
+        """
+        return self._connections.listen(self.channel)
+
+    def drain_wakeups(self):
+        """Consume pending notifications without blocking; returns the queues they named."""
+        return self._connections.drain()
+
+    # -- producing --------------------------------------------------------
+    def enqueue(self, job, conn=None):
+        return self.enqueue_many([job], conn=conn)[0]
+
+    def enqueue_many(self, jobs, conn=None):
+        """Store jobs in one statement; with ``conn`` (the producer's psycopg connection), inside
+        its current transaction, so they exist if and only if the producer commits."""
+        jobs = [job.validate() for job in jobs]
+        if not jobs:
+            return []
+        ids = {}  # position -> id
+        pending = list(range(len(jobs)))
+        for _ in range(5):
+            inserted = self._insert([jobs[i] for i in pending], conn)
+            by_key = {}
+            missing = []
+            for i in pending:
+                job = jobs[i]
+                if job.id in inserted:
+                    ids[i] = job.id
+                    if job.idempotency_key is not None:
+                        by_key.setdefault(job.idempotency_key, job.id)
+                else:
+                    missing.append(i)
+            if not missing:
+                break
+            # Not inserted: an unfinished job holds its idempotency key (maybe one of this batch),
+            # or a job with its id exists already (a producer retrying the same NewJob).
+            keys = [jobs[i].idempotency_key for i in missing if jobs[i].idempotency_key is not None]
+            rows = self._query(self._sql.existing, (keys, [jobs[i].id for i in missing]), conn)
+            for row_id, key, state in rows:
+                if key is not None and state in ("queued", "running", "retrying"):
+                    by_key.setdefault(key, row_id)
+            existing_ids = {row[0] for row in rows}
+            pending = []
+            for i in missing:
+                job = jobs[i]
+                if job.idempotency_key is not None and job.idempotency_key in by_key:
+                    ids[i] = by_key[job.idempotency_key]
+                elif job.id in existing_ids:
+                    ids[i] = job.id
+                else:
+                    pending.append(i)  # the holder finished meanwhile: insert again
+            if not pending:
+                break
+        else:
+            raise BrokerError("enqueue: could not settle idempotency keys under concurrent updates; try again")
+        return [ids[i] for i in range(len(jobs))]
+
+    def _insert(self, jobs, conn):
+        params = (
+            [j.id for j in jobs], [j.queue for j in jobs], [j.type for j in jobs],
+            [json.dumps(j.payload, allow_nan=False, separators=(",", ":")) for j in jobs],
+            [j.resource_id for j in jobs], [j.idempotency_key for j in jobs],
+            [j.max_attempts for j in jobs], [None if j.timeout is None else float(j.timeout) for j in jobs],
+            [j.priority for j in jobs], [float(j.delay) for j in jobs], [j.trace_id for j in jobs],
+            self.channel,
+        )
+        return {row[0] for row in self._query(self._sql.enqueue, params, conn)}
+
+    def _query(self, query, params, conn):
+        """Rows of a query, on the producer's connection when one is given."""
+        if conn is None:
+            return self._execute(query, params).fetchall()
+        with self._guard("query on the producer's connection"):
+            cur = conn.cursor(row_factory=tuple_row)
+            cur.execute(query, params)
+            return cur.fetchall()
+
+    def enqueue_once(self, job):
+        job.validate()
+        if job.idempotency_key is None:
+            raise BadInput("enqueue_once needs an idempotency_key")
+        with self._guard("enqueue once"):
+            db = self._conn()
+            with db.transaction():
+                # A second caller waits here on the first one's uncommitted key, then inserts nothing.
+                if db.execute(f"INSERT INTO {self._s}.once_keys (key, created_at) VALUES (%s, {NOW})"
+                              " ON CONFLICT DO NOTHING RETURNING key", (job.idempotency_key,)).fetchone() is None:
+                    return None
+                return self.enqueue_many([job], conn=db)[0]
+
+    # -- leasing ----------------------------------------------------------
+    def claim(self, queues, n, lease_seconds, owner, limits=None):
+        queues = list(queues)
+        if n <= 0 or not queues:
+            return []
+        limits = active(limits)
+        if limits:
+            with self._guard("claim"):
+                rows = self._claim_limited(queues, int(n), float(lease_seconds), owner, limits)
+        else:
+            rows = self._execute(self._sql.claim, (queues, int(n), float(lease_seconds), owner),
+                                 row_factory=dict_row).fetchall()
+        order = {}
+        for i, q in enumerate(queues):
+            order.setdefault(q, i)
+        jobs = [Job.from_dict(r) for r in rows]
+        jobs.sort(key=lambda j: (order[j.queue], -j.priority, j.run_at, j.id))
+        return self._runnable(jobs)
+
+    def _claim_limited(self, queues, n, lease_seconds, owner, limits):
+        """The claim under per-type limits, one transaction of a few statements.
+
+        Claimers with limits take a transaction-scoped advisory lock per limited
+        type (sorted: no deadlock), so the counts below are exact until commit;
+        claims without limits never wait on it. Expired leases are reclaimed by
+        the plain claim function with n = 0 first.
+        """
+        t = self._jobs
+        types = sorted(limits)
+        db = self._conn()
+        with db.transaction():
+            db.execute(f"SELECT * FROM {self._s}.claim(%s::text[], 0, 0, '')", (queues,))
+            db.execute("SELECT count(pg_advisory_xact_lock(hashtextextended(%s || l.t, 0)))"
+                       " FROM (SELECT t FROM unnest(%s::text[]) AS t ORDER BY t) l",
+                       (f"tangguh-limit:{self.schema}:", types))
+            now = db.execute("SELECT date_part('epoch', clock_timestamp())").fetchone()[0]
+            leased = db.execute(f"SELECT type, resource_id FROM {t} WHERE state = 'running'"
+                                " AND type = ANY(%s::text[])", (types,)).fetchall()
+            rated = [name for name in types if limits[name].rate is not None]
+            buckets = {row[0]: row[1:] for row in db.execute(
+                f"SELECT type, tokens, updated_at FROM {self._s}.rate_buckets WHERE type = ANY(%s::text[])",
+                (rated,)).fetchall()} if rated else {}
+            tokens = {name: refill(*buckets.get(name, (None, None)), now, *limits[name].rate) for name in rated}
+            admission = Admission(limits, leased, tokens)
+            rows = []
+            for queue in queues:
+                while len(rows) < n:
+                    want = n - len(rows)
+                    busy = sorted(admission.busy)
+                    candidates = db.execute(
+                        f"SELECT d.id, d.type, d.resource_id FROM {t} d WHERE d.queue = %s"
+                        " AND d.state IN ('queued', 'retrying') AND d.run_at <= %s AND d.type <> ALL(%s::text[])"
+                        " AND NOT (d.resource_id IS NOT NULL AND EXISTS ("
+                        "  SELECT 1 FROM unnest(%s::text[], %s::text[]) AS b(type, resource_id)"
+                        "  WHERE b.type = d.type AND b.resource_id = d.resource_id))"
+                        " ORDER BY d.priority DESC, d.run_at, d.id LIMIT %s FOR UPDATE SKIP LOCKED",
+                        (queue, now, admission.blocked(), [b[0] for b in busy], [b[1] for b in busy],
+                         want)).fetchall()
+                    ids = [row[0] for row in candidates if admission.admit(row[1], row[2])]
+                    if ids:
+                        cur = db.cursor(row_factory=dict_row)
+                        cur.execute(
+                            f"UPDATE {t} j SET state = 'running', attempt = j.attempt + 1, token = j.token + 1,"
+                            " lease_until = c.now + %(lease)s::float8, owner = %(owner)s::text,"
+                            " history = j.history || jsonb_build_array(jsonb_build_object("
+                            "  'attempt', j.attempt + 1, 'started_at', c.now, 'owner', %(owner)s::text))"
+                            # The wall clock, not the transaction's start: the lease starts after the lock wait.
+                            " FROM (SELECT date_part('epoch', clock_timestamp()) AS now) c"
+                            " WHERE j.id = ANY(%(ids)s::text[]) RETURNING j.*",
+                            {"lease": lease_seconds, "owner": owner, "ids": ids})
+                        rows.extend(cur.fetchall())
+                    # A held-back row leaves the next query (its type is blocked or its resource busy now).
+                    if len(candidates) < want:
+                        break
+            tokens = admission.tokens
+            if tokens:
+                db.execute(
+                    f"INSERT INTO {self._s}.rate_buckets (type, tokens, updated_at)"
+                    " SELECT * FROM unnest(%s::text[], %s::float8[], %s::float8[])"
+                    " ON CONFLICT (type) DO UPDATE SET tokens = excluded.tokens, updated_at = excluded.updated_at",
+                    (list(tokens), list(tokens.values()), [now] * len(tokens)))
+        return rows
+
+    def extend(self, leases, lease_seconds):
+        leases = list(leases)
+        if not leases:
+            return []
+        rows = self._execute(
+            self._sql.extend,
+            (float(lease_seconds), [lease.job_id for lease in leases], [lease.token for lease in leases]),
+        ).fetchall()
+        current = set(rows)
+        return [lease for lease in leases if (lease.job_id, lease.token) not in current]
+
+    def _finish(self, query, lease, params):
+        cur = self._execute(query, dict(params, id=lease.job_id, token=lease.token))
+        if cur.rowcount == 0:
+            raise LeaseLost(lease.job_id, lease.token)
+
+    def ack(self, lease, result=None, info=None):
+        self._finish(self._sql.ack, lease, {"result": json.dumps(result), "info": json.dumps(info or {})})
+
+    def ack_many(self, acks):
+        """Every ack in one statement (one round trip, one commit)."""
+        acks = list(acks)
+        if not acks:
+            return []
+        rows = self._execute(self._sql.ack_many, (
+            [lease.job_id for lease, _, _ in acks], [lease.token for lease, _, _ in acks],
+            [json.dumps(result) for _, result, _ in acks], [json.dumps(info or {}) for _, _, info in acks],
+        )).fetchall()
+        done = set(rows)
+        return [lease for lease, _, _ in acks if (lease.job_id, lease.token) not in done]
+
+    def retry(self, lease, run_at, error, info=None):
+        self._finish(self._sql.retry, lease, {"run_at": float(run_at), "error": json.dumps(error),
+                                              "info": json.dumps(info or {}), "channel": self.channel})
+
+    def dead(self, lease, reason, error, info=None):
+        self._finish(self._sql.dead, lease, {"reason": reason, "error": json.dumps(error),
+                                             "info": json.dumps(info or {})})
+
+    def release(self, lease):
+        self._finish(self._sql.release, lease, {"channel": self.channel})
+
+    # -- reading ----------------------------------------------------------
+    def get(self, job_id):
+        row = self._execute(f"SELECT * FROM {self._jobs} WHERE id = %s", (job_id,), row_factory=dict_row).fetchone()
+        return Job.from_dict(row) if row else None
+
+    def stats(self, queues):
+        queues = list(queues)
+        out = {q: QueueStats(q) for q in queues}
+        t = self._jobs
+        rows = self._execute(
+            f"WITH n AS (SELECT {NOW} AS now)"
+            f" SELECT queue, 'ready', count(*), max(n.now - run_at) FROM {t}, n"
+            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying') AND run_at <= n.now GROUP BY queue"
+            " UNION ALL"
+            f" SELECT queue, 'scheduled', count(*), NULL FROM {t}, n"
+            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying') AND run_at > n.now GROUP BY queue"
+            " UNION ALL"
+            f" SELECT queue, state, count(*), NULL FROM {t}"
+            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('running', 'dead', 'done') GROUP BY queue, state",
+            {"q": queues},
+        ).fetchall()
+        fields = {"ready": "ready", "scheduled": "scheduled", "running": "in_flight", "dead": "dead", "done": "done"}
+        for queue, kind, count, age in rows:
+            setattr(out[queue], fields[kind], count)
+            if kind == "ready":
+                out[queue].oldest_ready_age = max(0.0, age or 0.0)
+        return out
+
+    # -- dead letters -----------------------------------------------------
+    def dlq_list(self, type=None, limit=100):
+        sql = f"SELECT * FROM {self._jobs} WHERE state = 'dead'"
+        params = []
+        if type:
+            sql += " AND type = %s"
+            params.append(type)
+        sql += " ORDER BY finished_at DESC, id DESC LIMIT %s"
+        params.append(None if limit is None else int(limit))
+        return [Job.from_dict(r) for r in self._execute(sql, params, row_factory=dict_row).fetchall()]
+
+    def _require_dead(self, db, job_ids):
+        states = dict(db.execute(f"SELECT id, state FROM {self._jobs} WHERE id = ANY(%s::text[])"
+                                 " ORDER BY id FOR UPDATE",
+                                 (list(job_ids),)).fetchall())
+        for job_id in job_ids:
+            state = states.get(job_id)
+            if state != "dead":
+                raise NotDead(f"job {job_id} is {'unknown' if state is None else state}, not dead")
+
+    def dlq_replay(self, job_ids):
+        job_ids = list(job_ids)
+        with self._guard("dlq replay"):
+            db = self._conn()
+            try:
+                with db.transaction():
+                    self._require_dead(db, job_ids)
+                    db.execute(
+                        f"UPDATE {self._jobs} SET state = 'queued', attempt = 0, run_at = {NOW}, reason = NULL,"
+                        " finished_at = NULL, lease_until = NULL, owner = NULL WHERE id = ANY(%s::text[])"
+                        " RETURNING pg_notify(%s, queue)",
+                        (job_ids, self.channel),
+                    )
+            except pgerrors.UniqueViolation:
+                raise BadInput("cannot replay: an idempotency key is held by an unfinished job") from None
+        return job_ids
+
+    def dlq_purge(self, job_ids):
+        job_ids = list(job_ids)
+        with self._guard("dlq purge"):
+            db = self._conn()
+            with db.transaction():
+                self._require_dead(db, job_ids)
+                db.execute(f"DELETE FROM {self._jobs} WHERE id = ANY(%s::text[])", (job_ids,))
+        return len(job_ids)
+
+    def prune(self, done_older_than):
+        cutoff = self.now() - done_older_than
+        batch = int(self.prune_batch)
+        sql = (f"DELETE FROM {self._jobs} WHERE id IN (SELECT id FROM {self._jobs}"
+               " WHERE state = 'done' AND finished_at < %s LIMIT %s)")
+        total = 0
+        self._execute(f"DELETE FROM {self._s}.once_keys WHERE created_at < %s", (cutoff,))
+        while True:
+            deleted = self._execute(sql, (cutoff, batch)).rowcount
+            total += deleted
+            if deleted < batch:
+                return total
+

@@ -1,0 +1,217 @@
+"""The PostgreSQL broker's connections: the URL, the sessions, the server's clock, errors.
+
+URL: ``postgresql://user@host:5432/dbname?schema=tangguh`` (``postgres://``
+works too). ``schema`` (default ``tangguh``) names the PostgreSQL schema that
+holds the broker's tables; it is Tangguh's only option and is stripped before
+connecting. Every other query parameter must be a libpq connection parameter
+(``sslmode``, ``connect_timeout``, ``application_name``...) and is passed
+through; anything else is a ``BrokerError``. Unless the URL says otherwise,
+connections use ``connect_timeout=10``, TCP keepalives (30 s idle, 10 s x 3)
+and ``fallback_application_name=tangguh``.
+
+Connections are autocommit. Every psycopg error surfaces as ``BrokerError``
+(the daemon reads it as "broker down"), or ``BrokerUnusable`` when the
+settings can never work; the next call reconnects. After a ``fork()`` the
+child opens its own connections and never touches (nor closes) the parent's.
+
+``now()`` returns the server's time from an offset measured when connecting
+(re-measured every minute), so every supervisor measures leases against the
+same clock.
+"""
+import contextlib
+import os
+import re
+import select
+import time
+import urllib.parse
+
+import psycopg
+from psycopg import errors as pgerrors
+from psycopg.conninfo import make_conninfo
+from psycopg.rows import tuple_row
+from psycopg.types.json import set_json_loads
+
+from ...errors import BrokerError, BrokerUnusable
+from ...model import load_json
+from ...urls import redact
+
+DEFAULT_SCHEMA = "tangguh"
+_SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_LIBPQ_PARAMS = frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults())
+_CLOCK_RESYNC = 60.0
+
+# libpq's and the server's words for a connection that can never work as configured.
+# (A server starting up, full or shutting down is an outage, and so is a host
+# that does not answer: those are waited out.)
+_UNUSABLE = re.compile(r'invalid port number|invalid connection option|invalid (integer |sslmode )?value'
+                       r'|missing "=" after|database "[^"]*" does not exist|role "[^"]*" does not exist'
+                       r'|password authentication failed|no pg_hba\.conf entry|no password supplied')
+
+
+def quote(name):
+    """``name`` as an SQL identifier."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def libpq_conninfo(url, own=(), **defaults):
+    """``(conninfo, {key: value})`` for a ``postgresql://`` URL whose query keys in ``own`` are Tangguh's.
+
+    Those keys are taken out (libpq would refuse them) and returned; ``defaults``
+    apply where the query does not set a key. psycopg builds the conninfo from the
+    URL, so every libpq form works: no host (``postgresql:///db``, the Unix socket),
+    host lists, ``?host=/socket/dir``, percent-encoded user and password. Raises
+    ``psycopg.ProgrammingError`` for what libpq cannot read.
+    """
+    base, _, query = url.partition("?")
+    params = dict(defaults)
+    mine = {}
+    for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
+        (mine if key in own else params)[key] = value
+    return make_conninfo(base, **params), mine
+
+
+def read_url(url):
+    """``(conninfo, schema)`` of a broker URL, or BrokerUnusable naming what is wrong with it."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() not in ("postgresql", "postgres"):
+        raise BrokerUnusable(f"postgres url {redact(url)}: expected postgresql://...")
+    options = urllib.parse.parse_qsl(url.partition("?")[2], keep_blank_values=True)
+    schema = dict(options).get("schema", DEFAULT_SCHEMA)
+    names = {key for key, _ in options if key != "schema"}
+    unknown = names - _LIBPQ_PARAMS
+    if unknown:
+        raise BrokerUnusable(f"postgres url {redact(url)}: unknown option(s) {', '.join(sorted(set(unknown)))}"
+                             " (tangguh knows schema=; the rest must be libpq connection parameters)")
+    if not _SCHEMA_NAME.match(schema):
+        raise BrokerUnusable(f"postgres url {redact(url)}: schema {schema!r} must be a plain identifier"
+                             " (letters, digits, underscore; at most 63 characters)")
+    defaults = {"connect_timeout": "10", "fallback_application_name": "tangguh"}
+    if not names & {"keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count"}:
+        # Notice a silently dropped TCP connection (the idle LISTEN one above all) within ~a minute.
+        defaults.update(keepalives_idle="30", keepalives_interval="10", keepalives_count="3")
+    try:
+        conninfo, _ = libpq_conninfo(url, ("schema",), **defaults)
+    except psycopg.Error:
+        raise BrokerUnusable(f"postgres url {redact(url)}: not a connection URL libpq can read") from None
+    return conninfo, schema
+
+
+class Connections:
+    """One broker's sessions: the main one, and the LISTENing one once ``listen`` is called.
+
+    Each is opened on first use and again after it broke (or when it belongs to
+    the process this one was forked from).
+    """
+
+    def __init__(self, url, conninfo, schema):
+        self.url, self.conninfo, self.schema = url, conninfo, schema
+        self.db = None
+        self.listener = None
+        self._pid = os.getpid()
+        self._offset = 0.0
+        self._synced = float("-inf")
+
+    def _connect(self):
+        conn = psycopg.connect(self.conninfo, autocommit=True)
+        set_json_loads(load_json, conn)  # a value that does not decode must not fail the whole fetch
+        return conn
+
+    def main(self):
+        """The main connection, reconnecting when the previous one broke (or belongs to our parent)."""
+        if self._pid != os.getpid():
+            self._forget_inherited()
+        db = self.db
+        if db is None or db.closed:
+            self.db = db = self._connect()
+            self._sync_clock(db)
+        return db
+
+    def _forget_inherited(self):
+        # After a fork the sockets are the parent's sessions: never talk on them, never close
+        # them (closing sends the server a Terminate that would end the parent's session).
+        # psycopg skips that goodbye when a connection is garbage-collected in another process.
+        self.db = self.listener = None
+        self._pid = os.getpid()
+
+    def _sync_clock(self, db):
+        # Measured after the reply arrives, so the estimate errs low (by at most one round trip):
+        # once now() has passed a point, the server's clock has passed it too.
+        server = db.execute("SELECT date_part('epoch', clock_timestamp())").fetchone()[0]
+        self._offset = server - time.time()
+        self._synced = time.monotonic()
+
+    @contextlib.contextmanager
+    def guard(self, what):
+        """Turn psycopg's errors into BrokerError (connection trouble, missing schema...)."""
+        try:
+            yield
+        except (pgerrors.UndefinedTable, pgerrors.UndefinedFunction, pgerrors.InvalidSchemaName) as exc:
+            raise BrokerError(f"postgres broker schema {self.schema!r} is missing or outdated"
+                              f" (run `tangguh db migrate`): {exc}") from exc
+        except psycopg.Error as exc:
+            kind = BrokerUnusable if _UNUSABLE.search(str(exc)) else BrokerError
+            raise kind(f"postgres broker ({redact(self.url)}): {what} failed: {exc}") from exc
+
+    def execute(self, query, params=None, row_factory=tuple_row):
+        with self.guard("query"):
+            cur = self.main().cursor(row_factory=row_factory)
+            cur.execute(query, params)
+            return cur
+
+    def now(self):
+        if (time.monotonic() - self._synced > _CLOCK_RESYNC and self.db is not None and not self.db.closed
+                and self._pid == os.getpid()):
+            try:
+                self._sync_clock(self.db)
+            except psycopg.Error:
+                pass  # keep the last offset; the next real call reports the outage
+        return time.time() + self._offset
+
+    def close(self):
+        if self._pid != os.getpid():
+            self._forget_inherited()
+            return
+        for name in ("listener", "db"):
+            conn = getattr(self, name)
+            setattr(self, name, None)
+            if conn is not None:
+                try:
+                    conn.close()
+                except psycopg.Error:
+                    pass
+
+    # -- wake-ups (LISTEN/NOTIFY) -------------------------------------------
+    def listen(self, channel):
+        """The socket of a connection LISTENing on ``channel``, opened unless it is open."""
+        if self._pid != os.getpid():
+            self._forget_inherited()
+        if self.listener is None or self.listener.closed:
+            with self.guard("listen"):
+                listener = self._connect()
+                try:
+                    listener.execute(f"LISTEN {quote(channel)}")
+                except BaseException:
+                    listener.close()
+                    raise
+                self.listener = listener
+        return self.listener.fileno()
+
+    def drain(self):
+        """Consume pending notifications without blocking; returns the queues they named."""
+        listener = self.listener
+        if listener is None or self._pid != os.getpid():
+            return set()
+        queues = set()
+        try:
+            # A server that closed the connection first sends its goodbye, then EOF: the socket
+            # stays readable after a pass, and the next pass reports the broken connection.
+            for _ in range(3):
+                queues.update(n.payload for n in listener.notifies(timeout=0))
+                if not select.select([listener.fileno()], [], [], 0)[0]:
+                    break
+            return queues
+        except (psycopg.Error, OSError, ValueError) as exc:
+            self.listener = None
+            with contextlib.suppress(psycopg.Error):
+                listener.close()
+            raise BrokerError(f"postgres broker ({redact(self.url)}): listening connection lost: {exc}") from exc

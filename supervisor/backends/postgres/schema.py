@@ -1,0 +1,158 @@
+"""The PostgreSQL broker's schema: its versions, migrating, and refusing a schema that is not Tangguh's.
+
+``migrate`` creates the schema under ``pg_advisory_xact_lock`` and records
+applied versions in ``<schema>.tangguh_schema_version``: idempotent, and safe
+when several processes migrate at once. A schema Tangguh made under the old
+name (``schema_version`` beside Tangguh's ``jobs``) is adopted; a schema
+holding tables of the same names that are not Tangguh's is refused
+(``ConfigError``), never written into.
+"""
+import hashlib
+
+from ...errors import BrokerError, ConfigError
+from .connection import quote
+from .statements import UNFINISHED
+
+VERSIONS = "tangguh_schema_version"  # a name of our own: "schema_version" is common in applications' schemas
+# The columns that make a jobs table Tangguh's.
+JOB_COLUMNS = {"id", "queue", "type", "payload", "state", "attempt", "token", "lease_until", "history"}
+
+
+def migrations(s):
+    """The schema's versions, oldest first: (version, [statements]). ``s`` is the quoted schema."""
+    return [
+        (1, [
+            f"""CREATE TABLE {s}.jobs (
+                id text PRIMARY KEY,
+                queue text NOT NULL,
+                type text NOT NULL,
+                payload json NOT NULL,
+                state text NOT NULL CHECK (state IN ('queued', 'running', 'retrying', 'done', 'dead')),
+                resource_id text,
+                idempotency_key text,
+                attempt integer NOT NULL DEFAULT 0,
+                max_attempts integer NOT NULL,
+                timeout double precision,
+                priority integer NOT NULL DEFAULT 0,
+                run_at double precision NOT NULL,
+                queued_at double precision NOT NULL,
+                trace_id text,
+                token bigint NOT NULL DEFAULT 0,
+                lease_until double precision,
+                owner text,
+                result json,
+                error jsonb,
+                reason text,
+                first_failure_at double precision,
+                last_failure_at double precision,
+                finished_at double precision,
+                history jsonb NOT NULL DEFAULT '[]'
+            ) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.02)""",
+            f"CREATE INDEX jobs_ready ON {s}.jobs (queue, priority DESC, run_at, id)"
+            " WHERE state IN ('queued', 'retrying')",
+            f"CREATE INDEX jobs_leased ON {s}.jobs (lease_until) WHERE state = 'running'",
+            f"CREATE INDEX jobs_done ON {s}.jobs (finished_at) WHERE state = 'done'",
+            f"CREATE INDEX jobs_dead ON {s}.jobs (finished_at DESC, id DESC) WHERE state = 'dead'",
+            f"CREATE UNIQUE INDEX jobs_idempotency ON {s}.jobs (idempotency_key)"
+            f" WHERE idempotency_key IS NOT NULL AND state IN {UNFINISHED}",
+            # claim: reclaim expired leases, then lease due jobs queue by queue. One call, one
+            # transaction; each statement sees the previous one's effects (fresh snapshot).
+            f"""CREATE FUNCTION {s}.claim(p_queues text[], p_n integer, p_lease double precision, p_owner text)
+            RETURNS SETOF {s}.jobs LANGUAGE plpgsql AS $body$
+            DECLARE
+                v_now double precision := date_part('epoch', now());
+                v_queue text;
+                v_left integer := p_n;
+                v_got integer;
+            BEGIN
+                UPDATE {s}.jobs j SET
+                    state = CASE WHEN j.attempt >= j.max_attempts THEN 'dead' ELSE 'retrying' END,
+                    reason = CASE WHEN j.attempt >= j.max_attempts THEN 'lease_expired' END,
+                    finished_at = CASE WHEN j.attempt >= j.max_attempts THEN v_now END,
+                    run_at = v_now, lease_until = NULL, owner = NULL,
+                    error = x.error,
+                    first_failure_at = coalesce(j.first_failure_at, v_now), last_failure_at = v_now,
+                    history = jsonb_set(j.history, '{{-1}}', (j.history -> -1) || jsonb_build_object(
+                        'ended_at', v_now, 'outcome', 'lease_expired', 'error', x.error))
+                FROM (SELECT e.id, jsonb_build_object('reason', 'lease_expired', 'class', '',
+                             'message', 'lease of owner ' || coalesce(e.owner, '') || ' expired',
+                             'traceback', '') AS error
+                      FROM {s}.jobs e WHERE e.state = 'running' AND e.lease_until < v_now
+                      FOR UPDATE SKIP LOCKED) x
+                WHERE j.id = x.id;
+
+                FOREACH v_queue IN ARRAY p_queues LOOP
+                    EXIT WHEN v_left <= 0;
+                    RETURN QUERY
+                    UPDATE {s}.jobs j SET
+                        state = 'running', attempt = j.attempt + 1, token = j.token + 1,
+                        lease_until = v_now + p_lease, owner = p_owner,
+                        history = j.history || jsonb_build_array(jsonb_build_object(
+                            'attempt', j.attempt + 1, 'started_at', v_now, 'owner', p_owner))
+                    FROM (SELECT d.id FROM {s}.jobs d
+                          WHERE d.queue = v_queue AND d.state IN ('queued', 'retrying') AND d.run_at <= v_now
+                          ORDER BY d.priority DESC, d.run_at, d.id
+                          LIMIT v_left FOR UPDATE SKIP LOCKED) c
+                    WHERE j.id = c.id
+                    RETURNING j.*;
+                    GET DIAGNOSTICS v_got = ROW_COUNT;
+                    v_left := v_left - v_got;
+                END LOOP;
+            END
+            $body$""",
+        ]),
+        # 2: per-type claim limits (see claim) and enqueue_once records.
+        (2, [
+            f"""CREATE TABLE {s}.rate_buckets (
+                type text PRIMARY KEY,
+                tokens double precision NOT NULL,
+                updated_at double precision NOT NULL)""",
+            f"""CREATE TABLE {s}.once_keys (
+                key text PRIMARY KEY,
+                created_at double precision NOT NULL)""",
+            f"CREATE INDEX once_keys_created ON {s}.once_keys (created_at)",
+        ]),
+    ]
+
+
+def migrate(db, schema, versions):
+    """Bring ``schema`` up to the last of ``versions`` (``migrations(quoted schema)``) in one transaction."""
+    key = int.from_bytes(hashlib.sha256(f"tangguh-migrate:{schema}".encode()).digest()[:8], "big", signed=True)
+    s = quote(schema)
+    with db.transaction():
+        db.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
+        # CREATE SCHEMA IF NOT EXISTS needs the CREATE privilege even when the schema exists.
+        if db.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone() is None:
+            db.execute(f"CREATE SCHEMA {s}")
+        tables = {row[0] for row in db.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,))}
+        if VERSIONS not in tables:
+            _adopt(db, schema, tables)
+        db.execute(f"CREATE TABLE IF NOT EXISTS {s}.{VERSIONS} ("
+                   " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())")
+        current = db.execute(f"SELECT coalesce(max(version), 0) FROM {s}.{VERSIONS}").fetchone()[0]
+        if current > versions[-1][0]:
+            raise BrokerError(f"postgres broker schema {schema!r} is at version {current}, newer than"
+                              f" this tangguh knows ({versions[-1][0]}): upgrade tangguh")
+        for version, statements in versions:
+            if version <= current:
+                continue
+            for statement in statements:
+                db.execute(statement)
+            db.execute(f"INSERT INTO {s}.{VERSIONS} (version) VALUES (%s)", (version,))
+
+
+def _adopt(db, schema, tables):
+    """Before its first migration here: a fresh schema, or one Tangguh made under the
+    old version table name (renamed now). Anything else is someone else's schema."""
+    ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys"})
+    if not ours:
+        return
+    if "schema_version" in tables and "jobs" in tables:
+        columns = {row[0] for row in db.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = 'jobs'",
+            (schema,))}
+        if JOB_COLUMNS <= columns:
+            db.execute(f"ALTER TABLE {quote(schema)}.schema_version RENAME TO {VERSIONS}")
+            return
+    raise ConfigError(f"postgres broker schema {schema!r} holds tables that are not Tangguh's"
+                      f" ({', '.join(ours)}): name a schema of Tangguh's own in the broker url (?schema=...)")

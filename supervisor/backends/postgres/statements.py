@@ -1,0 +1,72 @@
+"""The PostgreSQL broker's statements on the hot paths, built once per schema.
+
+``ack``/``retry``/``dead``/``release`` are one fenced ``UPDATE`` each (id +
+token + state running); ``extend`` is one ``UPDATE ... FROM unnest`` for the
+whole batch, and so is ``ack_many``; ``enqueue`` is one ``INSERT ... SELECT
+FROM unnest ... ON CONFLICT DO NOTHING``. Enqueue, release and a retry that is
+due at once send ``NOTIFY`` on the broker's channel (payload: the queue).
+"""
+
+NOW = "date_part('epoch', now())"  # the server's clock, epoch seconds (double precision)
+UNFINISHED = "('queued', 'running', 'retrying')"
+
+
+class Statements:
+    def __init__(self, s):
+        """``s``: the quoted schema."""
+        t = f"{s}.jobs"
+        self.enqueue = (
+            f"INSERT INTO {t} (id, queue, type, payload, state, resource_id, idempotency_key,"
+            " max_attempts, timeout, priority, run_at, queued_at, trace_id)"
+            " SELECT i.id, i.queue, i.type, i.payload::json, 'queued', i.resource_id, i.idempotency_key,"
+            "  i.max_attempts, i.timeout, i.priority, n.now + i.delay, n.now, i.trace_id"
+            " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
+            "  %s::integer[], %s::float8[], %s::integer[], %s::float8[], %s::text[]) WITH ORDINALITY"
+            "  AS i(id, queue, type, payload, resource_id, idempotency_key, max_attempts, timeout, priority,"
+            "  delay, trace_id, ord),"
+            f" (SELECT {NOW} AS now) n"
+            " ORDER BY i.ord"
+            " ON CONFLICT DO NOTHING"
+            " RETURNING id, CASE WHEN run_at <= queued_at THEN pg_notify(%s, queue) END"
+        )
+        self.existing = (
+            f"SELECT id, idempotency_key, state FROM {t}"
+            f" WHERE (idempotency_key = ANY(%s::text[]) AND state IN {UNFINISHED}) OR id = ANY(%s::text[])"
+        )
+        self.claim = f"SELECT * FROM {s}.claim(%s::text[], %s::integer, %s::float8, %s::text)"
+        self.extend = (
+            f"UPDATE {t} j SET lease_until = {NOW} + %s::float8"
+            " FROM unnest(%s::text[], %s::bigint[]) AS l(id, token)"
+            " WHERE j.id = l.id AND j.token = l.token AND j.state = 'running'"
+            " RETURNING j.id, j.token"
+        )
+        close = "history = jsonb_set(history, '{-1}', (history -> -1) || %(info)s::jsonb || jsonb_build_object("
+        leased = "WHERE id = %(id)s AND token = %(token)s AND state = 'running'"
+        self.ack = (
+            f"UPDATE {t} SET state = 'done', result = %(result)s::json, finished_at = {NOW}, lease_until = NULL, "
+            + close + f"'ended_at', {NOW}, 'outcome', 'done')) " + leased
+        )
+        self.ack_many = (
+            f"UPDATE {t} j SET state = 'done', result = a.result::json, finished_at = {NOW}, lease_until = NULL,"
+            " history = jsonb_set(j.history, '{-1}', (j.history -> -1) || a.info::jsonb || jsonb_build_object("
+            f"'ended_at', {NOW}, 'outcome', 'done'))"
+            " FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::text[]) AS a(id, token, result, info)"
+            " WHERE j.id = a.id AND j.token = a.token AND j.state = 'running'"
+            " RETURNING j.id, j.token"
+        )
+        self.retry = (
+            f"UPDATE {t} SET state = 'retrying', run_at = %(run_at)s::float8, error = %(error)s::jsonb,"
+            f" first_failure_at = coalesce(first_failure_at, {NOW}), last_failure_at = {NOW}, lease_until = NULL, "
+            + close + f"'ended_at', {NOW}, 'outcome', 'retry', 'error', %(error)s::jsonb)) " + leased
+            + f" RETURNING CASE WHEN run_at <= {NOW} THEN pg_notify(%(channel)s, queue) END"
+        )
+        self.dead = (
+            f"UPDATE {t} SET state = 'dead', reason = %(reason)s, error = %(error)s::jsonb, finished_at = {NOW},"
+            f" first_failure_at = coalesce(first_failure_at, {NOW}), last_failure_at = {NOW}, lease_until = NULL, "
+            + close + f"'ended_at', {NOW}, 'outcome', 'dead', 'error', %(error)s::jsonb)) " + leased
+        )
+        self.release = (
+            f"UPDATE {t} SET state = 'queued', attempt = attempt - 1, lease_until = NULL, owner = NULL,"
+            f" run_at = {NOW}, history = history - -1 " + leased
+            + " RETURNING pg_notify(%(channel)s, queue)"
+        )

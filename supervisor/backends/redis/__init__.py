@@ -1,0 +1,397 @@
+"""The Redis broker: every state change is one Lua script on one queue's keys.
+
+The package's parts: ``connection`` (the URL, the client, errors as
+BrokerError), ``keys`` (the key layout), ``scripts`` (the Lua scripts in
+``redis_lua/``), ``fields`` (jobs to and from the scripts' strings), ``locate``
+(finding a job's queue from its id); the broker's operations are here.
+
+Every state change (enqueue, claim, extend, ack, retry, dead, release, replay,
+purge, prune) is one script that reads the clock with ``TIME`` and touches one
+queue's slot only (see ``keys``). ``P:queues`` lives outside the queue slots:
+enqueue adds the queue name to it in the same pipeline as (and before) the
+enqueue script, so a queue is known before it holds a job.
+
+Semantics beyond the shared contract:
+
+* Idempotency keys dedup per queue (one hash per slot): the same key in two
+  queues names two jobs. A finished job frees its key; dlq replay takes it back
+  and raises ``BadInput`` if another unfinished job holds it by then.
+* ``claim`` reclaims expired leases of the queues it claims from (bounded per
+  call); a queue nobody claims from keeps its expired leases until someone does.
+* ``claim`` with limits (``claim_limited.lua``) keeps the limit state in the
+  queue's slot: a type enqueued to two queues is limited per queue. It looks
+  at up to ``LIMITED_SCAN`` ready jobs per queue and call, so jobs behind more
+  held-back ones than that wait until those move. A concurrency limit counts
+  the jobs leased by limited claims, not those a claim without limits took.
+  ``P:{Q}:excl:T`` keeps one field per resource id ever leased (a few dozen
+  bytes each); nothing trims it yet.
+* ``dlq_replay``/``dlq_purge`` over several queues check every job first, then
+  run one all-or-nothing script per queue.
+* ``now()`` is the server clock: an offset to the local clock measured at first
+  use and every 30 seconds, erring early (never ahead of the server).
+"""
+import json
+import time
+
+import redis
+from redis.exceptions import NoScriptError, RedisError
+
+from ...errors import BadInput, BrokerError, LeaseLost, NotDead
+from ...model import QueueStats
+from ..base import Broker
+from ..limits import active
+from . import scripts
+from .connection import connect, guard
+from .fields import body, check_script_reply, enqueue_args, to_job
+from .keys import Keys
+from .locate import Locator
+
+LIMITED_SCAN = 1000  # ready entries one limited claim looks at per queue (held-back jobs included)
+BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one script's run time
+CLOCK_REFRESH = 30.0
+
+
+class RedisBroker(Broker):
+    def __init__(self, url):
+        self.url = url
+        self.r, self.prefix, self.done_ttl, self.where = connect(url)
+        self.scripts = scripts.register(self.r)
+        self.keys = Keys(self.prefix)
+        self._locator = Locator(self.r, self.keys)
+        self._offset = None
+        self._synced = 0.0
+        self._pubsub = None
+        self._wakeup_sock = None
+
+    # -- plumbing ---------------------------------------------------------
+    def _run(self, name, queue, args):
+        keys, head = self.keys.for_scripts(queue)
+        return self.scripts[name](keys=keys, args=head + list(args), client=self.r)
+
+    def _run_many(self, calls, before=()):
+        """Several script calls (and plain commands first) in one round trip."""
+        for attempt in (1, 2):
+            pipe = self.r.pipeline(transaction=False)
+            for command, *args in before:
+                getattr(pipe, command)(*args)
+            for name, queue, args in calls:
+                keys, head = self.keys.for_scripts(queue)
+                pipe.evalsha(self.scripts[name].sha, len(keys), *keys, *head, *args)
+            results = pipe.execute(raise_on_error=False)[len(before):]
+            if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
+                # The server lost its script cache; every script here is safe to resend.
+                scripts.load(self.r, self.scripts)
+                continue
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+            return results
+
+    @guard
+    def migrate(self):
+        """Nothing to create; loads the scripts, which also proves the server is there."""
+        scripts.load(self.r, self.scripts)
+
+    @guard
+    def now(self):
+        mono = time.monotonic()
+        if self._offset is None or mono - self._synced > CLOCK_REFRESH:
+            seconds, micros = self.r.time()
+            # The server read its clock before we got the reply: measuring against
+            # the local time after the reply errs early, never ahead of the server.
+            self._offset = seconds + micros / 1e6 - time.time()
+            self._synced = mono
+        return time.time() + self._offset
+
+    def close(self):
+        if self._pubsub is not None:
+            self._drop_pubsub()
+        try:
+            self.r.close()
+        except RedisError:
+            pass
+
+    # -- producing --------------------------------------------------------
+    def enqueue(self, job):
+        return self.enqueue_many([job])[0]
+
+    @guard
+    def enqueue_many(self, jobs):
+        jobs = [job.validate() for job in jobs]
+        by_queue = {}
+        for index, job in enumerate(jobs):
+            self.keys.for_scripts(job.queue)  # rejects bad names before anything is stored
+            by_queue.setdefault(job.queue, []).append(index)
+        calls, slots = [], []
+        for queue, indexes in by_queue.items():
+            for start in range(0, len(indexes), BATCH):
+                chunk = indexes[start:start + BATCH]
+                batch = json.dumps([enqueue_args(jobs[i]) for i in chunk], separators=(",", ":"), ensure_ascii=False)
+                calls.append(("enqueue", queue, [batch]))
+                slots.append(chunk)
+        if not calls:
+            return []
+        # The queue joins P:queues before its first job exists (see module docstring).
+        results = self._run_many(calls, before=[("sadd", self.keys.queues, *by_queue)])
+        ids = [None] * len(jobs)
+        for chunk, got in zip(slots, results):
+            for i, job_id in zip(chunk, got):
+                ids[i] = job_id
+        return ids
+
+    @guard
+    def enqueue_once(self, job):
+        job.validate()
+        if job.idempotency_key is None:
+            raise BadInput("enqueue_once needs an idempotency_key")
+        self.keys.for_scripts(job.queue)
+        batch = json.dumps([enqueue_args(job)], separators=(",", ":"), ensure_ascii=False)
+        got = self._run_many([("enqueue_once", job.queue, [batch])], before=[("sadd", self.keys.queues, job.queue)])
+        return got[0][0] if got[0] else None
+
+    # -- leasing ----------------------------------------------------------
+    @guard
+    def claim(self, queues, n, lease_seconds, owner, limits=None):
+        lease_us = max(1, int(lease_seconds * 1e6))
+        owner_json = json.dumps(owner)
+        for queue in queues:
+            self.keys.for_scripts(queue)  # a bad name fails the claim before any queue's jobs are leased
+        limits = active(limits)
+        if limits:
+            return self._runnable(self._claim_limited(queues, n, lease_us, owner, owner_json, limits))
+        claimed = []
+        for queue in queues:
+            if len(claimed) >= n:
+                break
+            for fields in self._run("claim", queue, [n - len(claimed), lease_us, owner, owner_json]):
+                job = to_job(json.loads(fields))
+                self._locator.remember(job.id, queue)
+                claimed.append(job)
+        return self._runnable(claimed)
+
+    def _claim_limited(self, queues, n, lease_us, owner, owner_json, limits):
+        """Per queue, one round trip: claim.lua with n = 0 (reclaim, promote), then claim_limited.lua."""
+        spec = json.dumps({t: [-1 if lim.max_concurrency is None else lim.max_concurrency, int(lim.exclusive),
+                               lim.rate[0] if lim.rate else 0, int(lim.rate[1] * 1e6) if lim.rate else 0]
+                           for t, lim in limits.items()}, separators=(",", ":"))
+        claimed = []
+        for queue in queues:
+            if len(claimed) >= n:
+                break
+            calls = [("claim", queue, [0, lease_us, owner, owner_json]),
+                     ("claim_limited", queue, [n - len(claimed), lease_us, owner, owner_json, spec, LIMITED_SCAN])]
+            for fields in self._run_many(calls)[1]:
+                job = to_job(json.loads(fields))
+                self._locator.remember(job.id, queue)
+                claimed.append(job)
+        return claimed
+
+    @guard
+    def extend(self, leases, lease_seconds):
+        lease_us = max(1, int(lease_seconds * 1e6))
+        lost, groups = [], {}
+        where = self._locator.queues_of([lease.job_id for lease in leases])
+        for lease in leases:
+            queue = where.get(lease.job_id)
+            if queue is None:
+                lost.append(lease)
+            else:
+                groups.setdefault(queue, []).append(lease)
+        if groups:
+            calls = [("extend", q, [lease_us] + [x for lease in group for x in (lease.job_id, lease.token)])
+                     for q, group in groups.items()]
+            for group, positions in zip(groups.values(), self._run_many(calls)):
+                lost.extend(group[p - 1] for p in positions)
+        order = {id(lease): i for i, lease in enumerate(leases)}
+        return sorted(lost, key=lambda lease: order[id(lease)])
+
+    def _finish(self, name, lease, args):
+        queue = self._locator.queues_of([lease.job_id]).get(lease.job_id)
+        if queue is None or not self._run(name, queue, [lease.job_id, lease.token, *args]):
+            raise LeaseLost(lease.job_id, lease.token)
+
+    @guard
+    def ack(self, lease, result=None, info=None):
+        self._finish("ack", lease, [json.dumps(result), body(info), self.done_ttl])
+        self._locator.forget(lease.job_id)
+
+    @guard
+    def ack_many(self, acks):
+        """One ack_many.lua call per queue (and per BATCH jobs), all in one pipelined round trip."""
+        acks = list(acks)
+        if not acks:
+            return []
+        where = self._locator.queues_of([lease.job_id for lease, _, _ in acks])
+        groups, lost = {}, []
+        for lease, result, info in acks:
+            queue = where.get(lease.job_id)
+            if queue is None:
+                lost.append(lease)
+            else:
+                groups.setdefault(queue, []).append((lease, result, info))
+        calls, chunks = [], []
+        for queue, items in groups.items():
+            for i in range(0, len(items), BATCH):
+                chunk = items[i:i + BATCH]
+                args = [self.done_ttl]
+                for lease, result, info in chunk:
+                    args += [lease.job_id, lease.token, json.dumps(result), body(info)]
+                calls.append(("ack_many", queue, args))
+                chunks.append(chunk)
+        for chunk, flags in zip(chunks, self._run_many(calls) if calls else ()):
+            for (lease, _, _), ok in zip(chunk, flags):
+                if ok:
+                    self._locator.forget(lease.job_id)
+                else:
+                    lost.append(lease)
+        order = {id(lease): i for i, (lease, _, _) in enumerate(acks)}
+        return sorted(lost, key=lambda lease: order[id(lease)])
+
+    @guard
+    def retry(self, lease, run_at, error, info=None):
+        self._finish("retry", lease, [int(run_at * 1e6), json.dumps(error), body(info)])
+
+    @guard
+    def dead(self, lease, reason, error, info=None):
+        self._finish("dead", lease, [reason, json.dumps(error), body(info)])
+        self._locator.forget(lease.job_id)
+
+    @guard
+    def release(self, lease):
+        self._finish("release", lease, [])
+
+    # -- reading ----------------------------------------------------------
+    @guard
+    def get(self, job_id):
+        queue = self._locator.known.get(job_id)
+        if queue is not None:
+            fields = self.r.hgetall(self.keys.job(queue, job_id))
+            if fields:
+                return to_job(fields)
+        found = self._locator.find([job_id])
+        return to_job(found[job_id][1]) if job_id in found else None
+
+    @guard
+    def stats(self, queues):
+        queues = list(queues)
+        out = {}
+        for queue, row in zip(queues, self._run_many([("stats", q, [self.done_ttl]) for q in queues])):
+            ready, scheduled, in_flight, dead, done, age = row
+            out[queue] = QueueStats(queue, ready=ready, scheduled=scheduled, in_flight=in_flight, dead=dead,
+                                    done=done, oldest_ready_age=int(age) / 1e6)
+        return out
+
+    # -- dead letters -----------------------------------------------------
+    @guard
+    def dlq_list(self, type=None, limit=100):
+        picked = []
+        for queue in sorted(self.r.smembers(self.keys.queues)):
+            picked.extend(self._dead_in(queue, type, limit))
+        picked.sort(reverse=True)  # failure time desc, then id desc
+        if limit is not None:
+            picked = picked[:limit]
+        if not picked:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for _, job_id, queue in picked:
+            pipe.hgetall(self.keys.job(queue, job_id))
+        return [to_job(fields) for fields in pipe.execute() if fields]
+
+    def _dead_in(self, queue, type, limit):
+        """(score, id, queue) of the newest dead jobs of one queue, at most ``limit``."""
+        key = self.keys.dead(queue)
+        page = max(1, min(limit, 500)) if limit is not None and type is None else 500
+        out, start = [], 0
+        while limit is None or len(out) < limit:
+            rows = self.r.zrevrange(key, start, start + page - 1, withscores=True)
+            if not rows:
+                break
+            start += len(rows)
+            if type is not None:
+                pipe = self.r.pipeline(transaction=False)
+                for job_id, _ in rows:
+                    pipe.hget(self.keys.job(queue, job_id), "type")
+                rows = [row for row, t in zip(rows, pipe.execute()) if t == type]
+            out.extend((score, job_id, queue) for job_id, score in rows)
+        return out if limit is None else out[:limit]
+
+    def _group_dead(self, job_ids):
+        """Check every id is dead (NotDead otherwise); group them by queue."""
+        found = self._locator.find(job_ids)
+        groups = {}
+        for job_id in job_ids:
+            if job_id not in found or found[job_id][1].get("state") != "dead":
+                state = found[job_id][1].get("state") if job_id in found else "unknown"
+                raise NotDead(f"job {job_id} is {state}, not dead")
+            groups.setdefault(found[job_id][0], []).append(job_id)
+        return groups
+
+    @guard
+    def dlq_replay(self, job_ids):
+        for queue, ids in self._group_dead(job_ids).items():
+            check_script_reply(self._run("replay", queue, ids))
+        return list(job_ids)
+
+    @guard
+    def dlq_purge(self, job_ids):
+        count = 0
+        for queue, ids in self._group_dead(job_ids).items():
+            count += int(check_script_reply(self._run("purge", queue, ids))[1])
+        return count
+
+    @guard
+    def prune(self, done_older_than):
+        age_us = max(0, int(done_older_than * 1e6))
+        deleted = 0
+        queues = sorted(self.r.smembers(self.keys.queues))
+        if queues:  # enqueue_once records older than the horizon
+            cutoff = int(self.now() * 1e6) - age_us
+            pipe = self.r.pipeline(transaction=False)
+            for queue in queues:
+                pipe.zremrangebyscore(self.keys.once(queue), "-inf", f"({cutoff}")
+            pipe.execute()
+        for queue in queues:
+            while True:
+                jobs, entries = self._run("prune", queue, [age_us, BATCH])
+                deleted += jobs
+                if entries < BATCH:
+                    break
+        return deleted
+
+    # -- wake-ups ---------------------------------------------------------
+    @guard
+    def wakeup_fd(self):
+        """The socket of a pub/sub connection subscribed to ``P:wakeup``.
+
+        When ``drain_wakeups`` raises BrokerError that connection is gone (or
+        redis-py replaced its socket): call this again for the new descriptor.
+        """
+        if self._pubsub is None:
+            pubsub = self.r.pubsub()
+            try:
+                pubsub.subscribe(self.keys.channel)
+            except BaseException:
+                pubsub.close()
+                raise
+            self._pubsub, self._wakeup_sock = pubsub, pubsub.connection._sock
+        return self._wakeup_sock.fileno()
+
+    def drain_wakeups(self):
+        if self._pubsub is None:
+            return
+        try:
+            while self._pubsub.get_message(timeout=0.0) is not None:
+                pass
+            connection = self._pubsub.connection
+            if connection is None or connection._sock is not self._wakeup_sock:
+                raise redis.ConnectionError("the wake-up connection was re-established")
+        except RedisError as exc:
+            self._drop_pubsub()
+            raise BrokerError(f"redis broker {self.where} wake-ups lost, call wakeup_fd() again: {exc}") from None
+
+    def _drop_pubsub(self):
+        pubsub, self._pubsub, self._wakeup_sock = self._pubsub, None, None
+        try:
+            pubsub.close()
+        except (RedisError, OSError):
+            pass

@@ -1,0 +1,63 @@
+"""The Redis broker's key layout.
+
+``P`` = prefix, ``Q`` = queue name; the braces are a hash tag, so all of a
+queue's keys share one Redis Cluster slot::
+
+    P:{Q}:j:<id>   hash    one job: fields of ``Job``; payload, result, error and
+                           history are JSON strings, the open attempt is "open"
+    P:{Q}:ready    zset    due jobs: score -priority, member "<run_at us:016><id>",
+                           so ZPOPMIN gives priority desc, run_at asc, id asc
+    P:{Q}:delayed  zset    delayed and backing-off jobs by run_at (us); the claim
+                           script promotes the due ones to ready
+    P:{Q}:leased   zset    running jobs by lease deadline (us)
+    P:{Q}:dead     zset    the dead-letter queue by failure time (us)
+    P:{Q}:done     zset    retained done jobs by finish time (us); the job hashes
+                           carry an EXPIRE of done_ttl, stale entries are trimmed
+    P:{Q}:idem     hash    idempotency key -> id of the unfinished job holding it
+    P:{Q}:once     zset    enqueue_once keys by first use (us); prune trims them
+    P:{Q}:run:T    set     ids of type T leased under a concurrency limit
+    P:{Q}:excl:T   hash    resource id -> the job of exclusive type T last leased on it
+    P:{Q}:rate:T   hash    type T's token bucket: tokens, ts (us)
+    P:queues       set     every queue name ever enqueued to (dlq_list, prune, get)
+    P:wakeup       channel published when a job becomes due now
+
+Scripts reach job hashes (and the ``run``/``excl``/``rate`` keys) by names
+built from a prefix argument rather than declared in KEYS; they are in the
+declared keys' slot, which Redis Cluster serves (it checks slots, not names),
+though a cluster proxy that routes strictly by KEYS would not. ``P:queues``
+lives outside the queue slots. Queue names may not contain braces (they would
+break the hash tag).
+"""
+from ...model import check_queue
+
+# A queue's keys every script is given, in this order (the scripts' KEYS[1..6]).
+SCRIPT_KEYS = ("ready", "delayed", "leased", "dead", "done", "idem")
+
+
+class Keys:
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self.queues = f"{prefix}:queues"
+        self.channel = f"{prefix}:wakeup"
+        self._scripts = {}  # queue -> (keys, argv head)
+
+    def for_scripts(self, queue):
+        """(KEYS, the first ARGV: job key prefix, wake-up channel) of a queue's scripts.
+
+        Checks the queue's name first: a bad one raises BadInput before anything is stored.
+        """
+        got = self._scripts.get(queue)
+        if got is None:
+            check_queue(queue)  # no braces above all: they would move the keys out of the hash tag
+            base = f"{self.prefix}:{{{queue}}}:"
+            got = self._scripts[queue] = ([base + k for k in SCRIPT_KEYS], [base + "j:", self.channel])
+        return got
+
+    def dead(self, queue):
+        return self.for_scripts(queue)[0][SCRIPT_KEYS.index("dead")]
+
+    def job(self, queue, job_id):
+        return f"{self.prefix}:{{{queue}}}:j:{job_id}"
+
+    def once(self, queue):
+        return f"{self.prefix}:{{{queue}}}:once"

@@ -1,0 +1,53 @@
+"""Finding a job's queue from its id.
+
+There is no id -> queue index in Redis (it would cost a write per job and
+could not be expired with the done TTL). The broker remembers the queue of the
+jobs it claimed or looked up (a bounded cache), and otherwise probes every
+known queue in one pipelined round trip: ``get``, ``dlq_*``, and the first
+``extend`` or finish call for leases another instance claimed (the heartbeat
+thread's own broker) take that path.
+"""
+WHERE_MAX = 100_000  # job id -> queue cache bound
+
+
+class Locator:
+    def __init__(self, client, keys):
+        self.client, self.keys = client, keys
+        self.known = {}  # job id -> queue, for jobs this instance claimed or looked up
+
+    def remember(self, job_id, queue):
+        if len(self.known) >= WHERE_MAX:
+            self.known.clear()
+        self.known[job_id] = queue
+
+    def forget(self, job_id):
+        self.known.pop(job_id, None)
+
+    def find(self, job_ids, fetch=True):
+        """{id: (queue, fields)} for the ids that exist, probing every known queue at once.
+
+        With ``fetch=False`` the fields are not read (``{}``): only the queue is wanted.
+        """
+        job_ids = list(dict.fromkeys(job_ids))
+        queues = sorted(self.client.smembers(self.keys.queues)) if job_ids else []
+        if not queues:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        pairs = [(job_id, q) for job_id in job_ids for q in queues]
+        for job_id, q in pairs:
+            key = self.keys.job(q, job_id)
+            pipe.hgetall(key) if fetch else pipe.exists(key)
+        found = {}
+        for (job_id, q), fields in zip(pairs, pipe.execute()):
+            if fields:
+                found[job_id] = (q, fields if fetch else {})
+        return found
+
+    def queues_of(self, job_ids):
+        """{id: queue} for the ids that exist: from the cache, else one probe for all the rest."""
+        out = {job_id: self.known[job_id] for job_id in job_ids if job_id in self.known}
+        missing = [job_id for job_id in job_ids if job_id not in out]
+        for job_id, (queue, _) in self.find(missing, fetch=False).items():
+            self.remember(job_id, queue)
+            out[job_id] = queue
+        return out

@@ -1,0 +1,59 @@
+"""The SQLite file: opening it, transactions, and SQLite's errors as BrokerError."""
+import contextlib
+import sqlite3
+
+from ...errors import BrokerError
+
+
+def connect(path, synchronous):
+    """A connection in WAL mode that waits up to 30 s for another process's write lock.
+
+    ``isolation_level=None``: the broker issues BEGIN itself (IMMEDIATE where it writes).
+    Raises ``sqlite3.Error``; the caller names the file.
+    """
+    db = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+    db.row_factory = sqlite3.Row
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(f"PRAGMA synchronous={synchronous}")
+    db.execute("PRAGMA busy_timeout=30000")
+    return db
+
+
+class Transaction:
+    """BEGIN ... COMMIT, or ROLLBACK when the block raises.
+
+    SQLite's own errors (a full disk, a lock held past the busy timeout, an I/O
+    error) leave as BrokerError naming the file, like every broker's failures.
+    """
+
+    def __init__(self, db, begin, path):
+        self.db, self.begin, self.path = db, begin, path
+
+    def __enter__(self):
+        with errors(self.path):
+            self.db.execute(self.begin)
+
+    def __exit__(self, exc_type, exc, tb):
+        with errors(self.path):
+            if exc_type is None:
+                try:
+                    self.db.execute("COMMIT")
+                except sqlite3.Error:
+                    self._rollback()
+                    raise
+                return
+            self._rollback()
+            if isinstance(exc, sqlite3.Error):
+                raise exc
+
+    def _rollback(self):
+        if self.db.in_transaction:  # SQLite may have rolled back by itself (a full disk does)
+            self.db.execute("ROLLBACK")
+
+
+@contextlib.contextmanager
+def errors(path):
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise BrokerError(f"sqlite database {path}: {exc}") from None

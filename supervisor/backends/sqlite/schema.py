@@ -1,0 +1,59 @@
+"""The SQLite broker's tables: created where missing, never written into when foreign.
+
+Every statement is ``IF NOT EXISTS``, so migrating is idempotent and a newer
+table or index simply joins an older file. A ``jobs`` table that lacks
+Tangguh's columns belongs to someone else and is refused.
+"""
+from ...errors import ConfigError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    queue TEXT NOT NULL,
+    type TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    state TEXT NOT NULL,
+    resource_id TEXT,
+    idempotency_key TEXT,
+    attempt INTEGER NOT NULL DEFAULT 0,
+    max_attempts INTEGER NOT NULL,
+    timeout REAL,
+    priority INTEGER NOT NULL DEFAULT 0,
+    run_at REAL NOT NULL,
+    queued_at REAL NOT NULL,
+    trace_id TEXT,
+    token INTEGER NOT NULL DEFAULT 0,
+    lease_until REAL,
+    owner TEXT,
+    result TEXT,
+    error TEXT,
+    reason TEXT,
+    first_failure_at REAL,
+    last_failure_at REAL,
+    finished_at REAL,
+    history TEXT NOT NULL DEFAULT '[]'
+);
+CREATE INDEX IF NOT EXISTS jobs_ready ON jobs (queue, priority DESC, run_at, id)
+    WHERE state IN ('queued', 'retrying');
+CREATE INDEX IF NOT EXISTS jobs_leased ON jobs (lease_until) WHERE state = 'running';
+CREATE INDEX IF NOT EXISTS jobs_finished ON jobs (state, finished_at) WHERE state IN ('done', 'dead');
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (idempotency_key)
+    WHERE idempotency_key IS NOT NULL AND state IN ('queued', 'running', 'retrying');
+CREATE TABLE IF NOT EXISTS rate_buckets (type TEXT PRIMARY KEY, tokens REAL NOT NULL, updated_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS once_keys (key TEXT PRIMARY KEY, created_at REAL NOT NULL);
+"""
+
+# The columns that make a jobs table Tangguh's.
+JOB_COLUMNS = {"id", "queue", "type", "payload", "state", "attempt", "token", "lease_until", "history"}
+
+
+def migrate(db, path):
+    """Create what is missing; run inside the caller's write transaction."""
+    columns = {row["name"] for row in db.execute("PRAGMA table_info(jobs)")}
+    if columns and not JOB_COLUMNS <= columns:
+        # CREATE TABLE IF NOT EXISTS would keep it and write our jobs into it.
+        raise ConfigError(f"sqlite database {path} has a jobs table that is not Tangguh's:"
+                          " give the broker a database file of its own")
+    for statement in SCHEMA.split(";"):
+        if statement.strip():
+            db.execute(statement)
