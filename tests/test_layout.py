@@ -52,6 +52,11 @@ def test_the_layout_check_sees_a_sibling_import(tmp_path):
             "supervisor.protocol"} <= found
 
 
-def test_no_module_of_the_master_is_over_500_lines():
-    sizes = {p.name: len(p.read_text().splitlines()) for p in MASTER.glob("*.py")}
-    assert {name: n for name, n in sizes.items() if n > 500} == {}
+# Modules still waiting for their split (each named with the issue that splits it).
+SIZE_EXCEPTIONS = {"cli.py", "config.py"}
+
+
+def test_no_module_is_over_400_lines():
+    """Small modules, one concern each: a file past ~400 lines is doing two jobs."""
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 400 and name not in SIZE_EXCEPTIONS} == {}
