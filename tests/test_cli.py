@@ -20,6 +20,7 @@ from supervisor.backends import open_broker
 from supervisor.client import Client
 from supervisor.errors import BadInput, BrokerError
 from supervisor.model import NewJob, error_info
+from supervisor.urls import redact
 
 from .util import wait_for
 
@@ -429,7 +430,7 @@ def test_db_migrate_creates_the_database(capsys, cfg_path, db_path):
     assert code == 0 and out.startswith("migrated sqlite:///") and db_path in out
     with open_broker("sqlite:///" + db_path) as b:
         assert b.stats(["default"])["default"].ready == 0
-    assert cli.redact("postgresql://app:s3cret@db/x") == "postgresql://app:***@db/x"
+    assert redact("postgresql://app:s3cret@db/x") == "postgresql://app:***@db/x"
 
 
 # -- the daemon commands, without a daemon ----------------------------------------------
@@ -483,7 +484,7 @@ def fake_supervisor(tmp_path):
 
 
 def test_status_watch_redraws_from_the_socket(capsys, fake_supervisor, monkeypatch):
-    from supervisor import watch
+    from supervisor.cli import watch
 
     cfg, requests = fake_supervisor
     real_run = watch.run

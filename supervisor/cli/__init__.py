@@ -17,14 +17,15 @@ import shutil
 import sys
 import time
 
-from . import config as config_module
-from .errors import BadInput, ConfigError, NotDead, TangguhError
-from .model import MAX_DEPTH
-from .urls import redact
+from .. import config as config_module
+from ..errors import BadInput, ConfigError, NotDead, TangguhError
+from ..model import MAX_DEPTH
+from ..urls import redact
 
 PROG = "tangguh"
-EXAMPLE_CONFIG = "data/config.example.toml"
-EXAMPLE_HANDLERS = "data/handlers/examples.py"
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # shipped in the package
+EXAMPLE_CONFIG = os.path.join(DATA, "config.example.toml")
+EXAMPLE_HANDLERS = os.path.join(DATA, "handlers", "examples.py")
 
 
 class UsageError(Exception):
@@ -172,7 +173,7 @@ def build_parser():
 def version_text():
     import platform
 
-    from . import __version__
+    from .. import __version__
 
     return f"{PROG} {__version__} (Python {platform.python_version()})"
 
@@ -182,7 +183,7 @@ def load_config(args):
 
 
 def open_client(args, cfg=None):
-    from .client import Client
+    from ..client import Client
 
     return Client.from_config(cfg or load_config(args))
 
@@ -302,7 +303,7 @@ def cmd_config_show(args):
 
 def example_config():
     """The text of the starter config (``config.example.toml``, shipped in the package)."""
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), EXAMPLE_CONFIG), encoding="utf-8") as f:
+    with open(EXAMPLE_CONFIG, encoding="utf-8") as f:
         return f.read()
 
 
@@ -310,7 +311,7 @@ def cmd_config_init(args):
     if args.systemd:
         if args.path:
             raise UsageError("config init --systemd: takes no PATH (the config goes to /etc/tangguh/config.toml)")
-        return daemon_module("install").main(args)
+        return daemon_module("cli.install").main(args)
     if not args.path:
         raise UsageError("config init: give the PATH to write, or --systemd")
     text = example_config()
@@ -327,7 +328,7 @@ def cmd_config_init(args):
         os.makedirs(handlers, exist_ok=True)
         print(f"made {handlers}/ (drop handler modules here)")
         example = os.path.join(handlers, os.path.basename(EXAMPLE_HANDLERS))
-        shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), EXAMPLE_HANDLERS), example)
+        shutil.copyfile(EXAMPLE_HANDLERS, example)
         print(f"wrote {example} (example handlers: hash_chain, sleep, flaky, always_permanent)")
 
 
@@ -446,7 +447,7 @@ def cmd_schedules(args):
     import datetime
     import time
 
-    from . import registry, scheduler
+    from .. import registry, scheduler
 
     cfg = load_config(args)
     handlers = registry.load_handlers(cfg.supervisor.handlers) if os.path.isdir(cfg.supervisor.handlers) else {}
@@ -565,7 +566,7 @@ def cmd_db_migrate(args):
         client.broker.migrate()
         print(f"migrated {redact(client.url)}: tables and indexes are up to date")
     if cfg.toolkit.database_url:  # the handlers' database: idempotency_records
-        from . import toolkit
+        from .. import toolkit
 
         toolkit.migrate(cfg.toolkit.database_url)
         print(f"migrated {redact(cfg.toolkit.database_url)}: idempotency_records is up to date")
@@ -574,11 +575,11 @@ def cmd_db_migrate(args):
 # -- the daemon (its modules are imported only when these commands run) -------
 
 def daemon_module(name):
-    """Import a daemon module on demand (the producer commands never load the daemon)."""
+    """Import ``supervisor.<name>`` on demand (the producer commands never load the daemon)."""
     import importlib
 
     try:
-        return importlib.import_module(f"{__package__ or 'supervisor'}.{name}")
+        return importlib.import_module(f"supervisor.{name}")
     except ImportError as exc:
         raise Failure(f"this installation has no supervisor.{name} ({exc})") from None
 
@@ -588,7 +589,7 @@ def cmd_run(args):
 
 
 def cmd_demo(args):
-    return daemon_module("demo").main(list(args.args))
+    return daemon_module("cli.demo").main(list(args.args))
 
 
 def supervisor_socket(args):
@@ -651,7 +652,7 @@ def cmd_status(args):
             except Failure as exc:  # keep watching across a restart
                 return {"error": str(exc)}
 
-        return daemon_module("watch").run(fetch, args.watch)
+        return daemon_module("cli.watch").run(fetch, args.watch)
     try:
         while True:
             screen = json.dumps(reply, indent=2, default=str) if args.json else printable(render_status(reply))
@@ -719,6 +720,3 @@ def _flat(value):
         return redact(value)
     return str(value)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,10 +14,10 @@ import time
 
 import tomli_w
 
-from .health import NoSupervisor, request
-from .model import NewJob
+from ..health import NoSupervisor, request
+from ..model import NewJob
 
-HANDLERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "handlers")  # shipped in the package
+HANDLERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "handlers")  # shipped in the package
 
 
 def main(argv=()):
@@ -69,8 +69,8 @@ class Tour:
         print(text, flush=True)
 
     def run(self):
-        from .backends import open_broker
-        from .cli import render_status
+        from ..backends import open_broker
+        from . import render_status
 
         self.say(f"Starting a supervisor with 2 children on {self.url}")
         log = open(os.path.join(self.folder, "daemon.log"), "wb")
