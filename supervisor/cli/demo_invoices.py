@@ -27,9 +27,10 @@ from ..health import NoSupervisor, request
 from ..model import NewJob
 from ..toolkit.cache import Cache
 from ..toolkit.transaction import transaction
+from .common import DATA
 from .demo import wait_until
 
-HANDLERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "handlers")  # shipped in the package
+HANDLERS = os.path.join(DATA, "handlers")
 INVOICE_ID = 1001
 
 
