@@ -13,7 +13,8 @@ Producers use ``supervisor.Client``.
 from .errors import BadInput, BrokerError, ConfigError, LeaseLost, TangguhError  # noqa: F401
 from .registry import job  # noqa: F401
 from .retry import BadPayload, Permanent, RetryLater, Transient  # noqa: F401
-from .timeouts import JobTimeout, critical  # noqa: F401
+from .child.timeouts import JobTimeout, critical  # noqa: F401
+from .toolkit.locks import LockBusy, LockLost  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -45,10 +45,10 @@ def job(type_name, *, timeout=None, soft_timeout=None, max_attempts=None, queue=
     """
     if not isinstance(type_name, str) or not type_name.strip():
         raise ValueError("job type must be a non-empty string")
-    from . import config
+    from . import checks
 
-    for key, value, check in (("max_concurrency", max_concurrency, config.positive_int),
-                              ("rate_limit", rate_limit, config.rate), ("cron", cron, config.cron)):
+    for key, value, check in (("max_concurrency", max_concurrency, checks.positive_int),
+                              ("rate_limit", rate_limit, checks.rate), ("cron", cron, checks.cron)):
         if value is not None:
             try:
                 check(value)

@@ -6,7 +6,7 @@ jitter until the job's ``max_attempts``, then dead-lettered (reason
 """
 import random
 
-from .timeouts import JobTimeout  # noqa: F401 - where handlers have imported it from
+from .child.timeouts import JobTimeout  # noqa: F401 - where handlers have imported it from
 
 
 class Permanent(Exception):

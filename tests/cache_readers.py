@@ -15,7 +15,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from supervisor import toolkit  # noqa: E402
-from supervisor.cache import Cache  # noqa: E402
+from supervisor.toolkit.cache import Cache  # noqa: E402
 
 
 def main(url, go, threads, total):

@@ -107,7 +107,7 @@ MUTATIONS = [
     Mutation("hard-timeout-off", "supervisor/master/pool.py",
              "if c.job is None or c.deadline is None or now < c.deadline:", "if True:",
              ("tests/test_daemon.py", "-k", "hard_timeout"), "a job over its hard timeout is killed"),
-    Mutation("idempotency-off", "supervisor/idempotency.py",
+    Mutation("idempotency-off", "supervisor/toolkit/idempotency.py",
              'elif row["status"] == "done":', "elif False:",
              ("tests/test_toolkit.py", "-k", "idempotency_on_sqlite"), "a done idempotency key suppresses the effect"),
     Mutation("backoff-flat", "supervisor/retry.py",

@@ -17,9 +17,11 @@ import pytest
 
 from supervisor import cli
 from supervisor.backends import open_broker
+from supervisor.cli.daemon import render_status
 from supervisor.client import Client
 from supervisor.errors import BadInput, BrokerError
 from supervisor.model import NewJob, error_info
+from supervisor.urls import redact
 
 from .util import wait_for
 
@@ -429,7 +431,7 @@ def test_db_migrate_creates_the_database(capsys, cfg_path, db_path):
     assert code == 0 and out.startswith("migrated sqlite:///") and db_path in out
     with open_broker("sqlite:///" + db_path) as b:
         assert b.stats(["default"])["default"].ready == 0
-    assert cli.redact("postgresql://app:s3cret@db/x") == "postgresql://app:***@db/x"
+    assert redact("postgresql://app:s3cret@db/x") == "postgresql://app:***@db/x"
 
 
 # -- the daemon commands, without a daemon ----------------------------------------------
@@ -483,7 +485,7 @@ def fake_supervisor(tmp_path):
 
 
 def test_status_watch_redraws_from_the_socket(capsys, fake_supervisor, monkeypatch):
-    from supervisor import watch
+    from supervisor.cli import watch
 
     cfg, requests = fake_supervisor
     real_run = watch.run
@@ -555,7 +557,7 @@ STATUS_REPLY = {
 
 
 def test_render_status_of_a_recorded_reply():
-    text = cli.render_status(STATUS_REPLY, now=1_000_000.0 + 3725)
+    text = render_status(STATUS_REPLY, now=1_000_000.0 + 3725)
     lines = text.splitlines()
     assert lines[0] == "supervisor pid 4100  generation 2  up 1h02m (since 1970-01-12T13:46:40.000Z)"
     assert "config:  /etc/tangguh/config.toml" in lines
@@ -576,9 +578,9 @@ def test_render_status_of_a_recorded_reply():
 def test_render_status_shows_a_failed_reload_and_tolerates_missing_fields():
     reply = dict(STATUS_REPLY, reload_error="handlers/bad.py: SyntaxError: invalid syntax (line 3)", workers=[],
                  counters={})
-    text = cli.render_status(reply, now=1_000_000.0)
+    text = render_status(reply, now=1_000_000.0)
     assert "RELOAD FAILED (running the previous generation): handlers/bad.py: SyntaxError" in text
     assert "workers: 0 (0 busy)" in text and "SLOT" not in text
-    text = cli.render_status(dict(STATUS_REPLY, stopping=True, broker_down=True), now=1_000_000.0)
+    text = render_status(dict(STATUS_REPLY, stopping=True, broker_down=True), now=1_000_000.0)
     assert "state:   stopping, BROKER DOWN" in text
-    assert cli.render_status({"pid": 1}).startswith("supervisor pid 1  generation -")
+    assert render_status({"pid": 1}).startswith("supervisor pid 1  generation -")

@@ -14,8 +14,8 @@ import signal
 import pytest
 
 from supervisor import toolkit
-from supervisor.cache import Cache
-from supervisor.transaction import transaction
+from supervisor.toolkit.cache import Cache
+from supervisor.toolkit.transaction import transaction
 
 from .daemon import Daemon, read_lines, tangguh
 from .toolkit_fixtures import INVOICES, handlers_db, invoices, new_invoice, query, toolkit_redis  # noqa: F401

@@ -404,7 +404,7 @@ def rendered_unit(tmp_path):
     ``systemd-analyze verify`` checks that the ExecStart= binary exists, and
     /opt/tangguh/venv does not exist on a test machine.
     """
-    from supervisor import install
+    from supervisor.cli import install
 
     assert os.access(VENV_TANGGUH, os.X_OK), VENV_TANGGUH
     path = tmp_path / "tangguh.service"
@@ -413,7 +413,7 @@ def rendered_unit(tmp_path):
 
 
 def test_packaged_unit_is_identical_to_the_systemd_one():
-    from supervisor import install
+    from supervisor.cli import install
 
     with open(UNIT_PATH) as a, open(os.path.join(install.DATA, "tangguh.service")) as b:
         assert a.read() == b.read(), "copy systemd/tangguh.service to supervisor/data/ (they must stay identical)"
@@ -443,7 +443,8 @@ def test_systemd_analyze_security_scores_the_unit_under_the_threshold(rendered_u
 
 
 def test_the_unit_agrees_with_the_config_defaults_and_the_installer():
-    from supervisor import config, install, master as arbiter
+    from supervisor import config, master as arbiter
+    from supervisor.cli import install
 
     with open(UNIT_PATH) as f:
         text = f.read()
@@ -479,7 +480,8 @@ def test_config_init_systemd_installs_into_a_root(tmp_path):
     import grp
     import pwd
 
-    from supervisor import config, install
+    from supervisor import config
+    from supervisor.cli import install
 
     user = pwd.getpwuid(os.geteuid()).pw_name
     group = other_group() if os.geteuid() == 0 else grp.getgrgid(os.getegid())
@@ -584,7 +586,7 @@ def test_systemd_reads_the_filter_the_same_way(rendered_unit):
 
 
 def test_a_child_says_at_debug_when_sched_batch_is_refused(monkeypatch, caplog):
-    from supervisor import child
+    from supervisor.child import worker as child
 
     def refuse(*_):
         raise PermissionError(1, "Operation not permitted")

@@ -13,14 +13,15 @@ import time
 import psycopg
 import pytest
 
-from supervisor import timeouts, toolkit
-from supervisor.cache import Cache
+from supervisor import toolkit
+from supervisor.child import timeouts
+from supervisor.child.timeouts import JobTimeout
 from supervisor.config import ConfigError, from_dict
-from supervisor.idempotency import Idempotency, IdempotencyError, prune
-from supervisor.locks import LockBusy, LockLost, Locks, advisory_lock, row_lock
 from supervisor.retry import RetryLater
-from supervisor.timeouts import JobTimeout
-from supervisor.transaction import transaction
+from supervisor.toolkit.cache import Cache
+from supervisor.toolkit.idempotency import Idempotency, IdempotencyError, prune
+from supervisor.toolkit.locks import LockBusy, LockLost, Locks, advisory_lock, row_lock
+from supervisor.toolkit.transaction import transaction
 
 from .daemon import tangguh
 from .toolkit_fixtures import handlers_db, invoices, new_invoice, query, toolkit_redis  # noqa: F401

@@ -2,7 +2,7 @@
 import copy
 import io
 
-from supervisor import watch
+from supervisor.cli import watch
 
 T0 = 1_700_000_000.0
 

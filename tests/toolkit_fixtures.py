@@ -11,7 +11,7 @@ import os
 import pytest
 
 from supervisor import toolkit
-from supervisor.transaction import transaction
+from supervisor.toolkit.transaction import transaction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INVOICES = os.path.join(ROOT, "supervisor", "data", "handlers", "invoices.py")

@@ -28,7 +28,8 @@ import signal
 import socket
 import time
 
-from .. import child, config, logs, protocol, registry, toolkit
+from .. import config, logs, protocol, registry, toolkit
+from ..child import worker as child  # imported before the forks: the children share it
 from ..errors import BrokerError, BrokerUnusable, ConfigError, TangguhError
 from ..health import AlreadyRunning, HealthServer
 from ..heartbeat import Heartbeat

@@ -1,6 +1,6 @@
 """The master's record of the Redis locks its children hold (``ctx.lock``).
 
-The handler's side (acquire, release, fences) is ``supervisor.locks``; this is
+The handler's side (acquire, release, fences) is ``supervisor.toolkit.locks``; this is
 the other half: the children report each lock over their pipe, the heartbeat
 thread extends them with the job's lease, and a dead child's locks are
 released at once so the next attempt does not wait out their TTL.
@@ -9,7 +9,7 @@ import logging
 import threading
 
 from .. import protocol
-from ..locks import EXTEND, RELEASE
+from ..toolkit.locks import EXTEND, RELEASE
 
 log = logging.getLogger("tangguh.locks")
 

@@ -29,7 +29,6 @@ import os
 import time
 
 import supervisor
-import supervisor.locks
 
 # Created by the soak next to the toolkit's idempotency_records (same SQL on both databases).
 TABLES = (
@@ -77,7 +76,7 @@ def _run(ctx, payload, work=None, fail_before=False, fail_after=False, fence=Non
     except _Refused:
         with ctx.transaction() as tx:  # evidence of the refused write (the effect's transaction rolled back)
             tx.execute("INSERT INTO fenced VALUES (%s, %s, %s, %s)", (job.idempotency_key, job.id, job.attempt, fence))
-        raise supervisor.locks.LockLost(f"a newer holder of the lock wrote with a fence above {fence}") from None
+        raise supervisor.LockLost(f"a newer holder of the lock wrote with a fence above {fence}") from None
     if fail_after:
         raise RuntimeError("failed after the commit: the retry must be suppressed")
     return {"fresh": not rec.done}

@@ -103,9 +103,10 @@ def oversize_frame(ctx, payload):
     """A child gone wrong: writes a frame header over the limit straight into its pipe, then hangs."""
     import struct
 
-    from supervisor import protocol, toolkit
+    from supervisor import protocol
+    from supervisor.toolkit import connections
 
-    sock = toolkit._notify.__closure__[0].cell_contents  # the child's end of the pipe to the master
+    sock = connections._notify.__closure__[0].cell_contents  # the child's end of the pipe to the master
     _mark(payload, f"sending {os.getpid()}")  # first: the master may kill us as soon as the header lands
     sock.sendall(struct.pack("!I", protocol.MAX_MESSAGE + 1) + b"x" * 1024)
     time.sleep(60)

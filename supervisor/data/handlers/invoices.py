@@ -25,7 +25,7 @@ idempotency table comes from ``tangguh db migrate``). Amounts are integer
 cents.
 """
 import supervisor
-from supervisor.locks import LockLost
+from supervisor import LockLost
 
 SCHEMA = {
     "postgres": [

@@ -40,7 +40,7 @@ import json
 import random
 import time
 
-from .retry import RetryLater
+from ..retry import RetryLater
 
 PRUNE_EVERY = 600.0
 

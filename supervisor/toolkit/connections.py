@@ -26,7 +26,7 @@ import re
 import sqlite3
 import urllib.parse
 
-from .errors import ConfigError, TangguhError
+from ..errors import ConfigError, TangguhError
 
 DEFAULT_RETENTION = 7 * 86400.0
 
@@ -145,7 +145,7 @@ class Database:
             return conn
         import psycopg
 
-        from .backends.postgres import libpq_conninfo
+        from ..backends.postgres import libpq_conninfo
 
         conninfo, mine = libpq_conninfo(self.url, ("schema",), connect_timeout="10")
         self.schema = mine.get("schema")

@@ -1,6 +1,6 @@
 """One database transaction for a handler, with after-commit steps.
 
-``ctx.transaction()`` (see ``supervisor.toolkit``) yields a ``Transaction`` on
+``ctx.transaction()`` (see ``supervisor.toolkit.connections``) yields a ``Transaction`` on
 the child's own connection to the handlers' database (PostgreSQL, or SQLite
 for the embedded mode)::
 
@@ -23,7 +23,7 @@ keys is).
 import contextlib
 import logging
 
-from . import timeouts
+from ..child import timeouts
 
 log = logging.getLogger("tangguh.transaction")
 

@@ -10,7 +10,7 @@ import collections
 import sys
 import time
 
-from .cli import duration, table
+from .output import duration, table
 
 WINDOW = 60.0  # seconds of samples the rates are computed over
 CLEAR = "\033[H\033[2J"

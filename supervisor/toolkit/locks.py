@@ -43,8 +43,8 @@ import random
 import time
 import uuid
 
-from . import protocol
-from .retry import RetryLater
+from .. import protocol
+from ..retry import RetryLater
 
 log = logging.getLogger("tangguh.locks")
 

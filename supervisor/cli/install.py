@@ -27,7 +27,8 @@ import shutil
 import subprocess
 import sys
 
-from .errors import TangguhError
+from ..errors import TangguhError
+from .common import DATA
 
 CONFIG_DIR = "/etc/tangguh"
 CONFIG = "/etc/tangguh/config.toml"
@@ -35,7 +36,6 @@ HANDLERS = "/etc/tangguh/handlers"
 UNIT = "/etc/systemd/system/tangguh.service"
 STATE_DIR = "/var/lib/tangguh"
 SOCKET = "/run/tangguh/tangguh.sock"
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 # The example config's relative paths, and where a service keeps them.
 SERVICE_PATHS = {

@@ -2,7 +2,7 @@
 import dataclasses
 import logging
 
-from .logs import job_fields
+from ..logs import job_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,41 +46,45 @@ class Context:
 
     # -- the handler toolkit (docs/safe-handlers.md); connections open on first use --
     def transaction(self):
-        """``with ctx.transaction() as tx``: the handlers' database (``supervisor.transaction``)."""
-        from . import toolkit, transaction
+        """``with ctx.transaction() as tx``: the handlers' database (``supervisor.toolkit.transaction``)."""
+        from .. import toolkit
+        from ..toolkit import transaction
 
         return transaction.transaction(toolkit.database())
 
     @property
     def idempotency(self):
-        """``ctx.idempotency.begin(tx, key)`` (``supervisor.idempotency``)."""
-        from . import idempotency, toolkit
+        """``ctx.idempotency.begin(tx, key)`` (``supervisor.toolkit.idempotency``)."""
+        from .. import toolkit
+        from ..toolkit import idempotency
 
         return idempotency.Idempotency(self.job, self.metrics, toolkit.settings().idempotency_retention)
 
     def lock(self, name, ttl=30.0, wait=10.0):
-        """``with ctx.lock(name, ttl, wait) as lock``: a Redis lock with ``lock.fence`` (``supervisor.locks``)."""
-        from . import locks, toolkit
+        """``with ctx.lock(name, ttl, wait) as lock``: a Redis lock with ``lock.fence`` (``toolkit.locks``)."""
+        from .. import toolkit
+        from ..toolkit import locks
 
         client, prefix = toolkit.redis()
         return locks.Locks(client, prefix, self.metrics, toolkit.notify_master).acquire(name, ttl, wait)
 
     def row_lock(self, tx, table, key, **options):
-        """``SELECT ... FOR UPDATE`` of one row: ``supervisor.locks.row_lock``."""
-        from . import locks
+        """``SELECT ... FOR UPDATE`` of one row: ``supervisor.toolkit.locks.row_lock``."""
+        from ..toolkit import locks
 
         return locks.row_lock(tx, table, key, **options)
 
     def advisory_lock(self, tx, key, timeout=None):
-        """A transaction-scoped PostgreSQL advisory lock: ``supervisor.locks.advisory_lock``."""
-        from . import locks
+        """A transaction-scoped PostgreSQL advisory lock: ``supervisor.toolkit.locks.advisory_lock``."""
+        from ..toolkit import locks
 
         return locks.advisory_lock(tx, key, timeout)
 
     @property
     def cache(self):
-        """``ctx.cache.get_or_build(...)``, ``invalidate_after_commit(tx, ...)`` (``supervisor.cache``)."""
-        from . import cache, toolkit
+        """``ctx.cache.get_or_build(...)``, ``invalidate_after_commit(tx, ...)`` (``supervisor.toolkit.cache``)."""
+        from .. import toolkit
+        from ..toolkit import cache
 
         client, prefix = toolkit.redis()
         return cache.Cache(client, prefix, self.metrics)

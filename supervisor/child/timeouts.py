@@ -15,7 +15,7 @@ class JobTimeout(Exception):
     """Raised inside a handler when its soft timeout passes.
 
     Never raised in the middle of a critical section (a commit, a broker call):
-    see ``supervisor.timeouts.critical``. Catch it to clean up; the attempt
+    see ``supervisor.critical``. Catch it to clean up; the attempt
     counts as failed with reason ``timeout``.
     """
 

@@ -14,22 +14,14 @@ import time
 
 import tomli_w
 
-from .health import NoSupervisor, request
-from .model import NewJob
+from ..health import NoSupervisor, request
+from ..model import NewJob
+from .common import DATA
 
-HANDLERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "handlers")  # shipped in the package
+HANDLERS = os.path.join(DATA, "handlers")
 
 
-def main(argv=()):
-    argv = list(argv)
-    if argv and argv[0] == "invoices":
-        from . import demo_invoices
-
-        return demo_invoices.main(argv[1:])
-    if argv:
-        print(f"tangguh: error: unknown demo {argv[0]!r} (try: tangguh demo, tangguh demo invoices)",
-              file=sys.stderr)
-        return 2
+def main():
     folder = tempfile.mkdtemp(prefix="tangguh-demo-")
     try:
         return Tour(folder).run()
@@ -69,8 +61,8 @@ class Tour:
         print(text, flush=True)
 
     def run(self):
-        from .backends import open_broker
-        from .cli import render_status
+        from ..backends import open_broker
+        from .daemon import render_status
 
         self.say(f"Starting a supervisor with 2 children on {self.url}")
         log = open(os.path.join(self.folder, "daemon.log"), "wb")

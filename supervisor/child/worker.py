@@ -15,10 +15,11 @@ import traceback
 
 import setproctitle
 
-from . import protocol, timeouts, toolkit
+from .. import protocol, toolkit
+from ..model import check_json
+from ..retry import BadPayload, Permanent, RetryLater
+from . import timeouts
 from .context import Context
-from .model import check_json
-from .retry import BadPayload, Permanent, RetryLater
 from .timeouts import JobTimeout
 
 PR_SET_PDEATHSIG = 1

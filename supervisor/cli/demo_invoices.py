@@ -22,14 +22,15 @@ import uuid
 
 import tomli_w
 
-from . import toolkit
-from .cache import Cache
+from .. import toolkit
+from ..health import NoSupervisor, request
+from ..model import NewJob
+from ..toolkit.cache import Cache
+from ..toolkit.transaction import transaction
+from .common import DATA
 from .demo import wait_until
-from .health import NoSupervisor, request
-from .model import NewJob
-from .transaction import transaction
 
-HANDLERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "handlers")  # shipped in the package
+HANDLERS = os.path.join(DATA, "handlers")
 INVOICE_ID = 1001
 
 
@@ -77,7 +78,7 @@ class Tour:
         print(text, flush=True)
 
     def run(self):
-        from .backends import open_broker
+        from ..backends import open_broker
 
         invoices = load_invoices()
         toolkit.migrate(self.db_url)
@@ -157,7 +158,7 @@ class Tour:
         if dropped_schema:
             import psycopg
 
-            from .backends.postgres import libpq_conninfo
+            from ..backends.postgres import libpq_conninfo
 
             with psycopg.connect(libpq_conninfo(self.db_url, ("schema",))[0], autocommit=True) as conn:
                 conn.execute(f'DROP SCHEMA IF EXISTS "{dropped_schema}" CASCADE')

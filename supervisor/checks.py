@@ -1,0 +1,156 @@
+"""Value checks for the config and the ``@job`` decorator.
+
+Each returns the value (a number as float where it is a float setting) or
+raises ValueError saying what was expected; the config names the key path in
+front of it (``broker.lease_seconds: expected a positive number, got "abc"``).
+"""
+import math
+import re
+import urllib.parse
+
+from .model import QUEUE_NAME, QUEUE_RULE
+
+
+def _num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def positive_int(v):
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    raise ValueError("expected a positive integer")
+
+
+def non_negative_int(v):
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+        return v
+    raise ValueError("expected an integer >= 0")
+
+
+def positive_number(v):
+    if _num(v) and v > 0:
+        return float(v)
+    raise ValueError("expected a positive number")
+
+
+def non_negative_number(v):
+    if _num(v) and v >= 0:
+        return float(v)
+    raise ValueError("expected a number >= 0")
+
+
+def fraction(v):
+    if _num(v) and 0 <= v <= 1:
+        return float(v)
+    raise ValueError("expected a number between 0 and 1")
+
+
+def string(v):
+    if isinstance(v, str):
+        return v
+    raise ValueError("expected a string")
+
+
+def name(v):
+    if isinstance(v, str) and v.strip() and v == v.strip():
+        return v
+    raise ValueError("expected a non-empty name")
+
+
+def names(v):
+    if isinstance(v, list) and v and all(isinstance(x, str) and x.strip() for x in v) and len(set(v)) == len(v):
+        return list(v)
+    raise ValueError("expected a non-empty list of distinct names")
+
+
+def queue_name(v):
+    # The rule enqueue applies: a queue the config names must be one a producer can use.
+    if isinstance(v, str) and QUEUE_NAME.fullmatch(v):
+        return v
+    raise ValueError(f"expected a queue name ({QUEUE_RULE})")
+
+
+def queue_names(v):
+    for q in names(v):
+        if not QUEUE_NAME.fullmatch(q):
+            raise ValueError(f"{q!r} is not a queue name ({QUEUE_RULE})")
+    return list(v)
+
+
+def group_name(v):
+    # The portable POSIX/shadow-utils form: what `groupadd` accepts.
+    if isinstance(v, str) and (v == "" or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}", v)):
+        return v
+    raise ValueError("expected a group name such as \"tangguh-ops\" (or \"\" for none)")
+
+
+def boolean(v):
+    if isinstance(v, bool):
+        return v
+    raise ValueError("expected true or false")
+
+
+def rate(v):
+    from .model import parse_rate
+
+    try:
+        parse_rate(v)
+    except ValueError:
+        raise ValueError('expected "N/s", "N/m" or "N/h"') from None
+    return v
+
+
+def cron(v):
+    import croniter
+
+    if isinstance(v, str) and croniter.croniter.is_valid(v):
+        return v
+    raise ValueError('expected a cron expression ("*/5 * * * *"; a 6th field, last, is seconds)')
+
+
+def timezone(v):
+    import zoneinfo
+
+    try:
+        zoneinfo.ZoneInfo(v)
+    except (TypeError, ValueError, zoneinfo.ZoneInfoNotFoundError):
+        raise ValueError("expected an IANA time zone name (\"Europe/Berlin\", \"UTC\")") from None
+    return v
+
+
+def table(v):
+    if isinstance(v, dict):
+        return v
+    raise ValueError("expected a table")
+
+
+def one_of(*choices):
+    def check(v):
+        if v in choices:
+            return v
+        raise ValueError("expected one of " + ", ".join(repr(c) for c in choices))
+
+    return check
+
+
+def _scheme(url):
+    try:
+        return urllib.parse.urlsplit(url).scheme
+    except ValueError:
+        return ""
+
+
+class Unshown(ValueError):
+    """A bad value that must not be echoed (it may hold a password): the message says enough."""
+
+
+def url_of(*schemes):
+    def check(v):
+        if isinstance(v, str) and (v == "" or _scheme(v) in schemes):
+            return v
+        expected = "expected an empty string or a " + " or ".join(f"{s}://" for s in schemes) + " URL"
+        if not isinstance(v, str):
+            raise ValueError(expected)
+        raise Unshown(f"{expected}, got " + (f"scheme {_scheme(v)!r}" if _scheme(v) else "no URL"))
+
+    return check

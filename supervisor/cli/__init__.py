@@ -1,0 +1,158 @@
+"""The ``tangguh`` command line.
+
+Every command takes ``-c/--config PATH`` (default ``./tangguh.toml``, else
+``/etc/tangguh/config.toml``, else built-in defaults); commands that print data
+take ``--json``. Exit codes: 0 ok, 1 runtime error (broker unreachable, job not
+found, no supervisor answering), 2 bad input, usage or config error. Every
+error is one line on stderr (``tangguh: error: ...``), and input is checked
+before the broker is opened, so a rejected command writes nothing.
+"""
+import argparse
+import contextlib
+import os
+import sys
+
+from ..errors import BadInput, ConfigError, NotDead, TangguhError
+from . import admin, daemon, dlq, jobs
+from .common import PROG, Failure, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        command = self.prog[len(PROG):].strip()
+        raise UsageError(f"{command}: {message}" if command else message)
+
+
+# -- entry point ----------------------------------------------------------------
+
+def main(argv=None):
+    for stream in (sys.stdout, sys.stderr):
+        # A job's text may hold what the terminal's encoding cannot show (a lone
+        # surrogate): show it escaped rather than fail the whole listing.
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return args.func(args) or 0
+    except UsageError as exc:
+        return _fail(exc, 2)
+    except (ConfigError, BadInput) as exc:
+        return _fail(exc, 2)
+    except (Failure, NotDead, TangguhError) as exc:
+        return _fail(exc, 1)
+    except OSError as exc:
+        return _fail(f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", 1)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the contract is one line, never a traceback
+        if os.environ.get("TANGGUH_DEBUG"):
+            raise
+        return _fail(f"internal error: {type(exc).__name__}: {exc} (set TANGGUH_DEBUG=1 for a traceback)", 1)
+
+
+def _fail(message, code):
+    text = " ".join(str(message).split()) or "failed"
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+    print(f"{PROG}: error: {text}", file=sys.stderr)
+    return code
+
+
+def build_parser():
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-c", "--config", metavar="PATH", default=argparse.SUPPRESS,
+                        help="config file (default: ./tangguh.toml, else /etc/tangguh/config.toml)")
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="print JSON")
+    to_socket = argparse.ArgumentParser(add_help=False)
+    to_socket.add_argument("--socket", metavar="PATH", help="the supervisor's health socket (default: the config's"
+                           " supervisor.socket; read leniently when the config file is broken)")
+
+    parser = _Parser(prog=PROG, description="Tangguh: a pre-fork worker-queue supervisor.")
+    parser.add_argument("--version", action="version", version=version_text())
+    parser.add_argument("-c", "--config", metavar="PATH", default=None,
+                        help="config file (default: ./tangguh.toml, else /etc/tangguh/config.toml)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(parent, name, func, help, *parents):
+        p = parent.add_parser(name, help=help, description=help, parents=[common, *parents])
+        if func is not None:
+            p.set_defaults(func=func)
+        return p
+
+    command(commands, "run", daemon.cmd_run, "run the supervisor in the foreground")
+
+    p = command(commands, "enqueue", jobs.cmd_enqueue, "enqueue a job and print its id")
+    p.add_argument("type", metavar="TYPE", help="job type (the handler's name)")
+    p.add_argument("--payload", default="{}", metavar="JSON", help="payload: a JSON object (default {})")
+    p.add_argument("--queue", metavar="Q", help="queue (default: the type's queue from the config)")
+    p.add_argument("--resource-id", metavar="R", help="resource the job acts on")
+    p.add_argument("--idempotency-key", metavar="K", help="returns the unfinished job with this key, if any")
+    p.add_argument("--delay", type=float, default=0.0, metavar="S", help="seconds before the job is due")
+    p.add_argument("--max-attempts", type=int, metavar="N", help="attempts before dead-lettering")
+    p.add_argument("--timeout", type=float, metavar="S", help="hard timeout in seconds")
+    p.add_argument("--priority", type=int, default=0, metavar="N", help="higher runs first within a queue")
+    p.add_argument("--trace-id", metavar="T", help="trace id (default: a new one)")
+
+    command(commands, "status", daemon.cmd_status, "show the running supervisor's workers", as_json,
+            to_socket).add_argument(
+        "--watch", nargs="?", const=1.0, type=float, metavar="SECONDS", help="refresh every SECONDS (default 1)")
+    command(commands, "metrics", daemon.cmd_metrics, "print the supervisor's Prometheus metrics", to_socket)
+    command(commands, "stats", jobs.cmd_stats, "show per-queue counts", as_json)
+    command(commands, "schedules", jobs.cmd_schedules, "list the periodic jobs with their next run", as_json)
+    command(commands, "job", jobs.cmd_job, "show one job with its history", as_json).add_argument(
+        "job_id", metavar="ID")
+
+    dlq_commands = command(commands, "dlq", None, "inspect and replay dead-lettered jobs").add_subparsers(
+        dest="dlq_command", metavar="COMMAND", required=True)
+    p = command(dlq_commands, "list", dlq.cmd_dlq_list, "list dead jobs, most recently failed first", as_json)
+    p.add_argument("--type", metavar="T", help="only jobs of this type")
+    p.add_argument("--limit", type=int, default=100, metavar="N", help="at most N jobs (default 100; 0: all)")
+    command(dlq_commands, "show", dlq.cmd_dlq_show, "show a dead job: reason, error, attempts", as_json).add_argument(
+        "job_id", metavar="ID")
+    p = command(dlq_commands, "replay", dlq.cmd_dlq_replay, "put dead jobs back on their queue")
+    p.add_argument("job_ids", nargs="*", metavar="ID")
+    p.add_argument("--all", action="store_true", help="every dead job (of --type)")
+    p.add_argument("--type", metavar="T", help="with --all: only jobs of this type")
+    p.add_argument("--rate", type=float, metavar="N", help="at most N replays per second")
+    p = command(dlq_commands, "purge", dlq.cmd_dlq_purge, "delete dead jobs for good")
+    p.add_argument("job_ids", nargs="*", metavar="ID")
+    p.add_argument("--all", action="store_true", help="every dead job (of --type); needs --yes")
+    p.add_argument("--type", metavar="T", help="with --all: only jobs of this type")
+    p.add_argument("--yes", action="store_true", help="confirm --all")
+
+    cfg = command(commands, "config", None, "check, show or create a config file")
+    cfg_commands = cfg.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
+    command(cfg_commands, "check", admin.cmd_config_check, "validate the config")
+    command(cfg_commands, "show", admin.cmd_config_show, "print the effective config, defaults included", as_json)
+    p = command(cfg_commands, "init", admin.cmd_config_init, "write a starter config, or install the systemd service")
+    p.add_argument("path", metavar="PATH", nargs="?", help="where to write the config (not with --systemd)")
+    p.add_argument("--systemd", action="store_true",
+                   help="install as a service: user, /etc/tangguh/{config.toml,handlers/}, the unit (docs/service.md)")
+    p.add_argument("--root", default="/", metavar="DIR", help="with --systemd: write the files under DIR "
+                   "(for packaging and tests); accounts and systemctl are left alone")
+    p.add_argument("--user", default="tangguh", metavar="NAME", help="with --systemd: service user (default tangguh)")
+    p.add_argument("--group", default="tangguh", metavar="NAME", help="with --systemd: service group (default tangguh)")
+    p.add_argument("--exec", dest="exec_path", metavar="PATH",
+                   help="with --systemd: the tangguh command for ExecStart= (default: this installation's)")
+    p.add_argument("--dry-run", action="store_true", help="with --systemd: print what would be done, do nothing")
+
+    db = command(commands, "db", None, "broker storage")
+    db_commands = db.add_subparsers(dest="db_command", metavar="COMMAND", required=True)
+    command(db_commands, "migrate", admin.cmd_db_migrate,
+            "create or upgrade the broker's tables (and the toolkit's, if toolkit.database_url is set)")
+
+    command(commands, "demo", admin.cmd_demo, "run a demonstration").add_argument(
+        "args", nargs=argparse.REMAINDER, metavar="NAME", help="demo name and its arguments")
+    return parser
+
+
+def version_text():
+    import platform
+
+    from .. import __version__
+
+    return f"{PROG} {__version__} (Python {platform.python_version()})"

@@ -1,0 +1,83 @@
+"""Setting up: ``config check|show|init``, ``db migrate``, ``demo``."""
+import os
+import shutil
+import sys
+
+from .. import config as config_module
+from ..urls import redact
+from .common import DATA, UsageError, daemon_module, load_config, open_client
+from .output import print_json
+
+EXAMPLE_CONFIG = os.path.join(DATA, "config.example.toml")
+EXAMPLE_HANDLERS = os.path.join(DATA, "handlers", "examples.py")
+
+
+def cmd_config_check(args):
+    cfg = load_config(args)
+    config_module.check_host(cfg)
+    print(f"ok: {cfg.path or 'no config file found, built-in defaults'}")
+
+
+def cmd_config_show(args):
+    cfg = load_config(args)
+    data = cfg.to_dict()
+    if args.json:
+        print_json(data)
+        return
+    import tomli_w
+
+    source = cfg.path or "built-in defaults (no config file found)"
+    sys.stdout.write(f"# effective config from {source}\n" + tomli_w.dumps(data))
+
+
+def example_config():
+    """The text of the starter config (``config.example.toml``, shipped in the package)."""
+    with open(EXAMPLE_CONFIG, encoding="utf-8") as f:
+        return f.read()
+
+
+def cmd_config_init(args):
+    if args.systemd:
+        if args.path:
+            raise UsageError("config init --systemd: takes no PATH (the config goes to /etc/tangguh/config.toml)")
+        return daemon_module("cli.install").main(args)
+    if not args.path:
+        raise UsageError("config init: give the PATH to write, or --systemd")
+    text = example_config()
+    try:
+        with open(args.path, "x", encoding="utf-8") as f:
+            f.write(text)
+    except FileExistsError:
+        raise UsageError(f"{args.path}: already exists, not overwriting it") from None
+    print(f"wrote {args.path}")
+    # The starter config names ./handlers beside it: make it, with the example handlers the
+    # README's walk-through enqueues, so `tangguh run` starts at once and its first job runs.
+    handlers = config_module.load(args.path).supervisor.handlers
+    if not os.path.isdir(handlers):
+        os.makedirs(handlers, exist_ok=True)
+        print(f"made {handlers}/ (drop handler modules here)")
+        example = os.path.join(handlers, os.path.basename(EXAMPLE_HANDLERS))
+        shutil.copyfile(EXAMPLE_HANDLERS, example)
+        print(f"wrote {example} (example handlers: hash_chain, sleep, flaky, always_permanent)")
+
+
+def cmd_db_migrate(args):
+    cfg = load_config(args)
+    with open_client(args, cfg) as client:
+        client.broker.migrate()
+        print(f"migrated {redact(client.url)}: tables and indexes are up to date")
+    if cfg.toolkit.database_url:  # the handlers' database: idempotency_records
+        from .. import toolkit
+
+        toolkit.migrate(cfg.toolkit.database_url)
+        print(f"migrated {redact(cfg.toolkit.database_url)}: idempotency_records is up to date")
+
+
+def cmd_demo(args):
+    """``demo``: the tour; ``demo invoices [...]``: the handler toolkit's demo."""
+    if not args.args:
+        return daemon_module("cli.demo").main()
+    name, *rest = args.args
+    if name != "invoices":
+        raise UsageError(f"unknown demo {name!r} (try: tangguh demo, tangguh demo invoices)")
+    return daemon_module("cli.demo_invoices").main(rest)

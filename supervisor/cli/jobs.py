@@ -1,0 +1,137 @@
+"""Producing and reading jobs: ``enqueue``, ``job``, ``stats``, ``schedules``."""
+import datetime
+import json
+import os
+import time
+
+from ..errors import BadInput
+from ..model import MAX_DEPTH
+from .common import Failure, load_config, open_client
+from .output import duration, one_line, print_json, say, table, when
+
+
+_JSON_TYPES = {dict: "object", list: "list", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def parse_payload(text):
+    try:
+        payload = json.loads(text)
+    except ValueError as exc:
+        raise BadInput(f"payload: malformed JSON: {exc}") from None
+    except RecursionError:
+        raise BadInput(f"payload: nested more than {MAX_DEPTH} levels deep") from None
+    if not isinstance(payload, dict):
+        raise BadInput(f"payload: expected a JSON object, got {_JSON_TYPES.get(type(payload), type(payload).__name__)}")
+    return payload
+
+
+def cmd_enqueue(args):
+    payload = parse_payload(args.payload)
+    cfg = load_config(args)
+    with open_client(args, cfg) as client:
+        # new_job checks everything before the broker is opened: a bad value stores nothing.
+        options = dict(queue=args.queue, resource_id=args.resource_id, idempotency_key=args.idempotency_key,
+                       delay=args.delay, max_attempts=args.max_attempts, timeout=args.timeout,
+                       trace_id=args.trace_id, priority=args.priority)
+        client.new_job(args.type, payload, **options)
+        print(client.enqueue(args.type, payload, **options))
+
+
+def get_job(broker, job_id):
+    job = broker.get(job_id)
+    if job is None:
+        raise Failure(f"job {job_id} not found")
+    return job
+
+
+def cmd_job(args):
+    with open_client(args) as client:
+        job = get_job(client.broker, args.job_id)
+    if args.json:
+        print_json(job.to_dict())
+    else:
+        say(render_job(job))
+
+
+def render_job(job):
+    """A job, every field and its history, for reading."""
+    state = job.state + (f" ({job.reason})" if job.reason else "")
+    fields = [
+        ("id", job.id), ("type", job.type), ("queue", job.queue), ("state", state),
+        ("attempt", f"{job.attempt} of {job.max_attempts}"), ("priority", job.priority),
+        ("payload", json.dumps(job.payload, sort_keys=True)), ("resource_id", job.resource_id),
+        ("idempotency_key", job.idempotency_key), ("trace_id", job.trace_id),
+        ("timeout", duration(job.timeout) if job.timeout else "-"),
+        ("queued_at", when(job.queued_at)), ("run_at", when(job.run_at)),
+        ("lease", f"token {job.token}, owner {job.owner or '-'}, until {when(job.lease_until)}"),
+        ("first_failure_at", when(job.first_failure_at)), ("last_failure_at", when(job.last_failure_at)),
+        ("finished_at", when(job.finished_at)),
+        ("result", "-" if job.result is None else json.dumps(job.result, sort_keys=True)),
+    ]
+    lines = [f"{k + ':':<17} {'-' if v is None else v}" for k, v in fields]
+    return "\n".join(lines + render_error(job.error, "error:") + render_history(job.history))
+
+
+def render_history(history):
+    lines = [f"history:          {len(history)} attempt(s)"]
+    for entry in history:
+        lines.append("  " + render_attempt(entry))
+        err = entry.get("error")
+        if isinstance(err, dict):
+            lines.append(f"      {err.get('class') or err.get('reason') or 'error'}: {one_line(err.get('message'), 100)}")
+    return lines
+
+
+def render_error(error, label):
+    if not error:
+        return [f"{label:<17} -"]
+    lines = [f"{label:<17} {error.get('class') or '-'}: {error.get('message') or ''}".rstrip(),
+             f"  reason:         {error.get('reason') or '-'}"]
+    if error.get("traceback"):
+        lines.append("  traceback:")
+        lines += ["    " + line for line in str(error["traceback"]).rstrip().splitlines()]
+    return lines
+
+
+def render_attempt(entry):
+    started, ended = entry.get("started_at"), entry.get("ended_at")
+    took = duration(ended - started) if started is not None and ended is not None else "-"
+    text = (f"#{entry.get('attempt', '?')} {entry.get('outcome') or 'running'} started {when(started)}"
+            f" ended {when(ended)} ({took}) owner {entry.get('owner') or '-'}")
+    known = {"attempt", "outcome", "started_at", "ended_at", "owner", "error"}
+    extra = {k: v for k, v in entry.items() if k not in known}
+    if extra:
+        text += " " + " ".join(f"{k}={v}" for k, v in sorted(extra.items()))
+    return text
+
+
+def cmd_stats(args):
+    with open_client(args) as client:
+        stats = client.stats()
+    if args.json:
+        print_json({q: s.to_dict() for q, s in stats.items()})
+        return
+    headers = ["QUEUE", "READY", "SCHEDULED", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY"]
+    rows = [[q, s.ready, s.scheduled, s.in_flight, s.dead, s.done, duration(s.oldest_ready_age) if s.ready else "-"]
+            for q, s in stats.items()]
+    say(table(headers, rows))
+
+
+def cmd_schedules(args):
+    """``[schedules.*]`` plus the handlers' ``cron=``; next runs by this host's clock."""
+    from .. import registry, scheduler
+
+    cfg = load_config(args)
+    handlers = registry.load_handlers(cfg.supervisor.handlers) if os.path.isdir(cfg.supervisor.handlers) else {}
+    listing = scheduler.Scheduler(scheduler.schedules_from(cfg, handlers), None).listing(time.time())
+    for item in listing:
+        item["next_run_iso"] = datetime.datetime.fromtimestamp(item["next_run"], datetime.timezone.utc).isoformat()
+    if args.json:
+        print_json(listing)
+        return
+    if not listing:
+        print("no schedules")
+        return
+    rows = [[i["name"], i["cron"], i["timezone"], i["type"], i["queue"] or "-", i["next_run_iso"]] for i in listing]
+    say(table(["NAME", "CRON", "TIMEZONE", "TYPE", "QUEUE", "NEXT_RUN (UTC)"], rows))
