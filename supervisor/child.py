@@ -15,7 +15,7 @@ import traceback
 
 import setproctitle
 
-from . import protocol, timeouts, toolkit
+from . import protocol, schemas, timeouts, toolkit
 from .context import Context
 from .model import check_json
 from .retry import BadPayload, Permanent, RetryLater
@@ -144,10 +144,11 @@ def run_job(job, handlers, soft_timeout=None):
     ctx = Context(job, deadline)
     timeouts.arm(soft_timeout)
     try:
+        payload = schemas.for_handler(spec, job["payload"])  # the typed payload, or BadPayload
         if spec.is_async:
-            result = asyncio.run(spec.fn(ctx, job["payload"]))
+            result = asyncio.run(spec.fn(ctx, payload))
         else:
-            result = spec.fn(ctx, job["payload"])
+            result = spec.fn(ctx, payload)
         timeouts.disarm()
         check_json(result, "handler result")
         return dict(reply, ok=True, result=result, duration=time.monotonic() - started,

@@ -18,6 +18,7 @@ import sys
 import time
 
 from . import config as config_module
+from . import schemas
 from .errors import BadInput, ConfigError, NotDead, TangguhError
 from .model import MAX_DEPTH
 from .urls import redact
@@ -352,6 +353,7 @@ def parse_payload(text):
 def cmd_enqueue(args):
     payload = parse_payload(args.payload)
     cfg = load_config(args)
+    payload = schemas.check_cli_payload(cfg, args.type, payload)  # the handler's schema, when importable
     with open_client(args, cfg) as client:
         # new_job checks everything before the broker is opened: a bad value stores nothing.
         options = dict(queue=args.queue, resource_id=args.resource_id, idempotency_key=args.idempotency_key,

@@ -61,6 +61,13 @@ def job(type_name, *, timeout=None, soft_timeout=None, max_attempts=None, queue=
                 check(value)
             except ValueError as exc:
                 raise ValueError(f"job {type_name!r}: {key}: {exc}, got {value!r}") from None
+    if payload is not None:
+        from . import schemas
+
+        try:
+            schemas.kind_of(payload)
+        except ValueError as exc:
+            raise ValueError(f"job {type_name!r}: {exc}") from None
 
     def mark(fn):
         from .jobref import Handler
