@@ -36,6 +36,17 @@ def configure(url=None, *, config=None, client=None):
     _local.__dict__.clear()
 
 
+def save():
+    """What ``configure`` was last given (for ``restore``: a test fixture's teardown)."""
+    return _settings
+
+
+def restore(saved):
+    global _settings
+    _settings = saved
+    _local.__dict__.clear()
+
+
 def default_client():
     """The client ``Handler.enqueue`` uses when none is passed (raises ``ConfigError`` when none is set)."""
     setting = _settings or _from_environment()
