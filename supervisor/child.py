@@ -15,7 +15,7 @@ import traceback
 
 import setproctitle
 
-from . import protocol, schemas, timeouts, toolkit
+from . import protocol, schemas, timeouts, toolkit, tracing
 from .context import Context
 from .model import check_json
 from .retry import BadPayload, Permanent, RetryLater
@@ -110,7 +110,7 @@ def serve(sock, slot, handlers, master_pid):
         if msg.get("op") == protocol.RUN:
             job = msg["job"]
             title(slot, f"{job['type']} {job['id']} since {time.strftime('%H:%M:%S')}")
-            reply = run_job(job, handlers, msg.get("soft_timeout"))
+            reply = tracing.run_span(job, lambda: run_job(job, handlers, msg.get("soft_timeout")))
             try:
                 with timeouts.critical():  # a SIGTERM now waits for the whole reply: never a torn frame
                     send_reply(sock, reply)

@@ -27,7 +27,7 @@ import time
 
 import tomli_w
 
-from . import child, config as config_module, protocol, registry, toolkit
+from . import child, config as config_module, protocol, registry, toolkit, tracing
 from .jobref import default_client
 from .master import verdict
 from .master.outcomes import Write
@@ -135,7 +135,8 @@ def _attempt(job, cfg, handlers):
     message = protocol.run_message(job, settings.max_attempts, settings.soft_timeout)
     message = json.loads(protocol.encode(message)[4:])  # what crosses the pipe is JSON
     with _soft_timeouts() as usable:
-        reply = child.run_job(message["job"], handlers, settings.soft_timeout if usable else None)
+        reply = tracing.run_span(message["job"], lambda: child.run_job(message["job"], handlers,
+                                                                       settings.soft_timeout if usable else None))
     reply = json.loads(protocol.encode(reply)[4:])
     return verdict.judge(job.attempt, settings.max_attempts, verdict.Ending(reply=reply), backoff), reply
 
