@@ -8,9 +8,12 @@ Handler authors need only this module::
     def send_email(ctx, payload):
         ...
 
-Producers use ``supervisor.Client``.
+Producers enqueue through the handler (``send_email.enqueue({...})``, with
+``supervisor.configure(url=...)``), a ``supervisor.JobRef("send_email")``, or
+a ``supervisor.Client``.
 """
 from .errors import BadInput, BrokerError, ConfigError, LeaseLost, TangguhError  # noqa: F401
+from .jobref import JobRef, configure  # noqa: F401
 from .registry import job  # noqa: F401
 from .retry import BadPayload, Permanent, RetryLater, Transient  # noqa: F401
 from .child.timeouts import JobTimeout, critical  # noqa: F401

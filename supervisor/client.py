@@ -22,6 +22,7 @@ import inspect
 import logging
 
 from . import config as config_module
+from . import tracing
 from .backends.base import open_broker, scheme_of
 from .errors import BadInput, BrokerError
 from .logs import job_fields
@@ -106,11 +107,13 @@ class Client:
         """Store one job; return its id (the existing job's id when ``idempotency_key`` matches
         an unfinished job). ``broker_kwargs`` go to the broker, e.g. ``conn=`` for PostgreSQL's
         transactional enqueue."""
-        job = self.new_job(type, payload, queue=queue, resource_id=resource_id, idempotency_key=idempotency_key,
-                           delay=delay, max_attempts=max_attempts, timeout=timeout, trace_id=trace_id,
-                           priority=priority)
-        job_id = self._call("enqueue", job, broker_kwargs)
-        _log_enqueued(job, job_id)
+        with tracing.enqueue_span([type], queue) as span:  # OpenTelemetry, when installed
+            job = self.new_job(type, payload, queue=queue, resource_id=resource_id, idempotency_key=idempotency_key,
+                               delay=delay, max_attempts=max_attempts, timeout=timeout,
+                               trace_id=trace_id or span.traceparent, priority=priority)
+            job_id = self._call("enqueue", job, broker_kwargs)
+            span.stored([job_id])
+            _log_enqueued(job, job_id)
         return job_id
 
     def enqueue_many(self, jobs, **broker_kwargs):
@@ -120,18 +123,26 @@ class Client:
         or a tuple ``(type, payload)`` / ``(type, payload, {options})``. All are checked before
         any is stored.
         """
-        new_jobs = []
+        items = []
         for i, item in enumerate(jobs):
             try:
-                args, options = _job_args(item)
-                new_jobs.append(self.new_job(*args, **options))
+                items.append(_job_args(item))
             except BadInput as exc:
                 raise BadInput(f"job {i}: {exc}") from None
-        if not new_jobs:
+        if not items:
             return []
-        ids = self._call("enqueue_many", new_jobs, broker_kwargs)
-        for job, job_id in zip(new_jobs, ids):
-            _log_enqueued(job, job_id)
+        with tracing.enqueue_span([args[0] for args, _ in items]) as span:  # OpenTelemetry, when installed
+            new_jobs = []
+            for i, (args, options) in enumerate(items):
+                try:
+                    new_jobs.append(self.new_job(*args, **dict(options, trace_id=options.get("trace_id")
+                                                               or span.traceparent)))
+                except BadInput as exc:
+                    raise BadInput(f"job {i}: {exc}") from None
+            ids = self._call("enqueue_many", new_jobs, broker_kwargs)
+            span.stored(ids)
+            for job, job_id in zip(new_jobs, ids):
+                _log_enqueued(job, job_id)
         return ids
 
     def _call(self, method_name, arg, broker_kwargs):

@@ -9,6 +9,8 @@ import os
 import sys
 import time
 
+from .tracing import log_trace_id
+
 JOB_FIELDS = ("job_id", "type", "queue", "attempt", "resource_id", "idempotency_key", "trace_id")
 EVENT_FIELDS = JOB_FIELDS + ("event", "slot", "pid", "signal", "exit_code", "reason", "generation", "error",
                              "elapsed", "delay")
@@ -18,6 +20,7 @@ def job_fields(job, **extra):
     """The ``extra`` dict for a log call about ``job`` (a Job or the child's job dict)."""
     get = job.get if isinstance(job, dict) else lambda k: getattr(job, k, None)
     fields = {name: get("id" if name == "job_id" else name) for name in JOB_FIELDS}
+    fields["trace_id"] = log_trace_id(fields["trace_id"])  # a traceparent logs as its trace id
     fields.update(extra)
     return fields
 

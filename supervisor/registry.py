@@ -31,11 +31,18 @@ class HandlerSpec:
     cron: str | None = None
     is_async: bool = False
     source: str = ""
+    payload: object = None  # the payload schema (``supervisor.schemas``), or None for a plain dict
 
 
 def job(type_name, *, timeout=None, soft_timeout=None, max_attempts=None, queue=None,
-        max_concurrency=None, rate_limit=None, exclusive=False, cron=None):
+        max_concurrency=None, rate_limit=None, exclusive=False, cron=None, payload=None):
     """Mark ``fn(ctx, payload)`` as the handler of jobs of ``type_name``.
+
+    Returns a ``jobref.Handler``: the function, still callable, with
+    ``.enqueue(payload)`` and ``.enqueue_many(payloads)``. ``payload`` is a
+    schema (a dataclass, a TypedDict, a pydantic model or a msgspec Struct):
+    payloads are checked against it at enqueue and in the child, and the
+    handler receives the typed object (``supervisor.schemas``).
 
     The keyword values are defaults; ``[jobs.types.<type_name>]`` in the
     config overrides them. ``max_concurrency``, ``rate_limit`` (``"100/m"``)
@@ -54,12 +61,22 @@ def job(type_name, *, timeout=None, soft_timeout=None, max_attempts=None, queue=
                 check(value)
             except ValueError as exc:
                 raise ValueError(f"job {type_name!r}: {key}: {exc}, got {value!r}") from None
+    if payload is not None:
+        from . import schemas
+
+        try:
+            schemas.kind_of(payload)
+        except ValueError as exc:
+            raise ValueError(f"job {type_name!r}: {exc}") from None
 
     def mark(fn):
-        setattr(fn, _MARK, dict(type=type_name, timeout=timeout, soft_timeout=soft_timeout,
-                                max_attempts=max_attempts, queue=queue, max_concurrency=max_concurrency,
-                                rate_limit=rate_limit, exclusive=bool(exclusive), cron=cron))
-        return fn
+        from .jobref import Handler
+
+        handler = Handler(fn, type_name, payload=payload, queue=queue)
+        setattr(handler, _MARK, dict(type=type_name, timeout=timeout, soft_timeout=soft_timeout,
+                                     max_attempts=max_attempts, queue=queue, max_concurrency=max_concurrency,
+                                     rate_limit=rate_limit, exclusive=bool(exclusive), cron=cron, payload=payload))
+        return handler
 
     return mark
 
@@ -84,9 +101,10 @@ def load_handlers(folder, generation=0):
             if meta is None or id(value) in seen or not callable(value):
                 continue
             seen.add(id(value))
-            spec = HandlerSpec(fn=value, is_async=inspect.iscoroutinefunction(value), source=path, **meta)
+            fn = getattr(value, "__wrapped__", value)  # the function itself, under the Handler
+            spec = HandlerSpec(fn=fn, is_async=inspect.iscoroutinefunction(fn), source=path, **meta)
             other = handlers.get(spec.type)
-            if other is not None and other.fn is not value:
+            if other is not None and other.fn is not fn:
                 raise HandlerLoadError(f"job type {spec.type!r} has two handlers: {other.source} and {path}")
             handlers[spec.type] = spec
     return handlers

@@ -15,7 +15,7 @@ import traceback
 
 import setproctitle
 
-from .. import protocol, toolkit
+from .. import protocol, schemas, toolkit, tracing
 from ..model import check_json
 from ..retry import BadPayload, Permanent, RetryLater
 from . import timeouts
@@ -111,7 +111,7 @@ def serve(sock, slot, handlers, master_pid):
         if msg.get("op") == protocol.RUN:
             job = msg["job"]
             title(slot, f"{job['type']} {job['id']} since {time.strftime('%H:%M:%S')}")
-            reply = run_job(job, handlers, msg.get("soft_timeout"))
+            reply = tracing.run_span(job, lambda: run_job(job, handlers, msg.get("soft_timeout")))
             try:
                 with timeouts.critical():  # a SIGTERM now waits for the whole reply: never a torn frame
                     send_reply(sock, reply)
@@ -145,10 +145,11 @@ def run_job(job, handlers, soft_timeout=None):
     ctx = Context(job, deadline)
     timeouts.arm(soft_timeout)
     try:
+        payload = schemas.for_handler(spec, job["payload"])  # the typed payload, or BadPayload
         if spec.is_async:
-            result = asyncio.run(spec.fn(ctx, job["payload"]))
+            result = asyncio.run(spec.fn(ctx, payload))
         else:
-            result = spec.fn(ctx, job["payload"])
+            result = spec.fn(ctx, payload)
         timeouts.disarm()
         check_json(result, "handler result")
         return dict(reply, ok=True, result=result, duration=time.monotonic() - started,

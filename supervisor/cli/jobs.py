@@ -4,6 +4,7 @@ import json
 import os
 import time
 
+from .. import schemas
 from ..errors import BadInput
 from ..model import MAX_DEPTH
 from .common import Failure, load_config, open_client
@@ -29,6 +30,7 @@ def parse_payload(text):
 def cmd_enqueue(args):
     payload = parse_payload(args.payload)
     cfg = load_config(args)
+    payload = schemas.check_cli_payload(cfg, args.type, payload)  # the handler's schema, when importable
     with open_client(args, cfg) as client:
         # new_job checks everything before the broker is opened: a bad value stores nothing.
         options = dict(queue=args.queue, resource_id=args.resource_id, idempotency_key=args.idempotency_key,

@@ -1,0 +1,192 @@
+"""Payload schemas: a handler's payload type, checked on both sides of the queue.
+
+``@supervisor.job("send_receipt", payload=Receipt)`` where ``Receipt`` is a
+dataclass, a ``TypedDict``, a pydantic model or a msgspec ``Struct`` (the last
+two only when the application has them installed: Tangguh does not depend on
+either). The producer's payload is checked by ``dump`` (``BadInput`` naming the
+field and the expected type, nothing stored); the child checks the stored
+payload again with ``load`` (``BadPayload``: dead at once, never retried) and
+hands the handler the typed object.
+
+Dataclasses and TypedDicts are checked here against their annotations: the
+JSON types (str, int, float, bool, None), ``list[...]``, ``dict[str, ...]``,
+``X | None``, ``Literal[...]``, ``Any``, and nested dataclasses or TypedDicts.
+An annotation outside that set is accepted as it comes.
+"""
+import dataclasses
+import types
+import typing
+
+from .errors import BadInput
+
+
+class SchemaError(ValueError):
+    """A payload that does not match its schema; the message names the field and the expected type."""
+
+
+def kind_of(schema):
+    """"dataclass", "typeddict", "pydantic" or "msgspec"; ValueError for anything else."""
+    if isinstance(schema, type):
+        if dataclasses.is_dataclass(schema):
+            return "dataclass"
+        if typing.is_typeddict(schema):
+            return "typeddict"
+        if any(c.__module__.startswith("pydantic") and c.__name__ == "BaseModel" for c in schema.__mro__):
+            return "pydantic"
+        if any(c.__module__.startswith("msgspec") and c.__name__ == "Struct" for c in schema.__mro__):
+            return "msgspec"
+    raise ValueError(f"payload schema must be a dataclass, a TypedDict, a pydantic model or a msgspec Struct,"
+                     f" got {schema!r}")
+
+
+def dump(schema, value):
+    """The JSON payload to store for ``value`` (an instance of ``schema`` or a dict); raises ``BadInput``."""
+    kind = kind_of(schema)
+    if kind == "dataclass" and isinstance(value, schema):
+        value = dataclasses.asdict(value)
+    elif kind == "pydantic" and isinstance(value, schema):
+        value = value.model_dump(mode="json")
+    elif kind == "msgspec" and isinstance(value, schema):
+        import msgspec
+
+        value = msgspec.to_builtins(value)
+    if not isinstance(value, dict):
+        raise BadInput(f"payload must be a {schema.__name__} or a JSON object, got {type(value).__name__}")
+    try:
+        load(schema, value)
+    except SchemaError as exc:
+        raise BadInput(f"payload: {exc}") from None
+    return value
+
+
+def load(schema, payload):
+    """The typed object for a stored ``payload``; raises ``SchemaError``."""
+    kind = kind_of(schema)
+    if kind == "pydantic":
+        return _load_pydantic(schema, payload)
+    if kind == "msgspec":
+        return _load_msgspec(schema, payload)
+    return _check(schema, payload, "")
+
+
+def _load_pydantic(schema, payload):
+    import pydantic
+
+    try:
+        return schema.model_validate(payload)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "payload"
+        raise SchemaError(f"{where}: {first['msg']}") from None
+
+
+def _load_msgspec(schema, payload):
+    import msgspec
+
+    try:
+        return msgspec.convert(payload, schema)
+    except msgspec.ValidationError as exc:
+        raise SchemaError(str(exc).replace("$.", "", 1)) from None  # "Expected `int`, got `str` - at `order_id`"
+
+
+def _name(tp):
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _check(tp, value, path):
+    """``value`` checked against the annotation ``tp``; dataclasses are built, the rest returned as is."""
+    where = path or "payload"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is typing.Any or isinstance(tp, typing.TypeVar):
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for option in args:
+            try:
+                return _check(option, value, path)
+            except SchemaError:
+                continue
+        raise SchemaError(f"{where}: expected {' | '.join(_name(a) for a in args)}, got {_json_name(value)}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise SchemaError(f"{where}: expected one of {', '.join(repr(a) for a in args)}, got {value!r}")
+        return value
+    if isinstance(tp, type) and (dataclasses.is_dataclass(tp) or typing.is_typeddict(tp)):
+        return _check_record(tp, value, path)
+    if origin in (list, tuple, set, frozenset) or tp in (list, tuple):
+        if not isinstance(value, list):
+            raise SchemaError(f"{where}: expected a list, got {_json_name(value)}")
+        item = args[0] if args else typing.Any
+        return [_check(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise SchemaError(f"{where}: expected an object, got {_json_name(value)}")
+        item = args[1] if len(args) == 2 else typing.Any
+        return {k: _check(item, v, f"{path}.{k}" if path else k) for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SchemaError(f"{where}: expected float, got {_json_name(value)}")
+        return value
+    if tp in (int, str, bool, type(None)) or tp is None:
+        tp = type(None) if tp is None else tp
+        if type(value) is not tp:  # bool is an int in Python, never in a payload
+            raise SchemaError(f"{where}: expected {_name(tp)}, got {_json_name(value)}")
+        return value
+    return value  # an annotation this checker does not know: accepted as it comes
+
+
+def _check_record(tp, value, path):
+    where = path or "payload"
+    if not isinstance(value, dict):
+        raise SchemaError(f"{where}: expected an object ({tp.__name__}), got {_json_name(value)}")
+    hints = typing.get_type_hints(tp)
+    if dataclasses.is_dataclass(tp):
+        fields = [f for f in dataclasses.fields(tp) if f.init]
+        required = {f.name for f in fields if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING}
+        names = {f.name for f in fields}
+    else:
+        required, names = set(tp.__required_keys__), set(hints)
+    prefix = f"{path}." if path else ""
+    for key in value:
+        if key not in names:
+            raise SchemaError(f"{prefix}{key}: unknown field of {tp.__name__}")
+    for key in sorted(required - set(value)):
+        raise SchemaError(f"{prefix}{key}: missing (expected {_name(hints.get(key, typing.Any))})")
+    checked = {key: _check(hints.get(key, typing.Any), v, prefix + key) for key, v in value.items()}
+    return tp(**checked) if dataclasses.is_dataclass(tp) else checked
+
+
+def _json_name(value):
+    if value is None:
+        return "null"
+    return {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "object"}.get(
+        type(value), type(value).__name__)
+
+
+def check_cli_payload(cfg, type_name, payload):
+    """``tangguh enqueue``: check ``payload`` against its handler's schema when the handler module
+    can be imported from the config's handlers folder; a producer without the handler code is not
+    held up (the child checks again). Raises ``BadInput``."""
+    from .registry import HandlerLoadError, load_handlers
+
+    try:
+        spec = load_handlers(cfg.supervisor.handlers).get(type_name)
+    except HandlerLoadError:
+        return payload
+    if spec is None or spec.payload is None:
+        return payload
+    return dump(spec.payload, payload)
+
+
+def for_handler(spec, payload):
+    """In the child, before the handler runs: the typed payload, or ``BadPayload`` (dead at once)."""
+    if spec.payload is None:
+        return payload
+    from .retry import BadPayload
+
+    try:
+        return load(spec.payload, payload)
+    except SchemaError as exc:
+        raise BadPayload(f"payload: {exc}") from None

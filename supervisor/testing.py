@@ -1,0 +1,354 @@
+"""Test helpers for application code: run queued jobs in-process, start a real supervisor, assert on jobs.
+
+``run_jobs`` takes each due job through the same steps a supervisor does:
+the broker's claim, the child's ``run_job`` (context, toolkit, soft timeout,
+payload schema), the master's verdict (retry policy, dead-lettering) and the
+broker writes. Only the clock differs: the broker reads ``clock``, and when
+nothing is due but a job is waiting out a retry backoff, the clock jumps to
+it, so a retry path runs in no time. It needs a SQLite broker (the
+``tangguh_broker`` fixture); a job enqueued with a ``delay`` waits for
+``testing.clock.advance(seconds)``. A hard timeout needs a real child to kill, so
+test it with ``tangguh_supervisor``.
+
+The pytest fixtures (``tangguh_config``, ``tangguh_broker``, ``tangguh_client``,
+``tangguh_supervisor``) live in ``supervisor.pytest_plugin``, registered
+through the ``pytest11`` entry point.
+"""
+import dataclasses
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import tomli_w
+
+from . import config as config_module, protocol, registry, toolkit, tracing
+from .child import worker as child
+from .jobref import default_client
+from .master import verdict
+from .master.outcomes import Write
+from .model import ACK, DEAD, QUEUED, RETRY, error_info
+from .retry import next_delay
+
+
+class Clock:
+    """The broker's clock during ``run_jobs``: real time plus what ``advance`` added."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def now(self):
+        return time.time() + self.offset
+
+    def advance(self, seconds):
+        self.offset += max(0.0, seconds)
+
+
+clock = Clock()  # shared by every run_jobs call of the process, so a retry's due time stays consistent
+
+
+@dataclasses.dataclass
+class Ran:
+    """One attempt ``run_jobs`` made: ``outcome`` is "done", "retry" or "dead"."""
+
+    job_id: str
+    type: str
+    attempt: int
+    outcome: str
+    reason: str | None = None  # why it failed (retry, dead): "exception", "timeout", "bad_payload"...
+    result: object = None
+    error: str = ""  # "ValueError: boom"
+    delay: float | None = None  # retry: the backoff the verdict chose (the clock skipped it)
+
+
+_OUTCOMES = {ACK: "done", RETRY: "retry", DEAD: "dead"}
+MAX_RUNS = 10_000  # a handler that always asks to be retried later must not loop forever
+
+
+def run_jobs(client=None, until="idle", *, handlers=None, queues=None, max_runs=MAX_RUNS):
+    """Run queued jobs in-process, in claim order; return a list of ``Ran``, one per attempt.
+
+    ``until="idle"``: until no job is due and none it retried is waiting; an int: at most that
+    many attempts. ``handlers``: a folder, or handler functions and modules (default: the
+    client's config's handlers folder). ``client``: default ``supervisor.configure``'s.
+    """
+    client = client or default_client()
+    cfg = client.config or config_module.from_dict({})
+    handlers = _handlers(handlers, cfg)
+    limit = max_runs if until == "idle" else int(until)
+    broker = _own_broker(client.url)
+    toolkit.configure(cfg.toolkit)
+    queues = list(queues or client.queues)
+    ran = []
+    try:
+        while len(ran) < limit:
+            jobs = broker.claim(queues, 1, cfg.broker.lease_seconds, "run_jobs",
+                                registry.type_limits(cfg, handlers) or None)
+            if not jobs:
+                due = _next_retry(broker, queues)
+                if due is None:
+                    break
+                clock.advance(due - clock.now())  # the backoff passes at once
+                continue
+            job = jobs[0]
+            outcome, reply = _attempt(job, cfg, handlers)
+            write = Write(job, outcome.op, info={"host": socket.gethostname(), "runner": "run_jobs"})
+            if outcome.op == ACK:
+                write.result = outcome.result
+            elif outcome.failed:
+                write.error = error_info(outcome.reason, outcome.error_class, outcome.message, outcome.traceback)
+                write.reason, write.delay = outcome.reason, outcome.delay or 0.0
+            write.apply(broker)
+            ran.append(Ran(job.id, job.type, job.attempt, _OUTCOMES.get(outcome.op, outcome.op),
+                           outcome.reason, outcome.result,
+                           f"{outcome.error_class}: {outcome.message}" if outcome.failed else "",
+                           outcome.delay if outcome.op == RETRY else None))
+    finally:
+        broker.close()
+    return ran
+
+
+def _next_retry(broker, queues):
+    """When the earliest job waiting out a retry backoff is due, or None."""
+    db = sqlite3.connect(f"file:{broker.path}?mode=ro", uri=True)
+    try:
+        marks = ",".join("?" * len(queues))
+        (due,) = db.execute(f"SELECT min(run_at) FROM jobs WHERE state = 'retrying' AND queue IN ({marks})",
+                            queues).fetchone()
+    finally:
+        db.close()
+    return due
+
+
+def _attempt(job, cfg, handlers):
+    """(verdict, reply) of one attempt, as the master would judge the child's reply."""
+    settings = registry.job_settings(cfg, handlers, job)
+    backoff = lambda failures: next_delay(failures, cfg.jobs.backoff_base, cfg.jobs.backoff_cap,  # noqa: E731
+                                          cfg.jobs.jitter)
+    if job.type not in handlers:
+        return verdict.failure(job.attempt, settings.max_attempts, protocol.UNKNOWN_TYPE, "UnknownType",
+                               f"no handler for job type {job.type!r}", backoff), None
+    message = protocol.run_message(job, settings.max_attempts, settings.soft_timeout)
+    message = json.loads(protocol.encode(message)[4:])  # what crosses the pipe is JSON
+    with _soft_timeouts() as usable:
+        reply = tracing.run_span(message["job"], lambda: child.run_job(message["job"], handlers,
+                                                                       settings.soft_timeout if usable else None))
+    reply = json.loads(protocol.encode(reply)[4:])
+    return verdict.judge(job.attempt, settings.max_attempts, verdict.Ending(reply=reply), backoff), reply
+
+
+class _soft_timeouts:
+    """The child's SIGALRM handler for the soft timeout, while one attempt runs (main thread only)."""
+
+    def __enter__(self):
+        self.usable = threading.current_thread() is threading.main_thread()
+        if self.usable:
+            from .child.timeouts import _on_alarm
+
+            self.previous = signal.signal(signal.SIGALRM, _on_alarm)
+        return self.usable
+
+    def __exit__(self, *exc):
+        if self.usable:
+            signal.signal(signal.SIGALRM, self.previous)
+
+
+def _own_broker(url):
+    from .backends.base import open_broker
+
+    broker = open_broker(url)
+    if not hasattr(broker, "path"):
+        broker.close()
+        raise ValueError("run_jobs needs a SQLite broker (the tangguh_broker fixture gives one)")
+    broker.now = clock.now  # claims, leases and retry due times all read the test's clock
+    return broker
+
+
+def _handlers(given, cfg):
+    """``{type: HandlerSpec}`` from a folder, handler functions or modules (default: the config's folder)."""
+    if given is None:
+        return registry.load_handlers(cfg.supervisor.handlers)
+    if isinstance(given, (str, os.PathLike)):
+        return registry.load_handlers(os.fspath(given))
+    if isinstance(given, dict):
+        return given
+    specs = {}
+    for item in given:
+        values = vars(item).values() if isinstance(item, type(sys)) else [item]
+        for value in values:
+            meta = getattr(value, registry._MARK, None)
+            if meta is not None:
+                fn = getattr(value, "__wrapped__", value)
+                specs[meta["type"]] = registry.HandlerSpec(fn=fn, is_async=_is_async(fn), **meta)
+    return specs
+
+
+def _is_async(fn):
+    import inspect
+
+    return inspect.iscoroutinefunction(fn)
+
+
+# -- assertions ------------------------------------------------------------------------------------
+def jobs_in_state(state=None, type=None, client=None):
+    """The stored jobs (``model.Job``) in ``state`` ("queued", "retrying", "done", "dead"...), of ``type``,
+    oldest first. Reads the SQLite broker's file."""
+    client = client or default_client()
+    from .backends.base import open_broker
+
+    with open_broker(client.url) as broker:
+        if not hasattr(broker, "path"):
+            raise ValueError("jobs_in_state reads a SQLite broker (the tangguh_broker fixture gives one)")
+        db = sqlite3.connect(f"file:{broker.path}?mode=ro", uri=True)
+        try:
+            sql, args = "SELECT id FROM jobs WHERE 1=1", []
+            for column, value in (("state", state), ("type", type)):
+                if value is not None:
+                    sql += f" AND {column} = ?"
+                    args.append(value)
+            ids = [row[0] for row in db.execute(sql + " ORDER BY id", args)]
+        finally:
+            db.close()
+        return [broker.get(job_id) for job_id in ids]
+
+
+def _matching(type, where, client, state=QUEUED):
+    where = where or {}
+    return [job for job in jobs_in_state(state, type, client)
+            if all(job.payload.get(k) == v if k not in _JOB_KEYS else getattr(job, k) == v
+                   for k, v in where.items())]
+
+
+# ``where`` keys that are the job's own fields; any other key is a payload field.
+_JOB_KEYS = ("queue", "resource_id", "idempotency_key", "priority", "max_attempts")
+
+
+def assert_enqueued(type, where=None, count=1, client=None):
+    """Exactly ``count`` queued jobs of ``type`` whose payload (or queue, resource_id...) matches ``where``."""
+    found = _matching(type, where, client)
+    if len(found) != count:
+        raise AssertionError(f"expected {count} queued {type!r} job(s) matching {where or {}}, found {len(found)}:"
+                             f" {[j.payload for j in jobs_in_state(QUEUED, type, client)]}")
+    return found
+
+
+def assert_not_enqueued(type, where=None, client=None):
+    """No queued job of ``type`` matches ``where``."""
+    assert_enqueued(type, where, 0, client)
+
+
+# -- a real supervisor -----------------------------------------------------------------------------
+def write_config(folder, handlers, **sections):
+    """A config for a test: a SQLite broker, the socket and the given handlers folder in ``folder``;
+    short backoffs. ``sections`` add or override keys (``jobs={"max_attempts": 2}``)."""
+    data = {
+        "supervisor": {"workers": 2, "handlers": os.path.abspath(handlers), "socket": "tangguh.sock",
+                       "graceful_timeout": 20.0},
+        "broker": {"url": "sqlite:///broker.db", "lease_seconds": 5.0, "heartbeat_seconds": 0.5},
+        "jobs": {"backoff_base": 0.1, "backoff_cap": 1.0, "jitter": 0.0},
+    }
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    path = os.path.join(folder, "tangguh.toml")
+    with open(path, "wb") as f:
+        tomli_w.dump(data, f)
+    return path
+
+
+class Supervisor:
+    """``tangguh run`` in a subprocess (its own process group), driven through its socket and signals."""
+
+    def __init__(self, config_path):
+        self.config_path = config_path
+        self.config = config_module.load(config_path)
+        self.log_path = os.path.join(os.path.dirname(config_path), "supervisor.log")
+        self.proc = None
+
+    def start(self, timeout=30):
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "-c", self.config_path],
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _wait(self._ready, timeout, "the supervisor to start its workers")
+        return self
+
+    def _ready(self):
+        from .health import NoSupervisor, request
+
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the supervisor exited with {self.proc.returncode}:\n{self.logs()}")
+        try:
+            status = request(self.config.supervisor.socket, {"cmd": "status"}, timeout=5)
+        except (NoSupervisor, OSError, ValueError):
+            return False
+        return sum(1 for w in status["workers"] if w["state"] == "idle") >= status["target_workers"]
+
+    def wait_job(self, job_id, states=("done", "dead"), timeout=30):
+        """The job once it reaches one of ``states``."""
+        from .backends.base import open_broker
+
+        with open_broker(self.config.broker.url) as broker:
+            return _wait(lambda: (j := broker.get(job_id)) is not None and j.state in states and j, timeout,
+                         f"job {job_id} to reach {states}")
+
+    def logs(self):
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def stop(self, timeout=30):
+        """SIGTERM, then check: exit 0, no job still leased, no process of the supervisor left."""
+        if self.proc is None:
+            return
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+            code = self.proc.wait(timeout)
+            if code != 0:
+                raise AssertionError(f"the supervisor exited with {code}:\n{self.logs()}")
+            leftovers = _wait(lambda: not _group_alive(self.proc.pid) or None, 5, "its workers to exit",
+                              fail=False)
+            if leftovers is None:
+                raise AssertionError("workers of the supervisor outlived it")
+            from .backends.base import open_broker
+
+            with open_broker(self.config.broker.url) as broker:
+                stats = broker.stats(self.config.broker.queues)
+            leased = {q: s.in_flight for q, s in stats.items() if s.in_flight}
+            if leased:
+                raise AssertionError(f"jobs still leased after the supervisor stopped: {leased}")
+        finally:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+            self.proc = None
+
+
+def _group_alive(pgid):
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return False
+
+
+def _wait(condition, timeout, what, fail=True):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            if fail:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            return None
+        time.sleep(0.02)

@@ -1,0 +1,119 @@
+"""Enqueue through the handler: ``@supervisor.job`` objects and ``supervisor.JobRef``."""
+import textwrap
+
+import pytest
+
+import supervisor
+from supervisor import jobref, registry
+from supervisor.backends import open_broker
+from supervisor.client import Client
+from supervisor.errors import BadInput, ConfigError
+
+
+@supervisor.job("send_receipt", timeout=30)
+def send_receipt(ctx, payload):
+    return {"sent": payload["order_id"]}
+
+
+@supervisor.job("bulk_mail", queue="bulk")
+def bulk_mail(ctx, payload):
+    return None
+
+
+@pytest.fixture(autouse=True)
+def no_default(monkeypatch):
+    monkeypatch.delenv("TANGGUH_CONFIG", raising=False)
+    monkeypatch.delenv("TANGGUH_BROKER_URL", raising=False)
+    supervisor.configure()
+    yield
+    supervisor.configure()
+
+
+def jobs_of(url, *ids):
+    with open_broker(url) as broker:
+        return [broker.get(i) for i in ids]
+
+
+def test_the_decorated_handler_is_still_the_function():
+    assert send_receipt(None, {"order_id": 7}) == {"sent": 7}
+    assert send_receipt.__name__ == "send_receipt" and send_receipt.type == "send_receipt"
+
+
+def test_the_loader_still_finds_decorated_handlers(tmp_path):
+    (tmp_path / "h.py").write_text(textwrap.dedent("""
+        import supervisor
+
+        @supervisor.job("a", timeout=5)
+        def a(ctx, payload):
+            return 1
+
+        @supervisor.job("b")
+        async def b(ctx, payload):
+            return 2
+    """))
+    handlers = registry.load_handlers(str(tmp_path))
+    assert set(handlers) == {"a", "b"}
+    assert handlers["a"].timeout == 5 and handlers["a"].fn(None, {}) == 1
+    assert handlers["b"].is_async and not handlers["a"].is_async
+
+
+def test_enqueue_through_the_handler_with_a_configured_url(sqlite_url):
+    supervisor.configure(url=sqlite_url)
+    job_id = send_receipt.enqueue({"order_id": 7}, idempotency_key="receipt:7", resource_id="order:7")
+    again = send_receipt.enqueue({"order_id": 7}, idempotency_key="receipt:7")
+    ids = send_receipt.enqueue_many([{"order_id": 8}, {"order_id": 9}], priority=3)
+    job, *many = jobs_of(sqlite_url, job_id, *ids)
+    assert again == job_id
+    assert (job.type, job.payload, job.resource_id, job.queue) == ("send_receipt", {"order_id": 7}, "order:7",
+                                                                   "default")
+    assert [(j.payload, j.priority) for j in many] == [({"order_id": 8}, 3), ({"order_id": 9}, 3)]
+
+
+def test_job_ref_and_an_explicit_client(sqlite_url):
+    with Client.from_url(sqlite_url) as client:
+        job_id = supervisor.JobRef("send_receipt").enqueue({"order_id": 1}, client=client, delay=60)
+        job = client.get(job_id)
+    assert job.type == "send_receipt" and job.run_at > job.queued_at + 50
+
+
+def test_the_default_client_from_the_environment(sqlite_url, tmp_path, monkeypatch):
+    monkeypatch.setenv("TANGGUH_BROKER_URL", sqlite_url)
+    first = send_receipt.enqueue({"order_id": 1})
+    monkeypatch.delenv("TANGGUH_BROKER_URL")
+    config = tmp_path / "t.toml"
+    config.write_text('[broker]\nurl = "sqlite:///other.db"\nqueues = ["default", "bulk"]\n')
+    monkeypatch.setenv("TANGGUH_CONFIG", str(config))
+    second = bulk_mail.enqueue({})
+    assert jobs_of(sqlite_url, first)[0].type == "send_receipt"
+    (job,) = jobs_of(f"sqlite:///{tmp_path}/other.db", second)
+    assert job.queue == "bulk"  # the decorator's queue
+
+
+def test_the_config_queue_overrides_the_decorator(tmp_path):
+    config = tmp_path / "t.toml"
+    config.write_text('[broker]\nurl = "sqlite:///b.db"\nqueues = ["default", "bulk", "slow"]\n'
+                      '[jobs.types.bulk_mail]\nqueue = "slow"\n')
+    supervisor.configure(config=str(config))
+    job_id = bulk_mail.enqueue({})
+    explicit = bulk_mail.enqueue({}, queue="default")
+    assert [j.queue for j in jobs_of(f"sqlite:///{tmp_path}/b.db", job_id, explicit)] == ["slow", "default"]
+
+
+def test_no_default_client_says_how_to_configure_one():
+    with pytest.raises(ConfigError) as err:
+        send_receipt.enqueue({"order_id": 1})
+    assert "supervisor.configure(url=...)" in str(err.value) and "TANGGUH_BROKER_URL" in str(err.value)
+
+
+def test_bad_input_stores_nothing(sqlite_url):
+    supervisor.configure(url=sqlite_url)
+    with pytest.raises(BadInput, match="job 1: payload must be a JSON object"):
+        send_receipt.enqueue_many([{"order_id": 1}, [1]])
+    with Client.from_url(sqlite_url) as client:
+        assert client.stats(["default"])["default"].ready == 0
+
+
+def test_configure_takes_one_source(sqlite_url):
+    with pytest.raises(ValueError):
+        supervisor.configure(url=sqlite_url, config="x.toml")
+    assert jobref.NO_CLIENT.startswith("no default client")

@@ -1,0 +1,145 @@
+"""supervisor.testing and its pytest fixtures: run_jobs in-process against a real supervisor."""
+import os
+import shutil
+
+import pytest
+
+import supervisor
+from supervisor import testing
+from supervisor.errors import ConfigError
+from supervisor.model import NewJob
+
+from .handlers import outcomes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture
+def tangguh_handlers(tmp_path):
+    folder = tmp_path / "handlers"
+    folder.mkdir()
+    shutil.copy(os.path.join(HERE, "handlers", "outcomes.py"), folder)
+    return str(folder)
+
+
+def enqueue_the_four(client, broker):
+    """Success, retry-then-success, permanent failure, and a bad payload stored behind the producer's back."""
+    return {
+        "success": outcomes.greet.enqueue({"name": "ada", "times": 2}),
+        "retry_then_success": client.enqueue("flaky", {"succeed_on": 2}),
+        "permanent": client.enqueue("broken", {}),
+        "bad_payload": broker.enqueue(NewJob("greet", {"name": 7})),
+    }
+
+
+def summary(job):
+    return job.state, job.reason, job.attempt, job.result
+
+
+EXPECTED = {
+    "success": ("done", None, 1, {"hello": "adaada"}),
+    "retry_then_success": ("done", None, 2, {"attempt": 2}),
+    "permanent": ("dead", "permanent", 1, None),
+    "bad_payload": ("dead", "bad_payload", 1, None),
+}
+
+
+def test_in_process_and_under_a_real_supervisor_the_outcomes_are_the_same(tmp_path, tangguh_client, tangguh_broker,
+                                                                          tangguh_config):
+    ids = enqueue_the_four(tangguh_client, tangguh_broker)
+    ran = testing.run_jobs(tangguh_client)
+    in_process = {name: summary(tangguh_client.get(job_id)) for name, job_id in ids.items()}
+    assert in_process == EXPECTED
+    assert [(r.type, r.outcome, r.reason) for r in ran if r.job_id == ids["retry_then_success"]] == [
+        ("flaky", "retry", "exception"), ("flaky", "done", None)]
+
+    # The same jobs on a second broker, run by a real supervisor with the same handlers and config.
+    real_dir = tmp_path / "real"
+    real_dir.mkdir()
+    config = testing.write_config(str(real_dir), os.path.dirname(outcomes_file(tangguh_config)))
+    supervisor_ = testing.Supervisor(config).start()
+    try:
+        with supervisor.Client.from_config(config) as client:
+            supervisor.configure(client=client)
+            real_ids = enqueue_the_four(client, client.broker)
+            real = {name: summary(supervisor_.wait_job(job_id)) for name, job_id in real_ids.items()}
+    finally:
+        supervisor.configure(client=tangguh_client)
+        supervisor_.stop()
+    assert real == in_process
+
+
+def outcomes_file(config_path):
+    return os.path.join(supervisor.config.load(config_path).supervisor.handlers, "outcomes.py")
+
+
+def test_the_backoff_passes_at_once(tangguh_config, tangguh_client):
+    long_backoff = testing.write_config(os.path.dirname(tangguh_config),
+                                        os.path.dirname(outcomes_file(tangguh_config)),
+                                        jobs={"backoff_base": 3600.0, "backoff_cap": 7200.0})
+    with supervisor.Client.from_config(long_backoff) as client:
+        job_id = client.enqueue("flaky", {"succeed_on": 3})
+        ran = testing.run_jobs(client)
+        assert client.get(job_id).state == "done"
+    assert [(r.attempt, r.outcome, r.delay) for r in ran] == [(1, "retry", 3600.0), (2, "retry", 7200.0),
+                                                              (3, "done", None)]
+
+
+def test_a_soft_timeout_in_process(tangguh_client):
+    job_id = tangguh_client.enqueue("slow", {})
+    (ran,) = testing.run_jobs(tangguh_client)
+    assert (ran.outcome, ran.reason, ran.error) == ("dead", "timeout", "JobTimeout: soft timeout")
+    assert tangguh_client.get(job_id).state == "dead"
+
+
+def test_until_a_number_of_attempts_and_unknown_types(tangguh_client):
+    tangguh_client.enqueue("flaky", {"succeed_on": 2})
+    tangguh_client.enqueue("no_such_type", {})
+    assert [r.outcome for r in testing.run_jobs(tangguh_client, until=1)] == ["retry"]
+    rest = testing.run_jobs(tangguh_client)
+    assert sorted((r.type, r.outcome, r.reason) for r in rest) == [("flaky", "done", None),
+                                                                   ("no_such_type", "dead", "unknown_type")]
+
+
+def test_handlers_given_as_functions(tangguh_client):
+    outcomes.greet.enqueue({"name": "x"})
+    (ran,) = testing.run_jobs(tangguh_client, handlers=[outcomes.greet])
+    assert ran.result == {"hello": "x"}
+
+
+def test_assertions_on_enqueued_jobs(tangguh_client):
+    outcomes.greet.enqueue({"name": "ada"}, resource_id="user:1")
+    outcomes.greet.enqueue({"name": "bob"})
+    testing.assert_enqueued("greet", where={"name": "ada", "resource_id": "user:1"})
+    testing.assert_enqueued("greet", count=2)
+    testing.assert_not_enqueued("greet", where={"name": "eve"})
+    testing.assert_not_enqueued("broken")
+    with pytest.raises(AssertionError, match=r"expected 1 queued 'greet' job\(s\) matching \{'name': 'eve'\}, found 0"):
+        testing.assert_enqueued("greet", where={"name": "eve"})
+    with pytest.raises(AssertionError):
+        testing.assert_not_enqueued("greet", where={"name": "bob"})
+    testing.run_jobs(tangguh_client)
+    assert [j.payload["name"] for j in testing.jobs_in_state("done", "greet")] == ["ada", "bob"]
+    testing.assert_not_enqueued("greet")
+
+
+def test_a_hard_timeout_with_a_real_supervisor(tangguh_client, tangguh_supervisor):
+    job = tangguh_supervisor.wait_job(outcomes.stuck.enqueue({}))
+    assert (job.state, job.reason, job.error["class"]) == ("dead", "timeout", "HardTimeout")
+
+
+def test_run_jobs_without_a_client_says_how_to_configure_one(monkeypatch):
+    monkeypatch.delenv("TANGGUH_CONFIG", raising=False)
+    monkeypatch.delenv("TANGGUH_BROKER_URL", raising=False)
+    before = supervisor.jobref.save()
+    supervisor.configure()
+    try:
+        with pytest.raises(ConfigError, match="supervisor.configure"):
+            testing.run_jobs()
+    finally:
+        supervisor.jobref.restore(before)
+
+
+def test_run_jobs_needs_a_sqlite_broker(redis_url):
+    with supervisor.Client.from_url(redis_url) as client, pytest.raises(ValueError, match="SQLite broker"):
+        testing.run_jobs(client)

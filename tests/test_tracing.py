@@ -1,0 +1,113 @@
+"""OpenTelemetry: one trace from a request span through enqueue to the handler's spans, across processes."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from supervisor import testing
+from supervisor.backends import open_broker
+from supervisor.tracing import trace_id_of
+
+pytest.importorskip("opentelemetry.sdk")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# The producer: a web request's span, and inside it two enqueues; its spans are kept by the
+# SDK's in-memory exporter and printed as JSON lines.
+PRODUCER = """
+import sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import supervisor
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+supervisor.configure(url=sys.argv[1])
+with trace.get_tracer("web").start_as_current_span("POST /checkout", kind=trace.SpanKind.SERVER):
+    print(supervisor.JobRef("charge").enqueue({"order_id": 7}))
+    print(supervisor.JobRef("refuse").enqueue({"order_id": 8}))
+for span in exporter.get_finished_spans():
+    print(span.to_json(indent=None))
+"""
+
+
+def spans_of(lines):
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def by_name(spans):
+    return {s["name"]: s for s in spans}
+
+
+def test_one_trace_from_the_request_to_the_handler(tmp_path):
+    handlers = tmp_path / "handlers"
+    handlers.mkdir()
+    shutil.copy(os.path.join(HERE, "handlers", "traced.py"), handlers)
+    sup = testing.Supervisor(testing.write_config(str(tmp_path), str(handlers))).start()
+    try:
+        produced = subprocess.run([sys.executable, "-c", PRODUCER, sup.config.broker.url], capture_output=True,
+                                  text=True, timeout=60, cwd=ROOT)
+        assert produced.returncode == 0, produced.stderr
+        charge_id, refuse_id, *_ = produced.stdout.split()
+        charged, refused = sup.wait_job(charge_id), sup.wait_job(refuse_id)
+    finally:
+        sup.stop()
+    assert (charged.state, refused.state, refused.reason) == ("done", "dead", "permanent")
+
+    producer = by_name(spans_of(produced.stdout.splitlines()))
+    request, enqueue = producer["POST /checkout"], producer["tangguh.enqueue charge"]
+    trace_id = request["context"]["trace_id"]
+    assert enqueue["parent_id"] == request["context"]["span_id"]
+    assert enqueue["kind"] == "SpanKind.PRODUCER" and enqueue["attributes"]["tangguh.job.id"] == charge_id
+    assert enqueue["context"]["trace_id"] == trace_id
+
+    with open(tmp_path / "spans.jsonl") as f:
+        child = by_name(spans_of(f))
+    run, inner = child["tangguh.run charge"], child["charge card"]
+    assert {run["context"]["trace_id"], inner["context"]["trace_id"]} == {trace_id}
+    assert run["parent_id"] == enqueue["context"]["span_id"] and inner["parent_id"] == run["context"]["span_id"]
+    assert run["kind"] == "SpanKind.CONSUMER"
+    assert run["attributes"] == {"messaging.system": "tangguh", "messaging.operation.type": "process",
+                                 "messaging.destination.name": "default", "tangguh.job.id": charge_id,
+                                 "tangguh.job.type": "charge", "tangguh.job.attempt": 1, "tangguh.outcome": "ok"}
+    failed = child["tangguh.run refuse"]
+    assert failed["status"]["status_code"] == "ERROR" and failed["attributes"]["tangguh.outcome"] == "permanent"
+    (event,) = failed["events"]
+    assert (event["name"], event["attributes"]["exception.type"], event["attributes"]["exception.message"]) == (
+        "exception", "Permanent", "card refused")
+    assert failed["parent_id"] == producer["tangguh.enqueue refuse"]["context"]["span_id"]
+
+    # The job carries the traceparent; every log record about it has the trace id, the master's too.
+    assert trace_id_of(charged.trace_id) == trace_id[2:]
+    records = [json.loads(line) for line in sup_logs(tmp_path) if line.startswith("{")]
+    about = [r for r in records if r.get("job_id") == charge_id]
+    assert {r["msg"] for r in about} >= {"charging"} and {r["trace_id"] for r in about} == {trace_id[2:]}
+
+
+def sup_logs(tmp_path):
+    with open(tmp_path / "supervisor.log") as f:
+        return f.read().splitlines()
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_without_opentelemetry_nothing_changes(sqlite_url, blocked):
+    # Installed but with no SDK configured, or not importable at all: the job keeps a random trace id.
+    code = ("import sys\n" + ("sys.modules['opentelemetry'] = None\n" if blocked else "") +
+            "from supervisor.client import Client\n"
+            f"print(Client.from_url({sqlite_url!r}).enqueue('charge', {{}}))\n"
+            "print(any(m.startswith('opentelemetry.sdk') for m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    job_id, sdk_loaded = out.stdout.split()
+    with open_broker(sqlite_url) as broker:
+        trace_id = broker.get(job_id).trace_id
+    assert len(trace_id) == 32 and int(trace_id, 16) >= 0 and sdk_loaded == "False"
