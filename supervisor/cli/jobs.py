@@ -10,7 +10,6 @@ from ..model import MAX_DEPTH
 from .common import Failure, load_config, open_client
 from .output import duration, one_line, print_json, say, table, when
 
-
 _JSON_TYPES = {dict: "object", list: "list", str: "string", int: "number", float: "number", bool: "boolean",
                type(None): "null"}
 
