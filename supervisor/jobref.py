@@ -36,6 +36,16 @@ def configure(url=None, *, config=None, client=None):
     _local.__dict__.clear()
 
 
+def configure_unless_set(config):
+    """Make ``config`` the default unless ``configure`` or the environment already chose one.
+
+    A supervisor's child calls this, so a handler's follow-up ``.enqueue()``
+    goes to the broker the handler was claimed from.
+    """
+    if _settings is None and _from_environment() is None:
+        configure(config=config)
+
+
 def save():
     """What ``configure`` was last given (for ``restore``: a test fixture's teardown)."""
     return _settings

@@ -410,3 +410,19 @@ def test_a_sigterm_between_jobs_ends_the_child_quietly(daemon):
     daemon.signal(signal.SIGTERM)
     assert daemon.wait_exit() == 0
     daemon.assert_clean()
+
+
+def test_a_handlers_follow_up_enqueue_goes_to_its_supervisors_broker(tmp_path, monkeypatch):
+    # No client configured anywhere: the child's default is the supervisor's own config.
+    monkeypatch.delenv("TANGGUH_CONFIG", raising=False)
+    monkeypatch.delenv("TANGGUH_BROKER_URL", raising=False)
+    d = Daemon(tmp_path)
+    try:
+        d.start()
+        first = d.wait_job(d.enqueue("follow_up"))
+        assert first.state == "done", first.error
+        second = d.wait_job(first.result["next"])
+        assert (second.type, second.state, second.payload) == ("noop", "done", {"after": first.id})
+        d.assert_clean()
+    finally:
+        d.stop()

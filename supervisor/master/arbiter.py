@@ -28,7 +28,7 @@ import signal
 import socket
 import time
 
-from .. import config, logs, protocol, registry, toolkit
+from .. import config, jobref, logs, protocol, registry, toolkit
 from ..child import worker as child  # imported before the forks: the children share it
 from ..errors import BrokerError, BrokerUnusable, ConfigError, TangguhError
 from ..health import AlreadyRunning, HealthServer
@@ -305,6 +305,7 @@ class Arbiter:
         self.selector.close()
         self.status.notifier.close()
         toolkit.configure(self.cfg.toolkit)  # the child opens its own connections, lazily
+        jobref.configure_unless_set(self.cfg)  # a handler's follow-up .enqueue() goes to our broker
         child.main(sock, slot, self.handlers, self.pid)
 
     def on_lock(self, c, msg):

@@ -54,6 +54,12 @@ def poison(ctx, payload):
     raise ValueError(f"poison attempt {ctx.job.attempt}")
 
 
+@supervisor.job("follow_up")
+def follow_up(ctx, payload):
+    """Enqueue the next job through the handler object, with no client configured anywhere."""
+    return {"next": noop.enqueue({"after": ctx.job.id})}
+
+
 @supervisor.job("permanent")
 def permanent(ctx, payload):
     _mark(payload, f"{ctx.job.attempt}")
