@@ -383,6 +383,7 @@ class Arbiter:
             lease = self.heartbeat.lost.popleft()
             self.status.count("lease_lost")
             self.dispatcher.forget(lease)
+            self.writer.forget(lease)
             c = self.pool.running(lease)
             if c is not None:
                 log.warning("lease lost: killing worker %d", c.slot,

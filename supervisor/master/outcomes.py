@@ -92,6 +92,17 @@ class OutcomeWriter:
         """Give a claimed job back untouched (a stop, a child killed at shutdown)."""
         self.writes.append(Write(job, RELEASE))
 
+    def forget(self, lease):
+        """Drop the pending outcome of a lease the heartbeat found lost.
+
+        The broker would refuse it (LeaseLost) and the loss would be counted a
+        second time; the job runs again under its new owner either way.
+        """
+        for write in [w for w in self.writes if w.job.lease == lease]:
+            self.writes.remove(write)
+            log.warning("lease lost before the outcome was stored; the job will run again",
+                        extra=logs.job_fields(write.job, event="lease_lost"))
+
     def due_at(self):
         return min((w.next_at for w in self.writes), default=None)
 
