@@ -32,6 +32,16 @@ def dead_job(broker, job_id):
     return job
 
 
+def selected_ids(broker, args):
+    """The dead jobs ``--all`` (of ``--type``) or the ids given, each checked dead before any is touched."""
+    if args.all:
+        return [job.id for job in broker.dlq_list(type=args.type, limit=None)]
+    ids = list(dict.fromkeys(args.job_ids))
+    for job_id in ids:  # all or nothing: a wrong id changes nothing
+        dead_job(broker, job_id)
+    return ids
+
+
 def cmd_dlq_show(args):
     with open_client(args) as client:
         job = dead_job(client.broker, args.job_id)
@@ -62,12 +72,7 @@ def cmd_dlq_replay(args):
         raise UsageError("dlq replay: --rate must be a positive number of replays per second")
     with open_client(args) as client:
         broker = client.broker
-        if args.all:
-            ids = [job.id for job in broker.dlq_list(type=args.type, limit=None)]
-        else:
-            ids = list(dict.fromkeys(args.job_ids))
-            for job_id in ids:  # all or nothing: check every id before replaying any
-                dead_job(broker, job_id)
+        ids = selected_ids(broker, args)
         if args.rate is None:
             for start in range(0, len(ids), 500):
                 broker.dlq_replay(ids[start:start + 500])
@@ -88,12 +93,7 @@ def cmd_dlq_purge(args):
                          + " for good; add --yes to confirm")
     with open_client(args) as client:
         broker = client.broker
-        if args.all:
-            ids = [job.id for job in broker.dlq_list(type=args.type, limit=None)]
-        else:
-            ids = list(dict.fromkeys(args.job_ids))
-            for job_id in ids:
-                dead_job(broker, job_id)
+        ids = selected_ids(broker, args)
         purged = 0
         for start in range(0, len(ids), 500):
             purged += broker.dlq_purge(ids[start:start + 500])
