@@ -97,7 +97,8 @@ def main(argv=None):
         xs = results[label]
         print(f"| {label} | {rev} | {statistics.median(xs):,.0f} | {max(xs):,.0f} | {len(xs)} |")
     a, b = statistics.median(results["A"]), statistics.median(results["B"])
-    print(f"\nB / A (medians): {b / a:.2f}")
+    ratios = [y / x for x, y in zip(results["A"], results["B"])]  # each round ran A and B back to back
+    print(f"\nB / A (medians): {b / a:.2f}; per round: {min(ratios):.2f} – {max(ratios):.2f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,160 @@
+"""The daemon's no-op throughput of two revisions, side by side, rounds interleaved.
+
+    python -m bench.throughput_ab REV [--against REV2] [--broker sqlite,redis,postgres] [--rounds 8]
+                                      [--jobs 10000] [--json FILE]
+
+Each round is scenario 1 of ``python -m bench`` (``scenario_throughput`` in
+bench/run.py, reused as it is): N no-op jobs enqueued, then a Tangguh daemon of
+2 workers started; jobs/s from the first execution's start to the last one's
+end, as the job body records them. ``REV`` is checked out into a temporary git
+worktree; ``--against`` defaults to the working tree. Only the daemon differs
+between the sides: it imports its ``supervisor`` package from its side's tree
+(first on its PYTHONPATH); the harness, the job body, the enqueuing client and
+the settings are this tree's for both. Per broker the sides alternate round by
+round (ABBA), so the load of a shared machine falls on both alike: on a shared
+machine compare the ratios, not the absolute figures.
+
+Prints a Markdown table: per broker, each side's median, B / A of the medians
+and the range of B / A over the rounds (each round runs A and B back to back),
+for the jobs/s and for the master's CPU per job (user + system, start-up
+included; less sensitive to other load than wall time). ``--json`` writes every
+figure after every round.
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+from bench import run
+
+BROKERS = ("sqlite", "redis", "postgres")
+
+
+def checkout(rev, made):
+    """(path, label) of a tree holding ``rev``; None means this working tree."""
+    if rev is None:
+        head = subprocess.run(["git", "-C", run.ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        return run.ROOT, f"working tree (at {head})"
+    path = tempfile.mkdtemp(prefix="throughput-ab-")
+    subprocess.run(["git", "-C", run.ROOT, "worktree", "add", "--detach", "-q", path, rev], check=True)
+    made.append(path)
+    return path, rev
+
+
+class Tangguh(run.Tangguh):
+    """bench/run.py's Tangguh, noting its master's CPU seconds (start-up included) just before the stop."""
+
+    master_cpu = None
+
+    def stop(self, *args, **kwargs):
+        try:
+            cpu = psutil.Process(self.procs[0].pid).cpu_times()
+            self.master_cpu = cpu.user + cpu.system
+        except (IndexError, psutil.Error):
+            pass
+        super().stop(*args, **kwargs)
+
+
+def daemon(tmp, broker, tree):
+    """A Tangguh framework of bench/run.py whose daemon imports ``supervisor`` from ``tree``."""
+    fw = Tangguh(tmp, broker)
+    fw.env["PYTHONPATH"] = tree + os.pathsep + fw.env["PYTHONPATH"]
+    # Guard against measuring one tree twice (an installed package shadowing the path, say).
+    where = subprocess.run([run.PY, "-c", "import supervisor; print(supervisor.__file__)"], env=fw.env,
+                           cwd=tmp, capture_output=True, text=True, check=True).stdout.strip()
+    if not where.startswith(os.path.join(tree, "supervisor") + os.sep):
+        raise SystemExit(f"the daemon would import {where}, not the package of {tree}")
+    return fw
+
+
+def one_round(fw, ev, settings):
+    """(jobs/s, the master's CPU µs per job, whether every job ran within the scenario's bound) of one run.
+
+    As in ``python -m bench``, a run cut off by the bound is measured on what it ran."""
+    try:
+        result = run.scenario_throughput(fw, ev, settings)
+    finally:
+        fw.cleanup()
+    if not result.get("jobs_per_s") or fw.master_cpu is None:
+        raise SystemExit(f"{fw.name}: no measure ({result}; master CPU {fw.master_cpu})")
+    return result["jobs_per_s"], round(fw.master_cpu * 1e6 / result["jobs"]), bool(result.get("complete"))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.throughput_ab", description=__doc__.splitlines()[0])
+    p.add_argument("rev", help="the revision to compare (e.g. the commit before a change)")
+    p.add_argument("--against", default=None, help="the other revision (default: the working tree)")
+    p.add_argument("--broker", default=",".join(BROKERS), help="comma-separated, of sqlite, redis, postgres")
+    p.add_argument("--rounds", type=int, default=8, help="rounds per broker (each runs both sides)")
+    p.add_argument("--jobs", type=int, default=10_000, help="no-op jobs per run (default 10,000, as python -m bench)")
+    p.add_argument("--json", help="write every figure to this file")
+    args = p.parse_args(argv)
+    brokers = [b.strip() for b in args.broker.split(",")]
+    unknown = [b for b in brokers if b not in BROKERS]
+    if unknown:
+        p.error(f"unknown broker {unknown[0]!r} (expected {', '.join(BROKERS)})")
+    if args.rounds < 1 or args.jobs < 2:
+        p.error("--rounds must be at least 1 and --jobs at least 2")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still stop the daemon and remove the worktree
+    settings = run.Settings(quick=False)
+    settings.noop_jobs = args.jobs
+    ev = run.Evidence()
+    ev.r.ping()
+    tmp = tempfile.mkdtemp(prefix="throughput-ab-run-")
+    made, rounds = [], []
+    try:
+        trees = {"A": checkout(args.rev, made), "B": checkout(args.against, made)}
+        for broker in brokers:
+            for r in range(args.rounds):
+                figures = {"broker": broker, "round": r + 1, "loadavg": round(os.getloadavg()[0], 2)}
+                for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                    figures[side], figures[f"{side}_cpu_us"], complete = one_round(
+                        daemon(tmp, broker, trees[side][0]), ev, settings)
+                    if not complete:
+                        figures.setdefault("cut_off", []).append(side)
+                rounds.append(figures)
+                cut = f"  cut off: {', '.join(figures['cut_off'])}" if "cut_off" in figures else ""
+                print(f"  {broker} round {r + 1}: A {figures['A']:,.0f}  B {figures['B']:,.0f} jobs/s, master"
+                      f" {figures['A_cpu_us']} / {figures['B_cpu_us']} µs/job  (load {figures['loadavg']:.1f}){cut}",
+                      file=sys.stderr, flush=True)
+                if args.json:  # after every round: an interrupted run keeps what it measured
+                    write_json(args.json, trees, args.jobs, rounds)
+    finally:
+        ev.clear()
+        shutil.rmtree(tmp, ignore_errors=True)
+        for path in made:
+            subprocess.run(["git", "-C", run.ROOT, "worktree", "remove", "--force", path], check=False)
+    print(f"A = {trees['A'][1]}, B = {trees['B'][1]}; {args.rounds} rounds of {args.jobs:,} no-ops per broker\n")
+    print("| broker | measure | A median | B median | B / A (medians) | B / A per round: min – max | rounds |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for broker in brokers:
+        mine = [f for f in rounds if f["broker"] == broker]
+        for measure, a_key, b_key in (("jobs/s", "A", "B"), ("master CPU µs/job", "A_cpu_us", "B_cpu_us")):
+            a, b = statistics.median(f[a_key] for f in mine), statistics.median(f[b_key] for f in mine)
+            ratios = [f[b_key] / f[a_key] for f in mine]
+            print(f"| {broker} | {measure} | {a:,.0f} | {b:,.0f} | {b / a:.2f} | {min(ratios):.2f} – {max(ratios):.2f}"
+                  f" | {len(mine)} |")
+    cut = sum(len(f.get("cut_off", ())) for f in rounds)
+    if cut:
+        print(f"\n{cut} run(s) cut off by the {settings.throughput_budget + 5:.0f} s bound, measured on what they ran")
+    return 0
+
+
+def write_json(path, trees, jobs, rounds):
+    with open(path, "w") as f:
+        json.dump({"written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "A": trees["A"][1], "B": trees["B"][1],
+                   "jobs": jobs, "machine": run.machine(), "rounds": rounds}, f, indent=2)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
