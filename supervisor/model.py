@@ -10,8 +10,12 @@ import uuid
 from .errors import BadInput
 
 QUEUED, RUNNING, RETRYING, DONE, DEAD = "queued", "running", "retrying", "done", "dead"
-STATES = (QUEUED, RUNNING, RETRYING, DONE, DEAD)
+# Job control (cancel, expiry) and workflows (a job waiting on its parents).
+CANCELLED, EXPIRED, WAITING = "cancelled", "expired", "waiting"
+STATES = (WAITING, QUEUED, RUNNING, RETRYING, DONE, DEAD, CANCELLED, EXPIRED)
 UNFINISHED = (QUEUED, RUNNING, RETRYING)
+# Terminal: never claimed again, kept until pruned.
+FINISHED = (DONE, DEAD, CANCELLED, EXPIRED)
 
 # Reason codes of a dead-lettered job (and of a failed attempt).
 REASONS = ("exception", "permanent", "timeout", "crashed", "lease_expired", "unknown_type", "bad_payload",
@@ -151,6 +155,7 @@ class NewJob:
     trace_id: str | None = None
     priority: int = 0
     id: str = ""
+    expires_in: float | None = None  # not started by then -> ``expired`` instead of running
 
     def validate(self):
         """Raise BadInput on anything a broker must not store; fill defaults."""
@@ -169,6 +174,9 @@ class NewJob:
         if not _number(self.delay) or not 0 <= self.delay <= MAX_DELAY:
             raise BadInput(f"delay must be a number of seconds >= 0 and up to {MAX_DELAY:.0f} (ten years),"
                            f" got {self.delay!r}")
+        if self.expires_in is not None and not (_positive(self.expires_in) and self.expires_in <= MAX_DELAY):
+            raise BadInput(f"expires_in must be a positive number of seconds up to {MAX_DELAY:.0f} (ten years),"
+                           f" got {self.expires_in!r}")
         if not self.id:
             self.id = new_job_id()
         if not self.trace_id:
@@ -252,6 +260,10 @@ class Job:
     last_failure_at: float | None = None
     finished_at: float | None = None
     history: list = dataclasses.field(default_factory=list)
+    expires_at: float | None = None  # broker clock; a job not started by then ends ``expired``
+    progress: float | None = None  # 0..1, reported by the handler (``ctx.progress``), stored at renewal
+    progress_note: str | None = None
+    cancel_request: dict | None = None  # {"by", "reason", "at"}: asked while it ran, or why it was cancelled
 
     @property
     def lease(self):
@@ -276,6 +288,14 @@ class Lease:
 
 
 @dataclasses.dataclass
+class Renewal:
+    """What one lease renewal answers: the leases lost, and the cancel requests of the current ones."""
+
+    lost: list = dataclasses.field(default_factory=list)
+    cancel: dict = dataclasses.field(default_factory=dict)  # job_id -> {"by", "reason", "at"}
+
+
+@dataclasses.dataclass
 class QueueStats:
     queue: str
     ready: int = 0  # due now
@@ -284,6 +304,10 @@ class QueueStats:
     dead: int = 0
     done: int = 0
     oldest_ready_age: float = 0.0  # seconds the oldest due job has waited
+    waiting: int = 0  # workflows: waiting on parents
+    cancelled: int = 0
+    expired: int = 0
+    paused: bool = False
 
     def to_dict(self):
         return dataclasses.asdict(self)

@@ -49,6 +49,16 @@ backend):
   acked, the stale ones are returned (not raised).
 * ``extend`` pushes ``lease_until`` to ``now + lease_seconds`` for every lease
   still current, in one round trip, and returns the leases that are not.
+* Job control (the operator's operations; see each method): ``search`` and
+  ``count`` by a ``JobFilter``; ``cancel``; ``renew`` (the heartbeat's
+  ``extend`` that also stores progress and answers with cancel requests);
+  ``cancelled`` (the fenced write that ends a running job ``cancelled``);
+  ``pause``/``resume``/``paused`` (``claim`` never leases from a paused
+  queue); expiry (``claim`` ends a due job past ``expires_at`` ``expired``
+  instead of leasing it); ``requeue`` and ``discard`` (bulk retry and delete);
+  ``wait`` (woken by the broker's notification, never a busy poll); the
+  supervisors' records (``write_supervisor``, ``supervisors``,
+  ``remove_supervisor``).
 * Dead jobs keep everything (payload, history, error, reason, failure times);
   ``dlq_replay`` puts them back ``queued`` with ``attempt = 0`` and the history
   kept; replaying or purging a job that is not dead raises ``NotDead``.
@@ -160,6 +170,107 @@ class Broker(abc.ABC):
     def prune(self, done_older_than) -> int:
         """Delete ``done`` jobs finished more than ``done_older_than`` seconds ago
         (and ``enqueue_once`` records older than that)."""
+
+    # -- job control ----------------------------------------------------------
+
+    def search(self, filter, cursor=None, limit=50, order="newest"):
+        """A ``jobfilter.Page`` of the jobs ``filter`` selects, by ``queued_at`` then id.
+
+        Keyset pagination: ``cursor`` is the ``next_cursor`` of the previous
+        page, so a page is stable while jobs are added. BadInput on a bad
+        filter, cursor, limit or order.
+        """
+        raise NotImplementedError
+
+    def count(self, filter, exact_up_to=10_000):
+        """A ``jobfilter.Count``: exact up to ``exact_up_to`` jobs, an estimate (``exact=False``) past it."""
+        raise NotImplementedError
+
+    def cancel(self, job_ids, by, reason):
+        """Cancel each job; returns ``{job_id: what happened}`` in the order given.
+
+        ``"cancelled"``: it was queued, scheduled or retrying and is now
+        ``cancelled`` (terminal; a history entry ``{"outcome": "cancelled",
+        "by", "reason", "at"}``). ``"requested"``: it is running; the request
+        is stored in ``cancel_request`` and the lease holder learns of it at
+        its next ``renew``. ``"already_<state>"`` for a finished job (a second
+        cancel of a running one is ``"requested"`` again, harmless);
+        ``"unknown"`` for an id the broker does not hold. Never raises for one id.
+        """
+        raise NotImplementedError
+
+    def renew(self, leases, lease_seconds, progress=None):
+        """``extend`` that also stores progress and reports cancel requests, in the same round trip.
+
+        ``progress``: ``{job_id: (fraction, note)}`` stored on current leases
+        only. Returns a ``Renewal``: ``lost`` (leases no longer current, as
+        ``extend`` returns) and ``cancel`` (``{job_id: cancel_request}`` for
+        current leases whose job has a cancel request).
+        """
+        raise NotImplementedError
+
+    def cancelled(self, lease, info=None):
+        """End a running job ``cancelled`` (the master's write once its handler stopped); fenced like ``dead``.
+
+        Closes the open history entry with outcome ``cancelled`` plus the
+        stored request's ``by`` and ``reason``. LeaseLost unless current.
+        """
+        raise NotImplementedError
+
+    def pause(self, queue, by=None):
+        """Stop every claimer leasing from ``queue`` (stored in the broker); idempotent."""
+        raise NotImplementedError
+
+    def resume(self, queue):
+        """Undo ``pause``; idempotent."""
+        raise NotImplementedError
+
+    def paused(self):
+        """``{queue: {"by", "at"}}`` for every paused queue."""
+        raise NotImplementedError
+
+    def queues(self):
+        """Every queue the broker knows: holding jobs, paused, or served by a live supervisor record."""
+        raise NotImplementedError
+
+    def take_expired(self):
+        """``[(job_id, type)]`` this instance's claims ended ``expired`` since the last call (for metrics)."""
+        return []
+
+    def requeue(self, job_ids):
+        """Put finished jobs back (dead, cancelled or expired -> ``queued``, attempt 0, history kept).
+
+        Returns ``{job_id: "queued" | "not_finished" | "done" | "unknown"}``.
+        """
+        raise NotImplementedError
+
+    def discard(self, job_ids):
+        """Delete jobs that are not running; returns ``{job_id: "discarded" | "running" | "unknown"}``."""
+        raise NotImplementedError
+
+    def wait(self, job_id, timeout):
+        """The job once it is finished (``model.FINISHED``), or None when ``timeout`` seconds pass first.
+
+        Woken by the broker's own notification, never a busy poll. BadInput
+        for an id the broker does not hold.
+        """
+        raise NotImplementedError
+
+    def write_supervisor(self, record, ttl):
+        """Store (replace) one supervisor's record, keyed by ``record["id"]``; written every heartbeat.
+
+        The broker stamps ``last_heartbeat`` with its clock. A record not
+        written for ``ttl`` seconds shows as gone; one gone for an hour is removed.
+        """
+        raise NotImplementedError
+
+    def supervisors(self):
+        """Every supervisor record, each with ``last_heartbeat`` and ``gone`` (True past its ttl)."""
+        raise NotImplementedError
+
+    def remove_supervisor(self, supervisor_id):
+        """Forget one record (a supervisor stopping cleanly)."""
+        raise NotImplementedError
 
     def wakeup_fd(self):
         """A file descriptor that turns readable when a job may have become due, or None.
