@@ -317,6 +317,23 @@ def test_expiry_applies_to_a_retrying_job_and_not_to_a_running_one(broker):
     assert broker.get(job_id).state == "expired" and len(started(broker.get(job_id))) == 1
 
 
+def test_prune_deletes_old_cancelled_and_expired_jobs_like_done_ones(broker):
+    cancelled = broker.enqueue(new())
+    broker.cancel([cancelled], "ops", None)
+    dead = broker.enqueue(new(max_attempts=1))
+    job = claim_one(broker)
+    broker.dead(job.lease, "permanent", {"reason": "permanent", "class": "E", "message": "", "traceback": ""})
+    expired = broker.enqueue(new(expires_in=0.1))
+    wait_past(broker, broker.get(expired).expires_at + 0.05)
+    assert broker.claim(Q, 5, 30, "w") == [] and broker.get(expired).state == "expired"
+    assert broker.prune(3600) == 0
+    wait_past(broker, broker.get(expired).finished_at + 0.05)
+    assert broker.prune(0) == 2
+    assert broker.get(cancelled) is None and broker.get(expired) is None and broker.get(dead).state == "dead"
+    s = broker.stats(Q)["default"]
+    assert (s.cancelled, s.expired, s.dead) == (0, 0, 1)
+
+
 def test_negative_or_zero_expires_in_is_refused_and_nothing_stored(broker):
     for bad in (-1, 0, float("nan"), "5", True):
         with pytest.raises(BadInput, match="expires_in"):

@@ -386,6 +386,7 @@ class PostgresBroker(ControlMixin, Broker):
                " WHERE state = 'done' AND finished_at < %s LIMIT %s)")
         total = 0
         self._execute(f"DELETE FROM {self._s}.once_keys WHERE created_at < %s", (cutoff,))
+        total += self._prune_ended(cutoff, batch)  # cancelled and expired jobs: kept like done ones
         while True:
             deleted = self._execute(sql, (cutoff, batch)).rowcount
             total += deleted

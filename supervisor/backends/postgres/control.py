@@ -120,6 +120,17 @@ class ControlMixin:
                 jobs.append(job)
         return jobs
 
+    def _prune_ended(self, cutoff, batch):
+        """Delete cancelled and expired jobs finished before ``cutoff``, ``batch`` rows per statement."""
+        sql = (f"DELETE FROM {self._jobs} WHERE id IN (SELECT id FROM {self._jobs}"
+               " WHERE state IN ('cancelled', 'expired') AND finished_at < %s LIMIT %s)")
+        total = 0
+        while True:
+            deleted = self._execute(sql, (cutoff, batch)).rowcount
+            total += deleted
+            if deleted < batch:
+                return total
+
     def _unpaused(self, db, queues):
         paused = {r[0] for r in db.execute(f"SELECT queue FROM {self._s}.paused_queues WHERE queue = ANY(%s)",
                                            (list(queues),)).fetchall()}

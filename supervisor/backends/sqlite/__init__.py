@@ -366,7 +366,8 @@ class SQLiteBroker(ControlMixin, Broker):
             cutoff = self.now() - done_older_than
             cur = self.db.execute("DELETE FROM jobs WHERE state = 'done' AND finished_at < ?", (cutoff,))
             self.db.execute("DELETE FROM once_keys WHERE created_at < ?", (cutoff,))
-        return cur.rowcount
+            ended = self._prune_ended(cutoff)  # cancelled and expired jobs: kept like done ones
+        return cur.rowcount + ended
 
 
 def _job(row):
