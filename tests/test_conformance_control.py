@@ -168,7 +168,10 @@ def _cancel_claimer(url, out, start):
         idle = 0
         for job in jobs:
             seen.append((job.id, job.history[-1]["started_at"]))
-            broker.ack(job.lease)
+            try:
+                broker.ack(job.lease)
+            except LeaseLost:  # only if a cancel ended a running job: the assertions below say so
+                pass
     broker.close()
     out.put(seen)
 
