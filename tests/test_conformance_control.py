@@ -3,6 +3,7 @@
 Like ``test_broker_conformance``: real brokers, concurrent claimers as real
 processes, and waits on the broker's clock instead of sleeps.
 """
+import importlib
 import multiprocessing
 import threading
 import time
@@ -362,6 +363,28 @@ def test_wait_returns_the_job_another_thread_finishes(broker, broker_url):
     broker.ack(job.lease, {"ok": 1})
     t.join(30)
     assert result["job"].state == "done" and result["job"].result == {"ok": 1}
+
+
+def test_wait_is_woken_by_the_broker_notification_not_its_fallback_poll(broker, broker_url, monkeypatch):
+    # With the fallback re-read an hour away, only the broker's notification can end the wait in time.
+    monkeypatch.setattr(importlib.import_module(type(broker).__module__ + ".control"), "WAIT_FALLBACK", 3600.0)
+    job_id = broker.enqueue(new())
+    job = claim_one(broker)
+    result, listening = {}, threading.Event()
+    waiter = open_broker(broker_url)
+    waiter.get = lambda job_id, get=waiter.get: (listening.set(), get(job_id))[1]  # the first read is after listening
+
+    def wait():
+        result["job"] = waiter.wait(job_id, 3600)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    assert listening.wait(30)
+    broker.ack(job.lease, "ok")
+    t.join(30)
+    assert not t.is_alive(), "wait was not woken by the job finishing"
+    assert result["job"].state == "done"
+    waiter.close()
 
 
 def test_wait_returns_at_once_for_a_finished_job_and_none_on_timeout(broker):
