@@ -47,12 +47,16 @@ class SearchMixin:
             params.append(json.dumps(containment(f.payload)))
         return clauses, params
 
+    def _page_sql(self, f, after, order, columns, n):
+        """(SQL, params) of one batch of a search: what the plan tests EXPLAIN."""
+        clauses, params = self._search_where(f)
+        more, more_params, order_by = sqlsearch.keyset(after, order, "%s")
+        return sqlsearch.select(self._jobs, columns, clauses + more, order_by, "%s"), (*params, *more_params, n)
+
     def _fetcher(self, f, order, columns):
         def fetch(after, n):
-            clauses, params = self._search_where(f)
-            more, more_params, order_by = sqlsearch.keyset(after, order, "%s")
-            sql = sqlsearch.select(self._jobs, columns, clauses + more, order_by, "%s")
-            return self._execute(sql, (*params, *more_params, n), row_factory=dict_row).fetchall()
+            sql, params = self._page_sql(f, after, order, columns, n)
+            return self._execute(sql, params, row_factory=dict_row).fetchall()
         return fetch
 
     def _load(self, ids):
