@@ -107,6 +107,30 @@ def test_a_result_that_crossed_the_cancel_stands_and_a_queued_job_never_starts(t
         d.stop()
 
 
+def test_a_prefetched_job_cancelled_before_it_started_never_runs(tmp_path, sqlite_url):
+    d = daemon(tmp_path, sqlite_url, supervisor={"workers": 1}, broker={"prefetch": 2})
+    try:
+        d.start()
+        marker, release = d.marker("marker"), d.marker("release")
+        running = d.enqueue("hold", {"marker": marker, "release": release})
+        started(d, running, marker)
+        waiting = d.enqueue("noop", {"marker": marker})
+        wait_for(lambda: d.status()["prefetched"] == 1, timeout=30, message="the noop job prefetched")
+        # Claimed by the supervisor, so the broker answers "requested": the renewal carries it.
+        assert d.broker.cancel([waiting], by="ops", reason="stale") == {waiting: "requested"}
+        job = d.wait_job(waiting, states=("cancelled", "done"))
+        assert job.state == "cancelled" and cancel_entry(job)["by"] == "ops"
+        assert d.status()["prefetched"] == 0
+        open(release, "w").close()
+        assert d.wait_job(running).state == "done"
+        assert not any(line.startswith(waiting) for line in lines(marker))  # never ran
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
 def test_progress_shows_in_status_and_on_the_job(tmp_path, url):
     d = daemon(tmp_path, url, supervisor={"workers": 1})
     try:
@@ -200,3 +224,23 @@ def test_every_supervisor_sharing_a_broker_is_visible_and_a_killed_one_shows_gon
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_job_not_started_before_it_expires_never_runs_and_is_counted(tmp_path, sqlite_url):
+    d = daemon(tmp_path, sqlite_url, supervisor={"workers": 1})
+    try:
+        d.start()
+        marker = d.marker("marker")
+        # Due in 0.5 s, expired after 0.2 s: the claim that finds it due ends it expired.
+        late = d.enqueue("noop", {"marker": marker}, delay=0.5, expires_in=0.2)
+        fresh = d.enqueue("noop", {"marker": marker}, expires_in=600)
+        assert d.wait_job(late, states=("expired", "done")).state == "expired"
+        assert d.wait_job(fresh).state == "done"
+        assert [line.split()[0] for line in lines(marker)] == [fresh]
+        wait_for(lambda: 'tangguh_jobs_expired_total{type="noop"} 1.0' in tangguh("metrics", "-c", d.config_path).stdout,
+                 timeout=10, message="the expiry counted")
+        assert d.status()["counters"]["expired"] == 1
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+    finally:
+        d.stop()

@@ -32,7 +32,7 @@ class JobControl:
         self.heartbeat, self.pool, self.dispatcher, self.writer = heartbeat, pool, dispatcher, writer
         self.metrics, self.count = metrics, count
         self.cancel_unstarted, self.record = cancel_unstarted, record
-        self.paused = set()  # queues paused in the broker, as of the heartbeat's last beat
+        self.paused = None  # queues paused in the broker, as of the heartbeat's last beat (None: not set yet)
         self.next_record_at = 0.0
 
     def run(self, queues, stopping):
@@ -79,7 +79,7 @@ class JobControl:
         paused = set(self.heartbeat.paused)
         if paused == self.paused:
             return
-        newly = paused - self.paused
+        first, newly = self.paused is None, paused - (self.paused or set())
         self.paused = paused
         self.dispatcher.paused = paused
         for queue in queues:
@@ -87,5 +87,6 @@ class JobControl:
         released = self.dispatcher.take_queues(newly)
         for job in released:
             self.writer.release(job)
-        log.info("paused queues now: %s (%d prefetched jobs released)", ", ".join(sorted(paused)) or "none",
-                 len(released), extra={"event": "queues_paused"})
+        if paused or not first:
+            log.info("paused queues now: %s (%d prefetched jobs released)", ", ".join(sorted(paused)) or "none",
+                     len(released), extra={"event": "queues_paused"})

@@ -180,7 +180,7 @@ class Status:
             "restarts": m.pool.restarts, "counters": dict(self.counters), "empty_polls": m.dispatcher.empty_polls,
             "handlers": sorted(m.handlers),
             "queues": {q: s.to_dict() for q, s in m.periodic.queue_stats.items()},
-            "paused_queues": sorted(m.control.paused),
+            "paused_queues": sorted(m.control.paused or ()),
             "metrics_listen": m.exporter.address if m.exporter is not None else None,
         }
 
@@ -191,4 +191,4 @@ class Status:
                    for v in self.view()["workers"]]
         return {"id": m.owner, "host": socket.gethostname(), "pid": m.pid, "version": __version__,
                 "started": m.started_at, "config": m.cfg.path, "queues": list(m.cfg.broker.queues),
-                "paused_queues": sorted(m.control.paused), "workers": workers, "counters": dict(self.counters)}
+                "paused_queues": sorted(m.control.paused or ()), "workers": workers, "counters": dict(self.counters)}
