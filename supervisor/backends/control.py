@@ -65,7 +65,7 @@ def progress_value(value):
         fraction = None
     else:
         fraction = min(1.0, max(0.0, float(fraction)))
-    note = storable(note[:MAX_NOTE]) if isinstance(note, str) else None
+    note = storable(note[:MAX_NOTE]) if isinstance(note, str) and note else None
     return fraction, note
 
 
