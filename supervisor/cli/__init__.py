@@ -13,7 +13,7 @@ import os
 import sys
 
 from ..errors import BadInput, ConfigError, NotDead, TangguhError
-from . import admin, control, daemon, dlq, jobs
+from . import admin, bulk, control, daemon, dlq, jobs
 from .common import PROG, Failure, UsageError
 
 
@@ -108,6 +108,8 @@ def build_parser():
     p.add_argument("job_id", metavar="ID")
     control.add_job_options(p)
     control.add_commands(commands, command, as_json)
+
+    bulk.add_commands(commands, command, as_json)
 
     dlq_commands = command(commands, "dlq", None, "inspect and replay dead-lettered jobs").add_subparsers(
         dest="dlq_command", metavar="COMMAND", required=True)
