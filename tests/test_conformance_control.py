@@ -109,6 +109,16 @@ def test_cancelled_is_fenced_by_the_lease_token(broker):
         broker.cancelled(current.lease)
 
 
+def test_a_dead_job_replayed_forgets_the_cancel_asked_of_its_last_attempt(broker):
+    job_id = broker.enqueue(new(max_attempts=1))
+    job = claim_one(broker)
+    broker.cancel([job_id], "ops", None)
+    broker.dead(job.lease, "permanent", {"reason": "permanent", "class": "E", "message": "", "traceback": ""})
+    broker.dlq_replay([job_id])
+    again = claim_one(broker)
+    assert broker.renew([again.lease], 30).cancel == {}, "the replay is a fresh start"
+
+
 @pytest.mark.parametrize("ending", ["retry", "release", "lease_expired"])
 def test_a_job_asked_to_cancel_never_runs_again(broker, ending):
     job_id = broker.enqueue(new(max_attempts=5))
@@ -341,6 +351,25 @@ def test_prune_deletes_old_cancelled_and_expired_jobs_like_done_ones(broker):
     assert broker.get(cancelled) is None and broker.get(expired) is None and broker.get(dead).state == "dead"
     s = broker.stats(Q)["default"]
     assert (s.cancelled, s.expired, s.dead) == (0, 0, 1)
+
+
+def test_a_requeued_or_discarded_cancelled_job_leaves_the_cancelled_and_expired_counts(broker):
+    cancelled = broker.enqueue(new())
+    broker.cancel([cancelled], "ops", None)
+    expired = broker.enqueue(new(expires_in=0.1))
+    wait_past(broker, broker.get(expired).expires_at + 0.05)
+    assert broker.claim(Q, 5, 30, "w") == []
+    assert broker.requeue([cancelled, expired]) == {cancelled: "queued", expired: "queued"}
+    s = broker.stats(Q)["default"]
+    assert (s.ready, s.cancelled, s.expired) == (2, 0, 0)
+    wait_past(broker, broker.now() + 0.05)
+    broker.prune(0)  # a requeued job is not pruned as an old cancelled one
+    assert broker.get(cancelled).state == "queued" and broker.get(expired).state == "queued"
+    assert {j.id for j in broker.claim(Q, 5, 30, "w")} == {cancelled, expired}
+    again = broker.enqueue(new())
+    broker.cancel([again], "ops", None)
+    assert broker.discard([again]) == {again: "discarded"}
+    assert broker.stats(Q)["default"].cancelled == 0
 
 
 def test_negative_or_zero_expires_in_is_refused_and_nothing_stored(broker):

@@ -343,7 +343,7 @@ class SQLiteBroker(ControlMixin, SearchMixin, Broker):
                 try:
                     self.db.execute(
                         "UPDATE jobs SET state = 'queued', attempt = 0, run_at = ?, reason = NULL,"
-                        " finished_at = NULL, lease_until = NULL, owner = NULL WHERE id = ?",
+                        " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL WHERE id = ?",
                         (now, job_id),
                     )
                 except sqlite3.IntegrityError:
