@@ -298,6 +298,10 @@ SCHEMES = {
     "sqlite": ("supervisor.backends.sqlite", "SQLiteBroker"),
     "redis": ("supervisor.backends.redis", "RedisBroker"),
     "rediss": ("supervisor.backends.redis", "RedisBroker"),
+    "redis+sentinel": ("supervisor.backends.redis", "RedisBroker"),
+    "rediss+sentinel": ("supervisor.backends.redis", "RedisBroker"),
+    "redis+cluster": ("supervisor.backends.redis", "RedisBroker"),
+    "rediss+cluster": ("supervisor.backends.redis", "RedisBroker"),
     "postgresql": ("supervisor.backends.postgres", "PostgresBroker"),
     "postgres": ("supervisor.backends.postgres", "PostgresBroker"),
 }
