@@ -41,8 +41,9 @@ class SentinelSetup:
         self.root = root
         os.makedirs(root / "primary")
         os.makedirs(root / "replica")
-        self.primary = RedisServer(root / "primary").start()
-        self.replica = RedisServer(root / "replica", extra=["--replicaof", "127.0.0.1", str(self.primary.port)])
+        self.primary = RedisServer(root / "primary", extra=["--repl-diskless-sync-delay", "0"]).start()
+        self.replica = RedisServer(root / "replica", extra=["--replicaof", "127.0.0.1", str(self.primary.port),
+                                                            "--repl-ping-replica-period", "1"])
         self.replica.start()
         self.sentinels = [self._sentinel(i) for i in range(3)]
         self.wait_replicated()
@@ -68,8 +69,7 @@ class SentinelSetup:
     @staticmethod
     def _known(sentinel):
         with sentinel.client(decode_responses=True) as r:
-            master = r.execute_command("SENTINEL", "MASTER", SERVICE)
-            fields = dict(zip(master[::2], master[1::2]))
+            fields = r.sentinel_master(SERVICE)
             return int(fields["num-slaves"]) >= 1 and int(fields["num-other-sentinels"]) >= 2
 
     def wait_replicated(self):
@@ -113,17 +113,30 @@ class RedisClusterSetup:
             os.makedirs(folder)
             self.nodes.append(RedisServer(folder, extra=[
                 "--cluster-enabled", "yes", "--cluster-config-file", str(folder / "nodes.conf"),
-                "--cluster-node-timeout", "1000"]).start())
+                "--cluster-node-timeout", "1000", "--repl-ping-replica-period", "1", "--repl-diskless-sync-delay", "0",
+                # A replica of a primary killed mid-test must take over, however long since its last ping.
+                "--cluster-replica-validity-factor", "0",
+                # The bus port defaults to port + 10000, past 65535 for a high free port.
+                "--cluster-port", str(free_port())]).start())
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
                         "--cluster-replicas", "1", "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
         wait_for(self.healthy, timeout=30, message="the cluster to be ok on every node")
+        wait_for(self.replicated, timeout=30, message="every replica to be in sync with its primary")
+
+    def replicated(self):
+        for n in self.nodes:
+            with n.client(decode_responses=True) as r:
+                info = r.info("replication")
+            if info["role"] == "slave" and info.get("master_link_status") != "up":
+                return False
+        return True
 
     def healthy(self):
         live = [n for n in self.nodes if n.proc.poll() is None]
         for n in live:
             with n.client(decode_responses=True) as r:
-                if r.execute_command("CLUSTER", "INFO").get("cluster_state") != "ok":
+                if "cluster_state:ok" not in r.execute_command("CLUSTER", "INFO"):
                     return False
         return True
 

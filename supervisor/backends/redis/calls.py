@@ -9,9 +9,10 @@ write happened on the primary but a failover may still lose it, so the caller
 must not count on it (a producer retries with an idempotency key; the
 daemon's outcome write is retried and meets ``LeaseLost`` if it had landed).
 
-On a cluster a pipeline's commands go to several nodes in no set order, so
-commands that must land before the scripts (``before``) get a round trip of
-their own there.
+On a cluster, redis-py does not pipeline scripts (its cluster pipeline
+refuses EVALSHA), so the calls run one after the other, each sent to the node
+serving its queue's slot; the commands that must land before them
+(``before``) are one round trip of their own.
 """
 from redis.exceptions import NoScriptError
 
@@ -30,12 +31,13 @@ class ScriptCalls:
 
     def _run_many(self, calls, before=(), confirm=False):
         """Several script calls (and plain commands first) in one round trip; WAIT last if ``confirm``."""
-        if before and self.cluster:
-            pipe = self.r.pipeline(transaction=False)
-            for command, *args in before:
-                getattr(pipe, command)(*args)
-            pipe.execute()
-            before = ()
+        if self.cluster:
+            if before:
+                pipe = self.r.pipeline(transaction=False)
+                for command, *args in before:
+                    getattr(pipe, command)(*args)
+                pipe.execute()
+            return [self._run(name, queue, args) for name, queue, args in calls]
         wait = self.wait if confirm else None
         for attempt in (1, 2):
             pipe = self.r.pipeline(transaction=False)

@@ -131,7 +131,7 @@ def _host_port(text, default_port):
     return host, int(port) if port else default_port
 
 
-def _kwargs(tls, userinfo, db, rest):
+def _kwargs(tls, userinfo, db, rest, overrides=None):
     """redis-py's connection settings from the URL (parsed by redis-py itself), without host and port."""
     query = urllib.parse.urlencode(rest)
     kw = redis.connection.parse_url(f"redis://{userinfo + '@' if userinfo else ''}localhost/{db}?{query}")
@@ -139,10 +139,25 @@ def _kwargs(tls, userinfo, db, rest):
     kw.pop("port", None)
     if tls == "rediss":
         kw["ssl"] = True
-    return {**_defaults(), **kw}
+    return {**_defaults(), **(overrides or {}), **kw}
 
 
-def _sentinel(url, parts, tls, userinfo, hosts, rest, options):
+def sentinel_master(url, **overrides):
+    """A client of the primary a ``redis+sentinel://`` URL names, for URLs whose query holds
+    redis-py's options and ``sentinel_*`` only (the handler toolkit's Redis).
+
+    ``overrides`` replace the broker's defaults (``decode_responses``, timeouts, retry).
+    """
+    parts = urllib.parse.urlsplit(url)
+    tls = parts.scheme.lower().partition("+")[0]
+    options = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    hosts = [_host_port(h, 26379) for h in hostlist.split(",")]
+    rest = [(k, v) for k, v in options if k not in SENTINEL_OPTIONS]
+    return _sentinel(url, parts, tls, userinfo, hosts, rest, options, overrides)[0]
+
+
+def _sentinel(url, parts, tls, userinfo, hosts, rest, options, overrides=None):
     """``redis+sentinel://h:26379,h2:26379/service/db``: a client of the primary the Sentinels name now.
 
     Every new connection asks the Sentinels for the primary, so after a failover
@@ -154,7 +169,7 @@ def _sentinel(url, parts, tls, userinfo, hosts, rest, options):
     service, db = path[0], path[1] if len(path) > 1 else "0"
     if not db.isdigit():
         raise ValueError(f"db {db!r} must be a number")
-    kw = _kwargs(tls, userinfo, db, rest)
+    kw = _kwargs(tls, userinfo, db, rest, overrides)
     own = dict(options)
     sentinel_kw = {k: kw[k] for k in ("socket_connect_timeout", "socket_timeout", "ssl") if k in kw}
     if own.get("sentinel_username"):
