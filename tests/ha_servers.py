@@ -219,3 +219,89 @@ class PostgresPair:
         for cluster in (self.replica, self.primary):
             cluster.stop(mode="immediate")
             shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+class Link:
+    """A TCP relay between a replica and its primary that the test can cut: a real partition.
+
+    ``cut()`` stops forwarding the primary's stream (the bytes are dropped, as a
+    broken network would), so writes acknowledged by the primary from then on
+    never reach the replica.
+    """
+
+    def __init__(self, upstream_port):
+        import socket
+        import threading
+
+        self.upstream = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.is_cut = threading.Event()
+        self.sockets = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import socket
+        import threading
+
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream))
+            self.sockets += [down, up]
+            threading.Thread(target=self._pump, args=(up, down, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(down, up, False), daemon=True).start()
+
+    def _pump(self, src, dst, from_primary):
+        try:
+            while data := src.recv(65536):
+                if not (from_primary and self.is_cut.is_set()):
+                    dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self):
+        self.is_cut.set()
+
+    def close(self):
+        for s in self.sockets:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+class ReplicatedRedis:
+    """A primary and a replica replicating through a ``Link``; ``promote()`` makes the replica the primary."""
+
+    def __init__(self, root):
+        need_redis()
+        os.makedirs(root / "primary")
+        os.makedirs(root / "replica")
+        self.primary = RedisServer(root / "primary", extra=["--repl-diskless-sync-delay", "0"]).start()
+        self.link = Link(self.primary.port)
+        self.replica = RedisServer(root / "replica", extra=["--replicaof", "127.0.0.1", str(self.link.port)]).start()
+        wait_for(lambda: self.replica.client().info("replication").get("master_link_status") == "up", timeout=20,
+                 message="the replica to be in sync")
+
+    def promote(self):
+        """The failover: the primary is gone (SIGKILL), the replica answers as the primary."""
+        self.primary.stop(signal.SIGKILL)
+        self.link.close()
+        with self.replica.client() as r:
+            r.execute_command("REPLICAOF", "NO", "ONE")
+
+    def stop(self):
+        self.link.close()
+        for node in (self.replica, self.primary):
+            if node.proc is not None and node.proc.poll() is None:
+                node.proc.kill()
+                node.proc.wait(10)
