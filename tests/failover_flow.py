@@ -20,7 +20,7 @@ from .util import wait_for
 
 # Jobs per failover test: sized to keep each test under a minute on two shared cores.
 # TANGGUH_TEST_HA_JOBS=5000 runs the full size.
-N_JOBS = int(os.environ.get("TANGGUH_TEST_HA_JOBS", "1000"))
+N_JOBS = int(os.environ.get("TANGGUH_TEST_HA_JOBS", "2000"))
 
 
 def _rows(db, sql):
