@@ -314,7 +314,8 @@ def scheme_of(url):
         raise BrokerError("broker url is not a URL (expected sqlite:///path, redis://..., postgresql://...)")
     scheme = url.partition("://")[0].lower()
     if scheme not in SCHEMES:
-        raise BrokerError(f"unknown broker scheme {scheme!r} (expected sqlite, redis, rediss or postgresql)")
+        raise BrokerError(f"unknown broker scheme {scheme!r} (expected sqlite, redis, rediss, redis+sentinel,"
+                          " redis+cluster or postgresql)")
     return scheme
 
 
