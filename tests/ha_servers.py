@@ -146,7 +146,8 @@ class RedisClusterSetup:
         return f"redis+cluster://{hosts}/?{query}"
 
     def primary_of(self, key):
-        with self.nodes[0].client(decode_responses=True) as r:
+        live = next(n for n in self.nodes if n.proc.poll() is None)
+        with live.client(decode_responses=True) as r:
             slot = r.execute_command("CLUSTER", "KEYSLOT", key)
         for n in self.nodes:
             if n.proc.poll() is not None:

@@ -6,16 +6,19 @@ gets a key prefix of its own. The conformance tests are the very functions of
 ``tests/test_broker_conformance.py``, imported here with ``broker_url`` pointing
 at the cluster, so they run once, in this module only.
 """
+import select
 import uuid
 
 import pytest
 
 from supervisor.backends import open_broker
+from supervisor.errors import BrokerError
 from supervisor.model import NewJob
 
 from .failover_flow import run_through_failover
 from .ha_servers import RedisClusterSetup
 from .test_broker_conformance import *  # noqa: F401,F403 - the suite, collected again against the cluster
+from .util import wait_for
 
 pytestmark = pytest.mark.services
 
@@ -54,3 +57,33 @@ def test_jobs_flow_through_a_cluster_failover_each_effect_once(cluster, tmp_path
         print("cluster failover:", got)
     finally:
         client.close()
+
+
+def test_wakeups_follow_the_failover_of_the_node_they_listen_on(tmp_path):
+    """A cluster of its own: the primary the wake-up subscription sits on is the one killed."""
+    own = RedisClusterSetup(tmp_path / "own")
+    client = open_broker(own.url(f"t{uuid.uuid4().hex[:8]}"))
+    try:
+        fd = client.wakeup_fd()
+        port = client._pubsub.connection.port
+        victim = next(n for n in own.nodes if n.port == port)
+        if victim.client().info("replication")["role"] != "master":  # redis-py may subscribe on a replica
+            pytest.skip("the subscription sits on a replica")
+        own.kill_primary_of(client.keys.channel)
+        wait_for(lambda: select.select([fd], [], [], 0)[0], timeout=10, message="the old subscription to close")
+        with pytest.raises(BrokerError):
+            client.drain_wakeups()
+        new_fd = wait_for(lambda: _fd(client), timeout=30, message="a new subscription")
+        client.enqueue(NewJob("t", {}))
+        wait_for(lambda: select.select([new_fd], [], [], 0)[0], timeout=10, message="a wake-up after the failover")
+        client.drain_wakeups()
+    finally:
+        client.close()
+        own.stop()
+
+
+def _fd(client):
+    try:
+        return client.wakeup_fd()
+    except BrokerError:
+        return None

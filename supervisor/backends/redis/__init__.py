@@ -65,6 +65,7 @@ class RedisBroker(ScriptCalls, Broker):
         self._synced = 0.0
         self._pubsub = None
         self._wakeup_sock = None
+        self._wakeups_lost = False
 
     @guard
     def migrate(self):
@@ -347,6 +348,11 @@ class RedisBroker(ScriptCalls, Broker):
         redis-py replaced its socket): call this again for the new descriptor.
         """
         if self._pubsub is None:
+            if self.cluster and self._wakeups_lost:
+                # The subscription's node failed: its slots may have moved, and only a command of the
+                # main client would make redis-py read the slot map again. Read it now.
+                self.r.nodes_manager.initialize()
+            self._wakeups_lost = False
             pubsub = self.r.pubsub()
             try:
                 pubsub.subscribe(self.keys.channel)
@@ -367,6 +373,7 @@ class RedisBroker(ScriptCalls, Broker):
                 raise redis.ConnectionError("the wake-up connection was re-established")
         except RedisError as exc:
             self._drop_pubsub()
+            self._wakeups_lost = True
             raise BrokerError(f"redis broker {self.where} wake-ups lost, call wakeup_fd() again: {exc}") from None
 
     def _drop_pubsub(self):
