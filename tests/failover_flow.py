@@ -70,10 +70,13 @@ def run_through_failover(tmp_path, url, client, fail, n=N_JOBS, lease_seconds=3.
         for d, before in zip(daemons, pids):
             wait_for(lambda d=d: not d.status()["broker_down"], timeout=30, message="the broker to be up again")
             assert sorted(d.worker_pids()) == before and d.status()["restarts"] == 0  # the children lived on
+        outages = sum(len(d.records(event="broker_down")) for d in daemons)
+        assert outages >= 1, "the failover never reached the supervisors"
         for d in daemons:
             d.signal(signal.SIGTERM)
             assert d.wait_exit() == 0
-        return {"jobs": n, "dead": s.dead, "duplicates": executions - n, "ran_before_failover": ran_before}
+        return {"jobs": n, "dead": s.dead, "duplicates": executions - n, "ran_before_failover": ran_before,
+                "broker_down_events": outages}
     finally:
         for d in daemons:
             d.stop()
