@@ -3,8 +3,9 @@ and a primary killed under two running supervisors.
 
 The cluster is started once for this module (``tests/ha_servers.py``); each test
 gets a key prefix of its own. The conformance tests are the very functions of
-``tests/test_broker_conformance.py``, imported here with ``broker_url`` pointing
-at the cluster, so they run once, in this module only.
+``tests/test_broker_conformance.py``, ``test_conformance_control.py`` and
+``test_conformance_search.py``, imported here with ``broker_url`` pointing at
+the cluster, so they run once, in this module only.
 """
 import select
 import uuid
@@ -17,7 +18,10 @@ from supervisor.model import NewJob
 
 from .failover_flow import run_through_failover
 from .ha_servers import RedisClusterSetup
-from .test_broker_conformance import *  # noqa: F401,F403 - the suite, collected again against the cluster
+# The conformance suites, collected again here against the cluster (``broker_url`` below).
+from .test_broker_conformance import *  # noqa: F401,F403
+from .test_conformance_control import *  # noqa: F401,F403
+from .test_conformance_search import *  # noqa: F401,F403
 from .util import wait_for
 
 pytestmark = pytest.mark.services

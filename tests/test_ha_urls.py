@@ -19,7 +19,7 @@ def test_a_sentinel_url_names_the_service_the_db_and_the_sentinels_password():
         assert pool.connection_kwargs["password"] == SECRET
         assert [s.connection_pool.connection_kwargs["port"] for s in pool.sentinel_manager.sentinels] == [26379, 26379]
         assert pool.sentinel_manager.sentinels[0].connection_pool.connection_kwargs["password"] == SECRET
-        assert (b.prefix, b.wait, b.cluster) == ("p", (1, 250), False)
+        assert (b.prefix, b.replica_wait, b.cluster) == ("p", (1, 250), False)
     finally:
         b.close()
 

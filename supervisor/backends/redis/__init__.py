@@ -60,7 +60,7 @@ class RedisBroker(ScriptCalls, ControlMixin, SearchMixin, Broker):
         self.url = url
         conn = connect(url)
         self.r, self.prefix, self.done_ttl, self.where = conn.client, conn.prefix, conn.done_ttl, conn.where
-        self.cluster, self.wait = conn.cluster, conn.wait
+        self.cluster, self.replica_wait = conn.cluster, conn.wait
         self.scripts = scripts.register(self.r)
         self.keys = Keys(self.prefix)
         self._locator = Locator(self.r, self.keys)

@@ -21,10 +21,10 @@ from . import scripts
 
 
 class ScriptCalls:
-    """Mixin of ``RedisBroker``: needs ``r``, ``keys``, ``scripts``, ``cluster``, ``wait`` and ``where``."""
+    """Mixin of ``RedisBroker``: needs ``r``, ``keys``, ``scripts``, ``cluster``, ``replica_wait`` and ``where``."""
 
     def _run(self, name, queue, args, confirm=False):
-        if confirm and self.wait:
+        if confirm and self.replica_wait:
             return self._run_many([(name, queue, args)], confirm=True)[0]
         keys, head = self.keys.for_scripts(queue)
         return self.scripts[name](keys=keys, args=head + list(args), client=self.r)
@@ -38,7 +38,7 @@ class ScriptCalls:
                     getattr(pipe, command)(*args)
                 pipe.execute()
             return [self._run(name, queue, args) for name, queue, args in calls]
-        wait = self.wait if confirm else None
+        wait = self.replica_wait if confirm else None
         for attempt in (1, 2):
             pipe = self.r.pipeline(transaction=False)
             for command, *args in before:
