@@ -10,7 +10,9 @@ Every state change (enqueue, claim, extend, ack, retry, dead, release, replay,
 purge, prune) is one script that reads the clock with ``TIME`` and touches one
 queue's slot only (see ``keys``). ``P:queues`` lives outside the queue slots:
 enqueue adds the queue name to it in the same pipeline as (and before) the
-enqueue script, so a queue is known before it holds a job.
+enqueue script (on a cluster, in a round trip of its own before it), so a
+queue is known before it holds a job. Sentinel, Cluster and ``wait_replicas``:
+see ``connection`` and ``calls``.
 
 Semantics beyond the shared contract:
 
