@@ -16,7 +16,8 @@ answers) and each queue depth (1,000 and 100,000 jobs), on a fresh store:
 Redis runs under a throwaway key prefix and PostgreSQL in a throwaway schema,
 both removed afterwards. ``redis-replica`` and ``redis-wait1`` start a private
 Redis primary with one replica; ``redis-wait1`` sets ``wait_replicas=1`` (the
-cost of ``broker.redis_wait_replicas``, see docs/brokers.md). Prints a Markdown table; writes ``bench/results/broker.json``.
+cost of ``broker.redis_wait_replicas``, see docs/brokers.md). Prints a
+Markdown table; writes ``bench/results/broker.json``.
 Each measured loop also stops at a time budget, so the whole run stays bounded.
 """
 import argparse

@@ -57,7 +57,8 @@ def test_jobs_flow_through_a_cluster_failover_each_effect_once(cluster, tmp_path
     url = cluster.url(prefix)
     client = open_broker(url)
     try:
-        got = run_through_failover(tmp_path, url, client, lambda: cluster.kill_primary_of(f"{prefix}:{{default}}:ready"))
+        queue_key = f"{prefix}:{{default}}:ready"  # the primary serving the queue the jobs flow through
+        got = run_through_failover(tmp_path, url, client, lambda: cluster.kill_primary_of(queue_key))
         print("cluster failover:", got)
     finally:
         client.close()

@@ -75,3 +75,10 @@ def test_config_check_refuses_a_bad_redis_wait_replicas(capsys, tmp_path, broker
     assert (code, out, err) == (2, "", f"tangguh: error: {says}\n")
     with pytest.raises(ConfigError):
         config.load(str(path))
+
+
+def test_a_sentinel_url_is_shown_without_either_password():
+    from supervisor.urls import redact
+
+    url = f"redis+sentinel://app:{SECRET}@h1:26379,h2:26379/mymaster/0?sentinel_password={SECRET}&prefix=p"
+    assert redact(url) == "redis+sentinel://app:***@h1:26379,h2:26379/mymaster/0?sentinel_password=***&prefix=p"
