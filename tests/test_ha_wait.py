@@ -15,7 +15,9 @@ from supervisor.backends import open_broker
 from supervisor.errors import BrokerError
 from supervisor.model import NewJob
 
+from .daemon import Daemon
 from .ha_servers import ReplicatedRedis
+from .util import wait_for
 
 pytestmark = pytest.mark.services
 
@@ -64,3 +66,24 @@ def test_outcome_writes_wait_for_the_replica_too(pair):
             broker.ack(second.lease)
     finally:
         broker.close()
+
+
+def test_the_daemon_takes_redis_wait_replicas_from_its_config(pair, tmp_path):
+    """``broker.redis_wait_replicas = 1`` in the config: the supervisor's ack waits for the replica, and
+    an ack no replica confirmed is not counted as stored (kept and retried, the job stays running)."""
+    url = f"{pair.primary.url}?prefix=t{uuid.uuid4().hex[:8]}"
+    d = Daemon(tmp_path, broker_url=url, supervisor={"workers": 1}, broker={"redis_wait_replicas": 1})
+    client = open_broker(url)
+    d._broker = client
+    try:
+        d.start()
+        assert d.wait_job(client.enqueue(NewJob("noop", {})), timeout=30).state == "done"  # confirmed
+        pair.link.cut()
+        job_id = client.enqueue(NewJob("noop", {}))
+        wait_for(lambda: any("reached 0 of 1 replica" in r["msg"] for r in d.records(event="write_failed")),
+                 timeout=30, message="the ack to wait for the replica and fail")
+        assert client.get(job_id).state == "done"  # on the primary: the ack did land there, unconfirmed
+        assert d.status()["pending_writes"] == 1  # but the supervisor did not count it as stored
+    finally:
+        d.kill_group()  # its shutdown would retry the unconfirmable write until its deadline
+        d.stop()
