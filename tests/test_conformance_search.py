@@ -79,6 +79,7 @@ FILTERS = [
     ({"idempotency_key": "k-1"}, lambda j: j.idempotency_key == "k-1"),
     ({"payload": {"order_id": 7}}, lambda j: j.payload.get("order_id") == 7),
     ({"payload": {"order_id": "7"}}, lambda j: j.payload.get("order_id") == "7"),
+    ({"payload": {"order_id": 7.0}}, lambda j: j.payload.get("order_id") == 7),
     ({"payload": {"order_id": None}}, lambda j: "order_id" in j.payload and j.payload["order_id"] is None),
     ({"payload": {"customer.id": "c1"}}, lambda j: j.payload.get("customer", {}).get("id") == "c1"),
     ({"payload": {"customer.vip": True}}, lambda j: j.payload.get("customer", {}).get("vip") is True),

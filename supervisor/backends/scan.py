@@ -33,6 +33,10 @@ def matches(f, row, post):
     """Whether a candidate row (a dict of the job's columns) passes the ``post`` filters of ``f``."""
     for name in post:
         if name == "payload":
+            if "payload_ok" in row:  # the broker compared the fields itself (SQLite's JSON functions)
+                if not row["payload_ok"]:
+                    return False
+                continue
             payload = row.get("payload")
             if isinstance(payload, (str, bytes)):
                 payload = load_json(payload)
