@@ -56,6 +56,11 @@ def payload_check(pairs):
     return f"CASE WHEN json_valid(payload) THEN ({' AND '.join(parts)}) ELSE 0 END AS payload_ok", params
 
 
+def _columns(post):
+    """What one batch reads: the key, and what the row-by-row filters check (payload last)."""
+    return "id, queued_at" + (", state, error" if "error" in post else "") + (", payload" if "payload" in post else "")
+
+
 class SearchMixin:
     def _where(self, f, after, order):
         clauses, params = sqlsearch.where(f, "?")
@@ -65,9 +70,9 @@ class SearchMixin:
     def _page_sql(self, f, after, order, columns, n):
         """(SQL, params) of one batch of a search: what the plan tests EXPLAIN."""
         clauses, params, order_by = self._where(f, after, order)
-        check = payload_check(f.payload) if f.payload and columns == sqlsearch.CANDIDATE else None
+        check = payload_check(f.payload) if f.payload and columns.endswith(", payload") else None
         if check is not None:
-            columns = columns.replace("payload", check[0])
+            columns = columns[:-len("payload")] + check[0]
             params = check[1] + params
         table = "jobs"
         if (f.finished_after is not None or f.finished_before is not None) and not any(
@@ -96,9 +101,8 @@ class SearchMixin:
     def search(self, filter, cursor=None, limit=50, order="newest"):
         f, after = scan.start(filter, cursor, limit, order)
         post = scan.post_names(f, sqlsearch.SERVED)
-        columns = sqlsearch.CANDIDATE if post else "id, queued_at"
         with self._read():
-            return scan.search_jobs(self._fetcher(f, order, columns), self._load, f, after, limit, order, post)
+            return scan.search_jobs(self._fetcher(f, order, _columns(post)), self._load, f, after, limit, order, post)
 
     def count(self, filter, exact_up_to=10_000):
         f, _ = scan.start(filter, None, 1, "newest")
@@ -112,7 +116,7 @@ class SearchMixin:
                 return self.db.execute(f"SELECT count(*) FROM ({inner})", args).fetchone()[0]
 
         with self._read():
-            return scan.count_jobs(self._fetcher(f, "newest", sqlsearch.CANDIDATE), indexed_count,
+            return scan.count_jobs(self._fetcher(f, "newest", _columns(post)), indexed_count,
                                    lambda: indexed_count(None), f, exact_up_to, post)
 
     def requeue(self, job_ids):
