@@ -17,7 +17,6 @@ from supervisor.model import NewJob
 from .daemon import Daemon, tangguh
 from .util import wait_for
 
-
 pytestmark = pytest.mark.services
 
 Q = ["default"]

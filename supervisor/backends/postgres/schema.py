@@ -126,7 +126,8 @@ def migrations(s):
             f"CREATE INDEX jobs_search_finished ON {s}.jobs (finished_at) WHERE finished_at IS NOT NULL",
             f"CREATE INDEX jobs_search_payload ON {s}.jobs USING gin ((payload::jsonb) jsonb_path_ops)",
         ]),
-        # 4: job control (cancel, expiry, progress, pauses, supervisor records, wait's notification).
+        # 4: job control (cancel, expiry, progress, pauses, supervisor records, wait's notification);
+        # 3 is search's indexes.
         (4, control_migration(s)),
     ]
 
