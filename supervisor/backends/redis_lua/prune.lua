@@ -1,5 +1,6 @@
 -- prune: ARGV[3] = age (us), ARGV[4] = batch size. Deletes up to a batch of done
--- jobs finished longer ago, and sweeps a batch of the search index; returns {jobs deleted, index entries removed}.
+-- jobs finished longer ago and sweeps a batch of the search index; returns
+-- {jobs deleted, done entries removed}.
 local cutoff = '(' .. num(NOW - tonumber(ARGV[3]))
 local ids = redis.call('ZRANGEBYSCORE', DONE, '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
 local deleted = 0
