@@ -56,11 +56,6 @@ def payload_check(pairs):
     return f"CASE WHEN json_valid(payload) THEN ({' AND '.join(parts)}) ELSE 0 END AS payload_ok", params
 
 
-def _columns(post):
-    """What one batch reads: the key, and what the row-by-row filters check (payload last)."""
-    return "id, queued_at" + (", state, error" if "error" in post else "") + (", payload" if "payload" in post else "")
-
-
 class SearchMixin:
     def _where(self, f, after, order):
         clauses, params = sqlsearch.where(f, "?")
@@ -102,7 +97,8 @@ class SearchMixin:
         f, after = scan.start(filter, cursor, limit, order)
         post = scan.post_names(f, sqlsearch.SERVED)
         with self._read():
-            return scan.search_jobs(self._fetcher(f, order, _columns(post)), self._load, f, after, limit, order, post)
+            fetch = self._fetcher(f, order, sqlsearch.candidate_columns(post))
+            return scan.search_jobs(fetch, self._load, f, after, limit, order, post)
 
     def count(self, filter, exact_up_to=10_000):
         f, _ = scan.start(filter, None, 1, "newest")
@@ -116,7 +112,7 @@ class SearchMixin:
                 return self.db.execute(f"SELECT count(*) FROM ({inner})", args).fetchone()[0]
 
         with self._read():
-            return scan.count_jobs(self._fetcher(f, "newest", _columns(post)), indexed_count,
+            return scan.count_jobs(self._fetcher(f, "newest", sqlsearch.candidate_columns(post)), indexed_count,
                                    lambda: indexed_count(None), f, exact_up_to, post)
 
     def requeue(self, job_ids):
