@@ -19,6 +19,14 @@ Redis primary with one replica; ``redis-wait1`` sets ``wait_replicas=1`` (the
 cost of ``broker.redis_wait_replicas``, see docs/brokers.md). Prints a
 Markdown table; writes ``bench/results/broker.json``.
 Each measured loop also stops at a time budget, so the whole run stays bounded.
+
+    python -m bench.broker_bench --search-jobs 1000000   # job control's search and count
+
+``--search-jobs N`` measures instead the first page (50 jobs) of ``search`` by
+state, by type and by a payload field, and ``count`` (of every job and of one
+type), each repeated ``SEARCH_RUNS`` times on a store holding N jobs: 20
+types, ``payload.customer.id`` taking 10,000 values, 1,000 of the oldest jobs
+dead. Prints p50 and p95 per operation; writes ``bench/results/search.json``.
 """
 import argparse
 import datetime
@@ -231,6 +239,63 @@ def _measure(broker, queued):
             "claim_ack_per_s": round(claim_rate, 1), "claim_ack_jobs": acked}
 
 
+SEARCH_RUNS = 40
+SEARCHES = [  # (label, operation, filter)
+    ("search state=dead", "search", {"state": ["dead"]}),
+    ("search type=t7", "search", {"type": "t7"}),
+    ("search payload.customer.id=4242", "search", {"payload": {"customer.id": 4242}}),
+    ("count (every job)", "count", {}),
+    ("count type=t7", "count", {"type": "t7"}),
+]
+
+
+def search_job(i):
+    return NewJob(f"t{i % 20}", {"n": i, "customer": {"id": i % 10_000}}, queue="bench")
+
+
+def measure_search(store, total):
+    with store as url:
+        broker = open_broker(url)
+        try:
+            broker.migrate()
+            started = time.perf_counter()
+            for start in range(0, total, 5000):
+                broker.enqueue_many([search_job(i) for i in range(start, min(total, start + 5000))])
+            load_s = time.perf_counter() - started
+            dead = 0
+            while dead < min(1000, total):
+                for j in broker.claim(["bench"], 100, 300, "bench"):
+                    broker.dead(j.lease, "exception", {"class": "E", "message": "bench", "reason": "exception"})
+                    dead += 1
+            if hasattr(broker, "_jobs"):  # PostgreSQL: statistics as autovacuum would have them by now
+                broker._execute(f"ANALYZE {broker._jobs}")
+            row = {"jobs": total, "load_s": round(load_s, 1)}
+            for label, op, spec in SEARCHES:
+                times = []
+                for _ in range(SEARCH_RUNS):
+                    t = time.perf_counter()
+                    got = broker.search(spec, limit=50) if op == "search" else broker.count(spec)
+                    times.append((time.perf_counter() - t) * 1000)
+                times.sort()
+                row[label] = {"p50_ms": round(times[len(times) // 2], 2),
+                              "p95_ms": round(times[int(len(times) * 0.95) - 1], 2),
+                              "got": len(got.jobs) if op == "search" else [got.n, got.exact]}
+            return row
+        finally:
+            broker.close()
+
+
+def search_markdown(rows):
+    lines = ["| backend | jobs | operation | p50 ms | p95 ms | result |", "| --- | ---: | --- | ---: | ---: | --- |"]
+    for r in rows:
+        for label, _, _ in SEARCHES:
+            m = r[label]
+            got = f"{m['got']} jobs" if isinstance(m["got"], int) else \
+                f"{m['got'][0]:,} ({'exact' if m['got'][1] else 'estimate'})"
+            lines.append(f"| {r['backend']} | {r['jobs']:,} | {label} | {m['p50_ms']} | {m['p95_ms']} | {got} |")
+    return "\n".join(lines)
+
+
 def markdown(rows):
     lines = ["| backend | queued | enqueue/s | enqueue_many/s | claim+ack/s |", "| --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -243,8 +308,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="broker_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default="sqlite,redis,postgres", help="comma-separated (default: all)")
     parser.add_argument("--sizes", default="1000,100000", help="queue depths (default 1000,100000)")
-    parser.add_argument("--out", default=RESULTS, help=f"JSON results (default {RESULTS})")
+    parser.add_argument("--out", default=None, help=f"JSON results (default {RESULTS}, or search.json beside it)")
+    parser.add_argument("--search-jobs", type=int, metavar="N", help="measure search and count on N jobs instead")
     args = parser.parse_args(argv)
+    if args.search_jobs:
+        return search_main(args)
+    args.out = args.out or RESULTS
     sizes = [int(s) for s in args.sizes.split(",") if s]
     rows, skipped = [], {}
     began = time.perf_counter()
@@ -277,6 +346,29 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+        f.write("\n")
+    return 0
+
+
+def search_main(args):
+    rows, began = [], time.perf_counter()
+    for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        store = STORES[name]()
+        why_not = store.available()
+        if why_not:
+            print(f"skipping {name}: {why_not}", file=sys.stderr)
+            continue
+        row = dict(backend=name, **measure_search(store, args.search_jobs))
+        print(f"{name}: {row}", file=sys.stderr)
+        rows.append(row)
+    table = search_markdown(rows)
+    print(table)
+    out = args.out or os.path.join(os.path.dirname(RESULTS), "search.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "python": platform.python_version(), "cpus": os.cpu_count(), "runs": SEARCH_RUNS,
+                   "seconds": round(time.perf_counter() - began, 1), "results": rows, "table": table}, f, indent=2)
         f.write("\n")
     return 0
 

@@ -164,3 +164,22 @@ def test_the_client_searches_counts_requeues_and_discards(broker_url, broker, jo
                     lambda: client.discard([None])):
             with pytest.raises(BadInput):
                 bad()
+
+
+def test_cancel_by_filter_prints_each_outcome_and_records_who_and_why(capsys, cfg, broker, jobs):
+    claimed = broker.claim(["default"], 3, 300, "w")
+    for job in claimed:
+        if job.id != jobs["a"]:
+            broker.release(job.lease)
+    running, other = jobs["a"], jobs["b"]
+    code, out, _ = run(capsys, cfg, "cancel", "--type", "email", "--by", "ops", "--reason", "bad batch")
+    assert code == 0
+    assert f"{running} requested" in out and f"{other} cancelled" in out
+    assert out.strip().splitlines()[-1] == "cancel: 1 cancelled, 1 requested"
+    job = broker.get(other)
+    assert job.state == "cancelled" and job.history[-1]["by"] == "ops" and job.history[-1]["reason"] == "bad batch"
+    assert broker.get(running).cancel_request["by"] == "ops"
+    code, out, _ = run(capsys, cfg, "cancel", other, jobs["dead1"], "job_nope", "--json")
+    assert json.loads(out) == {other: "already_cancelled", jobs["dead1"]: "already_dead", "job_nope": "unknown"}
+    code, out, _ = run(capsys, cfg, "retry", "--state", "cancelled")
+    assert out.strip().splitlines()[-1] == "retry: 1 queued" and broker.get(other).state == "queued"

@@ -79,6 +79,7 @@ FILTERS = [
     ({"idempotency_key": "k-1"}, lambda j: j.idempotency_key == "k-1"),
     ({"payload": {"order_id": 7}}, lambda j: j.payload.get("order_id") == 7),
     ({"payload": {"order_id": "7"}}, lambda j: j.payload.get("order_id") == "7"),
+    ({"payload": {"order_id": 7.0}}, lambda j: j.payload.get("order_id") == 7),
     ({"payload": {"order_id": None}}, lambda j: "order_id" in j.payload and j.payload["order_id"] is None),
     ({"payload": {"customer.id": "c1"}}, lambda j: j.payload.get("customer", {}).get("id") == "c1"),
     ({"payload": {"customer.vip": True}}, lambda j: j.payload.get("customer", {}).get("vip") is True),
@@ -261,3 +262,27 @@ def test_a_prune_takes_pruned_jobs_out_of_the_search(broker):
     wait_for(lambda: broker.now() > finished + 0.01, message="the broker clock to move")
     assert broker.prune(0) == 1
     assert broker.search(JobFilter()).jobs == [] and broker.count(JobFilter()).n == 0
+
+
+def test_requeue_and_discard_take_cancelled_and_expired_jobs(broker):
+    cancelled = broker.enqueue(new())
+    assert broker.cancel([cancelled], "ops", "wrong customer") == {cancelled: "cancelled"}
+    expired = broker.enqueue(new(expires_in=0.05))
+    deadline = broker.get(expired).expires_at
+    wait_for(lambda: broker.now() > deadline + 0.01, message="the job's expiry to pass")
+    assert broker.claim(["default"], 5, 300, "w") == []
+    assert broker.get(expired).state == "expired"
+    assert sorted(ids(broker.search(JobFilter(state=["cancelled", "expired"])).jobs)) == sorted([cancelled, expired])
+    assert broker.requeue([cancelled, expired]) == {cancelled: "queued", expired: "queued"}
+    for job_id in (cancelled, expired):
+        job = broker.get(job_id)
+        assert (job.state, job.attempt, job.cancel_request, job.expires_at) == ("queued", 0, None, None)
+        assert job.history, "history kept"
+    claimed = broker.claim(["default"], 5, 300, "w")
+    assert sorted(ids(claimed)) == sorted([cancelled, expired])
+    for job in claimed:
+        broker.ack(job.lease)
+    again = broker.enqueue(new())
+    broker.cancel([again], "ops", "")
+    assert broker.discard([again]) == {again: "discarded"}
+    assert broker.get(again) is None and broker.count(JobFilter(state=["cancelled"])).n == 0

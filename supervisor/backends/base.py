@@ -240,7 +240,8 @@ class Broker(abc.ABC):
     def requeue(self, job_ids):
         """Put finished jobs back (dead, cancelled or expired -> ``queued``, attempt 0, history kept).
 
-        Returns ``{job_id: "queued" | "not_finished" | "done" | "unknown"}``.
+        Returns ``{job_id: "queued" | "not_finished" | "done" | "unknown" | "conflict"}``;
+        ``"conflict"``: an unfinished job holds its idempotency key, it stays as it was.
         """
         raise NotImplementedError
 

@@ -9,9 +9,10 @@ row, on at most ``SCAN_BOUND`` rows per call: a search never reads the whole
 broker. When the bound is reached first the page comes back short (possibly
 empty) with a ``next_cursor`` that continues the walk where it stopped.
 """
-from ..model import load_json
 from .. import jobfilter
+from ..errors import BadInput
 from ..jobfilter import Count, Page, check_page, decode_cursor, encode_cursor, matches_payload
+from ..model import load_json
 
 SCAN_BOUND = 5000  # rows checked row by row per search or count call
 _BATCH = 500
@@ -33,6 +34,10 @@ def matches(f, row, post):
     """Whether a candidate row (a dict of the job's columns) passes the ``post`` filters of ``f``."""
     for name in post:
         if name == "payload":
+            if "payload_ok" in row:  # the broker compared the fields itself (SQLite's JSON functions)
+                if not row["payload_ok"]:
+                    return False
+                continue
             payload = row.get("payload")
             if isinstance(payload, (str, bytes)):
                 payload = load_json(payload)
@@ -125,7 +130,6 @@ def count_jobs(fetch, indexed_count, estimate, f, exact_up_to, post):
     number is the estimate times the share of checked rows that matched.
     """
     if isinstance(exact_up_to, bool) or not isinstance(exact_up_to, int) or exact_up_to < 0:
-        from ..errors import BadInput
         raise BadInput(f"exact_up_to must be an integer >= 0, got {exact_up_to!r}")
     if not post:
         n = indexed_count(exact_up_to + 1)

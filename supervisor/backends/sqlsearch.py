@@ -11,8 +11,6 @@ from .scan import ERROR_STATES
 SERVED = ("state", "queue", "type", "resource_id", "idempotency_key",
           "queued_after", "queued_before", "finished_after", "finished_before")
 
-# The columns the row-by-row checks of scan.matches read.
-CANDIDATE = "id, queued_at, state, queue, type, resource_id, idempotency_key, finished_at, payload, error"
 
 _RANGES = (("queued_after", "queued_at >="), ("queued_before", "queued_at <"),
            ("finished_after", "finished_at >="), ("finished_before", "finished_at <"))
@@ -49,6 +47,11 @@ def keyset(after, order, mark):
         params += list(after)
     direction = "DESC" if desc else "ASC"
     return clauses, params, f"ORDER BY queued_at {direction}, id {direction}"
+
+
+def candidate_columns(post):
+    """What one batch of a search reads: the key, and what the row-by-row checks need (payload last)."""
+    return "id, queued_at" + (", state, error" if "error" in post else "") + (", payload" if "payload" in post else "")
 
 
 def select(table, columns, clauses, order_by="", limit_mark=None):

@@ -70,7 +70,7 @@ class SearchMixin:
     def search(self, filter, cursor=None, limit=50, order="newest"):
         f, after = scan.start(filter, cursor, limit, order)
         post = scan.post_names(f, SERVED)
-        columns = sqlsearch.CANDIDATE if post else "id, queued_at"
+        columns = sqlsearch.candidate_columns(post)
         return scan.search_jobs(self._fetcher(f, order, columns), self._load, f, after, limit, order, post)
 
     def count(self, filter, exact_up_to=10_000):
@@ -88,8 +88,8 @@ class SearchMixin:
             plan = json.loads(plan) if isinstance(plan, str) else plan
             return plan[0]["Plan"]["Plan Rows"]
 
-        return scan.count_jobs(self._fetcher(f, "newest", sqlsearch.CANDIDATE), indexed_count, estimate, f,
-                               exact_up_to, post)
+        fetch = self._fetcher(f, "newest", sqlsearch.candidate_columns(post))
+        return scan.count_jobs(fetch, indexed_count, estimate, f, exact_up_to, post)
 
     def _columns(self, db):
         if getattr(self, "_job_columns", None) is None:

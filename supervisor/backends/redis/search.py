@@ -6,27 +6,36 @@ lexicographic range (``ZRANGEBYLEX``) is a ``(queued_at, id)`` range: the
 page's key. Enqueue adds the entry in its script; discard, purge and prune
 remove it; entries of done jobs whose hash expired (``done_ttl``) are removed
 when a search meets them and by prune, which sweeps ``BATCH`` entries per
-queue per call.
+queue per call. ``migrate`` indexes jobs stored before the index existed, once.
 
-A queue filter and the queued time range are served by the index; every other
-filter (state, type, resource_id, idempotency_key, finished range, error,
-payload fields) is a bounded scan: the jobs of the range are read in pages
-(one pipelined ``HMGET`` per page) and checked here, at most
-``scan.SCAN_BOUND`` per call (then the page comes back short, with a cursor
-that continues). Without a queue filter the queues' indexes are merged.
+A queue filter and the queued time range are served by the index. A state
+filter on dead, done, cancelled, expired or running jobs reads those states'
+own sorted sets instead, while they hold at most ``STATE_DRIVE_MAX`` jobs.
+Every other filter (type, resource_id, idempotency_key, finished range,
+error, payload fields; queued and retrying states) is a bounded scan: the
+index is read a batch at a time with each job's fields (``search_page.lua``,
+one call per queue and batch) and checked here, at most ``scan.SCAN_BOUND``
+jobs per call; past it the page comes back short with a cursor that
+continues. Without a queue filter the queues' indexes are merged.
 
-``count`` without those filters is ``ZLEXCOUNT`` per queue (O(log n)); with
-them, exact when a bounded scan finishes, otherwise the index count times the
-share of scanned jobs that matched, marked ``exact=False``.
+``count`` without row-by-row filters is ``ZLEXCOUNT`` per queue (O(log n)) or
+the size of the state sets; with them, exact when a bounded scan finishes,
+otherwise that number times the share of scanned jobs that matched, marked
+``exact=False``.
 """
 import json
 
+from ...jobfilter import Count
 from .. import scan
 from .connection import guard
 from .fields import to_job
 
 SERVED = ("queue", "queued_after", "queued_before")
-_FIELDS = ("state", "queue", "type", "resource_id", "idempotency_key", "queued_at", "finished_at", "payload", "error")
+# States with a sorted set of their own (dead, done, cancelled, expired, leased): a search
+# for them reads that set instead of walking the index, while the sets hold at most this many.
+STATE_SETS = ("dead", "done", "cancelled", "expired", "running")
+STATE_DRIVE_MAX = 20_000
+_FIELDS = ("state", "type", "resource_id", "idempotency_key", "finished_at", "payload", "error")
 _BACKFILLED = "search:ready"  # P:search:ready, set once every queue's existing jobs are in the index
 
 
@@ -66,36 +75,58 @@ class SearchMixin:
 
         def fetch(after, n):
             low, high = self._lex_range(f, after, order)
-            pipe = self.r.pipeline(transaction=False)
-            for queue in queues:
-                if order == "newest":
-                    pipe.zrevrangebylex(self._search_key(queue), high, low, start=0, num=n)
-                else:
-                    pipe.zrangebylex(self._search_key(queue), low, high, start=0, num=n)
-            merged = sorted(((m, q) for q, members in zip(queues, pipe.execute()) for m in members),
-                            reverse=order == "newest")[:n]
-            rows = [{"id": m[16:], "queued_at": int(m[:16]) / 1e6, "queue": q, "_member": m} for m, q in merged]
+            fields = _FIELDS if with_fields else ()
+            width = 1 + len(fields)
+            calls = [("search_page", queue, [low, high, order, n, *fields]) for queue in queues]
+            rows = []
+            for queue, flat in zip(queues, self._run_many(calls) if calls else ()):
+                for i in range(0, len(flat), width):
+                    m = flat[i]
+                    row = {"id": m[16:], "queued_at": int(m[:16]) / 1e6, "queue": queue, "_member": m}
+                    row.update(zip(fields, flat[i + 1:i + width]))
+                    rows.append(row)
+            if len(queues) > 1:
+                rows.sort(key=lambda r: r["_member"], reverse=order == "newest")
+            return rows[:n]
+        return fetch
+
+    def _state_members(self, f, queues):
+        """The index members of the jobs in ``f.state``, sorted, when every one of those states has
+        a sorted set and they hold at most ``STATE_DRIVE_MAX`` jobs; None otherwise."""
+        if not f.state or not set(f.state) <= set(STATE_SETS) or not queues:
+            return None
+        states = list(f.state)
+        if sum(self._run_many([("search_sizes", q, states) for q in queues])) > STATE_DRIVE_MAX:
+            return None
+        got = self._run_many([("search_states", q, states) for q in queues])
+        return sorted((m, q) for q, members in zip(queues, got) for m in members)
+
+    def _list_fetcher(self, f, members, order, with_fields):
+        """``fetch`` over members already in hand (``_state_members``)."""
+        def fetch(after, n):
+            low, high = self._lex_range(f, after, order)
+            inside = [(m, q) for m, q in (reversed(members) if order == "newest" else members)
+                      if (low == "-" or (m >= low[1:] if low[0] == "[" else m > low[1:]))
+                      and (high == "+" or (m <= high[1:] if high[0] == "[" else m < high[1:]))][:n]
+            rows = [{"id": m[16:], "queued_at": int(m[:16]) / 1e6, "queue": q, "_member": m} for m, q in inside]
             if with_fields and rows:
                 pipe = self.r.pipeline(transaction=False)
                 for row in rows:
                     pipe.hmget(self.keys.job(row["queue"], row["id"]), *_FIELDS)
-                stale = []
                 for row, values in zip(rows, pipe.execute()):
-                    if values[0] is None:
-                        stale.append(row)  # a done job whose hash expired
-                        row["state"] = None
-                        continue
-                    row.update((k, v) for k, v in zip(_FIELDS, values) if k != "queued_at")
-                self._drop_stale(stale)
+                    row.update(zip(_FIELDS, values))
             return rows
+        fetch.members = members
         return fetch
 
-    def _drop_stale(self, rows):
-        if rows:
-            pipe = self.r.pipeline(transaction=False)
-            for row in rows:
-                pipe.zrem(self._search_key(row["queue"]), row["_member"])
-            pipe.execute()
+    def _plan(self, f, order):
+        """(fetch, post filters): from the state sets when they are small, else from the index."""
+        post = scan.post_names(f, SERVED)
+        members = self._state_members(f, self._search_queues(f))
+        if members is None:
+            return self._fetcher(f, order, bool(post)), post
+        post = [name for name in post if name != "state"]
+        return self._list_fetcher(f, members, order, bool(post)), post
 
     def _loader(self, rows_by_id):
         def load(ids):
@@ -110,8 +141,7 @@ class SearchMixin:
     @guard
     def search(self, filter, cursor=None, limit=50, order="newest"):
         f, after = scan.start(filter, cursor, limit, order)
-        post = scan.post_names(f, SERVED)
-        fetch = self._fetcher(f, order, bool(post))
+        fetch, post = self._plan(f, order)
         queue_of = {}
 
         def remember(after, n):
@@ -124,7 +154,10 @@ class SearchMixin:
     @guard
     def count(self, filter, exact_up_to=10_000):
         f, _ = scan.start(filter, None, 1, "newest")
-        post = scan.post_names(f, SERVED)
+        fetch, post = self._plan(f, "newest")
+        if getattr(fetch, "members", None) is not None and not post:
+            n = len(fetch(None, len(fetch.members)))
+            return Count(n, n <= exact_up_to)
         queues = self._search_queues(f)
 
         def indexed():
@@ -134,8 +167,9 @@ class SearchMixin:
                 pipe.zlexcount(self._search_key(queue), low, high)
             return sum(pipe.execute())
 
-        return scan.count_jobs(self._fetcher(f, "newest", True), lambda cap: indexed(), indexed, f,
-                               exact_up_to, post)
+        members = getattr(fetch, "members", None)
+        total = (lambda: len(members)) if members is not None else indexed
+        return scan.count_jobs(fetch, lambda cap: total(), total, f, exact_up_to, post)
 
     def _per_id(self, script, job_ids):
         """Run ``script`` on the ids grouped by queue; {id: outcome} in the order given."""

@@ -10,15 +10,9 @@ for k = 3, #ARGV do
   elseif f[1] == 'running' then
     out[#out + 1] = 'running'
   else
-    local run = micros(f[3])
-    if run then redis.call('ZREM', READY, string.format('%016.0f', run) .. id) end
-    redis.call('ZREM', DELAYED, id)
-    redis.call('ZREM', DEAD, id)
-    redis.call('ZREM', DONE, id)
-    redis.call('ZREM', CANCELLED_Z, id)
-    redis.call('ZREM', EXPIRED_Z, id)
-    redis.call('ZREM', EXPIRING, id)
-    local queued = micros(f[2])
+    unqueue(id, f[3])
+    for _, z in ipairs({DEAD, DONE, CANCELLED_Z, EXPIRED_Z, EXPIRING}) do redis.call('ZREM', z, id) end
+    local queued = us_of(f[2])
     if queued then redis.call('ZREM', SEARCH, search_member(id, queued)) end
     free_key(key, id)
     redis.call('DEL', key)

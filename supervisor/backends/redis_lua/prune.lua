@@ -1,10 +1,11 @@
 -- prune: ARGV[3] = age (us), ARGV[4] = batch size. Deletes up to a batch of done
--- (and of cancelled, of expired) jobs finished longer ago, and sweeps a batch of the search index; returns {jobs deleted, index entries removed}.
+-- (and of cancelled, of expired) jobs finished longer ago and sweeps a batch of the search index;
+-- returns {jobs deleted, index entries removed}.
 local cutoff = '(' .. num(NOW - tonumber(ARGV[3]))
 local ids = redis.call('ZRANGEBYSCORE', DONE, '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
 local deleted = 0
 for _, id in ipairs(ids) do
-  local queued = micros(redis.call('HGET', JOB .. id, 'queued_at'))
+  local queued = us_of(redis.call('HGET', JOB .. id, 'queued_at'))
   if queued then redis.call('ZREM', SEARCH, search_member(id, queued)) end
   deleted = deleted + redis.call('DEL', JOB .. id)
   redis.call('ZREM', DONE, id)

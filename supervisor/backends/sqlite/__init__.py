@@ -24,8 +24,8 @@ from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, wakeup
 from .control import ControlMixin
-from .search import SearchMixin
 from .database import Transaction, connect, errors
+from .search import SearchMixin
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
 _CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(history, '$[#-1]'), json(:entry)))"

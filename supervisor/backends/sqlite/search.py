@@ -26,6 +26,36 @@ _REQUEUE_FROM = ("dead", "cancelled", "expired")
 _CLEARED_IF_PRESENT = ("cancel_request", "expires_at", "progress", "progress_note")
 
 
+_INT64 = 2**63 - 1
+
+
+def payload_check(pairs):
+    """(SQL, params) of a column that is 1 when every payload pair matches, with JSON's types kept
+    apart (true is not 1, "7" is not 7), or None where SQLite cannot compare a value (a huge int).
+
+    Computed by SQLite's JSON functions row by row, so the payload is never sent to Python.
+    """
+    parts, params = [], []
+    for key, value in pairs:
+        path = "$." + ".".join(f'"{part}"' for part in key.split("."))
+        if value is None:
+            parts.append("json_type(payload, ?) = 'null'")
+            params.append(path)
+        elif isinstance(value, bool):
+            parts.append("json_type(payload, ?) = ?")
+            params += [path, "true" if value else "false"]
+        elif isinstance(value, (int, float)):
+            if isinstance(value, int) and abs(value) > _INT64:
+                return None
+            parts.append("(json_type(payload, ?) IN ('integer', 'real') AND json_extract(payload, ?) = ?)")
+            params += [path, path, value]
+        else:
+            parts.append("(json_type(payload, ?) = 'text' AND json_extract(payload, ?) = ?)")
+            params += [path, path, value]
+    # A payload stored behind the API's back may not be JSON: it matches nothing (json_type would raise).
+    return f"CASE WHEN json_valid(payload) THEN ({' AND '.join(parts)}) ELSE 0 END AS payload_ok", params
+
+
 class SearchMixin:
     def _where(self, f, after, order):
         clauses, params = sqlsearch.where(f, "?")
@@ -35,6 +65,10 @@ class SearchMixin:
     def _page_sql(self, f, after, order, columns, n):
         """(SQL, params) of one batch of a search: what the plan tests EXPLAIN."""
         clauses, params, order_by = self._where(f, after, order)
+        check = payload_check(f.payload) if f.payload and columns.endswith(", payload") else None
+        if check is not None:
+            columns = columns[:-len("payload")] + check[0]
+            params = check[1] + params
         table = "jobs"
         if (f.finished_after is not None or f.finished_before is not None) and not any(
                 (f.state, f.queue, f.type, f.resource_id, f.idempotency_key)):
@@ -62,9 +96,9 @@ class SearchMixin:
     def search(self, filter, cursor=None, limit=50, order="newest"):
         f, after = scan.start(filter, cursor, limit, order)
         post = scan.post_names(f, sqlsearch.SERVED)
-        columns = sqlsearch.CANDIDATE if post else "id, queued_at"
         with self._read():
-            return scan.search_jobs(self._fetcher(f, order, columns), self._load, f, after, limit, order, post)
+            fetch = self._fetcher(f, order, sqlsearch.candidate_columns(post))
+            return scan.search_jobs(fetch, self._load, f, after, limit, order, post)
 
     def count(self, filter, exact_up_to=10_000):
         f, _ = scan.start(filter, None, 1, "newest")
@@ -78,7 +112,7 @@ class SearchMixin:
                 return self.db.execute(f"SELECT count(*) FROM ({inner})", args).fetchone()[0]
 
         with self._read():
-            return scan.count_jobs(self._fetcher(f, "newest", sqlsearch.CANDIDATE), indexed_count,
+            return scan.count_jobs(self._fetcher(f, "newest", sqlsearch.candidate_columns(post)), indexed_count,
                                    lambda: indexed_count(None), f, exact_up_to, post)
 
     def requeue(self, job_ids):
