@@ -9,7 +9,8 @@ process crash) for speed; the default is ``full``.
 
 The package's parts: ``schema`` (the tables, the foreign-table refusal),
 ``database`` (opening the file, transactions, errors), ``wakeup`` (inotify on
-the WAL); the broker's operations are here.
+the WAL), ``search`` (search, count, requeue, discard); the other operations
+are here.
 """
 import contextlib
 import json
@@ -23,6 +24,7 @@ from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, wakeup
 from .control import ControlMixin
+from .search import SearchMixin
 from .database import Transaction, connect, errors
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
@@ -33,7 +35,7 @@ _UNLESS_CANCELLED = ("state = CASE WHEN cancel_request IS NULL THEN {state} ELSE
                      " finished_at = CASE WHEN cancel_request IS NULL THEN finished_at ELSE :now END")
 
 
-class SQLiteBroker(ControlMixin, Broker):
+class SQLiteBroker(ControlMixin, SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
         parts = urllib.parse.urlsplit(url)
