@@ -11,8 +11,6 @@ import signal
 
 import pytest
 
-from supervisor.backends import open_broker
-
 from .daemon import Daemon, tangguh
 from .util import wait_for
 
@@ -61,7 +59,8 @@ def test_a_running_cpu_bound_job_is_cancelled(tmp_path, url, handler, evidence, 
         marker = d.marker("marker")
         job_id = d.enqueue(handler, {"marker": marker})
         pid = started(d, job_id, marker)
-        assert d.broker.cancel([job_id], by="ops@example", reason="runaway") == {job_id: "requested"}
+        out = tangguh("cancel", job_id, "--by", "ops@example", "--reason", "runaway", "-c", d.config_path)
+        assert out.returncode == 0 and "requested" in out.stdout, out.stdout + out.stderr
         job = d.wait_job(job_id, states=("cancelled", "done", "dead"))
         assert job.state == "cancelled"
         entry = cancel_entry(job)
@@ -172,7 +171,7 @@ def test_pause_is_seen_by_two_supervisors_sharing_a_broker(tmp_path, url):
         waiting = [a.enqueue("noop", {"marker": marker}) for _ in range(6)]
         wait_for(lambda: a.status()["prefetched"] + b.status()["prefetched"] == 6, timeout=30,
                  message="the default jobs prefetched")
-        a.broker.pause("default", by="deploy")
+        assert tangguh("queue", "pause", "default", "-c", a.config_path).returncode == 0
         for d in (a, b):
             wait_for(lambda d=d: d.status()["paused_queues"] == ["default"] and d.status()["prefetched"] == 0,
                      timeout=30, message="the pause seen and the prefetched jobs released")
@@ -186,7 +185,7 @@ def test_pause_is_seen_by_two_supervisors_sharing_a_broker(tmp_path, url):
         assert not any(line.split()[0] in waiting for line in lines(marker))
         metrics = tangguh("metrics", "-c", b.config_path).stdout
         assert 'tangguh_queue_paused{queue="default"} 1.0' in metrics
-        a.broker.resume("default")
+        assert tangguh("queue", "resume", "default", "-c", b.config_path).returncode == 0
         for job_id in waiting:
             assert a.wait_job(job_id).state == "done"
         for d in (a, b):
@@ -202,25 +201,29 @@ def test_every_supervisor_sharing_a_broker_is_visible_and_a_killed_one_shows_gon
     # A short lease: the killed supervisor's record (ttl: three beats or the lease) goes stale soon.
     broker = {"lease_seconds": 1.5, "heartbeat_seconds": 0.3}
     a = daemon(tmp_path, url, "a", broker=broker)
-    b = daemon(tmp_path, url, "b", broker=broker, supervisor={"workers": 1})
+    b = daemon(tmp_path, url, "b", broker=broker, supervisor={"workers": 1})  # another "machine": its own socket
     try:
         a.start()
         b.start()
-        with open_broker(url) as reader:
-            def records():
-                return {r["pid"]: r for r in reader.supervisors()}
 
-            wait_for(lambda: {a.proc.pid, b.proc.pid} <= set(records()), timeout=30, message="both records")
-            rec = records()[b.proc.pid]
-            assert not rec["gone"] and rec["queues"] == ["default"] and rec["paused_queues"] == []
-            assert [w["slot"] for w in rec["workers"]] == [0] and rec["counters"]["succeeded"] == 0
-            assert rec["config"] == b.config_path and rec["started"] > 0 and rec["host"] and rec["version"]
-            b.signal(signal.SIGKILL)
-            wait_for(lambda: records()[b.proc.pid]["gone"], timeout=30, message="the killed supervisor gone")
-            assert not records()[a.proc.pid]["gone"]
-            a.signal(signal.SIGTERM)
-            assert a.wait_exit() == 0
-            assert a.proc.pid not in records()  # a clean stop removes its record
+        def records():
+            out = tangguh("supervisors", "--json", "-c", a.config_path)
+            assert out.returncode == 0, out.stderr
+            return {r["pid"]: r for r in json.loads(out.stdout)}
+
+        wait_for(lambda: {a.proc.pid, b.proc.pid} <= set(records()), timeout=30, message="both records")
+        rec = records()[b.proc.pid]
+        assert not rec["gone"] and rec["queues"] == ["default"] and rec["paused_queues"] == []
+        assert [w["slot"] for w in rec["workers"]] == [0] and rec["counters"]["succeeded"] == 0
+        assert rec["config"] == b.config_path and rec["started"] > 0 and rec["host"] and rec["version"]
+        b.signal(signal.SIGKILL)
+        wait_for(lambda: records()[b.proc.pid]["gone"], timeout=30, message="the killed supervisor gone")
+        assert not records()[a.proc.pid]["gone"]
+        text = tangguh("supervisors", "-c", a.config_path).stdout
+        assert f" {b.proc.pid} " in text and " gone " in text and " live " in text
+        a.signal(signal.SIGTERM)
+        assert a.wait_exit() == 0
+        assert a.proc.pid not in records()  # a clean stop removes its record
     finally:
         a.stop()
         b.stop()
