@@ -11,6 +11,11 @@ import signal
 
 import pytest
 
+import supervisor
+from supervisor import protocol, toolkit
+from supervisor.child import timeouts
+from supervisor.child.context import Context
+
 from .daemon import Daemon, tangguh
 from .util import wait_for
 
@@ -247,3 +252,60 @@ def test_a_job_not_started_before_it_expires_never_runs_and_is_counted(tmp_path,
         assert d.wait_exit() == 0
     finally:
         d.stop()
+
+
+# -- the child's side, in this process ---------------------------------------------------------
+
+@pytest.fixture
+def child_signals():
+    """The child's signal handlers, installed here for one test and put back after it."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGALRM, signal.SIGTERM, protocol.CANCEL_SIGNAL)}
+    timeouts.install()
+    yield
+    timeouts.disarm()
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def ring():
+    os.kill(os.getpid(), protocol.CANCEL_SIGNAL)
+
+
+def test_cancelled_waits_for_critical_is_raised_once_and_a_stale_bell_is_ignored(child_signals):
+    timeouts.disarm()
+    ring()  # between jobs: stale, nothing happens
+    assert not timeouts.cancel_requested()
+    timeouts.arm(None)
+    reached = False
+    with pytest.raises(supervisor.Cancelled):
+        with supervisor.critical():
+            ring()
+            wait_for(timeouts.cancel_requested, timeout=5, message="the bell")
+            reached = True  # inside critical(): not raised yet
+    assert reached and timeouts.cancel_requested()
+    ring()  # a second bell for the same job: raised once only
+    wait_for(lambda: True)
+    timeouts.disarm()
+    assert timeouts.cancel_requested()  # still readable for the reply
+    timeouts.arm(None)
+    assert not timeouts.cancel_requested()  # the next job starts clean
+
+
+def test_progress_is_checked_and_coalesced():
+    sent = []
+    toolkit.attach_master(sent.append)
+    try:
+        ctx = Context({"id": "job_1", "type": "t", "queue": "default", "attempt": 1, "max_attempts": 1,
+                       "token": 1})
+        for bad in (-0.1, 1.5, float("nan"), True, "half"):
+            with pytest.raises(ValueError, match="progress fraction must be a number from 0 to 1"):
+                ctx.progress(bad)
+        with pytest.raises(ValueError, match="progress note must be a string"):
+            ctx.progress(0.5, note=7)
+        for i in range(100):
+            ctx.progress(i / 200, "x" * 500)
+        ctx.progress(1.0)  # the last one always leaves
+        assert [m["fraction"] for m in sent] == [0.0, 1.0]
+        assert sent[0] == {"op": "progress", "job_id": "job_1", "fraction": 0.0, "note": "x" * protocol.MAX_NOTE}
+    finally:
+        toolkit.attach_master(None)
