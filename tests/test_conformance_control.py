@@ -3,6 +3,7 @@
 Like ``test_broker_conformance``: real brokers, concurrent claimers as real
 processes, and waits on the broker's clock instead of sleeps.
 """
+import importlib
 import multiprocessing
 import threading
 import time
@@ -108,6 +109,16 @@ def test_cancelled_is_fenced_by_the_lease_token(broker):
         broker.cancelled(current.lease)
 
 
+def test_a_dead_job_replayed_forgets_the_cancel_asked_of_its_last_attempt(broker):
+    job_id = broker.enqueue(new(max_attempts=1))
+    job = claim_one(broker)
+    broker.cancel([job_id], "ops", None)
+    broker.dead(job.lease, "permanent", {"reason": "permanent", "class": "E", "message": "", "traceback": ""})
+    broker.dlq_replay([job_id])
+    again = claim_one(broker)
+    assert broker.renew([again.lease], 30).cancel == {}, "the replay is a fresh start"
+
+
 @pytest.mark.parametrize("ending", ["retry", "release", "lease_expired"])
 def test_a_job_asked_to_cancel_never_runs_again(broker, ending):
     job_id = broker.enqueue(new(max_attempts=5))
@@ -168,7 +179,10 @@ def _cancel_claimer(url, out, start):
         idle = 0
         for job in jobs:
             seen.append((job.id, job.history[-1]["started_at"]))
-            broker.ack(job.lease)
+            try:
+                broker.ack(job.lease)
+            except LeaseLost:  # only if a cancel ended a running job: the assertions below say so
+                pass
     broker.close()
     out.put(seen)
 
@@ -322,6 +336,42 @@ def test_expiry_applies_to_a_retrying_job_and_not_to_a_running_one(broker):
     assert broker.get(job_id).state == "expired" and len(started(broker.get(job_id))) == 1
 
 
+def test_prune_deletes_old_cancelled_and_expired_jobs_like_done_ones(broker):
+    cancelled = broker.enqueue(new())
+    broker.cancel([cancelled], "ops", None)
+    dead = broker.enqueue(new(max_attempts=1))
+    job = claim_one(broker)
+    broker.dead(job.lease, "permanent", {"reason": "permanent", "class": "E", "message": "", "traceback": ""})
+    expired = broker.enqueue(new(expires_in=0.1))
+    wait_past(broker, broker.get(expired).expires_at + 0.05)
+    assert broker.claim(Q, 5, 30, "w") == [] and broker.get(expired).state == "expired"
+    assert broker.prune(3600) == 0
+    wait_past(broker, broker.get(expired).finished_at + 0.05)
+    assert broker.prune(0) == 2
+    assert broker.get(cancelled) is None and broker.get(expired) is None and broker.get(dead).state == "dead"
+    s = broker.stats(Q)["default"]
+    assert (s.cancelled, s.expired, s.dead) == (0, 0, 1)
+
+
+def test_a_requeued_or_discarded_cancelled_job_leaves_the_cancelled_and_expired_counts(broker):
+    cancelled = broker.enqueue(new())
+    broker.cancel([cancelled], "ops", None)
+    expired = broker.enqueue(new(expires_in=0.1))
+    wait_past(broker, broker.get(expired).expires_at + 0.05)
+    assert broker.claim(Q, 5, 30, "w") == []
+    assert broker.requeue([cancelled, expired]) == {cancelled: "queued", expired: "queued"}
+    s = broker.stats(Q)["default"]
+    assert (s.ready, s.cancelled, s.expired) == (2, 0, 0)
+    wait_past(broker, broker.now() + 0.05)
+    broker.prune(0)  # a requeued job is not pruned as an old cancelled one
+    assert broker.get(cancelled).state == "queued" and broker.get(expired).state == "queued"
+    assert {j.id for j in broker.claim(Q, 5, 30, "w")} == {cancelled, expired}
+    again = broker.enqueue(new())
+    broker.cancel([again], "ops", None)
+    assert broker.discard([again]) == {again: "discarded"}
+    assert broker.stats(Q)["default"].cancelled == 0
+
+
 def test_negative_or_zero_expires_in_is_refused_and_nothing_stored(broker):
     for bad in (-1, 0, float("nan"), "5", True):
         with pytest.raises(BadInput, match="expires_in"):
@@ -347,6 +397,28 @@ def test_wait_returns_the_job_another_thread_finishes(broker, broker_url):
     broker.ack(job.lease, {"ok": 1})
     t.join(30)
     assert result["job"].state == "done" and result["job"].result == {"ok": 1}
+
+
+def test_wait_is_woken_by_the_broker_notification_not_its_fallback_poll(broker, broker_url, monkeypatch):
+    # With the fallback re-read an hour away, only the broker's notification can end the wait in time.
+    monkeypatch.setattr(importlib.import_module(type(broker).__module__ + ".control"), "WAIT_FALLBACK", 3600.0)
+    job_id = broker.enqueue(new())
+    job = claim_one(broker)
+    result, listening = {}, threading.Event()
+    waiter = open_broker(broker_url)
+    waiter.get = lambda job_id, get=waiter.get: (listening.set(), get(job_id))[1]  # the first read is after listening
+
+    def wait():
+        result["job"] = waiter.wait(job_id, 3600)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    assert listening.wait(30)
+    broker.ack(job.lease, "ok")
+    t.join(30)
+    assert not t.is_alive(), "wait was not woken by the job finishing"
+    assert result["job"].state == "done"
+    waiter.close()
 
 
 def test_wait_returns_at_once_for_a_finished_job_and_none_on_timeout(broker):

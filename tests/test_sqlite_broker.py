@@ -56,3 +56,24 @@ def test_a_full_database_is_a_broker_error_and_stores_nothing(tmp_path):
         assert client.get(kept).state == "queued"
         db.execute("PRAGMA max_page_count = 1073741823")
         assert client.enqueue("t", {}) != kept  # the broker works on once there is room
+
+
+def test_a_file_from_before_job_control_is_upgraded_in_place(tmp_path):
+    # The jobs table as it was before expiry, progress and cancel requests (no such columns).
+    from supervisor.backends.sqlite import schema
+
+    old_schema = schema.SCHEMA.split("CREATE TABLE IF NOT EXISTS paused_queues")[0]
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript(old_schema)
+    db.execute("INSERT INTO jobs (id, queue, type, payload, state, max_attempts, run_at, queued_at)"
+               " VALUES ('job_old', 'default', 't', '{}', 'queued', 5, 0, 0)")
+    db.commit()
+    db.close()
+    with open_broker(f"sqlite:///{path}") as b:
+        assert b.get("job_old").expires_at is None and b.get("job_old").cancel_request is None
+        fresh = b.enqueue(NewJob("t", {}, expires_in=60))
+        assert b.get(fresh).expires_at is not None
+        assert b.cancel(["job_old"], "ops", None) == {"job_old": "cancelled"}
+        b.pause("default")
+        assert b.claim(["default"], 5, 30, "w") == []

@@ -168,8 +168,8 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     def prune(self, done_older_than) -> int:
-        """Delete ``done`` jobs finished more than ``done_older_than`` seconds ago
-        (and ``enqueue_once`` records older than that)."""
+        """Delete ``done``, ``cancelled`` and ``expired`` jobs finished more than ``done_older_than``
+        seconds ago (and ``enqueue_once`` records older than that). Dead jobs stay."""
 
     # -- job control ----------------------------------------------------------
 

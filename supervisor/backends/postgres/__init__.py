@@ -363,7 +363,8 @@ class PostgresBroker(ControlMixin, SearchMixin, Broker):
                     self._require_dead(db, job_ids)
                     db.execute(
                         f"UPDATE {self._jobs} SET state = 'queued', attempt = 0, run_at = {NOW}, reason = NULL,"
-                        " finished_at = NULL, lease_until = NULL, owner = NULL WHERE id = ANY(%s::text[])"
+                        " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL"
+                        " WHERE id = ANY(%s::text[])"
                         " RETURNING pg_notify(%s, queue)",
                         (job_ids, self.channel),
                     )
@@ -387,6 +388,7 @@ class PostgresBroker(ControlMixin, SearchMixin, Broker):
                " WHERE state = 'done' AND finished_at < %s LIMIT %s)")
         total = 0
         self._execute(f"DELETE FROM {self._s}.once_keys WHERE created_at < %s", (cutoff,))
+        total += self._prune_ended(cutoff, batch)  # cancelled and expired jobs: kept like done ones
         while True:
             deleted = self._execute(sql, (cutoff, batch)).rowcount
             total += deleted

@@ -27,6 +27,7 @@ def control_migration(s):
         " ADD COLUMN waited boolean NOT NULL DEFAULT false",
         f"CREATE INDEX jobs_expiring ON {s}.jobs (queue, expires_at)"
         " WHERE expires_at IS NOT NULL AND state IN ('queued', 'retrying')",
+        f"CREATE INDEX jobs_ended ON {s}.jobs (finished_at) WHERE state IN ('cancelled', 'expired')",
         f"""CREATE TABLE {s}.paused_queues (
             queue text PRIMARY KEY,
             paused_by text,

@@ -13,6 +13,7 @@ re-reads the job on each message and at least every ``WAIT_FALLBACK`` seconds
 """
 import collections
 import json
+import time
 
 from redis.exceptions import RedisError
 
@@ -143,16 +144,22 @@ class ControlMixin:
     @guard
     def wait(self, job_id, timeout):
         control.check_timeout(timeout)
-        pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        pubsub = self.r.pubsub()
         try:
-            pubsub.subscribe(self._done_channel())  # subscribed first, then marked: no finish is missed
+            # Subscribed (confirmed) first, then marked: no finish is missed.
+            pubsub.subscribe(self._done_channel())
+            pubsub.get_message(timeout=5.0)
             queue = self._locator.queues_of([job_id]).get(job_id)
             if queue is not None:
                 self._run("mark_waited", queue, [job_id])
 
             def block(seconds):
+                deadline = time.monotonic() + seconds
                 try:
-                    pubsub.get_message(timeout=seconds)
+                    while time.monotonic() < deadline:
+                        message = pubsub.get_message(timeout=deadline - time.monotonic())
+                        if message is not None and message["type"] == "message":
+                            return
                 except RedisError:
                     pass  # the subscription broke: the fallback re-read carries on
             return control.wait_finished(job_id, lambda: self.get(job_id), block, timeout, WAIT_FALLBACK)

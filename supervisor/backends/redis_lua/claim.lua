@@ -48,7 +48,8 @@ local until_us = NOW + lease
 for k = 1, #popped, 2 do
   local id = string.sub(popped[k], 17)
   local key = JOB .. id
-  if redis.call('EXISTS', key) == 1 then
+  local state = redis.call('HGET', key, 'state')
+  if state == 'queued' or state == 'retrying' then  -- never a job that ended meanwhile
     local attempt = redis.call('HINCRBY', key, 'attempt', 1)
     redis.call('HINCRBY', key, 'token', 1)
     redis.call('HSET', key, 'state', 'running', 'lease_until', secs(until_us), 'owner', owner,

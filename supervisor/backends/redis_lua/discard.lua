@@ -15,6 +15,9 @@ for k = 3, #ARGV do
     redis.call('ZREM', DELAYED, id)
     redis.call('ZREM', DEAD, id)
     redis.call('ZREM', DONE, id)
+    redis.call('ZREM', CANCELLED_Z, id)
+    redis.call('ZREM', EXPIRED_Z, id)
+    redis.call('ZREM', EXPIRING, id)
     local queued = micros(f[2])
     if queued then redis.call('ZREM', SEARCH, search_member(id, queued)) end
     free_key(key, id)

@@ -16,7 +16,7 @@ for k = 3, #ARGV do
   local id = ARGV[k]
   local key = JOB .. id
   redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'run_at', secs(NOW))
-  redis.call('HDEL', key, 'reason', 'finished_at', 'lease_until', 'owner', 'open')
+  redis.call('HDEL', key, 'reason', 'finished_at', 'lease_until', 'owner', 'open', 'cancel_request')
   redis.call('ZREM', DEAD, id)
   local ikey = redis.call('HGET', key, 'idempotency_key')
   if ikey then redis.call('HSET', IDEM, ikey, id) end

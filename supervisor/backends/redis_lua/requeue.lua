@@ -28,6 +28,9 @@ for k = 3, #ARGV do
       redis.call('HDEL', key, 'reason', 'finished_at', 'lease_until', 'owner', 'open', 'cancel_request',
         'expires_at', 'progress', 'progress_note')
       redis.call('ZREM', DEAD, id)
+      redis.call('ZREM', CANCELLED_Z, id)
+      redis.call('ZREM', EXPIRED_Z, id)
+      redis.call('ZREM', EXPIRING, id)
       if f[2] then redis.call('HSET', IDEM, f[2], id) end
       make_ready(id, f[3] or 0, NOW)
       out[#out + 1] = 'queued'

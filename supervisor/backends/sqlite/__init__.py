@@ -343,7 +343,7 @@ class SQLiteBroker(ControlMixin, SearchMixin, Broker):
                 try:
                     self.db.execute(
                         "UPDATE jobs SET state = 'queued', attempt = 0, run_at = ?, reason = NULL,"
-                        " finished_at = NULL, lease_until = NULL, owner = NULL WHERE id = ?",
+                        " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL WHERE id = ?",
                         (now, job_id),
                     )
                 except sqlite3.IntegrityError:
@@ -368,7 +368,8 @@ class SQLiteBroker(ControlMixin, SearchMixin, Broker):
             cutoff = self.now() - done_older_than
             cur = self.db.execute("DELETE FROM jobs WHERE state = 'done' AND finished_at < ?", (cutoff,))
             self.db.execute("DELETE FROM once_keys WHERE created_at < ?", (cutoff,))
-        return cur.rowcount
+            ended = self._prune_ended(cutoff)  # cancelled and expired jobs: kept like done ones
+        return cur.rowcount + ended
 
 
 def _job(row):

@@ -6,12 +6,13 @@ a job's ``cancel_request``, ``progress``, ``progress_note`` and
 ``expires_at`` are columns of ``jobs``. ``wait`` is woken by an inotify watch
 on the WAL file (every commit of any process writes it); it re-reads the job at
 least every ``WAIT_FALLBACK`` seconds in case a notification was missed
-(no inotify on this system).
+(no inotify on this system), and briefly more often after a write (``SETTLE``).
 """
 import collections
 import json
 import os
 import select
+import time
 
 from ...errors import LeaseLost
 from ...model import CANCELLED, DEAD, RETRYING, Renewal, check_queue, error_info
@@ -19,6 +20,10 @@ from .. import control
 from . import wakeup
 
 WAIT_FALLBACK = 1.0
+# A commit writes the WAL before it is visible to readers (the fsync, then the WAL index in
+# shared memory, which inotify does not see): after a write, re-read every SETTLE_STEP
+# seconds for SETTLE seconds, so a commit seen early is read once it lands.
+SETTLE, SETTLE_STEP = 1.0, 0.02
 # Closing the open history entry (as the broker's own writes do).
 _CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(history, '$[#-1]'), json(:entry)))"
 _LEASED = "id = :id AND token = :token AND state = 'running'"
@@ -104,7 +109,11 @@ class ControlMixin:
 
     def queues(self):
         with self._read():
-            names = {r[0] for r in self.db.execute("SELECT DISTINCT queue FROM jobs")}
+            # A skip scan of the index led by queue (jobs_search_queue): one probe per queue.
+            names = {r[0] for r in self.db.execute(
+                "WITH RECURSIVE q(queue) AS (SELECT min(queue) FROM jobs UNION ALL"
+                " SELECT (SELECT min(j.queue) FROM jobs j WHERE j.queue > q.queue) FROM q WHERE q.queue IS NOT NULL)"
+                " SELECT queue FROM q WHERE queue IS NOT NULL")}
             names |= {r[0] for r in self.db.execute("SELECT queue FROM paused_queues")}
         return sorted(names | control.record_queues(self.supervisors()))
 
@@ -144,6 +153,11 @@ class ControlMixin:
         paused = {r[0] for r in self.db.execute("SELECT queue FROM paused_queues")}
         return [q for q in queues if q not in paused]
 
+    def _prune_ended(self, cutoff):
+        """Inside prune's transaction: delete cancelled and expired jobs finished before ``cutoff``."""
+        return self.db.execute("DELETE FROM jobs WHERE state IN ('cancelled', 'expired') AND finished_at < ?",
+                               (cutoff,)).rowcount
+
     @property
     def _expired_log(self):
         if "_expired" not in self.__dict__:
@@ -158,12 +172,16 @@ class ControlMixin:
     # -- wait ------------------------------------------------------------------
     def wait(self, job_id, timeout):
         fd = wakeup.watch_modifications([os.path.abspath(self.path) + "-wal"])
+        settle_until = [0.0]
         try:
             def block(seconds):
+                if time.monotonic() < settle_until[0]:
+                    seconds = min(seconds, SETTLE_STEP)
                 if fd is None:
                     select.select([], [], [], seconds)
                 elif select.select([fd], [], [], seconds)[0]:
                     wakeup.drain(fd)
+                    settle_until[0] = time.monotonic() + SETTLE
             return control.wait_finished(job_id, lambda: self.get(job_id), block, timeout, WAIT_FALLBACK)
         finally:
             if fd is not None:

@@ -51,6 +51,7 @@ ADDED_COLUMNS = {"expires_at": "REAL", "progress": "REAL", "progress_note": "TEX
 AFTER_COLUMNS = """
 CREATE INDEX IF NOT EXISTS jobs_expiring ON jobs (queue, expires_at)
     WHERE expires_at IS NOT NULL AND state IN ('queued', 'retrying');
+CREATE INDEX IF NOT EXISTS jobs_ended ON jobs (finished_at) WHERE state IN ('cancelled', 'expired');
 """
 
 # Job control's search (backends/sqlite/search.py): each filter's index, keyed by the
