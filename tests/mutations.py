@@ -28,6 +28,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFORMANCE = "tests/test_broker_conformance.py"
+CONTROL = "tests/test_conformance_control.py"
 NOT_FENCED = "WHERE id = :id AND state = 'running'"  # the SQLite fence without its token
 
 
@@ -128,6 +129,22 @@ MUTATIONS = [
              "float(base) * (2.0 ** min(tries - 1, MAX_EXPONENT))", "float(base)",
              ("tests/test_retry.py", "tests/test_daemon.py", "-k", "delay or poison"),
              "retry delays grow with the attempt"),
+    # Job control (tests/test_conformance_control.py).
+    Mutation("cancel-without-row-locks", "supervisor/backends/postgres/control.py",
+             '" FOR UPDATE", (job_ids,)).fetchall())', '"", (job_ids,)).fetchall())',
+             (CONTROL, "-k", "postgres and racing_four"), "a job cancelled while queued is never started"),
+    Mutation("pause-ignored", "supervisor/backends/sqlite/control.py",
+             "return [q for q in queues if q not in paused]", "return list(queues)",
+             (CONTROL, "-k", "sqlite and pause_stops"), "no claimer leases from a paused queue"),
+    Mutation("redis-cancel-leaves-ready", "supervisor/backends/redis_lua/cancel.lua",
+             "    unqueue(id, f[2])\n", "\n",
+             (CONTROL, "-k", "redis and cancel_ends"), "a cancelled job leaves the ready queue"),
+    Mutation("redis-expiry-off", "supervisor/backends/redis_lua/claim.lua",
+             "expire_due(out)\n", "\n",
+             (CONTROL, "-k", "redis and due_past"), "a job due past its expiry ends expired, never runs"),
+    Mutation("wait-not-notified", "supervisor/backends/postgres/control_schema.py",
+             "WHEN (NEW.waited AND", "WHEN (false AND",
+             (CONTROL, "-k", "postgres and woken"), "wait is woken by the broker's notification"),
 ]
 
 
