@@ -77,3 +77,13 @@ def test_a_file_from_before_job_control_is_upgraded_in_place(tmp_path):
         assert b.cancel(["job_old"], "ops", None) == {"job_old": "cancelled"}
         b.pause("default")
         assert b.claim(["default"], 5, 30, "w") == []
+
+
+def test_queues_probes_the_queue_index_instead_of_reading_every_job(tmp_path):
+    from supervisor.backends.sqlite import control
+
+    with open_broker(f"sqlite:///{tmp_path}/q.db") as b:
+        b.enqueue_many([NewJob("t", {}, queue=q) for q in ("b", "a", "b", "c")])
+        assert b.queues() == ["a", "b", "c"]
+        plan = " | ".join(row[3] for row in b.db.execute("EXPLAIN QUERY PLAN " + control.DISTINCT_QUEUES))
+        assert "COVERING INDEX jobs_search_queue" in plan and "SCAN jobs" not in plan, plan

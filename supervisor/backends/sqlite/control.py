@@ -24,6 +24,11 @@ WAIT_FALLBACK = 1.0
 # shared memory, which inotify does not see): after a write, re-read every SETTLE_STEP
 # seconds for SETTLE seconds, so a commit seen early is read once it lands.
 SETTLE, SETTLE_STEP = 1.0, 0.02
+# The queues holding jobs: a skip scan of the index led by queue (jobs_search_queue), one
+# probe per queue instead of reading every job.
+DISTINCT_QUEUES = ("WITH RECURSIVE q(queue) AS (SELECT min(queue) FROM jobs UNION ALL"
+                   " SELECT (SELECT min(j.queue) FROM jobs j WHERE j.queue > q.queue) FROM q"
+                   " WHERE q.queue IS NOT NULL) SELECT queue FROM q WHERE queue IS NOT NULL")
 # Closing the open history entry (as the broker's own writes do).
 _CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(history, '$[#-1]'), json(:entry)))"
 _LEASED = "id = :id AND token = :token AND state = 'running'"
@@ -109,11 +114,7 @@ class ControlMixin:
 
     def queues(self):
         with self._read():
-            # A skip scan of the index led by queue (jobs_search_queue): one probe per queue.
-            names = {r[0] for r in self.db.execute(
-                "WITH RECURSIVE q(queue) AS (SELECT min(queue) FROM jobs UNION ALL"
-                " SELECT (SELECT min(j.queue) FROM jobs j WHERE j.queue > q.queue) FROM q WHERE q.queue IS NOT NULL)"
-                " SELECT queue FROM q WHERE queue IS NOT NULL")}
+            names = {r[0] for r in self.db.execute(DISTINCT_QUEUES)}
             names |= {r[0] for r in self.db.execute("SELECT queue FROM paused_queues")}
         return sorted(names | control.record_queues(self.supervisors()))
 
