@@ -121,8 +121,8 @@ class Heartbeat:
         # Every beat, leases or not: every supervisor sharing the broker learns of a pause
         # within one heartbeat, and its record says it is alive.
         paused = self._call(lambda br: br.paused())
-        if record is not None:
-            record = dict(record, paused_queues=sorted(paused or self.paused))
+        if record is not None and paused is not None:  # None: the broker failed, the record waits a beat
+            record = dict(record, paused_queues=sorted(paused))
             self._call(lambda br: br.write_supervisor(record, self.record_ttl()))
         self.extensions += len(leases) - len(renewal.lost)
         wake = False

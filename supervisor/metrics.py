@@ -205,8 +205,8 @@ class _Live:
         yield GaugeMetricFamily("tangguh_leases_held", "Leases the heartbeat renews", value=len(hb.held))
         yield CounterMetricFamily("tangguh_lease_extensions", "Lease renewals accepted by the broker",
                                   value=hb.extensions)
-        yield CounterMetricFamily("tangguh_heartbeat_errors", "Lease renewal rounds that failed on a broker error",
-                                  value=hb.errors)
+        yield CounterMetricFamily("tangguh_heartbeat_errors",
+                                  "Heartbeat broker calls that failed (renewal, paused queues, record)", value=hb.errors)
 
 
 # -- HTTP /metrics ---------------------------------------------------------------------

@@ -11,7 +11,10 @@ import signal
 
 import pytest
 
-from supervisor.backends import open_broker
+import supervisor
+from supervisor import protocol, toolkit
+from supervisor.child import timeouts
+from supervisor.child.context import Context
 
 from .daemon import Daemon, tangguh
 from .util import wait_for
@@ -61,7 +64,8 @@ def test_a_running_cpu_bound_job_is_cancelled(tmp_path, url, handler, evidence, 
         marker = d.marker("marker")
         job_id = d.enqueue(handler, {"marker": marker})
         pid = started(d, job_id, marker)
-        assert d.broker.cancel([job_id], by="ops@example", reason="runaway") == {job_id: "requested"}
+        out = tangguh("cancel", job_id, "--by", "ops@example", "--reason", "runaway", "-c", d.config_path)
+        assert out.returncode == 0 and "requested" in out.stdout, out.stdout + out.stderr
         job = d.wait_job(job_id, states=("cancelled", "done", "dead"))
         assert job.state == "cancelled"
         entry = cancel_entry(job)
@@ -172,7 +176,7 @@ def test_pause_is_seen_by_two_supervisors_sharing_a_broker(tmp_path, url):
         waiting = [a.enqueue("noop", {"marker": marker}) for _ in range(6)]
         wait_for(lambda: a.status()["prefetched"] + b.status()["prefetched"] == 6, timeout=30,
                  message="the default jobs prefetched")
-        a.broker.pause("default", by="deploy")
+        assert tangguh("queue", "pause", "default", "-c", a.config_path).returncode == 0
         for d in (a, b):
             wait_for(lambda d=d: d.status()["paused_queues"] == ["default"] and d.status()["prefetched"] == 0,
                      timeout=30, message="the pause seen and the prefetched jobs released")
@@ -186,7 +190,7 @@ def test_pause_is_seen_by_two_supervisors_sharing_a_broker(tmp_path, url):
         assert not any(line.split()[0] in waiting for line in lines(marker))
         metrics = tangguh("metrics", "-c", b.config_path).stdout
         assert 'tangguh_queue_paused{queue="default"} 1.0' in metrics
-        a.broker.resume("default")
+        assert tangguh("queue", "resume", "default", "-c", b.config_path).returncode == 0
         for job_id in waiting:
             assert a.wait_job(job_id).state == "done"
         for d in (a, b):
@@ -202,25 +206,29 @@ def test_every_supervisor_sharing_a_broker_is_visible_and_a_killed_one_shows_gon
     # A short lease: the killed supervisor's record (ttl: three beats or the lease) goes stale soon.
     broker = {"lease_seconds": 1.5, "heartbeat_seconds": 0.3}
     a = daemon(tmp_path, url, "a", broker=broker)
-    b = daemon(tmp_path, url, "b", broker=broker, supervisor={"workers": 1})
+    b = daemon(tmp_path, url, "b", broker=broker, supervisor={"workers": 1})  # another "machine": its own socket
     try:
         a.start()
         b.start()
-        with open_broker(url) as reader:
-            def records():
-                return {r["pid"]: r for r in reader.supervisors()}
 
-            wait_for(lambda: {a.proc.pid, b.proc.pid} <= set(records()), timeout=30, message="both records")
-            rec = records()[b.proc.pid]
-            assert not rec["gone"] and rec["queues"] == ["default"] and rec["paused_queues"] == []
-            assert [w["slot"] for w in rec["workers"]] == [0] and rec["counters"]["succeeded"] == 0
-            assert rec["config"] == b.config_path and rec["started"] > 0 and rec["host"] and rec["version"]
-            b.signal(signal.SIGKILL)
-            wait_for(lambda: records()[b.proc.pid]["gone"], timeout=30, message="the killed supervisor gone")
-            assert not records()[a.proc.pid]["gone"]
-            a.signal(signal.SIGTERM)
-            assert a.wait_exit() == 0
-            assert a.proc.pid not in records()  # a clean stop removes its record
+        def records():
+            out = tangguh("supervisors", "--json", "-c", a.config_path)
+            assert out.returncode == 0, out.stderr
+            return {r["pid"]: r for r in json.loads(out.stdout)}
+
+        wait_for(lambda: {a.proc.pid, b.proc.pid} <= set(records()), timeout=30, message="both records")
+        rec = records()[b.proc.pid]
+        assert not rec["gone"] and rec["queues"] == ["default"] and rec["paused_queues"] == []
+        assert [w["slot"] for w in rec["workers"]] == [0] and rec["counters"]["succeeded"] == 0
+        assert rec["config"] == b.config_path and rec["started"] > 0 and rec["host"] and rec["version"]
+        b.signal(signal.SIGKILL)
+        wait_for(lambda: records()[b.proc.pid]["gone"], timeout=30, message="the killed supervisor gone")
+        assert not records()[a.proc.pid]["gone"]
+        text = tangguh("supervisors", "-c", a.config_path).stdout
+        assert f" {b.proc.pid} " in text and " gone " in text and " live " in text
+        a.signal(signal.SIGTERM)
+        assert a.wait_exit() == 0
+        assert a.proc.pid not in records()  # a clean stop removes its record
     finally:
         a.stop()
         b.stop()
@@ -244,3 +252,60 @@ def test_a_job_not_started_before_it_expires_never_runs_and_is_counted(tmp_path,
         assert d.wait_exit() == 0
     finally:
         d.stop()
+
+
+# -- the child's side, in this process ---------------------------------------------------------
+
+@pytest.fixture
+def child_signals():
+    """The child's signal handlers, installed here for one test and put back after it."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGALRM, signal.SIGTERM, protocol.CANCEL_SIGNAL)}
+    timeouts.install()
+    yield
+    timeouts.disarm()
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def ring():
+    os.kill(os.getpid(), protocol.CANCEL_SIGNAL)
+
+
+def test_cancelled_waits_for_critical_is_raised_once_and_a_stale_bell_is_ignored(child_signals):
+    timeouts.disarm()
+    ring()  # between jobs: stale, nothing happens
+    assert not timeouts.cancel_requested()
+    timeouts.arm(None)
+    reached = False
+    with pytest.raises(supervisor.Cancelled):
+        with supervisor.critical():
+            ring()
+            wait_for(timeouts.cancel_requested, timeout=5, message="the bell")
+            reached = True  # inside critical(): not raised yet
+    assert reached and timeouts.cancel_requested()
+    ring()  # a second bell for the same job: raised once only
+    wait_for(lambda: True)
+    timeouts.disarm()
+    assert timeouts.cancel_requested()  # still readable for the reply
+    timeouts.arm(None)
+    assert not timeouts.cancel_requested()  # the next job starts clean
+
+
+def test_progress_is_checked_and_coalesced():
+    sent = []
+    toolkit.attach_master(sent.append)
+    try:
+        ctx = Context({"id": "job_1", "type": "t", "queue": "default", "attempt": 1, "max_attempts": 1,
+                       "token": 1})
+        for bad in (-0.1, 1.5, float("nan"), True, "half"):
+            with pytest.raises(ValueError, match="progress fraction must be a number from 0 to 1"):
+                ctx.progress(bad)
+        with pytest.raises(ValueError, match="progress note must be a string"):
+            ctx.progress(0.5, note=7)
+        for i in range(100):
+            ctx.progress(i / 200, "x" * 500)
+        ctx.progress(1.0)  # the last one always leaves
+        assert [m["fraction"] for m in sent] == [0.0, 1.0]
+        assert sent[0] == {"op": "progress", "job_id": "job_1", "fraction": 0.0, "note": "x" * protocol.MAX_NOTE}
+    finally:
+        toolkit.attach_master(None)

@@ -67,13 +67,21 @@ class JobControl:
                     log.info("job cancelled by %s: telling worker %d", (request or {}).get("by"), c.slot,
                              extra=logs.job_fields(c.job, event="cancel", slot=c.slot, pid=c.pid,
                                                    reason=(request or {}).get("reason")))
-                    self.pool.cancel(c, request)
+                    self.pool.cancel(c, request, self.waited(request))
                 continue
             entry = self.dispatcher.take(lease)
             if entry is not None:  # claimed, not started: it never runs
                 job, settings = entry
                 job.cancel_request = request
                 self.cancel_unstarted(job, settings)
+
+    def waited(self, request):
+        """Seconds since the request was made (the broker's clock), at most one heartbeat: a skewed
+        clock must not eat a handler's grace."""
+        at = request.get("at") if isinstance(request, dict) else None
+        if isinstance(at, bool) or not isinstance(at, (int, float)):
+            return 0.0
+        return min(max(0.0, time.time() - at), self.heartbeat.interval)
 
     def handle_paused(self, queues):
         paused = set(self.heartbeat.paused)

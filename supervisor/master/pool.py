@@ -226,10 +226,10 @@ class Pool:
         except ProcessLookupError:
             pass
 
-    def cancel(self, c, request):
-        """Tell ``c`` its job is cancelled: the CANCEL frame, then the signal that raises ``Cancelled``."""
+    def cancel(self, c, request, waited=0.0):
+        """Tell ``c`` its job is cancelled (CANCEL frame + signal); ``cancel_grace`` counts from the request."""
         c.cancel_at = time.monotonic()
-        c.cancel_deadline = c.cancel_at + self.cfg.cancel_grace
+        c.cancel_deadline = c.cancel_at + max(0.0, self.cfg.cancel_grace - waited)
         request = request if isinstance(request, dict) else {}
         try:
             protocol.send(c.sock, {"op": protocol.CANCEL, "job_id": c.job.id, **request})

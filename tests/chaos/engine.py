@@ -33,7 +33,9 @@ write lock, so every broker call of every supervisor blocks, the closest a
 local file comes to being unreachable); SIGSTOP a child for longer than the
 lease (and sometimes longer than the hard timeout) then SIGCONT; SIGSTOP a
 whole supervisor for longer than the lease, so its leases expire, another
-supervisor re-runs its jobs and its late results meet the fencing tokens.
+supervisor re-runs its jobs and its late results meet the fencing tokens;
+job control (``tests/chaos/control.py``): cancel a job (running, most of the
+time), pause the queue and resume it; and a share of the jobs expire.
 
 Besides the invariants, the checker proves from the broker's history that each
 fault kind that fired did what it is for (a killed child's attempt recorded
@@ -68,10 +70,11 @@ from supervisor.model import NewJob
 
 from ..daemon import Daemon
 from ..util import wait_for
+from .control import ControlFaults
 
 FAULTS = ("kill_child", "kill_supervisor", "term_supervisor", "hup", "broker_outage", "stall_child",
-          "stall_supervisor")
-WEIGHTS = (28, 10, 6, 18, 12, 14, 12)
+          "stall_supervisor", "cancel", "pause")
+WEIGHTS = (28, 10, 6, 18, 12, 14, 12, 10, 5)
 MIX = (("chaos.quick", 52), ("chaos.cpu", 12), ("chaos.slow", 6), ("chaos.flaky", 12), ("chaos.after", 8),
        ("chaos.locked", 6), ("chaos.poison", 4))
 OWED_GRACE_SECONDS = 15.0  # extra tries, after the window, for a fault kind that never found a target
@@ -147,7 +150,7 @@ class Sup:
         return None
 
 
-class Soak:
+class Soak(ControlFaults):
     def __init__(self, settings: Settings):
         self.s = settings
         self.rng_jobs = random.Random(f"jobs-{settings.seed}")
@@ -180,6 +183,7 @@ class Soak:
         self.outage_start = None
         self.stalled = {}  # pid of a stopped child -> its supervisor: no other fault may end its attempt
         self.hup_good_unconfirmed = 0
+        self.init_control()
 
     # -- set-up ------------------------------------------------------------------------
     def setup(self):
@@ -235,6 +239,7 @@ class Soak:
             self.sups.append(Sup(k, d))
 
     def teardown(self):
+        self.close_control()
         for sup in self.sups:
             if sup.daemon.proc is not None:
                 try:
@@ -309,7 +314,7 @@ class Soak:
                 payload["permanent"] = self.rng_jobs.random() < 0.5
             attempts = 3 if kind == "chaos.poison" else self.s.max_attempts
             self.kinds[key] = (kind, payload["amount"])
-            jobs.append((key, kind, payload, attempts))
+            jobs.append((key, kind, payload, attempts, self.expires_in(self.rng_jobs)))
         broker = None
         try:
             for start in range(0, n, batch):
@@ -323,8 +328,8 @@ class Soak:
                             broker = open_broker(self.broker_url)
                         # Fresh NewJobs on every try: a retried batch dedups on the
                         # idempotency key (the job is unfinished) instead of reusing ids.
-                        got = broker.enqueue_many([NewJob(kind, payload, idempotency_key=key, max_attempts=a)
-                                                   for key, kind, payload, a in chunk])
+                        got = broker.enqueue_many([NewJob(kind, payload, idempotency_key=key, max_attempts=a,
+                                                          expires_in=exp) for key, kind, payload, a, exp in chunk])
                         break
                     except Exception:  # noqa: BLE001 - the broker is down: the outage fault at work
                         if broker is not None:
@@ -721,8 +726,10 @@ class Soak:
             stats = br.stats([QUEUE])[QUEUE]
         states = collections.Counter(j.state if j else "lost" for j in jobs.values())
         lost = [k for k, j in jobs.items() if j is None]
-        stuck = [(k, j.id, j.state) for k, j in jobs.items() if j is not None and j.state not in ("done", "dead")]
-        check("every job is done or dead (none lost, none stuck)", not lost and not stuck,
+        # Done or dead; cancelled if this run cancelled it, expired if it had an expiry.
+        stuck = [(k, j.id, j.state) for k, j in jobs.items() if j is not None
+                 and j.state not in self.finished_states(k, j)]
+        check("every job is finished (none lost, none stuck)", not lost and not stuck,
               f"lost {len(lost)} {lost[:5]}, not finished {len(stuck)} {stuck[:5]}")
         check("no leased job left (no leaked lease)", stats.in_flight == 0 and not any(
             j and j.state == "running" for j in jobs.values()), f"in flight {stats.in_flight}")
@@ -817,6 +824,8 @@ class Soak:
         by_owner = collections.defaultdict(collections.Counter)
         for j in jobs.values():
             for h in j.history if j else ():
+                if "started_at" not in h:
+                    continue  # cancelled or expired before it ran: not an attempt of anyone's
                 owner = by_owner[h.get("owner")]
                 owner[h.get("outcome")] += 1
                 if (j.id, h.get("attempt"), h.get("pid")) in fx["suppressed_runs"]:
@@ -874,6 +883,7 @@ class Soak:
         check("lost leases explained: each one the broker took over was noticed, and only stalls and outages "
               "cause them", not lost_bad, f"{lost_bad[:5]}")
         self.check_faults(check, jobs, fx)
+        self.check_control(check, jobs)
         check("every broken reload was refused and shown in status (reload_error)", self.hup_unconfirmed == 0,
               f"{self.hup_unconfirmed} broken reloads without a reload_error")
         owners = {life.owner for sup in self.sups for life in sup.lives}
@@ -890,7 +900,7 @@ class Soak:
             "starts": starts, "executions": execs, "effects": effects, "suppressed": suppressed,
             "incarnations": sum(len(sup.lives) for sup in self.sups),
             "counters": counter_rows, "checks": checks, "ok": all(c["ok"] for c in checks),
-            "fault_log": self.fault_log,
+            "fault_log": self.fault_log, "control": self.control_report,
         }
         return report
 
@@ -898,7 +908,8 @@ class Soak:
     def check_faults(self, check, jobs, fx):
         """Each fault kind that fired did what it is for, shown by the broker's history."""
         by_id = {j.id: j for j in jobs.values() if j}
-        attempts = [(j, h) for j in by_id.values() for h in j.history]
+        # Attempts only: a job cancelled or expired before it ran has a history entry without a start.
+        attempts = [(j, h) for j in by_id.values() for h in j.history if "started_at" in h]
         faults, lease = self.faults, self.s.lease_seconds
 
         def entry(job_id, pid):
@@ -1031,6 +1042,7 @@ def format_report(r):
         f" more, {r['seconds']['total']:.1f}s in all",
         f"faults injected ({r['faults_total']}): " + ", ".join(f"{k} {v}" for k, v in r["faults"].items()),
         f"supervisor incarnations: {r['incarnations']}",
+        f"job control: {r.get('control')}",
         "jobs: " + ", ".join(f"{k} {v}" for k, v in sorted(r["states"].items()))
         + f" (dead: poison {r['dead_poison']}, attempts used up by faults {r['dead_exhausted_by_faults']})",
         f"runs: started {r['starts']}, executions committed {r['executions']}, effects {r['effects']}, "
