@@ -45,8 +45,11 @@ class Console:
         return Fetch(self.pool)
 
     def render(self, request, name, status=200, problems=(), **context):
+        # An outage the sampler saw shows on every page, even one whose own reads did not fail.
+        problems = list(problems) + [p for p in self.sampler.snapshot["problems"]
+                                     if p.startswith("The broker is unreachable") and p not in problems]
         context.update(request=request, me=request.state.identity, csrf=csrf.token(request),
-                       problems=list(problems), path=request.url.path, flash=request.session.pop("flash", None))
+                       problems=problems, path=request.url.path, flash=request.session.pop("flash", None))
         return self.templates.TemplateResponse(request, name, context, status_code=status)
 
     def audit(self, identity, action, count, job_ids=None, filter=None, **extra):

@@ -23,6 +23,8 @@ def console_of(request):
 async def overview(request):
     c = console_of(request)
     snap = c.sampler.snapshot
+    if snap["at"] is None:  # the console just started: read now rather than show nothing
+        snap = await c.sampler.sample()
     return c.render(request, "overview.html", problems=snap["problems"], snap=snap)
 
 
