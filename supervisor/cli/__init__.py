@@ -13,7 +13,7 @@ import os
 import sys
 
 from ..errors import BadInput, ConfigError, NotDead, TangguhError
-from . import admin, daemon, dlq, jobs, web
+from . import admin, bulk, daemon, dlq, jobs, web
 from .common import PROG, Failure, UsageError
 
 
@@ -105,6 +105,8 @@ def build_parser():
     command(commands, "schedules", jobs.cmd_schedules, "list the periodic jobs with their next run", as_json)
     command(commands, "job", jobs.cmd_job, "show one job with its history", as_json).add_argument(
         "job_id", metavar="ID")
+
+    bulk.add_commands(commands, command, as_json)
 
     dlq_commands = command(commands, "dlq", None, "inspect and replay dead-lettered jobs").add_subparsers(
         dest="dlq_command", metavar="COMMAND", required=True)

@@ -3,7 +3,8 @@
 The package's parts: ``connection`` (the URL, the client, errors as
 BrokerError), ``keys`` (the key layout), ``scripts`` (the Lua scripts in
 ``redis_lua/``), ``fields`` (jobs to and from the scripts' strings), ``locate``
-(finding a job's queue from its id); the broker's operations are here.
+(finding a job's queue from its id), ``search`` (search, count, requeue,
+discard: the search index and its bounds); the other operations are here.
 
 Every state change (enqueue, claim, extend, ack, retry, dead, release, replay,
 purge, prune) is one script that reads the clock with ``TIME`` and touches one
@@ -45,13 +46,14 @@ from .connection import connect, guard
 from .fields import body, check_script_reply, enqueue_args, to_job
 from .keys import Keys
 from .locate import Locator
+from .search import SearchMixin
 
 LIMITED_SCAN = 1000  # ready entries one limited claim looks at per queue (held-back jobs included)
 BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one script's run time
 CLOCK_REFRESH = 30.0
 
 
-class RedisBroker(Broker):
+class RedisBroker(SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
         self.r, self.prefix, self.done_ttl, self.where = connect(url)
@@ -89,8 +91,9 @@ class RedisBroker(Broker):
 
     @guard
     def migrate(self):
-        """Nothing to create; loads the scripts, which also proves the server is there."""
+        """Loads the scripts, which also proves the server is there; indexes jobs stored before search."""
         scripts.load(self.r, self.scripts)
+        self._backfill_search()
 
     @guard
     def now(self):

@@ -8,7 +8,7 @@ import functools
 import os
 
 NAMES = ("enqueue", "claim", "extend", "ack", "retry", "dead", "release", "replay", "purge", "stats", "prune",
-         "claim_limited", "enqueue_once", "ack_many")
+         "claim_limited", "enqueue_once", "ack_many", "requeue", "discard")
 # A script made of several files, run in order (the first may return early).
 COMPOSED = {"enqueue_once": ("enqueue_once", "enqueue")}
 LUA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "redis_lua")

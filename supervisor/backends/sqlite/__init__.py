@@ -9,7 +9,8 @@ process crash) for speed; the default is ``full``.
 
 The package's parts: ``schema`` (the tables, the foreign-table refusal),
 ``database`` (opening the file, transactions, errors), ``wakeup`` (inotify on
-the WAL); the broker's operations are here.
+the WAL), ``search`` (search, count, requeue, discard); the other operations
+are here.
 """
 import contextlib
 import json
@@ -22,6 +23,7 @@ from ...model import DEAD, DONE, RETRYING, Job, QueueStats, error_info, load_jso
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, wakeup
+from .search import SearchMixin
 from .database import Transaction, connect, errors
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
@@ -29,7 +31,7 @@ _CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(hi
 _LEASED = "id = :id AND token = :token AND state = 'running'"
 
 
-class SQLiteBroker(Broker):
+class SQLiteBroker(SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
         parts = urllib.parse.urlsplit(url)
