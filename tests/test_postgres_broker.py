@@ -10,18 +10,18 @@ import pytest
 
 from supervisor import toolkit
 from supervisor.backends import open_broker
-from supervisor.backends.postgres.schema import migrations
+from supervisor.backends.postgres import schema as pg_schema
 from supervisor.errors import BrokerError, ConfigError
 from supervisor.model import NewJob
 
 from .daemon import Daemon, tangguh
 from .util import wait_for
 
-VERSIONS = [(version,) for version, _ in migrations('"x"')]  # every version, oldest first
-
 pytestmark = pytest.mark.services
 
 Q = ["default"]
+# Every schema version, as rows of the version table after a full migrate.
+VERSIONS = [(version,) for version, _ in pg_schema.migrations('"s"')]
 
 
 def new(payload=None, **kw):
@@ -138,7 +138,10 @@ def test_a_version_1_schema_is_upgraded_in_place(postgres_url, monkeypatch):
     monkeypatch.setattr(postgres, "_migrations", lambda s: every(s)[:1])
     old = open_broker(postgres_url)
     old.migrate()
-    kept = old.enqueue(NewJob("a", {}))
+    # Written as a version-1 tangguh wrote it (today's enqueue names columns added since).
+    kept = "job_v1"
+    old._execute(f"INSERT INTO {old._jobs} (id, queue, type, payload, state, max_attempts, run_at, queued_at)"
+                 " VALUES (%s, 'default', 'a', '{}', 'queued', 5, 0, 0)", (kept,))
     old.close()
     monkeypatch.setattr(postgres, "_migrations", every)
     b = open_broker(postgres_url)
@@ -148,6 +151,8 @@ def test_a_version_1_schema_is_upgraded_in_place(postgres_url, monkeypatch):
         assert rows == VERSIONS
         assert [j.id for j in b.search({"payload": {}, "type": "a"}).jobs] == [kept]  # version 3's indexes
         assert [j.id for j in b.claim(Q, 5, 30, "w", limits={"a": TypeLimits(max_concurrency=1)})] == [kept]
+        queued = b.enqueue(NewJob("a", {}))  # the job-control columns and states joined the old table
+        assert b.cancel([queued, kept], "ops", None) == {queued: "cancelled", kept: "requested"}
     finally:
         b.close()
 
@@ -198,7 +203,8 @@ def test_a_schema_tangguh_made_under_the_old_version_table_name_is_adopted(pg, p
     producer.execute(f'ALTER TABLE "{pg.schema}".tangguh_schema_version RENAME TO schema_version')
     producer.commit()
     pg.migrate()
-    assert _tables(producer, pg.schema) == ["jobs", "once_keys", "rate_buckets", "tangguh_schema_version"]
+    assert _tables(producer, pg.schema) == ["jobs", "once_keys", "paused_queues", "rate_buckets", "supervisors",
+                                            "tangguh_schema_version"]
     assert producer.execute(f'SELECT version FROM "{pg.schema}".tangguh_schema_version ORDER BY version'
                             ).fetchall() == VERSIONS
     assert [j.id for j in pg.claim(Q, 5, 30, "w")] == [kept]

@@ -11,6 +11,7 @@ import hashlib
 
 from ...errors import BrokerError, ConfigError
 from .connection import quote
+from .control_schema import control_migration
 from .statements import UNFINISHED
 
 VERSIONS = "tangguh_schema_version"  # a name of our own: "schema_version" is common in applications' schemas
@@ -125,6 +126,9 @@ def migrations(s):
             f"CREATE INDEX jobs_search_finished ON {s}.jobs (finished_at) WHERE finished_at IS NOT NULL",
             f"CREATE INDEX jobs_search_payload ON {s}.jobs USING gin ((payload::jsonb) jsonb_path_ops)",
         ]),
+        # 4: job control (cancel, expiry, progress, pauses, supervisor records, wait's notification);
+        # 3 is search's indexes.
+        (4, control_migration(s)),
     ]
 
 
@@ -157,7 +161,7 @@ def migrate(db, schema, versions):
 def _adopt(db, schema, tables):
     """Before its first migration here: a fresh schema, or one Tangguh made under the
     old version table name (renamed now). Anything else is someone else's schema."""
-    ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys"})
+    ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys", "paused_queues", "supervisors"})
     if not ours:
         return
     if "schema_version" in tables and "jobs" in tables:

@@ -43,6 +43,7 @@ from ..base import Broker
 from ..limits import active
 from . import scripts
 from .connection import connect, guard
+from .control import ControlMixin
 from .fields import body, check_script_reply, enqueue_args, to_job
 from .keys import Keys
 from .locate import Locator
@@ -53,7 +54,7 @@ BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one scri
 CLOCK_REFRESH = 30.0
 
 
-class RedisBroker(SearchMixin, Broker):
+class RedisBroker(SearchMixin, ControlMixin, Broker):
     def __init__(self, url):
         self.url = url
         self.r, self.prefix, self.done_ttl, self.where = connect(url)
@@ -166,10 +167,8 @@ class RedisBroker(SearchMixin, Broker):
         for queue in queues:
             if len(claimed) >= n:
                 break
-            for fields in self._run("claim", queue, [n - len(claimed), lease_us, owner, owner_json]):
-                job = to_job(json.loads(fields))
-                self._locator.remember(job.id, queue)
-                claimed.append(job)
+            claimed.extend(self._leased(queue, self._run("claim", queue, [n - len(claimed), lease_us, owner,
+                                                                          owner_json])))
         return self._runnable(claimed)
 
     def _claim_limited(self, queues, n, lease_us, owner, owner_json, limits):
@@ -183,10 +182,9 @@ class RedisBroker(SearchMixin, Broker):
                 break
             calls = [("claim", queue, [0, lease_us, owner, owner_json]),
                      ("claim_limited", queue, [n - len(claimed), lease_us, owner, owner_json, spec, LIMITED_SCAN])]
-            for fields in self._run_many(calls)[1]:
-                job = to_job(json.loads(fields))
-                self._locator.remember(job.id, queue)
-                claimed.append(job)
+            expired, leased = self._run_many(calls)
+            self._leased(queue, expired)  # records what the plain claim ended expired
+            claimed.extend(self._leased(queue, leased))
         return claimed
 
     @guard
@@ -279,9 +277,10 @@ class RedisBroker(SearchMixin, Broker):
         queues = list(queues)
         out = {}
         for queue, row in zip(queues, self._run_many([("stats", q, [self.done_ttl]) for q in queues])):
-            ready, scheduled, in_flight, dead, done, age = row
+            ready, scheduled, in_flight, dead, done, age, cancelled, expired, paused = row
             out[queue] = QueueStats(queue, ready=ready, scheduled=scheduled, in_flight=in_flight, dead=dead,
-                                    done=done, oldest_ready_age=int(age) / 1e6)
+                                    done=done, oldest_ready_age=int(age) / 1e6, cancelled=cancelled,
+                                    expired=expired, paused=bool(paused))
         return out
 
     # -- dead letters -----------------------------------------------------
