@@ -194,7 +194,6 @@ class Client:
         """Delete jobs that are not running; ``{id: outcome}``."""
         return self.broker.discard(_ids(job_ids))
 
-
     def wait(self, job_id, timeout):
         """The job once it is finished (done, dead, cancelled or expired), or None after ``timeout`` seconds.
 
