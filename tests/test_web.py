@@ -233,3 +233,24 @@ def test_an_unexpected_error_is_a_page_without_a_traceback(tmp_path, monkeypatch
         assert page.status_code == 500
         assert "secret internals" not in page.text and "Traceback" not in page.text
         assert client.get("/api/schedules").json() == {"error": "internal error (the console's log has the details)"}
+
+
+def test_a_bulk_action_on_a_filter_shows_the_count_first_then_acts_and_logs_the_filter(console, broker, caplog):
+    mine = [broker.enqueue(NewJob("export", {"customer": {"id": 7}}, delay=3600).validate()) for _ in range(3)]
+    other = broker.enqueue(NewJob("export", {"customer": {"id": 8}}, delay=3600).validate())
+    login(console, "ada", ADMIN_PW)
+    token = csrf_of(console.get("/jobs").text)
+    form = {"csrf": token, "action": "cancel", "scope": "filter", "where": "customer.id=7"}
+    confirm = console.post("/jobs/bulk", data=form)
+    assert confirm.status_code == 200
+    assert re.search(r'id="confirm-count">3<', confirm.text)
+    assert {broker.get(i).state for i in mine + [other]} == {"queued"}  # nothing changed before the confirmation
+    with caplog.at_level(logging.INFO, logger="tangguh.web"):
+        done = console.post("/jobs/bulk", data={**form, "confirmed": "yes"}, follow_redirects=False)
+    assert done.status_code == 303
+    assert [broker.get(i).state for i in mine] == ["cancelled"] * 3 and broker.get(other).state == "queued"
+    (event,) = [r for r in caplog.records if getattr(r, "action", None) == "cancel"]
+    assert event.count == 3 and event.filter == {"payload": {"customer.id": 7}} and sorted(event.job_ids) == sorted(mine)
+    assert "3 cancelled" in console.get("/jobs").text
+    everything = console.post("/jobs/bulk", data={"csrf": token, "action": "discard", "scope": "filter"})
+    assert everything.status_code == 400 and "narrow it first" in everything.text

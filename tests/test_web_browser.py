@@ -32,7 +32,7 @@ ADMIN_PW, VIEWER_PW = "admin-password", "viewer-password"
 DOCS = pathlib.Path(__file__).parent.parent / "docs" / "console"
 
 webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.common.exceptions import NoSuchElementException  # noqa: E402
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
@@ -92,7 +92,7 @@ class Stack:
     def text(self, css):
         try:
             return self.find(css).text
-        except NoSuchElementException:
+        except (NoSuchElementException, StaleElementReferenceException):  # not there, or replaced by a live update
             return None
 
     def login(self, name, password):
@@ -101,6 +101,7 @@ class Stack:
         self.find("#name").send_keys(name)
         self.find("#password").send_keys(password)
         self.find("#login-button").click()
+        wait_for(lambda: name in (self.text(".who") or ""), timeout=10, message=f"{name} to be logged in")
 
     def shot(self, name):
         self.driver.save_screenshot(str(self.shots / f"{name}.png"))
@@ -199,11 +200,10 @@ def test_log_in_and_a_wrong_password_is_refused(stack):
     stack.find("#name").send_keys("ada")
     stack.find("#password").send_keys("not-the-password")
     stack.find("#login-button").click()
-    assert stack.text("#login-error") == "Wrong name or password."
+    wait_for(lambda: stack.text("#login-error") == "Wrong name or password.", timeout=10, message="the refusal")
     stack.shot("login")
     stack.login("ada", ADMIN_PW)
     assert stack.text("h1").startswith("Overview")
-    assert "ada" in stack.text(".who")
 
 
 def test_the_overview_shows_a_queue_depth_change_live(admin):
@@ -288,6 +288,10 @@ def test_replay_a_dead_letter_and_see_it_done(admin):
     assert "1 replayed" in s.text(".flash")
     s.open(f"/jobs/{job_id}")
     wait_for(lambda: s.text("#job-state") == "done", timeout=20, message="the replayed job to be done")
+    wait_for(lambda: '"rows": 3' in s.text("#result"), timeout=10, message="the result shown live")
+    s.open(f"/jobs/{job_id}")
+    assert [td.text for td in s.driver.find_elements(By.CSS_SELECTOR, "#attempts tbody td:nth-child(2)")] == [
+        "dead", "done"]
     s.shot("job")
     assert s.browser_errors() == []
 

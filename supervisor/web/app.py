@@ -20,7 +20,7 @@ from starlette.staticfiles import StaticFiles
 
 from ..model import FINISHED
 from . import actions, api, auth, live, pages
-from .console import HERE, Console, gate
+from .console import HERE, Console, gate, pretty, when
 from .headers import SecurityHeaders
 
 log = logging.getLogger("tangguh.web")
@@ -35,7 +35,7 @@ async def overview_events(request):
 @gate()
 async def job_events(request):
     c = request.app.state.console
-    stream = live.job_stream(request, c.pool, c.redactor, request.path_params["job_id"], FINISHED)
+    stream = live.job_stream(request, c.pool, c.redactor, request.path_params["job_id"], FINISHED, when, pretty)
     return StreamingResponse(stream, media_type="text/event-stream")
 
 

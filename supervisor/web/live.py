@@ -123,7 +123,7 @@ async def overview_stream(request, sampler):
         await asyncio.sleep(sampler.interval / 2)
 
 
-async def job_stream(request, pool, redactor, job_id, finished_states, interval=INTERVAL):
+async def job_stream(request, pool, redactor, job_id, finished_states, when, pretty, interval=INTERVAL):
     """The job's state and progress whenever they change; ends once it is finished."""
     last = None
     while not await request.is_disconnected():
@@ -133,9 +133,13 @@ async def job_stream(request, pool, redactor, job_id, finished_states, interval=
             yield event("gone", {"id": job_id})
             return
         if job is not None:
-            view = {k: v for k, v in redactor.job_dict(job).items()
+            d = redactor.job_dict(job)
+            view = {k: v for k, v in d.items()
                     if k in ("id", "state", "reason", "progress", "progress_note", "attempt", "owner",
                              "lease_until", "finished_at", "cancel_request")}
+            # Shown as the page shows them, so the script only swaps text.
+            view["finished_text"] = when(job.finished_at)
+            view["result_text"] = "-" if d["result"] is None else pretty(d["result"])
             if view != last:
                 last = view
                 yield event("job", view)

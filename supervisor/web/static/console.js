@@ -78,6 +78,35 @@ function drawChart(canvas, values, bucket) {
   });
 }
 
+function cell(row, value) {
+  const td = document.createElement("td");
+  td.textContent = value;
+  row.appendChild(td);
+}
+
+function supervisors(records, now) {
+  const tbody = document.querySelector("#supervisors-summary tbody");
+  if (!tbody) return;
+  const rows = records.map(function (s) {
+    const row = document.createElement("tr");
+    if (s.gone) row.className = "gone";
+    const workers = s.workers || [];
+    cell(row, s.host);
+    cell(row, String(s.pid));
+    cell(row, workers.filter(function (w) { return w.job_id; }).length + " / " + workers.length);
+    cell(row, duration(Math.max(0, now - s.last_heartbeat)) + " ago" + (s.gone ? " (gone)" : ""));
+    return row;
+  });
+  if (!rows.length) {
+    const row = document.createElement("tr");
+    row.className = "empty";
+    cell(row, "No supervisor records.");
+    row.firstChild.colSpan = 4;
+    rows.push(row);
+  }
+  tbody.replaceChildren(...rows);
+}
+
 function overview() {
   const tbody = document.querySelector("#queues tbody");
   const source = new EventSource("/events/overview");
@@ -97,6 +126,7 @@ function overview() {
     document.querySelectorAll("canvas.chart").forEach(function (c) {
       drawChart(c, snap.series[c.dataset.kind], snap.series.bucket);
     });
+    supervisors(snap.supervisors || [], snap.at);
     const dot = document.getElementById("live-dot");
     if (dot) { dot.classList.add("on"); dot.title = "updated " + new Date(snap.at * 1000).toLocaleTimeString(); }
   });
@@ -126,9 +156,13 @@ function jobPage() {
     const req = job.cancel_request;
     text(document.getElementById("job-cancel-request"),
          req ? "cancel requested by " + req.by + (req.reason ? ": " + req.reason : "") : "");
+    text(document.getElementById("job-finished"), job.finished_text);
+    text(document.getElementById("result"), job.result_text);
     if (["done", "dead", "cancelled", "expired"].indexOf(job.state) >= 0) {
       source.close();
       text(document.getElementById("job-lease"), "-");
+      const cancel = document.getElementById("job-cancel");
+      if (cancel) cancel.closest("form").hidden = true;
     }
   });
   source.addEventListener("gone", function () {
