@@ -168,6 +168,31 @@ class Client:
         """``{queue: QueueStats}`` for ``queues`` (default: the client's queues)."""
         return self.broker.stats(list(queues or self.queues))
 
+    def wait(self, job_id, timeout):
+        """The job once it is finished (done, dead, cancelled or expired), or None after ``timeout`` seconds.
+
+        Woken by the broker's own notification, not a poll. BadInput for an unknown id."""
+        return self.broker.wait(job_id, timeout)
+
+    # -- control ------------------------------------------------------------
+    def cancel(self, job_ids, by=None, reason=None):
+        """Cancel jobs: ``{job_id: "cancelled" | "requested" | "already_<state>" | "unknown"}``.
+
+        A waiting job ends ``cancelled`` now; a running one is asked to stop (its
+        supervisor learns of it at its next heartbeat)."""
+        return self.broker.cancel([job_ids] if isinstance(job_ids, str) else list(job_ids), by, reason)
+
+    def pause(self, queue, by=None):
+        """Stop every supervisor sharing the broker from claiming from ``queue`` (running jobs finish)."""
+        self.broker.pause(queue, by)
+
+    def resume(self, queue):
+        self.broker.resume(queue)
+
+    def paused(self):
+        """``{queue: {"by", "at"}}`` for every paused queue."""
+        return self.broker.paused()
+
     # -- job control --------------------------------------------------------
     def search(self, filter=None, *, cursor=None, limit=50, order="newest", **fields):
         """A ``jobfilter.Page`` of the jobs a filter selects, newest first (``order="oldest"``: oldest).
@@ -193,31 +218,6 @@ class Client:
     def discard(self, job_ids):
         """Delete jobs that are not running; ``{id: outcome}``."""
         return self.broker.discard(_ids(job_ids))
-
-    def wait(self, job_id, timeout):
-        """The job once it is finished (done, dead, cancelled or expired), or None after ``timeout`` seconds.
-
-        Woken by the broker's own notification, not a poll. BadInput for an unknown id."""
-        return self.broker.wait(job_id, timeout)
-
-    # -- control ------------------------------------------------------------
-    def cancel(self, job_ids, by=None, reason=None):
-        """Cancel jobs: ``{job_id: "cancelled" | "requested" | "already_<state>" | "unknown"}``.
-
-        A waiting job ends ``cancelled`` now; a running one is asked to stop (its
-        supervisor learns of it at its next heartbeat)."""
-        return self.broker.cancel([job_ids] if isinstance(job_ids, str) else list(job_ids), by, reason)
-
-    def pause(self, queue, by=None):
-        """Stop every supervisor sharing the broker from claiming from ``queue`` (running jobs finish)."""
-        self.broker.pause(queue, by)
-
-    def resume(self, queue):
-        self.broker.resume(queue)
-
-    def paused(self):
-        """``{queue: {"by", "at"}}`` for every paused queue."""
-        return self.broker.paused()
 
 
 def _filter(filter, fields):

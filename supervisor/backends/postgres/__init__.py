@@ -44,7 +44,7 @@ from .statements import NOW, Statements
 __all__ = ["PostgresBroker", "libpq_conninfo"]
 
 
-class PostgresBroker(SearchMixin, ControlMixin, Broker):
+class PostgresBroker(ControlMixin, SearchMixin, Broker):
     prune_batch = 10_000  # rows deleted per statement by prune()
 
     def __init__(self, url):

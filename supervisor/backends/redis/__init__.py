@@ -54,7 +54,7 @@ BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one scri
 CLOCK_REFRESH = 30.0
 
 
-class RedisBroker(SearchMixin, ControlMixin, Broker):
+class RedisBroker(ControlMixin, SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
         self.r, self.prefix, self.done_ttl, self.where = connect(url)

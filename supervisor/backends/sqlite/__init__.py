@@ -35,7 +35,7 @@ _UNLESS_CANCELLED = ("state = CASE WHEN cancel_request IS NULL THEN {state} ELSE
                      " finished_at = CASE WHEN cancel_request IS NULL THEN finished_at ELSE :now END")
 
 
-class SQLiteBroker(SearchMixin, ControlMixin, Broker):
+class SQLiteBroker(ControlMixin, SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
         parts = urllib.parse.urlsplit(url)
