@@ -85,7 +85,7 @@ def test_bad_users_are_config_errors_that_never_echo_the_secret(tmp_path, users,
 def test_a_non_loopback_address_without_users_is_refused_and_nothing_listens(tmp_path):
     cfg = tmp_path / "t.toml"
     cfg.write_text(f'[broker]\nurl = "sqlite:///{tmp_path}/b.db"\n')
-    done = tangguh("web", "-c", str(cfg), "--listen", "0.0.0.0:9466")
+    done = tangguh("web", "-c", str(cfg), "--listen", "0.0.0.0:9466", timeout=15)  # a started server would hang
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "not a loopback address" in done.stderr
     bad = tangguh("web", "-c", str(cfg), "--listen", "nowhere")
