@@ -238,7 +238,7 @@ def test_find_a_job_by_a_payload_field_open_it_and_see_its_traceback(admin):
     s.find("#search-button").click()
     links = [a.text for a in s.driver.find_elements(By.CSS_SELECTOR, "#jobs-table a")]
     assert links == [job_id]
-    assert "1 matching job" in s.text("#match-count")
+    wait_for(lambda: s.text("#match-count") == "1 matching job", timeout=10, message="the count, fetched after the page")
     s.shot("jobs")
     s.driver.find_element(By.LINK_TEXT, job_id).click()
     assert s.text("#job-state") == "dead"

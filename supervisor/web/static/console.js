@@ -171,8 +171,21 @@ function jobPage() {
   });
 }
 
+function matchCount() {
+  const box = document.getElementById("match-count");
+  if (!box || !box.dataset.countUrl) return;
+  box.textContent = "counting…";
+  fetch(box.dataset.countUrl, {credentials: "same-origin"})
+    .then(function (r) { return r.ok ? r.json() : Promise.reject(r.status); })
+    .then(function (c) {
+      box.textContent = (c.exact ? "" : "about ") + c.count + " matching job" + (c.count === 1 ? "" : "s");
+    })
+    .catch(function () { box.textContent = ""; });
+}
+
 document.addEventListener("DOMContentLoaded", function () {
   confirmations();
+  matchCount();
   const page = document.body.dataset.page;
   if (page === "overview") overview();
   if (page === "job") jobPage();
