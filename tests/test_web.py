@@ -254,3 +254,29 @@ def test_a_bulk_action_on_a_filter_shows_the_count_first_then_acts_and_logs_the_
     assert "3 cancelled" in console.get("/jobs").text
     everything = console.post("/jobs/bulk", data={"csrf": token, "action": "discard", "scope": "filter"})
     assert everything.status_code == 400 and "narrow it first" in everything.text
+
+
+def test_job_queue_and_schedule_actions_from_the_pages(tmp_path, broker):
+    cfg = make_config(tmp_path, broker.url)
+    cfg.schedules = config.from_dict({"schedules": {"nightly": {"cron": "0 3 * * *", "type": "export",
+                                                               "payload": {"customer_id": 1}}}}, str(tmp_path)).schedules
+    job_id = broker.enqueue(NewJob("export", {"n": 1}, delay=3600).validate())
+    with TestClient(web_app.build(cfg, sample_interval=0.05)) as client:
+        login(client, "ada", ADMIN_PW)
+        token = csrf_of(client.get(f"/jobs/{job_id}").text)
+
+        def post(path, **form):
+            return client.post(path, data={"csrf": token, **form}, follow_redirects=False)
+
+        copy = post(f"/jobs/{job_id}/replay").headers["location"].rsplit("/", 1)[1]
+        assert copy != job_id and broker.get(copy).payload == {"n": 1}
+        assert post(f"/jobs/{job_id}/cancel").status_code == 303 and broker.get(job_id).state == "cancelled"
+        assert post(f"/jobs/{job_id}/retry").status_code == 303 and broker.get(job_id).state == "queued"
+        assert post(f"/jobs/{job_id}/delete").headers["location"] == "/jobs" and broker.get(job_id) is None
+        assert post(f"/jobs/{copy}/explode").status_code == 400
+        assert post("/queues/pause", queue="default").status_code == 303 and "default" in broker.paused()
+        assert post("/queues/resume").status_code == 303 and broker.paused() == {}
+        assert post("/queues/pause", queue="no such queue!").status_code == 400 and broker.paused() == {}
+        run = post("/schedules/nightly/run").headers["location"].rsplit("/", 1)[1]
+        assert broker.get(run).type == "export" and broker.get(run).payload == {"customer_id": 1}
+        assert post("/schedules/nope/run").status_code == 400

@@ -145,9 +145,10 @@ async def job_post(request, form):
     job_id, action = request.path_params["job_id"], request.path_params["action"]
     outcome = await job_action(c, request.state.identity, job_id, action)
     flash(request, f"{action}: {outcome}")
+    if action == "delete" and outcome == "discarded":
+        return RedirectResponse("/jobs", status_code=303)
     target = outcome.split()[-1] if outcome.startswith("enqueued ") else job_id
-    return RedirectResponse("/jobs/" + ("" if action == "delete" and outcome == "discarded" else target),
-                            status_code=303)
+    return RedirectResponse("/jobs/" + target, status_code=303)
 
 
 # -- dead letters --------------------------------------------------------------------
