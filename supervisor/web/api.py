@@ -16,7 +16,6 @@ from ..jobfilter import JobFilter
 from . import actions
 from .console import gate
 from .forms import form_values, job_filter
-from .live import read_queues
 
 
 def console_of(request):
@@ -83,11 +82,8 @@ async def dead(request):
 @gate("api")
 async def queues(request):
     c = console_of(request)
-    fetch = c.fetch()
-    rows = await read_queues(fetch, c.cfg.broker.queues)
-    if rows is None:
-        return answer({"error": fetch.problems[0] if fetch.problems else "broker unreachable"}, 503)
-    return answer({"queues": rows})
+    paused = await c.pool.call(lambda b: b.paused())
+    return answer({"queues": c.sampler.queue_rows(paused), "at": c.sampler.snapshot["at"]})
 
 
 @gate("api")

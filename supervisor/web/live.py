@@ -76,13 +76,22 @@ class Sampler:
 
     async def run(self):
         while True:
+            started = time.monotonic()
             try:
                 await self.sample()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the loop outlives any one bad sample
                 log.exception("console sampler failed", extra={"event": "web_sample_failed"})
-            await asyncio.sleep(self.interval)
+            # A broker whose counts are slow (a deep SQLite queue) is read at most half the time.
+            await asyncio.sleep(max(self.interval, time.monotonic() - started))
+
+    def queue_rows(self, paused):
+        """The last sample's queues with ``paused`` (read just now) applied: the Queues page after a click."""
+        rows = [dict(r) for r in self.snapshot["queues"]]
+        for r in rows:
+            r["paused"] = r["queue"] in paused
+        return rows
 
 
 def series(history, now):
