@@ -146,7 +146,9 @@ async def schedules(request):
         item["payload"] = c.redactor.value(item["payload"])
         item["last_job"] = None
         if item["last_key"] and not fetch.problems:
-            flt = JobFilter(idempotency_key=item["last_key"])
+            # Its job was enqueued at the tick or later (a catch-up): the time bound keeps the lookup
+            # to the jobs since then instead of every job the broker holds.
+            flt = JobFilter(idempotency_key=item["last_key"], queued_after=item["last_tick"] - 60)
             page = await fetch("searching jobs", lambda b, f=flt: b.search(f, None, 1))
             if page is not None and page.jobs:
                 item["last_job"] = {"id": page.jobs[0].id, "state": page.jobs[0].state}
