@@ -95,6 +95,12 @@ class Stack:
         except (NoSuchElementException, StaleElementReferenceException):  # not there, or replaced by a live update
             return None
 
+    def links(self, css):
+        try:
+            return [a.text for a in self.driver.find_elements(By.CSS_SELECTOR, css)]
+        except StaleElementReferenceException:
+            return None
+
     def login(self, name, password):
         self.driver.delete_all_cookies()
         self.open("/login")
@@ -236,8 +242,7 @@ def test_find_a_job_by_a_payload_field_open_it_and_see_its_traceback(admin):
     s.open("/jobs")
     s.find("#f-where").send_keys("customer_id=4242")
     s.find("#search-button").click()
-    links = [a.text for a in s.driver.find_elements(By.CSS_SELECTOR, "#jobs-table a")]
-    assert links == [job_id]
+    wait_for(lambda: s.links("#jobs-table a") == [job_id], timeout=10, message="the search's one match")
     wait_for(lambda: s.text("#match-count") == "1 matching job", timeout=10, message="the count, fetched after the page")
     s.shot("jobs")
     s.driver.find_element(By.LINK_TEXT, job_id).click()
@@ -285,7 +290,7 @@ def test_replay_a_dead_letter_and_see_it_done(admin):
     s.shot("dead")
     s.find(f'input.pick[value="{job_id}"]').click()
     s.find("#replay-selected").click()
-    assert "1 replayed" in s.text(".flash")
+    wait_for(lambda: "1 replayed" in (s.text(".flash") or ""), timeout=10, message="the replay's message")
     s.open(f"/jobs/{job_id}")
     wait_for(lambda: s.text("#job-state") == "done", timeout=20, message="the replayed job to be done")
     wait_for(lambda: '"rows": 3' in s.text("#result"), timeout=10, message="the result shown live")
@@ -300,7 +305,8 @@ def test_pause_a_queue_see_no_job_of_it_start_and_resume_it(admin):
     s = admin
     s.open("/queues")
     s.find("#pause-default").click()
-    assert s.text('tr[data-queue="default"] .queue-state').startswith("paused")
+    wait_for(lambda: (s.text('tr[data-queue="default"] .queue-state') or "").startswith("paused"), timeout=10,
+             message="the queue shown paused")
     wait_for(lambda: "default" in s.daemon.status().get("paused_queues", []), timeout=20,
              message="the supervisor to see the pause")
     held = s.daemon.enqueue("noop", {"held": True})
@@ -311,7 +317,8 @@ def test_pause_a_queue_see_no_job_of_it_start_and_resume_it(admin):
     s.open("/queues")
     s.shot("queues")
     s.find("#resume-default").click()
-    assert s.text('tr[data-queue="default"] .queue-state') == "running"
+    wait_for(lambda: s.text('tr[data-queue="default"] .queue-state') == "running", timeout=10,
+             message="the queue shown running")
     assert s.daemon.wait_job(held).state == "done"
 
 
