@@ -154,3 +154,55 @@ def url_of(*schemes):
         raise Unshown(f"{expected}, got " + (f"scheme {_scheme(v)!r}" if _scheme(v) else "no URL"))
 
     return check
+
+
+def listen_address(v):
+    """``host:port`` for a listening socket (``[::1]:9465`` for IPv6)."""
+    if isinstance(v, str):
+        host, _, port = v.rpartition(":")
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            return v
+    raise ValueError('expected "host:port", such as "127.0.0.1:9465"')
+
+
+WEB_ROLES = ("admin", "viewer")
+
+
+def web_accounts(secret_key):
+    """``[web.users]`` / ``[web.tokens]``: name -> {``secret_key``: a hash, role: admin|viewer}.
+
+    The hashes are not echoed in errors; a name that is not a plain word is refused,
+    because it is printed in every action's log event.
+    """
+    def check(v):
+        if not isinstance(v, dict):
+            raise ValueError("expected a table of names")
+        out = {}
+        for account, entry in v.items():
+            if not re.fullmatch(r"[A-Za-z0-9_.@-]{1,64}", account):
+                raise Unshown(f"{account!r} is not a name (1 to 64 letters, digits or _ . @ -)")
+            if not isinstance(entry, dict) or set(entry) - {secret_key, "role"}:
+                raise Unshown(f"{account}: expected a table with {secret_key} and role")
+            secret, role = entry.get(secret_key), entry.get("role", "viewer")
+            if not isinstance(secret, str) or not secret:
+                raise Unshown(f"{account}.{secret_key}: required ({_MAKE_SECRET[secret_key]})")
+            if secret_key == "password" and not secret.startswith("$argon2"):
+                raise Unshown(f"{account}.password: expected an argon2 hash ({_MAKE_SECRET[secret_key]}),"
+                              " never the password itself")
+            if secret_key == "sha256" and not re.fullmatch(r"[0-9a-f]{64}", secret):
+                raise Unshown(f"{account}.sha256: expected 64 hex digits ({_MAKE_SECRET[secret_key]})")
+            if role not in WEB_ROLES:
+                raise Unshown(f"{account}.role: expected one of {', '.join(WEB_ROLES)}")
+            out[account] = {secret_key: secret, "role": role}
+        return out
+
+    return check
+
+
+_MAKE_SECRET = {"password": "made by `tangguh web hash-password`", "sha256": "made by `tangguh web new-token`"}
+
+
+def field_names(v):
+    if isinstance(v, list) and all(isinstance(x, str) and x.strip() for x in v):
+        return list(v)
+    raise ValueError("expected a list of field names")

@@ -12,9 +12,9 @@ import re
 import tomllib
 import urllib.parse
 
-from .checks import (Unshown, boolean, cron, fraction, group_name, name, non_negative_int, non_negative_number,
-                     one_of, positive_int, positive_number, queue_name, queue_names, rate, string, table, timezone,
-                     url_of)
+from .checks import (Unshown, boolean, cron, field_names, fraction, group_name, listen_address, name,
+                     non_negative_int, non_negative_number, one_of, positive_int, positive_number, queue_name,
+                     queue_names, rate, string, table, timezone, url_of, web_accounts)
 from .errors import BadInput, ConfigError
 from .model import check_json
 
@@ -117,6 +117,19 @@ class ToolkitConfig:
 
 
 @dataclasses.dataclass
+class WebConfig:
+    """``tangguh web``, the console: a separate process reading the broker."""
+
+    listen: str = option(listen_address, "host:port the console listens on", default="127.0.0.1:9465")
+    users: dict = option(web_accounts("password"), "name -> {password = argon2 hash, role = admin|viewer}",
+                         default_factory=dict)
+    tokens: dict = option(web_accounts("sha256"), "bearer tokens for scripts: name -> {sha256, role}",
+                          default_factory=dict)
+    redact: list = option(field_names, "payload/result fields masked on every page and API answer",
+                          default_factory=list)
+
+
+@dataclasses.dataclass
 class Config:
     supervisor: SupervisorConfig = dataclasses.field(default_factory=SupervisorConfig)
     broker: BrokerConfig = dataclasses.field(default_factory=BrokerConfig)
@@ -124,6 +137,7 @@ class Config:
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
     toolkit: ToolkitConfig = dataclasses.field(default_factory=ToolkitConfig)
+    web: WebConfig = dataclasses.field(default_factory=WebConfig)
     schedules: dict = dataclasses.field(default_factory=dict)  # name -> ScheduleConfig
     path: str | None = None  # the file it came from
 
@@ -134,7 +148,7 @@ class Config:
     def to_dict(self):
         """The effective config as TOML-ready data (None values left out)."""
         out = {}
-        for section in ("supervisor", "broker", "jobs", "log", "metrics", "toolkit"):
+        for section in ("supervisor", "broker", "jobs", "log", "metrics", "toolkit", "web"):
             data = {k: v for k, v in dataclasses.asdict(getattr(self, section)).items() if v is not None}
             if section == "jobs":
                 data["types"] = {t: {k: v for k, v in d.items() if v is not None} for t, d in data["types"].items()}
@@ -146,7 +160,7 @@ class Config:
 
 
 SECTIONS = {"supervisor": SupervisorConfig, "broker": BrokerConfig, "jobs": JobsConfig, "log": LogConfig,
-            "metrics": MetricsConfig, "toolkit": ToolkitConfig}
+            "metrics": MetricsConfig, "toolkit": ToolkitConfig, "web": WebConfig}
 
 
 def _build(cls, data, path):

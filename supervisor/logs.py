@@ -13,7 +13,9 @@ from .tracing import log_trace_id
 
 JOB_FIELDS = ("job_id", "type", "queue", "attempt", "resource_id", "idempotency_key", "trace_id")
 EVENT_FIELDS = JOB_FIELDS + ("event", "slot", "pid", "signal", "exit_code", "reason", "by", "generation", "error",
-                             "elapsed", "delay")
+                             "elapsed", "delay",
+                             # the web console's action events: who did what to which jobs, how many
+                             "user", "action", "count", "job_ids", "filter", "outcome", "queues", "schedule", "rate")
 
 
 def job_fields(job, **extra):

@@ -145,6 +145,17 @@ MUTATIONS = [
     Mutation("wait-not-notified", "supervisor/backends/postgres/control_schema.py",
              "WHEN (NEW.waited AND", "WHEN (false AND",
              (CONTROL, "-k", "postgres and woken"), "wait is woken by the broker's notification"),
+    # The web console's safety (issue 16).
+    Mutation("web-csrf-off", "supervisor/web/csrf.py",
+             "return bool(expected and isinstance(sent, str) and hmac.compare_digest(sent, expected))", "return True",
+             ("tests/test_web.py", "-k", "sqlite and csrf"), "a console action without the CSRF token is refused"),
+    Mutation("web-viewer-acts", "supervisor/web/console.py", "if not identity.admin:", "if False:",
+             ("tests/test_web.py", "-k", "sqlite and viewer"), "a viewer's POST is refused"),
+    Mutation("web-redaction-off", "supervisor/web/redact.py", "        if not self.fields:\n", "        if True:\n",
+             ("tests/test_web.py", "-k", "sqlite and redacted"), "redacted fields never reach a page or the API"),
+    Mutation("web-open-on-any-address", "supervisor/web/auth.py",
+             "if not is_loopback(host) and not auth_configured(web):", "if False:",
+             ("tests/test_web.py", "-k", "loopback"), "no console on a non-loopback address without users"),
 ]
 
 

@@ -596,3 +596,38 @@ def test_a_child_says_at_debug_when_sched_batch_is_refused(monkeypatch, caplog):
         child.batch_scheduling()
     assert [r.event for r in caplog.records] == ["sched_batch_refused"]
     assert "SCHED_BATCH refused" in caplog.records[0].getMessage()
+
+
+# -- the web console's unit ---------------------------------------------------------------
+
+WEB_UNIT_PATH = os.path.join(ROOT, "systemd", "tangguh-web.service")
+
+
+@pytest.fixture
+def rendered_web_unit(tmp_path):
+    with open(WEB_UNIT_PATH) as f:
+        text = f.read()
+    assert "ExecStart=/opt/tangguh/venv/bin/tangguh web -c /etc/tangguh/config.toml" in text
+    path = tmp_path / "tangguh-web.service"
+    path.write_text(text.replace("/opt/tangguh/venv/bin/tangguh", VENV_TANGGUH))
+    return str(path)
+
+
+def test_the_web_units_verify_prints_nothing_and_it_scores_under_the_threshold(rendered_web_unit):
+    result = subprocess.run([systemd_analyze(), "verify", rendered_web_unit], capture_output=True, text=True,
+                            timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+    result = subprocess.run([systemd_analyze(), "security", "--offline=yes", "--no-pager",
+                             f"--threshold={int(SECURITY_THRESHOLD * 10)}", rendered_web_unit],
+                            capture_output=True, text=True, timeout=60)
+    match = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert match, result.stdout + result.stderr
+    assert float(match.group(1)) <= SECURITY_THRESHOLD and result.returncode == 0, result.stdout
+
+
+def test_the_web_unit_does_not_restart_on_a_config_error_and_stops_within_its_timeout():
+    with open(WEB_UNIT_PATH) as f:
+        text = f.read()
+    assert setting(text, "RestartPreventExitStatus") == "2"  # `tangguh web` exits 2 on a bad or unsafe config
+    assert setting(text, "User") == "tangguh" and setting(text, "StateDirectory") == "tangguh"
+    assert int(setting(text, "TimeoutStopSec")) > 2  # uvicorn's graceful shutdown (app.serve) is 2 s

@@ -13,7 +13,7 @@ import os
 import sys
 
 from ..errors import BadInput, ConfigError, NotDead, TangguhError
-from . import admin, bulk, control, daemon, dlq, jobs
+from . import admin, bulk, control, daemon, dlq, jobs, web
 from .common import PROG, Failure, UsageError
 
 
@@ -149,6 +149,8 @@ def build_parser():
     db_commands = db.add_subparsers(dest="db_command", metavar="COMMAND", required=True)
     command(db_commands, "migrate", admin.cmd_db_migrate,
             "create or upgrade the broker's tables (and the toolkit's, if toolkit.database_url is set)")
+
+    web.add_commands(commands, command)
 
     command(commands, "demo", admin.cmd_demo, "run a demonstration").add_argument(
         "args", nargs=argparse.REMAINDER, metavar="NAME", help="demo name and its arguments")

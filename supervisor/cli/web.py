@@ -1,0 +1,72 @@
+"""``tangguh web``: the console, and the two helpers that make its credentials."""
+import getpass
+import logging
+import sys
+
+from ..errors import BadInput, ConfigError
+from .common import Failure, load_config
+
+log = logging.getLogger("tangguh.web")
+
+
+def _web_modules():
+    try:
+        from ..web import app, auth
+    except ImportError as exc:
+        raise Failure(f"the web console needs its extra: pip install 'tangguh[web]' ({exc})") from None
+    return app, auth
+
+
+def cmd_web(args):
+    from .. import logs
+    from ..checks import listen_address
+
+    cfg = load_config(args)
+    listen = args.listen or cfg.web.listen
+    try:
+        listen_address(listen)
+    except ValueError as exc:
+        raise BadInput(f"--listen: {exc}, got {listen!r}") from None
+    app, auth = _web_modules()
+    problem = auth.refuse_unsafe(cfg.web, listen)
+    if problem:
+        raise ConfigError(problem)
+    logs.setup(cfg.log.level, cfg.log.format)
+    log.info("web console listening on http://%s (%s)", listen,
+             "users and tokens from the config" if auth.auth_configured(cfg.web) else "open: loopback only",
+             extra={"event": "web_start"})
+    app.serve(cfg, listen)
+
+
+def _read_secret(prompt):
+    if not sys.stdin.isatty():  # piped: the first line (for scripts and tests)
+        return sys.stdin.readline().rstrip("\n")
+    first = getpass.getpass(prompt)
+    if getpass.getpass("again: ") != first:
+        raise BadInput("the two passwords differ")
+    return first
+
+
+def cmd_hash_password(args):
+    _, auth = _web_modules()
+    password = _read_secret("password: ")
+    if len(password) < 8:
+        raise BadInput("password: at least 8 characters")
+    print(auth.hash_password(password))
+
+
+def cmd_new_token(args):
+    _, auth = _web_modules()
+    token, digest = auth.new_token()
+    print(f"token (give it to the script; it is not stored): {token}")
+    print(f'config: [web.tokens.NAME] sha256 = "{digest}"  role = "viewer" (or "admin")')
+
+
+def add_commands(commands, command):
+    p = command(commands, "web", cmd_web, "run the web console (pip install 'tangguh[web]')")
+    p.add_argument("--listen", metavar="HOST:PORT", help="address to listen on (default: the config's web.listen,"
+                   " 127.0.0.1:9465)")
+    sub = p.add_subparsers(dest="web_command", metavar="COMMAND")
+    command(sub, "hash-password", cmd_hash_password,
+            "print the argon2 hash of a password (read from the terminal, or the first line of stdin)")
+    command(sub, "new-token", cmd_new_token, "make a bearer token for scripts and print its config line")

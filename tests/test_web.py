@@ -1,0 +1,282 @@
+"""The web console without a browser: auth, roles, CSRF, redaction, headers, the API, outages.
+
+Each test builds the real app (``supervisor.web.app.build``) on a real broker and
+talks HTTP to it through Starlette's TestClient; the browser tests
+(tests/test_web_browser.py) drive a real console process.
+"""
+import json
+import logging
+import re
+
+import pytest
+
+pytest.importorskip("starlette")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from supervisor import config  # noqa: E402
+from supervisor.errors import ConfigError  # noqa: E402
+from supervisor.logs import JsonFormatter  # noqa: E402
+from supervisor.model import NewJob, error_info  # noqa: E402
+from supervisor.web import app as web_app  # noqa: E402
+from supervisor.web import auth  # noqa: E402
+
+from .daemon import tangguh  # noqa: E402
+from .util import wait_for  # noqa: E402
+
+SECRET = "4111-1111-1111-1111"
+ADMIN_PW, VIEWER_PW = "admin-password", "viewer-password"
+_HASHES = {}
+
+
+def hashed(password):
+    if password not in _HASHES:  # argon2 is slow on purpose: once per password per run
+        _HASHES[password] = auth.hash_password(password)
+    return _HASHES[password]
+
+
+def make_config(tmp_path, broker_url, users=True, **web):
+    data = {"broker": {"url": broker_url}, "web": {"redact": ["card_number"], **web}}
+    if users:
+        data["web"]["users"] = {"ada": {"password": hashed(ADMIN_PW), "role": "admin"},
+                                "vic": {"password": hashed(VIEWER_PW), "role": "viewer"}}
+    return config.from_dict(data, str(tmp_path))
+
+
+def csrf_of(html):
+    return re.search(r'name="csrf" value="([^"]+)"', html).group(1)
+
+
+def login(client, name, password):
+    token = csrf_of(client.get("/login").text)
+    return client.post("/login", data={"name": name, "password": password, "csrf": token, "next": "/"},
+                       follow_redirects=False)
+
+
+def dead_job(broker, payload):
+    job_id = broker.enqueue(NewJob("export", payload).validate())
+    (claimed,) = broker.claim(["default"], 1, 30, "test")
+    broker.dead(claimed.lease, "exception", error_info("exception", "ValueError", "boom",
+                                                       "Traceback (most recent call last):\nValueError: boom"))
+    return job_id
+
+
+@pytest.fixture
+def console(tmp_path, broker):
+    cfg = make_config(tmp_path, broker.url)
+    with TestClient(web_app.build(cfg, sample_interval=0.05)) as client:
+        yield client
+
+
+# -- config --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("users, message", [
+    ({"ada": {"password": "hunter2hunter2", "role": "admin"}}, "never the password itself"),
+    ({"ada": {"password": "$argon2id$x", "role": "root"}}, "role: expected one of admin, viewer"),
+    ({"ada": {"role": "admin"}}, "password: required"),
+    ({"a b": {"password": "$argon2id$x"}}, "is not a name"),
+])
+def test_bad_users_are_config_errors_that_never_echo_the_secret(tmp_path, users, message):
+    with pytest.raises(ConfigError) as err:
+        config.from_dict({"web": {"users": users}}, str(tmp_path))
+    assert message in str(err.value) and "hunter2" not in str(err.value)
+
+
+def test_a_non_loopback_address_without_users_is_refused_and_nothing_listens(tmp_path):
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f'[broker]\nurl = "sqlite:///{tmp_path}/b.db"\n')
+    done = tangguh("web", "-c", str(cfg), "--listen", "0.0.0.0:9466", timeout=15)  # a started server would hang
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "not a loopback address" in done.stderr
+    bad = tangguh("web", "-c", str(cfg), "--listen", "nowhere")
+    assert bad.returncode == 2 and "--listen" in bad.stderr
+    assert auth.refuse_unsafe(make_config(tmp_path, "sqlite:///x.db").web, "0.0.0.0:9466") is None
+
+
+def test_hash_password_makes_a_hash_the_login_accepts(tmp_path):
+    done = tangguh("web", "hash-password", input="correct horse\n")
+    assert done.returncode == 0 and done.stdout.startswith("$argon2")
+    cfg = config.from_dict({"web": {"users": {"ada": {"password": done.stdout.strip(), "role": "viewer"}}}},
+                           str(tmp_path))
+    assert auth.check_password(cfg.web, "ada", "correct horse").role == "viewer"
+    assert auth.check_password(cfg.web, "ada", "wrong") is None
+    assert auth.check_password(cfg.web, "nobody", "correct horse") is None
+
+
+# -- auth and roles -------------------------------------------------------------------
+
+def test_pages_need_a_login_and_a_wrong_password_is_refused(console):
+    assert console.get("/jobs", follow_redirects=False).headers["location"].startswith("/login")
+    assert console.get("/api/overview").status_code == 401
+    wrong = login(console, "ada", "not-the-password")
+    assert wrong.status_code == 401 and "Wrong name or password" in wrong.text
+    assert login(console, "ada", ADMIN_PW).status_code == 303
+    for path in ("/", "/jobs", "/dead", "/queues", "/schedules", "/supervisors"):
+        page = console.get(path)
+        assert page.status_code == 200, path
+        assert "ada" in page.text
+
+
+def test_a_viewer_sees_no_buttons_and_a_forged_post_is_refused(console, broker):
+    job_id = dead_job(broker, {"n": 1})
+    login(console, "vic", VIEWER_PW)
+    for path in ("/jobs", f"/jobs/{job_id}", "/dead", "/queues", "/schedules"):
+        main = console.get(path).text.split("</header>")[1]
+        assert 'method="post"' not in main, path
+        assert "<button" not in main.replace('<button class="primary" id="search-button">', ""), path
+    token = csrf_of(console.get("/dead").text)
+    refused = console.post("/dead/replay", data={"csrf": token, "ids": job_id})
+    assert refused.status_code == 403
+    assert console.post("/api/queues/default/pause", headers={"x-csrf-token": token}).status_code == 403
+    assert broker.get(job_id).state == "dead"
+
+
+def test_a_post_without_the_csrf_token_is_refused_and_with_it_the_action_runs_and_is_logged(console, broker, caplog):
+    job_id = dead_job(broker, {"n": 1})
+    login(console, "ada", ADMIN_PW)
+    assert console.post("/dead/replay", data={"ids": job_id}).status_code == 403
+    assert console.post("/dead/replay", data={"ids": job_id, "csrf": "forged"}).status_code == 403
+    assert broker.get(job_id).state == "dead"
+    token = csrf_of(console.get("/dead").text)
+    with caplog.at_level(logging.INFO, logger="tangguh.web"):
+        done = console.post("/dead/replay", data={"ids": job_id, "csrf": token}, follow_redirects=False)
+    assert done.status_code == 303
+    assert broker.get(job_id).state == "queued"
+    (event,) = [r for r in caplog.records if getattr(r, "action", None) == "dlq_replay"]
+    assert (event.user, event.count, event.job_ids) == ("ada", 1, [job_id])
+    logged = json.loads(JsonFormatter().format(event))
+    assert {logged["user"], logged["action"], logged["count"]} == {"ada", "dlq_replay", 1}
+
+
+def test_bearer_tokens_read_and_act_by_role_without_csrf(tmp_path, broker):
+    admin_token, admin_digest = auth.new_token()
+    viewer_token, viewer_digest = auth.new_token()
+    cfg = make_config(tmp_path, broker.url, tokens={"deploy": {"sha256": admin_digest, "role": "admin"},
+                                                     "grafana": {"sha256": viewer_digest, "role": "viewer"}})
+    job_id = dead_job(broker, {"n": 1})
+    with TestClient(web_app.build(cfg, sample_interval=0.05)) as client:
+        def call(method, path, token, **kw):
+            return client.request(method, path, headers={"authorization": f"Bearer {token}"}, **kw)
+
+        assert call("GET", f"/api/jobs/{job_id}", viewer_token).json()["state"] == "dead"
+        assert call("GET", "/api/dead", "wrong-token").status_code == 401
+        assert call("POST", "/api/dead/replay", viewer_token, json={"ids": [job_id]}).status_code == 403
+        assert broker.get(job_id).state == "dead"
+        answer = call("POST", "/api/dead/replay", admin_token, json={"ids": [job_id]})
+        assert answer.status_code == 200 and answer.json()["outcome"] == "1 replayed"
+        assert broker.get(job_id).state == "queued"
+        assert call("GET", "/api/jobs/job_nope", viewer_token).status_code == 404
+        assert call("POST", "/api/dead/replay", admin_token, content=b"[").status_code == 400
+
+
+# -- what a browser is told ------------------------------------------------------------
+
+def test_headers_forbid_inline_scripts_and_framing_and_the_cookie_is_httponly_and_samesite(console):
+    page = console.get("/login")
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "frame-ancestors 'none'" in csp
+    assert page.headers["x-frame-options"] == "DENY"
+    cookie = page.headers["set-cookie"].lower()
+    assert "httponly" in cookie and "samesite=strict" in cookie
+    assert "<script>" not in page.text and " on" + "click=" not in page.text and "style=" not in page.text
+
+
+def test_a_redacted_field_never_appears_in_a_page_or_an_api_answer(console, broker):
+    job_id = dead_job(broker, {"customer_id": 42, "card": {"card_number": SECRET}, "card_number": SECRET})
+    login(console, "ada", ADMIN_PW)
+    for path in (f"/jobs/{job_id}", "/dead", f"/api/jobs/{job_id}", "/api/dead", "/jobs"):
+        answer = console.get(path)
+        assert answer.status_code == 200, path
+        assert SECRET not in answer.text and "4111" not in answer.text, path
+    assert "***" in console.get(f"/jobs/{job_id}").text
+    refused = console.get("/jobs", params={"where": f"card_number={SECRET}"})
+    assert "is redacted and cannot be searched" in refused.text
+
+
+# -- trouble ---------------------------------------------------------------------------
+
+def test_unknown_job_is_a_404_page_and_a_bad_filter_an_inline_error(console):
+    login(console, "ada", ADMIN_PW)
+    missing = console.get("/jobs/job_doesnotexist")
+    assert missing.status_code == 404 and "no job job_doesnotexist" in missing.text
+    assert console.get("/no/such/page").status_code == 404
+    bad = console.get("/jobs", params={"state": "exploded", "since": "yesterday"})
+    assert bad.status_code == 200 and 'id="filter-error"' in bad.text
+    assert console.get("/jobs", params={"where": "a.=1"}).status_code == 200
+
+
+def test_every_page_renders_with_a_banner_while_the_broker_is_down(tmp_path):
+    cfg = make_config(tmp_path, "redis://127.0.0.1:1/0", users=False)
+    with TestClient(web_app.build(cfg, sample_interval=0.05)) as client:
+        wait_for(lambda: client.get("/api/overview").json()["at"], message="the first sample")
+        for path in ("/", "/jobs", "/dead", "/queues", "/schedules", "/supervisors"):
+            page = client.get(path)
+            assert page.status_code == 200, path
+            assert "unreachable" in page.text, path
+            assert "Traceback" not in page.text
+        assert client.get("/jobs/job_x").status_code == 503
+        assert client.get("/api/queues").status_code == 503
+        token = csrf_of(client.get("/queues").text)
+        assert client.post("/queues/pause", data={"csrf": token, "queue": "default"}).status_code in (501, 503)
+
+
+def test_an_unexpected_error_is_a_page_without_a_traceback(tmp_path, monkeypatch):
+    from supervisor.web import pages
+
+    def explode(*a, **kw):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(pages, "schedule_listing", explode)
+    cfg = make_config(tmp_path, f"sqlite:///{tmp_path}/b.db", users=False)
+    with TestClient(web_app.build(cfg), raise_server_exceptions=False) as client:
+        page = client.get("/schedules")
+        assert page.status_code == 500
+        assert "secret internals" not in page.text and "Traceback" not in page.text
+        assert client.get("/api/schedules").json() == {"error": "internal error (the console's log has the details)"}
+
+
+def test_a_bulk_action_on_a_filter_shows_the_count_first_then_acts_and_logs_the_filter(console, broker, caplog):
+    mine = [broker.enqueue(NewJob("export", {"customer": {"id": 7}}, delay=3600).validate()) for _ in range(3)]
+    other = broker.enqueue(NewJob("export", {"customer": {"id": 8}}, delay=3600).validate())
+    login(console, "ada", ADMIN_PW)
+    token = csrf_of(console.get("/jobs").text)
+    form = {"csrf": token, "action": "cancel", "scope": "filter", "where": "customer.id=7"}
+    confirm = console.post("/jobs/bulk", data=form)
+    assert confirm.status_code == 200
+    assert re.search(r'id="confirm-count">3<', confirm.text)
+    assert {broker.get(i).state for i in mine + [other]} == {"queued"}  # nothing changed before the confirmation
+    with caplog.at_level(logging.INFO, logger="tangguh.web"):
+        done = console.post("/jobs/bulk", data={**form, "confirmed": "yes"}, follow_redirects=False)
+    assert done.status_code == 303
+    assert [broker.get(i).state for i in mine] == ["cancelled"] * 3 and broker.get(other).state == "queued"
+    (event,) = [r for r in caplog.records if getattr(r, "action", None) == "cancel"]
+    assert event.count == 3 and event.filter == {"payload": {"customer.id": 7}} and sorted(event.job_ids) == sorted(mine)
+    assert "3 cancelled" in console.get("/jobs").text
+    everything = console.post("/jobs/bulk", data={"csrf": token, "action": "discard", "scope": "filter"})
+    assert everything.status_code == 400 and "narrow it first" in everything.text
+
+
+def test_job_queue_and_schedule_actions_from_the_pages(tmp_path, broker):
+    cfg = make_config(tmp_path, broker.url)
+    cfg.schedules = config.from_dict({"schedules": {"nightly": {"cron": "0 3 * * *", "type": "export",
+                                                               "payload": {"customer_id": 1}}}}, str(tmp_path)).schedules
+    job_id = broker.enqueue(NewJob("export", {"n": 1}, delay=3600).validate())
+    with TestClient(web_app.build(cfg, sample_interval=0.05)) as client:
+        login(client, "ada", ADMIN_PW)
+        token = csrf_of(client.get(f"/jobs/{job_id}").text)
+
+        def post(path, **form):
+            return client.post(path, data={"csrf": token, **form}, follow_redirects=False)
+
+        copy = post(f"/jobs/{job_id}/replay").headers["location"].rsplit("/", 1)[1]
+        assert copy != job_id and broker.get(copy).payload == {"n": 1}
+        assert post(f"/jobs/{job_id}/cancel").status_code == 303 and broker.get(job_id).state == "cancelled"
+        assert post(f"/jobs/{job_id}/retry").status_code == 303 and broker.get(job_id).state == "queued"
+        assert post(f"/jobs/{job_id}/delete").headers["location"] == "/jobs" and broker.get(job_id) is None
+        assert post(f"/jobs/{copy}/explode").status_code == 400
+        assert post("/queues/pause", queue="default").status_code == 303 and "default" in broker.paused()
+        assert post("/queues/resume").status_code == 303 and broker.paused() == {}
+        assert post("/queues/pause", queue="no such queue!").status_code == 400 and broker.paused() == {}
+        run = post("/schedules/nightly/run").headers["location"].rsplit("/", 1)[1]
+        assert broker.get(run).type == "export" and broker.get(run).payload == {"customer_id": 1}
+        assert post("/schedules/nope/run").status_code == 400
