@@ -21,7 +21,8 @@ from ...errors import BadInput, BrokerError, ConfigError, LeaseLost, NotDead
 from ...model import DEAD, DONE, RETRYING, Job, QueueStats, error_info, load_json
 from ..base import Broker
 from ..limits import Admission, active, refill
-from . import schema, wakeup
+from ...dependencies import order
+from . import schema, wakeup, workflows
 from .database import Transaction, connect, errors
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
@@ -29,7 +30,7 @@ _CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(hi
 _LEASED = "id = :id AND token = :token AND state = 'running'"
 
 
-class SQLiteBroker(Broker):
+class SQLiteBroker(workflows.Workflows, Broker):
     def __init__(self, url):
         self.url = url
         parts = urllib.parse.urlsplit(url)
@@ -63,6 +64,7 @@ class SQLiteBroker(Broker):
     def migrate(self):
         with self._write():
             schema.migrate(self.db, self.path)
+            workflows.migrate(self.db)
 
     def _write(self):
         return Transaction(self.db, "BEGIN IMMEDIATE", self.path)
@@ -96,17 +98,20 @@ class SQLiteBroker(Broker):
     def enqueue_many(self, jobs, _in_tx=False):
         jobs = [job.validate() for job in jobs]
         now = self.now()
-        ids = []
+        stored = {}  # NewJob id -> the id it is stored under
         with contextlib.nullcontext() if _in_tx else self._write():
-            for job in jobs:
+            for job in order(jobs):  # parents first; BadInput on a cycle
                 if job.idempotency_key is not None:
                     row = self.db.execute(
                         "SELECT id FROM jobs WHERE idempotency_key = ? AND state IN ('queued','running','retrying')",
                         (job.idempotency_key,),
                     ).fetchone()
                     if row:
-                        ids.append(row["id"])
+                        stored[job.id] = row["id"]
                         continue
+                if job.depends_on:
+                    stored[job.id] = self._insert_child(job, now, stored)
+                    continue
                 self.db.execute(
                     "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
                     " max_attempts, timeout, priority, run_at, queued_at, trace_id)"
@@ -114,8 +119,8 @@ class SQLiteBroker(Broker):
                     (job.id, job.queue, job.type, json.dumps(job.payload), job.resource_id, job.idempotency_key,
                      job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id),
                 )
-                ids.append(job.id)
-        return ids
+                stored[job.id] = job.id
+        return [stored[job.id] for job in jobs]
 
     def enqueue_once(self, job):
         job.validate()
@@ -130,7 +135,7 @@ class SQLiteBroker(Broker):
 
     # -- leasing ----------------------------------------------------------
     def claim(self, queues, n, lease_seconds, owner, limits=None):
-        return self._runnable(self._claim(queues, n, lease_seconds, owner, limits))
+        return self._runnable(self._with_parents(self._claim(queues, n, lease_seconds, owner, limits)))
 
     def _claim(self, queues, n, lease_seconds, owner, limits):
         limits = active(limits)
@@ -299,7 +304,7 @@ class SQLiteBroker(Broker):
     def get(self, job_id):
         with errors(self.path):
             row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return _job(row) if row else None
+            return self._with_parents([_job(row)])[0] if row else None
 
     def stats(self, queues):
         now = self.now()

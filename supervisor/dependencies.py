@@ -1,0 +1,87 @@
+"""Job dependencies: the edges a producer asks for, checked once for every broker.
+
+A job with ``depends_on`` is stored ``waiting``. Each edge says what the
+parent's end means for the child: ``on="success"`` (the default) runs the child
+only if the parent ends ``done`` (a parent that ends dead, cancelled or expired
+cancels the child with reason ``parent_failed``, and so on down the tree);
+``on="complete"`` runs it whatever the outcome. The child becomes ``queued`` in
+the same atomic write as its last parent's end (each broker's ``workflows``
+module), so it is released exactly once whatever crashes.
+
+What is refused here, before a broker is touched: an edge that is not an id or
+an ``(id, on)`` pair, an unknown ``on``, a job depending on itself, and (in
+``order``) a cycle among the jobs of one enqueue. A parent that is neither in
+the same enqueue nor stored already is refused by the broker (``unknown``).
+"""
+import heapq
+
+from .errors import BadInput
+
+ON_SUCCESS, ON_COMPLETE = "success", "complete"
+ONS = (ON_SUCCESS, ON_COMPLETE)
+MAX_PARENTS = 100_000  # a group's callback waits on each member: bounded, but generous
+PARENT_FAILED = "parent_failed"  # the reason a waiting child is cancelled with
+
+
+def normalise(depends_on, job_id=None):
+    """``depends_on`` as a list of ``(parent id, on)``, duplicates merged; BadInput naming what is wrong."""
+    if depends_on is None:
+        return []
+    if isinstance(depends_on, (str, bytes)) or not isinstance(depends_on, (list, tuple)):
+        raise BadInput(f"depends_on must be a list of job ids or (id, on) pairs, got {type(depends_on).__name__}")
+    if len(depends_on) > MAX_PARENTS:
+        raise BadInput(f"depends_on names {len(depends_on)} parents, more than {MAX_PARENTS}")
+    edges = {}
+    for edge in depends_on:
+        if isinstance(edge, str):
+            parent, on = edge, ON_SUCCESS
+        elif isinstance(edge, (list, tuple)) and len(edge) == 2 and isinstance(edge[0], str):
+            parent, on = edge
+        else:
+            raise BadInput(f"depends_on: {edge!r} is neither a job id nor an (id, on) pair")
+        if on not in ONS:
+            raise BadInput(f"depends_on: on={on!r} for {parent} must be 'success' or 'complete'")
+        if not parent or len(parent) > 255:
+            raise BadInput(f"depends_on: {parent!r} is not a job id")
+        if parent == job_id:
+            raise BadInput(f"job {job_id} depends on itself")
+        # The same parent twice: "success" is the stricter wish and wins.
+        edges[parent] = ON_SUCCESS if edges.get(parent) == ON_SUCCESS else on
+    return list(edges.items())
+
+
+def order(jobs):
+    """The jobs of one enqueue, each after its parents in the same enqueue; BadInput on a cycle.
+
+    Jobs must be validated first (ids assigned, ``depends_on`` normalised).
+    Kahn's algorithm on a heap of input positions: no recursion (a chain of any
+    length is fine), and the input order wherever the edges allow it.
+    """
+    if not any(job.depends_on for job in jobs):
+        return list(jobs)
+    position = {}
+    for i, job in enumerate(jobs):
+        if job.id in position:
+            raise BadInput(f"job id {job.id} appears twice in one enqueue")
+        position[job.id] = i
+    indegree = [0] * len(jobs)
+    children = {}
+    for i, job in enumerate(jobs):
+        for parent, _ in job.depends_on:
+            if parent in position:
+                indegree[i] += 1
+                children.setdefault(position[parent], []).append(i)
+    heap = [i for i, n in enumerate(indegree) if n == 0]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        i = heapq.heappop(heap)
+        out.append(jobs[i])
+        for child in children.get(i, ()):
+            indegree[child] -= 1
+            if indegree[child] == 0:
+                heapq.heappush(heap, child)
+    if len(out) < len(jobs):
+        stuck = sorted(jobs[i].id for i, n in enumerate(indegree) if n > 0)
+        raise BadInput(f"depends_on forms a cycle among {len(stuck)} jobs (e.g. {stuck[0]})")
+    return out

@@ -1,0 +1,222 @@
+"""Workflows, checked on every broker unchanged: dependencies, release exactly once, cascades.
+
+A job with ``depends_on`` waits until its parents have finished and becomes
+``queued`` in the same atomic write as the last parent's end; a parent that
+fails cancels its ``on="success"`` children down the tree.
+"""
+import multiprocessing
+
+import pytest
+
+from supervisor.backends import open_broker
+from supervisor.errors import BadInput
+from supervisor.model import NewJob, error_info
+
+from .util import wait_for
+
+Q = ["default"]
+
+
+def new(type_="t", payload=None, **kw):
+    return NewJob(type_, {"n": 1} if payload is None else payload, **kw)
+
+
+def claim_all(broker, n=1000):
+    return broker.claim(Q, n, 30, "w")
+
+
+def claim_ids(broker):
+    return {job.id: job for job in claim_all(broker)}
+
+
+def die(broker, job):
+    broker.dead(job.lease, "permanent", error_info("permanent", "Permanent", "no"))
+
+
+# -- dependencies ----------------------------------------------------------------
+
+def test_a_child_waits_until_its_parent_is_done_and_then_reads_its_result(broker):
+    parent = broker.enqueue(new("fetch"))
+    child = broker.enqueue(new("load", depends_on=[parent]))
+    assert broker.get(child).state == "waiting"
+    assert list(claim_ids(broker)) == [parent]  # the waiting child is not claimable
+    broker.ack(broker.get(parent).lease, {"rows": 3})
+    assert broker.get(child).state == "queued"
+    (got,) = claim_all(broker)
+    assert got.id == child
+    assert got.parents == {parent: ("done", {"rows": 3})}
+
+
+def test_a_child_of_finished_parents_is_queued_at_once_and_of_a_failed_one_cancelled(broker):
+    ok, bad = broker.enqueue_many([new(), new()])
+    jobs = claim_ids(broker)
+    broker.ack(jobs[ok].lease, 7)
+    die(broker, jobs[bad])
+    runs = broker.enqueue(new(depends_on=[ok, (bad, "complete")]))
+    skipped = broker.enqueue(new(depends_on=[ok, bad]))
+    assert broker.get(runs).state == "queued"
+    assert broker.get(runs).parents == {ok: ("done", 7), bad: ("dead", None)}
+    assert (broker.get(skipped).state, broker.get(skipped).reason) == ("cancelled", "parent_failed")
+
+
+def test_fan_in_waits_for_every_parent(broker):
+    members = broker.enqueue_many([new(payload={"i": i}) for i in range(5)])
+    callback = broker.enqueue(new("summary", depends_on=members))
+    jobs = claim_ids(broker)
+    for i, member in enumerate(members):
+        assert broker.get(callback).state == "waiting"
+        broker.ack_many([(jobs[member].lease, i, None)])
+    (got,) = claim_all(broker)
+    assert got.id == callback
+    assert got.parents == {m: ("done", i) for i, m in enumerate(members)}
+
+
+def test_a_failed_parent_cancels_success_children_down_the_tree_and_releases_complete_ones(broker):
+    root = broker.enqueue(new("root"))
+    child, always = broker.enqueue_many([new("child", depends_on=[root]), new("always", depends_on=[(root, "complete")])])
+    grandchild = broker.enqueue(new("grandchild", depends_on=[(child, "complete")]))
+    die(broker, claim_ids(broker)[root])
+    assert (broker.get(child).state, broker.get(child).reason) == ("cancelled", "parent_failed")
+    # on="complete" runs whatever the outcome, also below a cancelled job.
+    assert broker.get(always).state == "queued"
+    assert broker.get(grandchild).state == "queued"
+    got = claim_ids(broker)
+    assert set(got) == {always, grandchild}
+    assert got[grandchild].parents == {child: ("cancelled", None)}
+
+
+def test_a_cascade_runs_down_a_long_chain(broker):
+    ids = [broker.enqueue(new("step0"))]
+    chain = []
+    for i in range(1, 60):
+        chain.append(new(f"step{i}", depends_on=[ids[-1] if i == 1 else chain[-1].id]).validate())
+    ids += broker.enqueue_many(chain)
+    die(broker, claim_ids(broker)[ids[0]])
+    assert {broker.get(i).state for i in ids[1:]} == {"cancelled"}
+    assert claim_all(broker) == []
+
+
+def test_a_lease_expiring_into_dead_cascades(broker):
+    parent = broker.enqueue(new(max_attempts=1))
+    child = broker.enqueue(new(depends_on=[parent]))
+    broker.claim(Q, 1, 0.05, "gone")
+    wait_for(lambda: broker.claim(Q, 1, 30, "w") == [] and broker.get(parent).state == "dead",
+             message="the expired lease to be reclaimed as dead")
+    assert (broker.get(child).state, broker.get(child).reason) == ("cancelled", "parent_failed")
+
+
+def test_replaying_a_dead_parent_reopens_its_cancelled_children(broker):
+    parent = broker.enqueue(new())
+    child = broker.enqueue(new(depends_on=[parent]))
+    grandchild = broker.enqueue(new(depends_on=[child]))
+    die(broker, claim_ids(broker)[parent])
+    assert broker.get(grandchild).state == "cancelled"
+    broker.dlq_replay([parent])
+    assert (broker.get(child).state, broker.get(child).reason) == ("waiting", None)
+    assert broker.get(grandchild).state == "waiting"
+    broker.ack(claim_ids(broker)[parent].lease, "second time")
+    got = claim_ids(broker)
+    assert list(got) == [child]
+    assert got[child].parents == {parent: ("done", "second time")}
+    broker.ack(got[child].lease)
+    assert list(claim_ids(broker)) == [grandchild]
+
+
+def test_replay_keeps_a_child_cancelled_while_another_parent_still_failed(broker):
+    a, b = broker.enqueue_many([new(), new()])
+    child = broker.enqueue(new(depends_on=[a, b]))
+    jobs = claim_ids(broker)
+    die(broker, jobs[a])
+    die(broker, jobs[b])
+    broker.dlq_replay([a])
+    assert broker.get(child).state == "cancelled"
+
+
+# -- atomic enqueue, refusals ------------------------------------------------------
+
+def test_a_workflow_is_stored_whole_or_not_at_all(broker):
+    first = new("first").validate()
+    second = new("second", depends_on=[first.id]).validate()
+    broken = new("broken", depends_on=["job_00000000000000000000000000"])
+    with pytest.raises(BadInput, match="unknown job job_0000"):
+        broker.enqueue_many([first, second, broken])
+    assert broker.get(first.id) is None and broker.get(second.id) is None
+    assert claim_all(broker) == []
+    ids = broker.enqueue_many([second, first])  # any order: parents are stored first
+    assert ids == [second.id, first.id]
+    assert broker.get(second.id).state == "waiting" and broker.get(first.id).state == "queued"
+
+
+@pytest.mark.parametrize("edges", [
+    "not a list", [42], [("job_x", "sometimes")], [("job_x",)], [["job_x", "success", 1]],
+])
+def test_bad_dependencies_are_refused(broker, edges):
+    with pytest.raises(BadInput, match="depends_on"):
+        broker.enqueue(new(depends_on=edges))
+    assert claim_all(broker) == []
+
+
+def test_cycles_and_self_dependencies_are_refused(broker):
+    a, b, c = new("a").validate(), new("b").validate(), new("c").validate()
+    a.depends_on, b.depends_on, c.depends_on = [c.id], [a.id], [b.id]
+    with pytest.raises(BadInput, match="cycle"):
+        broker.enqueue_many([a, b, c, new("innocent")])
+    me = new("me").validate()
+    me.depends_on = [me.id]
+    with pytest.raises(BadInput, match="depends on itself"):
+        broker.enqueue(me)
+    assert claim_all(broker) == []
+
+
+# -- exactly once under concurrency -------------------------------------------------
+
+GROUPS, MEMBERS = 40, 4
+
+
+def _finisher(url, leases, start, done):
+    """Finish this process's share of every group's members at the same instant as the others."""
+    broker = open_broker(url)
+    start.wait()
+    for i, (job_id, token) in enumerate(leases):
+        from supervisor.model import Lease
+
+        lease = Lease(job_id, token)
+        if i % 7 == 3:
+            broker.dead(lease, "permanent", error_info("permanent"))
+        else:
+            broker.ack(lease, job_id)
+    broker.close()
+    done.put(len(leases))
+
+
+def test_fan_in_is_released_exactly_once_by_four_concurrent_finishers(broker, broker_url):
+    callbacks, members = [], []
+    for g in range(GROUPS):
+        group = [new("member", payload={"g": g, "m": m}).validate() for m in range(MEMBERS)]
+        callback = new("callback", payload={"g": g}, depends_on=[(job.id, "complete") for job in group])
+        broker.enqueue_many(group + [callback])
+        callbacks.append(callback.id)
+        members.append([job.id for job in group])
+    leased = {job.id: job for job in broker.claim(Q, GROUPS * MEMBERS, 120, "main")}
+    assert len(leased) == GROUPS * MEMBERS
+    # Process m finishes member m of every group: each group's last two parents end at once.
+    shares = [[(group[m], leased[group[m]].token) for group in members] for m in range(MEMBERS)]
+    ctx = multiprocessing.get_context("fork")
+    start, done = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_finisher, args=(broker_url, share, start, done)) for share in shares]
+    for p in procs:
+        p.start()
+    start.set()
+    assert sum(done.get(timeout=120) for _ in procs) == GROUPS * MEMBERS
+    for p in procs:
+        p.join(30)
+    got = []
+    while True:
+        jobs = broker.claim(Q, 100, 30, "main")
+        if not jobs:
+            break
+        got += jobs
+    assert sorted(job.id for job in got) == sorted(callbacks), "every callback released exactly once"
+    for job in got:
+        assert job.pending == 0
+        assert len(job.parents) == MEMBERS
