@@ -85,3 +85,40 @@ def order(jobs):
         stuck = sorted(jobs[i].id for i, n in enumerate(indegree) if n > 0)
         raise BadInput(f"depends_on forms a cycle among {len(stuck)} jobs (e.g. {stuck[0]})")
     return out
+
+
+def plan(jobs, known):
+    """The initial state of each job of one enqueue, given its parents' states now.
+
+    ``jobs``: validated, in ``order``; their parents are earlier in ``jobs`` or
+    in ``known`` ({id: (state, result)} of stored jobs). Returns one
+    ``(job, state, pending, edges)`` per job, ``edges`` being ``(parent, on,
+    state, result)`` with state and result None while the parent is unfinished.
+    A job is ``cancelled`` when an ``on="success"`` parent already failed (down
+    the tree within the enqueue), ``waiting`` while parents are unfinished,
+    ``queued`` otherwise. BadInput on a parent found nowhere.
+    """
+    from .model import FINISHED
+
+    now = dict(known)
+    out = []
+    for job in jobs:
+        if not job.depends_on:
+            now[job.id] = ("queued", None)
+            out.append((job, "queued", None, []))
+            continue
+        pending, failed, edges = 0, False, []
+        for parent, on in job.depends_on:
+            if parent not in now:
+                raise BadInput(f"job {job.id} depends on unknown job {parent}")
+            state, result = now[parent]
+            if state in FINISHED:
+                failed = failed or (on == ON_SUCCESS and state != "done")
+                edges.append((parent, on, state, result))
+            else:
+                pending += 1
+                edges.append((parent, on, None, None))
+        state = "cancelled" if failed else "waiting" if pending else "queued"
+        now[job.id] = (state, None)
+        out.append((job, state, pending, edges))
+    return out

@@ -124,7 +124,7 @@ def test_migrate_twice_keeps_one_version_row(pg, producer):
     pg.migrate()
     pg.migrate()
     rows = producer.execute(f'SELECT version FROM "{pg.schema}".tangguh_schema_version ORDER BY version').fetchall()
-    assert rows == [(1,), (2,)]
+    assert rows == [(1,), (2,), (3,)]
 
 
 def test_a_version_1_schema_is_upgraded_in_place(postgres_url, monkeypatch):
@@ -142,7 +142,7 @@ def test_a_version_1_schema_is_upgraded_in_place(postgres_url, monkeypatch):
     try:
         b.migrate()
         rows = b._execute(f'SELECT version FROM "{b.schema}".tangguh_schema_version ORDER BY version').fetchall()
-        assert rows == [(1,), (2,)]
+        assert rows == [(1,), (2,), (3,)]
         assert [j.id for j in b.claim(Q, 5, 30, "w", limits={"a": TypeLimits(max_concurrency=1)})] == [kept]
     finally:
         b.close()
@@ -194,9 +194,9 @@ def test_a_schema_tangguh_made_under_the_old_version_table_name_is_adopted(pg, p
     producer.execute(f'ALTER TABLE "{pg.schema}".tangguh_schema_version RENAME TO schema_version')
     producer.commit()
     pg.migrate()
-    assert _tables(producer, pg.schema) == ["jobs", "once_keys", "rate_buckets", "tangguh_schema_version"]
+    assert _tables(producer, pg.schema) == ["job_edges", "jobs", "once_keys", "rate_buckets", "tangguh_schema_version"]
     assert producer.execute(f'SELECT version FROM "{pg.schema}".tangguh_schema_version ORDER BY version'
-                            ).fetchall() == [(1,), (2,)]
+                            ).fetchall() == [(1,), (2,), (3,)]
     assert [j.id for j in pg.claim(Q, 5, 30, "w")] == [kept]
 
 
@@ -227,7 +227,7 @@ def test_concurrent_migrations_do_not_collide(postgres_url):
     try:
         assert errors == []
         with psycopg.connect(brokers[0].conninfo) as conn:
-            assert conn.execute(f'SELECT count(*) FROM "{brokers[0].schema}".tangguh_schema_version').fetchone()[0] == 2
+            assert conn.execute(f'SELECT count(*) FROM "{brokers[0].schema}".tangguh_schema_version').fetchone()[0] == 3
         assert brokers[0].get(brokers[1].enqueue(new())).state == "queued"
     finally:
         for b in brokers:

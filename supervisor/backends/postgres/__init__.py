@@ -34,7 +34,7 @@ from ...errors import BadInput, BrokerError, LeaseLost, NotDead
 from ...model import Job, QueueStats
 from ..base import Broker
 from ..limits import Admission, active, refill
-from . import schema
+from . import schema, workflows
 from .connection import Connections, libpq_conninfo, quote, read_url
 from .schema import migrations as _migrations  # looked up at each migrate: a test stands in older versions
 from .statements import NOW, Statements
@@ -42,7 +42,7 @@ from .statements import NOW, Statements
 __all__ = ["PostgresBroker", "libpq_conninfo"]
 
 
-class PostgresBroker(Broker):
+class PostgresBroker(workflows.Workflows, Broker):
     prune_batch = 10_000  # rows deleted per statement by prune()
 
     def __init__(self, url):
@@ -104,6 +104,8 @@ class PostgresBroker(Broker):
         jobs = [job.validate() for job in jobs]
         if not jobs:
             return []
+        if any(job.depends_on for job in jobs):
+            return self._enqueue_flow(jobs, conn)
         ids = {}  # position -> id
         pending = list(range(len(jobs)))
         for _ in range(5):
@@ -193,7 +195,7 @@ class PostgresBroker(Broker):
             order.setdefault(q, i)
         jobs = [Job.from_dict(r) for r in rows]
         jobs.sort(key=lambda j: (order[j.queue], -j.priority, j.run_at, j.id))
-        return self._runnable(jobs)
+        return self._runnable(self._with_parents(jobs))
 
     def _claim_limited(self, queues, n, lease_seconds, owner, limits):
         """The claim under per-type limits, one transaction of a few statements.
@@ -304,7 +306,7 @@ class PostgresBroker(Broker):
     # -- reading ----------------------------------------------------------
     def get(self, job_id):
         row = self._execute(f"SELECT * FROM {self._jobs} WHERE id = %s", (job_id,), row_factory=dict_row).fetchone()
-        return Job.from_dict(row) if row else None
+        return self._with_parents([Job.from_dict(row)])[0] if row else None
 
     def stats(self, queues):
         queues = list(queues)
