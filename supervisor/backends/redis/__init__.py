@@ -40,7 +40,7 @@ from ...errors import BadInput, BrokerError, LeaseLost, NotDead
 from ...model import QueueStats
 from ..base import Broker
 from ..limits import active
-from . import scripts
+from . import scripts, workflows
 from .connection import connect, guard
 from .fields import body, check_script_reply, enqueue_args, to_job
 from .keys import Keys
@@ -51,7 +51,7 @@ BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one scri
 CLOCK_REFRESH = 30.0
 
 
-class RedisBroker(Broker):
+class RedisBroker(workflows.Workflows, Broker):
     def __init__(self, url):
         self.url = url
         self.r, self.prefix, self.done_ttl, self.where = connect(url)
@@ -118,6 +118,8 @@ class RedisBroker(Broker):
     @guard
     def enqueue_many(self, jobs):
         jobs = [job.validate() for job in jobs]
+        if any(job.depends_on for job in jobs):
+            return self._enqueue_flow(jobs)
         by_queue = {}
         for index, job in enumerate(jobs):
             self.keys.for_scripts(job.queue)  # rejects bad names before anything is stored
@@ -163,7 +165,7 @@ class RedisBroker(Broker):
         for queue in queues:
             if len(claimed) >= n:
                 break
-            for fields in self._run("claim", queue, [n - len(claimed), lease_us, owner, owner_json]):
+            for fields in self._run("claim", queue, [n - len(claimed), lease_us, owner, owner_json, self.done_ttl]):
                 job = to_job(json.loads(fields))
                 self._locator.remember(job.id, queue)
                 claimed.append(job)
@@ -178,7 +180,7 @@ class RedisBroker(Broker):
         for queue in queues:
             if len(claimed) >= n:
                 break
-            calls = [("claim", queue, [0, lease_us, owner, owner_json]),
+            calls = [("claim", queue, [0, lease_us, owner, owner_json, self.done_ttl]),
                      ("claim_limited", queue, [n - len(claimed), lease_us, owner, owner_json, spec, LIMITED_SCAN])]
             for fields in self._run_many(calls)[1]:
                 job = to_job(json.loads(fields))
@@ -253,7 +255,7 @@ class RedisBroker(Broker):
 
     @guard
     def dead(self, lease, reason, error, info=None):
-        self._finish("dead", lease, [reason, json.dumps(error), body(info)])
+        self._finish("dead", lease, [reason, json.dumps(error), body(info), self.done_ttl])
         self._locator.forget(lease.job_id)
 
     @guard

@@ -54,6 +54,14 @@ def to_job(fields):
     for key in _JSON:
         if key in d:
             d[key] = load_json(d[key])
+    if "pending" in d:  # a workflow's child: its finished parents are the "p:<id>" fields
+        d["pending"] = int(d["pending"])
+        d["parents"] = {}
+    for name in [name for name in d if name[1:2] == ":" and name[0] in "pdk"]:
+        value = d.pop(name)
+        if name[0] == "p":
+            state, result = json.loads(value)
+            d["parents"][name[2:]] = (state, result)
     history = json.loads(d.pop("history", "[]"))
     open_entry = d.pop("open", None)
     if open_entry:

@@ -1,4 +1,4 @@
--- claim: ARGV[3] = n, ARGV[4] = lease (us), ARGV[5] = owner, ARGV[6] = owner as JSON.
+-- claim: ARGV[3] = n, ARGV[4] = lease (us), ARGV[5] = owner, ARGV[6] = owner as JSON, ARGV[7] = done TTL (s).
 -- Reclaims this queue's expired leases, promotes due delayed jobs, then leases
 -- up to n ready jobs. Returns each leased job's hash (HGETALL) as one JSON
 -- array string: one bulk reply per job is far cheaper to parse than ~25.
@@ -20,6 +20,7 @@ for _, id in ipairs(expired) do
       redis.call('HSET', key, 'state', 'dead', 'reason', 'lease_expired', 'finished_at', secs(NOW), 'run_at', secs(NOW))
       redis.call('ZADD', DEAD, NOW, id)
       free_key(key, id)
+      settle(id, 'dead', nil, tonumber(ARGV[7]))
     else
       redis.call('HSET', key, 'state', 'retrying', 'run_at', secs(NOW))
       make_ready(id, f[4], NOW)

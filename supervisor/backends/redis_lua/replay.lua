@@ -21,6 +21,7 @@ for k = 3, #ARGV do
   local ikey = redis.call('HGET', key, 'idempotency_key')
   if ikey then redis.call('HSET', IDEM, ikey, id) end
   make_ready(id, redis.call('HGET', key, 'priority'), NOW)
+  reopen(id)
 end
 redis.call('PUBLISH', CHANNEL, '1')
 return {'ok'}

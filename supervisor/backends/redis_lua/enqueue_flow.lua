@@ -1,0 +1,87 @@
+-- enqueue_flow: ARGV[3] = a workflow's jobs as one JSON array, parents before
+-- children: [id, priority, delay_us, [field, value, ...], idempotency_key or
+-- false, [[parent, on], ...]]. Every parent is in this call or stored in this
+-- queue already. All or nothing: every parent is checked before anything is
+-- written. Returns {'ok', ids...} or {'unknown', job id, parent id}.
+local jobs = cjson.decode(ARGV[3])
+local stored, fresh, made = {}, {}, {}
+for n, job in ipairs(jobs) do
+  local id, ikey = job[1], job[5]
+  local holder = false
+  if ikey then
+    holder = redis.call('HGET', IDEM, ikey)
+    if holder then
+      local state = redis.call('HGET', JOB .. holder, 'state')
+      if state ~= 'queued' and state ~= 'running' and state ~= 'retrying' then holder = false end
+    end
+    if not holder and made[ikey] then holder = made[ikey] end
+  end
+  if holder then
+    stored[id] = holder
+  elseif redis.call('EXISTS', JOB .. id) == 1 then
+    stored[id] = id  -- a resent call (client retry): stored already
+  else
+    stored[id] = id
+    if ikey then made[ikey] = id end
+    fresh[#fresh + 1] = job
+    for _, dep in ipairs(job[6]) do
+      local parent = stored[dep[1]] or dep[1]
+      if not fresh[parent] and redis.call('EXISTS', JOB .. parent) == 0 then
+        return {'unknown', id, dep[1]}
+      end
+    end
+  end
+  fresh[id] = true
+end
+
+local due_now = false
+for _, job in ipairs(fresh) do
+  local id, priority, delay, fields, ikey, deps = job[1], job[2], job[3], job[4], job[5], job[6]
+  local key = JOB .. id
+  local run = NOW + delay
+  local pending, failed, extra = 0, false, {}
+  for _, dep in ipairs(deps) do
+    local parent, on = stored[dep[1]] or dep[1], dep[2]
+    local pkey = JOB .. parent
+    local f = redis.call('HMGET', pkey, 'state', 'result')
+    extra[#extra + 1] = 'd:' .. parent
+    extra[#extra + 1] = on
+    if f[1] == 'done' or f[1] == 'dead' or f[1] == 'cancelled' or f[1] == 'expired' then
+      if on == 'success' and f[1] ~= 'done' then failed = true end
+      extra[#extra + 1] = 'p:' .. parent
+      extra[#extra + 1] = '["' .. f[1] .. '",' .. (f[2] or 'null') .. ']'
+    else
+      pending = pending + 1
+    end
+    redis.call('HSET', pkey, 'kids', '1', 'k:' .. id, on)
+  end
+  local state = 'queued'
+  if failed then state = 'cancelled' elseif pending > 0 then state = 'waiting' end
+  redis.call('HSET', key, 'state', state, 'attempt', 0, 'token', 0, 'history', '[]',
+    'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
+  if #deps > 0 then
+    redis.call('HSET', key, 'pending', pending)
+    for i = 1, #extra, 1000 do
+      redis.call('HSET', key, unpack(extra, i, math.min(i + 999, #extra)))
+    end
+  end
+  if state == 'cancelled' then
+    redis.call('HSET', key, 'reason', 'parent_failed', 'finished_at', secs(NOW))
+    redis.call('ZADD', DONE, NOW, id)
+  else
+    -- A waiting job holds no idempotency key (as on the other brokers: it is not unfinished yet).
+    if state == 'queued' then
+      if ikey then redis.call('HSET', IDEM, ikey, id) end
+      if delay > 0 then
+        redis.call('ZADD', DELAYED, run, id)
+      else
+        make_ready(id, priority, run)
+        due_now = true
+      end
+    end
+  end
+end
+if due_now then redis.call('PUBLISH', CHANNEL, '1') end
+local out = {'ok'}
+for n, job in ipairs(jobs) do out[n + 1] = stored[job[1]] end
+return out
