@@ -271,7 +271,7 @@ class Job:
     progress_note: str | None = None
     cancel_request: dict | None = None  # {"by", "reason", "at"}: asked while it ran, or why it was cancelled
     # Workflows: how many parents are not finished yet (None: the job has no depends_on), and
-    # {parent id: (state, result)} of the finished ones, filled in by claim and get.
+    # {parent id: (state, result)} of each parent (state None until it finished), filled in by claim and get.
     pending: int | None = None
     parents: dict | None = None
 

@@ -220,3 +220,102 @@ def test_fan_in_is_released_exactly_once_by_four_concurrent_finishers(broker, br
     for job in got:
         assert job.pending == 0
         assert len(job.parents) == MEMBERS
+
+
+# -- the producer API: chains, groups, batches ----------------------------------------
+
+@pytest.fixture
+def client(broker_url):
+    from supervisor.client import Client
+
+    with Client.from_url(broker_url) as c:
+        yield c
+
+
+def run_all(broker, handler):
+    """Claim and finish every claimable job (handler returns the result, or raises to dead-letter)."""
+    ran = []
+    while True:
+        jobs = claim_all(broker, 100)
+        if not jobs:
+            return ran
+        for job in jobs:
+            ran.append(job.type)
+            try:
+                result = handler(job)
+            except Exception:  # noqa: BLE001 - the test's failing member
+                die(broker, job)
+            else:
+                broker.ack(job.lease, result)
+
+
+def test_a_chain_runs_in_order_and_passes_results(client, broker):
+    ids = client.chain([("fetch", {"n": 2}), ("double", {}), ("double", {})])
+    assert [broker.get(i).state for i in ids] == ["queued", "waiting", "waiting"]
+    seen = []
+
+    def step(job):
+        seen.append(job.id)
+        if job.type == "fetch":
+            return job.payload["n"]
+        ((_, result),) = [(s, r) for s, r in job.parents.values()]
+        return result * 2
+
+    run_all(broker, step)
+    assert seen == ids
+    assert broker.get(ids[-1]).result == 8
+
+
+def test_a_group_callback_runs_once_after_every_member(client, broker):
+    flow = client.group([("render", {"i": i}) for i in range(20)], then=("summary", {}))
+    ran = run_all(broker, lambda job: job.payload.get("i"))
+    assert ran.count("summary") == 1 and ran[-1] == "summary"
+    summary = broker.get(flow.then)
+    assert summary.state == "done"
+    assert sorted(r for _, r in summary.parents.values()) == list(range(20))
+
+
+@pytest.mark.parametrize("members,then,match", [
+    ([], ("summary", {}), "empty group"),
+    ("render", None, "must be a list"),
+    ([("render", {})], 42, "then must be a job"),
+    ([("render", {})], ("summary", "not a dict"), "then: payload must be a JSON object"),
+    ([("render", {}), 7], None, "member 1 must be a job"),
+])
+def test_bad_groups_are_refused_and_store_nothing(client, broker, members, then, match):
+    with pytest.raises(BadInput, match=match):
+        client.group(members, then=then)
+    assert claim_all(broker) == []
+
+
+def test_a_batch_counts_its_members_and_fires_each_callback_once(client, broker):
+    from supervisor.workflows import batch_status
+
+    batch = client.batch([("export", {"i": i}) for i in range(6)], on_success=("report", {}),
+                         on_complete=("cleanup", {}))
+    status = batch_status(broker, batch.id)
+    assert (status.total, status.pending, status.done) == (6, 6, 0)
+
+    def export(job):
+        if job.payload.get("i") == 4:
+            raise RuntimeError("customer 4 failed")
+        return job.payload.get("i")
+
+    ran = run_all(broker, export)
+    status = batch_status(broker, batch.id)
+    assert (status.total, status.pending, status.done, status.dead) == (6, 0, 5, 1)
+    assert status.callback_state == "cancelled"  # on_success: a member failed
+    assert ran.count("cleanup") == 1 and "report" not in ran
+    # Replaying the dead member reopens the batch: on_success fires once, after it.
+    dead = [m for m in batch.members if broker.get(m).state == "dead"]
+    broker.dlq_replay(dead)
+    assert batch_status(broker, batch.id).callback_state == "waiting"
+    ran = run_all(broker, lambda job: "ok")
+    assert ran == ["export", "report"]
+    assert batch_status(broker, batch.id).done == 6
+    assert broker.get(batch.on_complete).state == "done"  # ran once, not again
+
+
+def test_a_batch_needs_a_callback(client):
+    with pytest.raises(BadInput, match="on_success or on_complete"):
+        client.batch([("export", {})])

@@ -183,14 +183,14 @@ class Workflows:
         return [stored[job.id] for job in jobs]
 
     def _with_parents(self, jobs):
-        """Fill ``parents`` of the jobs that have dependencies: one query for all of them."""
+        """Fill ``parents`` of the jobs that have dependencies (state None: not finished): one query for all."""
         children = {job.id: job for job in jobs if job.pending is not None}
         if not children:
             return jobs
         for job in children.values():
             job.parents = {}
         rows = self._execute(f"SELECT child, parent, state, result FROM {self._s}.job_edges"
-                             " WHERE child = ANY(%s::text[]) AND state IS NOT NULL", (list(children),)).fetchall()
+                             " WHERE child = ANY(%s::text[])", (list(children),)).fetchall()
         for child, parent, state, result in rows:
             children[child].parents[parent] = (state, result)
         return jobs

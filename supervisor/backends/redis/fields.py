@@ -57,9 +57,11 @@ def to_job(fields):
     if "pending" in d:  # a workflow's child: its finished parents are the "p:<id>" fields
         d["pending"] = int(d["pending"])
         d["parents"] = {}
-    for name in [name for name in d if name[1:2] == ":" and name[0] in "pdk"]:
-        value = d.pop(name)
-        if name[0] == "p":
+    for name in sorted(name for name in d if name[1:2] == ":" and name[0] in "pdk"):
+        value = d.pop(name)  # sorted: a parent's "d:" (its edge) comes before its "p:" (its end)
+        if name[0] == "d":
+            d["parents"][name[2:]] = (None, None)
+        elif name[0] == "p":
             state, result = json.loads(value)
             d["parents"][name[2:]] = (state, result)
     history = json.loads(d.pop("history", "[]"))

@@ -128,7 +128,7 @@ class Workflows:
         return job.id
 
     def _with_parents(self, jobs):
-        """Fill ``parents`` of the jobs that have dependencies: one query for all of them."""
+        """Fill ``parents`` of the jobs that have dependencies (state None: not finished): one query for all."""
         children = [job for job in jobs if job.pending is not None]
         if not children:
             return jobs
@@ -137,7 +137,7 @@ class Workflows:
             job.parents = {}
         for row in self.db.execute(
                 "SELECT child, parent, state, result FROM job_edges"
-                " WHERE child IN (SELECT value FROM json_each(?)) AND state IS NOT NULL",
+                " WHERE child IN (SELECT value FROM json_each(?))",
                 (json.dumps(list(by_id)),)):
             result = json.loads(row["result"]) if row["result"] is not None else None
             by_id[row["child"]].parents[row["parent"]] = (row["state"], result)
