@@ -13,7 +13,7 @@ import os
 import sys
 
 from ..errors import BadInput, ConfigError, NotDead, TangguhError
-from . import admin, daemon, dlq, jobs
+from . import admin, daemon, dlq, flows, jobs
 from .common import PROG, Failure, UsageError
 
 
@@ -96,6 +96,8 @@ def build_parser():
     p.add_argument("--timeout", type=float, metavar="S", help="hard timeout in seconds")
     p.add_argument("--priority", type=int, default=0, metavar="N", help="higher runs first within a queue")
     p.add_argument("--trace-id", metavar="T", help="trace id (default: a new one)")
+    p.add_argument("--depends-on", action="append", default=[], metavar="ID",
+                   help="wait until job ID is done (repeatable; ID:complete runs whatever its outcome)")
 
     command(commands, "status", daemon.cmd_status, "show the running supervisor's workers", as_json,
             to_socket).add_argument(
@@ -105,6 +107,8 @@ def build_parser():
     command(commands, "schedules", jobs.cmd_schedules, "list the periodic jobs with their next run", as_json)
     command(commands, "job", jobs.cmd_job, "show one job with its history", as_json).add_argument(
         "job_id", metavar="ID")
+    command(commands, "batch", flows.cmd_batch, "show a batch's counts (its id: its first callback's)",
+            as_json).add_argument("batch_id", metavar="ID")
 
     dlq_commands = command(commands, "dlq", None, "inspect and replay dead-lettered jobs").add_subparsers(
         dest="dlq_command", metavar="COMMAND", required=True)
