@@ -36,7 +36,7 @@ DEFAULT_QUEUE = "default"
 
 # Keyword arguments of ``Client.enqueue`` that describe the job (the rest go to the broker).
 JOB_OPTIONS = ("queue", "resource_id", "idempotency_key", "delay", "max_attempts", "timeout", "trace_id", "priority",
-               "depends_on")
+               "expires_in", "depends_on")
 
 
 class Client:
@@ -84,7 +84,8 @@ class Client:
 
     # -- producing ----------------------------------------------------------
     def new_job(self, type, payload, *, queue=None, resource_id=None, idempotency_key=None, delay=0,
-                max_attempts=None, timeout=None, trace_id=None, priority=0, depends_on=()):
+                max_attempts=None, timeout=None, trace_id=None, priority=0, expires_in=None,
+                depends_on=()):
         """The validated ``NewJob`` that ``enqueue`` would store (raises ``BadInput``)."""
         overrides = self.config.job_type(type) if self.config is not None and isinstance(type, str) else None
         if queue is None:
@@ -98,21 +99,25 @@ class Client:
             timeout = overrides.timeout
         job = NewJob(type, payload, queue=queue, resource_id=resource_id, idempotency_key=idempotency_key,
                      delay=delay, max_attempts=max_attempts, timeout=timeout, trace_id=trace_id, priority=priority,
-                     depends_on=depends_on)
+                     expires_in=expires_in, depends_on=depends_on)
         return job.validate()
 
     def default_queue(self):
         return DEFAULT_QUEUE if DEFAULT_QUEUE in self.queues or not self.queues else self.queues[0]
 
     def enqueue(self, type, payload, *, queue=None, resource_id=None, idempotency_key=None, delay=0,
-                max_attempts=None, timeout=None, trace_id=None, priority=0, depends_on=(), **broker_kwargs):
+                max_attempts=None, timeout=None, trace_id=None, priority=0, expires_in=None, depends_on=(),
+                **broker_kwargs):
         """Store one job; return its id (the existing job's id when ``idempotency_key`` matches
-        an unfinished job). ``depends_on``: job ids (or ``(id, on)``) it waits for (``supervisor.workflows``).
-        ``broker_kwargs`` go to the broker, e.g. ``conn=`` for PostgreSQL's transactional enqueue."""
+        an unfinished job). ``expires_in``: seconds after which the job, if not started, ends
+        ``expired`` instead of running. ``depends_on``: job ids (or ``(id, on)``) it waits for
+        (``supervisor.workflows``). ``broker_kwargs`` go to the broker, e.g. ``conn=`` for
+        PostgreSQL's transactional enqueue."""
         with tracing.enqueue_span([type], queue) as span:  # OpenTelemetry, when installed
             job = self.new_job(type, payload, queue=queue, resource_id=resource_id, idempotency_key=idempotency_key,
                                delay=delay, max_attempts=max_attempts, timeout=timeout,
-                               trace_id=trace_id or span.traceparent, priority=priority, depends_on=depends_on)
+                               trace_id=trace_id or span.traceparent, priority=priority, expires_in=expires_in,
+                               depends_on=depends_on)
             job_id = self._call("enqueue", job, broker_kwargs)
             span.stored([job_id])
             _log_enqueued(job, job_id)
@@ -195,6 +200,31 @@ class Client:
     def stats(self, queues=None):
         """``{queue: QueueStats}`` for ``queues`` (default: the client's queues)."""
         return self.broker.stats(list(queues or self.queues))
+
+    def wait(self, job_id, timeout):
+        """The job once it is finished (done, dead, cancelled or expired), or None after ``timeout`` seconds.
+
+        Woken by the broker's own notification, not a poll. BadInput for an unknown id."""
+        return self.broker.wait(job_id, timeout)
+
+    # -- control ------------------------------------------------------------
+    def cancel(self, job_ids, by=None, reason=None):
+        """Cancel jobs: ``{job_id: "cancelled" | "requested" | "already_<state>" | "unknown"}``.
+
+        A waiting job ends ``cancelled`` now; a running one is asked to stop (its
+        supervisor learns of it at its next heartbeat)."""
+        return self.broker.cancel([job_ids] if isinstance(job_ids, str) else list(job_ids), by, reason)
+
+    def pause(self, queue, by=None):
+        """Stop every supervisor sharing the broker from claiming from ``queue`` (running jobs finish)."""
+        self.broker.pause(queue, by)
+
+    def resume(self, queue):
+        self.broker.resume(queue)
+
+    def paused(self):
+        """``{queue: {"by", "at"}}`` for every paused queue."""
+        return self.broker.paused()
 
 
 def _job_args(item):

@@ -23,6 +23,11 @@ MAX_PARENTS = 100_000  # a group's callback waits on each member: bounded, but g
 PARENT_FAILED = "parent_failed"  # the reason a waiting child is cancelled with
 
 
+def cancelled_by_workflow(at):
+    """The ``cancel_request`` stored on a job its failed parent cancelled."""
+    return {"by": "workflow", "reason": PARENT_FAILED, "at": at}
+
+
 def normalise(depends_on, job_id=None):
     """``depends_on`` as a list of ``(parent id, on)``, duplicates merged; BadInput naming what is wrong."""
     if depends_on is None:

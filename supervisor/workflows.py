@@ -120,3 +120,22 @@ def batch_status(broker, batch_id):
     return BatchStatus(batch_id, total=len(job.parents), pending=states[None], done=states["done"],
                        dead=states["dead"], cancelled=states["cancelled"], expired=states["expired"],
                        callback_state=job.state)
+
+
+def cancel_batch(client, batch, by=None):
+    """Cancel a batch's unfinished members and its callbacks: ``{job id: what happened}`` (``Broker.cancel``).
+
+    ``batch``: a ``Batch`` (both callbacks are cancelled) or a batch id (its
+    record's callback is; an ``on_complete`` that is not the record then runs,
+    counting the cancellations, as it runs whatever the outcome). Running
+    members are asked to stop; finished ones are left as they are.
+    """
+    batch_id = batch.id if isinstance(batch, Batch) else batch
+    record = client.broker.get(batch_id)
+    if record is None or record.parents is None:
+        raise BadInput(f"no batch {batch_id} (its id is the id of its first callback)")
+    callbacks = [batch.on_success, batch.on_complete] if isinstance(batch, Batch) else [batch_id]
+    # Callbacks first: a member cancelled before them would release an on_complete.
+    pending = [job_id for job_id in callbacks if job_id] + [
+        member for member, (state, _) in record.parents.items() if state is None]
+    return client.cancel(pending, by=by, reason="batch cancelled")

@@ -319,3 +319,58 @@ def test_a_batch_counts_its_members_and_fires_each_callback_once(client, broker)
 def test_a_batch_needs_a_callback(client):
     with pytest.raises(BadInput, match="on_success or on_complete"):
         client.batch([("export", {})])
+
+
+# -- job control meets workflows: cancel and expiry cascade ------------------------------
+
+def test_cancelling_a_parent_cancels_its_children_and_releases_complete_ones(broker):
+    queued, running = broker.enqueue_many([new("a"), new("b", priority=5)])
+    child_of_queued = broker.enqueue(new(depends_on=[queued]))
+    complete_child = broker.enqueue(new("after", depends_on=[(running, "complete")]))
+    lease = claim_all(broker, 1)[0].lease
+    assert lease.job_id == running
+    assert broker.cancel([queued, running], by="ops", reason="stop")[queued] == "cancelled"
+    child = broker.get(child_of_queued)
+    assert (child.state, child.reason) == ("cancelled", "parent_failed")
+    assert child.cancel_request["by"] == "workflow" and child.cancel_request["reason"] == "parent_failed"
+    assert broker.get(complete_child).state == "waiting"  # its parent is still running
+    broker.cancelled(lease)
+    assert broker.get(complete_child).state == "queued"
+    assert broker.get(complete_child).parents == {running: ("cancelled", None)}
+
+
+def test_cancelling_a_waiting_job_cascades_to_its_own_children(broker):
+    root = broker.enqueue(new())
+    middle = broker.enqueue(new(depends_on=[root]))
+    leaf = broker.enqueue(new(depends_on=[middle]))
+    assert broker.cancel([middle], by="ops", reason="no")[middle] == "cancelled"
+    assert broker.get(leaf).state == "cancelled"
+    broker.ack(claim_all(broker)[0].lease)  # the root still runs; nothing below it does
+    assert claim_all(broker) == []
+
+
+def test_an_expired_parent_cancels_its_success_children(broker):
+    parent = broker.enqueue(new(expires_in=0.05))
+    child = broker.enqueue(new(depends_on=[parent]))
+    always = broker.enqueue(new(depends_on=[(parent, "complete")]))
+    wait_for(lambda: broker.now() > broker.get(parent).expires_at, message="the parent's expiry to pass")
+    got = claim_all(broker)
+    assert [job.id for job in got] == [] or all(job.id == always for job in got)
+    assert broker.get(parent).state == "expired"
+    assert (broker.get(child).state, broker.get(child).reason) == ("cancelled", "parent_failed")
+    assert broker.get(always).state in ("queued", "running")
+
+
+def test_cancelling_a_batch_cancels_its_pending_jobs(client, broker):
+    from supervisor.workflows import batch_status, cancel_batch
+
+    batch = client.batch([("export", {"i": i}) for i in range(5)], on_success=("report", {}),
+                         on_complete=("cleanup", {}))
+    first = claim_all(broker, 1)[0]
+    broker.ack(first.lease, 0)
+    got = cancel_batch(client, batch, by="ops")
+    assert sorted(got.values()) == ["cancelled"] * 6  # two callbacks, four pending members
+    status = batch_status(broker, batch.id)
+    assert (status.done, status.cancelled, status.pending, status.callback_state) == (1, 4, 0, "cancelled")
+    assert broker.get(batch.on_complete).state == "cancelled"
+    assert claim_all(broker) == []

@@ -12,6 +12,7 @@ import hashlib
 from ...errors import BrokerError, ConfigError
 from .connection import quote
 from . import workflows
+from .control_schema import control_migration
 from .statements import UNFINISHED
 
 VERSIONS = "tangguh_schema_version"  # a name of our own: "schema_version" is common in applications' schemas
@@ -113,8 +114,11 @@ def migrations(s):
                 created_at double precision NOT NULL)""",
             f"CREATE INDEX once_keys_created ON {s}.once_keys (created_at)",
         ]),
-        # 3: every state of model.STATES; workflows (dependency edges, see workflows.py).
-        (3, workflows.migration(s)),
+        # 4: job control (cancel, expiry, progress, pauses, supervisor records, wait's notification);
+        # 3 is search's indexes.
+        (4, control_migration(s)),
+        # 5: workflows (dependency edges, see workflows.py).
+        (5, workflows.migration(s)),
     ]
 
 
@@ -147,7 +151,8 @@ def migrate(db, schema, versions):
 def _adopt(db, schema, tables):
     """Before its first migration here: a fresh schema, or one Tangguh made under the
     old version table name (renamed now). Anything else is someone else's schema."""
-    ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys", "job_edges"})
+    ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys", "paused_queues", "supervisors",
+                            "job_edges"})
     if not ours:
         return
     if "schema_version" in tables and "jobs" in tables:

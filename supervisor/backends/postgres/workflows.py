@@ -28,18 +28,14 @@ from psycopg.rows import tuple_row
 
 from ...dependencies import ON_SUCCESS, PARENT_FAILED, order, plan
 from ...errors import BrokerError
-from ...model import STATES
 
 _FINISHED = "('done', 'dead', 'cancelled', 'expired')"
 
 
 def migration(s):
-    """Version 3's statements: the new states, the column, the edge table, the triggers."""
-    states = ", ".join(f"'{state}'" for state in STATES)
+    """Version 5's statements (the states came with version 4): the columns, the edge table, the triggers."""
     notify = "pg_notify(left('tangguh_' || TG_TABLE_SCHEMA, 63), v_queue)"
     return [
-        f"ALTER TABLE {s}.jobs DROP CONSTRAINT IF EXISTS jobs_state_check",
-        f"ALTER TABLE {s}.jobs ADD CONSTRAINT jobs_state_check CHECK (state IN ({states}))",
         f"ALTER TABLE {s}.jobs ADD COLUMN pending integer, ADD COLUMN kids boolean NOT NULL DEFAULT false",
         f"""CREATE TABLE {s}.job_edges (
             parent text NOT NULL,
@@ -63,7 +59,9 @@ def migration(s):
                     RETURNING pending INTO v_pending;
                 CONTINUE WHEN NOT FOUND;
                 IF NEW.state <> 'done' AND e.on_ = '{ON_SUCCESS}' THEN
-                    UPDATE {s}.jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = v_now
+                    UPDATE {s}.jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = v_now,
+                            cancel_request = jsonb_build_object('by', 'workflow', 'reason', '{PARENT_FAILED}',
+                                                                'at', v_now)
                         WHERE id = e.child;
                 ELSIF v_pending = 0 THEN
                     UPDATE {s}.jobs SET state = 'queued', run_at = greatest(run_at, v_now) WHERE id = e.child
@@ -81,7 +79,7 @@ def migration(s):
                     AND (c.state = 'waiting' OR (c.state = 'cancelled' AND c.reason = '{PARENT_FAILED}'));
             UPDATE {s}.jobs SET pending = pending + 1
                 WHERE state = 'waiting' AND id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id);
-            UPDATE {s}.jobs j SET state = 'waiting', reason = NULL, finished_at = NULL,
+            UPDATE {s}.jobs j SET state = 'waiting', reason = NULL, finished_at = NULL, cancel_request = NULL,
                     pending = (SELECT count(*) FROM {s}.job_edges e WHERE e.child = j.id AND e.state IS NULL)
                 WHERE j.state = 'cancelled' AND j.reason = '{PARENT_FAILED}'
                     AND j.id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id)
@@ -155,19 +153,24 @@ class Workflows:
         cols = list(zip(*[
             (j.id, j.queue, j.type, json.dumps(j.payload, allow_nan=False, separators=(",", ":")), state,
              j.resource_id, j.idempotency_key, j.max_attempts, None if j.timeout is None else float(j.timeout),
-             j.priority, float(j.delay), j.trace_id, pending, j.id in parents)
+             j.priority, float(j.delay), j.trace_id, None if j.expires_in is None else float(j.expires_in),
+             pending, j.id in parents)
             for j, state, pending, _ in planned]))
         cur.execute(
             f"INSERT INTO {t} (id, queue, type, payload, state, resource_id, idempotency_key, max_attempts,"
-            " timeout, priority, run_at, queued_at, trace_id, pending, kids, reason, finished_at)"
+            " timeout, priority, run_at, queued_at, trace_id, expires_at, pending, kids, reason, finished_at,"
+            " cancel_request)"
             " SELECT i.id, i.queue, i.type, i.payload::json, i.state, i.resource_id, i.idempotency_key,"
-            "  i.max_attempts, i.timeout, i.priority, n.now + i.delay, n.now, i.trace_id, i.pending, i.kids,"
-            f"  CASE WHEN i.state = 'cancelled' THEN '{PARENT_FAILED}' END,"
-            "  CASE WHEN i.state = 'cancelled' THEN n.now END"
+            "  i.max_attempts, i.timeout, i.priority, n.now + i.delay, n.now, i.trace_id, n.now + i.expires_in,"
+            f"  i.pending, i.kids, CASE WHEN i.state = 'cancelled' THEN '{PARENT_FAILED}' END,"
+            "  CASE WHEN i.state = 'cancelled' THEN n.now END,"
+            "  CASE WHEN i.state = 'cancelled' THEN jsonb_build_object('by', 'workflow', 'reason',"
+            f"   '{PARENT_FAILED}', 'at', n.now) END"
             " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
-            "  %s::integer[], %s::float8[], %s::integer[], %s::float8[], %s::text[], %s::integer[], %s::boolean[])"
+            "  %s::integer[], %s::float8[], %s::integer[], %s::float8[], %s::text[], %s::float8[], %s::integer[],"
+            "  %s::boolean[])"
             "  WITH ORDINALITY AS i(id, queue, type, payload, state, resource_id, idempotency_key, max_attempts,"
-            "  timeout, priority, delay, trace_id, pending, kids, ord),"
+            "  timeout, priority, delay, trace_id, expires_in, pending, kids, ord),"
             f" (SELECT date_part('epoch', now()) AS now) n ORDER BY i.ord"
             " RETURNING CASE WHEN state = 'queued' AND run_at <= queued_at THEN pg_notify(%s, queue) END",
             [list(c) for c in cols] + [self.channel])

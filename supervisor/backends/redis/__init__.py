@@ -42,6 +42,7 @@ from ..base import Broker
 from ..limits import active
 from . import scripts, workflows
 from .connection import connect, guard
+from .control import ControlMixin
 from .fields import body, check_script_reply, enqueue_args, to_job
 from .keys import Keys
 from .locate import Locator
@@ -51,7 +52,7 @@ BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one scri
 CLOCK_REFRESH = 30.0
 
 
-class RedisBroker(workflows.Workflows, Broker):
+class RedisBroker(workflows.Workflows, ControlMixin, Broker):
     def __init__(self, url):
         self.url = url
         self.r, self.prefix, self.done_ttl, self.where = connect(url)
@@ -165,10 +166,8 @@ class RedisBroker(workflows.Workflows, Broker):
         for queue in queues:
             if len(claimed) >= n:
                 break
-            for fields in self._run("claim", queue, [n - len(claimed), lease_us, owner, owner_json, self.done_ttl]):
-                job = to_job(json.loads(fields))
-                self._locator.remember(job.id, queue)
-                claimed.append(job)
+            claimed.extend(self._leased(queue, self._run("claim", queue, [n - len(claimed), lease_us, owner,
+                                                                          owner_json])))
         return self._runnable(claimed)
 
     def _claim_limited(self, queues, n, lease_us, owner, owner_json, limits):
@@ -180,12 +179,11 @@ class RedisBroker(workflows.Workflows, Broker):
         for queue in queues:
             if len(claimed) >= n:
                 break
-            calls = [("claim", queue, [0, lease_us, owner, owner_json, self.done_ttl]),
+            calls = [("claim", queue, [0, lease_us, owner, owner_json]),
                      ("claim_limited", queue, [n - len(claimed), lease_us, owner, owner_json, spec, LIMITED_SCAN])]
-            for fields in self._run_many(calls)[1]:
-                job = to_job(json.loads(fields))
-                self._locator.remember(job.id, queue)
-                claimed.append(job)
+            expired, leased = self._run_many(calls)
+            self._leased(queue, expired)  # records what the plain claim ended expired
+            claimed.extend(self._leased(queue, leased))
         return claimed
 
     @guard
@@ -255,7 +253,7 @@ class RedisBroker(workflows.Workflows, Broker):
 
     @guard
     def dead(self, lease, reason, error, info=None):
-        self._finish("dead", lease, [reason, json.dumps(error), body(info), self.done_ttl])
+        self._finish("dead", lease, [reason, json.dumps(error), body(info)])
         self._locator.forget(lease.job_id)
 
     @guard
@@ -278,9 +276,10 @@ class RedisBroker(workflows.Workflows, Broker):
         queues = list(queues)
         out = {}
         for queue, row in zip(queues, self._run_many([("stats", q, [self.done_ttl]) for q in queues])):
-            ready, scheduled, in_flight, dead, done, age = row
+            ready, scheduled, in_flight, dead, done, age, cancelled, expired, paused = row
             out[queue] = QueueStats(queue, ready=ready, scheduled=scheduled, in_flight=in_flight, dead=dead,
-                                    done=done, oldest_ready_age=int(age) / 1e6)
+                                    done=done, oldest_ready_age=int(age) / 1e6, cancelled=cancelled,
+                                    expired=expired, paused=bool(paused))
         return out
 
     # -- dead letters -----------------------------------------------------

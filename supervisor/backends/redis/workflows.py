@@ -31,9 +31,8 @@ class Workflows:
         self.keys.for_scripts(queue)  # rejects a bad name before anything is stored
         payload = []
         for job in order(jobs):
-            args = enqueue_args(job)
-            if len(args) == 4:
-                args.append(False)
+            args = enqueue_args(job)  # [id, priority, delay, fields] + [ikey or false[, expires_in_us]]
+            args += [False] * (6 - len(args))
             args.append([[parent, on] for parent, on in job.depends_on])
             payload.append(args)
         batch = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)

@@ -63,3 +63,7 @@ local function info_part(body)
   if body == '' then return '' end
   return ',' .. body
 end
+
+-- Workflows: defined in _flows.lua (see there), declared here so that every
+-- helper that ends a job (in _control.lua too) can settle its children.
+local settle, reopen

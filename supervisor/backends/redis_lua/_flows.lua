@@ -10,7 +10,7 @@
 -- the on="success" children of a failed parent (and theirs, a worklist, not
 -- recursion), release the children with nothing left pending. Called in the
 -- same script as the write that ends the job: the release is exactly once.
-local function settle(id, state, result, ttl)
+settle = function(id, state, result)
   local work = {{id, state, result}}
   local released = false
   local n = 1
@@ -29,13 +29,16 @@ local function settle(id, state, result, ttl)
           if cstate == 'waiting' then
             local left = redis.call('HINCRBY', ckey, 'pending', -1)
             if pstate ~= 'done' and on == 'success' then
-              redis.call('HSET', ckey, 'state', 'cancelled', 'reason', 'parent_failed', 'finished_at', secs(NOW))
+              -- Like an operator's cancel (end_cancelled), without settling here: the worklist does.
+              redis.call('HSET', ckey, 'state', 'cancelled', 'reason', 'parent_failed', 'finished_at', secs(NOW),
+                'cancel_request', '{"by":"workflow","reason":"parent_failed","at":' .. secs(NOW) .. '}')
+              redis.call('ZADD', CANCELLED_Z, NOW, child)
+              redis.call('ZREM', EXPIRING, child)
               free_key(ckey, child)
-              -- Kept like a done job: indexed by finish time, expiring with the done TTL.
-              redis.call('ZADD', DONE, NOW, child)
-              if ttl then redis.call('EXPIRE', ckey, ttl) end
+              tell_waiters(ckey, child)
               work[#work + 1] = {child, 'cancelled', nil}
             elseif left == 0 then
+              watch_expiry(ckey, child)  -- an expiry counts from now on: it can expire only once queued
               local f = redis.call('HMGET', ckey, 'priority', 'run_at')
               local run = math.floor(tonumber(f[2]) * 1000000 + 0.5)
               if run > NOW then
@@ -58,7 +61,7 @@ end
 -- A finished job goes back (dlq replay): its waiting children wait on it
 -- again; the children it cancelled wait again unless another on="success"
 -- parent still failed them, and so on down the tree.
-local function reopen(id)
+reopen = function(id)
   local work = {id}
   local n = 1
   while n <= #work do
@@ -90,9 +93,8 @@ local function reopen(id)
             end
             if not blocked then
               redis.call('HSET', ckey, 'state', 'waiting', 'pending', pending)
-              redis.call('HDEL', ckey, 'reason', 'finished_at')
-              redis.call('ZREM', DONE, child)
-              redis.call('PERSIST', ckey)
+              redis.call('HDEL', ckey, 'reason', 'finished_at', 'cancel_request')
+              redis.call('ZREM', CANCELLED_Z, child)
               work[#work + 1] = child
             end
           end

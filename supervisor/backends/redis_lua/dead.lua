@@ -1,4 +1,4 @@
--- dead: ARGV[3] = id, [4] = token, [5] = reason, [6] = error JSON, [7] = info body, [8] = done TTL (s).
+-- dead: ARGV[3] = id, [4] = token, [5] = reason, [6] = error JSON, [7] = info body.
 local id, token = ARGV[3], ARGV[4]
 local key = JOB .. id
 if not is_leased(key, token) then return 0 end
@@ -9,5 +9,6 @@ failed_now(key)
 redis.call('ZREM', LEASED, id)
 redis.call('ZADD', DEAD, NOW, id)
 free_key(key, id)
-settle(id, 'dead', nil, tonumber(ARGV[8]))
+settle(id, 'dead', nil)
+tell_waiters(key, id)
 return 1

@@ -1,6 +1,6 @@
 -- enqueue_flow: ARGV[3] = a workflow's jobs as one JSON array, parents before
 -- children: [id, priority, delay_us, [field, value, ...], idempotency_key or
--- false, [[parent, on], ...]]. Every parent is in this call or stored in this
+-- false, expires_in_us or false, [[parent, on], ...]]. Every parent is in this call or stored in this
 -- queue already. All or nothing: every parent is checked before anything is
 -- written. Returns {'ok', ids...} or {'unknown', job id, parent id}.
 local jobs = cjson.decode(ARGV[3])
@@ -24,7 +24,7 @@ for n, job in ipairs(jobs) do
     stored[id] = id
     if ikey then made[ikey] = id end
     fresh[#fresh + 1] = job
-    for _, dep in ipairs(job[6]) do
+    for _, dep in ipairs(job[7]) do
       local parent = stored[dep[1]] or dep[1]
       if not fresh[parent] and redis.call('EXISTS', JOB .. parent) == 0 then
         return {'unknown', id, dep[1]}
@@ -36,7 +36,7 @@ end
 
 local due_now = false
 for _, job in ipairs(fresh) do
-  local id, priority, delay, fields, ikey, deps = job[1], job[2], job[3], job[4], job[5], job[6]
+  local id, priority, delay, fields, ikey, deps = job[1], job[2], job[3], job[4], job[5], job[7]
   local key = JOB .. id
   local run = NOW + delay
   local pending, failed, extra = 0, false, {}
@@ -65,10 +65,13 @@ for _, job in ipairs(fresh) do
       redis.call('HSET', key, unpack(extra, i, math.min(i + 999, #extra)))
     end
   end
+  if job[6] then redis.call('HSET', key, 'expires_at', secs(NOW + job[6])) end
   if state == 'cancelled' then
-    redis.call('HSET', key, 'reason', 'parent_failed', 'finished_at', secs(NOW))
-    redis.call('ZADD', DONE, NOW, id)
+    redis.call('HSET', key, 'reason', 'parent_failed', 'finished_at', secs(NOW),
+      'cancel_request', '{"by":"workflow","reason":"parent_failed","at":' .. secs(NOW) .. '}')
+    redis.call('ZADD', CANCELLED_Z, NOW, id)
   else
+    if job[6] and state == 'queued' then redis.call('ZADD', EXPIRING, NOW + job[6], id) end
     -- A waiting job holds no idempotency key (as on the other brokers: it is not unfinished yet).
     if state == 'queued' then
       if ikey then redis.call('HSET', IDEM, ikey, id) end

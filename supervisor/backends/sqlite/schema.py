@@ -41,6 +41,16 @@ CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (idempotency_key)
     WHERE idempotency_key IS NOT NULL AND state IN ('queued', 'running', 'retrying');
 CREATE TABLE IF NOT EXISTS rate_buckets (type TEXT PRIMARY KEY, tokens REAL NOT NULL, updated_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS once_keys (key TEXT PRIMARY KEY, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS paused_queues (queue TEXT PRIMARY KEY, paused_by TEXT, paused_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS supervisors (
+    id TEXT PRIMARY KEY, record TEXT NOT NULL, last_heartbeat REAL NOT NULL, ttl REAL NOT NULL);
+"""
+
+# Job control (issue 15): columns an older file gets with ALTER TABLE, then their index.
+ADDED_COLUMNS = {"expires_at": "REAL", "progress": "REAL", "progress_note": "TEXT", "cancel_request": "TEXT"}
+AFTER_COLUMNS = """
+CREATE INDEX IF NOT EXISTS jobs_expiring ON jobs (queue, expires_at)
+    WHERE expires_at IS NOT NULL AND state IN ('queued', 'retrying');
 """
 
 # The columns that make a jobs table Tangguh's.
@@ -55,5 +65,12 @@ def migrate(db, path):
         raise ConfigError(f"sqlite database {path} has a jobs table that is not Tangguh's:"
                           " give the broker a database file of its own")
     for statement in SCHEMA.split(";"):
+        if statement.strip():
+            db.execute(statement)
+    columns = {row["name"] for row in db.execute("PRAGMA table_info(jobs)")}
+    for name, kind in ADDED_COLUMNS.items():
+        if name not in columns:
+            db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+    for statement in AFTER_COLUMNS.split(";"):
         if statement.strip():
             db.execute(statement)

@@ -26,7 +26,7 @@ cannot both see ``pending = 0``.
 """
 import json
 
-from ...dependencies import ON_SUCCESS, PARENT_FAILED
+from ...dependencies import ON_SUCCESS, PARENT_FAILED, cancelled_by_workflow
 from ...errors import BadInput
 from ...model import FINISHED
 
@@ -50,7 +50,9 @@ BEGIN
     UPDATE jobs SET pending = pending - 1
         WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id);
     UPDATE jobs SET state = 'cancelled', reason = '{PARENT_FAILED}',
-            finished_at = coalesce(NEW.finished_at, {_NOW})
+            finished_at = coalesce(NEW.finished_at, {_NOW}),
+            cancel_request = json_object('by', 'workflow', 'reason', '{PARENT_FAILED}',
+                                         'at', coalesce(NEW.finished_at, {_NOW}))
         WHERE NEW.state <> 'done' AND state = 'waiting'
             AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND on_ = '{ON_SUCCESS}');
     UPDATE jobs SET state = 'queued', run_at = max(run_at, coalesce(NEW.finished_at, {_NOW}))
@@ -64,7 +66,7 @@ BEGIN
         SELECT id FROM jobs WHERE state = 'waiting' OR (state = 'cancelled' AND reason = '{PARENT_FAILED}'));
     UPDATE jobs SET pending = pending + 1
         WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id);
-    UPDATE jobs SET state = 'waiting', reason = NULL, finished_at = NULL,
+    UPDATE jobs SET state = 'waiting', reason = NULL, finished_at = NULL, cancel_request = NULL,
             pending = (SELECT count(*) FROM job_edges e WHERE e.child = jobs.id AND e.state IS NULL)
         WHERE state = 'cancelled' AND reason = '{PARENT_FAILED}'
             AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id)
@@ -117,11 +119,13 @@ class Workflows:
         state = "cancelled" if failed else "waiting" if pending else "queued"
         self.db.execute(
             "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
-            " max_attempts, timeout, priority, run_at, queued_at, trace_id, pending, reason, finished_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at, pending, reason, finished_at,"
+            " cancel_request) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (job.id, job.queue, job.type, json.dumps(job.payload), state, job.resource_id, job.idempotency_key,
-             job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id, pending,
-             PARENT_FAILED if failed else None, now if failed else None),
+             job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id,
+             None if job.expires_in is None else now + job.expires_in, pending,
+             PARENT_FAILED if failed else None, now if failed else None,
+             json.dumps(cancelled_by_workflow(now)) if failed else None),
         )
         self.db.executemany("INSERT INTO job_edges (parent, child, on_, state, result) VALUES (?, ?, ?, ?, ?)",
                             rows)
