@@ -374,3 +374,26 @@ def test_cancelling_a_batch_cancels_its_pending_jobs(client, broker):
     assert (status.done, status.cancelled, status.pending, status.callback_state) == (1, 4, 0, "cancelled")
     assert broker.get(batch.on_complete).state == "cancelled"
     assert claim_all(broker) == []
+
+
+# -- stats, retention ----------------------------------------------------------------
+
+def test_stats_count_waiting_jobs(broker):
+    parent = broker.enqueue(new())
+    broker.enqueue_many([new(depends_on=[parent]) for _ in range(3)])
+    assert (broker.stats(Q)["default"].waiting, broker.stats(Q)["default"].ready) == (3, 1)
+    broker.ack(claim_all(broker)[0].lease)
+    assert (broker.stats(Q)["default"].waiting, broker.stats(Q)["default"].ready) == (0, 3)
+
+
+def test_prune_keeps_what_a_waiting_child_reads_and_removes_a_finished_workflow_whole(broker):
+    early, late = broker.enqueue_many([new("early"), new("late", priority=-1)])
+    child = broker.enqueue(new("child", depends_on=[early, late]))
+    broker.ack(claim_all(broker, 1)[0].lease, "early result")
+    broker.prune(0)  # the early parent may go: the child keeps its end and result
+    broker.ack(claim_all(broker, 1)[0].lease, "late result")
+    (got,) = claim_all(broker)
+    assert got.parents == {early: ("done", "early result"), late: ("done", "late result")}
+    broker.ack(got.lease)
+    wait_for(lambda: broker.prune(0) >= 0 and broker.get(child) is None, message="the workflow to be pruned")
+    assert broker.get(early) is None and broker.get(late) is None

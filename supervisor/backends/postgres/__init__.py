@@ -324,7 +324,8 @@ class PostgresBroker(workflows.Workflows, ControlMixin, Broker):
             "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying') AND run_at > n.now GROUP BY queue"
             " UNION ALL"
             f" SELECT queue, state, count(*), NULL FROM {t}"
-            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('running', 'dead', 'done', 'cancelled', 'expired')"
+            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('running', 'dead', 'done', 'cancelled', 'expired',"
+            " 'waiting')"
             "  GROUP BY queue, state"
             f" UNION ALL SELECT queue, 'paused', 1, NULL FROM {self._s}.paused_queues WHERE queue = ANY(%(q)s::text[])",
             {"q": queues},

@@ -276,10 +276,10 @@ class RedisBroker(workflows.Workflows, ControlMixin, Broker):
         queues = list(queues)
         out = {}
         for queue, row in zip(queues, self._run_many([("stats", q, [self.done_ttl]) for q in queues])):
-            ready, scheduled, in_flight, dead, done, age, cancelled, expired, paused = row
+            ready, scheduled, in_flight, dead, done, age, cancelled, expired, paused, waiting = row
             out[queue] = QueueStats(queue, ready=ready, scheduled=scheduled, in_flight=in_flight, dead=dead,
                                     done=done, oldest_ready_age=int(age) / 1e6, cancelled=cancelled,
-                                    expired=expired, paused=bool(paused))
+                                    expired=expired, paused=bool(paused), waiting=waiting)
         return out
 
     # -- dead letters -----------------------------------------------------

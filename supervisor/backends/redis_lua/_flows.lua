@@ -5,6 +5,8 @@
 --   d:<parent>  the edge's "on", on the child
 --   p:<parent>  '["<state>",<result JSON>]' once that parent has finished
 --   pending     parents not finished yet (children only)
+-- and in the queue's slot, QBASE..'waiting', a set of the queue's waiting jobs (for stats).
+local WAITING_S = QBASE .. 'waiting'
 
 -- A job reached a finished state: record it on each waiting child, cancel
 -- the on="success" children of a failed parent (and theirs, a worklist, not
@@ -17,6 +19,7 @@ settle = function(id, state, result)
   while n <= #work do
     local pid, pstate, presult = work[n][1], work[n][2], work[n][3]
     n = n + 1
+    redis.call('SREM', WAITING_S, pid)  -- an operator may cancel a waiting job
     if redis.call('HGET', JOB .. pid, 'kids') then
       local fields = redis.call('HGETALL', JOB .. pid)
       for i = 1, #fields, 2 do
@@ -28,6 +31,7 @@ settle = function(id, state, result)
           if cstate then redis.call('HSET', ckey, 'p:' .. pid, '["' .. pstate .. '",' .. (presult or 'null') .. ']') end
           if cstate == 'waiting' then
             local left = redis.call('HINCRBY', ckey, 'pending', -1)
+            if (pstate ~= 'done' and on == 'success') or left == 0 then redis.call('SREM', WAITING_S, child) end
             if pstate ~= 'done' and on == 'success' then
               -- Like an operator's cancel (end_cancelled), without settling here: the worklist does.
               redis.call('HSET', ckey, 'state', 'cancelled', 'reason', 'parent_failed', 'finished_at', secs(NOW),
@@ -95,6 +99,7 @@ reopen = function(id)
               redis.call('HSET', ckey, 'state', 'waiting', 'pending', pending)
               redis.call('HDEL', ckey, 'reason', 'finished_at', 'cancel_request')
               redis.call('ZREM', CANCELLED_Z, child)
+              redis.call('SADD', WAITING_S, child)
               work[#work + 1] = child
             end
           end

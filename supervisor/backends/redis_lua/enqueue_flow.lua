@@ -71,6 +71,7 @@ for _, job in ipairs(fresh) do
       'cancel_request', '{"by":"workflow","reason":"parent_failed","at":' .. secs(NOW) .. '}')
     redis.call('ZADD', CANCELLED_Z, NOW, id)
   else
+    if state == 'waiting' then redis.call('SADD', WAITING_S, id) end
     if job[6] and state == 'queued' then redis.call('ZADD', EXPIRING, NOW + job[6], id) end
     -- A waiting job holds no idempotency key (as on the other brokers: it is not unfinished yet).
     if state == 'queued' then

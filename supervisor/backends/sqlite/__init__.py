@@ -315,7 +315,7 @@ class SQLiteBroker(workflows.Workflows, ControlMixin, Broker):
                 out[row["queue"]].scheduled = row["n"]
             for row in self.db.execute(
                 f"SELECT queue, state, count(*) AS n FROM jobs WHERE state IN ('running', 'dead', 'done',"
-                f" 'cancelled', 'expired') AND queue IN ({marks}) GROUP BY queue, state",
+                f" 'cancelled', 'expired', 'waiting') AND queue IN ({marks}) GROUP BY queue, state",
                 tuple(queues),
             ):
                 field = {"running": "in_flight"}.get(row["state"], row["state"])
