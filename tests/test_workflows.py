@@ -116,3 +116,25 @@ def test_bad_workflow_input_is_one_line_and_exit_2(tmp_path):
     assert got.stderr.strip().count("\n") == 0 and "unknown job job_unknown" in got.stderr
     got = tangguh("batch", "job_unknown", "-c", d.config_path)
     assert got.returncode == 1 and "no batch job_unknown" in got.stderr
+
+
+def test_the_readme_workflow_renders_invoices_then_sends_one_summary(tmp_path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "handlers", "invoice_flow.py")) as f:
+        handlers = f.read()
+    with open(os.path.join(os.path.dirname(here), "README.md")) as f:
+        assert handlers in f.read(), "the README's Workflows example is tests/handlers/invoice_flow.py verbatim"
+    d = Daemon(tmp_path, handler_files=("invoice_flow.py",))
+    try:
+        d.start()
+        with Client.from_url(d.broker_url) as client:
+            flow = client.group([("render_invoice", {"invoice_id": i, "total": 1200 + i}) for i in range(50)],
+                                then=("send_summary", {"month": "2026-11"}))
+        summary = d.wait_job(flow.then)
+        assert summary.result == {"invoices": 50, "total": sum(1200 + i for i in range(50))}
+        assert [d.job(i).state for i in flow.ids] == ["done"] * 50
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
