@@ -21,6 +21,20 @@ ON_SUCCESS, ON_COMPLETE = "success", "complete"
 ONS = (ON_SUCCESS, ON_COMPLETE)
 MAX_PARENTS = 100_000  # a group's callback waits on each member: bounded, but generous
 PARENT_FAILED = "parent_failed"  # the reason a waiting child is cancelled with
+# Levels of a workflow: a job's level is 1 + its deepest parent's (0 without parents). A cancel
+# cascades (and a replay reopens) one level per nested trigger on SQLite and PostgreSQL, whose
+# nesting is bounded (SQLite: 1000 trigger levels; PostgreSQL: its stack): a bound here keeps
+# every cascade inside them, so the write that ends a parent can never fail for its descendants.
+MAX_LEVELS = 250
+
+
+def level_of(job_id, parent_levels):
+    """A child's level from its parents' (None counts as 0); BadInput past ``MAX_LEVELS``."""
+    level = 1 + max((lv or 0 for lv in parent_levels), default=-1)
+    if level > MAX_LEVELS:
+        raise BadInput(f"job {job_id} would be level {level} of its workflow, deeper than {MAX_LEVELS}"
+                       " (a chain that long: split it, enqueueing the rest from its last step)")
+    return level
 
 
 def cancelled_by_workflow(at):
@@ -96,9 +110,9 @@ def plan(jobs, known):
     """The initial state of each job of one enqueue, given its parents' states now.
 
     ``jobs``: validated, in ``order``; their parents are earlier in ``jobs`` or
-    in ``known`` ({id: (state, result)} of stored jobs). Returns one
-    ``(job, state, pending, edges)`` per job, ``edges`` being ``(parent, on,
-    state, result)`` with state and result None while the parent is unfinished.
+    in ``known`` ({id: (state, result, level)} of stored jobs). Returns one
+    ``(job, state, pending, edges, level)`` per job, ``edges`` being ``(parent,
+    on, state, result)`` with state and result None while the parent is unfinished.
     A job is ``cancelled`` when an ``on="success"`` parent already failed (down
     the tree within the enqueue), ``waiting`` while parents are unfinished,
     ``queued`` otherwise. BadInput on a parent found nowhere.
@@ -109,14 +123,14 @@ def plan(jobs, known):
     out = []
     for job in jobs:
         if not job.depends_on:
-            now[job.id] = ("queued", None)
-            out.append((job, "queued", None, []))
+            now[job.id] = ("queued", None, 0)
+            out.append((job, "queued", None, [], 0))
             continue
         pending, failed, edges = 0, False, []
         for parent, on in job.depends_on:
             if parent not in now:
                 raise BadInput(f"job {job.id} depends on unknown job {parent}")
-            state, result = now[parent]
+            state, result, _ = now[parent]
             if state in FINISHED:
                 failed = failed or (on == ON_SUCCESS and state != "done")
                 edges.append((parent, on, state, result))
@@ -124,6 +138,7 @@ def plan(jobs, known):
                 pending += 1
                 edges.append((parent, on, None, None))
         state = "cancelled" if failed else "waiting" if pending else "queued"
-        now[job.id] = (state, None)
-        out.append((job, state, pending, edges))
+        level = level_of(job.id, [now[parent][2] for parent, _ in job.depends_on])
+        now[job.id] = (state, None, level)
+        out.append((job, state, pending, edges, level))
     return out

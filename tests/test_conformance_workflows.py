@@ -397,3 +397,19 @@ def test_prune_keeps_what_a_waiting_child_reads_and_removes_a_finished_workflow_
     broker.ack(got.lease)
     wait_for(lambda: broker.prune(0) >= 0 and broker.get(child) is None, message="the workflow to be pruned")
     assert broker.get(early) is None and broker.get(late) is None
+
+
+def test_a_workflow_deeper_than_max_levels_is_refused_and_the_deepest_allowed_cascades(broker):
+    from supervisor.dependencies import MAX_LEVELS
+
+    chain = [new("root").validate()]
+    for _ in range(MAX_LEVELS):
+        chain.append(new("step", depends_on=[chain[-1].id]).validate())
+    broker.enqueue_many(chain[:100])
+    broker.enqueue_many(chain[100:])  # levels count across enqueues
+    with pytest.raises(BadInput, match=f"level {MAX_LEVELS + 1} of its workflow, deeper than {MAX_LEVELS}"):
+        broker.enqueue(new("too deep", depends_on=[chain[-1].id]))
+    die(broker, claim_all(broker)[0])  # the longest cascade allowed fits in one write
+    assert {broker.get(job.id).state for job in chain[1:]} == {"cancelled"}
+    broker.dlq_replay([chain[0].id])  # and so does the longest reopening
+    assert {broker.get(job.id).state for job in chain[1:]} == {"waiting"}

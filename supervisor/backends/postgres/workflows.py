@@ -36,7 +36,8 @@ def migration(s):
     """Version 5's statements (the states came with version 4): the columns, the edge table, the triggers."""
     notify = "pg_notify(left('tangguh_' || TG_TABLE_SCHEMA, 63), v_queue)"
     return [
-        f"ALTER TABLE {s}.jobs ADD COLUMN pending integer, ADD COLUMN kids boolean NOT NULL DEFAULT false",
+        f"ALTER TABLE {s}.jobs ADD COLUMN pending integer, ADD COLUMN level integer,"
+        " ADD COLUMN kids boolean NOT NULL DEFAULT false",
         f"""CREATE TABLE {s}.job_edges (
             parent text NOT NULL,
             child text NOT NULL,
@@ -145,37 +146,37 @@ class Workflows:
                 job, depends_on=[(stored.get(parent, parent), on) for parent, on in job.depends_on]))
         inside = {job.id for job in fresh}
         outside = sorted({parent for job in fresh for parent, _ in job.depends_on if parent not in inside})
-        known = {row[0]: (row[1], row[2]) for row in cur.execute(
-            f"UPDATE {t} SET kids = true WHERE id = ANY(%s::text[]) RETURNING id, state, result",
+        known = {row[0]: (row[1], row[2], row[3]) for row in cur.execute(
+            f"UPDATE {t} SET kids = true WHERE id = ANY(%s::text[]) RETURNING id, state, result, level",
             (outside,)).fetchall()} if outside else {}
         planned = plan(fresh, known)
-        parents = {parent for _, _, _, edges in planned for parent, _, _, _ in edges}
+        parents = {parent for _, _, _, edges, _ in planned for parent, _, _, _ in edges}
         cols = list(zip(*[
             (j.id, j.queue, j.type, json.dumps(j.payload, allow_nan=False, separators=(",", ":")), state,
              j.resource_id, j.idempotency_key, j.max_attempts, None if j.timeout is None else float(j.timeout),
              j.priority, float(j.delay), j.trace_id, None if j.expires_in is None else float(j.expires_in),
-             pending, j.id in parents)
-            for j, state, pending, _ in planned]))
+             pending, level or None, j.id in parents)
+            for j, state, pending, _, level in planned]))
         cur.execute(
             f"INSERT INTO {t} (id, queue, type, payload, state, resource_id, idempotency_key, max_attempts,"
-            " timeout, priority, run_at, queued_at, trace_id, expires_at, pending, kids, reason, finished_at,"
+            " timeout, priority, run_at, queued_at, trace_id, expires_at, pending, level, kids, reason, finished_at,"
             " cancel_request)"
             " SELECT i.id, i.queue, i.type, i.payload::json, i.state, i.resource_id, i.idempotency_key,"
             "  i.max_attempts, i.timeout, i.priority, n.now + i.delay, n.now, i.trace_id, n.now + i.expires_in,"
-            f"  i.pending, i.kids, CASE WHEN i.state = 'cancelled' THEN '{PARENT_FAILED}' END,"
+            f"  i.pending, i.level, i.kids, CASE WHEN i.state = 'cancelled' THEN '{PARENT_FAILED}' END,"
             "  CASE WHEN i.state = 'cancelled' THEN n.now END,"
             "  CASE WHEN i.state = 'cancelled' THEN jsonb_build_object('by', 'workflow', 'reason',"
             f"   '{PARENT_FAILED}', 'at', n.now) END"
             " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
             "  %s::integer[], %s::float8[], %s::integer[], %s::float8[], %s::text[], %s::float8[], %s::integer[],"
-            "  %s::boolean[])"
+            "  %s::integer[], %s::boolean[])"
             "  WITH ORDINALITY AS i(id, queue, type, payload, state, resource_id, idempotency_key, max_attempts,"
-            "  timeout, priority, delay, trace_id, expires_in, pending, kids, ord),"
+            "  timeout, priority, delay, trace_id, expires_in, pending, level, kids, ord),"
             f" (SELECT date_part('epoch', now()) AS now) n ORDER BY i.ord"
             " RETURNING CASE WHEN state = 'queued' AND run_at <= queued_at THEN pg_notify(%s, queue) END",
             [list(c) for c in cols] + [self.channel])
         edges = [(parent, job.id, on, state, None if state is None else json.dumps(result))
-                 for job, _, _, job_edges in planned for parent, on, state, result in job_edges]
+                 for job, _, _, job_edges, _ in planned for parent, on, state, result in job_edges]
         if edges:
             cur.execute(
                 f"INSERT INTO {self._s}.job_edges (parent, child, on_, state, result)"

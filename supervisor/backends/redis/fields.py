@@ -4,7 +4,7 @@ import json
 from ...errors import BadInput, NotDead
 from ...model import Job, load_json
 
-_INTS = ("attempt", "max_attempts", "priority", "token")
+_INTS = ("attempt", "max_attempts", "priority", "token", "level")
 _FLOATS = ("timeout", "run_at", "queued_at", "lease_until", "first_failure_at", "last_failure_at", "finished_at",
            "expires_at", "progress")
 _JSON = ("payload", "result", "error", "cancel_request")

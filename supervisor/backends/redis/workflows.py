@@ -14,7 +14,7 @@ or none (the script checks every parent before writing anything).
 """
 import json
 
-from ...dependencies import order
+from ...dependencies import MAX_LEVELS, level_of, order
 from ...errors import BadInput
 from .fields import enqueue_args
 
@@ -36,7 +36,10 @@ class Workflows:
             args.append([[parent, on] for parent, on in job.depends_on])
             payload.append(args)
         batch = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        (reply,) = self._run_many([("enqueue_flow", queue, [batch])], before=[("sadd", self.keys.queues, queue)])
+        (reply,) = self._run_many([("enqueue_flow", queue, [batch, MAX_LEVELS])],
+                                  before=[("sadd", self.keys.queues, queue)])
+        if reply[0] == "deep":
+            level_of(reply[1], [int(reply[2]) - 1])  # raises BadInput, the same words as every broker
         if reply[0] == "unknown":
             raise BadInput(f"job {reply[1]} depends on unknown job {reply[2]}"
                            f" (on redis a job's parents are in its queue, {queue!r})")

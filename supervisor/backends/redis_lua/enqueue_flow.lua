@@ -2,9 +2,11 @@
 -- children: [id, priority, delay_us, [field, value, ...], idempotency_key or
 -- false, expires_in_us or false, [[parent, on], ...]]. Every parent is in this call or stored in this
 -- queue already. All or nothing: every parent is checked before anything is
--- written. Returns {'ok', ids...} or {'unknown', job id, parent id}.
+-- written. Returns {'ok', ids...}, {'unknown', job id, parent id} or {'deep', job id, level}
+-- (ARGV[4]: the most levels a workflow may have, dependencies.MAX_LEVELS).
 local jobs = cjson.decode(ARGV[3])
-local stored, fresh, made = {}, {}, {}
+local max_levels = tonumber(ARGV[4])
+local stored, fresh, made, levels = {}, {}, {}, {}
 for n, job in ipairs(jobs) do
   local id, ikey = job[1], job[5]
   local holder = false
@@ -24,12 +26,18 @@ for n, job in ipairs(jobs) do
     stored[id] = id
     if ikey then made[ikey] = id end
     fresh[#fresh + 1] = job
+    local level = 0
     for _, dep in ipairs(job[7]) do
       local parent = stored[dep[1]] or dep[1]
-      if not fresh[parent] and redis.call('EXISTS', JOB .. parent) == 0 then
-        return {'unknown', id, dep[1]}
+      local plevel = levels[parent]
+      if not plevel then
+        if redis.call('EXISTS', JOB .. parent) == 0 then return {'unknown', id, dep[1]} end
+        plevel = tonumber(redis.call('HGET', JOB .. parent, 'level') or '0')
       end
+      if plevel + 1 > level then level = plevel + 1 end
     end
+    if level > max_levels then return {'deep', id, level} end
+    levels[id] = level
   end
   fresh[id] = true
 end
@@ -60,7 +68,7 @@ for _, job in ipairs(fresh) do
   redis.call('HSET', key, 'state', state, 'attempt', 0, 'token', 0, 'history', '[]',
     'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
   if #deps > 0 then
-    redis.call('HSET', key, 'pending', pending)
+    redis.call('HSET', key, 'pending', pending, 'level', levels[id])
     for i = 1, #extra, 1000 do
       redis.call('HSET', key, unpack(extra, i, math.min(i + 999, #extra)))
     end

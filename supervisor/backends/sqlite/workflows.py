@@ -26,7 +26,7 @@ cannot both see ``pending = 0``.
 """
 import json
 
-from ...dependencies import ON_SUCCESS, PARENT_FAILED, cancelled_by_workflow
+from ...dependencies import ON_SUCCESS, PARENT_FAILED, cancelled_by_workflow, level_of
 from ...errors import BadInput
 from ...model import FINISHED
 
@@ -85,6 +85,8 @@ def migrate(db):
     columns = {row["name"] for row in db.execute("PRAGMA table_info(jobs)")}
     if "pending" not in columns:
         db.execute("ALTER TABLE jobs ADD COLUMN pending INTEGER")
+    if "level" not in columns:
+        db.execute("ALTER TABLE jobs ADD COLUMN level INTEGER")
     for statement in SCHEMA:
         db.execute(statement)
 
@@ -103,7 +105,7 @@ class Workflows:
         """
         edges = [(stored.get(parent, parent), on) for parent, on in job.depends_on]
         found = {row["id"]: row for row in self.db.execute(
-            "SELECT id, state, result FROM jobs WHERE id IN (SELECT value FROM json_each(?))",
+            "SELECT id, state, result, level FROM jobs WHERE id IN (SELECT value FROM json_each(?))",
             (json.dumps([parent for parent, _ in edges]),))}
         pending, failed, rows = 0, False, []
         for parent, on in edges:
@@ -117,15 +119,16 @@ class Workflows:
                 pending += 1
                 rows.append((parent, job.id, on, None, None))
         state = "cancelled" if failed else "waiting" if pending else "queued"
+        level = level_of(job.id, [found[parent]["level"] for parent, _ in edges])
         self.db.execute(
             "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
             " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at, pending, reason, finished_at,"
-            " cancel_request) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " cancel_request, level) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (job.id, job.queue, job.type, json.dumps(job.payload), state, job.resource_id, job.idempotency_key,
              job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id,
              None if job.expires_in is None else now + job.expires_in, pending,
              PARENT_FAILED if failed else None, now if failed else None,
-             json.dumps(cancelled_by_workflow(now)) if failed else None),
+             json.dumps(cancelled_by_workflow(now)) if failed else None, level),
         )
         self.db.executemany("INSERT INTO job_edges (parent, child, on_, state, result) VALUES (?, ?, ?, ?, ?)",
                             rows)
