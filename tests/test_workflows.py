@@ -99,6 +99,8 @@ def test_replaying_a_dead_member_fires_the_callback_once_after_it(tmp_path):
         assert d.wait_job(batch.on_success).state == "done"
         (line,) = callbacks(marker)
         assert line[2:] == ["4", "done", "6"]
+        shown = tangguh("job", batch.on_success, "-c", d.config_path)
+        assert "depends_on:       4 job(s): 4 done" in shown.stdout, shown.stdout
         callback = d.job(batch.on_success)
         assert callback.attempt == 1 and callback.finished_at > d.job(dead.id).finished_at
         assert os.path.exists(fixed)
@@ -138,3 +140,20 @@ def test_the_readme_workflow_renders_invoices_then_sends_one_summary(tmp_path):
         d.assert_clean()
     finally:
         d.stop()
+
+
+def test_run_jobs_runs_a_group_and_its_callback_in_process(tmp_path):
+    from supervisor.testing import run_jobs
+
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "handlers", "invoice_flow.py")
+    spec = importlib.util.spec_from_file_location("invoice_flow_in_process", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with Client.from_url(f"sqlite:///{tmp_path}/broker.db") as client:
+        flow = client.group([("render_invoice", {"invoice_id": i, "total": 100}) for i in range(3)],
+                            then=("send_summary", {}))
+        ran = run_jobs(client, handlers=[module])
+    assert [r.type for r in ran] == ["render_invoice"] * 3 + ["send_summary"]
+    assert ran[-1].job_id == flow.then and ran[-1].result == {"invoices": 3, "total": 300}
