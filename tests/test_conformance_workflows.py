@@ -413,3 +413,16 @@ def test_a_workflow_deeper_than_max_levels_is_refused_and_the_deepest_allowed_ca
     assert {broker.get(job.id).state for job in chain[1:]} == {"cancelled"}
     broker.dlq_replay([chain[0].id])  # and so does the longest reopening
     assert {broker.get(job.id).state for job in chain[1:]} == {"waiting"}
+
+
+def test_a_waiting_job_holds_its_idempotency_key(broker):
+    parent = broker.enqueue(new())
+    child = broker.enqueue(new(idempotency_key="summary:11", depends_on=[parent]))
+    # Were the key free while the child waits, this job would take it, and the child's release
+    # (inside the parent's ack) would meet a second unfinished holder.
+    assert broker.enqueue(new(idempotency_key="summary:11")) == child
+    assert broker.enqueue_many([new(idempotency_key="summary:11", depends_on=[parent])]) == [child]
+    broker.ack(claim_all(broker)[0].lease)
+    assert broker.get(child).state == "queued"
+    broker.ack(claim_all(broker)[0].lease)
+    assert broker.enqueue(new(idempotency_key="summary:11")) != child  # finished: the key is free again

@@ -128,7 +128,7 @@ class PostgresBroker(workflows.Workflows, ControlMixin, Broker):
             keys = [jobs[i].idempotency_key for i in missing if jobs[i].idempotency_key is not None]
             rows = self._query(self._sql.existing, (keys, [jobs[i].id for i in missing]), conn)
             for row_id, key, state in rows:
-                if key is not None and state in ("queued", "running", "retrying"):
+                if key is not None and state in ("queued", "running", "retrying", "waiting"):
                     by_key.setdefault(key, row_id)
             existing_ids = {row[0] for row in rows}
             pending = []

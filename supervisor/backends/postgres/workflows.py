@@ -28,6 +28,7 @@ from psycopg.rows import tuple_row
 
 from ...dependencies import ON_SUCCESS, PARENT_FAILED, order, plan
 from ...errors import BrokerError
+from .statements import UNFINISHED
 
 _FINISHED = "('done', 'dead', 'cancelled', 'expired')"
 
@@ -46,6 +47,11 @@ def migration(s):
             result json,
             PRIMARY KEY (parent, child))""",
         f"CREATE INDEX job_edges_child ON {s}.job_edges (child)",
+        # A waiting job holds its idempotency key: were it free, another job could take the key and
+        # the release (inside a parent's ack) would then break the unique index.
+        f"DROP INDEX {s}.jobs_idempotency",
+        f"CREATE UNIQUE INDEX jobs_idempotency ON {s}.jobs (idempotency_key)"
+        f" WHERE idempotency_key IS NOT NULL AND state IN {UNFINISHED}",
         f"""CREATE FUNCTION {s}.flow_finish() RETURNS trigger LANGUAGE plpgsql AS $body$
         DECLARE
             v_now double precision := coalesce(NEW.finished_at, date_part('epoch', now()));
@@ -132,7 +138,7 @@ class Workflows:
         keys = sorted({job.idempotency_key for job in jobs if job.idempotency_key is not None})
         holders = dict(cur.execute(
             f"SELECT idempotency_key, id FROM {t} WHERE idempotency_key = ANY(%s::text[])"
-            " AND state IN ('queued', 'running', 'retrying') FOR UPDATE", (keys,)).fetchall()) if keys else {}
+            f" AND state IN {UNFINISHED} FOR UPDATE", (keys,)).fetchall()) if keys else {}
         stored, fresh = {}, []
         for job in order(jobs):
             key = job.idempotency_key
@@ -144,6 +150,8 @@ class Workflows:
             stored[job.id] = job.id
             fresh.append(dataclasses.replace(
                 job, depends_on=[(stored.get(parent, parent), on) for parent, on in job.depends_on]))
+        if not fresh:  # every job's idempotency key is held: nothing to store
+            return [stored[job.id] for job in jobs]
         inside = {job.id for job in fresh}
         outside = sorted({parent for job in fresh for parent, _ in job.depends_on if parent not in inside})
         known = {row[0]: (row[1], row[2], row[3]) for row in cur.execute(

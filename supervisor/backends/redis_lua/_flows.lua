@@ -100,6 +100,14 @@ reopen = function(id)
               redis.call('HDEL', ckey, 'reason', 'finished_at', 'cancel_request')
               redis.call('ZREM', CANCELLED_Z, child)
               redis.call('SADD', WAITING_S, child)
+              local ikey = redis.call('HGET', ckey, 'idempotency_key')  -- waiting again: it holds its key again
+              if ikey then
+                local holder = redis.call('HGET', IDEM, ikey)
+                local hstate = holder and redis.call('HGET', JOB .. holder, 'state')
+                if hstate ~= 'queued' and hstate ~= 'running' and hstate ~= 'retrying' and hstate ~= 'waiting' then
+                  redis.call('HSET', IDEM, ikey, child)
+                end
+              end
               work[#work + 1] = child
             end
           end

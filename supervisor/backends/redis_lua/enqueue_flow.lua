@@ -14,7 +14,9 @@ for n, job in ipairs(jobs) do
     holder = redis.call('HGET', IDEM, ikey)
     if holder then
       local state = redis.call('HGET', JOB .. holder, 'state')
-      if state ~= 'queued' and state ~= 'running' and state ~= 'retrying' then holder = false end
+      if state ~= 'queued' and state ~= 'running' and state ~= 'retrying' and state ~= 'waiting' then
+        holder = false
+      end
     end
     if not holder and made[ikey] then holder = made[ikey] end
   end
@@ -81,9 +83,8 @@ for _, job in ipairs(fresh) do
   else
     if state == 'waiting' then redis.call('SADD', WAITING_S, id) end
     if job[6] and state == 'queued' then redis.call('ZADD', EXPIRING, NOW + job[6], id) end
-    -- A waiting job holds no idempotency key (as on the other brokers: it is not unfinished yet).
+    if ikey then redis.call('HSET', IDEM, ikey, id) end  -- a waiting job holds its key too
     if state == 'queued' then
-      if ikey then redis.call('HSET', IDEM, ikey, id) end
       if delay > 0 then
         redis.call('ZADD', DELAYED, run, id)
       else

@@ -8,7 +8,9 @@ for k = 3, #ARGV do
     local holder = redis.call('HGET', IDEM, f[2])
     if holder and holder ~= id then
       local state = redis.call('HGET', JOB .. holder, 'state')
-      if state == 'queued' or state == 'running' or state == 'retrying' then return {'conflict', id} end
+      if state == 'queued' or state == 'running' or state == 'retrying' or state == 'waiting' then
+        return {'conflict', id}
+      end
     end
   end
 end

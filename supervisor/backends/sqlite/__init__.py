@@ -107,7 +107,8 @@ class SQLiteBroker(workflows.Workflows, ControlMixin, Broker):
             for job in order(jobs):  # parents first; BadInput on a cycle
                 if job.idempotency_key is not None:
                     row = self.db.execute(
-                        "SELECT id FROM jobs WHERE idempotency_key = ? AND state IN ('queued','running','retrying')",
+                        "SELECT id FROM jobs WHERE idempotency_key = ?"
+                        " AND state IN ('queued','running','retrying','waiting')",
                         (job.idempotency_key,),
                     ).fetchone()
                     if row:

@@ -80,8 +80,14 @@ END""",
 ]
 
 
+# A waiting job holds its idempotency key like any unfinished one: were it free, another job could
+# take the key and the release (inside a parent's ack) would then break the unique index.
+IDEMPOTENCY_INDEX = ("CREATE UNIQUE INDEX jobs_idempotency ON jobs (idempotency_key) WHERE idempotency_key IS NOT NULL"
+                     " AND state IN ('queued', 'running', 'retrying', 'waiting')")
+
+
 def migrate(db):
-    """Add the workflow column, table and triggers; inside the caller's write transaction."""
+    """Add the workflow columns, table, triggers and index; inside the caller's write transaction."""
     columns = {row["name"] for row in db.execute("PRAGMA table_info(jobs)")}
     if "pending" not in columns:
         db.execute("ALTER TABLE jobs ADD COLUMN pending INTEGER")
@@ -89,6 +95,10 @@ def migrate(db):
         db.execute("ALTER TABLE jobs ADD COLUMN level INTEGER")
     for statement in SCHEMA:
         db.execute(statement)
+    row = db.execute("SELECT sql FROM sqlite_master WHERE type = 'index' AND name = 'jobs_idempotency'").fetchone()
+    if row is None or "'waiting'" not in row["sql"]:
+        db.execute("DROP INDEX IF EXISTS jobs_idempotency")
+        db.execute(IDEMPOTENCY_INDEX)
 
 
 class Workflows:
