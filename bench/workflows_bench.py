@@ -7,8 +7,10 @@ Tangguh daemon of 2 workers and its no-op job body) with one difference on the
 group side: the jobs are enqueued as ``client.group(members, then=callback)``,
 so every member's ack also settles the callback's dependency and the last one
 releases it. Measured: the seconds from the first execution's start to the
-last one's end (the callback's included on the group side), and the enqueue
-time of the whole batch. Sides alternate round by round (ABBA) so the load of
+last one's end (the callback's included on the group side), the master's CPU
+per job (user + system, start-up included: on SQLite the release runs in the
+acking master's process; less sensitive to other load than wall time), and
+the enqueue time of the whole batch. Sides alternate round by round (ABBA) so the load of
 a shared machine falls on both; compare the ratios, not the absolute figures.
 """
 import argparse
@@ -21,12 +23,13 @@ import tempfile
 import time
 
 from bench import run
+from bench.throughput_ab import Tangguh  # bench/run.py's, noting its master's CPU seconds at the stop
 
 BROKERS = ("sqlite", "redis", "postgres")
 
 
 def one_run(fw, ev, settings, group):
-    """(seconds first start -> last end, enqueue seconds, executions) of one run."""
+    """(seconds first start -> last end, enqueue seconds, master CPU µs per job) of one run."""
     fw.reset()
     key = ev.fresh()
     payload = {"kind": "noop", "key": key}
@@ -47,7 +50,7 @@ def one_run(fw, ev, settings, group):
     recs = ev.records()
     if len(recs) < expected:
         raise SystemExit(f"{fw.name}: {len(recs)} of {expected} executions within the bound")
-    return max(r[1] for r in recs) - min(r[0] for r in recs), enqueue_s, len(recs)
+    return max(r[1] for r in recs) - min(r[0] for r in recs), enqueue_s, round(fw.master_cpu * 1e6 / len(recs))
 
 
 def main(argv=None):
@@ -73,10 +76,12 @@ def main(argv=None):
             for r in range(args.rounds):
                 figures = {"broker": broker, "round": r + 1, "loadavg": round(os.getloadavg()[0], 2)}
                 for side in ("plain", "group") if r % 2 == 0 else ("group", "plain"):
-                    seconds, enqueue_s, runs = one_run(run.Tangguh(tmp, broker), ev, settings, side == "group")
+                    seconds, enqueue_s, cpu = one_run(Tangguh(tmp, broker), ev, settings, side == "group")
                     figures[side], figures[f"{side}_enqueue"] = round(seconds, 3), round(enqueue_s, 3)
+                    figures[f"{side}_cpu_us"] = cpu
                 rounds.append(figures)
-                print(f"  {broker} round {r + 1}: plain {figures['plain']:.2f} s, group {figures['group']:.2f} s"
+                print(f"  {broker} round {r + 1}: plain {figures['plain']:.2f} s, group {figures['group']:.2f} s,"
+                      f" master {figures['plain_cpu_us']} / {figures['group_cpu_us']} µs/job"
                       f" (enqueue {figures['plain_enqueue']:.2f} / {figures['group_enqueue']:.2f} s; load {figures['loadavg']})",
                       file=sys.stderr, flush=True)
                 if args.json:
@@ -86,15 +91,16 @@ def main(argv=None):
         ev.clear()
     print(f"{args.rounds} rounds of {args.jobs:,} no-ops per broker (group: + 1 callback)\n")
     print("| broker | plain s (median) | group s (median) | group / plain | per round: min – max"
-          " | enqueue plain / group s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+          " | master CPU µs/job plain / group | enqueue plain / group s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for broker in brokers:
         mine = [f for f in rounds if f["broker"] == broker]
         plain, group = statistics.median(f["plain"] for f in mine), statistics.median(f["group"] for f in mine)
         ratios = [f["group"] / f["plain"] for f in mine]
         enq = (statistics.median(f["plain_enqueue"] for f in mine), statistics.median(f["group_enqueue"] for f in mine))
+        cpu = (statistics.median(f["plain_cpu_us"] for f in mine), statistics.median(f["group_cpu_us"] for f in mine))
         print(f"| {broker} | {plain:.2f} | {group:.2f} | {group / plain:.2f} | {min(ratios):.2f} – {max(ratios):.2f}"
-              f" | {enq[0]:.2f} / {enq[1]:.2f} |")
+              f" | {cpu[0]:.0f} / {cpu[1]:.0f} | {enq[0]:.2f} / {enq[1]:.2f} |")
     return 0
 
 
