@@ -25,6 +25,7 @@ from . import config as config_module
 from . import tracing
 from .backends.base import open_broker, scheme_of
 from .errors import BadInput, BrokerError
+from .jobfilter import JobFilter, check_page, decode_cursor
 from .logs import job_fields
 from .model import NewJob
 
@@ -225,6 +226,49 @@ class Client:
     def paused(self):
         """``{queue: {"by", "at"}}`` for every paused queue."""
         return self.broker.paused()
+
+    # -- job control --------------------------------------------------------
+    def search(self, filter=None, *, cursor=None, limit=50, order="newest", **fields):
+        """A ``jobfilter.Page`` of the jobs a filter selects, newest first (``order="oldest"``: oldest).
+
+        The filter is a ``JobFilter``, a dict, or keyword arguments:
+        ``client.search(state="dead", type="email", payload={"customer.id": 7})``.
+        Pass the page's ``next_cursor`` as ``cursor`` for the next page.
+        """
+        f = _filter(filter, fields)
+        check_page(limit, order)
+        if cursor is not None:
+            decode_cursor(cursor, order)
+        return self.broker.search(f, cursor=cursor, limit=limit, order=order)
+
+    def count(self, filter=None, *, exact_up_to=10_000, **fields):
+        """A ``jobfilter.Count``: exact up to ``exact_up_to``, an estimate (``exact=False``) past it."""
+        return self.broker.count(_filter(filter, fields), exact_up_to=exact_up_to)
+
+    def requeue(self, job_ids):
+        """Put dead, cancelled or expired jobs back on their queue; ``{id: outcome}``."""
+        return self.broker.requeue(_ids(job_ids))
+
+    def discard(self, job_ids):
+        """Delete jobs that are not running; ``{id: outcome}``."""
+        return self.broker.discard(_ids(job_ids))
+
+
+def _filter(filter, fields):
+    if filter is not None and fields:
+        raise BadInput("give a filter or filter keywords, not both")
+    if isinstance(filter, JobFilter):
+        return filter
+    return JobFilter.from_dict(fields if filter is None else filter)
+
+
+def _ids(job_ids):
+    if isinstance(job_ids, str):
+        job_ids = [job_ids]
+    job_ids = list(job_ids)
+    if not all(isinstance(i, str) and i for i in job_ids):
+        raise BadInput("job ids must be non-empty strings")
+    return job_ids
 
 
 def _job_args(item):

@@ -5,15 +5,20 @@ and the job fields a child receives. The master, the child and the lock
 helpers use these names, never the strings.
 """
 import json
+import signal
 import struct
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 64 * 1024 * 1024
 
-# master -> child
-RUN, STOP = "run", "stop"
-# child -> master
-READY, RESULT, LOCK, UNLOCK = "ready", "result", "lock", "unlock"
+# master -> child. CANCEL ({"job_id", "by", "reason"}) is followed by CANCEL_SIGNAL:
+# a busy handler reads no pipe, so the signal is what raises ``Cancelled`` in it
+# (child/timeouts.py); the frame itself is read, and ignored, once the job is over.
+RUN, STOP, CANCEL = "run", "stop", "cancel"
+CANCEL_SIGNAL = signal.SIGUSR1
+# child -> master. PROGRESS: {"job_id", "fraction", "note"} (ctx.progress, coalesced)
+READY, RESULT, LOCK, UNLOCK, PROGRESS = "ready", "result", "lock", "unlock", "progress"
+MAX_NOTE = 200  # characters of a progress note kept
 
 # How an attempt failed: a child's reply says one of the first six ("kind");
 # the master decides the rest itself. Each is also the reason stored with the
@@ -21,9 +26,11 @@ READY, RESULT, LOCK, UNLOCK = "ready", "result", "lock", "unlock"
 EXCEPTION, PERMANENT, BAD_PAYLOAD, RETRY_LATER, TIMEOUT, RESULT_TOO_LARGE = (
     "exception", "permanent", "bad_payload", "retry_later", "timeout", "result_too_large")
 CRASHED, UNKNOWN_TYPE = "crashed", "unknown_type"
+CANCELLED = "cancelled"  # the handler raised ``Cancelled`` (the attempt ends the job ``cancelled``)
 
 # Why the master kills a child.
 KILLED_TIMEOUT, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_BAD_FRAME = "timeout", "lease_lost", "shutdown", "bad_frame"
+KILLED_CANCEL = "cancel"  # still running ``cancel_grace`` after its cancel
 
 # The job fields a child receives in a RUN message (``max_attempts`` is the
 # effective one, after config overrides).

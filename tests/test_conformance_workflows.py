@@ -426,3 +426,25 @@ def test_a_waiting_job_holds_its_idempotency_key(broker):
     assert broker.get(child).state == "queued"
     broker.ack(claim_all(broker)[0].lease)
     assert broker.enqueue(new(idempotency_key="summary:11")) != child  # finished: the key is free again
+
+
+def test_requeue_of_a_failed_parent_reopens_its_children(broker):
+    parent = broker.enqueue(new())
+    child = broker.enqueue(new(depends_on=[parent]))
+    broker.cancel([parent], by="ops", reason="oops")
+    assert broker.get(child).state == "cancelled"
+    assert broker.requeue([parent]) == {parent: "queued"}
+    assert broker.get(child).state == "waiting"
+    broker.ack(claim_all(broker)[0].lease)
+    assert [job.id for job in claim_all(broker)] == [child]
+
+
+def test_discarding_an_unfinished_parent_ends_it_for_its_children(broker):
+    parent = broker.enqueue(new())
+    child, always = broker.enqueue_many([new(depends_on=[parent]), new(depends_on=[(parent, "complete")])])
+    assert broker.discard([parent]) == {parent: "discarded"}
+    assert (broker.get(child).state, broker.get(child).reason) == ("cancelled", "parent_failed")
+    assert broker.get(always).state == "queued"
+    assert broker.get(always).parents == {parent: ("cancelled", None)}
+    assert broker.discard([always]) == {always: "discarded"}  # a child goes with its edges
+    assert broker.stats(Q)["default"].waiting == 0

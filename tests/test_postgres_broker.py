@@ -149,6 +149,7 @@ def test_a_version_1_schema_is_upgraded_in_place(postgres_url, monkeypatch):
         b.migrate()
         rows = b._execute(f'SELECT version FROM "{b.schema}".tangguh_schema_version ORDER BY version').fetchall()
         assert rows == VERSIONS
+        assert [j.id for j in b.search({"payload": {}, "type": "a"}).jobs] == [kept]  # version 3's indexes
         assert [j.id for j in b.claim(Q, 5, 30, "w", limits={"a": TypeLimits(max_concurrency=1)})] == [kept]
         queued = b.enqueue(NewJob("a", {}))  # the job-control columns and states joined the old table
         assert b.cancel([queued, kept], "ops", None) == {queued: "cancelled", kept: "requested"}

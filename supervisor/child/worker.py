@@ -20,7 +20,7 @@ from ..model import check_json
 from ..retry import BadPayload, Permanent, RetryLater
 from . import timeouts
 from .context import Context
-from .timeouts import JobTimeout
+from .timeouts import Cancelled, JobTimeout
 
 PR_SET_PDEATHSIG = 1
 
@@ -108,6 +108,7 @@ def serve(sock, slot, handlers, master_pid):
             return  # the master died (its PR_SET_PDEATHSIG kill is on the way)
         if msg is None or msg.get("op") == protocol.STOP:
             return
+        # A CANCEL frame read here crossed the reply of the job it named: nothing to do.
         if msg.get("op") == protocol.RUN:
             job = msg["job"]
             title(slot, f"{job['type']} {job['id']} since {time.strftime('%H:%M:%S')}")
@@ -152,14 +153,17 @@ def run_job(job, handlers, soft_timeout=None):
             result = spec.fn(ctx, payload)
         timeouts.disarm()
         check_json(result, "handler result")
+        # ``cancelled``: the handler returned after its cancel reached it (the job ends cancelled).
         return dict(reply, ok=True, result=result, duration=time.monotonic() - started,
-                    metrics=_numbers(ctx.metrics))
+                    metrics=_numbers(ctx.metrics), cancelled=timeouts.cancel_requested())
     except BaseException as exc:  # noqa: BLE001 - every way a handler can end is an outcome
         timeouts.disarm()
         if isinstance(exc, (KeyboardInterrupt, SystemExit)) and not isinstance(exc, JobTimeout):
             kind = protocol.EXCEPTION
         elif isinstance(exc, JobTimeout):
             kind = protocol.TIMEOUT
+        elif isinstance(exc, Cancelled):
+            kind = protocol.CANCELLED
         elif isinstance(exc, BadPayload):
             kind = protocol.BAD_PAYLOAD
         elif isinstance(exc, Permanent):
@@ -173,7 +177,7 @@ def run_job(job, handlers, soft_timeout=None):
         ctx.log.warning("job failed: %s: %s", type(exc).__name__, message)
         return dict(reply, ok=False, kind=kind, error_class=type(exc).__name__, message=message,
                     traceback=traceback.format_exc(), duration=time.monotonic() - started,
-                    metrics=_numbers(ctx.metrics))
+                    metrics=_numbers(ctx.metrics), cancelled=timeouts.cancel_requested())
 
 
 def _text(exc):

@@ -13,7 +13,7 @@ import os
 import sys
 
 from ..errors import BadInput, ConfigError, NotDead, TangguhError
-from . import admin, control, daemon, dlq, flows, jobs
+from . import admin, bulk, control, daemon, dlq, flows, jobs
 from .common import PROG, Failure, UsageError
 
 
@@ -112,6 +112,8 @@ def build_parser():
     control.add_commands(commands, command, as_json)
     command(commands, "batch", flows.cmd_batch, "show a batch's counts (its id: its first callback's)",
             as_json).add_argument("batch_id", metavar="ID")
+
+    bulk.add_commands(commands, command, as_json)
 
     dlq_commands = command(commands, "dlq", None, "inspect and replay dead-lettered jobs").add_subparsers(
         dest="dlq_command", metavar="COMMAND", required=True)

@@ -112,6 +112,8 @@ def render_status(reply, now=None):
     lines.append(f"{'state:':<8} " + ", ".join(state))
     if "handlers" in reply:
         lines.append(f"{'types:':<8} {', '.join(map(str, reply['handlers'])) or '-'}")
+    if reply.get("paused_queues"):
+        lines.append(f"{'paused:':<8} {', '.join(map(str, reply['paused_queues']))} (not claimed from)")
     if reply.get("reload_error"):
         lines.append(f"RELOAD FAILED (running the previous generation): {_flat(reply['reload_error'])}")
     workers = reply.get("workers") or []
@@ -121,14 +123,24 @@ def render_status(reply, now=None):
         rows = [[w.get("slot"), w.get("pid"), w.get("state"), w.get("job_id") or "-", w.get("job_type") or "-",
                  w.get("attempt") if w.get("job_id") else "-",
                  duration(w.get("elapsed")) if w.get("job_id") and w.get("elapsed") is not None else "-",
-                 size(w.get("rss_bytes")), w.get("jobs_done"), w.get("generation")]
+                 _progress(w), size(w.get("rss_bytes")), w.get("jobs_done"), w.get("generation")]
                 for w in workers]
-        lines.append(table(["SLOT", "PID", "STATE", "JOB", "TYPE", "ATTEMPT", "ELAPSED", "RSS", "DONE", "GEN"],
-                           rows))
+        lines.append(table(["SLOT", "PID", "STATE", "JOB", "TYPE", "ATTEMPT", "ELAPSED", "PROGRESS", "RSS", "DONE",
+                            "GEN"], rows))
     counters = reply.get("counters") or {}
     if counters:
         lines.append("counters: " + "  ".join(f"{k}={_flat(v)}" for k, v in sorted(counters.items())))
     return "\n".join(lines)
+
+
+def _progress(worker):
+    """``42% note`` of a worker's job (``ctx.progress``); ``cancelling`` once its cancel was sent."""
+    text = ""
+    if worker.get("job_id") and isinstance(worker.get("progress"), (int, float)):
+        text = f"{worker['progress'] * 100:.0f}% {worker.get('progress_note') or ''}".strip()
+    if worker.get("cancelling"):
+        text = (text + " (cancelling)").strip()
+    return text or "-"
 
 
 def _flat(value):

@@ -138,9 +138,9 @@ def cmd_stats(args):
     if args.json:
         print_json({q: s.to_dict() for q, s in stats.items()})
         return
-    headers = ["QUEUE", "READY", "SCHEDULED", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY"]
-    rows = [[q, s.ready, s.scheduled, s.in_flight, s.dead, s.done, duration(s.oldest_ready_age) if s.ready else "-"]
-            for q, s in stats.items()]
+    headers = ["QUEUE", "READY", "SCHEDULED", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY", "PAUSED"]
+    rows = [[q, s.ready, s.scheduled, s.in_flight, s.dead, s.done, duration(s.oldest_ready_age) if s.ready else "-",
+             "paused" if s.paused else "-"] for q, s in stats.items()]
     say(table(headers, rows))
 
 

@@ -3,9 +3,10 @@
 ``Arbiter.run`` is the whole life of the master: wait on the selector and
 read what is ready (signals via a self-pipe, child pipes, the health socket,
 the broker's wake-up fd), then in order handle signals, reap children, act on
-lost leases, kill overdue children, write outcomes to the broker, bring the
-pool to size, claim work and hand it out, run the periodic chores (schedules,
-pruning, queue samples) and report. Nothing blocks except broker calls, and
+what the heartbeat found (lost leases, cancels, pauses), kill overdue
+children, write outcomes to the broker, bring the pool to size, claim work and
+hand it out, run the periodic chores (schedules, pruning, queue samples) and
+report. Nothing blocks except broker calls, and
 those are bounded by the broker's own timeouts. docs/design.md draws the parts
 and the rules.
 
@@ -18,7 +19,8 @@ This is the only module of ``supervisor.master`` that knows the others:
 * ``brokerlink``: the main loop's broker connection and outage state;
 * ``status``: counters, status JSON, systemd, the process title;
 * ``periodic``: schedules, pruning, queue samples;
-* ``locks``: the children's Redis locks, from the master's side.
+* ``locks``: the children's Redis locks, from the master's side;
+* ``control``: lost leases, cancel requests and paused queues, from the heartbeat.
 """
 import collections
 import logging
@@ -34,12 +36,14 @@ from ..errors import BrokerError, BrokerUnusable, ConfigError, TangguhError
 from ..health import AlreadyRunning, HealthServer
 from ..heartbeat import Heartbeat
 from ..metrics import SAMPLE_SECONDS, HttpExporter, Metrics
-from ..protocol import KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT, UNKNOWN_TYPE
+from ..protocol import (KILLED_BAD_FRAME, KILLED_CANCEL, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT,
+                        UNKNOWN_TYPE)
 from ..retry import next_delay
 from ..sdnotify import Notifier
 from ..urls import redact
 from . import verdict
 from .brokerlink import BrokerLink
+from .control import JobControl
 from .dispatch import Dispatcher
 from .locks import MasterLocks
 from .outcomes import OutcomeWriter, attempt_info
@@ -82,10 +86,14 @@ class Arbiter:
                          on_boot_failed=self.on_boot_failed, count=count)
         self.dispatcher = Dispatcher(cfg, handlers, self.owner, self.link, self.pool,
                                      hold=self.heartbeat.hold, settings_for=self.settings_for,
-                                     on_claimed=self.status.claimed, on_unknown=self.on_unknown_type)
+                                     on_claimed=self.status.claimed, on_unknown=self.on_unknown_type,
+                                     on_expired=self.status.expired)
         self.writer = OutcomeWriter(self.link, unhold=self.heartbeat.drop, on_stored=self.status.stored,
                                     on_lost=lambda job: count("lease_lost"))
         self.periodic = Periodic(cfg, handlers, self.link, self.metrics, SAMPLE_SECONDS)
+        self.control = JobControl(self.heartbeat, self.pool, self.dispatcher, self.writer, self.metrics, count,
+                                  lambda job, s: self.settle(job, s, verdict.Ending(cancel_sent=True)),
+                                  record=self.status.record)
 
     # -- life -------------------------------------------------------------------------
     def run(self):
@@ -99,7 +107,7 @@ class Arbiter:
             self.wait_and_read()
             self.handle_signals()
             self.pool.reap()
-            self.handle_lost_leases()
+            self.control.run(self.cfg.broker.queues, stopping=self.stopping is not None)
             self.pool.kill_overdue()
             self.check_stop_deadline()
             self.writer.flush()
@@ -319,7 +327,8 @@ class Arbiter:
         if self.locks is not None:
             self.locks.release_child(c.pid)  # a lock the job left behind ends with the job
         self.status.attempt(job, reply)
-        ending = verdict.Ending(reply=reply, kill_reason=c.kill_reason, term_sent=c.term_at is not None)
+        ending = verdict.Ending(reply=reply, kill_reason=c.kill_reason, term_sent=c.term_at is not None,
+                                cancel_sent=c.cancel_at is not None)
         self.settle(job, settings, ending, c, reply)
         if self.pool.after_reply(c) and self.stopping is None:
             self.dispatcher.dispatch()  # the next prefetched job now: the child need not wait for the ack
@@ -334,12 +343,12 @@ class Arbiter:
         if c.kill_reason == KILLED_TIMEOUT:
             log.warning("worker %d killed: job over its hard timeout", c.slot,
                         extra=logs.job_fields(job, event="timeout_exit", **fields))
-        elif c.kill_reason not in (KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_BAD_FRAME):
+        elif c.kill_reason not in (KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_BAD_FRAME, KILLED_CANCEL):
             log.error("worker %d died mid-job (%s)", c.slot, how, extra=logs.job_fields(job, event="crash", **fields))
             self.status.count("crashed_mid_job")
         bad = c.bad_frame
         ending = verdict.Ending(exit_how=how, kill_reason=c.kill_reason, bad_frame=str(bad or ""),
-                                too_large=isinstance(bad, protocol.TooLarge))
+                                too_large=isinstance(bad, protocol.TooLarge), cancel_sent=c.cancel_at is not None)
         self.settle(job, settings, ending, c)
 
     # -- jobs ----------------------------------------------------------------------------------
@@ -377,18 +386,6 @@ class Arbiter:
 
     def on_broker_down(self, retry_at):
         self.dispatcher.hold_claims_until(retry_at)
-
-    def handle_lost_leases(self):
-        while self.heartbeat.lost:
-            lease = self.heartbeat.lost.popleft()
-            self.status.count("lease_lost")
-            self.dispatcher.forget(lease)
-            self.writer.forget(lease)
-            c = self.pool.running(lease)
-            if c is not None:
-                log.warning("lease lost: killing worker %d", c.slot,
-                            extra=logs.job_fields(c.job, event="lease_lost", slot=c.slot, pid=c.pid))
-                self.pool.kill(c, KILLED_LEASE_LOST)
 
     @property
     def broker_shown(self):

@@ -7,8 +7,8 @@ so every supervisor measures leases against the same clock.
 
 The package's parts: ``connection`` (the URL, the sessions, the clock, errors
 as BrokerError, LISTEN/NOTIFY), ``schema`` (the versions, ``migrate``, the
-foreign-schema refusal), ``statements`` (the SQL of the hot paths); the
-broker's operations are here.
+foreign-schema refusal), ``statements`` (the SQL of the hot paths),
+``search`` (search, count, requeue, discard); the other operations are here.
 
 * ``claim`` is one call of the SQL function ``<schema>.claim`` (one round
   trip, one transaction): it reclaims expired leases, then leases due jobs
@@ -38,12 +38,13 @@ from . import schema, workflows
 from .connection import Connections, libpq_conninfo, quote, read_url
 from .control import ControlMixin
 from .schema import migrations as _migrations  # looked up at each migrate: a test stands in older versions
+from .search import SearchMixin
 from .statements import NOW, Statements
 
 __all__ = ["PostgresBroker", "libpq_conninfo"]
 
 
-class PostgresBroker(workflows.Workflows, ControlMixin, Broker):
+class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
     prune_batch = 10_000  # rows deleted per statement by prune()
 
     def __init__(self, url):

@@ -95,9 +95,37 @@ def migration(s):
             RETURN NULL;
         END
         $body$""",
+        # A deleted child takes its edges with it; a parent deleted unfinished (discard) ends for its
+        # children as if cancelled (its edges' rows stay until those children go).
         f"""CREATE FUNCTION {s}.flow_forget() RETURNS trigger LANGUAGE plpgsql AS $body$
+        DECLARE
+            v_now double precision := date_part('epoch', now());
+            v_pending integer;
+            v_queue text;
+            e record;
         BEGIN
-            DELETE FROM {s}.job_edges WHERE child = OLD.id;
+            IF OLD.pending IS NOT NULL THEN
+                DELETE FROM {s}.job_edges WHERE child = OLD.id;
+            END IF;
+            IF OLD.kids AND OLD.state NOT IN {_FINISHED} THEN
+                FOR e IN WITH u AS (UPDATE {s}.job_edges SET state = 'cancelled', result = NULL
+                                    WHERE parent = OLD.id RETURNING child, on_)
+                         SELECT child, on_ FROM u ORDER BY child LOOP
+                    UPDATE {s}.jobs SET pending = pending - 1 WHERE id = e.child AND state = 'waiting'
+                        RETURNING pending INTO v_pending;
+                    CONTINUE WHEN NOT FOUND;
+                    IF e.on_ = '{ON_SUCCESS}' THEN
+                        UPDATE {s}.jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = v_now,
+                                cancel_request = jsonb_build_object('by', 'workflow', 'reason', '{PARENT_FAILED}',
+                                                                    'at', v_now)
+                            WHERE id = e.child;
+                    ELSIF v_pending = 0 THEN
+                        UPDATE {s}.jobs SET state = 'queued', run_at = greatest(run_at, v_now) WHERE id = e.child
+                            RETURNING queue INTO v_queue;
+                        PERFORM {notify};
+                    END IF;
+                END LOOP;
+            END IF;
             RETURN NULL;
         END
         $body$""",
@@ -107,7 +135,7 @@ def migration(s):
         f"CREATE TRIGGER flow_reopen AFTER UPDATE OF state ON {s}.jobs FOR EACH ROW"
         f" WHEN (NEW.kids AND OLD.state IN {_FINISHED} AND NEW.state NOT IN {_FINISHED})"
         f" EXECUTE FUNCTION {s}.flow_reopen()",
-        f"CREATE TRIGGER flow_forget AFTER DELETE ON {s}.jobs FOR EACH ROW WHEN (OLD.pending IS NOT NULL)"
+        f"CREATE TRIGGER flow_forget AFTER DELETE ON {s}.jobs FOR EACH ROW WHEN (OLD.pending IS NOT NULL OR OLD.kids)"
         f" EXECUTE FUNCTION {s}.flow_forget()",
     ]
 

@@ -8,7 +8,7 @@ import functools
 import os
 
 NAMES = ("enqueue", "claim", "extend", "ack", "retry", "dead", "release", "replay", "purge", "stats", "prune",
-         "claim_limited", "enqueue_once", "ack_many", "enqueue_flow")
+         "claim_limited", "enqueue_once", "ack_many", "requeue", "discard", "enqueue_flow")
 # Job control's scripts (redis/control.py).
 CONTROL_NAMES = ("cancel", "renew", "cancelled", "mark_waited")
 # A script made of several files, run in order (the first may return early).

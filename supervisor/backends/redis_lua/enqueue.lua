@@ -26,6 +26,7 @@ for n, job in ipairs(jobs) do
     local run = NOW + delay
     redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'token', 0, 'history', '[]',
       'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
+    redis.call('ZADD', SEARCH, 0, search_member(id, NOW))
     if ikey then redis.call('HSET', IDEM, ikey, id) end
     if job[6] then  -- expires in (us), on this clock
       redis.call('HSET', key, 'expires_at', secs(NOW + job[6]))

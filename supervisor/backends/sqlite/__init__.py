@@ -9,7 +9,8 @@ process crash) for speed; the default is ``full``.
 
 The package's parts: ``schema`` (the tables, the foreign-table refusal),
 ``database`` (opening the file, transactions, errors), ``wakeup`` (inotify on
-the WAL); the broker's operations are here.
+the WAL), ``search`` (search, count, requeue, discard); the other operations
+are here.
 """
 import contextlib
 import json
@@ -24,6 +25,7 @@ from ..limits import Admission, active, refill
 from ...dependencies import order
 from . import schema, wakeup, workflows
 from .control import ControlMixin
+from .search import SearchMixin
 from .database import Transaction, connect, errors
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
@@ -34,7 +36,7 @@ _UNLESS_CANCELLED = ("state = CASE WHEN cancel_request IS NULL THEN {state} ELSE
                      " finished_at = CASE WHEN cancel_request IS NULL THEN finished_at ELSE :now END")
 
 
-class SQLiteBroker(workflows.Workflows, ControlMixin, Broker):
+class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
         parts = urllib.parse.urlsplit(url)

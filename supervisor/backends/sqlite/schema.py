@@ -53,6 +53,18 @@ CREATE INDEX IF NOT EXISTS jobs_expiring ON jobs (queue, expires_at)
     WHERE expires_at IS NOT NULL AND state IN ('queued', 'retrying');
 """
 
+# Job control's search (backends/sqlite/search.py): each filter's index, keyed by the
+# page's order (queued_at, id). Payload fields have none: see that module.
+SEARCH_INDEXES = """
+CREATE INDEX IF NOT EXISTS jobs_search_queued ON jobs (queued_at, id);
+CREATE INDEX IF NOT EXISTS jobs_search_state ON jobs (state, queued_at, id);
+CREATE INDEX IF NOT EXISTS jobs_search_queue ON jobs (queue, queued_at, id);
+CREATE INDEX IF NOT EXISTS jobs_search_type ON jobs (type, queued_at, id);
+CREATE INDEX IF NOT EXISTS jobs_search_resource ON jobs (resource_id, queued_at, id) WHERE resource_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS jobs_search_idempotency ON jobs (idempotency_key) WHERE idempotency_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS jobs_search_finished ON jobs (finished_at) WHERE finished_at IS NOT NULL;
+"""
+
 # The columns that make a jobs table Tangguh's.
 JOB_COLUMNS = {"id", "queue", "type", "payload", "state", "attempt", "token", "lease_until", "history"}
 
@@ -64,7 +76,7 @@ def migrate(db, path):
         # CREATE TABLE IF NOT EXISTS would keep it and write our jobs into it.
         raise ConfigError(f"sqlite database {path} has a jobs table that is not Tangguh's:"
                           " give the broker a database file of its own")
-    for statement in SCHEMA.split(";"):
+    for statement in (SCHEMA + SEARCH_INDEXES).split(";"):
         if statement.strip():
             db.execute(statement)
     columns = {row["name"] for row in db.execute("PRAGMA table_info(jobs)")}

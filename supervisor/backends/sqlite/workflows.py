@@ -22,7 +22,8 @@ cannot both see ``pending = 0``.
   forget the end they recorded; waiting children wait on it again; children
   it cancelled come back ``waiting`` unless another parent's failure still
   cancels them, and so on down the tree.
-* ``flow_forget``: a deleted child takes its edges with it.
+* ``flow_forget``: a deleted child takes its edges with it; ``flow_discard``:
+  a parent deleted unfinished (``discard``) ends for its children as if cancelled.
 """
 import json
 
@@ -76,6 +77,20 @@ END""",
     """CREATE TRIGGER IF NOT EXISTS flow_forget AFTER DELETE ON jobs
 BEGIN
     DELETE FROM job_edges WHERE child = OLD.id;
+END""",
+    # A parent deleted unfinished (discard) ends for its children as if cancelled.
+    f"""CREATE TRIGGER IF NOT EXISTS flow_discard AFTER DELETE ON jobs
+WHEN OLD.state NOT IN {_FINISHED} AND EXISTS (SELECT 1 FROM job_edges WHERE parent = OLD.id)
+BEGIN
+    UPDATE job_edges SET state = 'cancelled', result = NULL WHERE parent = OLD.id;
+    UPDATE jobs SET pending = pending - 1
+        WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = OLD.id);
+    UPDATE jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = {_NOW},
+            cancel_request = json_object('by', 'workflow', 'reason', '{PARENT_FAILED}', 'at', {_NOW})
+        WHERE state = 'waiting'
+            AND id IN (SELECT child FROM job_edges WHERE parent = OLD.id AND on_ = '{ON_SUCCESS}');
+    UPDATE jobs SET state = 'queued', run_at = max(run_at, {_NOW})
+        WHERE state = 'waiting' AND pending = 0 AND id IN (SELECT child FROM job_edges WHERE parent = OLD.id);
 END""",
 ]
 
