@@ -19,7 +19,8 @@ settle = function(id, state, result)
   while n <= #work do
     local pid, pstate, presult = work[n][1], work[n][2], work[n][3]
     n = n + 1
-    redis.call('SREM', WAITING_S, pid)  -- an operator may cancel a waiting job
+    -- An operator may cancel (or discard) a waiting job; an ack or a dead-letter never ends one.
+    if pstate == 'cancelled' then redis.call('SREM', WAITING_S, pid) end
     if redis.call('HGET', JOB .. pid, 'kids') then
       local fields = redis.call('HGETALL', JOB .. pid)
       for i = 1, #fields, 2 do
