@@ -37,7 +37,7 @@ class Workflows:
             payload.append(args)
         batch = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
         (reply,) = self._run_many([("enqueue_flow", queue, [batch, MAX_LEVELS])],
-                                  before=[("sadd", self.keys.queues, queue)])
+                                  before=[("sadd", self.keys.queues, queue)], confirm=True)
         if reply[0] == "deep":
             level_of(reply[1], [int(reply[2]) - 1])  # raises BadInput, the same words as every broker
         if reply[0] == "unknown":
