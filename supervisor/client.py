@@ -37,7 +37,7 @@ DEFAULT_QUEUE = "default"
 
 # Keyword arguments of ``Client.enqueue`` that describe the job (the rest go to the broker).
 JOB_OPTIONS = ("queue", "resource_id", "idempotency_key", "delay", "max_attempts", "timeout", "trace_id", "priority",
-               "expires_in")
+               "expires_in", "depends_on")
 
 
 class Client:
@@ -85,7 +85,8 @@ class Client:
 
     # -- producing ----------------------------------------------------------
     def new_job(self, type, payload, *, queue=None, resource_id=None, idempotency_key=None, delay=0,
-                max_attempts=None, timeout=None, trace_id=None, priority=0, expires_in=None):
+                max_attempts=None, timeout=None, trace_id=None, priority=0, expires_in=None,
+                depends_on=()):
         """The validated ``NewJob`` that ``enqueue`` would store (raises ``BadInput``)."""
         overrides = self.config.job_type(type) if self.config is not None and isinstance(type, str) else None
         if queue is None:
@@ -99,22 +100,25 @@ class Client:
             timeout = overrides.timeout
         job = NewJob(type, payload, queue=queue, resource_id=resource_id, idempotency_key=idempotency_key,
                      delay=delay, max_attempts=max_attempts, timeout=timeout, trace_id=trace_id, priority=priority,
-                     expires_in=expires_in)
+                     expires_in=expires_in, depends_on=depends_on)
         return job.validate()
 
     def default_queue(self):
         return DEFAULT_QUEUE if DEFAULT_QUEUE in self.queues or not self.queues else self.queues[0]
 
     def enqueue(self, type, payload, *, queue=None, resource_id=None, idempotency_key=None, delay=0,
-                max_attempts=None, timeout=None, trace_id=None, priority=0, expires_in=None, **broker_kwargs):
+                max_attempts=None, timeout=None, trace_id=None, priority=0, expires_in=None, depends_on=(),
+                **broker_kwargs):
         """Store one job; return its id (the existing job's id when ``idempotency_key`` matches
         an unfinished job). ``expires_in``: seconds after which the job, if not started, ends
-        ``expired`` instead of running. ``broker_kwargs`` go to the broker, e.g. ``conn=`` for
+        ``expired`` instead of running. ``depends_on``: job ids (or ``(id, on)``) it waits for
+        (``supervisor.workflows``). ``broker_kwargs`` go to the broker, e.g. ``conn=`` for
         PostgreSQL's transactional enqueue."""
         with tracing.enqueue_span([type], queue) as span:  # OpenTelemetry, when installed
             job = self.new_job(type, payload, queue=queue, resource_id=resource_id, idempotency_key=idempotency_key,
                                delay=delay, max_attempts=max_attempts, timeout=timeout,
-                               trace_id=trace_id or span.traceparent, priority=priority, expires_in=expires_in)
+                               trace_id=trace_id or span.traceparent, priority=priority, expires_in=expires_in,
+                               depends_on=depends_on)
             job_id = self._call("enqueue", job, broker_kwargs)
             span.stored([job_id])
             _log_enqueued(job, job_id)
@@ -146,6 +150,36 @@ class Client:
             ids = self._call("enqueue_many", new_jobs, broker_kwargs)
             span.stored(ids)
             for job, job_id in zip(new_jobs, ids):
+                _log_enqueued(job, job_id)
+        return ids
+
+    # -- workflows (supervisor.workflows) -------------------------------------
+    def chain(self, steps, on="success"):
+        """Enqueue steps that each wait for the previous one; returns their ids."""
+        from . import workflows
+
+        return workflows.chain(self, steps, on)
+
+    def group(self, members, then=None, on="success"):
+        """Enqueue members and an optional ``then`` callback waiting on all of them; returns a ``Flow``."""
+        from . import workflows
+
+        return workflows.group(self, members, then, on)
+
+    def batch(self, members, on_success=None, on_complete=None):
+        """A group with ``on_success``/``on_complete`` callbacks and a record; returns a ``Batch``."""
+        from . import workflows
+
+        return workflows.batch(self, members, on_success, on_complete)
+
+    def store(self, jobs, **broker_kwargs):
+        """Store validated ``NewJob``s in one atomic write (a workflow); returns their ids."""
+        with tracing.enqueue_span([job.type for job in jobs]) as span:
+            for job in jobs:
+                job.trace_id = job.trace_id or span.traceparent
+            ids = self._call("enqueue_many", jobs, broker_kwargs)
+            span.stored(ids)
+            for job, job_id in zip(jobs, ids):
                 _log_enqueued(job, job_id)
         return ids
 

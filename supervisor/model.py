@@ -156,6 +156,9 @@ class NewJob:
     priority: int = 0
     id: str = ""
     expires_in: float | None = None  # not started by then -> ``expired`` instead of running
+    # Workflows: parent job ids, or ``(id, on)`` with on = "success" (default) or "complete";
+    # the job stays ``waiting`` until every parent is finished (``supervisor.dependencies``).
+    depends_on: list = dataclasses.field(default_factory=list)
 
     def validate(self):
         """Raise BadInput on anything a broker must not store; fill defaults."""
@@ -179,6 +182,9 @@ class NewJob:
                            f" got {self.expires_in!r}")
         if not self.id:
             self.id = new_job_id()
+        from .dependencies import normalise  # here, not at the top: dependencies imports this module
+
+        self.depends_on = normalise(self.depends_on, self.id)
         if not self.trace_id:
             self.trace_id = new_trace_id()
         return self
@@ -264,6 +270,10 @@ class Job:
     progress: float | None = None  # 0..1, reported by the handler (``ctx.progress``), stored at renewal
     progress_note: str | None = None
     cancel_request: dict | None = None  # {"by", "reason", "at"}: asked while it ran, or why it was cancelled
+    # Workflows: how many parents are not finished yet (None: the job has no depends_on), and
+    # {parent id: (state, result)} of each parent (state None until it finished), filled in by claim and get.
+    pending: int | None = None
+    parents: dict | None = None
 
     @property
     def lease(self):

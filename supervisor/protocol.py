@@ -35,13 +35,15 @@ KILLED_CANCEL = "cancel"  # still running ``cancel_grace`` after its cancel
 # The job fields a child receives in a RUN message (``max_attempts`` is the
 # effective one, after config overrides).
 JOB_FIELDS = ("id", "type", "queue", "payload", "attempt", "max_attempts", "resource_id", "idempotency_key",
-              "trace_id", "token")
+              "trace_id", "token", "parents")
 
 
 def run_message(job, max_attempts, soft_timeout):
     """The RUN message that hands ``job`` to a child."""
     fields = {name: getattr(job, name) for name in JOB_FIELDS if name != "max_attempts"}
     fields["max_attempts"] = max_attempts
+    if fields["parents"] is None:
+        del fields["parents"]  # a job without dependencies: nothing to carry
     return {"op": RUN, "soft_timeout": soft_timeout, "job": fields}
 
 

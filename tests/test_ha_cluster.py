@@ -3,8 +3,8 @@ and a primary killed under two running supervisors.
 
 The cluster is started once for this module (``tests/ha_servers.py``); each test
 gets a key prefix of its own. The conformance tests are the very functions of
-``tests/test_broker_conformance.py``, ``test_conformance_control.py`` and
-``test_conformance_search.py``, imported here with ``broker_url`` pointing at
+``tests/test_broker_conformance.py``, ``test_conformance_control.py``,
+``test_conformance_workflows.py`` and ``test_conformance_search.py``, imported here with ``broker_url`` pointing at
 the cluster, so they run once, in this module only.
 """
 import select
@@ -22,6 +22,7 @@ from .ha_servers import RedisClusterSetup
 from .test_broker_conformance import *  # noqa: F401,F403
 from .test_conformance_control import *  # noqa: F401,F403
 from .test_conformance_search import *  # noqa: F401,F403
+from .test_conformance_workflows import *  # noqa: F401,F403
 from .util import wait_for
 
 pytestmark = pytest.mark.services

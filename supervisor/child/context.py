@@ -45,6 +45,7 @@ class Context:
 
     def __init__(self, job, deadline=None):
         self.job = JobInfo(**{f.name: job.get(f.name) for f in dataclasses.fields(JobInfo)})
+        self._parents = job.get("parents") or {}
         self.deadline = deadline
         self.log = _JobLogger(logging.getLogger(f"tangguh.job.{self.job.type}"), job_fields(job))
         self.metrics = {}
@@ -81,6 +82,21 @@ class Context:
                "note": note[:protocol.MAX_NOTE]}
         with timeouts.critical():  # a soft timeout or a cancel must not tear the frame
             toolkit.notify_master(msg)
+
+    def parents(self):
+        """``{parent job id: (state, result)}`` of the jobs this one depended on (``depends_on``).
+
+        Carried by the job itself (the claim read them with it): no broker call.
+        A chain step reads its previous step's result here; a group's callback,
+        every member's. Empty for a job without dependencies.
+        """
+        return {job_id: tuple(ended) for job_id, ended in self._parents.items()}
+
+    def parent_result(self):
+        """The result of the only parent (a chain's previous step); BadInput-like ValueError otherwise."""
+        if len(self._parents) != 1:
+            raise ValueError(f"parent_result() needs exactly one parent, this job has {len(self._parents)}")
+        return next(iter(self._parents.values()))[1]
 
     def count(self, name, amount=1):
         """Add ``amount`` to this job's counter ``name`` (e.g. ``duplicates_suppressed``)."""

@@ -13,7 +13,7 @@ import os
 import sys
 
 from ..errors import BadInput, ConfigError, NotDead, TangguhError
-from . import admin, bulk, control, daemon, dlq, jobs, web
+from . import admin, bulk, control, daemon, dlq, flows, jobs, web
 from .common import PROG, Failure, UsageError
 
 
@@ -97,6 +97,8 @@ def build_parser():
     p.add_argument("--priority", type=int, default=0, metavar="N", help="higher runs first within a queue")
     p.add_argument("--trace-id", metavar="T", help="trace id (default: a new one)")
     p.add_argument("--expires-in", type=float, metavar="S", help="not started within S seconds: ends expired")
+    p.add_argument("--depends-on", action="append", default=[], metavar="ID",
+                   help="wait until job ID is done (repeatable; ID:complete runs whatever its outcome)")
 
     command(commands, "status", daemon.cmd_status, "show the running supervisor's workers", as_json,
             to_socket).add_argument(
@@ -108,6 +110,8 @@ def build_parser():
     p.add_argument("job_id", metavar="ID")
     control.add_job_options(p)
     control.add_commands(commands, command, as_json)
+    command(commands, "batch", flows.cmd_batch, "show a batch's counts (its id: its first callback's)",
+            as_json).add_argument("batch_id", metavar="ID")
 
     bulk.add_commands(commands, command, as_json)
 

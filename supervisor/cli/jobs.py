@@ -9,6 +9,7 @@ from ..errors import BadInput
 from ..model import MAX_DEPTH
 from . import control
 from .common import Failure, load_config, open_client
+from .flows import render_parents
 from .output import duration, one_line, print_json, say, table, when
 
 _JSON_TYPES = {dict: "object", list: "list", str: "string", int: "number", float: "number", bool: "boolean",
@@ -35,7 +36,9 @@ def cmd_enqueue(args):
         # new_job checks everything before the broker is opened: a bad value stores nothing.
         options = dict(queue=args.queue, resource_id=args.resource_id, idempotency_key=args.idempotency_key,
                        delay=args.delay, max_attempts=args.max_attempts, timeout=args.timeout,
-                       trace_id=args.trace_id, priority=args.priority, expires_in=args.expires_in)
+                       trace_id=args.trace_id, priority=args.priority, expires_in=args.expires_in,
+                       depends_on=[tuple(d.rsplit(":", 1)) if d.endswith((":complete", ":success")) else d
+                                   for d in args.depends_on])
         client.new_job(args.type, payload, **options)
         print(client.enqueue(args.type, payload, **options))
 
@@ -80,7 +83,7 @@ def render_job(job):
         ("result", "-" if job.result is None else json.dumps(job.result, sort_keys=True)),
     ]
     lines = [f"{k + ':':<17} {'-' if v is None else v}" for k, v in fields]
-    return "\n".join(lines + render_error(job.error, "error:") + render_history(job.history))
+    return "\n".join(lines + render_parents(job) + render_error(job.error, "error:") + render_history(job.history))
 
 
 def progress(job):

@@ -69,6 +69,7 @@ from supervisor.health import request
 from supervisor.model import NewJob
 
 from ..daemon import Daemon
+from . import flows
 from ..util import wait_for
 from .control import ControlFaults
 
@@ -105,6 +106,7 @@ class Settings:
     quiesce_timeout: float = 120.0
     workdir: str | None = None
     keep: bool = False  # keep the work folder (logs, databases) after the run
+    workflows: int | None = None  # random chains, groups, diamonds (flows.py); default: one per 40 jobs
 
 
 class Incarnation:
@@ -165,7 +167,15 @@ class Soak(ControlFaults):
         self.seq = 0
         self.ids = {}  # idempotency key -> job id
         self.kinds = {}  # idempotency key -> (type, amount)
+        count = settings.workflows if settings.workflows is not None else settings.jobs // 40
+        # Their own generator: a seed's job mix and fault schedule stay what they were without them.
+        self.workflows = flows.make(random.Random(f"flows-{settings.seed}"), settings.seed, count,
+                                    settings.max_attempts)
+        for workflow in self.workflows:
+            for key, kind, payload, *_ in workflow:
+                self.kinds[key] = (kind, payload["amount"])
         self.producer_error = None
+        self.flow_done = []  # first keys of the workflows stored
         self.enqueued_at = None
         self.timings = {}
         self.broker_lock = None
@@ -341,6 +351,22 @@ class Soak(ControlFaults):
                         time.sleep(0.2)
                 for (key, *_), job_id in zip(chunk, got):
                     self.ids[key] = job_id
+                # The workflows arrive among the plain jobs, each in one atomic enqueue.
+                while len(self.flow_done) < len(self.workflows) * (start + batch) // n:
+                    workflow = self.workflows[len(self.flow_done)]
+                    try:
+                        if broker is None:
+                            broker = open_broker(self.broker_url)
+                        self.ids.update(flows.enqueue(broker, workflow))
+                        self.flow_done.append(workflow[0][0])
+                    except Exception:  # noqa: BLE001 - the outage fault at work: try again
+                        if broker is not None:
+                            try:
+                                broker.close()
+                            except Exception:  # noqa: BLE001
+                                pass
+                        broker = None
+                        time.sleep(0.2)
         except BaseException as exc:  # noqa: BLE001 - reported by the checker
             self.producer_error = repr(exc)
         finally:
@@ -642,7 +668,7 @@ class Soak(ControlFaults):
 
     # -- the end -----------------------------------------------------------------------------
     def quiet(self, broker):
-        if len(self.ids) < self.s.jobs and self.producer_error is None:
+        if (len(self.ids) < self.s.jobs or len(self.flow_done) < len(self.workflows)) and self.producer_error is None:
             return False
         st = broker.stats([QUEUE])[QUEUE]
         if st.ready or st.scheduled or st.in_flight:
@@ -714,9 +740,10 @@ class Soak(ControlFaults):
             checks.append({"name": name, "ok": bool(ok), "detail": detail})
 
         s = self.s
-        check("producer enqueued every job", self.producer_error is None and len(self.ids) == s.jobs,
-              f"{len(self.ids)} of {s.jobs} enqueued" + (f"; error {self.producer_error}" if self.producer_error
-                                                          else ""))
+        total = s.jobs + sum(len(workflow) for workflow in self.workflows)
+        check("producer enqueued every job", self.producer_error is None and len(self.ids) == total,
+              f"{len(self.ids)} of {total} enqueued" + (f"; error {self.producer_error}" if self.producer_error
+                                                        else ""))
         check("quiescence reached", self.quiesced, f"within {s.quiesce_timeout}s" if self.quiesced else "timed out")
 
         jobs = {}
@@ -726,9 +753,11 @@ class Soak(ControlFaults):
             stats = br.stats([QUEUE])[QUEUE]
         states = collections.Counter(j.state if j else "lost" for j in jobs.values())
         lost = [k for k, j in jobs.items() if j is None]
-        # Done or dead; cancelled if this run cancelled it, expired if it had an expiry.
+        # Done or dead; cancelled if this run cancelled it, expired if it had an expiry; a
+        # workflow member its parent's failure cancelled is checked by flows.check.
+        skipped = flows.cancelled_by_parent(self.workflows, jobs)
         stuck = [(k, j.id, j.state) for k, j in jobs.items() if j is not None
-                 and j.state not in self.finished_states(k, j)]
+                 and j.state not in self.finished_states(k, j) and k not in skipped]
         check("every job is finished (none lost, none stuck)", not lost and not stuck,
               f"lost {len(lost)} {lost[:5]}, not finished {len(stuck)} {stuck[:5]}")
         check("no leased job left (no leaked lease)", stats.in_flight == 0 and not any(
@@ -884,6 +913,7 @@ class Soak(ControlFaults):
               "cause them", not lost_bad, f"{lost_bad[:5]}")
         self.check_faults(check, jobs, fx)
         self.check_control(check, jobs)
+        flows.check(check, self.workflows, jobs)
         check("every broken reload was refused and shown in status (reload_error)", self.hup_unconfirmed == 0,
               f"{self.hup_unconfirmed} broken reloads without a reload_error")
         owners = {life.owner for sup in self.sups for life in sup.lives}
@@ -892,6 +922,8 @@ class Soak(ControlFaults):
 
         report = {
             "stale_leases_taken_over": self.stale_taken,
+            "workflows": len(self.workflows), "workflow_jobs": sum(len(w) for w in self.workflows),
+            "workflow_children_cancelled": len(skipped),
             "broker": s.broker, "jobs": s.jobs, "seed": s.seed, "supervisors": s.supervisors, "workers": s.workers,
             "lease_seconds": s.lease_seconds, "inject_seconds": s.duration, "fault_interval": s.fault_interval,
             "faults": dict(sorted(self.faults.items())), "faults_total": sum(self.faults.values()),
@@ -1049,6 +1081,8 @@ def format_report(r):
         f"duplicates suppressed {r['suppressed']}, fenced writes refused {r['fenced_writes_refused']}, "
         f"leases taken over from stalled supervisors {r['stale_leases_taken_over']}, "
         f"locks held at rest {r['locks_held_at_rest']}",
+        f"workflows: {r['workflows']} (chains, groups, diamonds) of {r['workflow_jobs']} jobs, "
+        f"{r['workflow_children_cancelled']} children cancelled by a failed parent",
         "counters (supervisor, pid, fate, counters, broker history by owner):",
     ]
     lines += [f"  {row}" for row in r["counters"]]

@@ -34,7 +34,7 @@ from ...errors import BadInput, BrokerError, LeaseLost, NotDead
 from ...model import Job, QueueStats
 from ..base import Broker
 from ..limits import Admission, active, refill
-from . import schema
+from . import schema, workflows
 from .connection import Connections, libpq_conninfo, quote, read_url
 from .control import ControlMixin
 from .schema import migrations as _migrations  # looked up at each migrate: a test stands in older versions
@@ -44,7 +44,7 @@ from .statements import NOW, Statements
 __all__ = ["PostgresBroker", "libpq_conninfo"]
 
 
-class PostgresBroker(ControlMixin, SearchMixin, Broker):
+class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
     prune_batch = 10_000  # rows deleted per statement by prune()
 
     def __init__(self, url):
@@ -106,6 +106,8 @@ class PostgresBroker(ControlMixin, SearchMixin, Broker):
         jobs = [job.validate() for job in jobs]
         if not jobs:
             return []
+        if any(job.depends_on for job in jobs):
+            return self._enqueue_flow(jobs, conn)
         ids = {}  # position -> id
         pending = list(range(len(jobs)))
         for _ in range(5):
@@ -127,7 +129,7 @@ class PostgresBroker(ControlMixin, SearchMixin, Broker):
             keys = [jobs[i].idempotency_key for i in missing if jobs[i].idempotency_key is not None]
             rows = self._query(self._sql.existing, (keys, [jobs[i].id for i in missing]), conn)
             for row_id, key, state in rows:
-                if key is not None and state in ("queued", "running", "retrying"):
+                if key is not None and state in ("queued", "running", "retrying", "waiting"):
                     by_key.setdefault(key, row_id)
             existing_ids = {row[0] for row in rows}
             pending = []
@@ -195,7 +197,7 @@ class PostgresBroker(ControlMixin, SearchMixin, Broker):
             order.setdefault(q, i)
         jobs = self._leasable(rows)  # the expired ones are recorded, not leased
         jobs.sort(key=lambda j: (order[j.queue], -j.priority, j.run_at, j.id))
-        return self._runnable(jobs)
+        return self._runnable(self._with_parents(jobs))
 
     def _claim_limited(self, queues, n, lease_seconds, owner, limits):
         """The claim under per-type limits, one transaction of a few statements.
@@ -308,7 +310,7 @@ class PostgresBroker(ControlMixin, SearchMixin, Broker):
     # -- reading ----------------------------------------------------------
     def get(self, job_id):
         row = self._execute(f"SELECT * FROM {self._jobs} WHERE id = %s", (job_id,), row_factory=dict_row).fetchone()
-        return Job.from_dict(row) if row else None
+        return self._with_parents([Job.from_dict(row)])[0] if row else None
 
     def stats(self, queues):
         queues = list(queues)
@@ -323,7 +325,8 @@ class PostgresBroker(ControlMixin, SearchMixin, Broker):
             "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying') AND run_at > n.now GROUP BY queue"
             " UNION ALL"
             f" SELECT queue, state, count(*), NULL FROM {t}"
-            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('running', 'dead', 'done', 'cancelled', 'expired')"
+            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('running', 'dead', 'done', 'cancelled', 'expired',"
+            " 'waiting')"
             "  GROUP BY queue, state"
             f" UNION ALL SELECT queue, 'paused', 1, NULL FROM {self._s}.paused_queues WHERE queue = ANY(%(q)s::text[])",
             {"q": queues},

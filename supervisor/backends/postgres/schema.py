@@ -11,6 +11,7 @@ import hashlib
 
 from ...errors import BrokerError, ConfigError
 from .connection import quote
+from . import workflows
 from .control_schema import control_migration
 from .statements import UNFINISHED
 
@@ -129,6 +130,8 @@ def migrations(s):
         # 4: job control (cancel, expiry, progress, pauses, supervisor records, wait's notification);
         # 3 is search's indexes.
         (4, control_migration(s)),
+        # 5: workflows (dependency edges, see workflows.py).
+        (5, workflows.migration(s)),
     ]
 
 
@@ -161,7 +164,8 @@ def migrate(db, schema, versions):
 def _adopt(db, schema, tables):
     """Before its first migration here: a fresh schema, or one Tangguh made under the
     old version table name (renamed now). Anything else is someone else's schema."""
-    ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys", "paused_queues", "supervisors"})
+    ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys", "paused_queues", "supervisors",
+                            "job_edges"})
     if not ours:
         return
     if "schema_version" in tables and "jobs" in tables:

@@ -43,7 +43,7 @@ from ...errors import BadInput, BrokerError, LeaseLost, NotDead
 from ...model import QueueStats
 from ..base import Broker
 from ..limits import active
-from . import scripts
+from . import scripts, workflows
 from .calls import ScriptCalls
 from .connection import connect, guard
 from .control import ControlMixin
@@ -57,7 +57,7 @@ BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one scri
 CLOCK_REFRESH = 30.0
 
 
-class RedisBroker(ScriptCalls, ControlMixin, SearchMixin, Broker):
+class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
         conn = connect(url)
@@ -104,6 +104,8 @@ class RedisBroker(ScriptCalls, ControlMixin, SearchMixin, Broker):
     @guard
     def enqueue_many(self, jobs):
         jobs = [job.validate() for job in jobs]
+        if any(job.depends_on for job in jobs):
+            return self._enqueue_flow(jobs)
         by_queue = {}
         for index, job in enumerate(jobs):
             self.keys.for_scripts(job.queue)  # rejects bad names before anything is stored
@@ -260,10 +262,9 @@ class RedisBroker(ScriptCalls, ControlMixin, SearchMixin, Broker):
         queues = list(queues)
         out = {}
         for queue, row in zip(queues, self._run_many([("stats", q, [self.done_ttl]) for q in queues])):
-            ready, scheduled, in_flight, dead, done, age, cancelled, expired, paused = row
-            out[queue] = QueueStats(queue, ready=ready, scheduled=scheduled, in_flight=in_flight, dead=dead,
-                                    done=done, oldest_ready_age=int(age) / 1e6, cancelled=cancelled,
-                                    expired=expired, paused=bool(paused))
+            ready, scheduled, in_flight, dead, done, age, cancelled, expired, paused, waiting = row
+            out[queue] = QueueStats(queue, ready, scheduled, in_flight, dead, done, int(age) / 1e6, waiting=waiting,
+                                    cancelled=cancelled, expired=expired, paused=bool(paused))
         return out
 
     # -- dead letters -----------------------------------------------------

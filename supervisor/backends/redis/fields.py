@@ -4,7 +4,7 @@ import json
 from ...errors import BadInput, NotDead
 from ...model import Job, load_json
 
-_INTS = ("attempt", "max_attempts", "priority", "token")
+_INTS = ("attempt", "max_attempts", "priority", "token", "level")
 _FLOATS = ("timeout", "run_at", "queued_at", "lease_until", "first_failure_at", "last_failure_at", "finished_at",
            "expires_at", "progress")
 _JSON = ("payload", "result", "error", "cancel_request")
@@ -57,6 +57,16 @@ def to_job(fields):
     for key in _JSON:
         if key in d:
             d[key] = load_json(d[key])
+    if "pending" in d:  # a workflow's child: its finished parents are the "p:<id>" fields
+        d["pending"] = int(d["pending"])
+        d["parents"] = {}
+    for name in sorted(name for name in d if name[1:2] == ":" and name[0] in "pdk"):
+        value = d.pop(name)  # sorted: a parent's "d:" (its edge) comes before its "p:" (its end)
+        if name[0] == "d":
+            d["parents"][name[2:]] = (None, None)
+        elif name[0] == "p":
+            state, result = json.loads(value)
+            d["parents"][name[2:]] = (state, result)
     history = json.loads(d.pop("history", "[]"))
     open_entry = d.pop("open", None)
     if open_entry:

@@ -1,6 +1,6 @@
 """The Redis broker's Lua scripts: one per state change, read from ``redis_lua/``.
 
-Every script starts with ``_common.lua`` and ``_control.lua`` (the shared helpers); a composed one
+Every script starts with ``_common.lua``, ``_control.lua`` and ``_flows.lua`` (the shared helpers); a composed one
 is several files run in order, the first of which may return early. The files
 ship as package data beside this package (``supervisor/backends/redis_lua/``).
 """
@@ -9,11 +9,13 @@ import os
 
 NAMES = ("enqueue", "claim", "extend", "ack", "retry", "dead", "release", "replay", "purge", "stats", "prune",
          "claim_limited", "enqueue_once", "ack_many", "requeue", "discard", "search_page", "search_states",
-         "search_sizes")
+         "search_sizes", "enqueue_flow")
 # Job control's scripts (redis/control.py).
 CONTROL_NAMES = ("cancel", "renew", "cancelled", "mark_waited")
 # A script made of several files, run in order (the first may return early).
 COMPOSED = {"enqueue_once": ("enqueue_once", "enqueue")}
+# Prepended to every script: the shared helpers, job control's, then the workflows' settle/reopen.
+PRELUDE = ("_common.lua", "_control.lua", "_flows.lua")
 LUA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "redis_lua")
 
 
@@ -21,7 +23,7 @@ LUA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def sources():
     """{name: Lua source}, read once per process."""
     common = ""
-    for prelude in ("_common.lua", "_control.lua"):
+    for prelude in PRELUDE:
         with open(os.path.join(LUA_DIR, prelude), encoding="utf-8") as f:
             common += f.read() + "\n"
     out = {}

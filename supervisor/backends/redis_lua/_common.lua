@@ -71,3 +71,7 @@ local SEARCH = string.sub(JOB, 1, -3) .. 'search'
 local function search_member(id, queued_us)
   return string.format('%016.0f', queued_us) .. id
 end
+
+-- Workflows: defined in _flows.lua (see there), declared here so that every
+-- helper that ends a job (in _control.lua too) can settle its children.
+local settle, reopen

@@ -48,6 +48,7 @@ local function end_cancelled(key, id)
   redis.call('ZREM', EXPIRING, id)
   free_key(key, id)
   tell_waiters(key, id)
+  settle(id, 'cancelled', nil)
 end
 
 -- The due jobs past their expires_at end 'expired' (at most 1000 per call); their hashes
@@ -68,6 +69,7 @@ local function expire_due(out)
       redis.call('ZREM', EXPIRING, id)
       free_key(key, id)
       tell_waiters(key, id)
+      settle(id, 'expired', nil)
       out[#out + 1] = cjson.encode(redis.call('HGETALL', key))
     else
       redis.call('ZREM', EXPIRING, id)  -- running or finished: a retry or release puts it back

@@ -22,6 +22,7 @@ for _, id in ipairs(expired) do
       redis.call('HSET', key, 'state', 'dead', 'reason', 'lease_expired', 'finished_at', secs(NOW), 'run_at', secs(NOW))
       redis.call('ZADD', DEAD, NOW, id)
       free_key(key, id)
+      settle(id, 'dead', nil)
       tell_waiters(key, id)
     else
       redis.call('HSET', key, 'state', 'retrying', 'run_at', secs(NOW))

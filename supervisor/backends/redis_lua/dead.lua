@@ -9,5 +9,6 @@ failed_now(key)
 redis.call('ZREM', LEASED, id)
 redis.call('ZADD', DEAD, NOW, id)
 free_key(key, id)
+settle(id, 'dead', nil)
 tell_waiters(key, id)
 return 1

@@ -15,6 +15,10 @@ for k = 3, #ARGV do
     local queued = us_of(f[2])
     if queued then redis.call('ZREM', SEARCH, search_member(id, queued)) end
     free_key(key, id)
+    -- Workflows: an unfinished parent discarded ends for its children as if cancelled.
+    if f[1] ~= 'done' and f[1] ~= 'dead' and f[1] ~= 'cancelled' and f[1] ~= 'expired' then
+      settle(id, 'cancelled', nil)
+    end
     redis.call('DEL', key)
     out[#out + 1] = 'discarded'
   end

@@ -13,7 +13,9 @@ for n, job in ipairs(jobs) do
     holder = redis.call('HGET', IDEM, ikey)
     if holder then
       local state = redis.call('HGET', JOB .. holder, 'state')
-      if state ~= 'queued' and state ~= 'running' and state ~= 'retrying' then holder = false end
+      if state ~= 'queued' and state ~= 'running' and state ~= 'retrying' and state ~= 'waiting' then
+        holder = false
+      end
     end
   end
   if holder then

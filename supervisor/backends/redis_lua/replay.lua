@@ -8,7 +8,9 @@ for k = 3, #ARGV do
     local holder = redis.call('HGET', IDEM, f[2])
     if holder and holder ~= id then
       local state = redis.call('HGET', JOB .. holder, 'state')
-      if state == 'queued' or state == 'running' or state == 'retrying' then return {'conflict', id} end
+      if state == 'queued' or state == 'running' or state == 'retrying' or state == 'waiting' then
+        return {'conflict', id}
+      end
     end
   end
 end
@@ -21,6 +23,7 @@ for k = 3, #ARGV do
   local ikey = redis.call('HGET', key, 'idempotency_key')
   if ikey then redis.call('HSET', IDEM, ikey, id) end
   make_ready(id, redis.call('HGET', key, 'priority'), NOW)
+  reopen(id)
 end
 redis.call('PUBLISH', CHANNEL, '1')
 return {'ok'}

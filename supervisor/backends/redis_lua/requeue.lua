@@ -19,7 +19,7 @@ for k = 3, #ARGV do
     local held = false
     if holder and holder ~= id then
       local hs = redis.call('HGET', JOB .. holder, 'state')
-      held = hs == 'queued' or hs == 'running' or hs == 'retrying'
+      held = hs == 'queued' or hs == 'running' or hs == 'retrying' or hs == 'waiting'
     end
     if held then
       out[#out + 1] = 'conflict'
@@ -30,6 +30,7 @@ for k = 3, #ARGV do
       for _, z in ipairs({DEAD, CANCELLED_Z, EXPIRED_Z, EXPIRING}) do redis.call('ZREM', z, id) end
       if f[2] then redis.call('HSET', IDEM, f[2], id) end
       make_ready(id, f[3] or 0, NOW)
+      reopen(id)  -- workflows: the children it cancelled wait for it again
       out[#out + 1] = 'queued'
       any = true
     end

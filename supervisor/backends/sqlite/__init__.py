@@ -22,7 +22,8 @@ from ...errors import BadInput, BrokerError, ConfigError, LeaseLost, NotDead
 from ...model import DEAD, DONE, Job, QueueStats, load_json
 from ..base import Broker
 from ..limits import Admission, active, refill
-from . import schema, wakeup
+from ...dependencies import order
+from . import schema, wakeup, workflows
 from .control import ControlMixin
 from .database import Transaction, connect, errors
 from .search import SearchMixin
@@ -35,7 +36,7 @@ _UNLESS_CANCELLED = ("state = CASE WHEN cancel_request IS NULL THEN {state} ELSE
                      " finished_at = CASE WHEN cancel_request IS NULL THEN finished_at ELSE :now END")
 
 
-class SQLiteBroker(ControlMixin, SearchMixin, Broker):
+class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
         parts = urllib.parse.urlsplit(url)
@@ -69,6 +70,7 @@ class SQLiteBroker(ControlMixin, SearchMixin, Broker):
     def migrate(self):
         with self._write():
             schema.migrate(self.db, self.path)
+            workflows.migrate(self.db)
 
     def _write(self):
         return Transaction(self.db, "BEGIN IMMEDIATE", self.path)
@@ -102,17 +104,21 @@ class SQLiteBroker(ControlMixin, SearchMixin, Broker):
     def enqueue_many(self, jobs, _in_tx=False):
         jobs = [job.validate() for job in jobs]
         now = self.now()
-        ids = []
+        stored = {}  # NewJob id -> the id it is stored under
         with contextlib.nullcontext() if _in_tx else self._write():
-            for job in jobs:
+            for job in order(jobs):  # parents first; BadInput on a cycle
                 if job.idempotency_key is not None:
                     row = self.db.execute(
-                        "SELECT id FROM jobs WHERE idempotency_key = ? AND state IN ('queued','running','retrying')",
+                        "SELECT id FROM jobs WHERE idempotency_key = ?"
+                        " AND state IN ('queued','running','retrying','waiting')",
                         (job.idempotency_key,),
                     ).fetchone()
                     if row:
-                        ids.append(row["id"])
+                        stored[job.id] = row["id"]
                         continue
+                if job.depends_on:
+                    stored[job.id] = self._insert_child(job, now, stored)
+                    continue
                 self.db.execute(
                     "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
                     " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at)"
@@ -121,8 +127,8 @@ class SQLiteBroker(ControlMixin, SearchMixin, Broker):
                      job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id,
                      None if job.expires_in is None else now + job.expires_in),
                 )
-                ids.append(job.id)
-        return ids
+                stored[job.id] = job.id
+        return [stored[job.id] for job in jobs]
 
     def enqueue_once(self, job):
         job.validate()
@@ -137,7 +143,7 @@ class SQLiteBroker(ControlMixin, SearchMixin, Broker):
 
     # -- leasing ----------------------------------------------------------
     def claim(self, queues, n, lease_seconds, owner, limits=None):
-        return self._runnable(self._claim(queues, n, lease_seconds, owner, limits))
+        return self._runnable(self._with_parents(self._claim(queues, n, lease_seconds, owner, limits)))
 
     def _claim(self, queues, n, lease_seconds, owner, limits):
         limits = active(limits)
@@ -290,7 +296,7 @@ class SQLiteBroker(ControlMixin, SearchMixin, Broker):
     def get(self, job_id):
         with errors(self.path):
             row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return _job(row) if row else None
+            return self._with_parents([_job(row)])[0] if row else None
 
     def stats(self, queues):
         now = self.now()
@@ -312,7 +318,7 @@ class SQLiteBroker(ControlMixin, SearchMixin, Broker):
                 out[row["queue"]].scheduled = row["n"]
             for row in self.db.execute(
                 f"SELECT queue, state, count(*) AS n FROM jobs WHERE state IN ('running', 'dead', 'done',"
-                f" 'cancelled', 'expired') AND queue IN ({marks}) GROUP BY queue, state",
+                f" 'cancelled', 'expired', 'waiting') AND queue IN ({marks}) GROUP BY queue, state",
                 tuple(queues),
             ):
                 field = {"running": "in_flight"}.get(row["state"], row["state"])

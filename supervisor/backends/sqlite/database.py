@@ -16,6 +16,7 @@ def connect(path, synchronous):
     db.execute("PRAGMA journal_mode=WAL")
     db.execute(f"PRAGMA synchronous={synchronous}")
     db.execute("PRAGMA busy_timeout=30000")
+    db.execute("PRAGMA recursive_triggers=ON")  # a workflow's cancellation cascades down the tree
     return db
 
 

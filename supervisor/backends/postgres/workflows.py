@@ -1,0 +1,236 @@
+"""Workflows on PostgreSQL: dependency edges, and the triggers that release or cancel a waiting job.
+
+``job_edges`` holds one row per (parent, child) with the edge's ``on`` and,
+once the parent has finished, its final state and result (what the child's
+``ctx.parents()`` reads, so a parent may be pruned before its child runs).
+``jobs.pending`` counts a child's unfinished parents (NULL without
+dependencies); ``jobs.kids`` marks a job some child depends on, so the
+triggers never run for the others.
+
+The release is a trigger on the parent's row, so it belongs to whichever
+statement ends the parent (ack, ack_many, dead, the claim's lease
+reclaim, cancel, expiry) and commits with it. Exactly once under concurrency:
+each parent's end decrements the child's ``pending`` with an ``UPDATE ...
+RETURNING``, which takes the child's row lock, so of two transactions
+finishing the last two parents at once the second waits for the first and
+sees ``pending`` drop to 0, the first sees 1. Children are locked in id order.
+
+An enqueue with dependencies takes the row lock of each stored parent (it sets
+``kids``) before reading its state: a parent ending at the same moment either
+ends first (the enqueue then sees it finished) or waits for the enqueue to
+commit (its trigger then sees the new edge). Never neither.
+"""
+import dataclasses
+import json
+
+from psycopg import errors as pgerrors
+from psycopg.rows import tuple_row
+
+from ...dependencies import ON_SUCCESS, PARENT_FAILED, order, plan
+from ...errors import BrokerError
+from .statements import UNFINISHED
+
+_FINISHED = "('done', 'dead', 'cancelled', 'expired')"
+
+
+def migration(s):
+    """Version 5's statements (the states came with version 4): the columns, the edge table, the triggers."""
+    notify = "pg_notify(left('tangguh_' || TG_TABLE_SCHEMA, 63), v_queue)"
+    return [
+        f"ALTER TABLE {s}.jobs ADD COLUMN pending integer, ADD COLUMN level integer,"
+        " ADD COLUMN kids boolean NOT NULL DEFAULT false",
+        f"""CREATE TABLE {s}.job_edges (
+            parent text NOT NULL,
+            child text NOT NULL,
+            on_ text NOT NULL,
+            state text,
+            result json,
+            PRIMARY KEY (parent, child))""",
+        f"CREATE INDEX job_edges_child ON {s}.job_edges (child)",
+        # A waiting job holds its idempotency key: were it free, another job could take the key and
+        # the release (inside a parent's ack) would then break the unique index.
+        f"DROP INDEX {s}.jobs_idempotency",
+        f"CREATE UNIQUE INDEX jobs_idempotency ON {s}.jobs (idempotency_key)"
+        f" WHERE idempotency_key IS NOT NULL AND state IN {UNFINISHED}",
+        f"""CREATE FUNCTION {s}.flow_finish() RETURNS trigger LANGUAGE plpgsql AS $body$
+        DECLARE
+            v_now double precision := coalesce(NEW.finished_at, date_part('epoch', now()));
+            v_pending integer;
+            v_queue text;
+            e record;
+        BEGIN
+            FOR e IN WITH u AS (UPDATE {s}.job_edges SET state = NEW.state, result = NEW.result
+                                WHERE parent = NEW.id RETURNING child, on_)
+                     SELECT child, on_ FROM u ORDER BY child LOOP
+                UPDATE {s}.jobs SET pending = pending - 1 WHERE id = e.child AND state = 'waiting'
+                    RETURNING pending INTO v_pending;
+                CONTINUE WHEN NOT FOUND;
+                IF NEW.state <> 'done' AND e.on_ = '{ON_SUCCESS}' THEN
+                    UPDATE {s}.jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = v_now,
+                            cancel_request = jsonb_build_object('by', 'workflow', 'reason', '{PARENT_FAILED}',
+                                                                'at', v_now)
+                        WHERE id = e.child;
+                ELSIF v_pending = 0 THEN
+                    UPDATE {s}.jobs SET state = 'queued', run_at = greatest(run_at, v_now) WHERE id = e.child
+                        RETURNING queue INTO v_queue;
+                    PERFORM {notify};
+                END IF;
+            END LOOP;
+            RETURN NULL;
+        END
+        $body$""",
+        f"""CREATE FUNCTION {s}.flow_reopen() RETURNS trigger LANGUAGE plpgsql AS $body$
+        BEGIN
+            UPDATE {s}.job_edges e SET state = NULL, result = NULL FROM {s}.jobs c
+                WHERE e.parent = NEW.id AND c.id = e.child
+                    AND (c.state = 'waiting' OR (c.state = 'cancelled' AND c.reason = '{PARENT_FAILED}'));
+            UPDATE {s}.jobs SET pending = pending + 1
+                WHERE state = 'waiting' AND id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id);
+            UPDATE {s}.jobs j SET state = 'waiting', reason = NULL, finished_at = NULL, cancel_request = NULL,
+                    pending = (SELECT count(*) FROM {s}.job_edges e WHERE e.child = j.id AND e.state IS NULL)
+                WHERE j.state = 'cancelled' AND j.reason = '{PARENT_FAILED}'
+                    AND j.id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id)
+                    AND NOT EXISTS (SELECT 1 FROM {s}.job_edges e WHERE e.child = j.id AND e.on_ = '{ON_SUCCESS}'
+                                    AND e.state IS NOT NULL AND e.state <> 'done');
+            RETURN NULL;
+        END
+        $body$""",
+        # A deleted child takes its edges with it; a parent deleted unfinished (discard) ends for its
+        # children as if cancelled (its edges' rows stay until those children go).
+        f"""CREATE FUNCTION {s}.flow_forget() RETURNS trigger LANGUAGE plpgsql AS $body$
+        DECLARE
+            v_now double precision := date_part('epoch', now());
+            v_pending integer;
+            v_queue text;
+            e record;
+        BEGIN
+            IF OLD.pending IS NOT NULL THEN
+                DELETE FROM {s}.job_edges WHERE child = OLD.id;
+            END IF;
+            IF OLD.kids AND OLD.state NOT IN {_FINISHED} THEN
+                FOR e IN WITH u AS (UPDATE {s}.job_edges SET state = 'cancelled', result = NULL
+                                    WHERE parent = OLD.id RETURNING child, on_)
+                         SELECT child, on_ FROM u ORDER BY child LOOP
+                    UPDATE {s}.jobs SET pending = pending - 1 WHERE id = e.child AND state = 'waiting'
+                        RETURNING pending INTO v_pending;
+                    CONTINUE WHEN NOT FOUND;
+                    IF e.on_ = '{ON_SUCCESS}' THEN
+                        UPDATE {s}.jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = v_now,
+                                cancel_request = jsonb_build_object('by', 'workflow', 'reason', '{PARENT_FAILED}',
+                                                                    'at', v_now)
+                            WHERE id = e.child;
+                    ELSIF v_pending = 0 THEN
+                        UPDATE {s}.jobs SET state = 'queued', run_at = greatest(run_at, v_now) WHERE id = e.child
+                            RETURNING queue INTO v_queue;
+                        PERFORM {notify};
+                    END IF;
+                END LOOP;
+            END IF;
+            RETURN NULL;
+        END
+        $body$""",
+        f"CREATE TRIGGER flow_finish AFTER UPDATE OF state ON {s}.jobs FOR EACH ROW"
+        f" WHEN (NEW.kids AND NEW.state IN {_FINISHED} AND OLD.state NOT IN {_FINISHED})"
+        f" EXECUTE FUNCTION {s}.flow_finish()",
+        f"CREATE TRIGGER flow_reopen AFTER UPDATE OF state ON {s}.jobs FOR EACH ROW"
+        f" WHEN (NEW.kids AND OLD.state IN {_FINISHED} AND NEW.state NOT IN {_FINISHED})"
+        f" EXECUTE FUNCTION {s}.flow_reopen()",
+        f"CREATE TRIGGER flow_forget AFTER DELETE ON {s}.jobs FOR EACH ROW WHEN (OLD.pending IS NOT NULL OR OLD.kids)"
+        f" EXECUTE FUNCTION {s}.flow_forget()",
+    ]
+
+
+class Workflows:
+    """The PostgreSQL broker's workflow operations (a mixin of ``PostgresBroker``)."""
+
+    def _enqueue_flow(self, jobs, conn=None):
+        """Store validated jobs of which some have ``depends_on``: one transaction, four statements.
+
+        Idempotency keys held by unfinished jobs are resolved first (a child of
+        such a job depends on the holder); then the stored parents are locked
+        and read, each job's initial state is planned (``dependencies.plan``),
+        and every job and edge is inserted at once. All or nothing.
+        """
+        t = self._jobs
+        with self._guard("enqueue"):
+            db = conn if conn is not None else self._conn()
+            try:
+                with db.transaction():
+                    return self._store_flow(db, t, jobs)
+            except pgerrors.UniqueViolation:
+                raise BrokerError("enqueue: a job of this workflow was stored concurrently"
+                                  " (same id or idempotency key); try again") from None
+
+    def _store_flow(self, db, t, jobs):
+        cur = db.cursor(row_factory=tuple_row)
+        keys = sorted({job.idempotency_key for job in jobs if job.idempotency_key is not None})
+        holders = dict(cur.execute(
+            f"SELECT idempotency_key, id FROM {t} WHERE idempotency_key = ANY(%s::text[])"
+            f" AND state IN {UNFINISHED} FOR UPDATE", (keys,)).fetchall()) if keys else {}
+        stored, fresh = {}, []
+        for job in order(jobs):
+            key = job.idempotency_key
+            if key is not None and key in holders:
+                stored[job.id] = holders[key]
+                continue
+            if key is not None:
+                holders[key] = job.id
+            stored[job.id] = job.id
+            fresh.append(dataclasses.replace(
+                job, depends_on=[(stored.get(parent, parent), on) for parent, on in job.depends_on]))
+        if not fresh:  # every job's idempotency key is held: nothing to store
+            return [stored[job.id] for job in jobs]
+        inside = {job.id for job in fresh}
+        outside = sorted({parent for job in fresh for parent, _ in job.depends_on if parent not in inside})
+        known = {row[0]: (row[1], row[2], row[3]) for row in cur.execute(
+            f"UPDATE {t} SET kids = true WHERE id = ANY(%s::text[]) RETURNING id, state, result, level",
+            (outside,)).fetchall()} if outside else {}
+        planned = plan(fresh, known)
+        parents = {parent for _, _, _, edges, _ in planned for parent, _, _, _ in edges}
+        cols = list(zip(*[
+            (j.id, j.queue, j.type, json.dumps(j.payload, allow_nan=False, separators=(",", ":")), state,
+             j.resource_id, j.idempotency_key, j.max_attempts, None if j.timeout is None else float(j.timeout),
+             j.priority, float(j.delay), j.trace_id, None if j.expires_in is None else float(j.expires_in),
+             pending, level or None, j.id in parents)
+            for j, state, pending, _, level in planned]))
+        cur.execute(
+            f"INSERT INTO {t} (id, queue, type, payload, state, resource_id, idempotency_key, max_attempts,"
+            " timeout, priority, run_at, queued_at, trace_id, expires_at, pending, level, kids, reason, finished_at,"
+            " cancel_request)"
+            " SELECT i.id, i.queue, i.type, i.payload::json, i.state, i.resource_id, i.idempotency_key,"
+            "  i.max_attempts, i.timeout, i.priority, n.now + i.delay, n.now, i.trace_id, n.now + i.expires_in,"
+            f"  i.pending, i.level, i.kids, CASE WHEN i.state = 'cancelled' THEN '{PARENT_FAILED}' END,"
+            "  CASE WHEN i.state = 'cancelled' THEN n.now END,"
+            "  CASE WHEN i.state = 'cancelled' THEN jsonb_build_object('by', 'workflow', 'reason',"
+            f"   '{PARENT_FAILED}', 'at', n.now) END"
+            " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
+            "  %s::integer[], %s::float8[], %s::integer[], %s::float8[], %s::text[], %s::float8[], %s::integer[],"
+            "  %s::integer[], %s::boolean[])"
+            "  WITH ORDINALITY AS i(id, queue, type, payload, state, resource_id, idempotency_key, max_attempts,"
+            "  timeout, priority, delay, trace_id, expires_in, pending, level, kids, ord),"
+            f" (SELECT date_part('epoch', now()) AS now) n ORDER BY i.ord"
+            " RETURNING CASE WHEN state = 'queued' AND run_at <= queued_at THEN pg_notify(%s, queue) END",
+            [list(c) for c in cols] + [self.channel])
+        edges = [(parent, job.id, on, state, None if state is None else json.dumps(result))
+                 for job, _, _, job_edges, _ in planned for parent, on, state, result in job_edges]
+        if edges:
+            cur.execute(
+                f"INSERT INTO {self._s}.job_edges (parent, child, on_, state, result)"
+                " SELECT e.parent, e.child, e.on_, e.state, e.result::json"
+                " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[])"
+                " AS e(parent, child, on_, state, result)",
+                [list(c) for c in zip(*edges)])
+        return [stored[job.id] for job in jobs]
+
+    def _with_parents(self, jobs):
+        """Fill ``parents`` of the jobs that have dependencies (state None: not finished): one query for all."""
+        children = {job.id: job for job in jobs if job.pending is not None}
+        if not children:
+            return jobs
+        for job in children.values():
+            job.parents = {}
+        rows = self._execute(f"SELECT child, parent, state, result FROM {self._s}.job_edges"
+                             " WHERE child = ANY(%s::text[])", (list(children),)).fetchall()
+        for child, parent, state, result in rows:
+            children[child].parents[parent] = (state, result)
+        return jobs

@@ -1,0 +1,119 @@
+-- Workflows (prelude part, after _common.lua). A child and its parents share
+-- the queue, so every key here is in the script's slot. In a job's hash:
+--   kids        "1" once some job depends on it
+--   k:<child>   the edge's "on" (success | complete), on the parent
+--   d:<parent>  the edge's "on", on the child
+--   p:<parent>  '["<state>",<result JSON>]' once that parent has finished
+--   pending     parents not finished yet (children only)
+-- and in the queue's slot, QBASE..'waiting', a set of the queue's waiting jobs (for stats).
+local WAITING_S = QBASE .. 'waiting'
+
+-- A job reached a finished state: record it on each waiting child, cancel
+-- the on="success" children of a failed parent (and theirs, a worklist, not
+-- recursion), release the children with nothing left pending. Called in the
+-- same script as the write that ends the job: the release is exactly once.
+settle = function(id, state, result)
+  local work = {{id, state, result}}
+  local released = false
+  local n = 1
+  while n <= #work do
+    local pid, pstate, presult = work[n][1], work[n][2], work[n][3]
+    n = n + 1
+    -- An operator may cancel (or discard) a waiting job; an ack or a dead-letter never ends one.
+    if pstate == 'cancelled' then redis.call('SREM', WAITING_S, pid) end
+    if redis.call('HGET', JOB .. pid, 'kids') then
+      local fields = redis.call('HGETALL', JOB .. pid)
+      for i = 1, #fields, 2 do
+        if string.sub(fields[i], 1, 2) == 'k:' then
+          local child, on = string.sub(fields[i], 3), fields[i + 1]
+          local ckey = JOB .. child
+          local cstate = redis.call('HGET', ckey, 'state')
+          -- Recorded on every child still stored: a reopened child needs to know which parents failed.
+          if cstate then redis.call('HSET', ckey, 'p:' .. pid, '["' .. pstate .. '",' .. (presult or 'null') .. ']') end
+          if cstate == 'waiting' then
+            local left = redis.call('HINCRBY', ckey, 'pending', -1)
+            if (pstate ~= 'done' and on == 'success') or left == 0 then redis.call('SREM', WAITING_S, child) end
+            if pstate ~= 'done' and on == 'success' then
+              -- Like an operator's cancel (end_cancelled), without settling here: the worklist does.
+              redis.call('HSET', ckey, 'state', 'cancelled', 'reason', 'parent_failed', 'finished_at', secs(NOW),
+                'cancel_request', '{"by":"workflow","reason":"parent_failed","at":' .. secs(NOW) .. '}')
+              redis.call('ZADD', CANCELLED_Z, NOW, child)
+              redis.call('ZREM', EXPIRING, child)
+              free_key(ckey, child)
+              tell_waiters(ckey, child)
+              work[#work + 1] = {child, 'cancelled', nil}
+            elseif left == 0 then
+              watch_expiry(ckey, child)  -- an expiry counts from now on: it can expire only once queued
+              local f = redis.call('HMGET', ckey, 'priority', 'run_at')
+              local run = math.floor(tonumber(f[2]) * 1000000 + 0.5)
+              if run > NOW then
+                redis.call('ZADD', DELAYED, run, child)
+                redis.call('HSET', ckey, 'state', 'queued')
+              else
+                redis.call('HSET', ckey, 'state', 'queued', 'run_at', secs(NOW))
+                make_ready(child, f[1], NOW)
+                released = true
+              end
+            end
+          end
+        end
+      end
+    end
+  end
+  if released then redis.call('PUBLISH', CHANNEL, '1') end
+end
+
+-- A finished job goes back (dlq replay): its waiting children wait on it
+-- again; the children it cancelled wait again unless another on="success"
+-- parent still failed them, and so on down the tree.
+reopen = function(id)
+  local work = {id}
+  local n = 1
+  while n <= #work do
+    local pid = work[n]
+    n = n + 1
+    if redis.call('HGET', JOB .. pid, 'kids') then
+      local fields = redis.call('HGETALL', JOB .. pid)
+      for i = 1, #fields, 2 do
+        if string.sub(fields[i], 1, 2) == 'k:' then
+          local child = string.sub(fields[i], 3)
+          local ckey = JOB .. child
+          local f = redis.call('HMGET', ckey, 'state', 'reason')
+          if f[1] == 'waiting' then
+            if redis.call('HDEL', ckey, 'p:' .. pid) == 1 then redis.call('HINCRBY', ckey, 'pending', 1) end
+          elseif f[1] == 'cancelled' and f[2] == 'parent_failed' then
+            redis.call('HDEL', ckey, 'p:' .. pid)
+            local cf = redis.call('HGETALL', ckey)
+            local seen, deps, blocked = {}, {}, false
+            for j = 1, #cf, 2 do
+              local name = string.sub(cf[j], 1, 2)
+              if name == 'd:' then deps[string.sub(cf[j], 3)] = cf[j + 1]
+              elseif name == 'p:' then seen[string.sub(cf[j], 3)] = cf[j + 1] end
+            end
+            local pending = 0
+            for parent, on in pairs(deps) do
+              local ended = seen[parent]
+              if not ended then pending = pending + 1
+              elseif on == 'success' and string.sub(ended, 1, 7) ~= '["done"' then blocked = true end
+            end
+            if not blocked then
+              redis.call('HSET', ckey, 'state', 'waiting', 'pending', pending)
+              redis.call('HDEL', ckey, 'reason', 'finished_at', 'cancel_request')
+              redis.call('ZREM', CANCELLED_Z, child)
+              redis.call('SADD', WAITING_S, child)
+              local ikey = redis.call('HGET', ckey, 'idempotency_key')  -- waiting again: it holds its key again
+              if ikey then
+                local holder = redis.call('HGET', IDEM, ikey)
+                local hstate = holder and redis.call('HGET', JOB .. holder, 'state')
+                if hstate ~= 'queued' and hstate ~= 'running' and hstate ~= 'retrying' and hstate ~= 'waiting' then
+                  redis.call('HSET', IDEM, ikey, child)
+                end
+              end
+              work[#work + 1] = child
+            end
+          end
+        end
+      end
+    end
+  end
+end

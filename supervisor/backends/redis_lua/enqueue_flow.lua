@@ -1,0 +1,100 @@
+-- enqueue_flow: ARGV[3] = a workflow's jobs as one JSON array, parents before
+-- children: [id, priority, delay_us, [field, value, ...], idempotency_key or
+-- false, expires_in_us or false, [[parent, on], ...]]. Every parent is in this call or stored in this
+-- queue already. All or nothing: every parent is checked before anything is
+-- written. Returns {'ok', ids...}, {'unknown', job id, parent id} or {'deep', job id, level}
+-- (ARGV[4]: the most levels a workflow may have, dependencies.MAX_LEVELS).
+local jobs = cjson.decode(ARGV[3])
+local max_levels = tonumber(ARGV[4])
+local stored, fresh, made, levels = {}, {}, {}, {}
+for n, job in ipairs(jobs) do
+  local id, ikey = job[1], job[5]
+  local holder = false
+  if ikey then
+    holder = redis.call('HGET', IDEM, ikey)
+    if holder then
+      local state = redis.call('HGET', JOB .. holder, 'state')
+      if state ~= 'queued' and state ~= 'running' and state ~= 'retrying' and state ~= 'waiting' then
+        holder = false
+      end
+    end
+    if not holder and made[ikey] then holder = made[ikey] end
+  end
+  if holder then
+    stored[id] = holder
+  elseif redis.call('EXISTS', JOB .. id) == 1 then
+    stored[id] = id  -- a resent call (client retry): stored already
+  else
+    stored[id] = id
+    if ikey then made[ikey] = id end
+    fresh[#fresh + 1] = job
+    local level = 0
+    for _, dep in ipairs(job[7]) do
+      local parent = stored[dep[1]] or dep[1]
+      local plevel = levels[parent]
+      if not plevel then
+        if redis.call('EXISTS', JOB .. parent) == 0 then return {'unknown', id, dep[1]} end
+        plevel = tonumber(redis.call('HGET', JOB .. parent, 'level') or '0')
+      end
+      if plevel + 1 > level then level = plevel + 1 end
+    end
+    if level > max_levels then return {'deep', id, level} end
+    levels[id] = level
+  end
+  fresh[id] = true
+end
+
+local due_now = false
+for _, job in ipairs(fresh) do
+  local id, priority, delay, fields, ikey, deps = job[1], job[2], job[3], job[4], job[5], job[7]
+  local key = JOB .. id
+  local run = NOW + delay
+  local pending, failed, extra = 0, false, {}
+  for _, dep in ipairs(deps) do
+    local parent, on = stored[dep[1]] or dep[1], dep[2]
+    local pkey = JOB .. parent
+    local f = redis.call('HMGET', pkey, 'state', 'result')
+    extra[#extra + 1] = 'd:' .. parent
+    extra[#extra + 1] = on
+    if f[1] == 'done' or f[1] == 'dead' or f[1] == 'cancelled' or f[1] == 'expired' then
+      if on == 'success' and f[1] ~= 'done' then failed = true end
+      extra[#extra + 1] = 'p:' .. parent
+      extra[#extra + 1] = '["' .. f[1] .. '",' .. (f[2] or 'null') .. ']'
+    else
+      pending = pending + 1
+    end
+    redis.call('HSET', pkey, 'kids', '1', 'k:' .. id, on)
+  end
+  local state = 'queued'
+  if failed then state = 'cancelled' elseif pending > 0 then state = 'waiting' end
+  redis.call('HSET', key, 'state', state, 'attempt', 0, 'token', 0, 'history', '[]',
+    'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
+  if #deps > 0 then
+    redis.call('HSET', key, 'pending', pending, 'level', levels[id])
+    for i = 1, #extra, 1000 do
+      redis.call('HSET', key, unpack(extra, i, math.min(i + 999, #extra)))
+    end
+  end
+  if job[6] then redis.call('HSET', key, 'expires_at', secs(NOW + job[6])) end
+  if state == 'cancelled' then
+    redis.call('HSET', key, 'reason', 'parent_failed', 'finished_at', secs(NOW),
+      'cancel_request', '{"by":"workflow","reason":"parent_failed","at":' .. secs(NOW) .. '}')
+    redis.call('ZADD', CANCELLED_Z, NOW, id)
+  else
+    if state == 'waiting' then redis.call('SADD', WAITING_S, id) end
+    if job[6] and state == 'queued' then redis.call('ZADD', EXPIRING, NOW + job[6], id) end
+    if ikey then redis.call('HSET', IDEM, ikey, id) end  -- a waiting job holds its key too
+    if state == 'queued' then
+      if delay > 0 then
+        redis.call('ZADD', DELAYED, run, id)
+      else
+        make_ready(id, priority, run)
+        due_now = true
+      end
+    end
+  end
+end
+if due_now then redis.call('PUBLISH', CHANNEL, '1') end
+local out = {'ok'}
+for n, job in ipairs(jobs) do out[n + 1] = stored[job[1]] end
+return out

@@ -1,0 +1,176 @@
+"""Workflows on SQLite: dependency edges, and the triggers that release or cancel a waiting job.
+
+``job_edges`` holds one row per (parent, child) with the edge's ``on`` and,
+once the parent has finished, its final state and result: the child reads its
+parents' results from there (``ctx.parents()``), so a parent may be pruned
+before its child runs. ``jobs.pending`` counts a child's parents not finished
+yet (NULL for a job without dependencies).
+
+Triggers do the release, so it is part of whichever write ends the parent
+(ack, ack_many, dead, a lease expiring into dead, cancel, expiry) without any
+of those writes knowing about workflows: the child becomes ``queued`` in the
+same transaction as its last parent's end, exactly once. ``BEGIN IMMEDIATE``
+serialises writers, so two processes finishing the last two parents at once
+cannot both see ``pending = 0``.
+
+* ``flow_finish``: a job enters a finished state. Its edges take its state and
+  result, each waiting child's ``pending`` drops by one; an ``on='success'``
+  child of a parent that did not end ``done`` is cancelled (``parent_failed``),
+  which fires the trigger again for its own children (recursive triggers are
+  on); a child with nothing pending becomes ``queued``.
+* ``flow_reopen``: a finished job goes back (dlq replay, requeue). Its edges
+  forget the end they recorded; waiting children wait on it again; children
+  it cancelled come back ``waiting`` unless another parent's failure still
+  cancels them, and so on down the tree.
+* ``flow_forget``: a deleted child takes its edges with it; ``flow_discard``:
+  a parent deleted unfinished (``discard``) ends for its children as if cancelled.
+"""
+import json
+
+from ...dependencies import ON_SUCCESS, PARENT_FAILED, cancelled_by_workflow, level_of
+from ...errors import BadInput
+from ...model import FINISHED
+
+_FINISHED = "('done', 'dead', 'cancelled', 'expired')"
+_NOW = "(julianday('now') - 2440587.5) * 86400.0"
+
+SCHEMA = [f"""CREATE TABLE IF NOT EXISTS job_edges (
+    parent TEXT NOT NULL,
+    child TEXT NOT NULL,
+    on_ TEXT NOT NULL,
+    state TEXT,
+    result TEXT,
+    PRIMARY KEY (parent, child)
+) WITHOUT ROWID""",
+    "CREATE INDEX IF NOT EXISTS job_edges_child ON job_edges (child)",
+    f"""CREATE TRIGGER IF NOT EXISTS flow_finish AFTER UPDATE OF state ON jobs
+WHEN NEW.state IN {_FINISHED} AND OLD.state NOT IN {_FINISHED}
+    AND EXISTS (SELECT 1 FROM job_edges WHERE parent = NEW.id)
+BEGIN
+    UPDATE job_edges SET state = NEW.state, result = NEW.result WHERE parent = NEW.id;
+    UPDATE jobs SET pending = pending - 1
+        WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id);
+    UPDATE jobs SET state = 'cancelled', reason = '{PARENT_FAILED}',
+            finished_at = coalesce(NEW.finished_at, {_NOW}),
+            cancel_request = json_object('by', 'workflow', 'reason', '{PARENT_FAILED}',
+                                         'at', coalesce(NEW.finished_at, {_NOW}))
+        WHERE NEW.state <> 'done' AND state = 'waiting'
+            AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND on_ = '{ON_SUCCESS}');
+    UPDATE jobs SET state = 'queued', run_at = max(run_at, coalesce(NEW.finished_at, {_NOW}))
+        WHERE state = 'waiting' AND pending = 0 AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id);
+END""",
+    f"""CREATE TRIGGER IF NOT EXISTS flow_reopen AFTER UPDATE OF state ON jobs
+WHEN OLD.state IN {_FINISHED} AND NEW.state NOT IN {_FINISHED}
+    AND EXISTS (SELECT 1 FROM job_edges WHERE parent = NEW.id)
+BEGIN
+    UPDATE job_edges SET state = NULL, result = NULL WHERE parent = NEW.id AND child IN (
+        SELECT id FROM jobs WHERE state = 'waiting' OR (state = 'cancelled' AND reason = '{PARENT_FAILED}'));
+    UPDATE jobs SET pending = pending + 1
+        WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id);
+    UPDATE jobs SET state = 'waiting', reason = NULL, finished_at = NULL, cancel_request = NULL,
+            pending = (SELECT count(*) FROM job_edges e WHERE e.child = jobs.id AND e.state IS NULL)
+        WHERE state = 'cancelled' AND reason = '{PARENT_FAILED}'
+            AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id)
+            AND NOT EXISTS (SELECT 1 FROM job_edges e WHERE e.child = jobs.id AND e.on_ = '{ON_SUCCESS}'
+                            AND e.state IS NOT NULL AND e.state <> 'done');
+END""",
+    """CREATE TRIGGER IF NOT EXISTS flow_forget AFTER DELETE ON jobs
+BEGIN
+    DELETE FROM job_edges WHERE child = OLD.id;
+END""",
+    # A parent deleted unfinished (discard) ends for its children as if cancelled.
+    f"""CREATE TRIGGER IF NOT EXISTS flow_discard AFTER DELETE ON jobs
+WHEN OLD.state NOT IN {_FINISHED} AND EXISTS (SELECT 1 FROM job_edges WHERE parent = OLD.id)
+BEGIN
+    UPDATE job_edges SET state = 'cancelled', result = NULL WHERE parent = OLD.id;
+    UPDATE jobs SET pending = pending - 1
+        WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = OLD.id);
+    UPDATE jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = {_NOW},
+            cancel_request = json_object('by', 'workflow', 'reason', '{PARENT_FAILED}', 'at', {_NOW})
+        WHERE state = 'waiting'
+            AND id IN (SELECT child FROM job_edges WHERE parent = OLD.id AND on_ = '{ON_SUCCESS}');
+    UPDATE jobs SET state = 'queued', run_at = max(run_at, {_NOW})
+        WHERE state = 'waiting' AND pending = 0 AND id IN (SELECT child FROM job_edges WHERE parent = OLD.id);
+END""",
+]
+
+
+# A waiting job holds its idempotency key like any unfinished one: were it free, another job could
+# take the key and the release (inside a parent's ack) would then break the unique index.
+IDEMPOTENCY_INDEX = ("CREATE UNIQUE INDEX jobs_idempotency ON jobs (idempotency_key) WHERE idempotency_key IS NOT NULL"
+                     " AND state IN ('queued', 'running', 'retrying', 'waiting')")
+
+
+def migrate(db):
+    """Add the workflow columns, table, triggers and index; inside the caller's write transaction."""
+    columns = {row["name"] for row in db.execute("PRAGMA table_info(jobs)")}
+    if "pending" not in columns:
+        db.execute("ALTER TABLE jobs ADD COLUMN pending INTEGER")
+    if "level" not in columns:
+        db.execute("ALTER TABLE jobs ADD COLUMN level INTEGER")
+    for statement in SCHEMA:
+        db.execute(statement)
+    row = db.execute("SELECT sql FROM sqlite_master WHERE type = 'index' AND name = 'jobs_idempotency'").fetchone()
+    if row is None or "'waiting'" not in row["sql"]:
+        db.execute("DROP INDEX IF EXISTS jobs_idempotency")
+        db.execute(IDEMPOTENCY_INDEX)
+
+
+class Workflows:
+    """The SQLite broker's workflow operations (a mixin of ``SQLiteBroker``; ``self.db`` is its connection)."""
+
+    def _insert_child(self, job, now, stored):
+        """Store a job with ``depends_on`` inside the enqueue's transaction.
+
+        ``stored`` maps the ids of this enqueue's earlier jobs to the ids they
+        were stored under (an idempotency key may have named an existing job).
+        Its state follows its parents as they are now: ``queued`` when all are
+        finished, ``cancelled`` when an ``on='success'`` parent failed,
+        ``waiting`` otherwise. BadInput (the caller rolls back) on an unknown parent.
+        """
+        edges = [(stored.get(parent, parent), on) for parent, on in job.depends_on]
+        found = {row["id"]: row for row in self.db.execute(
+            "SELECT id, state, result, level FROM jobs WHERE id IN (SELECT value FROM json_each(?))",
+            (json.dumps([parent for parent, _ in edges]),))}
+        pending, failed, rows = 0, False, []
+        for parent, on in edges:
+            row = found.get(parent)
+            if row is None:
+                raise BadInput(f"job {job.id} depends on unknown job {parent}")
+            if row["state"] in FINISHED:
+                failed = failed or (on == ON_SUCCESS and row["state"] != "done")
+                rows.append((parent, job.id, on, row["state"], row["result"]))
+            else:
+                pending += 1
+                rows.append((parent, job.id, on, None, None))
+        state = "cancelled" if failed else "waiting" if pending else "queued"
+        level = level_of(job.id, [found[parent]["level"] for parent, _ in edges])
+        self.db.execute(
+            "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
+            " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at, pending, reason, finished_at,"
+            " cancel_request, level) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (job.id, job.queue, job.type, json.dumps(job.payload), state, job.resource_id, job.idempotency_key,
+             job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id,
+             None if job.expires_in is None else now + job.expires_in, pending,
+             PARENT_FAILED if failed else None, now if failed else None,
+             json.dumps(cancelled_by_workflow(now)) if failed else None, level),
+        )
+        self.db.executemany("INSERT INTO job_edges (parent, child, on_, state, result) VALUES (?, ?, ?, ?, ?)",
+                            rows)
+        return job.id
+
+    def _with_parents(self, jobs):
+        """Fill ``parents`` of the jobs that have dependencies (state None: not finished): one query for all."""
+        children = [job for job in jobs if job.pending is not None]
+        if not children:
+            return jobs
+        by_id = {job.id: job for job in children}
+        for job in children:
+            job.parents = {}
+        for row in self.db.execute(
+                "SELECT child, parent, state, result FROM job_edges"
+                " WHERE child IN (SELECT value FROM json_each(?))",
+                (json.dumps(list(by_id)),)):
+            result = json.loads(row["result"]) if row["result"] is not None else None
+            by_id[row["child"]].parents[row["parent"]] = (row["state"], result)
+        return jobs

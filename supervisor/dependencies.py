@@ -1,0 +1,144 @@
+"""Job dependencies: the edges a producer asks for, checked once for every broker.
+
+A job with ``depends_on`` is stored ``waiting``. Each edge says what the
+parent's end means for the child: ``on="success"`` (the default) runs the child
+only if the parent ends ``done`` (a parent that ends dead, cancelled or expired
+cancels the child with reason ``parent_failed``, and so on down the tree);
+``on="complete"`` runs it whatever the outcome. The child becomes ``queued`` in
+the same atomic write as its last parent's end (each broker's ``workflows``
+module), so it is released exactly once whatever crashes.
+
+What is refused here, before a broker is touched: an edge that is not an id or
+an ``(id, on)`` pair, an unknown ``on``, a job depending on itself, and (in
+``order``) a cycle among the jobs of one enqueue. A parent that is neither in
+the same enqueue nor stored already is refused by the broker (``unknown``).
+"""
+import heapq
+
+from .errors import BadInput
+
+ON_SUCCESS, ON_COMPLETE = "success", "complete"
+ONS = (ON_SUCCESS, ON_COMPLETE)
+MAX_PARENTS = 100_000  # a group's callback waits on each member: bounded, but generous
+PARENT_FAILED = "parent_failed"  # the reason a waiting child is cancelled with
+# Levels of a workflow: a job's level is 1 + its deepest parent's (0 without parents). A cancel
+# cascades (and a replay reopens) one level per nested trigger on SQLite and PostgreSQL, whose
+# nesting is bounded (SQLite: 1000 trigger levels; PostgreSQL: its stack): a bound here keeps
+# every cascade inside them, so the write that ends a parent can never fail for its descendants.
+MAX_LEVELS = 250
+
+
+def level_of(job_id, parent_levels):
+    """A child's level from its parents' (None counts as 0); BadInput past ``MAX_LEVELS``."""
+    level = 1 + max((lv or 0 for lv in parent_levels), default=-1)
+    if level > MAX_LEVELS:
+        raise BadInput(f"job {job_id} would be level {level} of its workflow, deeper than {MAX_LEVELS}"
+                       " (a chain that long: split it, enqueueing the rest from its last step)")
+    return level
+
+
+def cancelled_by_workflow(at):
+    """The ``cancel_request`` stored on a job its failed parent cancelled."""
+    return {"by": "workflow", "reason": PARENT_FAILED, "at": at}
+
+
+def normalise(depends_on, job_id=None):
+    """``depends_on`` as a list of ``(parent id, on)``, duplicates merged; BadInput naming what is wrong."""
+    if depends_on is None:
+        return []
+    if isinstance(depends_on, (str, bytes)) or not isinstance(depends_on, (list, tuple)):
+        raise BadInput(f"depends_on must be a list of job ids or (id, on) pairs, got {type(depends_on).__name__}")
+    if len(depends_on) > MAX_PARENTS:
+        raise BadInput(f"depends_on names {len(depends_on)} parents, more than {MAX_PARENTS}")
+    edges = {}
+    for edge in depends_on:
+        if isinstance(edge, str):
+            parent, on = edge, ON_SUCCESS
+        elif isinstance(edge, (list, tuple)) and len(edge) == 2 and isinstance(edge[0], str):
+            parent, on = edge
+        else:
+            raise BadInput(f"depends_on: {edge!r} is neither a job id nor an (id, on) pair")
+        if on not in ONS:
+            raise BadInput(f"depends_on: on={on!r} for {parent} must be 'success' or 'complete'")
+        if not parent or len(parent) > 255:
+            raise BadInput(f"depends_on: {parent!r} is not a job id")
+        if parent == job_id:
+            raise BadInput(f"job {job_id} depends on itself")
+        # The same parent twice: "success" is the stricter wish and wins.
+        edges[parent] = ON_SUCCESS if edges.get(parent) == ON_SUCCESS else on
+    return list(edges.items())
+
+
+def order(jobs):
+    """The jobs of one enqueue, each after its parents in the same enqueue; BadInput on a cycle.
+
+    Jobs must be validated first (ids assigned, ``depends_on`` normalised).
+    Kahn's algorithm on a heap of input positions: no recursion (a chain of any
+    length is fine), and the input order wherever the edges allow it.
+    """
+    if not any(job.depends_on for job in jobs):
+        return list(jobs)
+    position = {}
+    for i, job in enumerate(jobs):
+        if job.id in position:
+            raise BadInput(f"job id {job.id} appears twice in one enqueue")
+        position[job.id] = i
+    indegree = [0] * len(jobs)
+    children = {}
+    for i, job in enumerate(jobs):
+        for parent, _ in job.depends_on:
+            if parent in position:
+                indegree[i] += 1
+                children.setdefault(position[parent], []).append(i)
+    heap = [i for i, n in enumerate(indegree) if n == 0]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        i = heapq.heappop(heap)
+        out.append(jobs[i])
+        for child in children.get(i, ()):
+            indegree[child] -= 1
+            if indegree[child] == 0:
+                heapq.heappush(heap, child)
+    if len(out) < len(jobs):
+        stuck = sorted(jobs[i].id for i, n in enumerate(indegree) if n > 0)
+        raise BadInput(f"depends_on forms a cycle among {len(stuck)} jobs (e.g. {stuck[0]})")
+    return out
+
+
+def plan(jobs, known):
+    """The initial state of each job of one enqueue, given its parents' states now.
+
+    ``jobs``: validated, in ``order``; their parents are earlier in ``jobs`` or
+    in ``known`` ({id: (state, result, level)} of stored jobs). Returns one
+    ``(job, state, pending, edges, level)`` per job, ``edges`` being ``(parent,
+    on, state, result)`` with state and result None while the parent is unfinished.
+    A job is ``cancelled`` when an ``on="success"`` parent already failed (down
+    the tree within the enqueue), ``waiting`` while parents are unfinished,
+    ``queued`` otherwise. BadInput on a parent found nowhere.
+    """
+    from .model import FINISHED
+
+    now = dict(known)
+    out = []
+    for job in jobs:
+        if not job.depends_on:
+            now[job.id] = ("queued", None, 0)
+            out.append((job, "queued", None, [], 0))
+            continue
+        pending, failed, edges = 0, False, []
+        for parent, on in job.depends_on:
+            if parent not in now:
+                raise BadInput(f"job {job.id} depends on unknown job {parent}")
+            state, result, _ = now[parent]
+            if state in FINISHED:
+                failed = failed or (on == ON_SUCCESS and state != "done")
+                edges.append((parent, on, state, result))
+            else:
+                pending += 1
+                edges.append((parent, on, None, None))
+        state = "cancelled" if failed else "waiting" if pending else "queued"
+        level = level_of(job.id, [now[parent][2] for parent, _ in job.depends_on])
+        now[job.id] = (state, None, level)
+        out.append((job, state, pending, edges, level))
+    return out

@@ -1,0 +1,450 @@
+"""Workflows, checked on every broker unchanged: dependencies, release exactly once, cascades.
+
+A job with ``depends_on`` waits until its parents have finished and becomes
+``queued`` in the same atomic write as the last parent's end; a parent that
+fails cancels its ``on="success"`` children down the tree.
+"""
+import multiprocessing
+
+import pytest
+
+from supervisor.backends import open_broker
+from supervisor.errors import BadInput
+from supervisor.model import NewJob, error_info
+
+from .util import wait_for
+
+Q = ["default"]
+
+
+def new(type_="t", payload=None, **kw):
+    return NewJob(type_, {"n": 1} if payload is None else payload, **kw)
+
+
+def claim_all(broker, n=1000):
+    return broker.claim(Q, n, 30, "w")
+
+
+def claim_ids(broker):
+    return {job.id: job for job in claim_all(broker)}
+
+
+def die(broker, job):
+    broker.dead(job.lease, "permanent", error_info("permanent", "Permanent", "no"))
+
+
+# -- dependencies ----------------------------------------------------------------
+
+def test_a_child_waits_until_its_parent_is_done_and_then_reads_its_result(broker):
+    parent = broker.enqueue(new("fetch"))
+    child = broker.enqueue(new("load", depends_on=[parent]))
+    assert broker.get(child).state == "waiting"
+    assert list(claim_ids(broker)) == [parent]  # the waiting child is not claimable
+    broker.ack(broker.get(parent).lease, {"rows": 3})
+    assert broker.get(child).state == "queued"
+    (got,) = claim_all(broker)
+    assert got.id == child
+    assert got.parents == {parent: ("done", {"rows": 3})}
+
+
+def test_a_child_of_finished_parents_is_queued_at_once_and_of_a_failed_one_cancelled(broker):
+    ok, bad = broker.enqueue_many([new(), new()])
+    jobs = claim_ids(broker)
+    broker.ack(jobs[ok].lease, 7)
+    die(broker, jobs[bad])
+    runs = broker.enqueue(new(depends_on=[ok, (bad, "complete")]))
+    skipped = broker.enqueue(new(depends_on=[ok, bad]))
+    assert broker.get(runs).state == "queued"
+    assert broker.get(runs).parents == {ok: ("done", 7), bad: ("dead", None)}
+    assert (broker.get(skipped).state, broker.get(skipped).reason) == ("cancelled", "parent_failed")
+
+
+def test_fan_in_waits_for_every_parent(broker):
+    members = broker.enqueue_many([new(payload={"i": i}) for i in range(5)])
+    callback = broker.enqueue(new("summary", depends_on=members))
+    jobs = claim_ids(broker)
+    for i, member in enumerate(members):
+        assert broker.get(callback).state == "waiting"
+        broker.ack_many([(jobs[member].lease, i, None)])
+    (got,) = claim_all(broker)
+    assert got.id == callback
+    assert got.parents == {m: ("done", i) for i, m in enumerate(members)}
+
+
+def test_a_failed_parent_cancels_success_children_down_the_tree_and_releases_complete_ones(broker):
+    root = broker.enqueue(new("root"))
+    child, always = broker.enqueue_many([new("child", depends_on=[root]), new("always", depends_on=[(root, "complete")])])
+    grandchild = broker.enqueue(new("grandchild", depends_on=[(child, "complete")]))
+    die(broker, claim_ids(broker)[root])
+    assert (broker.get(child).state, broker.get(child).reason) == ("cancelled", "parent_failed")
+    # on="complete" runs whatever the outcome, also below a cancelled job.
+    assert broker.get(always).state == "queued"
+    assert broker.get(grandchild).state == "queued"
+    got = claim_ids(broker)
+    assert set(got) == {always, grandchild}
+    assert got[grandchild].parents == {child: ("cancelled", None)}
+
+
+def test_a_cascade_runs_down_a_long_chain(broker):
+    ids = [broker.enqueue(new("step0"))]
+    chain = []
+    for i in range(1, 60):
+        chain.append(new(f"step{i}", depends_on=[ids[-1] if i == 1 else chain[-1].id]).validate())
+    ids += broker.enqueue_many(chain)
+    die(broker, claim_ids(broker)[ids[0]])
+    assert {broker.get(i).state for i in ids[1:]} == {"cancelled"}
+    assert claim_all(broker) == []
+
+
+def test_a_lease_expiring_into_dead_cascades(broker):
+    parent = broker.enqueue(new(max_attempts=1))
+    child = broker.enqueue(new(depends_on=[parent]))
+    broker.claim(Q, 1, 0.05, "gone")
+    wait_for(lambda: broker.claim(Q, 1, 30, "w") == [] and broker.get(parent).state == "dead",
+             message="the expired lease to be reclaimed as dead")
+    assert (broker.get(child).state, broker.get(child).reason) == ("cancelled", "parent_failed")
+
+
+def test_replaying_a_dead_parent_reopens_its_cancelled_children(broker):
+    parent = broker.enqueue(new())
+    child = broker.enqueue(new(depends_on=[parent]))
+    grandchild = broker.enqueue(new(depends_on=[child]))
+    die(broker, claim_ids(broker)[parent])
+    assert broker.get(grandchild).state == "cancelled"
+    broker.dlq_replay([parent])
+    assert (broker.get(child).state, broker.get(child).reason) == ("waiting", None)
+    assert broker.get(grandchild).state == "waiting"
+    broker.ack(claim_ids(broker)[parent].lease, "second time")
+    got = claim_ids(broker)
+    assert list(got) == [child]
+    assert got[child].parents == {parent: ("done", "second time")}
+    broker.ack(got[child].lease)
+    assert list(claim_ids(broker)) == [grandchild]
+
+
+def test_replay_keeps_a_child_cancelled_while_another_parent_still_failed(broker):
+    a, b = broker.enqueue_many([new(), new()])
+    child = broker.enqueue(new(depends_on=[a, b]))
+    jobs = claim_ids(broker)
+    die(broker, jobs[a])
+    die(broker, jobs[b])
+    broker.dlq_replay([a])
+    assert broker.get(child).state == "cancelled"
+
+
+# -- atomic enqueue, refusals ------------------------------------------------------
+
+def test_a_workflow_is_stored_whole_or_not_at_all(broker):
+    first = new("first").validate()
+    second = new("second", depends_on=[first.id]).validate()
+    broken = new("broken", depends_on=["job_00000000000000000000000000"])
+    with pytest.raises(BadInput, match="unknown job job_0000"):
+        broker.enqueue_many([first, second, broken])
+    assert broker.get(first.id) is None and broker.get(second.id) is None
+    assert claim_all(broker) == []
+    ids = broker.enqueue_many([second, first])  # any order: parents are stored first
+    assert ids == [second.id, first.id]
+    assert broker.get(second.id).state == "waiting" and broker.get(first.id).state == "queued"
+
+
+@pytest.mark.parametrize("edges", [
+    "not a list", [42], [("job_x", "sometimes")], [("job_x",)], [["job_x", "success", 1]],
+])
+def test_bad_dependencies_are_refused(broker, edges):
+    with pytest.raises(BadInput, match="depends_on"):
+        broker.enqueue(new(depends_on=edges))
+    assert claim_all(broker) == []
+
+
+def test_cycles_and_self_dependencies_are_refused(broker):
+    a, b, c = new("a").validate(), new("b").validate(), new("c").validate()
+    a.depends_on, b.depends_on, c.depends_on = [c.id], [a.id], [b.id]
+    with pytest.raises(BadInput, match="cycle"):
+        broker.enqueue_many([a, b, c, new("innocent")])
+    me = new("me").validate()
+    me.depends_on = [me.id]
+    with pytest.raises(BadInput, match="depends on itself"):
+        broker.enqueue(me)
+    assert claim_all(broker) == []
+
+
+# -- exactly once under concurrency -------------------------------------------------
+
+GROUPS, MEMBERS = 40, 4
+
+
+def _finisher(url, leases, start, done):
+    """Finish this process's share of every group's members at the same instant as the others."""
+    broker = open_broker(url)
+    start.wait()
+    for i, (job_id, token) in enumerate(leases):
+        from supervisor.model import Lease
+
+        lease = Lease(job_id, token)
+        if i % 7 == 3:
+            broker.dead(lease, "permanent", error_info("permanent"))
+        else:
+            broker.ack(lease, job_id)
+    broker.close()
+    done.put(len(leases))
+
+
+def test_fan_in_is_released_exactly_once_by_four_concurrent_finishers(broker, broker_url):
+    callbacks, members = [], []
+    for g in range(GROUPS):
+        group = [new("member", payload={"g": g, "m": m}).validate() for m in range(MEMBERS)]
+        callback = new("callback", payload={"g": g}, depends_on=[(job.id, "complete") for job in group])
+        broker.enqueue_many(group + [callback])
+        callbacks.append(callback.id)
+        members.append([job.id for job in group])
+    leased = {job.id: job for job in broker.claim(Q, GROUPS * MEMBERS, 120, "main")}
+    assert len(leased) == GROUPS * MEMBERS
+    # Process m finishes member m of every group: each group's last two parents end at once.
+    shares = [[(group[m], leased[group[m]].token) for group in members] for m in range(MEMBERS)]
+    ctx = multiprocessing.get_context("fork")
+    start, done = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_finisher, args=(broker_url, share, start, done)) for share in shares]
+    for p in procs:
+        p.start()
+    start.set()
+    assert sum(done.get(timeout=120) for _ in procs) == GROUPS * MEMBERS
+    for p in procs:
+        p.join(30)
+    got = []
+    while True:
+        jobs = broker.claim(Q, 100, 30, "main")
+        if not jobs:
+            break
+        got += jobs
+    assert sorted(job.id for job in got) == sorted(callbacks), "every callback released exactly once"
+    for job in got:
+        assert job.pending == 0
+        assert len(job.parents) == MEMBERS
+
+
+# -- the producer API: chains, groups, batches ----------------------------------------
+
+@pytest.fixture
+def client(broker_url):
+    from supervisor.client import Client
+
+    with Client.from_url(broker_url) as c:
+        yield c
+
+
+def run_all(broker, handler):
+    """Claim and finish every claimable job (handler returns the result, or raises to dead-letter)."""
+    ran = []
+    while True:
+        jobs = claim_all(broker, 100)
+        if not jobs:
+            return ran
+        for job in jobs:
+            ran.append(job.type)
+            try:
+                result = handler(job)
+            except Exception:  # noqa: BLE001 - the test's failing member
+                die(broker, job)
+            else:
+                broker.ack(job.lease, result)
+
+
+def test_a_chain_runs_in_order_and_passes_results(client, broker):
+    ids = client.chain([("fetch", {"n": 2}), ("double", {}), ("double", {})])
+    assert [broker.get(i).state for i in ids] == ["queued", "waiting", "waiting"]
+    seen = []
+
+    def step(job):
+        seen.append(job.id)
+        if job.type == "fetch":
+            return job.payload["n"]
+        ((_, result),) = [(s, r) for s, r in job.parents.values()]
+        return result * 2
+
+    run_all(broker, step)
+    assert seen == ids
+    assert broker.get(ids[-1]).result == 8
+
+
+def test_a_group_callback_runs_once_after_every_member(client, broker):
+    flow = client.group([("render", {"i": i}) for i in range(20)], then=("summary", {}))
+    ran = run_all(broker, lambda job: job.payload.get("i"))
+    assert ran.count("summary") == 1 and ran[-1] == "summary"
+    summary = broker.get(flow.then)
+    assert summary.state == "done"
+    assert sorted(r for _, r in summary.parents.values()) == list(range(20))
+
+
+@pytest.mark.parametrize("members,then,match", [
+    ([], ("summary", {}), "empty group"),
+    ("render", None, "must be a list"),
+    ([("render", {})], 42, "then must be a job"),
+    ([("render", {})], ("summary", "not a dict"), "then: payload must be a JSON object"),
+    ([("render", {}), 7], None, "member 1 must be a job"),
+])
+def test_bad_groups_are_refused_and_store_nothing(client, broker, members, then, match):
+    with pytest.raises(BadInput, match=match):
+        client.group(members, then=then)
+    assert claim_all(broker) == []
+
+
+def test_a_batch_counts_its_members_and_fires_each_callback_once(client, broker):
+    from supervisor.workflows import batch_status
+
+    batch = client.batch([("export", {"i": i}) for i in range(6)], on_success=("report", {}),
+                         on_complete=("cleanup", {}))
+    status = batch_status(broker, batch.id)
+    assert (status.total, status.pending, status.done) == (6, 6, 0)
+
+    def export(job):
+        if job.payload.get("i") == 4:
+            raise RuntimeError("customer 4 failed")
+        return job.payload.get("i")
+
+    ran = run_all(broker, export)
+    status = batch_status(broker, batch.id)
+    assert (status.total, status.pending, status.done, status.dead) == (6, 0, 5, 1)
+    assert status.callback_state == "cancelled"  # on_success: a member failed
+    assert ran.count("cleanup") == 1 and "report" not in ran
+    # Replaying the dead member reopens the batch: on_success fires once, after it.
+    dead = [m for m in batch.members if broker.get(m).state == "dead"]
+    broker.dlq_replay(dead)
+    assert batch_status(broker, batch.id).callback_state == "waiting"
+    ran = run_all(broker, lambda job: "ok")
+    assert ran == ["export", "report"]
+    assert batch_status(broker, batch.id).done == 6
+    assert broker.get(batch.on_complete).state == "done"  # ran once, not again
+
+
+def test_a_batch_needs_a_callback(client):
+    with pytest.raises(BadInput, match="on_success or on_complete"):
+        client.batch([("export", {})])
+
+
+# -- job control meets workflows: cancel and expiry cascade ------------------------------
+
+def test_cancelling_a_parent_cancels_its_children_and_releases_complete_ones(broker):
+    queued, running = broker.enqueue_many([new("a"), new("b", priority=5)])
+    child_of_queued = broker.enqueue(new(depends_on=[queued]))
+    complete_child = broker.enqueue(new("after", depends_on=[(running, "complete")]))
+    lease = claim_all(broker, 1)[0].lease
+    assert lease.job_id == running
+    assert broker.cancel([queued, running], by="ops", reason="stop")[queued] == "cancelled"
+    child = broker.get(child_of_queued)
+    assert (child.state, child.reason) == ("cancelled", "parent_failed")
+    assert child.cancel_request["by"] == "workflow" and child.cancel_request["reason"] == "parent_failed"
+    assert broker.get(complete_child).state == "waiting"  # its parent is still running
+    broker.cancelled(lease)
+    assert broker.get(complete_child).state == "queued"
+    assert broker.get(complete_child).parents == {running: ("cancelled", None)}
+
+
+def test_cancelling_a_waiting_job_cascades_to_its_own_children(broker):
+    root = broker.enqueue(new())
+    middle = broker.enqueue(new(depends_on=[root]))
+    leaf = broker.enqueue(new(depends_on=[middle]))
+    assert broker.cancel([middle], by="ops", reason="no")[middle] == "cancelled"
+    assert broker.get(leaf).state == "cancelled"
+    broker.ack(claim_all(broker)[0].lease)  # the root still runs; nothing below it does
+    assert claim_all(broker) == []
+
+
+def test_an_expired_parent_cancels_its_success_children(broker):
+    parent = broker.enqueue(new(expires_in=0.05))
+    child = broker.enqueue(new(depends_on=[parent]))
+    always = broker.enqueue(new(depends_on=[(parent, "complete")]))
+    wait_for(lambda: broker.now() > broker.get(parent).expires_at, message="the parent's expiry to pass")
+    got = claim_all(broker)
+    assert [job.id for job in got] == [] or all(job.id == always for job in got)
+    assert broker.get(parent).state == "expired"
+    assert (broker.get(child).state, broker.get(child).reason) == ("cancelled", "parent_failed")
+    assert broker.get(always).state in ("queued", "running")
+
+
+def test_cancelling_a_batch_cancels_its_pending_jobs(client, broker):
+    from supervisor.workflows import batch_status, cancel_batch
+
+    batch = client.batch([("export", {"i": i}) for i in range(5)], on_success=("report", {}),
+                         on_complete=("cleanup", {}))
+    first = claim_all(broker, 1)[0]
+    broker.ack(first.lease, 0)
+    got = cancel_batch(client, batch, by="ops")
+    assert sorted(got.values()) == ["cancelled"] * 6  # two callbacks, four pending members
+    status = batch_status(broker, batch.id)
+    assert (status.done, status.cancelled, status.pending, status.callback_state) == (1, 4, 0, "cancelled")
+    assert broker.get(batch.on_complete).state == "cancelled"
+    assert claim_all(broker) == []
+
+
+# -- stats, retention ----------------------------------------------------------------
+
+def test_stats_count_waiting_jobs(broker):
+    parent = broker.enqueue(new())
+    broker.enqueue_many([new(depends_on=[parent]) for _ in range(3)])
+    assert (broker.stats(Q)["default"].waiting, broker.stats(Q)["default"].ready) == (3, 1)
+    broker.ack(claim_all(broker)[0].lease)
+    assert (broker.stats(Q)["default"].waiting, broker.stats(Q)["default"].ready) == (0, 3)
+
+
+def test_prune_keeps_what_a_waiting_child_reads_and_removes_a_finished_workflow_whole(broker):
+    early, late = broker.enqueue_many([new("early"), new("late", priority=-1)])
+    child = broker.enqueue(new("child", depends_on=[early, late]))
+    broker.ack(claim_all(broker, 1)[0].lease, "early result")
+    broker.prune(0)  # the early parent may go: the child keeps its end and result
+    broker.ack(claim_all(broker, 1)[0].lease, "late result")
+    (got,) = claim_all(broker)
+    assert got.parents == {early: ("done", "early result"), late: ("done", "late result")}
+    broker.ack(got.lease)
+    wait_for(lambda: broker.prune(0) >= 0 and broker.get(child) is None, message="the workflow to be pruned")
+    assert broker.get(early) is None and broker.get(late) is None
+
+
+def test_a_workflow_deeper_than_max_levels_is_refused_and_the_deepest_allowed_cascades(broker):
+    from supervisor.dependencies import MAX_LEVELS
+
+    chain = [new("root").validate()]
+    for _ in range(MAX_LEVELS):
+        chain.append(new("step", depends_on=[chain[-1].id]).validate())
+    broker.enqueue_many(chain[:100])
+    broker.enqueue_many(chain[100:])  # levels count across enqueues
+    with pytest.raises(BadInput, match=f"level {MAX_LEVELS + 1} of its workflow, deeper than {MAX_LEVELS}"):
+        broker.enqueue(new("too deep", depends_on=[chain[-1].id]))
+    die(broker, claim_all(broker)[0])  # the longest cascade allowed fits in one write
+    assert {broker.get(job.id).state for job in chain[1:]} == {"cancelled"}
+    broker.dlq_replay([chain[0].id])  # and so does the longest reopening
+    assert {broker.get(job.id).state for job in chain[1:]} == {"waiting"}
+
+
+def test_a_waiting_job_holds_its_idempotency_key(broker):
+    parent = broker.enqueue(new())
+    child = broker.enqueue(new(idempotency_key="summary:11", depends_on=[parent]))
+    # Were the key free while the child waits, this job would take it, and the child's release
+    # (inside the parent's ack) would meet a second unfinished holder.
+    assert broker.enqueue(new(idempotency_key="summary:11")) == child
+    assert broker.enqueue_many([new(idempotency_key="summary:11", depends_on=[parent])]) == [child]
+    broker.ack(claim_all(broker)[0].lease)
+    assert broker.get(child).state == "queued"
+    broker.ack(claim_all(broker)[0].lease)
+    assert broker.enqueue(new(idempotency_key="summary:11")) != child  # finished: the key is free again
+
+
+def test_requeue_of_a_failed_parent_reopens_its_children(broker):
+    parent = broker.enqueue(new())
+    child = broker.enqueue(new(depends_on=[parent]))
+    broker.cancel([parent], by="ops", reason="oops")
+    assert broker.get(child).state == "cancelled"
+    assert broker.requeue([parent]) == {parent: "queued"}
+    assert broker.get(child).state == "waiting"
+    broker.ack(claim_all(broker)[0].lease)
+    assert [job.id for job in claim_all(broker)] == [child]
+
+
+def test_discarding_an_unfinished_parent_ends_it_for_its_children(broker):
+    parent = broker.enqueue(new())
+    child, always = broker.enqueue_many([new(depends_on=[parent]), new(depends_on=[(parent, "complete")])])
+    assert broker.discard([parent]) == {parent: "discarded"}
+    assert (broker.get(child).state, broker.get(child).reason) == ("cancelled", "parent_failed")
+    assert broker.get(always).state == "queued"
+    assert broker.get(always).parents == {parent: ("cancelled", None)}
+    assert broker.discard([always]) == {always: "discarded"}  # a child goes with its edges
+    assert broker.stats(Q)["default"].waiting == 0
