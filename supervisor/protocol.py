@@ -8,6 +8,7 @@ import json
 import struct
 
 _HEADER = struct.Struct("!I")
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps builds one per call with separators
 MAX_MESSAGE = 64 * 1024 * 1024
 
 # master -> child
@@ -44,7 +45,7 @@ class TooLarge(ValueError):
 
 def encode(obj, limit=None):
     """The frame of ``obj``; ``TooLarge`` if its body is over ``limit`` bytes (when given)."""
-    body = json.dumps(obj, separators=(",", ":")).encode()
+    body = _ENCODER.encode(obj).encode()
     if limit is not None and len(body) > limit:
         raise TooLarge(f"message of {len(body)} bytes is over the {limit} byte limit")
     return _HEADER.pack(len(body)) + body

@@ -150,7 +150,9 @@ class Pool:
         """Hand ``job`` to idle child ``c``."""
         c.job, c.settings, c.state, c.started = job, settings, BUSY, time.monotonic()
         c.deadline, c.term_at = c.started + settings.timeout, None
-        log.debug("job started on worker %d", c.slot, extra=logs.job_fields(job, event="start", slot=c.slot, pid=c.pid))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("job started on worker %d", c.slot,
+                      extra=logs.job_fields(job, event="start", slot=c.slot, pid=c.pid))
         try:
             protocol.send(c.sock, protocol.run_message(job, settings.max_attempts, settings.soft_timeout))
         except OSError:

@@ -45,6 +45,10 @@ class Status:
         self.notifier = notifier
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.ready_sent = False  # READY=1 goes out once the first children are up
+        # (Metrics attribute, labels) -> the labelled child: prometheus_client's labels()
+        # costs a lock and a tuple check per call, several times per job. Bounded: the
+        # labels are served types (job_labels), queues and a fixed set of reasons.
+        self.series = {}
 
     # -- counting --------------------------------------------------------------------------
     def count(self, event, *labels, job=None, n=1):
@@ -52,8 +56,11 @@ class Status:
         if job is not None:
             labels = (*self.metrics.job_labels(job), *labels)
         labels = (*labels, *fixed)
-        metric = getattr(self.metrics, attribute)
-        (metric.labels(*labels) if labels else metric).inc(n)
+        series = self.series.get((attribute, labels))
+        if series is None:
+            metric = getattr(self.metrics, attribute)
+            series = self.series[(attribute, labels)] = metric.labels(*labels) if labels else metric
+        series.inc(n)
         if key is not None:
             self.counters[key] += n
 
@@ -64,14 +71,15 @@ class Status:
         expired = len(job.history) >= 2 and job.history[-2].get("outcome") == "lease_expired"
         if expired:
             self.count("lease_expired", job=job)
-        log.debug("job claimed", extra=logs.job_fields(job, event="claim",
-                                                       reason="lease_expired" if expired else None))
+        if log.isEnabledFor(logging.DEBUG):  # the fields cost more than a discarded record
+            log.debug("job claimed", extra=logs.job_fields(job, event="claim",
+                                                           reason="lease_expired" if expired else None))
 
     def attempt(self, job, reply):
         """Metrics of one finished attempt: its duration and the child's counter deltas."""
         labels = self.metrics.job_labels(job)
         if isinstance(reply.get("duration"), (int, float)):
-            self.metrics.duration.labels(*labels).observe(reply["duration"])
+            self.observe("duration", labels, reply["duration"])
         deltas = reply.get("metrics")
         if isinstance(deltas, dict) and isinstance(deltas.get("duplicates_suppressed"), int):
             self.counters["duplicates_suppressed"] += deltas["duplicates_suppressed"]
@@ -85,7 +93,10 @@ class Status:
         """Count and log a verdict (``model.Outcome``) before it is stored."""
         if outcome.op == ACK:
             self.count("succeeded", job=job)
-            log.info("job done in %.3fs", duration, extra=logs.job_fields(job, event="done"))
+            # At DEBUG: a line per job was a tenth of the master's time at full speed.
+            # Failures, retries and dead letters stay at INFO and above.
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("job done in %.3fs", duration, extra=logs.job_fields(job, event="done"))
             return
         if not outcome.failed:
             return
@@ -104,7 +115,14 @@ class Status:
     def stored(self, write):
         if write.op == ACK and write.job.queued_at:
             waited = max(0.0, time.time() - write.job.queued_at)  # the broker's clock set queued_at: close enough
-            self.metrics.complete.labels(*self.metrics.job_labels(write.job)).observe(waited)
+            self.observe("complete", self.metrics.job_labels(write.job), waited)
+
+    def observe(self, attribute, labels, value):
+        """A histogram observation through the same cache of labelled series as ``count``."""
+        series = self.series.get((attribute, labels))
+        if series is None:
+            series = self.series[(attribute, labels)] = getattr(self.metrics, attribute).labels(*labels)
+        series.observe(value)
 
     # -- reporting ---------------------------------------------------------------------------
     def set_title(self):
