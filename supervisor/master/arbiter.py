@@ -45,6 +45,7 @@ from .locks import MasterLocks
 from .outcomes import OutcomeWriter, attempt_info
 from .periodic import Periodic
 from .pool import Pool
+from .prefetch import Prefetch
 from .status import Status
 
 log = logging.getLogger("tangguh.arbiter")
@@ -80,11 +81,12 @@ class Arbiter:
         self.pool = Pool(cfg.supervisor, self.selector, self.heartbeat, run_child=self.run_child,
                          on_reply=self.on_reply, on_lock=self.on_lock, on_exit=self.on_child_exit,
                          on_boot_failed=self.on_boot_failed, count=count)
-        self.dispatcher = Dispatcher(cfg, handlers, self.owner, self.link, self.pool,
-                                     hold=self.heartbeat.hold, settings_for=self.settings_for,
-                                     on_claimed=self.status.claimed, on_unknown=self.on_unknown_type)
         self.writer = OutcomeWriter(self.link, unhold=self.heartbeat.drop, on_stored=self.status.stored,
                                     on_lost=lambda job: count("lease_lost"))
+        self.dispatcher = Dispatcher(cfg, handlers, self.owner, self.link, self.pool,
+                                     Prefetch(b.prefetch, cfg.supervisor.workers), hold=self.heartbeat.hold,
+                                     settings_for=self.settings_for, on_claimed=self.status.claimed,
+                                     on_unknown=self.on_unknown_type, give_back=self.writer.release)
         self.periodic = Periodic(cfg, handlers, self.link, self.metrics, SAMPLE_SECONDS)
 
     # -- life -------------------------------------------------------------------------
@@ -319,6 +321,7 @@ class Arbiter:
         if self.locks is not None:
             self.locks.release_child(c.pid)  # a lock the job left behind ends with the job
         self.status.attempt(job, reply)
+        self.dispatcher.ran(job.type, reply.get("duration"))
         ending = verdict.Ending(reply=reply, kill_reason=c.kill_reason, term_sent=c.term_at is not None)
         self.settle(job, settings, ending, c, reply)
         if self.pool.after_reply(c) and self.stopping is None:

@@ -178,6 +178,7 @@ class Status:
             "config": m.cfg.path, "broker": m.broker_shown, "reload_error": m.reload_error,
             "stopping": m.stopping, "broker_down": m.link.down,
             "target_workers": m.pool.target, "prefetched": len(m.dispatcher.prefetched),
+            "prefetch": m.dispatcher.prefetch.view(),
             "pending_writes": len(m.writer),
             "workers": [c.view() for c in sorted(m.pool.children.values(), key=lambda c: c.slot)],
             "restarts": m.pool.restarts, "counters": dict(self.counters), "empty_polls": m.dispatcher.empty_polls,

@@ -127,3 +127,14 @@ class _Unprintable(ValueError):
 def unprintable(ctx, payload):
     """Raises an exception whose ``str()`` itself raises."""
     raise _Unprintable()
+
+
+@supervisor.job("nap")
+def nap(ctx, payload):
+    """Runs ``seconds`` (default 30), or until the ``release`` file exists: a long job type."""
+    _mark(payload, f"started {ctx.job.id} {os.getpid()} {ctx.job.attempt}")
+    deadline = time.monotonic() + float(payload.get("seconds", 30))
+    release = payload.get("release")
+    while time.monotonic() < deadline and not (release and os.path.exists(release)):
+        time.sleep(0.01)
+    _mark(payload, f"finished {ctx.job.id}")
