@@ -11,8 +11,9 @@ _HEADER = struct.Struct("!I")
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps builds one per call with separators
 MAX_MESSAGE = 64 * 1024 * 1024
 
-# master -> child
-RUN, STOP = "run", "stop"
+# master -> child. A RUN carries one job, or a "batch" of several the child runs
+# in order, answering each; SKIP: answer the jobs not started yet "skipped".
+RUN, STOP, SKIP = "run", "stop", "skip"
 # child -> master
 READY, RESULT, LOCK, UNLOCK = "ready", "result", "lock", "unlock"
 
@@ -37,6 +38,18 @@ def run_message(job, max_attempts, soft_timeout):
     fields = {name: getattr(job, name) for name in JOB_FIELDS if name != "max_attempts"}
     fields["max_attempts"] = max_attempts
     return {"op": RUN, "soft_timeout": soft_timeout, "job": fields}
+
+
+def batch_message(entries):
+    """One RUN message for several jobs: ``entries`` are ``run_message`` dicts, run in order."""
+    if len(entries) == 1:
+        return entries[0]
+    return {"op": RUN, "batch": [{"soft_timeout": e["soft_timeout"], "job": e["job"]} for e in entries]}
+
+
+def skipped_reply(job):
+    """A child's answer for a job of its batch it did not start (the master asked it to skip)."""
+    return {"op": RESULT, "job_id": job["id"], "token": job["token"], "skipped": True}
 
 
 class TooLarge(ValueError):

@@ -22,7 +22,11 @@ def test_auto_prefetch_follows_each_types_run_time():
     assert [t["type"] for t in p.view()["types"]] == ["slow"]  # a type no longer served is forgotten
     pinned = Prefetch(3, 2)
     pinned.ran("slow", 5.0)
-    assert (pinned.for_type("slow"), pinned.room(), pinned.view()) == (3, 3, {"mode": 3, "types": []})
+    assert (pinned.for_type("slow"), pinned.room(), pinned.view()["mode"]) == (3, 3, 3)
+    # Batches: only types a whole batch of which runs within the wait budget (pinned or not).
+    pinned.ran("quick", 0.001)
+    assert (pinned.batchable("quick"), pinned.batchable("slow"), pinned.batchable("unmeasured")) == (
+        True, False, False)
 
 
 def test_a_long_job_never_waits_behind_another_while_a_sibling_supervisor_is_idle(tmp_path, broker_url):

@@ -12,7 +12,9 @@ and the rules.
 This is the only module of ``supervisor.master`` that knows the others:
 
 * ``pool``: the children (fork, pipes, reaping, deadlines, recycling);
-* ``dispatch``: claiming, prefetch, handing jobs to free children;
+* ``dispatch``: claiming, prefetch, handing jobs (batches of short ones) to free children;
+* ``prefetch``: how many jobs of each type may wait here, and which may share a batch;
+* ``endings``: a child's replies and death, and the jobs queued behind its running one;
 * ``verdict``: what becomes of a job when its attempt ends (pure);
 * ``outcomes``: storing those verdicts in the broker;
 * ``brokerlink``: the main loop's broker connection and outage state;
@@ -28,19 +30,20 @@ import signal
 import socket
 import time
 
-from .. import config, jobref, logs, protocol, registry, toolkit
+from .. import config, jobref, protocol, registry, toolkit
 from ..child import worker as child  # imported before the forks: the children share it
 from ..errors import BrokerError, BrokerUnusable, ConfigError, TangguhError
 from ..health import AlreadyRunning, HealthServer
 from ..heartbeat import Heartbeat
 from ..metrics import SAMPLE_SECONDS, HttpExporter, Metrics
-from ..protocol import KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT, UNKNOWN_TYPE
+from ..protocol import KILLED_SHUTDOWN, UNKNOWN_TYPE
 from ..retry import next_delay
 from ..sdnotify import Notifier
 from ..urls import redact
 from . import verdict
 from .brokerlink import BrokerLink
 from .dispatch import Dispatcher
+from .endings import Endings
 from .locks import MasterLocks
 from .outcomes import OutcomeWriter, attempt_info
 from .periodic import Periodic
@@ -78,8 +81,9 @@ class Arbiter:
                                on_down=self.on_broker_down, pid=self.pid)
         # The wake-up pipe is made in start(); the heartbeat only writes to it once started.
         self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, None)
+        self.endings = Endings(self)
         self.pool = Pool(cfg.supervisor, self.selector, self.heartbeat, run_child=self.run_child,
-                         on_reply=self.on_reply, on_lock=self.on_lock, on_exit=self.on_child_exit,
+                         on_reply=self.endings.on_reply, on_lock=self.on_lock, on_exit=self.endings.on_child_exit,
                          on_boot_failed=self.on_boot_failed, count=count)
         self.writer = OutcomeWriter(self.link, unhold=self.heartbeat.drop, on_stored=self.status.stored,
                                     on_lost=lambda job: count("lease_lost"))
@@ -244,6 +248,8 @@ class Arbiter:
         self.status.notifier.stopping()
         for job in self.dispatcher.take_all():
             self.writer.release(job)
+        for c in self.pool.children.values():
+            self.pool.skip(c)  # the jobs of a batch not started yet come back "skipped", to be released
 
     def check_stop_deadline(self):
         if self.stopping == "graceful" and self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
@@ -314,37 +320,6 @@ class Arbiter:
         if self.locks is not None:
             self.locks.on_message(c.pid, msg)
 
-    def on_reply(self, c, reply):
-        if c.job is None or reply.get("job_id") != c.job.id:
-            return
-        job, settings = self.pool.finish(c)
-        if self.locks is not None:
-            self.locks.release_child(c.pid)  # a lock the job left behind ends with the job
-        self.status.attempt(job, reply)
-        self.dispatcher.ran(job.type, reply.get("duration"))
-        ending = verdict.Ending(reply=reply, kill_reason=c.kill_reason, term_sent=c.term_at is not None)
-        self.settle(job, settings, ending, c, reply)
-        if self.pool.after_reply(c) and self.stopping is None:
-            self.dispatcher.dispatch()  # the next prefetched job now: the child need not wait for the ack
-
-    def on_child_exit(self, c, how, fields):
-        if self.locks is not None:
-            self.locks.release_child(c.pid)  # now, not at their TTL: the retry may need them
-        if c.job is None:
-            return
-        job, settings = c.job, c.settings
-        c.job = c.settings = None
-        if c.kill_reason == KILLED_TIMEOUT:
-            log.warning("worker %d killed: job over its hard timeout", c.slot,
-                        extra=logs.job_fields(job, event="timeout_exit", **fields))
-        elif c.kill_reason not in (KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_BAD_FRAME):
-            log.error("worker %d died mid-job (%s)", c.slot, how, extra=logs.job_fields(job, event="crash", **fields))
-            self.status.count("crashed_mid_job")
-        bad = c.bad_frame
-        ending = verdict.Ending(exit_how=how, kill_reason=c.kill_reason, bad_frame=str(bad or ""),
-                                too_large=isinstance(bad, protocol.TooLarge))
-        self.settle(job, settings, ending, c)
-
     # -- jobs ----------------------------------------------------------------------------------
     def settings_for(self, job):
         return registry.job_settings(self.cfg, self.handlers, job)
@@ -353,8 +328,13 @@ class Arbiter:
         j = self.cfg.jobs
         return next_delay(failures, j.backoff_base, j.backoff_cap, j.jitter)
 
-    def settle(self, job, settings, ending, c=None, reply=None):
-        """Judge an ended attempt, count it, and queue its outcome for the broker."""
+    def settle(self, job, settings, c, reply=None, how=None):
+        """Judge an ended attempt (``c``'s reply, or ``how`` it died), count it, queue its outcome."""
+        if reply is not None:
+            ending = verdict.Ending(reply=reply, kill_reason=c.kill_reason, term_sent=c.term_at is not None)
+        else:
+            ending = verdict.Ending(exit_how=how, kill_reason=c.kill_reason, bad_frame=str(c.bad_frame or ""),
+                                    too_large=isinstance(c.bad_frame, protocol.TooLarge))
         outcome = verdict.judge(job.attempt, settings.max_attempts, ending, self.backoff)
         self.status.outcome(job, outcome, (reply or {}).get("duration", 0))
         self.writer.add(job, outcome, attempt_info(c, reply))
@@ -387,11 +367,7 @@ class Arbiter:
             self.status.count("lease_lost")
             self.dispatcher.forget(lease)
             self.writer.forget(lease)
-            c = self.pool.running(lease)
-            if c is not None:
-                log.warning("lease lost: killing worker %d", c.slot,
-                            extra=logs.job_fields(c.job, event="lease_lost", slot=c.slot, pid=c.pid))
-                self.pool.kill(c, KILLED_LEASE_LOST)
+            self.endings.lease_lost(lease)
 
     @property
     def broker_shown(self):

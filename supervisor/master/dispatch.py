@@ -102,12 +102,25 @@ class Dispatcher:
                                                jitter=0.25)
 
     def dispatch(self):
-        """Hand prefetched jobs to free children, oldest first; give back what may not wait here."""
-        for c in self.pool.free():
+        """Hand prefetched jobs to free children, oldest first; give back what may not wait here.
+
+        Consecutive jobs of short types go to a child as one batch, the prefetched
+        jobs shared out evenly among the free children. A child whose last job ran
+        long gets one job at a time.
+        """
+        free = self.pool.free()
+        for i, c in enumerate(free):
             if not self.prefetched:
                 return
-            job, settings = self.prefetched.popleft()
-            self.pool.run(c, job, settings)
+            size = 1 if c.ran_long else min(self.prefetch.batch, -(-len(self.prefetched) // (len(free) - i)))
+            most = self.cfg.supervisor.max_jobs_per_child
+            if most:
+                size = min(size, max(1, most - c.jobs_done))  # a child recycled after N jobs runs N
+            batch = [self.prefetched.popleft()]
+            while (len(batch) < size and self.prefetched and self.prefetch.batchable(batch[0][0].type)
+                   and self.prefetch.batchable(self.prefetched[0][0].type)):
+                batch.append(self.prefetched.popleft())
+            self.pool.run(c, batch)
         if self.prefetched and self.prefetch.auto:
             self.surplus()
 

@@ -12,9 +12,12 @@ slower than that, gets none. A number pins the prefetch for every type.
 WAIT_BUDGET = 0.05  # seconds a prefetched job may expect to wait for a free child
 PER_CHILD = 4  # most prefetched jobs per child, however short the type
 WEIGHT = 0.2  # weight of the newest run time in the moving average
+BATCH = 8  # most jobs in one message to a child
 
 
 class Prefetch:
+    batch = BATCH
+
     def __init__(self, setting, workers):
         self.averages = {}  # job type -> moving average of its run time, seconds
         self.configure(setting, workers, None)
@@ -29,7 +32,7 @@ class Prefetch:
 
     def ran(self, job_type, seconds):
         """A job of ``job_type`` ran for ``seconds`` (the child's measure)."""
-        if not self.auto or not isinstance(seconds, (int, float)) or seconds < 0:
+        if not isinstance(seconds, (int, float)) or seconds < 0:
             return
         before = self.averages.get(job_type)
         self.averages[job_type] = seconds if before is None else before + WEIGHT * (seconds - before)
@@ -43,6 +46,16 @@ class Prefetch:
             return 0  # not measured yet: run it first, prefetch once its run time is known
         most = PER_CHILD * self.workers
         return most if average <= 0 else min(most, int(WAIT_BUDGET * self.workers / average))
+
+    def batchable(self, job_type):
+        """Whether jobs of ``job_type`` may share a message to a child: a whole batch of
+        them is expected to run within ``WAIT_BUDGET`` (measured; prefetch pinned or not)."""
+        average = self.averages.get(job_type)
+        return average is not None and average * BATCH <= WAIT_BUDGET
+
+    def long(self, seconds):
+        """Whether one run of ``seconds`` is too long to have jobs batched behind it."""
+        return isinstance(seconds, (int, float)) and seconds * BATCH > WAIT_BUDGET
 
     def room(self):
         """Jobs a claim may take beyond the idle children: the most any type allows.
