@@ -16,7 +16,7 @@ from .errors import BadInput, BrokerError, ConfigError, LeaseLost, TangguhError 
 from .jobref import JobRef, configure  # noqa: F401
 from .registry import job  # noqa: F401
 from .retry import BadPayload, Permanent, RetryLater, Transient  # noqa: F401
-from .child.timeouts import JobTimeout, critical  # noqa: F401
+from .child.timeouts import Cancelled, JobTimeout, critical  # noqa: F401
 from .toolkit.locks import LockBusy, LockLost  # noqa: F401
 
 __version__ = "0.1.0"

@@ -25,6 +25,7 @@ from . import config as config_module
 from . import tracing
 from .backends.base import open_broker, scheme_of
 from .errors import BadInput, BrokerError
+from .jobfilter import JobFilter, check_page, decode_cursor
 from .logs import job_fields
 from .model import NewJob
 
@@ -35,7 +36,8 @@ log = logging.getLogger("tangguh.client")
 DEFAULT_QUEUE = "default"
 
 # Keyword arguments of ``Client.enqueue`` that describe the job (the rest go to the broker).
-JOB_OPTIONS = ("queue", "resource_id", "idempotency_key", "delay", "max_attempts", "timeout", "trace_id", "priority")
+JOB_OPTIONS = ("queue", "resource_id", "idempotency_key", "delay", "max_attempts", "timeout", "trace_id", "priority",
+               "expires_in")
 
 
 class Client:
@@ -83,7 +85,7 @@ class Client:
 
     # -- producing ----------------------------------------------------------
     def new_job(self, type, payload, *, queue=None, resource_id=None, idempotency_key=None, delay=0,
-                max_attempts=None, timeout=None, trace_id=None, priority=0):
+                max_attempts=None, timeout=None, trace_id=None, priority=0, expires_in=None):
         """The validated ``NewJob`` that ``enqueue`` would store (raises ``BadInput``)."""
         overrides = self.config.job_type(type) if self.config is not None and isinstance(type, str) else None
         if queue is None:
@@ -96,21 +98,23 @@ class Client:
         if timeout is None and overrides is not None:
             timeout = overrides.timeout
         job = NewJob(type, payload, queue=queue, resource_id=resource_id, idempotency_key=idempotency_key,
-                     delay=delay, max_attempts=max_attempts, timeout=timeout, trace_id=trace_id, priority=priority)
+                     delay=delay, max_attempts=max_attempts, timeout=timeout, trace_id=trace_id, priority=priority,
+                     expires_in=expires_in)
         return job.validate()
 
     def default_queue(self):
         return DEFAULT_QUEUE if DEFAULT_QUEUE in self.queues or not self.queues else self.queues[0]
 
     def enqueue(self, type, payload, *, queue=None, resource_id=None, idempotency_key=None, delay=0,
-                max_attempts=None, timeout=None, trace_id=None, priority=0, **broker_kwargs):
+                max_attempts=None, timeout=None, trace_id=None, priority=0, expires_in=None, **broker_kwargs):
         """Store one job; return its id (the existing job's id when ``idempotency_key`` matches
-        an unfinished job). ``broker_kwargs`` go to the broker, e.g. ``conn=`` for PostgreSQL's
-        transactional enqueue."""
+        an unfinished job). ``expires_in``: seconds after which the job, if not started, ends
+        ``expired`` instead of running. ``broker_kwargs`` go to the broker, e.g. ``conn=`` for
+        PostgreSQL's transactional enqueue."""
         with tracing.enqueue_span([type], queue) as span:  # OpenTelemetry, when installed
             job = self.new_job(type, payload, queue=queue, resource_id=resource_id, idempotency_key=idempotency_key,
                                delay=delay, max_attempts=max_attempts, timeout=timeout,
-                               trace_id=trace_id or span.traceparent, priority=priority)
+                               trace_id=trace_id or span.traceparent, priority=priority, expires_in=expires_in)
             job_id = self._call("enqueue", job, broker_kwargs)
             span.stored([job_id])
             _log_enqueued(job, job_id)
@@ -163,6 +167,74 @@ class Client:
     def stats(self, queues=None):
         """``{queue: QueueStats}`` for ``queues`` (default: the client's queues)."""
         return self.broker.stats(list(queues or self.queues))
+
+    def wait(self, job_id, timeout):
+        """The job once it is finished (done, dead, cancelled or expired), or None after ``timeout`` seconds.
+
+        Woken by the broker's own notification, not a poll. BadInput for an unknown id."""
+        return self.broker.wait(job_id, timeout)
+
+    # -- control ------------------------------------------------------------
+    def cancel(self, job_ids, by=None, reason=None):
+        """Cancel jobs: ``{job_id: "cancelled" | "requested" | "already_<state>" | "unknown"}``.
+
+        A waiting job ends ``cancelled`` now; a running one is asked to stop (its
+        supervisor learns of it at its next heartbeat)."""
+        return self.broker.cancel([job_ids] if isinstance(job_ids, str) else list(job_ids), by, reason)
+
+    def pause(self, queue, by=None):
+        """Stop every supervisor sharing the broker from claiming from ``queue`` (running jobs finish)."""
+        self.broker.pause(queue, by)
+
+    def resume(self, queue):
+        self.broker.resume(queue)
+
+    def paused(self):
+        """``{queue: {"by", "at"}}`` for every paused queue."""
+        return self.broker.paused()
+
+    # -- job control --------------------------------------------------------
+    def search(self, filter=None, *, cursor=None, limit=50, order="newest", **fields):
+        """A ``jobfilter.Page`` of the jobs a filter selects, newest first (``order="oldest"``: oldest).
+
+        The filter is a ``JobFilter``, a dict, or keyword arguments:
+        ``client.search(state="dead", type="email", payload={"customer.id": 7})``.
+        Pass the page's ``next_cursor`` as ``cursor`` for the next page.
+        """
+        f = _filter(filter, fields)
+        check_page(limit, order)
+        if cursor is not None:
+            decode_cursor(cursor, order)
+        return self.broker.search(f, cursor=cursor, limit=limit, order=order)
+
+    def count(self, filter=None, *, exact_up_to=10_000, **fields):
+        """A ``jobfilter.Count``: exact up to ``exact_up_to``, an estimate (``exact=False``) past it."""
+        return self.broker.count(_filter(filter, fields), exact_up_to=exact_up_to)
+
+    def requeue(self, job_ids):
+        """Put dead, cancelled or expired jobs back on their queue; ``{id: outcome}``."""
+        return self.broker.requeue(_ids(job_ids))
+
+    def discard(self, job_ids):
+        """Delete jobs that are not running; ``{id: outcome}``."""
+        return self.broker.discard(_ids(job_ids))
+
+
+def _filter(filter, fields):
+    if filter is not None and fields:
+        raise BadInput("give a filter or filter keywords, not both")
+    if isinstance(filter, JobFilter):
+        return filter
+    return JobFilter.from_dict(fields if filter is None else filter)
+
+
+def _ids(job_ids):
+    if isinstance(job_ids, str):
+        job_ids = [job_ids]
+    job_ids = list(job_ids)
+    if not all(isinstance(i, str) and i for i in job_ids):
+        raise BadInput("job ids must be non-empty strings")
+    return job_ids
 
 
 def _job_args(item):

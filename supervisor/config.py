@@ -36,6 +36,8 @@ class SupervisorConfig:
     socket_group: str = option(group_name, "group the health socket is given (empty: the daemon's own)", default="")
     graceful_timeout: float = option(positive_number, "seconds running jobs get to finish on SIGTERM", default=30.0)
     kill_grace: float = option(positive_number, "seconds between SIGTERM and SIGKILL of a child", default=0.5)
+    cancel_grace: float = option(positive_number, "seconds a cancelled job's handler gets to stop before its"
+                                 " child is killed", default=10.0)
     max_jobs_per_child: int = option(non_negative_int, "recycle a child after this many jobs (0: never)", default=0)
     max_child_rss_mb: int = option(non_negative_int, "recycle a child above this RSS (0: never)", default=0)
     max_boot_failures: int = option(positive_int, "consecutive child boot failures before giving up", default=5)

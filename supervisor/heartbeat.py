@@ -2,9 +2,13 @@
 
 It is the only thread besides the main loop, and it is stopped and joined
 before every batch of forks (see docs/design.md, process-model rules). It owns its
-own broker connection, opened when it starts. Lost leases are handed to the
-main loop through a deque and a byte on a wake-up pipe; the thread itself
-never touches children.
+own broker connection, opened when it starts. Each beat is one ``renew``
+(leases, plus the progress the children reported since the last beat: the
+latest value per job), one ``paused()`` and one ``write_supervisor`` (the
+record the main loop last handed over). What it learns (lost leases, cancel
+requests, a change in the paused queues) goes to the main loop through deques
+and a byte on a wake-up pipe; the thread itself never touches children, and
+the main loop never waits on these writes.
 """
 import collections
 import logging
@@ -14,6 +18,7 @@ import time
 
 from .backends import open_broker
 from .errors import BrokerError
+from .model import Renewal
 
 log = logging.getLogger("tangguh.heartbeat")
 
@@ -26,6 +31,10 @@ class Heartbeat:
         self.wake_fd = wake_fd
         self.held = {}  # job_id -> Lease
         self.lost = collections.deque()
+        self.cancels = collections.deque()  # (lease, request): a held job's cancel request, every beat it stands
+        self.progress = {}  # job_id -> (fraction, note), the latest since the last beat
+        self.paused = {}  # {queue: {"by", "at"}} as of the last beat
+        self.record = None  # this supervisor's record (a dict), refreshed by the main loop
         self.lock = threading.Lock()
         self.thread = None
         self.stopping = threading.Event()
@@ -48,6 +57,20 @@ class Heartbeat:
         with self.lock:
             return list(self.held.values())
 
+    def report_progress(self, job_id, fraction, note):
+        """A child's progress: kept until the next beat carries it (a later report replaces it)."""
+        with self.lock:
+            if job_id in self.held:
+                self.progress[job_id] = (fraction, note)
+
+    def set_record(self, record):
+        with self.lock:
+            self.record = record
+
+    def record_ttl(self):
+        """How long a record stands without a beat: three missed beats, or the lease."""
+        return max(3 * self.interval, self.lease_seconds)
+
     def start(self):
         if self.thread is not None:
             return
@@ -64,7 +87,15 @@ class Heartbeat:
         self.thread = None
 
     def close(self):
+        """Stop, and forget this supervisor's record (a clean stop: it is not 'gone', it is done)."""
         self.stop()
+        if self.record is not None:
+            try:
+                if self.broker is None:
+                    self.broker = open_broker(self.url)
+                self.broker.remove_supervisor(self.record["id"])
+            except Exception as exc:  # noqa: BLE001 - the record then shows as gone after its ttl
+                log.warning("supervisor record not removed: %s: %s", type(exc).__name__, exc)
         if self.broker is not None:
             self.broker.close()
             self.broker = None
@@ -81,33 +112,54 @@ class Heartbeat:
         self.last_beat = time.monotonic()
         if self.locks is not None:
             self.locks.extend_all()  # one pipelined round trip; a lock lives only while its job runs
-        if not leases:
+        with self.lock:
+            progress, self.progress = self.progress, {}
+            record = self.record
+        renewal = self._call(lambda br: br.renew(leases, self.lease_seconds, progress)) if leases else Renewal()
+        if renewal is None:
             return
-        try:
-            if self.broker is None:
-                self.broker = open_broker(self.url)
-            lost = self.broker.extend(leases, self.lease_seconds)
-        except BrokerError as exc:
-            self.errors += 1
-            log.debug("lease renewal failed: %s", exc)
-            self._reset_broker()
-            return
-        except Exception as exc:  # noqa: BLE001 - a driver error must not kill the thread
-            self.errors += 1
-            log.warning("lease renewal failed: %s: %s", type(exc).__name__, exc)
-            self._reset_broker()
-            return
-        self.extensions += len(leases) - len(lost)
-        if lost:
-            with self.lock:
-                for lease in lost:
-                    if self.held.get(lease.job_id) == lease:
-                        del self.held[lease.job_id]
-                        self.lost.append(lease)
+        # Every beat, leases or not: every supervisor sharing the broker learns of a pause
+        # within one heartbeat, and its record says it is alive.
+        paused = self._call(lambda br: br.paused())
+        if record is not None:
+            record = dict(record, paused_queues=sorted(paused or self.paused))
+            self._call(lambda br: br.write_supervisor(record, self.record_ttl()))
+        self.extensions += len(leases) - len(renewal.lost)
+        wake = False
+        with self.lock:
+            for lease in renewal.lost:
+                if self.held.get(lease.job_id) == lease:
+                    del self.held[lease.job_id]
+                    self.lost.append(lease)
+                    wake = True
+            for job_id, request in renewal.cancel.items():
+                lease = self.held.get(job_id)
+                if lease is not None:
+                    self.cancels.append((lease, request))
+                    wake = True
+            if paused is not None and paused != self.paused:
+                self.paused = paused
+                wake = True
+        if wake:
             try:
                 os.write(self.wake_fd, b"!")
             except BlockingIOError:
                 pass  # the pipe is full: the main loop is awake anyway
+
+    def _call(self, fn):
+        """``fn(broker)`` on the thread's own connection; None (counted, connection reset) on a failure."""
+        try:
+            if self.broker is None:
+                self.broker = open_broker(self.url)
+            return fn(self.broker)
+        except BrokerError as exc:
+            self.errors += 1
+            log.debug("heartbeat broker call failed: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - a driver error must not kill the thread
+            self.errors += 1
+            log.warning("heartbeat broker call failed: %s: %s", type(exc).__name__, exc)
+        self._reset_broker()
+        return None
 
     def _reset_broker(self):
         if self.broker is not None:

@@ -12,7 +12,7 @@ import time
 from .tracing import log_trace_id
 
 JOB_FIELDS = ("job_id", "type", "queue", "attempt", "resource_id", "idempotency_key", "trace_id")
-EVENT_FIELDS = JOB_FIELDS + ("event", "slot", "pid", "signal", "exit_code", "reason", "generation", "error",
+EVENT_FIELDS = JOB_FIELDS + ("event", "slot", "pid", "signal", "exit_code", "reason", "by", "generation", "error",
                              "elapsed", "delay")
 
 

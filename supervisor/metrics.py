@@ -31,6 +31,7 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 COMPLETE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 86400)
 # What generate_latest writes: the classic text format every Prometheus version reads.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CANCEL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 30, 60, 120)
 BROKER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 JOB = ("queue", "type")
@@ -56,6 +57,8 @@ class Metrics:
         self.queue_dead = g("tangguh_queue_dead_jobs", "Jobs in the dead-letter queue", ("queue",))
         self.queue_oldest = g("tangguh_queue_oldest_ready_age_seconds",
                               "Seconds the oldest due job has waited (0 when none is due)", ("queue",))
+        self.queue_paused = g("tangguh_queue_paused", "1 while the queue is paused (no supervisor claims from it)",
+                              ("queue",))
         self.queue_sampled = g("tangguh_queue_sample_timestamp_seconds",
                                "Unix time of the last successful queue sample")
 
@@ -65,6 +68,12 @@ class Metrics:
         self.failed = c("tangguh_jobs_failed_total", "Failed attempts, by reason", JOB + ("reason",))
         self.retried = c("tangguh_jobs_retried_total", "Failed attempts scheduled for a retry", JOB + ("reason",))
         self.dead = c("tangguh_jobs_dead_lettered_total", "Jobs moved to the dead-letter queue", JOB + ("reason",))
+        self.cancelled = c("tangguh_jobs_cancelled_total", "Jobs ended cancelled by this supervisor (running"
+                           " or claimed when their cancel came)", ("type",))
+        self.expired = c("tangguh_jobs_expired_total", "Jobs this supervisor's claims ended expired (not started"
+                         " in time)", ("type",))
+        self.cancel_latency = Histogram("tangguh_cancel_latency_seconds", "From a running job's cancel request"
+                                        " to its handler stopped", buckets=CANCEL_BUCKETS, registry=r)
         self.duration = Histogram("tangguh_job_duration_seconds", "Handler run time of one attempt",
                                   JOB, buckets=DURATION_BUCKETS, registry=r)
         self.complete = Histogram("tangguh_job_time_to_complete_seconds",
@@ -122,6 +131,10 @@ class Metrics:
         if self.arbiter is not None and job.type not in self.arbiter.handlers:
             return job.queue, UNKNOWN_TYPE
         return job.queue, job.type
+
+    def type_label(self, job_type):
+        """A job type as a label: served types only (producers choose types; labels must not grow)."""
+        return job_type if self.arbiter is None or job_type in self.arbiter.handlers else UNKNOWN_TYPE
 
     def child_deltas(self, job, deltas):
         """Add a child's ``{"metrics": {...}}`` for ``job``; unknown keys and bad values are ignored."""

@@ -5,6 +5,7 @@ and the job fields a child receives. The master, the child and the lock
 helpers use these names, never the strings.
 """
 import json
+import signal
 import struct
 
 _HEADER = struct.Struct("!I")
@@ -13,9 +14,14 @@ MAX_MESSAGE = 64 * 1024 * 1024
 
 # master -> child. A RUN carries one job, or a "batch" of several the child runs
 # in order, answering each; SKIP: answer the jobs not started yet "skipped".
-RUN, STOP, SKIP = "run", "stop", "skip"
-# child -> master
-READY, RESULT, LOCK, UNLOCK = "ready", "result", "lock", "unlock"
+# CANCEL ({"job_id", "by", "reason"}) is followed by CANCEL_SIGNAL:
+# a busy handler reads no pipe, so the signal is what raises ``Cancelled`` in it
+# (child/timeouts.py); the frame itself is read, and ignored, once the job is over.
+RUN, STOP, SKIP, CANCEL = "run", "stop", "skip", "cancel"
+CANCEL_SIGNAL = signal.SIGUSR1
+# child -> master. PROGRESS: {"job_id", "fraction", "note"} (ctx.progress, coalesced)
+READY, RESULT, LOCK, UNLOCK, PROGRESS = "ready", "result", "lock", "unlock", "progress"
+MAX_NOTE = 200  # characters of a progress note kept
 
 # How an attempt failed: a child's reply says one of the first six ("kind");
 # the master decides the rest itself. Each is also the reason stored with the
@@ -23,9 +29,11 @@ READY, RESULT, LOCK, UNLOCK = "ready", "result", "lock", "unlock"
 EXCEPTION, PERMANENT, BAD_PAYLOAD, RETRY_LATER, TIMEOUT, RESULT_TOO_LARGE = (
     "exception", "permanent", "bad_payload", "retry_later", "timeout", "result_too_large")
 CRASHED, UNKNOWN_TYPE = "crashed", "unknown_type"
+CANCELLED = "cancelled"  # the handler raised ``Cancelled`` (the attempt ends the job ``cancelled``)
 
 # Why the master kills a child.
 KILLED_TIMEOUT, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_BAD_FRAME = "timeout", "lease_lost", "shutdown", "bad_frame"
+KILLED_CANCEL = "cancel"  # still running ``cancel_grace`` after its cancel
 
 # The job fields a child receives in a RUN message (``max_attempts`` is the
 # effective one, after config overrides).

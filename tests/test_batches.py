@@ -113,3 +113,28 @@ def test_every_job_of_a_batch_has_its_lease_renewed(tmp_path, broker_url):
         d.assert_clean()
     finally:
         d.stop()
+
+
+def test_a_cancel_reaches_only_its_job_of_a_batch(tmp_path, broker_url):
+    """The running job is interrupted (``Cancelled`` at a safe point); a queued one cancelled
+    ends ``cancelled`` without starting; the others of the batch run once, untouched."""
+    d = batch_daemon(tmp_path, broker_url, broker={"heartbeat_seconds": 0.2})
+    marker, release = d.marker("m"), d.marker("release")
+    try:
+        ids = enqueue_batch(d, {"marker": marker, "release": release}, {"marker": marker}, {"marker": marker},
+                            {"marker": marker})
+        wait_for(lambda: starts(marker) == [ids[0]], message="the first job of the batch running")
+        assert batches_sent(d, 4)
+        assert d.broker.cancel([ids[2]], by="ops", reason="queued") == {ids[2]: "requested"}
+        assert d.wait_job(ids[2], states=("cancelled", "done", "dead")).state == "cancelled"
+        assert d.broker.cancel([ids[0]], by="ops", reason="running") == {ids[0]: "requested"}
+        jobs = [d.wait_job(job_id, states=("cancelled", "done", "dead")) for job_id in ids]
+        assert [j.state for j in jobs] == ["cancelled", "done", "cancelled", "done"]
+        assert [j.attempt for j in jobs] == [1, 1, 1, 1]
+        assert ids[2] not in starts(marker)  # cancelled while queued: never started
+        assert sorted(starts(marker)) == sorted([ids[0], ids[1], ids[3]])  # each once
+        assert d.status()["counters"]["cancelled"] == 2
+        d.assert_clean()
+    finally:
+        open(release, "w").close()
+        d.stop()

@@ -221,7 +221,7 @@ def test_enqueue_delay_queue_and_type_defaults_show_in_stats(capsys, cfg_path, b
     code, out, _ = tangguh(capsys, "stats", "-c", cfg_path)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["QUEUE", "READY", "SCHEDULED", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY"]
+    assert lines[0].split() == ["QUEUE", "READY", "SCHEDULED", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY", "PAUSED"]
     assert lines[1].split()[:6] == ["default", "1", "1", "0", "1", "0"]
     assert lines[2].split()[:6] == ["bulk", "1", "0", "0", "0", "0"]
     ready_at = broker.get(ready).run_at
@@ -547,7 +547,8 @@ STATUS_REPLY = {
     "handlers": ["add", "send_email"],
     "workers": [
         {"slot": 0, "pid": 4101, "state": "busy", "job_id": "job_01JABCDEF", "job_type": "send_email",
-         "attempt": 2, "elapsed": 12.34, "rss_bytes": 48 * 1024 * 1024, "jobs_done": 120, "generation": 2},
+         "attempt": 2, "elapsed": 12.34, "rss_bytes": 48 * 1024 * 1024, "jobs_done": 120, "generation": 2,
+         "progress": 0.42, "progress_note": "rows", "cancelling": False},
         {"slot": 1, "pid": 4102, "state": "idle", "job_id": None, "job_type": None, "attempt": None,
          "elapsed": None, "rss_bytes": 40 * 1024 * 1024, "jobs_done": 7, "generation": 2},
     ],
@@ -567,11 +568,12 @@ def test_render_status_of_a_recorded_reply():
     assert "types:   add, send_email" in lines
     assert "workers: 2 (1 busy)  restarts: 3" in lines
     header = next(i for i, line in enumerate(lines) if line.startswith("SLOT"))
-    assert lines[header].split() == ["SLOT", "PID", "STATE", "JOB", "TYPE", "ATTEMPT", "ELAPSED", "RSS", "DONE",
-                                     "GEN"]
-    assert lines[header + 1].split() == ["0", "4101", "busy", "job_01JABCDEF", "send_email", "2", "12.3s",
-                                         "48.0MiB", "120", "2"]
-    assert lines[header + 2].split() == ["1", "4102", "idle", "-", "-", "-", "-", "40.0MiB", "7", "2"]
+    assert lines[header].split() == ["SLOT", "PID", "STATE", "JOB", "TYPE", "ATTEMPT", "ELAPSED", "PROGRESS", "RSS",
+                                     "DONE", "GEN"]
+    assert lines[header + 1].split() == ["0", "4101", "busy", "job_01JABCDEF", "send_email", "2", "12.3s", "42%",
+                                         "rows", "48.0MiB", "120", "2"]
+    assert lines[header + 2].split() == ["1", "4102", "idle", "-", "-", "-", "-", "-", "40.0MiB", "7", "2"]
+    assert not any(line.startswith("paused:") for line in lines)
     assert lines[-1] == "counters: duplicates_suppressed=1  jobs_done=127  jobs_failed=4"
 
 
@@ -584,3 +586,5 @@ def test_render_status_shows_a_failed_reload_and_tolerates_missing_fields():
     text = render_status(dict(STATUS_REPLY, stopping=True, broker_down=True), now=1_000_000.0)
     assert "state:   stopping, BROKER DOWN" in text
     assert render_status({"pid": 1}).startswith("supervisor pid 1  generation -")
+    text = render_status(dict(STATUS_REPLY, paused_queues=["bulk", "email"]), now=1_000_000.0)
+    assert "paused:  bulk, email (not claimed from)" in text.splitlines()

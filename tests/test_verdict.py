@@ -7,7 +7,7 @@ about a job: how the attempt ended -> what is stored. The process tests
 import pytest
 
 from supervisor.master.verdict import Ending, failure, judge
-from supervisor.model import ACK, DEAD, DROP, RELEASE, RETRY
+from supervisor.model import ACK, CANCELLED, DEAD, DROP, RELEASE, RETRY
 
 
 def backoff(failures):
@@ -23,6 +23,19 @@ def error(kind, cls="ValueError", message="boom", **extra):
 
 
 ROWS = [
+    ("cancelled: the handler raised Cancelled", 1, 5, Ending(reply=error("cancelled", "Cancelled"), cancel_sent=True),
+     CANCELLED, None, None),
+    ("cancelled: the handler returned after the cancel reached it", 1, 5,
+     Ending(reply=dict(OK, cancelled=True), cancel_sent=True), CANCELLED, None, None),
+    ("cancelled: a result that crossed the cancel stands", 1, 5, Ending(reply=dict(OK, cancelled=False),
+                                                                      cancel_sent=True), ACK, None, None),
+    ("cancelled: killed past cancel_grace", 1, 5, Ending(exit_how="signal SIGKILL", kill_reason="cancel",
+                                                         cancel_sent=True), CANCELLED, None, None),
+    ("cancelled: killed at a shutdown, not run again", 1, 5, Ending(exit_how="signal SIGKILL",
+                                                                   kill_reason="shutdown", cancel_sent=True),
+     CANCELLED, None, None),
+    ("cancelled, but the lease was lost: nothing stored", 1, 5,
+     Ending(exit_how="signal SIGKILL", kill_reason="lease_lost", cancel_sent=True), DROP, None, None),
     # (row, attempt, max_attempts, ending, op, reason, delay)
     ("handler returns", 1, 5, Ending(reply=OK), ACK, None, None),
     ("handler raises: retried with backoff", 2, 5, Ending(reply=error("exception")), RETRY, "exception", 20.0),

@@ -1,8 +1,16 @@
-"""What a handler receives as ``ctx``: the job's identity, a logger, the deadline."""
+"""What a handler receives as ``ctx``: the job's identity, a logger, the deadline, progress, cancel."""
 import dataclasses
 import logging
+import math
+import time
 
+from .. import protocol
 from ..logs import job_fields
+from . import timeouts
+
+# At most one progress message per this many seconds: a handler may call
+# ``ctx.progress`` in its tightest loop; the values in between are dropped.
+PROGRESS_EVERY = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +33,8 @@ class _JobLogger(logging.LoggerAdapter):
 
 
 class Context:
-    """``fn(ctx, payload)``: ``ctx.job`` (JobInfo), ``ctx.log``, ``ctx.deadline``, ``ctx.metrics``.
+    """``fn(ctx, payload)``: ``ctx.job`` (JobInfo), ``ctx.log``, ``ctx.deadline``, ``ctx.metrics``,
+    ``ctx.progress(fraction, note)``, ``ctx.cancelled()``.
 
     ``ctx.deadline`` is the wall-clock time (``time.time()``) of the soft
     timeout, or None when the job has none. ``ctx.metrics`` is this job's
@@ -39,6 +48,39 @@ class Context:
         self.deadline = deadline
         self.log = _JobLogger(logging.getLogger(f"tangguh.job.{self.job.type}"), job_fields(job))
         self.metrics = {}
+        self._progress_sent_at = None
+
+    def cancelled(self):
+        """True once this job was cancelled (``tangguh cancel``): a long loop may stop on it.
+
+        ``supervisor.Cancelled`` is raised in the handler anyway at the next
+        safe point; this is for code that wants to wind down in its own way
+        (inside ``critical()``, or after catching ``Cancelled``).
+        """
+        return timeouts.cancel_requested()
+
+    def progress(self, fraction, note=""):
+        """Report how far the job is (0 to 1) and what it is doing; shown by ``tangguh status`` and ``job``.
+
+        Cheap to call often: at most one report every ``PROGRESS_EVERY``
+        seconds leaves the child (the last one, 1.0, always does); the
+        supervisor stores the latest with its next lease renewal.
+        """
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not math.isfinite(fraction) \
+                or not 0 <= fraction <= 1:
+            raise ValueError(f"progress fraction must be a number from 0 to 1, got {fraction!r}")
+        if not isinstance(note, str):
+            raise ValueError(f"progress note must be a string, got {type(note).__name__}")
+        now = time.monotonic()
+        if fraction < 1 and self._progress_sent_at is not None and now - self._progress_sent_at < PROGRESS_EVERY:
+            return
+        self._progress_sent_at = now
+        from .. import toolkit
+
+        msg = {"op": protocol.PROGRESS, "job_id": self.job.id, "fraction": float(fraction),
+               "note": note[:protocol.MAX_NOTE]}
+        with timeouts.critical():  # a soft timeout or a cancel must not tear the frame
+            toolkit.notify_master(msg)
 
     def count(self, name, amount=1):
         """Add ``amount`` to this job's counter ``name`` (e.g. ``duplicates_suppressed``)."""

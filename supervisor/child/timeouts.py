@@ -5,10 +5,14 @@ raised in the handler, unless a critical section is open (a database commit,
 a broker call): then it is deferred and raised when the outermost section
 closes. Raising it inside COMMIT could leave the database committed while the
 job reports failure (Celery issue #10271). SIGTERM from the master (the grace
-before a hard-timeout SIGKILL) takes the same path.
+before a hard-timeout SIGKILL) takes the same path, and so does a cancel: the
+master rings ``protocol.CANCEL_SIGNAL`` and ``Cancelled`` is raised at the next
+safe point (``tangguh cancel``; docs/design.md, "One job's way").
 """
 import contextlib
 import signal
+
+from ..protocol import CANCEL_SIGNAL
 
 
 class JobTimeout(Exception):
@@ -20,48 +24,76 @@ class JobTimeout(Exception):
     """
 
 
+class Cancelled(Exception):
+    """Raised inside a handler when its job was cancelled while it ran (``tangguh cancel``).
+
+    Like ``JobTimeout``, never in the middle of a ``critical()`` block: then on
+    leaving it. Catch it to clean up; the job ends ``cancelled`` whether the
+    handler raises, returns or is killed after ``cancel_grace``. A long loop can
+    also ask ``ctx.cancelled()``.
+    """
+
+
 _depth = 0
-_pending = None
+_pending = None  # the exception a critical section deferred
+_running = False  # a job is running (a cancel bell between jobs is stale: ignored)
+_cancelled = False  # the running job was cancelled
 
 
-def _fire(reason):
+def _fire(exc):
     global _pending
     if _depth > 0:
-        _pending = reason
+        _pending = _pending or exc  # the first one wins; the master judges the attempt anyway
         return
-    raise JobTimeout(reason)
+    raise exc
 
 
 def _on_alarm(signum, frame):
-    _fire("soft timeout")
+    _fire(JobTimeout("soft timeout"))
 
 
 def _on_term(signum, frame):
-    _fire("terminated by the supervisor (hard timeout)")
+    _fire(JobTimeout("terminated by the supervisor (hard timeout)"))
+
+
+def _on_cancel(signum, frame):
+    global _cancelled
+    if not _running or _cancelled:
+        return  # it crossed the job's end, or it rang twice: raised once per job
+    _cancelled = True
+    _fire(Cancelled("the job was cancelled"))
 
 
 def install():
-    """Install the child's SIGALRM and SIGTERM handlers."""
+    """Install the child's SIGALRM, SIGTERM and cancel handlers."""
     signal.signal(signal.SIGALRM, _on_alarm)
     signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(CANCEL_SIGNAL, _on_cancel)
 
 
 def arm(seconds):
-    global _pending
-    _pending = None
+    global _pending, _running, _cancelled
+    _pending, _running, _cancelled = None, True, False
     if seconds and seconds > 0:
         signal.setitimer(signal.ITIMER_REAL, seconds)
 
 
 def disarm():
-    global _pending
+    """The handler is over: no more timeouts or cancels for it (``cancel_requested`` stays readable)."""
+    global _pending, _running
+    _running = False
     signal.setitimer(signal.ITIMER_REAL, 0)
     _pending = None
 
 
+def cancel_requested():
+    """True once the running (or just finished) job was cancelled."""
+    return _cancelled
+
+
 @contextlib.contextmanager
 def critical():
-    """Defer ``JobTimeout`` until the block is over. Nestable.
+    """Defer ``JobTimeout`` and ``Cancelled`` until the block is over. Nestable.
 
     Wrap commits and other all-or-nothing steps in it::
 
@@ -75,5 +107,5 @@ def critical():
     finally:
         _depth -= 1
     if _depth == 0 and _pending is not None:
-        reason, _pending = _pending, None
-        raise JobTimeout(reason)
+        exc, _pending = _pending, None
+        raise exc

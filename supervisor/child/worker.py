@@ -21,7 +21,7 @@ from ..model import check_json
 from ..retry import BadPayload, Permanent, RetryLater
 from . import timeouts
 from .context import Context
-from .timeouts import JobTimeout
+from .timeouts import Cancelled, JobTimeout
 
 PR_SET_PDEATHSIG = 1
 
@@ -119,6 +119,8 @@ def serve(sock, slot, handlers, master_pid):
                 continue
             if msg.get("op") == protocol.RUN:
                 pending.extend(msg["batch"] if "batch" in msg else [msg])
+            # A CANCEL frame read here crossed the reply of the job it named: nothing to do
+            # (the master asks for a SKIP first, so no job of a batch starts after it).
         if pending and not run_one(sock, slot, handlers, pending.popleft()):
             return
 
@@ -169,14 +171,17 @@ def run_job(job, handlers, soft_timeout=None):
             result = spec.fn(ctx, payload)
         timeouts.disarm()
         check_json(result, "handler result")
+        # ``cancelled``: the handler returned after its cancel reached it (the job ends cancelled).
         return dict(reply, ok=True, result=result, duration=time.monotonic() - started,
-                    metrics=_numbers(ctx.metrics))
+                    metrics=_numbers(ctx.metrics), cancelled=timeouts.cancel_requested())
     except BaseException as exc:  # noqa: BLE001 - every way a handler can end is an outcome
         timeouts.disarm()
         if isinstance(exc, (KeyboardInterrupt, SystemExit)) and not isinstance(exc, JobTimeout):
             kind = protocol.EXCEPTION
         elif isinstance(exc, JobTimeout):
             kind = protocol.TIMEOUT
+        elif isinstance(exc, Cancelled):
+            kind = protocol.CANCELLED
         elif isinstance(exc, BadPayload):
             kind = protocol.BAD_PAYLOAD
         elif isinstance(exc, Permanent):
@@ -190,7 +195,7 @@ def run_job(job, handlers, soft_timeout=None):
         ctx.log.warning("job failed: %s: %s", type(exc).__name__, message)
         return dict(reply, ok=False, kind=kind, error_class=type(exc).__name__, message=message,
                     traceback=traceback.format_exc(), duration=time.monotonic() - started,
-                    metrics=_numbers(ctx.metrics))
+                    metrics=_numbers(ctx.metrics), cancelled=timeouts.cancel_requested())
 
 
 def _text(exc):

@@ -13,7 +13,7 @@ import os
 import sys
 
 from ..errors import BadInput, ConfigError, NotDead, TangguhError
-from . import admin, daemon, dlq, jobs
+from . import admin, bulk, control, daemon, dlq, jobs
 from .common import PROG, Failure, UsageError
 
 
@@ -96,6 +96,7 @@ def build_parser():
     p.add_argument("--timeout", type=float, metavar="S", help="hard timeout in seconds")
     p.add_argument("--priority", type=int, default=0, metavar="N", help="higher runs first within a queue")
     p.add_argument("--trace-id", metavar="T", help="trace id (default: a new one)")
+    p.add_argument("--expires-in", type=float, metavar="S", help="not started within S seconds: ends expired")
 
     command(commands, "status", daemon.cmd_status, "show the running supervisor's workers", as_json,
             to_socket).add_argument(
@@ -103,8 +104,12 @@ def build_parser():
     command(commands, "metrics", daemon.cmd_metrics, "print the supervisor's Prometheus metrics", to_socket)
     command(commands, "stats", jobs.cmd_stats, "show per-queue counts", as_json)
     command(commands, "schedules", jobs.cmd_schedules, "list the periodic jobs with their next run", as_json)
-    command(commands, "job", jobs.cmd_job, "show one job with its history", as_json).add_argument(
-        "job_id", metavar="ID")
+    p = command(commands, "job", jobs.cmd_job, "show one job with its history", as_json)
+    p.add_argument("job_id", metavar="ID")
+    control.add_job_options(p)
+    control.add_commands(commands, command, as_json)
+
+    bulk.add_commands(commands, command, as_json)
 
     dlq_commands = command(commands, "dlq", None, "inspect and replay dead-lettered jobs").add_subparsers(
         dest="dlq_command", metavar="COMMAND", required=True)

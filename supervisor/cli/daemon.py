@@ -117,6 +117,8 @@ def render_status(reply, now=None):
         per_type = ", ".join(f"{_flat(t.get('type'))} {_flat(t.get('prefetch'))}" for t in prefetch.get("types") or []
                              if isinstance(t, dict))
         lines.append(f"{'prefetch:':<8} {_flat(prefetch.get('mode'))}" + (f" ({per_type})" if per_type else ""))
+    if reply.get("paused_queues"):
+        lines.append(f"{'paused:':<8} {', '.join(map(str, reply['paused_queues']))} (not claimed from)")
     if reply.get("reload_error"):
         lines.append(f"RELOAD FAILED (running the previous generation): {_flat(reply['reload_error'])}")
     workers = reply.get("workers") or []
@@ -126,14 +128,24 @@ def render_status(reply, now=None):
         rows = [[w.get("slot"), w.get("pid"), w.get("state"), w.get("job_id") or "-", w.get("job_type") or "-",
                  w.get("attempt") if w.get("job_id") else "-",
                  duration(w.get("elapsed")) if w.get("job_id") and w.get("elapsed") is not None else "-",
-                 size(w.get("rss_bytes")), w.get("jobs_done"), w.get("generation")]
+                 _progress(w), size(w.get("rss_bytes")), w.get("jobs_done"), w.get("generation")]
                 for w in workers]
-        lines.append(table(["SLOT", "PID", "STATE", "JOB", "TYPE", "ATTEMPT", "ELAPSED", "RSS", "DONE", "GEN"],
-                           rows))
+        lines.append(table(["SLOT", "PID", "STATE", "JOB", "TYPE", "ATTEMPT", "ELAPSED", "PROGRESS", "RSS", "DONE",
+                            "GEN"], rows))
     counters = reply.get("counters") or {}
     if counters:
         lines.append("counters: " + "  ".join(f"{k}={_flat(v)}" for k, v in sorted(counters.items())))
     return "\n".join(lines)
+
+
+def _progress(worker):
+    """``42% note`` of a worker's job (``ctx.progress``); ``cancelling`` once its cancel was sent."""
+    text = ""
+    if worker.get("job_id") and isinstance(worker.get("progress"), (int, float)):
+        text = f"{worker['progress'] * 100:.0f}% {worker.get('progress_note') or ''}".strip()
+    if worker.get("cancelling"):
+        text = (text + " (cancelling)").strip()
+    return text or "-"
 
 
 def _flat(value):

@@ -7,6 +7,7 @@ import time
 from .. import schemas
 from ..errors import BadInput
 from ..model import MAX_DEPTH
+from . import control
 from .common import Failure, load_config, open_client
 from .output import duration, one_line, print_json, say, table, when
 
@@ -34,7 +35,7 @@ def cmd_enqueue(args):
         # new_job checks everything before the broker is opened: a bad value stores nothing.
         options = dict(queue=args.queue, resource_id=args.resource_id, idempotency_key=args.idempotency_key,
                        delay=args.delay, max_attempts=args.max_attempts, timeout=args.timeout,
-                       trace_id=args.trace_id, priority=args.priority)
+                       trace_id=args.trace_id, priority=args.priority, expires_in=args.expires_in)
         client.new_job(args.type, payload, **options)
         print(client.enqueue(args.type, payload, **options))
 
@@ -47,12 +48,19 @@ def get_job(broker, job_id):
 
 
 def cmd_job(args):
+    code = 0
     with open_client(args) as client:
-        job = get_job(client.broker, args.job_id)
+        if getattr(args, "wait", False):
+            job = control.wait_job(client, args.job_id, args.timeout)
+            code = control.exit_code(job, args.job_id, args.timeout)
+            job = job or get_job(client.broker, args.job_id)
+        else:
+            job = get_job(client.broker, args.job_id)
     if args.json:
         print_json(job.to_dict())
     else:
         say(render_job(job))
+    return code
 
 
 def render_job(job):
@@ -67,11 +75,25 @@ def render_job(job):
         ("queued_at", when(job.queued_at)), ("run_at", when(job.run_at)),
         ("lease", f"token {job.token}, owner {job.owner or '-'}, until {when(job.lease_until)}"),
         ("first_failure_at", when(job.first_failure_at)), ("last_failure_at", when(job.last_failure_at)),
-        ("finished_at", when(job.finished_at)),
+        ("finished_at", when(job.finished_at)), ("expires_at", when(job.expires_at)),
+        ("progress", progress(job)), ("cancel_request", cancel_text(job.cancel_request)),
         ("result", "-" if job.result is None else json.dumps(job.result, sort_keys=True)),
     ]
     lines = [f"{k + ':':<17} {'-' if v is None else v}" for k, v in fields]
     return "\n".join(lines + render_error(job.error, "error:") + render_history(job.history))
+
+
+def progress(job):
+    if job.progress is None:
+        return "-"
+    return f"{job.progress:.0%}" + (f" {one_line(job.progress_note, 100)}" if job.progress_note else "")
+
+
+def cancel_text(request):
+    if not isinstance(request, dict):
+        return "-"
+    return (f"by {request.get('by') or '-'} at {when(request.get('at'))}"
+            + (f": {one_line(request.get('reason'), 100)}" if request.get("reason") else ""))
 
 
 def render_history(history):
@@ -113,9 +135,9 @@ def cmd_stats(args):
     if args.json:
         print_json({q: s.to_dict() for q, s in stats.items()})
         return
-    headers = ["QUEUE", "READY", "SCHEDULED", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY"]
-    rows = [[q, s.ready, s.scheduled, s.in_flight, s.dead, s.done, duration(s.oldest_ready_age) if s.ready else "-"]
-            for q, s in stats.items()]
+    headers = ["QUEUE", "READY", "SCHEDULED", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY", "PAUSED"]
+    rows = [[q, s.ready, s.scheduled, s.in_flight, s.dead, s.done, duration(s.oldest_ready_age) if s.ready else "-",
+             "paused" if s.paused else "-"] for q, s in stats.items()]
     say(table(headers, rows))
 
 

@@ -3,9 +3,10 @@
 ``Arbiter.run`` is the whole life of the master: wait on the selector and
 read what is ready (signals via a self-pipe, child pipes, the health socket,
 the broker's wake-up fd), then in order handle signals, reap children, act on
-lost leases, kill overdue children, write outcomes to the broker, bring the
-pool to size, claim work and hand it out, run the periodic chores (schedules,
-pruning, queue samples) and report. Nothing blocks except broker calls, and
+what the heartbeat found (lost leases, cancels, pauses), kill overdue
+children, write outcomes to the broker, bring the pool to size, claim work and
+hand it out, run the periodic chores (schedules, pruning, queue samples) and
+report. Nothing blocks except broker calls, and
 those are bounded by the broker's own timeouts. docs/design.md draws the parts
 and the rules.
 
@@ -20,7 +21,8 @@ This is the only module of ``supervisor.master`` that knows the others:
 * ``brokerlink``: the main loop's broker connection and outage state;
 * ``status``: counters, status JSON, systemd, the process title;
 * ``periodic``: schedules, pruning, queue samples;
-* ``locks``: the children's Redis locks, from the master's side.
+* ``locks``: the children's Redis locks, from the master's side;
+* ``control``: lost leases, cancel requests and paused queues, from the heartbeat.
 """
 import collections
 import logging
@@ -42,6 +44,7 @@ from ..sdnotify import Notifier
 from ..urls import redact
 from . import verdict
 from .brokerlink import BrokerLink
+from .control import JobControl
 from .dispatch import Dispatcher
 from .endings import Endings
 from .locks import MasterLocks
@@ -90,8 +93,12 @@ class Arbiter:
         self.dispatcher = Dispatcher(cfg, handlers, self.owner, self.link, self.pool,
                                      Prefetch(b.prefetch, cfg.supervisor.workers), hold=self.heartbeat.hold,
                                      settings_for=self.settings_for, on_claimed=self.status.claimed,
-                                     on_unknown=self.on_unknown_type, give_back=self.writer.release)
+                                     on_unknown=self.on_unknown_type, on_expired=self.status.expired,
+                                     give_back=self.writer.release)
         self.periodic = Periodic(cfg, handlers, self.link, self.metrics, SAMPLE_SECONDS)
+        self.control = JobControl(self.heartbeat, self.pool, self.dispatcher, self.writer, self.metrics, count,
+                                  lambda job, s: self.settle(job, s, verdict.Ending(cancel_sent=True)),
+                                  record=self.status.record, withdraw=self.endings.withdraw)
 
     # -- life -------------------------------------------------------------------------
     def run(self):
@@ -105,7 +112,7 @@ class Arbiter:
             self.wait_and_read()
             self.handle_signals()
             self.pool.reap()
-            self.handle_lost_leases()
+            self.control.run(self.cfg.broker.queues, stopping=self.stopping is not None)
             self.pool.kill_overdue()
             self.check_stop_deadline()
             self.writer.flush()
@@ -249,7 +256,7 @@ class Arbiter:
         for job in self.dispatcher.take_all():
             self.writer.release(job)
         for c in self.pool.children.values():
-            self.pool.skip(c)  # the jobs of a batch not started yet come back "skipped", to be released
+            self.endings.withdraw(c)  # the jobs of a batch not started yet: released at once
 
     def check_stop_deadline(self):
         if self.stopping == "graceful" and self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
@@ -328,13 +335,18 @@ class Arbiter:
         j = self.cfg.jobs
         return next_delay(failures, j.backoff_base, j.backoff_cap, j.jitter)
 
-    def settle(self, job, settings, c, reply=None, how=None):
-        """Judge an ended attempt (``c``'s reply, or ``how`` it died), count it, queue its outcome."""
+    def judge_child(self, job, settings, c, reply=None, how=None, cancel_sent=False):
+        """Settle the attempt ``c`` ran: from its reply, or from ``how`` it died."""
         if reply is not None:
-            ending = verdict.Ending(reply=reply, kill_reason=c.kill_reason, term_sent=c.term_at is not None)
+            ending = verdict.Ending(reply=reply, kill_reason=c.kill_reason, term_sent=c.term_at is not None,
+                                    cancel_sent=cancel_sent)
         else:
             ending = verdict.Ending(exit_how=how, kill_reason=c.kill_reason, bad_frame=str(c.bad_frame or ""),
-                                    too_large=isinstance(c.bad_frame, protocol.TooLarge))
+                                    too_large=isinstance(c.bad_frame, protocol.TooLarge), cancel_sent=cancel_sent)
+        self.settle(job, settings, ending, c, reply)
+
+    def settle(self, job, settings, ending, c=None, reply=None):
+        """Judge an ended attempt, count it, and queue its outcome for the broker."""
         outcome = verdict.judge(job.attempt, settings.max_attempts, ending, self.backoff)
         self.status.outcome(job, outcome, (reply or {}).get("duration", 0))
         self.writer.add(job, outcome, attempt_info(c, reply))
@@ -360,14 +372,6 @@ class Arbiter:
 
     def on_broker_down(self, retry_at):
         self.dispatcher.hold_claims_until(retry_at)
-
-    def handle_lost_leases(self):
-        while self.heartbeat.lost:
-            lease = self.heartbeat.lost.popleft()
-            self.status.count("lease_lost")
-            self.dispatcher.forget(lease)
-            self.writer.forget(lease)
-            self.endings.lease_lost(lease)
 
     @property
     def broker_shown(self):

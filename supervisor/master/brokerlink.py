@@ -21,7 +21,7 @@ log = logging.getLogger("tangguh.arbiter")
 
 # Outcome writes retry on their own backoff (see OutcomeWriter): their failure
 # does not mean the broker is down for the claims.
-WRITE_OPS = ("ack", "retry", "dead", "release")
+WRITE_OPS = ("ack", "retry", "dead", "release", "cancelled")
 
 
 class BrokerLink:

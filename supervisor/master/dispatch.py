@@ -5,7 +5,9 @@ room. Claimed jobs wait in ``prefetched`` with the rules they were claimed
 under (``registry.JobSettings``), so a reload between the claim and the
 verdict cannot change a running job's rules. While the queue is empty the
 claims back off up to ``poll_interval``; a broker wake-up (a notification, an
-inotify event) brings the next claim forward at once.
+inotify event) brings the next claim forward at once. Paused queues (as the
+heartbeat last read them) are left out of the claim; the broker refuses them
+anyway, so a pause not yet seen here costs nothing but a wasted slot.
 """
 import collections
 import logging
@@ -21,17 +23,20 @@ log = logging.getLogger("tangguh.arbiter")
 class Dispatcher:
     """Callbacks: ``hold(lease)`` the heartbeat starts renewing it; ``on_claimed(job)``
     counts and logs a claim; ``on_unknown(job, settings)`` a job no handler takes;
-    ``settings_for(job)`` the rules to claim it under; ``give_back(job)`` releases a
-    claimed job untouched (no attempt counted). ``prefetch`` is the ``Prefetch`` policy."""
+    ``settings_for(job)`` the rules to claim it under; ``on_expired(job_type)`` a
+    job the claim ended ``expired`` (never run); ``give_back(job)`` releases a claimed
+    job untouched (no attempt counted). ``prefetch`` is the ``Prefetch`` policy."""
 
     def __init__(self, cfg, handlers, owner, link, pool, prefetch, hold, settings_for, on_claimed, on_unknown,
-                 give_back):
+                 on_expired, give_back):
         self.prefetch = prefetch
         self.configure(cfg, handlers)
         self.owner = owner  # "host:pid", stored with every lease this supervisor takes
         self.link, self.pool = link, pool
         self.hold, self.settings_for = hold, settings_for
-        self.on_claimed, self.on_unknown, self.give_back = on_claimed, on_unknown, give_back
+        self.on_claimed, self.on_unknown, self.on_expired = on_claimed, on_unknown, on_expired
+        self.give_back = give_back
+        self.paused = set()  # queues not to claim from (job control: paused in the broker)
         self.prefetched = collections.deque()  # (job, settings), oldest first
         # After handing jobs back, claim no more than the idle children can take until a
         # child finishes a job: otherwise a queue of long jobs would be claimed and
@@ -77,11 +82,16 @@ class Dispatcher:
         if want <= 0 or now < self.next_claim_at:
             return
         b = self.cfg.broker
+        queues = [q for q in b.queues if q not in self.paused]
         try:
-            jobs = self.link.call(lambda br: br.claim(b.queues, want, b.lease_seconds, self.owner, self.limits),
-                                  "claim")
+            # take_expired reads what this claim ended ``expired``: no round trip of its own.
+            jobs, expired = self.link.call(lambda br: (
+                br.claim(queues, want, b.lease_seconds, self.owner, self.limits) if queues else [],
+                br.take_expired()), "claim")
         except BrokerError:
             return
+        for _job_id, job_type in expired:
+            self.on_expired(job_type)
         for job in jobs:
             self.hold(job.lease)
             self.on_claimed(job)
@@ -145,6 +155,21 @@ class Dispatcher:
         jobs = [job for job, _ in self.prefetched]
         self.prefetched.clear()
         return jobs
+
+    def take(self, lease):
+        """Remove and return the prefetched ``(job, settings)`` of ``lease``, or None."""
+        for entry in self.prefetched:
+            if entry[0].lease == lease:
+                self.prefetched.remove(entry)
+                return entry
+        return None
+
+    def take_queues(self, queues):
+        """Remove and return the prefetched jobs of ``queues`` (paused: to be released)."""
+        taken = [entry for entry in self.prefetched if entry[0].queue in queues]
+        for entry in taken:
+            self.prefetched.remove(entry)
+        return [job for job, _ in taken]
 
     def forget(self, lease):
         """Drop the prefetched job of a lost ``lease``; True if there was one."""

@@ -14,7 +14,7 @@ import time
 
 from .. import logs
 from ..errors import BrokerError, LeaseLost
-from ..model import ACK, DEAD, DROP, RELEASE, RETRY, error_info
+from ..model import ACK, CANCELLED, DEAD, DROP, RELEASE, RETRY, error_info
 from ..retry import backoff
 
 log = logging.getLogger("tangguh.arbiter")
@@ -24,7 +24,8 @@ log = logging.getLogger("tangguh.arbiter")
 ACK_LINGER = 0.005
 STOP_WRITES_SECONDS = 10.0  # how long a stopping master keeps retrying unstored outcomes
 HOST = socket.gethostname()  # once: a syscall per job otherwise
-STORED_EVENTS = {ACK: "acked", RETRY: "retry_stored", DEAD: "dead_stored", RELEASE: "released"}
+STORED_EVENTS = {ACK: "acked", RETRY: "retry_stored", DEAD: "dead_stored", RELEASE: "released",
+                 CANCELLED: "cancelled_stored"}
 
 
 @dataclasses.dataclass(eq=False)
@@ -32,7 +33,7 @@ class Write:
     """One outcome to store, retried with backoff while the broker refuses it."""
 
     job: object
-    op: str  # ACK, RETRY, DEAD or RELEASE
+    op: str  # ACK, RETRY, DEAD, RELEASE or CANCELLED
     result: object = None  # ACK
     info: dict | None = None  # the attempt's host, pid, slot, duration
     reason: str | None = None  # DEAD
@@ -51,6 +52,8 @@ class Write:
             broker.dead(lease, self.reason, self.error, self.info)
         elif self.op == RELEASE:
             broker.release(lease)
+        elif self.op == CANCELLED:
+            broker.cancelled(lease, self.info)  # the broker adds the request's by and reason
 
 
 def attempt_info(child=None, reply=None):

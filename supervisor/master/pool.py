@@ -18,7 +18,7 @@ import traceback
 import psutil
 
 from .. import logs, protocol
-from ..protocol import KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT
+from ..protocol import KILLED_BAD_FRAME, KILLED_CANCEL, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT
 from ..retry import backoff
 
 log = logging.getLogger("tangguh.arbiter")
@@ -36,27 +36,15 @@ class Child:
         self.job = None  # the job it runs: the first of its batch not answered yet
         self.settings = None  # registry.JobSettings the job was claimed under
         self.queued = collections.deque()  # (job, settings) of its batch behind ``job``, in order
-        self.lost = set()  # ids of its jobs whose lease was lost: their outcome is dropped
+        self.lost, self.cancels = set(), {}  # its jobs' ids: lease lost (outcome dropped); cancelled -> request
         self.skip_sent = self.ran_long = False  # asked to skip its batch's rest; its last job was long
-        self.started = None  # monotonic start of the current job
-        self.deadline = None  # monotonic hard-timeout instant
+        self.started = self.deadline = None  # monotonic: the current job's start, its hard-timeout instant
         self.term_at = None  # when SIGTERM was sent (hard timeout grace)
         self.kill_reason = None  # KILLED_*: why we are killing it
-        self.jobs_done = 0
-        self.retiring = False
+        self.cancel_at = self.cancel_deadline = None  # monotonic: its job's cancel was sent; the kill after grace
+        self.progress = None  # (fraction, note) its job last reported
+        self.jobs_done, self.retiring = 0, False
         self.bad_frame = None  # the error of a message the protocol cannot take: no more reading
-
-    def view(self):
-        elapsed = None if self.started is None or self.job is None else round(time.monotonic() - self.started, 3)
-        try:
-            rss = psutil.Process(self.pid).memory_info().rss
-        except psutil.Error:
-            rss = None
-        return {"slot": self.slot, "pid": self.pid, "state": self.state,
-                "job_id": self.job.id if self.job else None, "job_type": self.job.type if self.job else None,
-                "attempt": self.job.attempt if self.job else None, "elapsed": elapsed, "queued": len(self.queued),
-                "rss_bytes": rss,
-                "jobs_done": self.jobs_done, "generation": self.generation}
 
 
 class Pool:
@@ -170,6 +158,7 @@ class Pool:
         """Record that ``c`` runs ``job`` from now: its hard-timeout deadline starts here."""
         c.job, c.settings, c.state, c.started = job, settings, BUSY, time.monotonic()
         c.deadline, c.term_at = c.started + settings.timeout, None
+        c.cancel_at = c.cancel_deadline = c.progress = None
         if log.isEnabledFor(logging.DEBUG):
             log.debug("job started on worker %d", c.slot,
                       extra=logs.job_fields(job, event="start", slot=c.slot, pid=c.pid))
@@ -181,20 +170,11 @@ class Pool:
         being killed (it is handed back when the child is gone).
         """
         job, settings = c.job, c.settings
-        c.job = c.settings = c.started = c.deadline = None
+        c.job = c.settings = c.started = c.deadline = c.cancel_deadline = c.progress = None
         c.jobs_done += 1
         if c.queued and c.kill_reason is None and c.term_at is None:
             self.start(c, *c.queued.popleft())
         return job, settings
-
-    def skip(self, c):
-        """Ask ``c`` to answer the jobs of its batch it has not started "skipped"."""
-        if c.queued and not c.skip_sent:
-            c.skip_sent = True
-            try:
-                protocol.send(c.sock, {"op": protocol.SKIP})
-            except OSError:
-                pass  # gone: the jobs are handed back when it is reaped
 
     def after_reply(self, c):
         """Decide what becomes of ``c`` once its reply is judged; True when it is free for the next job."""
@@ -254,18 +234,20 @@ class Pool:
         except ProcessLookupError:
             pass
 
+    def cancel(self, c, request):
+        """Tell ``c`` its job is cancelled: the CANCEL frame, then the signal that raises ``Cancelled``."""
+        c.cancel_at = time.monotonic()
+        c.cancel_deadline = c.cancel_at + self.cfg.cancel_grace
+        request = request if isinstance(request, dict) else {}
+        try:
+            protocol.send(c.sock, {"op": protocol.CANCEL, "job_id": c.job.id, **request})
+            os.kill(c.pid, protocol.CANCEL_SIGNAL)
+        except OSError:
+            pass  # it just died: reaping judges the job (cancelled: the cancel was sent)
+
     def kill_all(self, reason=KILLED_SHUTDOWN):
         for c in self.children.values():
             self.kill(c, reason)
-
-    def holder(self, lease):
-        """(the child with the job of ``lease``, whether it runs it now), or (None, False)."""
-        for c in self.children.values():
-            if c.job is not None and c.job.lease == lease:
-                return c, True
-            if any(j.lease == lease for j, _ in c.queued):
-                return c, False  # queued in its batch, not started yet
-        return None, False
 
     def read(self, c):
         try:
@@ -295,6 +277,18 @@ class Pool:
                 self.on_reply(c, msg)
             elif op in (protocol.LOCK, protocol.UNLOCK):
                 self.on_lock(c, msg)
+            elif op == protocol.PROGRESS:
+                self.progress(c, msg)
+
+    def progress(self, c, msg):
+        """Keep a running job's progress (for status) and hand it to the heartbeat's next renewal."""
+        fraction, note = msg.get("fraction"), msg.get("note")
+        if c.job is None or msg.get("job_id") != c.job.id or type(fraction) not in (int, float) \
+                or not 0 <= fraction <= 1:
+            return  # late (its job is over) or malformed: a progress report is never worth a kill
+        note = note[:protocol.MAX_NOTE] if isinstance(note, str) else ""
+        c.progress = (fraction, note)
+        self.heartbeat.report_progress(c.job.id, fraction, note)
 
     def decode(self, c, data):
         """The whole messages in a child's bytes; a frame we cannot take kills that child.
@@ -323,13 +317,19 @@ class Pool:
         """The instants at which a hard timeout needs the loop awake."""
         grace = self.cfg.kill_grace
         return [c.term_at + grace if c.term_at else c.deadline for c in self.children.values()
-                if c.deadline is not None]
+                if c.deadline is not None] + [c.cancel_deadline for c in self.children.values() if c.cancel_deadline]
 
     def kill_overdue(self):
-        """SIGTERM a child whose job is past its hard timeout; SIGKILL it after the grace."""
+        """Hard timeout: SIGTERM, SIGKILL after the grace. Still running ``cancel_grace`` after a cancel: SIGKILL."""
         now = time.monotonic()
         grace = self.cfg.kill_grace
         for c in list(self.children.values()):
+            if c.job is not None and c.cancel_deadline is not None and now >= c.cancel_deadline:
+                log.warning("job still running %.1fs after its cancel: killing worker %d", self.cfg.cancel_grace,
+                            c.slot, extra=logs.job_fields(c.job, event="cancel_kill", slot=c.slot, pid=c.pid))
+                c.cancel_deadline = None
+                self.kill(c, KILLED_CANCEL)
+                continue
             if c.job is None or c.deadline is None or now < c.deadline:
                 continue
             if c.term_at is None:

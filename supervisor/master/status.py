@@ -5,17 +5,20 @@ status counters (``tangguh status``) and the Prometheus series: the two can
 never disagree. The status reporter reads the master's parts; it changes none.
 """
 import logging
+import socket
 import time
 
+import psutil
 import setproctitle
 
 from .. import __version__, logs
-from ..model import ACK, DEAD, RETRY
+from ..model import ACK, CANCELLED, DEAD, RETRY
 from ..protocol import TIMEOUT
 
 log = logging.getLogger("tangguh.arbiter")
 
-COUNTERS = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost", "duplicates_suppressed")
+COUNTERS = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost", "duplicates_suppressed",
+            "cancelled", "expired")
 
 # event -> (status counter or None, Metrics attribute, fixed labels). Job events
 # get the job's (queue, type) labels first; the caller adds the rest (a reason).
@@ -35,6 +38,8 @@ EVENTS = {
     "restarted": (None, "restarted", ()),
     "recycled": (None, "recycled", ()),
     "reload": (None, "reloads", ()),
+    "cancelled": ("cancelled", "cancelled", ()),  # labelled by type only (expired jobs come without a queue)
+    "expired": ("expired", "expired", ()),
 }
 
 
@@ -89,8 +94,19 @@ class Status:
             log.info("lock contention: %s failed acquisitions", deltas["lock_failed"],
                      extra=logs.job_fields(job, event="lock_contention"))
 
+    def expired(self, job_type):
+        self.count("expired", self.metrics.type_label(job_type))
+
     def outcome(self, job, outcome, duration=0):
         """Count and log a verdict (``model.Outcome``) before it is stored."""
+        if outcome.op == CANCELLED:
+            self.count("cancelled", self.metrics.type_label(job.type))
+            request = job.cancel_request if isinstance(job.cancel_request, dict) else {}
+            if isinstance(request.get("at"), (int, float)):  # the broker's clock wrote it: close enough
+                self.metrics.cancel_latency.observe(max(0.0, time.time() - request["at"]))
+            log.info("job cancelled", extra=logs.job_fields(job, event="cancelled", by=request.get("by"),
+                                                            reason=request.get("reason")))
+            return
         if outcome.op == ACK:
             self.count("succeeded", job=job)
             # At DEBUG: a line per job was a tenth of the master's time at full speed.
@@ -180,9 +196,34 @@ class Status:
             "target_workers": m.pool.target, "prefetched": len(m.dispatcher.prefetched),
             "prefetch": m.dispatcher.prefetch.view(),
             "pending_writes": len(m.writer),
-            "workers": [c.view() for c in sorted(m.pool.children.values(), key=lambda c: c.slot)],
+            "workers": [child_view(c) for c in sorted(m.pool.children.values(), key=lambda c: c.slot)],
             "restarts": m.pool.restarts, "counters": dict(self.counters), "empty_polls": m.dispatcher.empty_polls,
             "handlers": sorted(m.handlers),
             "queues": {q: s.to_dict() for q, s in m.periodic.queue_stats.items()},
+            "paused_queues": sorted(m.control.paused or ()),
             "metrics_listen": m.exporter.address if m.exporter is not None else None,
         }
+
+    def record(self):
+        """This supervisor's record in the broker (``tangguh supervisors``), written by the heartbeat."""
+        m = self.master
+        workers = [{k: v[k] for k in ("slot", "pid", "state", "job_id", "job_type", "elapsed", "progress")}
+                   for v in self.view()["workers"]]
+        return {"id": m.owner, "host": socket.gethostname(), "pid": m.pid, "version": __version__,
+                "started": m.started_at, "config": m.cfg.path, "queues": list(m.cfg.broker.queues),
+                "paused_queues": sorted(m.control.paused or ()), "workers": workers, "counters": dict(self.counters)}
+
+
+def child_view(c):
+    """One child (``pool.Child``) as ``status`` shows it."""
+    elapsed = None if c.started is None or c.job is None else round(time.monotonic() - c.started, 3)
+    try:
+        rss = psutil.Process(c.pid).memory_info().rss
+    except psutil.Error:
+        rss = None
+    return {"slot": c.slot, "pid": c.pid, "state": c.state,
+            "job_id": c.job.id if c.job else None, "job_type": c.job.type if c.job else None,
+            "attempt": c.job.attempt if c.job else None, "elapsed": elapsed, "queued": len(c.queued),
+            "rss_bytes": rss, "jobs_done": c.jobs_done, "generation": c.generation,
+            "progress": c.progress[0] if c.progress else None,
+            "progress_note": c.progress[1] if c.progress else None, "cancelling": c.cancel_at is not None}

@@ -9,7 +9,7 @@ I/O, keeps no state and reads no clock: the retry policy comes in as
 """
 import dataclasses
 
-from ..model import ACK, DEAD, DROP, REASONS, RELEASE, RETRY, Outcome  # noqa: F401 - the ops a verdict gives
+from ..model import ACK, CANCELLED, DEAD, DROP, REASONS, RELEASE, RETRY, Outcome  # noqa: F401 - the ops
 from ..protocol import (BAD_PAYLOAD, CRASHED, EXCEPTION, KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN,
                         KILLED_TIMEOUT, PERMANENT, RESULT_TOO_LARGE, RETRY_LATER, TIMEOUT, UNKNOWN_TYPE)
 
@@ -27,6 +27,7 @@ class Ending:
     ``term_sent``: the master had sent the hard-timeout SIGTERM.
     ``bad_frame``: what was wrong with a message the child sent (it was
     killed for it); ``too_large``: that message was over the size limit.
+    ``cancel_sent``: the master had told the child its job was cancelled.
     """
 
     reply: dict | None = None
@@ -35,6 +36,7 @@ class Ending:
     term_sent: bool = False
     bad_frame: str = ""
     too_large: bool = False
+    cancel_sent: bool = False
 
 
 def judge(attempt, max_attempts, ending, backoff):
@@ -42,6 +44,11 @@ def judge(attempt, max_attempts, ending, backoff):
     if ending.kill_reason == KILLED_LEASE_LOST:
         return Outcome(DROP)  # someone else holds the job now: whatever happened is not ours to store
     reply = ending.reply
+    if ending.cancel_sent and not (reply is not None and reply.get("ok") and not reply.get("cancelled")):
+        # Cancelled while it ran: however it stopped (Cancelled raised, a return after the
+        # cancel reached it, killed past cancel_grace, a crash, a shutdown), it is not run
+        # again. Only a result that crossed the cancel (done before it landed) stands.
+        return Outcome(CANCELLED)
     if reply is not None:
         if reply.get("ok"):
             return Outcome(ACK, result=reply.get("result"))

@@ -7,8 +7,8 @@ so every supervisor measures leases against the same clock.
 
 The package's parts: ``connection`` (the URL, the sessions, the clock, errors
 as BrokerError, LISTEN/NOTIFY), ``schema`` (the versions, ``migrate``, the
-foreign-schema refusal), ``statements`` (the SQL of the hot paths); the
-broker's operations are here.
+foreign-schema refusal), ``statements`` (the SQL of the hot paths),
+``search`` (search, count, requeue, discard); the other operations are here.
 
 * ``claim`` is one call of the SQL function ``<schema>.claim`` (one round
   trip, one transaction): it reclaims expired leases, then leases due jobs
@@ -36,13 +36,15 @@ from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema
 from .connection import Connections, libpq_conninfo, quote, read_url
+from .control import ControlMixin
 from .schema import migrations as _migrations  # looked up at each migrate: a test stands in older versions
+from .search import SearchMixin
 from .statements import NOW, Statements
 
 __all__ = ["PostgresBroker", "libpq_conninfo"]
 
 
-class PostgresBroker(Broker):
+class PostgresBroker(ControlMixin, SearchMixin, Broker):
     prune_batch = 10_000  # rows deleted per statement by prune()
 
     def __init__(self, url):
@@ -150,7 +152,7 @@ class PostgresBroker(Broker):
             [j.resource_id for j in jobs], [j.idempotency_key for j in jobs],
             [j.max_attempts for j in jobs], [None if j.timeout is None else float(j.timeout) for j in jobs],
             [j.priority for j in jobs], [float(j.delay) for j in jobs], [j.trace_id for j in jobs],
-            self.channel,
+            [None if j.expires_in is None else float(j.expires_in) for j in jobs], self.channel,
         )
         return {row[0] for row in self._query(self._sql.enqueue, params, conn)}
 
@@ -191,7 +193,7 @@ class PostgresBroker(Broker):
         order = {}
         for i, q in enumerate(queues):
             order.setdefault(q, i)
-        jobs = [Job.from_dict(r) for r in rows]
+        jobs = self._leasable(rows)  # the expired ones are recorded, not leased
         jobs.sort(key=lambda j: (order[j.queue], -j.priority, j.run_at, j.id))
         return self._runnable(jobs)
 
@@ -207,7 +209,9 @@ class PostgresBroker(Broker):
         types = sorted(limits)
         db = self._conn()
         with db.transaction():
-            db.execute(f"SELECT * FROM {self._s}.claim(%s::text[], 0, 0, '')", (queues,))
+            cur = db.cursor(row_factory=dict_row)
+            self._leasable(cur.execute(f"SELECT * FROM {self._s}.claim(%s::text[], 0, 0, '')", (queues,)).fetchall())
+            queues = self._unpaused(db, queues)
             db.execute("SELECT count(pg_advisory_xact_lock(hashtextextended(%s || l.t, 0)))"
                        " FROM (SELECT t FROM unnest(%s::text[]) AS t ORDER BY t) l",
                        (f"tangguh-limit:{self.schema}:", types))
@@ -319,12 +323,13 @@ class PostgresBroker(Broker):
             "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying') AND run_at > n.now GROUP BY queue"
             " UNION ALL"
             f" SELECT queue, state, count(*), NULL FROM {t}"
-            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('running', 'dead', 'done') GROUP BY queue, state",
+            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('running', 'dead', 'done', 'cancelled', 'expired')"
+            "  GROUP BY queue, state"
+            f" UNION ALL SELECT queue, 'paused', 1, NULL FROM {self._s}.paused_queues WHERE queue = ANY(%(q)s::text[])",
             {"q": queues},
         ).fetchall()
-        fields = {"ready": "ready", "scheduled": "scheduled", "running": "in_flight", "dead": "dead", "done": "done"}
         for queue, kind, count, age in rows:
-            setattr(out[queue], fields[kind], count)
+            setattr(out[queue], {"running": "in_flight"}.get(kind, kind), count if kind != "paused" else True)
             if kind == "ready":
                 out[queue].oldest_ready_age = max(0.0, age or 0.0)
         return out

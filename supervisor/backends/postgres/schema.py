@@ -11,6 +11,7 @@ import hashlib
 
 from ...errors import BrokerError, ConfigError
 from .connection import quote
+from .control_schema import control_migration
 from .statements import UNFINISHED
 
 VERSIONS = "tangguh_schema_version"  # a name of our own: "schema_version" is common in applications' schemas
@@ -112,6 +113,22 @@ def migrations(s):
                 created_at double precision NOT NULL)""",
             f"CREATE INDEX once_keys_created ON {s}.once_keys (created_at)",
         ]),
+        # 3: job control's search (backends/postgres/search.py): each filter's index, keyed
+        # by the page's order (queued_at, id); payload fields by containment (@>) on a GIN index.
+        (3, [
+            f"CREATE INDEX jobs_search_queued ON {s}.jobs (queued_at, id)",
+            f"CREATE INDEX jobs_search_state ON {s}.jobs (state, queued_at, id)",
+            f"CREATE INDEX jobs_search_queue ON {s}.jobs (queue, queued_at, id)",
+            f"CREATE INDEX jobs_search_type ON {s}.jobs (type, queued_at, id)",
+            f"CREATE INDEX jobs_search_resource ON {s}.jobs (resource_id, queued_at, id)"
+            " WHERE resource_id IS NOT NULL",
+            f"CREATE INDEX jobs_search_idempotency ON {s}.jobs (idempotency_key) WHERE idempotency_key IS NOT NULL",
+            f"CREATE INDEX jobs_search_finished ON {s}.jobs (finished_at) WHERE finished_at IS NOT NULL",
+            f"CREATE INDEX jobs_search_payload ON {s}.jobs USING gin ((payload::jsonb) jsonb_path_ops)",
+        ]),
+        # 4: job control (cancel, expiry, progress, pauses, supervisor records, wait's notification);
+        # 3 is search's indexes.
+        (4, control_migration(s)),
     ]
 
 
@@ -144,7 +161,7 @@ def migrate(db, schema, versions):
 def _adopt(db, schema, tables):
     """Before its first migration here: a fresh schema, or one Tangguh made under the
     old version table name (renamed now). Anything else is someone else's schema."""
-    ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys"})
+    ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys", "paused_queues", "supervisors"})
     if not ours:
         return
     if "schema_version" in tables and "jobs" in tables:

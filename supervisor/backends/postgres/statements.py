@@ -9,6 +9,9 @@ due at once send ``NOTIFY`` on the broker's channel (payload: the queue).
 
 NOW = "date_part('epoch', now())"  # the server's clock, epoch seconds (double precision)
 UNFINISHED = "('queued', 'running', 'retrying')"
+# A job asked to cancel while it ran ends cancelled where it would run again (retry, release).
+UNLESS_CANCELLED = ("state = CASE WHEN cancel_request IS NULL THEN {state} ELSE 'cancelled' END,"
+                    f" finished_at = CASE WHEN cancel_request IS NULL THEN finished_at ELSE {NOW} END")
 
 
 class Statements:
@@ -17,13 +20,13 @@ class Statements:
         t = f"{s}.jobs"
         self.enqueue = (
             f"INSERT INTO {t} (id, queue, type, payload, state, resource_id, idempotency_key,"
-            " max_attempts, timeout, priority, run_at, queued_at, trace_id)"
+            " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at)"
             " SELECT i.id, i.queue, i.type, i.payload::json, 'queued', i.resource_id, i.idempotency_key,"
-            "  i.max_attempts, i.timeout, i.priority, n.now + i.delay, n.now, i.trace_id"
+            "  i.max_attempts, i.timeout, i.priority, n.now + i.delay, n.now, i.trace_id, n.now + i.expires_in"
             " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
-            "  %s::integer[], %s::float8[], %s::integer[], %s::float8[], %s::text[]) WITH ORDINALITY"
+            "  %s::integer[], %s::float8[], %s::integer[], %s::float8[], %s::text[], %s::float8[]) WITH ORDINALITY"
             "  AS i(id, queue, type, payload, resource_id, idempotency_key, max_attempts, timeout, priority,"
-            "  delay, trace_id, ord),"
+            "  delay, trace_id, expires_in, ord),"
             f" (SELECT {NOW} AS now) n"
             " ORDER BY i.ord"
             " ON CONFLICT DO NOTHING"
@@ -42,6 +45,7 @@ class Statements:
         )
         close = "history = jsonb_set(history, '{-1}', (history -> -1) || %(info)s::jsonb || jsonb_build_object("
         leased = "WHERE id = %(id)s AND token = %(token)s AND state = 'running'"
+        retrying, queued = UNLESS_CANCELLED.format(state="'retrying'"), UNLESS_CANCELLED.format(state="'queued'")
         self.ack = (
             f"UPDATE {t} SET state = 'done', result = %(result)s::json, finished_at = {NOW}, lease_until = NULL, "
             + close + f"'ended_at', {NOW}, 'outcome', 'done')) " + leased
@@ -55,7 +59,8 @@ class Statements:
             " RETURNING j.id, j.token"
         )
         self.retry = (
-            f"UPDATE {t} SET state = 'retrying', run_at = %(run_at)s::float8, error = %(error)s::jsonb,"
+            f"UPDATE {t} SET {retrying}, run_at = %(run_at)s::float8,"
+            " error = %(error)s::jsonb,"
             f" first_failure_at = coalesce(first_failure_at, {NOW}), last_failure_at = {NOW}, lease_until = NULL, "
             + close + f"'ended_at', {NOW}, 'outcome', 'retry', 'error', %(error)s::jsonb)) " + leased
             + f" RETURNING CASE WHEN run_at <= {NOW} THEN pg_notify(%(channel)s, queue) END"
@@ -66,7 +71,8 @@ class Statements:
             + close + f"'ended_at', {NOW}, 'outcome', 'dead', 'error', %(error)s::jsonb)) " + leased
         )
         self.release = (
-            f"UPDATE {t} SET state = 'queued', attempt = attempt - 1, lease_until = NULL, owner = NULL,"
+            f"UPDATE {t} SET {queued}, attempt = attempt - 1,"
+            " lease_until = NULL, owner = NULL,"
             f" run_at = {NOW}, history = history - -1 " + leased
             + " RETURNING pg_notify(%(channel)s, queue)"
         )

@@ -3,7 +3,8 @@
 The package's parts: ``connection`` (the URL, the client, errors as
 BrokerError), ``keys`` (the key layout), ``scripts`` (the Lua scripts in
 ``redis_lua/``), ``fields`` (jobs to and from the scripts' strings), ``locate``
-(finding a job's queue from its id); the broker's operations are here.
+(finding a job's queue from its id), ``search`` (search, count, requeue,
+discard: the search index and its bounds); the other operations are here.
 
 Every state change (enqueue, claim, extend, ack, retry, dead, release, replay,
 purge, prune) is one script that reads the clock with ``TIME`` and touches one
@@ -42,16 +43,18 @@ from ..base import Broker
 from ..limits import active
 from . import scripts
 from .connection import connect, guard
+from .control import ControlMixin
 from .fields import body, check_script_reply, enqueue_args, to_job
 from .keys import Keys
 from .locate import Locator
+from .search import SearchMixin
 
 LIMITED_SCAN = 1000  # ready entries one limited claim looks at per queue (held-back jobs included)
 BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one script's run time
 CLOCK_REFRESH = 30.0
 
 
-class RedisBroker(Broker):
+class RedisBroker(ControlMixin, SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
         self.r, self.prefix, self.done_ttl, self.where = connect(url)
@@ -89,8 +92,9 @@ class RedisBroker(Broker):
 
     @guard
     def migrate(self):
-        """Nothing to create; loads the scripts, which also proves the server is there."""
+        """Loads the scripts, which also proves the server is there; indexes jobs stored before search."""
         scripts.load(self.r, self.scripts)
+        self._backfill_search()
 
     @guard
     def now(self):
@@ -163,10 +167,8 @@ class RedisBroker(Broker):
         for queue in queues:
             if len(claimed) >= n:
                 break
-            for fields in self._run("claim", queue, [n - len(claimed), lease_us, owner, owner_json]):
-                job = to_job(json.loads(fields))
-                self._locator.remember(job.id, queue)
-                claimed.append(job)
+            claimed.extend(self._leased(queue, self._run("claim", queue, [n - len(claimed), lease_us, owner,
+                                                                          owner_json])))
         return self._runnable(claimed)
 
     def _claim_limited(self, queues, n, lease_us, owner, owner_json, limits):
@@ -180,10 +182,9 @@ class RedisBroker(Broker):
                 break
             calls = [("claim", queue, [0, lease_us, owner, owner_json]),
                      ("claim_limited", queue, [n - len(claimed), lease_us, owner, owner_json, spec, LIMITED_SCAN])]
-            for fields in self._run_many(calls)[1]:
-                job = to_job(json.loads(fields))
-                self._locator.remember(job.id, queue)
-                claimed.append(job)
+            expired, leased = self._run_many(calls)
+            self._leased(queue, expired)  # records what the plain claim ended expired
+            claimed.extend(self._leased(queue, leased))
         return claimed
 
     @guard
@@ -276,9 +277,10 @@ class RedisBroker(Broker):
         queues = list(queues)
         out = {}
         for queue, row in zip(queues, self._run_many([("stats", q, [self.done_ttl]) for q in queues])):
-            ready, scheduled, in_flight, dead, done, age = row
+            ready, scheduled, in_flight, dead, done, age, cancelled, expired, paused = row
             out[queue] = QueueStats(queue, ready=ready, scheduled=scheduled, in_flight=in_flight, dead=dead,
-                                    done=done, oldest_ready_age=int(age) / 1e6)
+                                    done=done, oldest_ready_age=int(age) / 1e6, cancelled=cancelled,
+                                    expired=expired, paused=bool(paused))
         return out
 
     # -- dead letters -----------------------------------------------------

@@ -5,12 +5,13 @@ from ...errors import BadInput, NotDead
 from ...model import Job, load_json
 
 _INTS = ("attempt", "max_attempts", "priority", "token")
-_FLOATS = ("timeout", "run_at", "queued_at", "lease_until", "first_failure_at", "last_failure_at", "finished_at")
-_JSON = ("payload", "result", "error")
+_FLOATS = ("timeout", "run_at", "queued_at", "lease_until", "first_failure_at", "last_failure_at", "finished_at",
+           "expires_at", "progress")
+_JSON = ("payload", "result", "error", "cancel_request")
 
 
 def enqueue_args(job):
-    """One job for enqueue.lua: [id, priority, delay_us, [field, value, ...], idempotency_key?]."""
+    """One job for enqueue.lua: [id, priority, delay_us, [field, value, ...], idempotency_key?, expires_in_us?]."""
     fields = ["id", job.id, "type", job.type, "queue", job.queue,
               "payload", json.dumps(job.payload, separators=(",", ":")),
               "max_attempts", str(job.max_attempts), "priority", str(job.priority), "trace_id", job.trace_id]
@@ -21,8 +22,10 @@ def enqueue_args(job):
     if job.timeout is not None:
         fields += ["timeout", repr(float(job.timeout))]
     args = [job.id, job.priority, int(job.delay * 1e6), fields]
-    if job.idempotency_key is not None:
-        args.append(job.idempotency_key)
+    if job.idempotency_key is not None or job.expires_in is not None:
+        args.append(job.idempotency_key or False)  # JSON false: Lua's nil would end the list
+    if job.expires_in is not None:
+        args.append(max(1, int(job.expires_in * 1e6)))
     return args
 
 

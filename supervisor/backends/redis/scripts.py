@@ -1,6 +1,6 @@
 """The Redis broker's Lua scripts: one per state change, read from ``redis_lua/``.
 
-Every script starts with ``_common.lua`` (the shared helpers); a composed one
+Every script starts with ``_common.lua`` and ``_control.lua`` (the shared helpers); a composed one
 is several files run in order, the first of which may return early. The files
 ship as package data beside this package (``supervisor/backends/redis_lua/``).
 """
@@ -8,7 +8,9 @@ import functools
 import os
 
 NAMES = ("enqueue", "claim", "extend", "ack", "retry", "dead", "release", "replay", "purge", "stats", "prune",
-         "claim_limited", "enqueue_once", "ack_many")
+         "claim_limited", "enqueue_once", "ack_many", "requeue", "discard")
+# Job control's scripts (redis/control.py).
+CONTROL_NAMES = ("cancel", "renew", "cancelled", "mark_waited")
 # A script made of several files, run in order (the first may return early).
 COMPOSED = {"enqueue_once": ("enqueue_once", "enqueue")}
 LUA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "redis_lua")
@@ -17,10 +19,12 @@ LUA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @functools.cache
 def sources():
     """{name: Lua source}, read once per process."""
-    with open(os.path.join(LUA_DIR, "_common.lua"), encoding="utf-8") as f:
-        common = f.read()
+    common = ""
+    for prelude in ("_common.lua", "_control.lua"):
+        with open(os.path.join(LUA_DIR, prelude), encoding="utf-8") as f:
+            common += f.read() + "\n"
     out = {}
-    for name in NAMES:
+    for name in NAMES + CONTROL_NAMES:
         parts = [common]
         for part in COMPOSED.get(name, (name,)):
             with open(os.path.join(LUA_DIR, f"{part}.lua"), encoding="utf-8") as f:

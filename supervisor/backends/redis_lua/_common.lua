@@ -63,3 +63,19 @@ local function info_part(body)
   if body == '' then return '' end
   return ',' .. body
 end
+
+-- The search index: BASE..'search', every job of the queue at score 0, member
+-- "<16-digit queued_at us><id>", so lexicographic ranges are (queued_at, id) ranges.
+local SEARCH = string.sub(JOB, 1, -3) .. 'search'
+
+-- "1796101958.075713" (a hash's time field) -> its microseconds, exactly.
+local function micros(text)
+  local whole, frac = string.match(text or '', '^(%d+)%.?(%d*)$')
+  if not whole then return nil end
+  frac = string.sub(frac .. '000000', 1, 6)
+  return tonumber(whole) * 1000000 + tonumber(frac)
+end
+
+local function search_member(id, queued_us)
+  return string.format('%016.0f', queued_us) .. id
+end

@@ -9,6 +9,7 @@ redis.call('HDEL', key, 'lease_until')
 redis.call('ZREM', LEASED, id)
 free_key(key, id)
 redis.call('EXPIRE', key, ttl)
+tell_waiters(key, id)
 -- The done zset indexes retained jobs by finish time; entries past the TTL
 -- point at expired hashes and are trimmed here.
 redis.call('ZADD', DONE, NOW, id)

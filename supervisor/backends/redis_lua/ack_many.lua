@@ -13,6 +13,7 @@ for i = 4, #ARGV, 4 do
     redis.call('ZREM', LEASED, id)
     free_key(key, id)
     redis.call('EXPIRE', key, ttl)
+    tell_waiters(key, id)
     redis.call('ZADD', DONE, NOW, id)
     out[#out + 1] = 1
   else

@@ -1,6 +1,6 @@
 -- claim: ARGV[3] = n, ARGV[4] = lease (us), ARGV[5] = owner, ARGV[6] = owner as JSON.
--- Reclaims this queue's expired leases, promotes due delayed jobs, then leases
--- up to n ready jobs. Returns each leased job's hash (HGETALL) as one JSON
+-- Reclaims this queue's expired leases, promotes due delayed jobs, ends the due
+-- jobs past their expiry, then (unless the queue is paused) leases up to n ready jobs. Returns each leased job's hash (HGETALL) as one JSON
 -- array string: one bulk reply per job is far cheaper to parse than ~25.
 local n, lease, owner, owner_json = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6]
 
@@ -8,7 +8,7 @@ local expired = redis.call('ZRANGEBYSCORE', LEASED, '-inf', '(' .. num(NOW), 'LI
 for _, id in ipairs(expired) do
   local key = JOB .. id
   redis.call('ZREM', LEASED, id)
-  local f = redis.call('HMGET', key, 'attempt', 'max_attempts', 'owner', 'priority')
+  local f = redis.call('HMGET', key, 'attempt', 'max_attempts', 'owner', 'priority', 'cancel_request')
   if f[1] then
     local err = cjson.encode({reason = 'lease_expired', class = '', traceback = '',
       message = 'lease of owner ' .. tostring(f[3] or 'None') .. ' expired'})
@@ -16,13 +16,17 @@ for _, id in ipairs(expired) do
     redis.call('HDEL', key, 'lease_until', 'owner')
     redis.call('HSET', key, 'error', err)
     failed_now(key)
-    if tonumber(f[1]) >= tonumber(f[2]) then
+    if f[5] then  -- a cancel asked of the lost attempt ends the job: it never starts again
+      end_cancelled(key, id)
+    elseif tonumber(f[1]) >= tonumber(f[2]) then
       redis.call('HSET', key, 'state', 'dead', 'reason', 'lease_expired', 'finished_at', secs(NOW), 'run_at', secs(NOW))
       redis.call('ZADD', DEAD, NOW, id)
       free_key(key, id)
+      tell_waiters(key, id)
     else
       redis.call('HSET', key, 'state', 'retrying', 'run_at', secs(NOW))
       make_ready(id, f[4], NOW)
+      watch_expiry(key, id)
     end
   end
 end
@@ -35,8 +39,10 @@ for k = 1, #due, 2 do
   if priority then make_ready(id, priority, tonumber(due[k + 1])) end
 end
 
+-- Expired jobs come first in the reply (state 'expired': recorded, not leased).
 local out = {}
-if n < 1 then return out end
+expire_due(out)
+if n < 1 or redis.call('EXISTS', PAUSED) == 1 then return out end
 local popped = redis.call('ZPOPMIN', READY, n)
 local until_us = NOW + lease
 for k = 1, #popped, 2 do

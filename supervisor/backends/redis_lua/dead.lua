@@ -9,4 +9,5 @@ failed_now(key)
 redis.call('ZREM', LEASED, id)
 redis.call('ZADD', DEAD, NOW, id)
 free_key(key, id)
+tell_waiters(key, id)
 return 1

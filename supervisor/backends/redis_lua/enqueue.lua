@@ -1,5 +1,6 @@
 -- enqueue: ARGV[3] = the jobs as one JSON array (one decode here beats ~20
--- arguments per job): [id, priority, delay_us, [field, value, ...], idempotency_key?].
+-- arguments per job): [id, priority, delay_us, [field, value, ...], idempotency_key or false?,
+-- expires_in_us?].
 -- Returns the ids: an unfinished job's id where it holds the idempotency key.
 local jobs = cjson.decode(ARGV[3])
 local ids = {}
@@ -23,7 +24,12 @@ for n, job in ipairs(jobs) do
     local run = NOW + delay
     redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'token', 0, 'history', '[]',
       'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
+    redis.call('ZADD', SEARCH, 0, search_member(id, NOW))
     if ikey then redis.call('HSET', IDEM, ikey, id) end
+    if job[6] then  -- expires in (us), on this clock
+      redis.call('HSET', key, 'expires_at', secs(NOW + job[6]))
+      redis.call('ZADD', EXPIRING, NOW + job[6], id)
+    end
     if delay > 0 then
       redis.call('ZADD', DELAYED, run, id)
     else

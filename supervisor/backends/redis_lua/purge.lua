@@ -5,6 +5,8 @@ for k = 3, #ARGV do
   if state ~= 'dead' then return {'notdead', ARGV[k], state or 'unknown'} end
 end
 for k = 3, #ARGV do
+  local queued = micros(redis.call('HGET', JOB .. ARGV[k], 'queued_at'))
+  if queued then redis.call('ZREM', SEARCH, search_member(ARGV[k], queued)) end
   redis.call('DEL', JOB .. ARGV[k])
   redis.call('ZREM', DEAD, ARGV[k])
 end

@@ -4,6 +4,12 @@ local key = JOB .. id
 if not is_leased(key, token) then return 0 end
 redis.call('HINCRBY', key, 'attempt', -1)
 redis.call('HDEL', key, 'open', 'lease_until', 'owner')
+redis.call('ZREM', LEASED, id)
+if redis.call('HEXISTS', key, 'cancel_request') == 1 then  -- asked to cancel: it does not run again
+  end_cancelled(key, id)
+  return 1
+end
+watch_expiry(key, id)
 redis.call('HSET', key, 'state', 'queued', 'run_at', secs(NOW))
 redis.call('ZREM', LEASED, id)
 make_ready(id, redis.call('HGET', key, 'priority'), NOW)

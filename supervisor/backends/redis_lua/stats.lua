@@ -1,5 +1,5 @@
 -- stats (read only): ARGV[3] = done TTL (s).
--- Returns ready, scheduled, in_flight, dead, done, oldest ready age (us).
+-- Returns ready, scheduled, in_flight, dead, done, oldest ready age (us), cancelled, expired, paused (0/1).
 local ttl = tonumber(ARGV[3])
 local due_delayed = redis.call('ZCOUNT', DELAYED, '-inf', num(NOW))
 local ready = redis.call('ZCARD', READY) + due_delayed
@@ -22,4 +22,5 @@ end
 local age = 0
 if oldest and oldest < NOW then age = NOW - oldest end
 return {ready, scheduled, redis.call('ZCARD', LEASED), redis.call('ZCARD', DEAD),
-  redis.call('ZCOUNT', DONE, '(' .. num(NOW - ttl * 1000000), '+inf'), num(age)}
+  redis.call('ZCOUNT', DONE, '(' .. num(NOW - ttl * 1000000), '+inf'), num(age),
+  redis.call('ZCARD', CANCELLED_Z), redis.call('ZCARD', EXPIRED_Z), redis.call('EXISTS', PAUSED)}

@@ -9,7 +9,8 @@ process crash) for speed; the default is ``full``.
 
 The package's parts: ``schema`` (the tables, the foreign-table refusal),
 ``database`` (opening the file, transactions, errors), ``wakeup`` (inotify on
-the WAL); the broker's operations are here.
+the WAL), ``search`` (search, count, requeue, discard); the other operations
+are here.
 """
 import contextlib
 import json
@@ -18,18 +19,23 @@ import sqlite3
 import urllib.parse
 
 from ...errors import BadInput, BrokerError, ConfigError, LeaseLost, NotDead
-from ...model import DEAD, DONE, RETRYING, Job, QueueStats, error_info, load_json
+from ...model import DEAD, DONE, Job, QueueStats, load_json
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, wakeup
+from .control import ControlMixin
+from .search import SearchMixin
 from .database import Transaction, connect, errors
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
 _CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(history, '$[#-1]'), json(:entry)))"
 _LEASED = "id = :id AND token = :token AND state = 'running'"
+# A job asked to cancel while it ran ends cancelled where it would run again (retry, release).
+_UNLESS_CANCELLED = ("state = CASE WHEN cancel_request IS NULL THEN {state} ELSE 'cancelled' END,"
+                     " finished_at = CASE WHEN cancel_request IS NULL THEN finished_at ELSE :now END")
 
 
-class SQLiteBroker(Broker):
+class SQLiteBroker(ControlMixin, SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
         parts = urllib.parse.urlsplit(url)
@@ -109,10 +115,11 @@ class SQLiteBroker(Broker):
                         continue
                 self.db.execute(
                     "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
-                    " max_attempts, timeout, priority, run_at, queued_at, trace_id)"
-                    " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at)"
+                    " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (job.id, job.queue, job.type, json.dumps(job.payload), job.resource_id, job.idempotency_key,
-                     job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id),
+                     job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id,
+                     None if job.expires_in is None else now + job.expires_in),
                 )
                 ids.append(job.id)
         return ids
@@ -138,6 +145,7 @@ class SQLiteBroker(Broker):
         with self._write():
             now = self.now()  # after BEGIN IMMEDIATE: the lease starts once the write lock is ours
             self._reclaim_expired(now)
+            queues = self._claimable(queues, now)  # expiry and pauses: control.py
             if limits:
                 return self._claim_limited(queues, n, lease_seconds, owner, limits, now)
             for queue in queues:
@@ -204,24 +212,6 @@ class SQLiteBroker(Broker):
                             (t, left, now))
         return claimed
 
-    def _reclaim_expired(self, now):
-        expired = self.db.execute(
-            "SELECT id, attempt, max_attempts, owner FROM jobs WHERE state = 'running' AND lease_until < ?", (now,)
-        ).fetchall()
-        for row in expired:
-            error = error_info("lease_expired", message=f"lease of owner {row['owner']} expired")
-            entry = {"ended_at": now, "outcome": "lease_expired", "error": error}
-            exhausted = row["attempt"] >= row["max_attempts"]
-            self.db.execute(
-                "UPDATE jobs SET state = :state, run_at = :now, lease_until = NULL, owner = NULL,"
-                " error = :error, reason = :reason, finished_at = :finished,"
-                " first_failure_at = coalesce(first_failure_at, :now), last_failure_at = :now, "
-                + _CLOSE_ENTRY + " WHERE id = :id",
-                {"state": DEAD if exhausted else RETRYING, "now": now, "error": json.dumps(error),
-                 "reason": "lease_expired" if exhausted else None, "finished": now if exhausted else None,
-                 "entry": json.dumps(entry), "id": row["id"]},
-            )
-
     def extend(self, leases, lease_seconds):
         now = self.now()
         lost = []
@@ -272,7 +262,7 @@ class SQLiteBroker(Broker):
     def retry(self, lease, run_at, error, info=None):
         self._finish(
             lease,
-            "state = 'retrying', run_at = :run_at, error = :error,"
+            _UNLESS_CANCELLED.format(state="'retrying'") + ", run_at = :run_at, error = :error,"
             " first_failure_at = coalesce(first_failure_at, :now), last_failure_at = :now",
             {"run_at": run_at, "error": error}, "retry", info,
         )
@@ -288,7 +278,8 @@ class SQLiteBroker(Broker):
     def release(self, lease):
         with self._write():
             cur = self.db.execute(
-                "UPDATE jobs SET state = 'queued', attempt = attempt - 1, lease_until = NULL, owner = NULL,"
+                "UPDATE jobs SET " + _UNLESS_CANCELLED.format(state="'queued'") + ","
+                " attempt = attempt - 1, lease_until = NULL, owner = NULL,"
                 " run_at = :now, history = json_remove(history, '$[#-1]') WHERE " + _LEASED,
                 {"now": self.now(), "id": lease.job_id, "token": lease.token},
             )
@@ -320,12 +311,14 @@ class SQLiteBroker(Broker):
             ):
                 out[row["queue"]].scheduled = row["n"]
             for row in self.db.execute(
-                f"SELECT queue, state, count(*) AS n FROM jobs WHERE state IN ('running', 'dead', 'done')"
-                f" AND queue IN ({marks}) GROUP BY queue, state",
+                f"SELECT queue, state, count(*) AS n FROM jobs WHERE state IN ('running', 'dead', 'done',"
+                f" 'cancelled', 'expired') AND queue IN ({marks}) GROUP BY queue, state",
                 tuple(queues),
             ):
-                field = {"running": "in_flight", "dead": "dead", "done": "done"}[row["state"]]
+                field = {"running": "in_flight"}.get(row["state"], row["state"])
                 setattr(out[row["queue"]], field, row["n"])
+            for row in self.db.execute(f"SELECT queue FROM paused_queues WHERE queue IN ({marks})", tuple(queues)):
+                out[row["queue"]].paused = True
         return out
 
     # -- dead letters -----------------------------------------------------
@@ -380,7 +373,7 @@ class SQLiteBroker(Broker):
 
 def _job(row):
     d = dict(row)
-    for key in ("payload", "result", "error", "history"):
+    for key in ("payload", "result", "error", "history", "cancel_request"):
         if d.get(key) is not None:
             d[key] = load_json(d[key])
     return Job.from_dict(d)

@@ -41,6 +41,28 @@ CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (idempotency_key)
     WHERE idempotency_key IS NOT NULL AND state IN ('queued', 'running', 'retrying');
 CREATE TABLE IF NOT EXISTS rate_buckets (type TEXT PRIMARY KEY, tokens REAL NOT NULL, updated_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS once_keys (key TEXT PRIMARY KEY, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS paused_queues (queue TEXT PRIMARY KEY, paused_by TEXT, paused_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS supervisors (
+    id TEXT PRIMARY KEY, record TEXT NOT NULL, last_heartbeat REAL NOT NULL, ttl REAL NOT NULL);
+"""
+
+# Job control (issue 15): columns an older file gets with ALTER TABLE, then their index.
+ADDED_COLUMNS = {"expires_at": "REAL", "progress": "REAL", "progress_note": "TEXT", "cancel_request": "TEXT"}
+AFTER_COLUMNS = """
+CREATE INDEX IF NOT EXISTS jobs_expiring ON jobs (queue, expires_at)
+    WHERE expires_at IS NOT NULL AND state IN ('queued', 'retrying');
+"""
+
+# Job control's search (backends/sqlite/search.py): each filter's index, keyed by the
+# page's order (queued_at, id). Payload fields have none: see that module.
+SEARCH_INDEXES = """
+CREATE INDEX IF NOT EXISTS jobs_search_queued ON jobs (queued_at, id);
+CREATE INDEX IF NOT EXISTS jobs_search_state ON jobs (state, queued_at, id);
+CREATE INDEX IF NOT EXISTS jobs_search_queue ON jobs (queue, queued_at, id);
+CREATE INDEX IF NOT EXISTS jobs_search_type ON jobs (type, queued_at, id);
+CREATE INDEX IF NOT EXISTS jobs_search_resource ON jobs (resource_id, queued_at, id) WHERE resource_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS jobs_search_idempotency ON jobs (idempotency_key) WHERE idempotency_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS jobs_search_finished ON jobs (finished_at) WHERE finished_at IS NOT NULL;
 """
 
 # The columns that make a jobs table Tangguh's.
@@ -54,6 +76,13 @@ def migrate(db, path):
         # CREATE TABLE IF NOT EXISTS would keep it and write our jobs into it.
         raise ConfigError(f"sqlite database {path} has a jobs table that is not Tangguh's:"
                           " give the broker a database file of its own")
-    for statement in SCHEMA.split(";"):
+    for statement in (SCHEMA + SEARCH_INDEXES).split(";"):
+        if statement.strip():
+            db.execute(statement)
+    columns = {row["name"] for row in db.execute("PRAGMA table_info(jobs)")}
+    for name, kind in ADDED_COLUMNS.items():
+        if name not in columns:
+            db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+    for statement in AFTER_COLUMNS.split(";"):
         if statement.strip():
             db.execute(statement)

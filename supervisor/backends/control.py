@@ -1,0 +1,133 @@
+"""What every broker's job-control operations share: their input checks and the records they store.
+
+Each check raises BadInput naming what is wrong before anything is written, so
+cancel, pause, renew and the supervisor records refuse the same input on every
+backend.
+"""
+import json
+import math
+import time
+
+from ..errors import BadInput
+from ..model import FINISHED, MAX_NAME, check_json, storable
+
+MAX_NOTE = 200  # characters of a progress note kept (a handler may send anything)
+MAX_IDS = 10_000  # job ids in one cancel call
+GONE_FOR = 3600.0  # seconds a gone supervisor record is still shown before it is removed
+MAX_RECORD = 256 * 1024  # bytes of one supervisor record (a few hundred workers)
+EXPIRED_KEPT = 10_000  # expired (id, type) pairs an instance keeps for take_expired between calls
+
+
+def check_ids(job_ids):
+    """A list of job ids (strings), or BadInput."""
+    if isinstance(job_ids, str):
+        job_ids = [job_ids]
+    job_ids = list(job_ids)
+    if len(job_ids) > MAX_IDS:
+        raise BadInput(f"at most {MAX_IDS} job ids at once, got {len(job_ids)}")
+    for job_id in job_ids:
+        if not isinstance(job_id, str) or not job_id or len(job_id) > MAX_NAME:
+            raise BadInput(f"job id must be a string of 1 to {MAX_NAME} characters, got {job_id!r}")
+    return list(dict.fromkeys(job_ids))
+
+
+def cancel_request(by, reason, at):
+    """The ``{"by", "reason", "at"}`` stored with a cancel; ``by``/``reason`` optional text."""
+    for name, value in (("by", by), ("reason", reason)):
+        if value is not None and not isinstance(value, str):
+            raise BadInput(f"cancel {name} must be a string, got {type(value).__name__}")
+        if value is not None and len(value) > 1000:
+            raise BadInput(f"cancel {name} is {len(value)} characters long, more than 1000")
+    return {"by": storable(by), "reason": storable(reason), "at": at}
+
+
+def cancel_entry(request):
+    """The history entry of a job cancelled before it ran."""
+    return {"outcome": "cancelled", "by": request["by"], "reason": request["reason"], "at": request["at"]}
+
+
+def answer_for(state):
+    """What ``cancel`` reports for a job in ``state`` that it did not change."""
+    return f"already_{state}" if state in FINISHED else "requested"
+
+
+def progress_value(value):
+    """``(fraction, note)`` as stored: fraction a float clamped to 0..1 (None if not a number), note text.
+
+    The value comes from a handler through the master: anything odd is made
+    harmless here, never refused, so a renewal is never refused for it.
+    """
+    try:
+        fraction, note = value
+    except (TypeError, ValueError):
+        fraction, note = value, None
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not math.isfinite(fraction):
+        fraction = None
+    else:
+        fraction = min(1.0, max(0.0, float(fraction)))
+    note = storable(note[:MAX_NOTE]) if isinstance(note, str) and note else None
+    return fraction, note
+
+
+def expired_entry(now, expires_at):
+    return {"outcome": "expired", "at": now, "expires_at": expires_at}
+
+
+def check_record(record, ttl):
+    """``(id, record as JSON text)`` of a supervisor record, or BadInput."""
+    if not isinstance(record, dict):
+        raise BadInput("a supervisor record must be a JSON object")
+    sid = record.get("id")
+    if not isinstance(sid, str) or not sid or len(sid) > MAX_NAME:
+        raise BadInput(f"a supervisor record needs an id of 1 to {MAX_NAME} characters, got {sid!r}")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
+        raise BadInput(f"ttl must be a positive number of seconds, got {ttl!r}")
+    text = check_json(record, "supervisor record")
+    if len(text) > MAX_RECORD:
+        raise BadInput(f"supervisor record is {len(text)} bytes, more than {MAX_RECORD}")
+    return sid, text
+
+
+def shown_record(text, last_heartbeat, ttl, now):
+    """A stored record as ``supervisors()`` returns it: with ``last_heartbeat`` and ``gone``."""
+    record = json.loads(text) if isinstance(text, (str, bytes)) else dict(text)
+    record["last_heartbeat"] = last_heartbeat
+    record["gone"] = now > last_heartbeat + ttl
+    return record
+
+
+def record_queues(records):
+    """The queues the live supervisor records serve."""
+    names = set()
+    for record in records:
+        if not record["gone"]:
+            names.update(q for q in record.get("queues") or () if isinstance(q, str))
+    return names
+
+
+def check_timeout(timeout):
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout < 0:
+        raise BadInput(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+def wait_finished(job_id, get, block, timeout, fallback):
+    """The loop every broker's ``wait`` runs: ``get()`` the job, ``block(seconds)`` until notified.
+
+    The caller starts listening before calling this, so a job finishing
+    between the first read and the first block still wakes it. ``fallback``
+    bounds each block: a notification missed (a reconnect, a recycled
+    watch) costs at most that long, never the whole timeout.
+    """
+    deadline = time.monotonic() + check_timeout(timeout)
+    while True:
+        job = get()
+        if job is None:
+            raise BadInput(f"unknown job {job_id}")
+        if job.state in FINISHED:
+            return job
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        block(min(left, fallback))

@@ -1,0 +1,178 @@
+"""The PostgreSQL broker's job-control operations: cancel, renew, pause, expiry, wait, supervisor records.
+
+A mixin of ``PostgresBroker`` (it uses its connections and statements).
+Pauses live in ``<schema>.paused_queues`` and supervisor records in
+``<schema>.supervisors``; the claim function (schema version 4,
+``control_schema``) expires due jobs past ``expires_at`` and skips paused
+queues. ``wait`` marks the job ``waited`` and LISTENs on
+``tangguh_done_<schema>``, which the trigger notifies when a waited job
+finishes; it re-reads the job at least every ``WAIT_FALLBACK`` seconds (a
+notification is lost if the listening connection drops).
+"""
+import collections
+import json
+
+import psycopg
+from psycopg.rows import dict_row
+
+from ...errors import LeaseLost
+from ...model import CANCELLED, EXPIRED, Job, Renewal, check_queue
+from .. import control
+from .connection import quote
+from .control_schema import done_channel
+from .statements import NOW
+
+WAIT_FALLBACK = 1.0
+
+
+class ControlMixin:
+    # -- cancel --------------------------------------------------------------
+    def cancel(self, job_ids, by, reason):
+        job_ids = control.check_ids(job_ids)
+        request = control.cancel_request(by, reason, None)
+        t = self._jobs
+        with self._guard("cancel"):
+            db = self._conn()
+            with db.transaction():
+                # Locked in id order (SKIP LOCKED claimers pass them by): the answer is what was stored.
+                states = dict(db.execute(f"SELECT id, state FROM {t} WHERE id = ANY(%s::text[]) ORDER BY id"
+                                         " FOR UPDATE", (job_ids,)).fetchall())
+                ending = [i for i in job_ids if states.get(i) in ("queued", "retrying", "waiting")]
+                running = [i for i in job_ids if states.get(i) == "running"]
+                req = f"jsonb_build_object('by', %(by)s::text, 'reason', %(reason)s::text, 'at', {NOW})"
+                params = {"by": request["by"], "reason": request["reason"]}
+                if ending:
+                    db.execute(f"UPDATE {t} SET state = 'cancelled', finished_at = {NOW}, cancel_request = {req},"
+                               f" history = history || jsonb_build_array({req} || '{{\"outcome\": \"cancelled\"}}'::jsonb)"
+                               " WHERE id = ANY(%(ids)s::text[])", dict(params, ids=ending))
+                if running:  # the first request stands: a second is harmless
+                    db.execute(f"UPDATE {t} SET cancel_request = coalesce(cancel_request, {req})"
+                               " WHERE id = ANY(%(ids)s::text[])", dict(params, ids=running))
+        out = {}
+        for job_id in job_ids:
+            state = states.get(job_id)
+            out[job_id] = "unknown" if state is None else CANCELLED if job_id in ending else control.answer_for(state)
+        return out
+
+    def renew(self, leases, lease_seconds, progress=None):
+        leases = list(leases)
+        progress = progress or {}
+        renewal = Renewal()
+        if not leases:
+            return renewal
+        values = [control.progress_value(progress[lease.job_id]) if lease.job_id in progress else (None, None)
+                  for lease in leases]
+        rows = self._execute(
+            f"UPDATE {self._jobs} j SET lease_until = {NOW} + %s::float8,"
+            " progress = coalesce(l.fraction, j.progress),"
+            " progress_note = CASE WHEN l.fraction IS NULL THEN j.progress_note ELSE l.note END"
+            " FROM unnest(%s::text[], %s::bigint[], %s::float8[], %s::text[]) AS l(id, token, fraction, note)"
+            " WHERE j.id = l.id AND j.token = l.token AND j.state = 'running'"
+            " RETURNING j.id, j.token, j.cancel_request",
+            (float(lease_seconds), [lease.job_id for lease in leases], [lease.token for lease in leases],
+             [v[0] for v in values], [v[1] for v in values])).fetchall()
+        current = {(job_id, token) for job_id, token, _ in rows}
+        renewal.lost = [lease for lease in leases if (lease.job_id, lease.token) not in current]
+        renewal.cancel = {job_id: request for job_id, _, request in rows if request is not None}
+        return renewal
+
+    def cancelled(self, lease, info=None):
+        cur = self._execute(
+            f"UPDATE {self._jobs} SET state = 'cancelled', finished_at = {NOW}, lease_until = NULL,"
+            " history = jsonb_set(history, '{-1}', (history -> -1) || %(info)s::jsonb || jsonb_build_object("
+            f"'ended_at', {NOW}, 'outcome', 'cancelled', 'by', cancel_request -> 'by',"
+            " 'reason', cancel_request -> 'reason'))"
+            " WHERE id = %(id)s AND token = %(token)s AND state = 'running'",
+            {"info": json.dumps(info or {}), "id": lease.job_id, "token": lease.token})
+        if cur.rowcount == 0:
+            raise LeaseLost(lease.job_id, lease.token)
+
+    # -- pause -----------------------------------------------------------------
+    def pause(self, queue, by=None):
+        check_queue(queue)
+        request = control.cancel_request(by, None, None)
+        self._execute(f"INSERT INTO {self._s}.paused_queues (queue, paused_by, paused_at) VALUES (%s, %s, {NOW})"
+                      " ON CONFLICT DO NOTHING", (queue, request["by"]))
+
+    def resume(self, queue):
+        check_queue(queue)
+        self._execute(f"DELETE FROM {self._s}.paused_queues WHERE queue = %s", (queue,))
+
+    def paused(self):
+        rows = self._execute(f"SELECT queue, paused_by, paused_at FROM {self._s}.paused_queues ORDER BY queue")
+        return {queue: {"by": by, "at": at} for queue, by, at in rows.fetchall()}
+
+    def queues(self):
+        # A skip scan over jobs_ready's leading column would miss finished-only queues; DISTINCT reads them all.
+        rows = self._execute(f"SELECT DISTINCT queue FROM {self._jobs}"
+                             f" UNION SELECT queue FROM {self._s}.paused_queues").fetchall()
+        return sorted({r[0] for r in rows} | control.record_queues(self.supervisors()))
+
+    # -- expiry (what claim returned) ----------------------------------------------
+    def _leasable(self, rows):
+        """The claim function's rows as jobs, minus the ones it ended ``expired`` (recorded here)."""
+        jobs = []
+        for row in rows:
+            job = Job.from_dict(row)
+            if job.state == EXPIRED:
+                self._expired_log.append((job.id, job.type))
+            else:
+                jobs.append(job)
+        return jobs
+
+    def _unpaused(self, db, queues):
+        paused = {r[0] for r in db.execute(f"SELECT queue FROM {self._s}.paused_queues WHERE queue = ANY(%s)",
+                                           (list(queues),)).fetchall()}
+        return [q for q in queues if q not in paused]
+
+    @property
+    def _expired_log(self):
+        if "_expired" not in self.__dict__:
+            self._expired = collections.deque(maxlen=control.EXPIRED_KEPT)
+        return self._expired
+
+    def take_expired(self):
+        taken = list(self._expired_log)
+        self._expired_log.clear()
+        return taken
+
+    # -- wait ------------------------------------------------------------------
+    def wait(self, job_id, timeout):
+        control.check_timeout(timeout)
+        with self._guard("wait"):
+            listener = self._connections._connect()
+        try:
+            with self._guard("wait"):
+                listener.execute(f"LISTEN {quote(done_channel(self.schema))}")
+            # Listening first, then marked: a finish after the mark is always notified.
+            self._execute(f"UPDATE {self._jobs} SET waited = true WHERE id = %s AND NOT waited", (job_id,))
+
+            def block(seconds):
+                try:
+                    for note in listener.notifies(timeout=seconds):
+                        if note.payload == job_id:
+                            return
+                except psycopg.Error:
+                    pass  # the listening connection broke: the fallback re-read carries on
+            return control.wait_finished(job_id, lambda: self.get(job_id), block, timeout, WAIT_FALLBACK)
+        finally:
+            listener.close()
+
+    # -- supervisor records --------------------------------------------------------
+    def write_supervisor(self, record, ttl):
+        sid, text = control.check_record(record, ttl)
+        table = f"{self._s}.supervisors"
+        self._execute(
+            f"WITH gone AS (DELETE FROM {table} WHERE last_heartbeat + ttl + %s < {NOW})"
+            f" INSERT INTO {table} (id, record, last_heartbeat, ttl) VALUES (%s, %s::jsonb, {NOW}, %s)"
+            " ON CONFLICT (id) DO UPDATE SET record = excluded.record, last_heartbeat = excluded.last_heartbeat,"
+            " ttl = excluded.ttl", (control.GONE_FOR, sid, text, float(ttl)))
+
+    def supervisors(self):
+        rows = self._execute(f"SELECT record, last_heartbeat, ttl, {NOW} AS now FROM {self._s}.supervisors"
+                             f" WHERE last_heartbeat + ttl + %s >= {NOW} ORDER BY id",
+                             (control.GONE_FOR,), row_factory=dict_row).fetchall()
+        return [control.shown_record(r["record"], r["last_heartbeat"], r["ttl"], r["now"]) for r in rows]
+
+    def remove_supervisor(self, supervisor_id):
+        self._execute(f"DELETE FROM {self._s}.supervisors WHERE id = %s", (supervisor_id,))

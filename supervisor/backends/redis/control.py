@@ -1,0 +1,199 @@
+"""The Redis broker's job-control operations: cancel, renew, pause, expiry, wait, supervisor records.
+
+A mixin of ``RedisBroker``. The state changes are scripts of ``redis_lua/``
+(``cancel``, ``renew``, ``cancelled``; expiry and pauses inside ``claim``),
+with their keys in each queue's slot (see ``_control.lua``):
+``P:{Q}:paused`` (the pause), ``P:{Q}:expiring``, ``P:{Q}:cancelled`` and
+``P:{Q}:expired``. Outside the slots, ``P:supervisors`` is a hash of the
+supervisor records (id -> JSON).
+
+``wait`` subscribes to ``P:wakeup:done``, marks the job ``waited``, and
+re-reads the job on each message and at least every ``WAIT_FALLBACK`` seconds
+(a pub/sub message is lost if the subscription's connection drops).
+"""
+import collections
+import json
+
+from redis.exceptions import RedisError
+
+from ...errors import LeaseLost
+from ...model import EXPIRED, Renewal, check_queue
+from .. import control
+from .connection import guard
+from .fields import body, to_job
+
+WAIT_FALLBACK = 1.0
+
+
+class ControlMixin:
+    def _done_channel(self):
+        return self.keys.channel + ":done"
+
+    def _paused_key(self, queue):
+        return f"{self.prefix}:{{{check_queue(queue)}}}:paused"
+
+    # -- cancel --------------------------------------------------------------
+    @guard
+    def cancel(self, job_ids, by, reason):
+        job_ids = control.check_ids(job_ids)
+        request = control.cancel_request(by, reason, None)
+        found = self._locator.find(job_ids, fetch=False)
+        groups = {}
+        for job_id in job_ids:
+            if job_id in found:
+                groups.setdefault(found[job_id][0], []).append(job_id)
+        answers = {}
+        calls = [("cancel", queue, [json.dumps(request["by"]), json.dumps(request["reason"]), *ids])
+                 for queue, ids in groups.items()]
+        for ids, got in zip(groups.values(), self._run_many(calls) if calls else ()):
+            answers.update(zip(ids, got))
+        return {job_id: answers.get(job_id, "unknown") for job_id in job_ids}
+
+    @guard
+    def renew(self, leases, lease_seconds, progress=None):
+        leases = list(leases)
+        progress = progress or {}
+        renewal = Renewal()
+        lease_us = max(1, int(lease_seconds * 1e6))
+        where = self._locator.queues_of([lease.job_id for lease in leases])
+        groups = {}
+        for lease in leases:
+            queue = where.get(lease.job_id)
+            if queue is None:
+                renewal.lost.append(lease)
+            else:
+                groups.setdefault(queue, []).append(lease)
+        calls = []
+        for queue, group in groups.items():
+            args = [lease_us]
+            for lease in group:
+                fraction, note = control.progress_value(progress[lease.job_id]) if lease.job_id in progress \
+                    else (None, None)
+                args += [lease.job_id, lease.token, "" if fraction is None else repr(fraction), note or ""]
+            calls.append(("renew", queue, args))
+        for group, (lost, cancel) in zip(groups.values(), self._run_many(calls) if calls else ()):
+            renewal.lost.extend(group[p - 1] for p in lost)
+            for job_id, request in zip(cancel[::2], cancel[1::2]):
+                renewal.cancel[job_id] = json.loads(request)
+        order = {id(lease): i for i, lease in enumerate(leases)}
+        renewal.lost.sort(key=lambda lease: order[id(lease)])
+        return renewal
+
+    @guard
+    def cancelled(self, lease, info=None):
+        queue = self._locator.queues_of([lease.job_id]).get(lease.job_id)
+        if queue is None or not self._run("cancelled", queue, [lease.job_id, lease.token, body(info)]):
+            raise LeaseLost(lease.job_id, lease.token)
+        self._locator.forget(lease.job_id)
+
+    # -- pause -----------------------------------------------------------------
+    @guard
+    def pause(self, queue, by=None):
+        key = self._paused_key(queue)
+        request = control.cancel_request(by, None, self.now())
+        pipe = self.r.pipeline(transaction=False)
+        pipe.sadd(self.keys.queues, queue)
+        pipe.set(key, json.dumps({"by": request["by"], "at": request["at"]}), nx=True)
+        pipe.execute()
+
+    @guard
+    def resume(self, queue):
+        self.r.delete(self._paused_key(queue))
+
+    @guard
+    def paused(self):
+        queues = sorted(self.r.smembers(self.keys.queues))
+        if not queues:
+            return {}
+        pipe = self.r.pipeline(transaction=False)  # one slot per queue: no cross-slot MGET
+        for q in queues:
+            pipe.get(self._paused_key(q))
+        values = pipe.execute()
+        return {q: json.loads(v) for q, v in zip(queues, values) if v is not None}
+
+    @guard
+    def queues(self):
+        return sorted(set(self.r.smembers(self.keys.queues)) | control.record_queues(self.supervisors()))
+
+    # -- expiry (what claim returned) ----------------------------------------------
+    def _leased(self, queue, rows):
+        """The claim script's rows as jobs, minus the ones it ended ``expired`` (recorded here)."""
+        jobs = []
+        for fields in rows:
+            job = to_job(json.loads(fields))
+            if job.state == EXPIRED:
+                self._expired_log.append((job.id, job.type))
+            else:
+                self._locator.remember(job.id, queue)
+                jobs.append(job)
+        return jobs
+
+    @property
+    def _expired_log(self):
+        if "_expired" not in self.__dict__:
+            self._expired = collections.deque(maxlen=control.EXPIRED_KEPT)
+        return self._expired
+
+    def take_expired(self):
+        taken = list(self._expired_log)
+        self._expired_log.clear()
+        return taken
+
+    # -- wait ------------------------------------------------------------------
+    @guard
+    def wait(self, job_id, timeout):
+        control.check_timeout(timeout)
+        pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.subscribe(self._done_channel())  # subscribed first, then marked: no finish is missed
+            queue = self._locator.queues_of([job_id]).get(job_id)
+            if queue is not None:
+                self._run("mark_waited", queue, [job_id])
+
+            def block(seconds):
+                try:
+                    pubsub.get_message(timeout=seconds)
+                except RedisError:
+                    pass  # the subscription broke: the fallback re-read carries on
+            return control.wait_finished(job_id, lambda: self.get(job_id), block, timeout, WAIT_FALLBACK)
+        finally:
+            try:
+                pubsub.close()
+            except (RedisError, OSError):
+                pass
+
+    # -- supervisor records --------------------------------------------------------
+    @property
+    def _records_key(self):
+        return f"{self.prefix}:supervisors"
+
+    @guard
+    def write_supervisor(self, record, ttl):
+        sid, text = control.check_record(record, ttl)
+        now = self.now()
+        self.r.hset(self._records_key, sid, json.dumps({"record": text, "at": now, "ttl": ttl}))
+        self._records(now, forget=True)
+
+    def _records(self, now, forget=False):
+        """The stored records still shown; with ``forget``, the others are deleted."""
+        shown, old = [], []
+        for sid, raw in sorted(self.r.hgetall(self._records_key).items()):
+            try:
+                stored = json.loads(raw)
+                if stored["at"] + stored["ttl"] + control.GONE_FOR < now:
+                    old.append(sid)
+                else:
+                    shown.append(control.shown_record(stored["record"], stored["at"], stored["ttl"], now))
+            except (ValueError, KeyError, TypeError):
+                old.append(sid)  # not a record this code wrote
+        if forget and old:
+            self.r.hdel(self._records_key, *old)
+        return shown
+
+    @guard
+    def supervisors(self):
+        return self._records(self.now())
+
+    @guard
+    def remove_supervisor(self, supervisor_id):
+        self.r.hdel(self._records_key, supervisor_id)

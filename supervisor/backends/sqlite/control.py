@@ -1,0 +1,190 @@
+"""The SQLite broker's job-control operations: cancel, renew, pause, expiry, wait, supervisor records.
+
+A mixin of ``SQLiteBroker`` (it uses its ``db``, ``_write`` and ``_read``).
+Pauses live in ``paused_queues`` and supervisor records in ``supervisors``;
+a job's ``cancel_request``, ``progress``, ``progress_note`` and
+``expires_at`` are columns of ``jobs``. ``wait`` is woken by an inotify watch
+on the WAL file (every commit of any process writes it); it re-reads the job at
+least every ``WAIT_FALLBACK`` seconds in case a notification was missed
+(no inotify on this system).
+"""
+import collections
+import json
+import os
+import select
+
+from ...errors import LeaseLost
+from ...model import CANCELLED, DEAD, RETRYING, Renewal, check_queue, error_info
+from .. import control
+from . import wakeup
+
+WAIT_FALLBACK = 1.0
+# Closing the open history entry (as the broker's own writes do).
+_CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(history, '$[#-1]'), json(:entry)))"
+_LEASED = "id = :id AND token = :token AND state = 'running'"
+
+
+class ControlMixin:
+    # -- cancel --------------------------------------------------------------
+    def cancel(self, job_ids, by, reason):
+        job_ids = control.check_ids(job_ids)
+        out = {}
+        with self._write():
+            request = control.cancel_request(by, reason, self.now())
+            for job_id in job_ids:
+                row = self.db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+                if row is None:
+                    out[job_id] = "unknown"
+                elif row["state"] in ("queued", "retrying", "waiting"):
+                    self.db.execute(
+                        "UPDATE jobs SET state = 'cancelled', finished_at = :at, cancel_request = :req,"
+                        " history = json_insert(history, '$[#]', json(:entry)) WHERE id = :id",
+                        {"at": request["at"], "req": json.dumps(request),
+                         "entry": json.dumps(control.cancel_entry(request)), "id": job_id})
+                    out[job_id] = CANCELLED
+                else:
+                    if row["state"] == "running":  # the first request stands: a second is harmless
+                        self.db.execute("UPDATE jobs SET cancel_request = coalesce(cancel_request, ?) WHERE id = ?",
+                                        (json.dumps(request), job_id))
+                    out[job_id] = control.answer_for(row["state"])
+        return out
+
+    def renew(self, leases, lease_seconds, progress=None):
+        progress = progress or {}
+        renewal = Renewal()
+        now = self.now()
+        with self._write():
+            for lease in leases:
+                fraction, note = control.progress_value(progress[lease.job_id]) if lease.job_id in progress \
+                    else (None, None)
+                row = self.db.execute(
+                    "UPDATE jobs SET lease_until = :until, progress = coalesce(:fraction, progress),"
+                    " progress_note = CASE WHEN :fraction IS NULL THEN progress_note ELSE :note END"
+                    " WHERE " + _LEASED + " RETURNING cancel_request",
+                    {"until": now + lease_seconds, "id": lease.job_id, "token": lease.token,
+                     "fraction": fraction, "note": note}).fetchone()
+                if row is None:
+                    renewal.lost.append(lease)
+                elif row["cancel_request"] is not None:
+                    renewal.cancel[lease.job_id] = json.loads(row["cancel_request"])
+        return renewal
+
+    def cancelled(self, lease, info=None):
+        now = self.now()
+        with self._write():
+            row = self.db.execute("SELECT cancel_request FROM jobs WHERE " + _LEASED,
+                                  {"id": lease.job_id, "token": lease.token}).fetchone()
+            if row is None:
+                raise LeaseLost(lease.job_id, lease.token)
+            request = json.loads(row["cancel_request"]) if row["cancel_request"] else {}
+            entry = dict(info or {}, ended_at=now, outcome=CANCELLED, by=request.get("by"),
+                         reason=request.get("reason"))
+            self.db.execute(
+                "UPDATE jobs SET state = 'cancelled', finished_at = :now, lease_until = NULL, " + _CLOSE_ENTRY
+                + " WHERE " + _LEASED,
+                {"now": now, "entry": json.dumps(entry), "id": lease.job_id, "token": lease.token})
+
+    # -- pause -----------------------------------------------------------------
+    def pause(self, queue, by=None):
+        check_queue(queue)
+        request = control.cancel_request(by, None, self.now())
+        with self._write():
+            self.db.execute("INSERT OR IGNORE INTO paused_queues (queue, paused_by, paused_at) VALUES (?, ?, ?)",
+                            (queue, request["by"], request["at"]))
+
+    def resume(self, queue):
+        check_queue(queue)
+        with self._write():
+            self.db.execute("DELETE FROM paused_queues WHERE queue = ?", (queue,))
+
+    def paused(self):
+        with self._read():
+            rows = self.db.execute("SELECT queue, paused_by, paused_at FROM paused_queues ORDER BY queue").fetchall()
+        return {r["queue"]: {"by": r["paused_by"], "at": r["paused_at"]} for r in rows}
+
+    def queues(self):
+        with self._read():
+            names = {r[0] for r in self.db.execute("SELECT DISTINCT queue FROM jobs")}
+            names |= {r[0] for r in self.db.execute("SELECT queue FROM paused_queues")}
+        return sorted(names | control.record_queues(self.supervisors()))
+
+    # -- inside claim's transaction: lost leases, expiry, pauses ------------------
+    def _reclaim_expired(self, now):
+        expired = self.db.execute(
+            "SELECT id, attempt, max_attempts, owner, cancel_request FROM jobs WHERE state = 'running'"
+            " AND lease_until < ?", (now,)
+        ).fetchall()
+        for row in expired:
+            error = error_info("lease_expired", message=f"lease of owner {row['owner']} expired")
+            entry = {"ended_at": now, "outcome": "lease_expired", "error": error}
+            exhausted = row["attempt"] >= row["max_attempts"]
+            # A cancel asked of the lost attempt ends the job: it never starts again.
+            state = CANCELLED if row["cancel_request"] else DEAD if exhausted else RETRYING
+            self.db.execute(
+                "UPDATE jobs SET state = :state, run_at = :now, lease_until = NULL, owner = NULL,"
+                " error = :error, reason = :reason, finished_at = :finished,"
+                " first_failure_at = coalesce(first_failure_at, :now), last_failure_at = :now, "
+                + _CLOSE_ENTRY + " WHERE id = :id",
+                {"state": state, "now": now, "error": json.dumps(error),
+                 "reason": "lease_expired" if state == DEAD else None, "finished": None if state == RETRYING else now,
+                 "entry": json.dumps(entry), "id": row["id"]},
+            )
+
+    def _claimable(self, queues, now):
+        """End the due jobs of ``queues`` past their ``expires_at``; the queues not paused."""
+        for queue in queues:
+            rows = self.db.execute(
+                "UPDATE jobs SET state = 'expired', finished_at = :now, lease_until = NULL,"
+                " history = json_insert(history, '$[#]', json_object('outcome', 'expired', 'at', :now,"
+                "   'expires_at', expires_at))"
+                " WHERE queue = :queue AND expires_at IS NOT NULL AND expires_at <= :now"
+                "   AND state IN ('queued', 'retrying') AND run_at <= :now RETURNING id, type",
+                {"now": now, "queue": queue}).fetchall()
+            self._expired_log.extend((r["id"], r["type"]) for r in rows)
+        paused = {r[0] for r in self.db.execute("SELECT queue FROM paused_queues")}
+        return [q for q in queues if q not in paused]
+
+    @property
+    def _expired_log(self):
+        if "_expired" not in self.__dict__:
+            self._expired = collections.deque(maxlen=control.EXPIRED_KEPT)
+        return self._expired
+
+    def take_expired(self):
+        taken = list(self._expired_log)
+        self._expired_log.clear()
+        return taken
+
+    # -- wait ------------------------------------------------------------------
+    def wait(self, job_id, timeout):
+        fd = wakeup.watch_modifications([os.path.abspath(self.path) + "-wal"])
+        try:
+            def block(seconds):
+                if fd is None:
+                    select.select([], [], [], seconds)
+                elif select.select([fd], [], [], seconds)[0]:
+                    wakeup.drain(fd)
+            return control.wait_finished(job_id, lambda: self.get(job_id), block, timeout, WAIT_FALLBACK)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    # -- supervisor records --------------------------------------------------------
+    def write_supervisor(self, record, ttl):
+        sid, text = control.check_record(record, ttl)
+        with self._write():
+            now = self.now()
+            self.db.execute("INSERT OR REPLACE INTO supervisors (id, record, last_heartbeat, ttl) VALUES (?, ?, ?, ?)",
+                            (sid, text, now, ttl))
+            self.db.execute("DELETE FROM supervisors WHERE last_heartbeat + ttl + ? < ?", (control.GONE_FOR, now))
+
+    def supervisors(self):
+        now = self.now()
+        with self._read():
+            rows = self.db.execute("SELECT record, last_heartbeat, ttl FROM supervisors WHERE last_heartbeat + ttl + ? >= ?"
+                                   " ORDER BY id", (control.GONE_FOR, now)).fetchall()
+        return [control.shown_record(r["record"], r["last_heartbeat"], r["ttl"], now) for r in rows]
+
+    def remove_supervisor(self, supervisor_id):
+        with self._write():
+            self.db.execute("DELETE FROM supervisors WHERE id = ?", (supervisor_id,))

@@ -1,0 +1,121 @@
+"""The SQLite broker's search, count and bulk actions (a mixin ``SQLiteBroker`` inherits).
+
+Every filter but two is served by an index of ``schema.SEARCH_INDEXES``, each
+ending in the page's key ``(queued_at, id)``, so the first page is one index
+range however many jobs the file holds. The two others:
+
+* payload fields: SQLite cannot index an arbitrary JSON key (an expression
+  index needs the key when the schema is made, and a generated column per
+  key would be a migration per query). They are checked row by row in the
+  index order of the other filters, on at most ``scan.SCAN_BOUND`` rows per
+  call: narrow by type or queue first on a large file;
+* error text (a substring: no B-tree serves it) is checked the same way
+  among dead and retrying jobs, which ``jobs_search_state`` selects.
+
+``count`` is exact up to ``exact_up_to``; past it, the number of index
+entries (counted on the index alone, never the table) times the share of
+checked rows that passed the row-by-row filters, marked ``exact=False``.
+"""
+import sqlite3
+
+from .. import scan, sqlsearch
+from .database import errors
+
+_REQUEUE_FROM = ("dead", "cancelled", "expired")
+# Columns of later schema versions a requeue clears when the file has them.
+_CLEARED_IF_PRESENT = ("cancel_request", "expires_at", "progress", "progress_note")
+
+
+class SearchMixin:
+    def _where(self, f, after, order):
+        clauses, params = sqlsearch.where(f, "?")
+        more, more_params, order_by = sqlsearch.keyset(after, order, "?")
+        return clauses + more, params + more_params, order_by
+
+    def _page_sql(self, f, after, order, columns, n):
+        """(SQL, params) of one batch of a search: what the plan tests EXPLAIN."""
+        clauses, params, order_by = self._where(f, after, order)
+        table = "jobs"
+        if (f.finished_after is not None or f.finished_before is not None) and not any(
+                (f.state, f.queue, f.type, f.resource_id, f.idempotency_key)):
+            # A finished range is usually narrow ("the last hour"): SQLite, without range
+            # statistics, would rather walk jobs_search_queued for its order and filter.
+            table = "jobs INDEXED BY jobs_search_finished"
+        return sqlsearch.select(table, columns, clauses, order_by, "?"), (*params, n)
+
+    def _fetcher(self, f, order, columns):
+        def fetch(after, n):
+            sql, params = self._page_sql(f, after, order, columns, n)
+            with errors(self.path):
+                return [dict(r) for r in self.db.execute(sql, params).fetchall()]
+        return fetch
+
+    def _load(self, ids):
+        if not ids:
+            return []
+        from . import _job  # the broker module's row -> Job
+        with errors(self.path):
+            rows = self.db.execute(f"SELECT * FROM jobs WHERE id IN ({','.join('?' * len(ids))})", ids).fetchall()
+        by_id = {r["id"]: _job(r) for r in rows}
+        return [by_id[i] for i in ids if i in by_id]
+
+    def search(self, filter, cursor=None, limit=50, order="newest"):
+        f, after = scan.start(filter, cursor, limit, order)
+        post = scan.post_names(f, sqlsearch.SERVED)
+        columns = sqlsearch.CANDIDATE if post else "id, queued_at"
+        with self._read():
+            return scan.search_jobs(self._fetcher(f, order, columns), self._load, f, after, limit, order, post)
+
+    def count(self, filter, exact_up_to=10_000):
+        f, _ = scan.start(filter, None, 1, "newest")
+        post = scan.post_names(f, sqlsearch.SERVED)
+        clauses, params = sqlsearch.where(f, "?")
+
+        def indexed_count(cap=None):
+            inner = sqlsearch.select("jobs", "1", clauses, "", "?" if cap is not None else None)
+            args = (*params, cap) if cap is not None else tuple(params)
+            with errors(self.path):
+                return self.db.execute(f"SELECT count(*) FROM ({inner})", args).fetchone()[0]
+
+        with self._read():
+            return scan.count_jobs(self._fetcher(f, "newest", sqlsearch.CANDIDATE), indexed_count,
+                                   lambda: indexed_count(None), f, exact_up_to, post)
+
+    def requeue(self, job_ids):
+        out = {}
+        now = self.now()
+        with self._write():
+            present = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
+            cleared = "".join(f", {c} = NULL" for c in _CLEARED_IF_PRESENT if c in present)
+            for job_id in job_ids:
+                row = self.db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+                if row is None:
+                    out[job_id] = "unknown"
+                elif row["state"] == "done":
+                    out[job_id] = "done"
+                elif row["state"] not in _REQUEUE_FROM:
+                    out[job_id] = "not_finished"
+                else:
+                    try:
+                        self.db.execute(
+                            "UPDATE jobs SET state = 'queued', attempt = 0, run_at = ?, reason = NULL,"
+                            f" finished_at = NULL, lease_until = NULL, owner = NULL{cleared} WHERE id = ?",
+                            (now, job_id))
+                        out[job_id] = "queued"
+                    except sqlite3.IntegrityError:  # its idempotency key is held by an unfinished job
+                        out[job_id] = "conflict"
+        return out
+
+    def discard(self, job_ids):
+        out = {}
+        with self._write():
+            for job_id in job_ids:
+                row = self.db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+                if row is None:
+                    out[job_id] = "unknown"
+                elif row["state"] == "running":
+                    out[job_id] = "running"
+                else:
+                    self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+                    out[job_id] = "discarded"
+        return out

@@ -1,0 +1,62 @@
+"""The SQL brokers' search statements: a ``JobFilter`` as WHERE clauses their indexes serve.
+
+Shared by SQLite and PostgreSQL (``mark`` is their placeholder, ``?`` or
+``%s``). The page's order is ``(queued_at, id)``, the key of every search
+index, so a page is one range of one index and keyset pagination is a row
+comparison. Which index serves which filter is in docs/brokers.md.
+"""
+from .scan import ERROR_STATES
+
+# Filters an SQL broker always serves in SQL (by an index: see the schemas).
+SERVED = ("state", "queue", "type", "resource_id", "idempotency_key",
+          "queued_after", "queued_before", "finished_after", "finished_before")
+
+# The columns the row-by-row checks of scan.matches read.
+CANDIDATE = "id, queued_at, state, queue, type, resource_id, idempotency_key, finished_at, payload, error"
+
+_RANGES = (("queued_after", "queued_at >="), ("queued_before", "queued_at <"),
+           ("finished_after", "finished_at >="), ("finished_before", "finished_at <"))
+
+
+def where(f, mark):
+    """(clauses, params) of the filters in ``SERVED``; the error filter also narrows to its states."""
+    clauses, params = [], []
+    states = f.state
+    if f.error is not None:
+        states = tuple(s for s in (states or ERROR_STATES) if s in ERROR_STATES) or ("-none-",)
+    if states:
+        clauses.append(f"state IN ({', '.join([mark] * len(states))})")
+        params += states
+    for name in ("queue", "type", "resource_id", "idempotency_key"):
+        value = getattr(f, name)
+        if value is not None:
+            clauses.append(f"{name} = {mark}")
+            params.append(value)
+    for name, test in _RANGES:
+        value = getattr(f, name)
+        if value is not None:
+            clauses.append(f"{test} {mark}")
+            params.append(value)
+    return clauses, params
+
+
+def keyset(after, order, mark):
+    """(clauses, params, ORDER BY) of the page's key range past ``after``."""
+    desc = order == "newest"
+    clauses, params = [], []
+    if after is not None:
+        clauses.append(f"(queued_at, id) {'<' if desc else '>'} ({mark}, {mark})")
+        params += list(after)
+    direction = "DESC" if desc else "ASC"
+    return clauses, params, f"ORDER BY queued_at {direction}, id {direction}"
+
+
+def select(table, columns, clauses, order_by="", limit_mark=None):
+    sql = f"SELECT {columns} FROM {table}"
+    if clauses:
+        sql += " WHERE " + " AND ".join(clauses)
+    if order_by:
+        sql += " " + order_by
+    if limit_mark:
+        sql += f" LIMIT {limit_mark}"
+    return sql

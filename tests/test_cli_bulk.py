@@ -1,0 +1,166 @@
+"""``tangguh jobs``, ``cancel``, ``retry``, ``discard`` and ``Client.search/count/requeue/discard``, on every broker.
+
+The commands run in-process through ``cli.main`` against a real broker of each
+kind; the bad-input contract (exit 2, one line, nothing changed) is checked
+on a real process too.
+"""
+import json
+import textwrap
+
+import pytest
+
+from supervisor import cli
+from supervisor.client import Client
+from supervisor.errors import BadInput
+from supervisor.model import NewJob, error_info
+
+from .daemon import tangguh
+
+
+@pytest.fixture
+def cfg(tmp_path, broker_url):
+    path = tmp_path / "tangguh.toml"
+    path.write_text(textwrap.dedent(f"""
+        [broker]
+        url = "{broker_url}"
+        queues = ["default", "mail"]
+    """))
+    return str(path)
+
+
+def run(capsys, cfg, *args):
+    code = cli.main(["-c", cfg, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def snapshot(broker):
+    return sorted((j.id, j.state, j.attempt) for j in broker.search({}, limit=1000).jobs)
+
+
+@pytest.fixture
+def jobs(broker):
+    """Six jobs: four queued (two of them order 7), two dead; {name: id}."""
+    made = {
+        "a": broker.enqueue(NewJob("email", {"order": {"id": 7}, "to": "x"})),
+        "b": broker.enqueue(NewJob("email", {"order": {"id": 8}})),
+        "c": broker.enqueue(NewJob("sms", {"order": {"id": 7}}, queue="mail")),
+        "d": broker.enqueue(NewJob("sms", {"order": {"id": 9}})),
+        "dead1": broker.enqueue(NewJob("report", {"n": 1})),
+        "dead2": broker.enqueue(NewJob("report", {"n": 2})),
+    }
+    for job in broker.claim(["default"], 10, 300, "w"):
+        if job.type == "report":
+            broker.dead(job.lease, "exception", error_info("exception", "KeyError", "missing invoice"))
+        else:
+            broker.release(job.lease)
+    return made
+
+
+def test_jobs_lists_by_filter_and_pages_with_the_printed_cursor(capsys, cfg, jobs):
+    code, out, _ = run(capsys, cfg, "jobs", "--where", "payload.order.id=7")
+    assert code == 0
+    assert jobs["a"] in out and jobs["c"] in out and jobs["b"] not in out
+    code, out, _ = run(capsys, cfg, "jobs", "--state", "dead", "--error", "INVOICE", "--json")
+    listed = json.loads(out)
+    assert sorted(j["id"] for j in listed["jobs"]) == sorted([jobs["dead1"], jobs["dead2"]])
+    seen, cursor = [], None
+    while True:
+        extra = ["--cursor", cursor] if cursor else []
+        code, out, _ = run(capsys, cfg, "jobs", "--limit", "2", "--json", *extra)
+        page = json.loads(out)
+        assert code == 0 and len(page["jobs"]) <= 2
+        seen += [j["id"] for j in page["jobs"]]
+        cursor = page["next_cursor"]
+        if not cursor:
+            break
+    assert sorted(seen) == sorted(jobs.values())
+    code, out, _ = run(capsys, cfg, "jobs", "--type", "sms", "--queue", "mail", "--since", "1h")
+    assert jobs["c"] in out and jobs["d"] not in out
+    code, out, _ = run(capsys, cfg, "jobs", "--until", "1h")
+    assert code == 0 and out.strip() == "no jobs"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["jobs", "--state", "sleeping"], "unknown state 'sleeping'"),
+    (["jobs", "--where", "order.id=7"], "--where expects payload.KEY=VALUE"),
+    (["jobs", "--where", "payload.a..b=7"], "payload key 'a..b'"),
+    (["jobs", "--cursor", "garbage"], "bad cursor"),
+    (["jobs", "--limit", "0"], "limit must be"),
+    (["jobs", "--since", "yesterday"], "--since expects a duration"),
+    (["retry", "--type", "report", "--rate", "fast"], "--rate"),
+    (["discard"], "--all for every job"),
+    (["retry", "--state", "dead", "job_1"], "not both"),
+    (["cancel", "--state", "bogus", "--dry-run"], "unknown state 'bogus'"),
+])
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(capsys, cfg, broker, jobs, args, message):
+    before = snapshot(broker)
+    code, out, err = run(capsys, cfg, *args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert snapshot(broker) == before
+
+
+def test_bad_input_from_a_real_process(cfg, broker, jobs):
+    before = snapshot(broker)
+    proc = tangguh("-c", cfg, "discard", "--where", "payload.x")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "--where expects payload.KEY=VALUE" in proc.stderr
+    assert snapshot(broker) == before
+
+
+def test_retry_by_filter_requeues_only_what_it_can_with_a_dry_run_first(capsys, cfg, broker, jobs):
+    before = snapshot(broker)
+    code, out, _ = run(capsys, cfg, "retry", "--type", "report", "--dry-run")
+    assert code == 0 and out.strip() == "would retry 2 job(s)"
+    assert snapshot(broker) == before
+    code, out, _ = run(capsys, cfg, "retry", "--type", "report", "--rate", "50/s")
+    assert code == 0
+    assert f"{jobs['dead1']} queued" in out and f"{jobs['dead2']} queued" in out
+    assert out.strip().splitlines()[-1] == "retry: 2 queued"
+    for name in ("dead1", "dead2"):
+        job = broker.get(jobs[name])
+        assert (job.state, job.attempt, len(job.history)) == ("queued", 0, 1)
+    code, out, _ = run(capsys, cfg, "retry", jobs["a"], jobs["dead1"], "job_nope", "--json")
+    assert json.loads(out) == {jobs["a"]: "not_finished", jobs["dead1"]: "not_finished", "job_nope": "unknown"}
+
+
+def test_discard_by_payload_field_and_by_ids(capsys, cfg, broker, jobs):
+    code, out, _ = run(capsys, cfg, "discard", "--where", "payload.order.id=7", "--dry-run")
+    assert out.strip() == "would discard 2 job(s)"
+    code, out, _ = run(capsys, cfg, "discard", "--where", "payload.order.id=7")
+    assert code == 0 and out.strip().splitlines()[-1] == "discard: 2 discarded"
+    assert broker.get(jobs["a"]) is None and broker.get(jobs["c"]) is None and broker.get(jobs["b"]) is not None
+    running = broker.claim(["default"], 1, 300, "w")[0].id
+    code, out, _ = run(capsys, cfg, "discard", running, jobs["d"], "--json")
+    assert json.loads(out) == {running: "running", jobs["d"]: "discarded"}
+
+
+def test_discard_all_needs_all(capsys, cfg, broker, jobs):
+    code, out, _ = run(capsys, cfg, "discard", "--all")
+    assert code == 0 and out.strip().splitlines()[-1] == "discard: 6 discarded"
+    assert broker.count({}).n == 0
+
+
+def test_cancel_dry_run_counts_the_unfinished_jobs_it_would_cancel(capsys, cfg, broker, jobs):
+    before = snapshot(broker)
+    code, out, _ = run(capsys, cfg, "cancel", "--all", "--dry-run")
+    assert code == 0 and out.strip() == "would cancel 4 job(s)"
+    code, out, _ = run(capsys, cfg, "cancel", "--type", "email", "--dry-run")
+    assert out.strip() == "would cancel 2 job(s)"
+    assert snapshot(broker) == before
+
+
+def test_the_client_searches_counts_requeues_and_discards(broker_url, broker, jobs):
+    with Client.from_url(broker_url) as client:
+        page = client.search(type="email", limit=1)
+        assert len(page.jobs) == 1 and page.next_cursor
+        assert client.search(type="email", limit=1, cursor=page.next_cursor).jobs[0].id != page.jobs[0].id
+        assert client.count(payload={"order.id": 7}).n == 2
+        assert client.count({"state": ["dead"]}).n == 2
+        assert client.requeue(jobs["dead1"]) == {jobs["dead1"]: "queued"}
+        assert client.discard([jobs["b"]]) == {jobs["b"]: "discarded"}
+        for bad in (lambda: client.search(colour="red"), lambda: client.search(limit=0),
+                    lambda: client.search(cursor="x"), lambda: client.search({"type": "a"}, type="b"),
+                    lambda: client.discard([None])):
+            with pytest.raises(BadInput):
+                bad()
