@@ -42,6 +42,7 @@ class Dispatcher:
         # child finishes a job: otherwise a queue of long jobs would be claimed and
         # handed back on every loop turn.
         self.room_closed = False
+        self.recheck = False  # new jobs waiting, or a type's prefetch went down: look for surplus
         self.next_claim_at = 0.0
         self.empty_claims = 0  # empty claims in a row: the idle backoff
         self.empty_polls = 0  # empty claims since start, for status
@@ -54,7 +55,9 @@ class Dispatcher:
 
     def ran(self, job_type, seconds):
         """A child finished a job of ``job_type`` in ``seconds``: learn its run time; a child is free."""
+        before = self.prefetch.for_type(job_type)
         self.prefetch.ran(job_type, seconds)
+        self.recheck = self.recheck or self.prefetch.for_type(job_type) < before
         self.room_closed = False
 
     def capacity(self):
@@ -100,6 +103,7 @@ class Dispatcher:
                 self.on_unknown(job, settings)
             else:
                 self.prefetched.append((job, settings))
+                self.recheck = True
         if jobs:
             self.empty_claims = 0
             self.next_claim_at = now
@@ -131,8 +135,9 @@ class Dispatcher:
                    and self.prefetch.batchable(self.prefetched[0][0].type)):
                 batch.append(self.prefetched.popleft())
             self.pool.run(c, batch)
-        if self.prefetched and self.prefetch.auto:
+        if self.prefetched and self.prefetch.auto and self.recheck:
             self.surplus()
+        self.recheck = False
 
     def surplus(self):
         """Hand back the waiting jobs beyond their type's prefetch (a long type: all of them).
