@@ -102,7 +102,7 @@ class SQLiteBroker(ControlMixin, SearchMixin, Broker):
     def enqueue_many(self, jobs, _in_tx=False):
         jobs = [job.validate() for job in jobs]
         now = self.now()
-        ids = []
+        ids, rows = [], []
         with contextlib.nullcontext() if _in_tx else self._write():
             for job in jobs:
                 if job.idempotency_key is not None:
@@ -113,16 +113,22 @@ class SQLiteBroker(ControlMixin, SearchMixin, Broker):
                     if row:
                         ids.append(row["id"])
                         continue
-                self.db.execute(
-                    "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
-                    " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at)"
-                    " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (job.id, job.queue, job.type, json.dumps(job.payload), job.resource_id, job.idempotency_key,
-                     job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id,
-                     None if job.expires_in is None else now + job.expires_in),
-                )
+                rows.append((job.id, job.queue, job.type, json.dumps(job.payload), job.resource_id,
+                             job.idempotency_key, job.max_attempts, job.timeout, job.priority, now + job.delay, now,
+                             job.trace_id, None if job.expires_in is None else now + job.expires_in))
                 ids.append(job.id)
+                if job.idempotency_key is not None:
+                    self._insert(rows)  # now: a later job of this batch with the same key must see it
+                    rows = []
+            self._insert(rows)  # the others in one statement
         return ids
+
+    def _insert(self, rows):
+        if rows:
+            self.db.executemany(
+                "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
+                " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at)"
+                " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
     def enqueue_once(self, job):
         job.validate()
