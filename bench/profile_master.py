@@ -11,6 +11,8 @@ children are forked from the profiled master but end with ``os._exit``, so
 only the master's time is in the profile.
 """
 import argparse
+import collections
+import json
 import os
 import pstats
 import signal
@@ -48,6 +50,7 @@ def main(argv=None):
     ap.add_argument("--prefetch", default=None, help="broker.prefetch (default: the config default)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--no-profile", action="store_true", help="only the master's CPU per job, no cProfile")
+    ap.add_argument("--events", action="store_true", help="log at debug and count the master's events per kind")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         fw = run.Tangguh(tmp, args.broker)
@@ -61,7 +64,8 @@ def main(argv=None):
             broker["prefetch"] = args.prefetch if args.prefetch == "auto" else int(args.prefetch)
         with open(cfg_path, "wb") as f:
             tomli_w.dump({"supervisor": {"workers": 2, "handlers": os.path.join(run.ROOT, "bench", "handlers"),
-                                         "socket": os.path.join(tmp, "t.sock")}, "broker": broker}, f)
+                                         "socket": os.path.join(tmp, "t.sock")}, "broker": broker,
+                          "log": {"level": "debug" if args.events else "info", "format": "json"}}, f)
         out = os.path.join(tmp, "master.prof")
         cmd = [sys.executable, "-c", PROFILED, cfg_path, out] if not args.no_profile else \
             [sys.executable, "-m", "supervisor.cli", "run", "-c", cfg_path]
@@ -82,6 +86,13 @@ def main(argv=None):
         print(f"{args.broker}: {done} jobs in {wall:.1f}s (start-up included); master CPU "
               f"{(cpu.user + cpu.system) / max(done, 1) * 1e6:.0f} µs/job "
               f"(user {cpu.user:.2f}s, system {cpu.system:.2f}s); load {os.getloadavg()[0]:.1f}")
+        if args.events:
+            counts = collections.Counter()
+            with open(os.path.join(tmp, "master.log")) as f:
+                for line in f:
+                    if line.startswith("{"):
+                        counts[json.loads(line).get("event")] += 1
+            print("events:", dict(counts.most_common()))
         if not args.no_profile:
             stats = pstats.Stats(out)
             stats.sort_stats("tottime").print_stats(args.top)
