@@ -2,6 +2,7 @@
 
     python -m bench.broker_bench                # every available backend
     python -m bench.broker_bench --backends sqlite --sizes 1000
+    python -m bench.broker_bench --backends redis-replica,redis-wait1 --sizes 1000 --out bench/results/broker-wait.json
 
 For each backend (SQLite always; Redis and PostgreSQL when their broker module
 imports and the server at ``TANGGUH_TEST_REDIS_URL`` / ``TANGGUH_TEST_POSTGRES_URL``
@@ -13,7 +14,10 @@ answers) and each queue depth (1,000 and 100,000 jobs), on a fresh store:
    first 2,000 jobs (all of them at 1,000) — so a deep queue stays quick to run.
 
 Redis runs under a throwaway key prefix and PostgreSQL in a throwaway schema,
-both removed afterwards. Prints a Markdown table; writes ``bench/results/broker.json``.
+both removed afterwards. ``redis-replica`` and ``redis-wait1`` start a private
+Redis primary with one replica; ``redis-wait1`` sets ``wait_replicas=1`` (the
+cost of ``broker.redis_wait_replicas``, see docs/brokers.md). Prints a
+Markdown table; writes ``bench/results/broker.json``.
 Each measured loop also stops at a time budget, so the whole run stays bounded.
 """
 import argparse
@@ -123,7 +127,63 @@ class PostgresStore:
             conn.execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
 
 
-STORES = {"sqlite": SQLiteStore, "redis": RedisStore, "postgres": PostgresStore}
+class ReplicatedRedisStore:
+    """A private Redis primary with one replica on this machine (free loopback ports).
+
+    ``redis-replica`` measures the broker on it as is; ``redis-wait1`` with
+    ``wait_replicas=1``: every enqueue and outcome write waits for the replica's
+    confirmation (WAIT), which is the cost of not losing them in a failover.
+    """
+
+    def __init__(self, wait):
+        self.wait = wait
+        self.name = "redis-wait1" if wait else "redis-replica"
+
+    def available(self):
+        return None if shutil.which("redis-server") else "redis-server is not installed"
+
+    def _server(self, *extra):
+        import socket
+        import subprocess
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", self.folder, "--dbfilename", f"{port}.rdb",
+                                 "--repl-diskless-sync-delay", "0", *extra],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(proc)
+        return port
+
+    def __enter__(self):
+        import redis
+
+        self.folder, self.procs = tempfile.mkdtemp(prefix="tangguh-bench-"), []
+        primary = self._server()
+        replica = self._server("--replicaof", "127.0.0.1", str(primary))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the replica is in sync
+            try:
+                if redis.Redis(port=replica).info("replication").get("master_link_status") == "up":
+                    break
+            except redis.RedisError:
+                pass
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("the bench's replica never synced")
+        url = f"redis://127.0.0.1:{primary}/0?prefix=bench"
+        return _with_query(url, wait_replicas=1) if self.wait else url
+
+    def __exit__(self, *exc):
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+STORES = {"sqlite": SQLiteStore, "redis": RedisStore, "postgres": PostgresStore,
+          "redis-replica": lambda: ReplicatedRedisStore(False), "redis-wait1": lambda: ReplicatedRedisStore(True)}
 
 
 # -- measurements ---------------------------------------------------------------

@@ -54,6 +54,8 @@ class BrokerConfig:
                                  "beyond the idle children", default="auto")
     migrate: bool = option(boolean, "create/upgrade broker tables at start", default=True)
     retention: float = option(non_negative_number, "seconds done jobs are kept (0: forever)", default=7 * 86400.0)
+    redis_wait_replicas: int = option(non_negative_int, "Redis replicas that must confirm each enqueue and outcome"
+                                      " write (WAIT; 0: none)", default=0)
 
 
 @dataclasses.dataclass
@@ -109,8 +111,8 @@ class ToolkitConfig:
 
     database_url: str = option(url_of("postgresql", "postgres", "sqlite"),
                                "handlers' database for ctx.transaction/idempotency (empty: none)", default="")
-    redis_url: str = option(url_of("redis", "rediss", "unix"), "Redis for ctx.lock and ctx.cache (empty: none)",
-                            default="")
+    redis_url: str = option(url_of("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel"),
+                            "Redis for ctx.lock and ctx.cache (empty: none)", default="")
     idempotency_retention: float = option(positive_number, "seconds done idempotency records are kept",
                                           default=7 * 86400.0)
 
@@ -219,6 +221,7 @@ def from_dict(data, base_dir="."):
     cfg.supervisor.handlers = os.path.normpath(os.path.join(base_dir, cfg.supervisor.handlers))
     cfg.supervisor.socket = os.path.normpath(os.path.join(base_dir, cfg.supervisor.socket))
     cfg.broker.url = resolve_broker_url(cfg.broker.url, base_dir)
+    cfg.broker.url = with_wait_replicas(cfg.broker.url, cfg.broker.redis_wait_replicas)
     if cfg.toolkit.database_url.startswith("sqlite:"):
         try:
             cfg.toolkit.database_url = resolve_broker_url(cfg.toolkit.database_url, base_dir)
@@ -244,6 +247,22 @@ def resolve_broker_url(url, base_dir):
         raise ConfigError(f"broker.url: {url!r} names no database file")
     path = os.path.normpath(os.path.join(base_dir, path))
     return "sqlite:///" + urllib.parse.quote(path) + ("?" + parts.query if parts.query else "")
+
+
+def with_wait_replicas(url, replicas):
+    """The broker URL with ``wait_replicas=`` from ``broker.redis_wait_replicas`` (how the broker gets it)."""
+    if not replicas:
+        return url
+    scheme = url.partition("://")[0].lower()
+    if scheme not in ("redis", "rediss", "redis+sentinel", "rediss+sentinel"):
+        raise ConfigError(f"broker.redis_wait_replicas: only for a redis:// or redis+sentinel:// broker,"
+                          f" not {scheme}://")
+    named = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query)).get("wait_replicas")
+    if named is not None:
+        if named != str(replicas):
+            raise ConfigError(f"broker.redis_wait_replicas: {replicas} but broker.url says wait_replicas={named}")
+        return url
+    return url + ("&" if "?" in url else "?") + f"wait_replicas={replicas}"
 
 
 # sun_path of struct sockaddr_un holds 108 bytes, the final NUL included.

@@ -43,17 +43,18 @@ def _answers(port):
 
 
 class RedisServer:
-    def __init__(self, workdir, appendonly=False):
+    def __init__(self, workdir, appendonly=False, extra=()):
         self.dir = str(workdir)
         self.port = free_port()
         self.appendonly = appendonly
+        self.extra = list(extra)  # more redis-server options (replicaof, cluster-enabled...)
         self.proc = None
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def start(self):
         cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
-               "--dir", self.dir, "--daemonize", "no", "--logfile", os.path.join(self.dir, "redis.log")]
+               "--dir", self.dir, "--daemonize", "no", "--logfile", os.path.join(self.dir, "redis.log"), *self.extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(self.ping, timeout=15, message=f"redis on port {self.port} to answer")
         return self

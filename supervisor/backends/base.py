@@ -298,6 +298,10 @@ SCHEMES = {
     "sqlite": ("supervisor.backends.sqlite", "SQLiteBroker"),
     "redis": ("supervisor.backends.redis", "RedisBroker"),
     "rediss": ("supervisor.backends.redis", "RedisBroker"),
+    "redis+sentinel": ("supervisor.backends.redis", "RedisBroker"),
+    "rediss+sentinel": ("supervisor.backends.redis", "RedisBroker"),
+    "redis+cluster": ("supervisor.backends.redis", "RedisBroker"),
+    "rediss+cluster": ("supervisor.backends.redis", "RedisBroker"),
     "postgresql": ("supervisor.backends.postgres", "PostgresBroker"),
     "postgres": ("supervisor.backends.postgres", "PostgresBroker"),
 }
@@ -310,7 +314,8 @@ def scheme_of(url):
         raise BrokerError("broker url is not a URL (expected sqlite:///path, redis://..., postgresql://...)")
     scheme = url.partition("://")[0].lower()
     if scheme not in SCHEMES:
-        raise BrokerError(f"unknown broker scheme {scheme!r} (expected sqlite, redis, rediss or postgresql)")
+        raise BrokerError(f"unknown broker scheme {scheme!r} (expected sqlite, redis, rediss, redis+sentinel,"
+                          " redis+cluster or postgresql)")
     return scheme
 
 

@@ -6,6 +6,7 @@ The ``[toolkit]`` config section names the handlers' own database and Redis
     [toolkit]
     database_url = "postgresql://app@db/app?schema=billing"   # or sqlite:///app.db
     redis_url = "redis://127.0.0.1:6379/0?prefix=billing:"
+    # or, behind Sentinel: "redis+sentinel://h1:26379,h2:26379/mymaster/0?prefix=billing:"
     idempotency_retention = 604800.0
 
 ``?schema=`` (PostgreSQL) sets the ``search_path`` of every connection;
@@ -108,6 +109,12 @@ def open_redis(url, **kw):
     bare, mine = split_query(url, ("prefix",))
     kw.setdefault("socket_connect_timeout", 5)
     kw.setdefault("socket_timeout", 10)
+    if urllib.parse.urlsplit(bare).scheme.lower().endswith("+sentinel"):
+        # Each new connection asks the Sentinels for the primary: locks and cache follow a failover.
+        from ..backends.redis.connection import sentinel_master
+
+        kw.setdefault("decode_responses", False)
+        return sentinel_master(bare, **kw), mine.get("prefix", "")
     return redis_py.Redis.from_url(bare, **kw), mine.get("prefix", "")
 
 

@@ -9,6 +9,12 @@ through; anything else is a ``BrokerError``. Unless the URL says otherwise,
 connections use ``connect_timeout=10``, TCP keepalives (30 s idle, 10 s x 3)
 and ``fallback_application_name=tangguh``.
 
+High availability: a URL may list several hosts (``postgresql://h1,h2:5433/db``,
+libpq's multi-host form); unless it says otherwise it gets
+``target_session_attrs=read-write``, so each connection goes to the one host
+taking writes. A failover breaks the sessions; the next call reconnects, and
+libpq finds the promoted standby.
+
 Connections are autocommit. Every psycopg error surfaces as ``BrokerError``
 (the daemon reads it as "broker down"), or ``BrokerUnusable`` when the
 settings can never work; the next call reconnects. After a ``fork()`` the
@@ -86,6 +92,10 @@ def read_url(url):
         raise BrokerUnusable(f"postgres url {redact(url)}: schema {schema!r} must be a plain identifier"
                              " (letters, digits, underscore; at most 63 characters)")
     defaults = {"connect_timeout": "10", "fallback_application_name": "tangguh"}
+    if _several_hosts(parts.netloc, options):
+        # A host list is a primary and its standbys: only the primary takes writes. Without this libpq
+        # would settle on the first host that answers, a standby, and every write would fail there.
+        defaults["target_session_attrs"] = "read-write"
     if not names & {"keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count"}:
         # Notice a silently dropped TCP connection (the idle LISTEN one above all) within ~a minute.
         defaults.update(keepalives_idle="30", keepalives_interval="10", keepalives_count="3")
@@ -94,6 +104,11 @@ def read_url(url):
     except psycopg.Error:
         raise BrokerUnusable(f"postgres url {redact(url)}: not a connection URL libpq can read") from None
     return conninfo, schema
+
+
+def _several_hosts(netloc, options):
+    hosts = netloc.rpartition("@")[2]
+    return "," in hosts or any(key in ("host", "hostaddr") and "," in value for key, value in options)
 
 
 class Connections:

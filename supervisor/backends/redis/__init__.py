@@ -10,7 +10,9 @@ Every state change (enqueue, claim, extend, ack, retry, dead, release, replay,
 purge, prune) is one script that reads the clock with ``TIME`` and touches one
 queue's slot only (see ``keys``). ``P:queues`` lives outside the queue slots:
 enqueue adds the queue name to it in the same pipeline as (and before) the
-enqueue script, so a queue is known before it holds a job.
+enqueue script (on a cluster, in a round trip of its own before it), so a
+queue is known before it holds a job. Sentinel, Cluster and ``wait_replicas``:
+see ``connection`` and ``calls``.
 
 Semantics beyond the shared contract:
 
@@ -35,13 +37,14 @@ import json
 import time
 
 import redis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from ...errors import BadInput, BrokerError, LeaseLost, NotDead
 from ...model import QueueStats
 from ..base import Broker
 from ..limits import active
 from . import scripts
+from .calls import ScriptCalls
 from .connection import connect, guard
 from .control import ControlMixin
 from .fields import body, check_script_reply, enqueue_args, to_job
@@ -54,10 +57,12 @@ BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one scri
 CLOCK_REFRESH = 30.0
 
 
-class RedisBroker(ControlMixin, SearchMixin, Broker):
+class RedisBroker(ScriptCalls, ControlMixin, SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
-        self.r, self.prefix, self.done_ttl, self.where = connect(url)
+        conn = connect(url)
+        self.r, self.prefix, self.done_ttl, self.where = conn.client, conn.prefix, conn.done_ttl, conn.where
+        self.cluster, self.replica_wait = conn.cluster, conn.wait
         self.scripts = scripts.register(self.r)
         self.keys = Keys(self.prefix)
         self._locator = Locator(self.r, self.keys)
@@ -65,30 +70,7 @@ class RedisBroker(ControlMixin, SearchMixin, Broker):
         self._synced = 0.0
         self._pubsub = None
         self._wakeup_sock = None
-
-    # -- plumbing ---------------------------------------------------------
-    def _run(self, name, queue, args):
-        keys, head = self.keys.for_scripts(queue)
-        return self.scripts[name](keys=keys, args=head + list(args), client=self.r)
-
-    def _run_many(self, calls, before=()):
-        """Several script calls (and plain commands first) in one round trip."""
-        for attempt in (1, 2):
-            pipe = self.r.pipeline(transaction=False)
-            for command, *args in before:
-                getattr(pipe, command)(*args)
-            for name, queue, args in calls:
-                keys, head = self.keys.for_scripts(queue)
-                pipe.evalsha(self.scripts[name].sha, len(keys), *keys, *head, *args)
-            results = pipe.execute(raise_on_error=False)[len(before):]
-            if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
-                # The server lost its script cache; every script here is safe to resend.
-                scripts.load(self.r, self.scripts)
-                continue
-            for r in results:
-                if isinstance(r, Exception):
-                    raise r
-            return results
+        self._wakeups_lost = False
 
     @guard
     def migrate(self):
@@ -136,7 +118,7 @@ class RedisBroker(ControlMixin, SearchMixin, Broker):
         if not calls:
             return []
         # The queue joins P:queues before its first job exists (see module docstring).
-        results = self._run_many(calls, before=[("sadd", self.keys.queues, *by_queue)])
+        results = self._run_many(calls, before=[("sadd", self.keys.queues, *by_queue)], confirm=True)
         ids = [None] * len(jobs)
         for chunk, got in zip(slots, results):
             for i, job_id in zip(chunk, got):
@@ -150,7 +132,8 @@ class RedisBroker(ControlMixin, SearchMixin, Broker):
             raise BadInput("enqueue_once needs an idempotency_key")
         self.keys.for_scripts(job.queue)
         batch = json.dumps([enqueue_args(job)], separators=(",", ":"), ensure_ascii=False)
-        got = self._run_many([("enqueue_once", job.queue, [batch])], before=[("sadd", self.keys.queues, job.queue)])
+        got = self._run_many([("enqueue_once", job.queue, [batch])], before=[("sadd", self.keys.queues, job.queue)],
+                             confirm=True)
         return got[0][0] if got[0] else None
 
     # -- leasing ----------------------------------------------------------
@@ -208,7 +191,7 @@ class RedisBroker(ControlMixin, SearchMixin, Broker):
 
     def _finish(self, name, lease, args):
         queue = self._locator.queues_of([lease.job_id]).get(lease.job_id)
-        if queue is None or not self._run(name, queue, [lease.job_id, lease.token, *args]):
+        if queue is None or not self._run(name, queue, [lease.job_id, lease.token, *args], confirm=True):
             raise LeaseLost(lease.job_id, lease.token)
 
     @guard
@@ -239,7 +222,7 @@ class RedisBroker(ControlMixin, SearchMixin, Broker):
                     args += [lease.job_id, lease.token, json.dumps(result), body(info)]
                 calls.append(("ack_many", queue, args))
                 chunks.append(chunk)
-        for chunk, flags in zip(chunks, self._run_many(calls) if calls else ()):
+        for chunk, flags in zip(chunks, self._run_many(calls, confirm=True) if calls else ()):
             for (lease, _, _), ok in zip(chunk, flags):
                 if ok:
                     self._locator.forget(lease.job_id)
@@ -369,6 +352,11 @@ class RedisBroker(ControlMixin, SearchMixin, Broker):
         redis-py replaced its socket): call this again for the new descriptor.
         """
         if self._pubsub is None:
+            if self.cluster and self._wakeups_lost:
+                # The subscription's node failed: its slots may have moved, and only a command of the
+                # main client would make redis-py read the slot map again. Read it now.
+                self.r.nodes_manager.initialize()
+            self._wakeups_lost = False
             pubsub = self.r.pubsub()
             try:
                 pubsub.subscribe(self.keys.channel)
@@ -389,6 +377,7 @@ class RedisBroker(ControlMixin, SearchMixin, Broker):
                 raise redis.ConnectionError("the wake-up connection was re-established")
         except RedisError as exc:
             self._drop_pubsub()
+            self._wakeups_lost = True
             raise BrokerError(f"redis broker {self.where} wake-ups lost, call wakeup_fd() again: {exc}") from None
 
     def _drop_pubsub(self):

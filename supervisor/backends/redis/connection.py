@@ -1,10 +1,19 @@
 """The Redis broker's connection: the URL's options, the client, and redis-py's errors as BrokerError.
 
-URL: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS), with
-options ``prefix=`` (key prefix, default ``tangguh``), ``done_ttl=`` (seconds a
-done job is kept, default 7 days) and a few of redis-py's own
-(``socket_timeout``, ``socket_connect_timeout``, ``health_check_interval``,
-``client_name``, ``ssl_*``...). Any other option is an error.
+URLs (``rediss`` instead of ``redis`` for TLS)::
+
+    redis://[user:password@]host:port/db
+    redis+sentinel://[user:password@]host:26379,host2:26379/<service>/db   (redis-py's Sentinel)
+    redis+cluster://[user:password@]host:7000,host2:7001/                  (redis-py's RedisCluster)
+
+The user and password are the Redis servers'; Sentinels that want their own
+take ``sentinel_username=`` and ``sentinel_password=``. Options: ``prefix=``
+(key prefix, default ``tangguh``), ``done_ttl=`` (seconds a done job is kept,
+default 7 days), ``wait_replicas=N`` and ``wait_timeout=`` (ms, default 1000):
+``WAIT N`` after each enqueue and outcome write (not on a cluster), and a few
+of redis-py's own (``socket_timeout``, ``socket_connect_timeout``,
+``health_check_interval``, ``client_name``, ``ssl_*``...). Any other option is
+an error.
 """
 import functools
 import typing
@@ -12,14 +21,31 @@ import urllib.parse
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from ...errors import BrokerError, BrokerUnusable
 from ...urls import redact
 
+SCHEMES = ("redis", "rediss", "redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster")
 DEFAULT_PREFIX = "tangguh"
 DEFAULT_DONE_TTL = 7 * 24 * 3600
+DEFAULT_WAIT_TIMEOUT = 1000  # ms WAIT gives the replicas to confirm a write
+OURS = {"prefix", "done_ttl", "wait_replicas", "wait_timeout"}
+SENTINEL_OPTIONS = {"sentinel_username", "sentinel_password"}
+
+
+def _defaults():
+    return dict(
+        decode_responses=True,
+        socket_connect_timeout=5.0,
+        socket_timeout=30.0,
+        # One immediate retry heals a pooled connection the server closed (and, under
+        # Sentinel, asks for the primary again); anything longer is the daemon's backoff.
+        retry=Retry(NoBackoff(), 1),
+    )
 # Options handed through to redis-py (parsed by redis.connection.parse_url).
 REDIS_OPTIONS = {
     "db", "socket_timeout", "socket_connect_timeout", "socket_keepalive", "health_check_interval",
@@ -29,46 +55,146 @@ REDIS_OPTIONS = {
 
 
 class Connection(typing.NamedTuple):
-    client: redis.Redis
+    client: redis.Redis  # or redis.cluster.RedisCluster
     prefix: str
     done_ttl: int
-    where: str  # host:port, for messages (never the URL: it may hold a password)
+    where: str  # host:port (or the Sentinel service), for messages: never the URL, it may hold a password
+    cluster: bool  # the client is a RedisCluster: commands of one pipeline may go to different nodes
+    wait: typing.Optional[tuple]  # (replicas, timeout ms) for WAIT after writes, or None
 
 
 def connect(url):
-    """The client a broker URL names (no round trip yet), or BrokerUnusable naming what is wrong."""
+    """The client a broker URL names (no round trip yet but a cluster's slot map), or BrokerUnusable."""
     parts = urllib.parse.urlsplit(url)
-    if parts.scheme.lower() not in ("redis", "rediss"):
-        raise BrokerUnusable(f"redis url {redact(url)!r}: scheme must be redis:// or rediss://")
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        raise BrokerUnusable(f"redis url {redact(url)!r}: scheme must be one of {', '.join(SCHEMES)}")
+    tls, _, topology = scheme.partition("+")
     options = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-    ours = {k: v for k, v in options if k in ("prefix", "done_ttl")}
-    unknown = sorted({k for k, _ in options if k not in REDIS_OPTIONS and k not in ours})
+    allowed = REDIS_OPTIONS | OURS | (SENTINEL_OPTIONS if topology == "sentinel" else set())
+    unknown = sorted({k for k, _ in options if k not in allowed})
     if unknown:
         raise BrokerUnusable(f"redis url {redact(url)!r}: unknown option(s) {', '.join(unknown)}")
+    ours = {k: v for k, v in options if k in OURS}
     prefix = ours.get("prefix", DEFAULT_PREFIX)
     if not prefix or "{" in prefix or "}" in prefix:
         raise BrokerUnusable(f"redis url {redact(url)!r}: prefix must be non-empty and without braces")
+    done_ttl = _whole(url, ours, "done_ttl", DEFAULT_DONE_TTL, 1, "a positive number of seconds")
+    replicas = _whole(url, ours, "wait_replicas", 0, 0, "a whole number of replicas, 0 or more")
+    timeout = _whole(url, ours, "wait_timeout", DEFAULT_WAIT_TIMEOUT, 1, "a positive number of milliseconds")
+    wait = (replicas, timeout) if replicas else None
+    if wait and topology == "cluster":
+        raise BrokerUnusable(f"redis url {redact(url)!r}: wait_replicas is not supported on a cluster"
+                             " (WAIT must follow the write on the same node's connection)")
+    rest = [(k, v) for k, v in options if k in REDIS_OPTIONS]
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
     try:
-        done_ttl = int(ours.get("done_ttl", DEFAULT_DONE_TTL))
-        if done_ttl < 1:
+        default_port = 26379 if topology == "sentinel" else 6379
+        hosts = [_host_port(h, default_port) for h in hostlist.split(",")] if hostlist else [("localhost", 6379)]
+        if topology == "sentinel":
+            client, where = _sentinel(url, parts, tls, userinfo, hosts, rest, options)
+        elif topology == "cluster":
+            client, where = _cluster(url, parts, tls, userinfo, hosts, rest)
+        else:
+            if len(hosts) > 1:
+                raise ValueError("one host only (several hosts need redis+sentinel:// or redis+cluster://)")
+            where = f"{hosts[0][0]}:{hosts[0][1]}"
+            client = redis.Redis.from_url(
+                urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(rest))),
+                **_defaults())
+    except BrokerError:
+        raise
+    except (ValueError, TypeError, RedisError, RedisClusterException) as exc:
+        raise BrokerUnusable(f"redis url {redact(url)!r}: {exc}") from None
+    return Connection(client, prefix, done_ttl, where, topology == "cluster", wait)
+
+
+def _whole(url, ours, key, default, least, what):
+    try:
+        value = int(ours.get(key, default))
+        if value < least:
             raise ValueError
     except ValueError:
-        raise BrokerUnusable(f"redis url {redact(url)!r}: done_ttl must be a positive number of seconds") from None
-    rest = urllib.parse.urlencode([(k, v) for k, v in options if k in REDIS_OPTIONS])
+        raise BrokerUnusable(f"redis url {redact(url)!r}: {key} must be {what}") from None
+    return value
+
+
+def _host_port(text, default_port):
+    """``(host, port)`` of ``host[:port]`` or ``[v6 address][:port]``."""
+    if text.startswith("["):
+        host, _, port = text[1:].partition("]")
+        port = port.lstrip(":")
+    else:
+        host, _, port = text.partition(":")
+    if not host:
+        raise ValueError(f"a host is missing in {text!r}")
+    return host, int(port) if port else default_port
+
+
+def _kwargs(tls, userinfo, db, rest, overrides=None):
+    """redis-py's connection settings from the URL (parsed by redis-py itself), without host and port."""
+    query = urllib.parse.urlencode(rest)
+    kw = redis.connection.parse_url(f"redis://{userinfo + '@' if userinfo else ''}localhost/{db}?{query}")
+    kw.pop("host", None)
+    kw.pop("port", None)
+    if tls == "rediss":
+        kw["ssl"] = True
+    return {**_defaults(), **(overrides or {}), **kw}
+
+
+def sentinel_master(url, **overrides):
+    """A client of the primary a ``redis+sentinel://`` URL names, for URLs whose query holds
+    redis-py's options and ``sentinel_*`` only (the handler toolkit's Redis).
+
+    ``overrides`` replace the broker's defaults (``decode_responses``, timeouts, retry).
+    """
+    parts = urllib.parse.urlsplit(url)
+    tls = parts.scheme.lower().partition("+")[0]
+    options = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    hosts = [_host_port(h, 26379) for h in hostlist.split(",")]
+    rest = [(k, v) for k, v in options if k not in SENTINEL_OPTIONS]
+    return _sentinel(url, parts, tls, userinfo, hosts, rest, options, overrides)[0]
+
+
+def _sentinel(url, parts, tls, userinfo, hosts, rest, options, overrides=None):
+    """``redis+sentinel://h:26379,h2:26379/service/db``: a client of the primary the Sentinels name now.
+
+    Every new connection asks the Sentinels for the primary, so after a failover
+    the next connection (a retry, a reconnect) reaches the promoted replica.
+    """
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2:
+        raise ValueError("the path must be /<service name>[/<db>]")
+    service, db = path[0], path[1] if len(path) > 1 else "0"
+    if not db.isdigit():
+        raise ValueError(f"db {db!r} must be a number")
+    kw = _kwargs(tls, userinfo, db, rest, overrides)
+    own = dict(options)
+    sentinel_kw = {k: kw[k] for k in ("socket_connect_timeout", "socket_timeout", "ssl") if k in kw}
+    if own.get("sentinel_username"):
+        sentinel_kw["username"] = own["sentinel_username"]
+    if own.get("sentinel_password"):
+        sentinel_kw["password"] = own["sentinel_password"]
+    sentinels = Sentinel(hosts, sentinel_kwargs=sentinel_kw, **kw)
+    return sentinels.master_for(service, **kw), f"sentinel service {service}"
+
+
+def _cluster(url, parts, tls, userinfo, hosts, rest):
+    """``redis+cluster://h:7000,h:7001/``: a RedisCluster client (reads the slot map on creation)."""
+    if parts.path.strip("/") not in ("", "0"):
+        raise ValueError("a cluster has database 0 only: leave the path empty")
+    kw = _kwargs(tls, userinfo, 0, rest)
+    kw.pop("db", None)
+    for key in ("retry", "retry_on_timeout"):  # the cluster client retries (and refreshes its slot map) itself
+        kw.pop(key, None)
     try:
-        where = f"{parts.hostname or 'localhost'}:{parts.port or 6379}"
-        client = redis.Redis.from_url(
-            urllib.parse.urlunsplit(parts._replace(query=rest)),
-            decode_responses=True,
-            socket_connect_timeout=5.0,
-            socket_timeout=30.0,
-            # One immediate retry heals a pooled connection the server closed;
-            # anything longer is the daemon's backoff to decide.
-            retry=Retry(NoBackoff(), 1),
-        )
-    except (ValueError, TypeError, RedisError) as exc:
-        raise BrokerUnusable(f"redis url {redact(url)!r}: {exc}") from None
-    return Connection(client, prefix, done_ttl, where)
+        client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], **kw)
+    except (RedisError, RedisClusterException) as exc:
+        if _unusable(exc):
+            raise
+        raise BrokerError(f"redis cluster {hosts[0][0]}:{hosts[0][1]} unreachable: {exc}") from None
+    return client, f"cluster {hosts[0][0]}:{hosts[0][1]}"
 
 
 def guard(method):
@@ -78,10 +204,12 @@ def guard(method):
     def guarded(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:
             if _unusable(exc):
                 raise BrokerUnusable(f"redis broker {self.where} refused the URL's settings: {exc}") from None
             kind = "unreachable" if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) else "error"
+            # A cluster mid-failover (CLUSTERDOWN, TRYAGAIN, slots moving) and a Sentinel that
+            # names no primary yet are outages too: the next call asks again.
             raise BrokerError(f"redis broker {self.where} {kind}: {exc}") from None
 
     return guarded

@@ -1,0 +1,65 @@
+"""Running the broker's scripts: one call, or several in one round trip, and WAIT after writes.
+
+With ``wait_replicas=N`` in the URL (``broker.redis_wait_replicas`` in the
+config), a write the caller must be able to rely on (an enqueue, an outcome)
+is followed by ``WAIT N timeout`` in the same pipeline: WAIT covers the writes
+made earlier on its own connection, and a pipeline is one connection. When
+fewer than N replicas confirm in time the call raises ``BrokerError``: the
+write happened on the primary but a failover may still lose it, so the caller
+must not count on it (a producer retries with an idempotency key; the
+daemon's outcome write is retried and meets ``LeaseLost`` if it had landed).
+
+On a cluster, redis-py does not pipeline scripts (its cluster pipeline
+refuses EVALSHA), so the calls run one after the other, each sent to the node
+serving its queue's slot; the commands that must land before them
+(``before``) are one round trip of their own.
+"""
+from redis.exceptions import NoScriptError
+
+from ...errors import BrokerError
+from . import scripts
+
+
+class ScriptCalls:
+    """Mixin of ``RedisBroker``: needs ``r``, ``keys``, ``scripts``, ``cluster``, ``replica_wait`` and ``where``."""
+
+    def _run(self, name, queue, args, confirm=False):
+        if confirm and self.replica_wait:
+            return self._run_many([(name, queue, args)], confirm=True)[0]
+        keys, head = self.keys.for_scripts(queue)
+        return self.scripts[name](keys=keys, args=head + list(args), client=self.r)
+
+    def _run_many(self, calls, before=(), confirm=False):
+        """Several script calls (and plain commands first) in one round trip; WAIT last if ``confirm``."""
+        if self.cluster:
+            if before:
+                pipe = self.r.pipeline(transaction=False)
+                for command, *args in before:
+                    getattr(pipe, command)(*args)
+                pipe.execute()
+            return [self._run(name, queue, args) for name, queue, args in calls]
+        wait = self.replica_wait if confirm else None
+        for attempt in (1, 2):
+            pipe = self.r.pipeline(transaction=False)
+            for command, *args in before:
+                getattr(pipe, command)(*args)
+            for name, queue, args in calls:
+                keys, head = self.keys.for_scripts(queue)
+                pipe.evalsha(self.scripts[name].sha, len(keys), *keys, *head, *args)
+            if wait:
+                pipe.execute_command("WAIT", *wait)
+            results = pipe.execute(raise_on_error=False)[len(before):]
+            confirmed = results.pop() if wait else None
+            if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
+                # The server lost its script cache (a restart, a failover): every script here is safe to resend.
+                scripts.load(self.r, self.scripts)
+                continue
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+            if isinstance(confirmed, Exception):
+                raise confirmed
+            if wait and confirmed < wait[0]:
+                raise BrokerError(f"redis broker {self.where}: the write reached {confirmed} of {wait[0]} replica(s)"
+                                  f" within {wait[1]} ms (wait_replicas); a failover now could lose it")
+            return results
