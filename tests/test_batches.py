@@ -6,6 +6,7 @@ lease) concerns that job only, and the jobs behind it come back untouched.
 """
 import signal
 
+from supervisor.master import prefetch as PREFETCH
 from supervisor.model import NewJob
 
 from .daemon import Daemon, read_lines
@@ -17,10 +18,15 @@ def batch_daemon(tmp_path, broker_url, **sections):
     sections.setdefault("supervisor", {}).update(workers=1)
     d = Daemon(tmp_path, broker_url, **sections)
     d.start()
-    for job_id in [d.enqueue("quick") for _ in range(5)]:
-        d.wait_job(job_id)
-    chosen = {t["type"]: t["prefetch"] for t in d.status()["prefetch"]["types"]}
-    assert chosen["quick"] >= 3, chosen
+
+    def measured_short():
+        # A loaded machine stretches a few runs: more samples bring the moving average down.
+        for job_id in [d.enqueue("quick") for _ in range(5)]:
+            d.wait_job(job_id)
+        quick = {t["type"]: t for t in d.status()["prefetch"]["types"]}["quick"]
+        return quick["prefetch"] >= 3 and quick["average_seconds"] * PREFETCH.BATCH <= PREFETCH.WAIT_BUDGET
+
+    wait_for(measured_short, timeout=60, interval=0, message="quick measured short enough to batch")
     return d
 
 
