@@ -136,15 +136,15 @@ class Framework:
 
 
 class Tangguh(Framework):
-    settings = "defaults but lease_seconds=5, heartbeat_seconds=1, prefetch={prefetch}"
-    prefetch = 8  # --tangguh-prefetch; Celery's default prefetch is 4 per process, 8 for -c 2
+    settings = "defaults but lease_seconds=5, heartbeat_seconds=1{prefetch}"
+    prefetch = None  # --tangguh-prefetch pins broker.prefetch; None: the config default ("auto")
 
     def __init__(self, tmp, broker, extra=None):
         super().__init__(tmp)
         self.broker = broker
         self.name = f"tangguh-{broker}"
         self.extra = extra or {}
-        self.settings = self.settings.format(prefetch=self.prefetch)
+        self.settings = self.settings.format(prefetch="" if self.prefetch is None else f", prefetch={self.prefetch}")
         self.client = None
         self.url = None
 
@@ -188,9 +188,10 @@ class Tangguh(Framework):
         cfg = {
             "supervisor": {"workers": 2, "handlers": os.path.join(ROOT, "bench", "handlers"),
                            "socket": os.path.join(self.tmp, f"{self.name}.sock")},
-            "broker": {"url": self.url, "lease_seconds": TANGGUH_LEASE, "heartbeat_seconds": 1.0,
-                       "prefetch": self.prefetch},
+            "broker": {"url": self.url, "lease_seconds": TANGGUH_LEASE, "heartbeat_seconds": 1.0},
         }
+        if self.prefetch is not None:
+            cfg["broker"]["prefetch"] = self.prefetch
         for section, values in self.extra.get("config", {}).items():
             cfg.setdefault(section, {}).update(values)
         path = os.path.join(self.tmp, f"{self.name}.toml")
@@ -818,7 +819,7 @@ def main(argv=None):
     parser.add_argument("--sqlite-synchronous", choices=("full", "normal"), default="full",
                         help="Tangguh SQLite broker's ?synchronous= (default full: the broker's default)")
     parser.add_argument("--tangguh-prefetch", type=int, default=Tangguh.prefetch,
-                        help=f"Tangguh's broker.prefetch (default {Tangguh.prefetch}; the config default is 0)")
+                        help="pin Tangguh's broker.prefetch (default: the config default, \"auto\")")
     parser.add_argument("--tag", default="", help="a label stored in the JSON (e.g. 'before prefetch')")
     args = parser.parse_args(argv)
     s = Settings(args.quick)

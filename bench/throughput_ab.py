@@ -97,6 +97,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=8, help="rounds per broker (each runs both sides)")
     p.add_argument("--jobs", type=int, default=10_000, help="no-op jobs per run (default 10,000, as python -m bench)")
     p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="pin broker.prefetch on both sides (default: each side's config default)")
     args = p.parse_args(argv)
     brokers = [b.strip() for b in args.broker.split(",")]
     unknown = [b for b in brokers if b not in BROKERS]
@@ -105,6 +107,7 @@ def main(argv=None):
     if args.rounds < 1 or args.jobs < 2:
         p.error("--rounds must be at least 1 and --jobs at least 2")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still stop the daemon and remove the worktree
+    run.Tangguh.prefetch = args.prefetch
     settings = run.Settings(quick=False)
     settings.noop_jobs = args.jobs
     ev = run.Evidence()

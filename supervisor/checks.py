@@ -27,6 +27,13 @@ def non_negative_int(v):
     raise ValueError("expected an integer >= 0")
 
 
+def prefetch_setting(v):
+    """``"auto"`` (per job type, from its run times) or a fixed count >= 0."""
+    if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+        return v
+    raise ValueError('expected "auto" or an integer >= 0')
+
+
 def positive_number(v):
     if _num(v) and v > 0:
         return float(v)

@@ -13,8 +13,8 @@ import tomllib
 import urllib.parse
 
 from .checks import (Unshown, boolean, cron, field_names, fraction, group_name, listen_address, name,
-                     non_negative_int, non_negative_number, one_of, positive_int, positive_number, queue_name,
-                     queue_names, rate, string, table, timezone, url_of, web_accounts)
+                     non_negative_int, non_negative_number, one_of, positive_int, positive_number, prefetch_setting,
+                     queue_name, queue_names, rate, string, table, timezone, url_of, web_accounts)
 from .errors import BadInput, ConfigError
 from .model import check_json
 
@@ -50,7 +50,8 @@ class BrokerConfig:
     queues: list = option(queue_names, "queues served, in order of precedence", default_factory=lambda: ["default"])
     lease_seconds: float = option(positive_number, "how long a claim holds a job without renewal", default=30.0)
     heartbeat_seconds: float = option(positive_number, "how often held leases are renewed", default=5.0)
-    prefetch: int = option(non_negative_int, "jobs claimed beyond the idle children", default=0)
+    prefetch: int | str = option(prefetch_setting, '"auto" (per job type, from its run times) or jobs claimed '
+                                 "beyond the idle children", default="auto")
     migrate: bool = option(boolean, "create/upgrade broker tables at start", default=True)
     retention: float = option(non_negative_number, "seconds done jobs are kept (0: forever)", default=7 * 86400.0)
     redis_wait_replicas: int = option(non_negative_int, "Redis replicas that must confirm each enqueue and outcome"

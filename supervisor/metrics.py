@@ -138,8 +138,8 @@ class Metrics:
 
     def child_deltas(self, job, deltas):
         """Add a child's ``{"metrics": {...}}`` for ``job``; unknown keys and bad values are ignored."""
-        if not isinstance(deltas, dict):
-            return
+        if not isinstance(deltas, dict) or not deltas:
+            return  # most jobs use no lock and no cache: nothing to add
         labels = self.job_labels(job)
         targets = {"duplicates_suppressed": self.duplicates, "lock_acquired": self.lock_acquired,
                    "lock_failed": self.lock_failed, "lock_wait_seconds": self.lock_wait,

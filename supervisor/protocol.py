@@ -9,12 +9,15 @@ import signal
 import struct
 
 _HEADER = struct.Struct("!I")
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps builds one per call with separators
 MAX_MESSAGE = 64 * 1024 * 1024
 
-# master -> child. CANCEL ({"job_id", "by", "reason"}) is followed by CANCEL_SIGNAL:
+# master -> child. A RUN carries one job, or a "batch" of several the child runs
+# in order, answering each; SKIP: answer the jobs not started yet "skipped".
+# CANCEL ({"job_id", "by", "reason"}) is followed by CANCEL_SIGNAL:
 # a busy handler reads no pipe, so the signal is what raises ``Cancelled`` in it
 # (child/timeouts.py); the frame itself is read, and ignored, once the job is over.
-RUN, STOP, CANCEL = "run", "stop", "cancel"
+RUN, STOP, SKIP, CANCEL = "run", "stop", "skip", "cancel"
 CANCEL_SIGNAL = signal.SIGUSR1
 # child -> master. PROGRESS: {"job_id", "fraction", "note"} (ctx.progress, coalesced)
 READY, RESULT, LOCK, UNLOCK, PROGRESS = "ready", "result", "lock", "unlock", "progress"
@@ -47,13 +50,25 @@ def run_message(job, max_attempts, soft_timeout):
     return {"op": RUN, "soft_timeout": soft_timeout, "job": fields}
 
 
+def batch_message(entries):
+    """One RUN message for several jobs: ``entries`` are ``run_message`` dicts, run in order."""
+    if len(entries) == 1:
+        return entries[0]
+    return {"op": RUN, "batch": [{"soft_timeout": e["soft_timeout"], "job": e["job"]} for e in entries]}
+
+
+def skipped_reply(job):
+    """A child's answer for a job of its batch it did not start (the master asked it to skip)."""
+    return {"op": RESULT, "job_id": job["id"], "token": job["token"], "skipped": True}
+
+
 class TooLarge(ValueError):
     """A message over ``MAX_MESSAGE`` bytes."""
 
 
 def encode(obj, limit=None):
     """The frame of ``obj``; ``TooLarge`` if its body is over ``limit`` bytes (when given)."""
-    body = json.dumps(obj, separators=(",", ":")).encode()
+    body = _ENCODER.encode(obj).encode()
     if limit is not None and len(body) > limit:
         raise TooLarge(f"message of {len(body)} bytes is over the {limit} byte limit")
     return _HEADER.pack(len(body)) + body

@@ -214,7 +214,10 @@ def test_log_follows_one_job_from_claim_to_ack(ran):
         assert (r["resource_id"], r["idempotency_key"]) == ("r1", "k1")
         assert r["trace_id"] == d.job(job_id).trace_id
 
-    retried = [r["event"] for r in d.records(job_id=ids["suicide"])]
+    retried = " ".join(r["event"] for r in d.records(job_id=ids["suicide"]))
+    # prefetch = "auto" hands back at once a job of a type it has not measured when no child
+    # is free ("released", then claimed again): no attempt, so no part of the attempt trail.
+    retried = retried.replace("claim released ", "").split()
     assert retried == ["claim", "start", "crash", "retry", "retry_stored", "claim", "start", "done", "acked"]
 
 

@@ -5,6 +5,7 @@ child only runs handlers and says how they ended, so killing one at any
 instant loses nothing the master cannot account for.
 """
 import asyncio
+import collections
 import ctypes
 import logging
 import os
@@ -92,33 +93,50 @@ def main(sock, slot, handlers, master_pid):
 
 
 def serve(sock, slot, handlers, master_pid):
+    pending = collections.deque()  # the jobs of a batch not started yet
     while True:
         try:
-            ready, _, _ = select.select([sock], [], [], 1.0)
+            # Between the jobs of a batch only a glance at the pipe (a SKIP, a STOP);
+            # otherwise wait for work, checking now and then that the master lives.
+            ready, _, _ = select.select([sock], [], [], 0 if pending else 1.0)
             if os.getppid() != master_pid:
                 return  # orphaned: nobody renews our lease any more
-            if not ready:
-                continue
-            msg = protocol.recv(sock)
+            msg = protocol.recv(sock) if ready else None
         except JobTimeout:
             # The master's hard-timeout SIGTERM landed after the job ended (the
             # reply crossed it): nothing to interrupt, leave quietly.
             return
         except ConnectionError:
             return  # the master died (its PR_SET_PDEATHSIG kill is on the way)
-        if msg is None or msg.get("op") == protocol.STOP:
+        if ready:
+            if msg is None:
+                return  # EOF: the master is gone
+            if msg.get("op") in (protocol.STOP, protocol.SKIP):
+                while pending:  # never started: the master hands them back, no attempt spent
+                    send_reply(sock, protocol.skipped_reply(pending.popleft()["job"]))
+                if msg.get("op") == protocol.STOP:
+                    return
+                continue
+            if msg.get("op") == protocol.RUN:
+                pending.extend(msg["batch"] if "batch" in msg else [msg])
+            # A CANCEL frame read here crossed the reply of the job it named: nothing to do
+            # (the master asks for a SKIP first, so no job of a batch starts after it).
+        if pending and not run_one(sock, slot, handlers, pending.popleft()):
             return
-        # A CANCEL frame read here crossed the reply of the job it named: nothing to do.
-        if msg.get("op") == protocol.RUN:
-            job = msg["job"]
-            title(slot, f"{job['type']} {job['id']} since {time.strftime('%H:%M:%S')}")
-            reply = tracing.run_span(job, lambda: run_job(job, handlers, msg.get("soft_timeout")))
-            try:
-                with timeouts.critical():  # a SIGTERM now waits for the whole reply: never a torn frame
-                    send_reply(sock, reply)
-            except JobTimeout:
-                return  # the reply is out; the master is stopping us (hard timeout crossed the reply)
-            title(slot, "idle")
+
+
+def run_one(sock, slot, handlers, entry):
+    """Run one job and send its reply; False when the child must leave (a hard timeout crossed the reply)."""
+    job = entry["job"]
+    title(slot, f"{job['type']} {job['id']} since {time.strftime('%H:%M:%S')}")
+    reply = tracing.run_span(job, lambda: run_job(job, handlers, entry.get("soft_timeout")))
+    try:
+        with timeouts.critical():  # a SIGTERM now waits for the whole reply: never a torn frame
+            send_reply(sock, reply)
+    except JobTimeout:
+        return False  # the reply is out; the master is stopping us (hard timeout crossed the reply)
+    title(slot, "idle")
+    return True
 
 
 def send_reply(sock, reply):

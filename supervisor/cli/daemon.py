@@ -112,6 +112,11 @@ def render_status(reply, now=None):
     lines.append(f"{'state:':<8} " + ", ".join(state))
     if "handlers" in reply:
         lines.append(f"{'types:':<8} {', '.join(map(str, reply['handlers'])) or '-'}")
+    prefetch = reply.get("prefetch")
+    if isinstance(prefetch, dict):  # older daemons do not say
+        per_type = ", ".join(f"{_flat(t.get('type'))} {_flat(t.get('prefetch'))}" for t in prefetch.get("types") or []
+                             if isinstance(t, dict))
+        lines.append(f"{'prefetch:':<8} {_flat(prefetch.get('mode'))}" + (f" ({per_type})" if per_type else ""))
     if reply.get("paused_queues"):
         lines.append(f"{'paused:':<8} {', '.join(map(str, reply['paused_queues']))} (not claimed from)")
     if reply.get("reload_error"):

@@ -13,7 +13,9 @@ and the rules.
 This is the only module of ``supervisor.master`` that knows the others:
 
 * ``pool``: the children (fork, pipes, reaping, deadlines, recycling);
-* ``dispatch``: claiming, prefetch, handing jobs to free children;
+* ``dispatch``: claiming, prefetch, handing jobs (batches of short ones) to free children;
+* ``prefetch``: how many jobs of each type may wait here, and which may share a batch;
+* ``endings``: a child's replies and death, and the jobs queued behind its running one;
 * ``verdict``: what becomes of a job when its attempt ends (pure);
 * ``outcomes``: storing those verdicts in the broker;
 * ``brokerlink``: the main loop's broker connection and outage state;
@@ -30,14 +32,13 @@ import signal
 import socket
 import time
 
-from .. import config, jobref, logs, protocol, registry, toolkit
+from .. import config, jobref, protocol, registry, toolkit
 from ..child import worker as child  # imported before the forks: the children share it
 from ..errors import BrokerError, BrokerUnusable, ConfigError, TangguhError
 from ..health import AlreadyRunning, HealthServer
 from ..heartbeat import Heartbeat
 from ..metrics import SAMPLE_SECONDS, HttpExporter, Metrics
-from ..protocol import (KILLED_BAD_FRAME, KILLED_CANCEL, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT,
-                        UNKNOWN_TYPE)
+from ..protocol import KILLED_SHUTDOWN, UNKNOWN_TYPE
 from ..retry import next_delay
 from ..sdnotify import Notifier
 from ..urls import redact
@@ -45,10 +46,12 @@ from . import verdict
 from .brokerlink import BrokerLink
 from .control import JobControl
 from .dispatch import Dispatcher
+from .endings import Endings
 from .locks import MasterLocks
 from .outcomes import OutcomeWriter, attempt_info
 from .periodic import Periodic
 from .pool import Pool
+from .prefetch import Prefetch
 from .status import Status
 
 log = logging.getLogger("tangguh.arbiter")
@@ -81,19 +84,21 @@ class Arbiter:
                                on_down=self.on_broker_down, pid=self.pid)
         # The wake-up pipe is made in start(); the heartbeat only writes to it once started.
         self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, None)
+        self.endings = Endings(self)
         self.pool = Pool(cfg.supervisor, self.selector, self.heartbeat, run_child=self.run_child,
-                         on_reply=self.on_reply, on_lock=self.on_lock, on_exit=self.on_child_exit,
+                         on_reply=self.endings.on_reply, on_lock=self.on_lock, on_exit=self.endings.on_child_exit,
                          on_boot_failed=self.on_boot_failed, count=count)
-        self.dispatcher = Dispatcher(cfg, handlers, self.owner, self.link, self.pool,
-                                     hold=self.heartbeat.hold, settings_for=self.settings_for,
-                                     on_claimed=self.status.claimed, on_unknown=self.on_unknown_type,
-                                     on_expired=self.status.expired)
         self.writer = OutcomeWriter(self.link, unhold=self.heartbeat.drop, on_stored=self.status.stored,
                                     on_lost=lambda job: count("lease_lost"))
+        self.dispatcher = Dispatcher(cfg, handlers, self.owner, self.link, self.pool,
+                                     Prefetch(b.prefetch, cfg.supervisor.workers), hold=self.heartbeat.hold,
+                                     settings_for=self.settings_for, on_claimed=self.status.claimed,
+                                     on_unknown=self.on_unknown_type, on_expired=self.status.expired,
+                                     give_back=self.writer.release)
         self.periodic = Periodic(cfg, handlers, self.link, self.metrics, SAMPLE_SECONDS)
         self.control = JobControl(self.heartbeat, self.pool, self.dispatcher, self.writer, self.metrics, count,
                                   lambda job, s: self.settle(job, s, verdict.Ending(cancel_sent=True)),
-                                  record=self.status.record)
+                                  record=self.status.record, withdraw=self.endings.withdraw)
 
     # -- life -------------------------------------------------------------------------
     def run(self):
@@ -250,6 +255,8 @@ class Arbiter:
         self.status.notifier.stopping()
         for job in self.dispatcher.take_all():
             self.writer.release(job)
+        for c in self.pool.children.values():
+            self.endings.withdraw(c)  # the jobs of a batch not started yet: released at once
 
     def check_stop_deadline(self):
         if self.stopping == "graceful" and self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
@@ -320,37 +327,6 @@ class Arbiter:
         if self.locks is not None:
             self.locks.on_message(c.pid, msg)
 
-    def on_reply(self, c, reply):
-        if c.job is None or reply.get("job_id") != c.job.id:
-            return
-        job, settings = self.pool.finish(c)
-        if self.locks is not None:
-            self.locks.release_child(c.pid)  # a lock the job left behind ends with the job
-        self.status.attempt(job, reply)
-        ending = verdict.Ending(reply=reply, kill_reason=c.kill_reason, term_sent=c.term_at is not None,
-                                cancel_sent=c.cancel_at is not None)
-        self.settle(job, settings, ending, c, reply)
-        if self.pool.after_reply(c) and self.stopping is None:
-            self.dispatcher.dispatch()  # the next prefetched job now: the child need not wait for the ack
-
-    def on_child_exit(self, c, how, fields):
-        if self.locks is not None:
-            self.locks.release_child(c.pid)  # now, not at their TTL: the retry may need them
-        if c.job is None:
-            return
-        job, settings = c.job, c.settings
-        c.job = c.settings = None
-        if c.kill_reason == KILLED_TIMEOUT:
-            log.warning("worker %d killed: job over its hard timeout", c.slot,
-                        extra=logs.job_fields(job, event="timeout_exit", **fields))
-        elif c.kill_reason not in (KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_BAD_FRAME, KILLED_CANCEL):
-            log.error("worker %d died mid-job (%s)", c.slot, how, extra=logs.job_fields(job, event="crash", **fields))
-            self.status.count("crashed_mid_job")
-        bad = c.bad_frame
-        ending = verdict.Ending(exit_how=how, kill_reason=c.kill_reason, bad_frame=str(bad or ""),
-                                too_large=isinstance(bad, protocol.TooLarge), cancel_sent=c.cancel_at is not None)
-        self.settle(job, settings, ending, c)
-
     # -- jobs ----------------------------------------------------------------------------------
     def settings_for(self, job):
         return registry.job_settings(self.cfg, self.handlers, job)
@@ -358,6 +334,16 @@ class Arbiter:
     def backoff(self, failures):
         j = self.cfg.jobs
         return next_delay(failures, j.backoff_base, j.backoff_cap, j.jitter)
+
+    def judge_child(self, job, settings, c, reply=None, how=None, cancel_sent=False):
+        """Settle the attempt ``c`` ran: from its reply, or from ``how`` it died."""
+        if reply is not None:
+            ending = verdict.Ending(reply=reply, kill_reason=c.kill_reason, term_sent=c.term_at is not None,
+                                    cancel_sent=cancel_sent)
+        else:
+            ending = verdict.Ending(exit_how=how, kill_reason=c.kill_reason, bad_frame=str(c.bad_frame or ""),
+                                    too_large=isinstance(c.bad_frame, protocol.TooLarge), cancel_sent=cancel_sent)
+        self.settle(job, settings, ending, c, reply)
 
     def settle(self, job, settings, ending, c=None, reply=None):
         """Judge an ended attempt, count it, and queue its outcome for the broker."""

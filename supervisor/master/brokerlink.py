@@ -36,6 +36,7 @@ class BrokerLink:
         self.fd = None  # our dup of the broker's wake-up descriptor
         self.down_since = None  # monotonic instant of the first failure of this outage
         self.failures = 0  # failed calls in a row (the reconnect backoff's exponent)
+        self.rtt = {}  # op -> its labelled histogram (a handful of ops; labels() per call costs)
 
     @property
     def down(self):
@@ -72,7 +73,7 @@ class BrokerLink:
         try:
             result = fn(self.connect())
         except LeaseLost:
-            self.metrics.broker_rtt.labels(op).observe(time.monotonic() - now)
+            self.observe(op, now)
             raise
         except ConfigError:
             self.drop()
@@ -92,13 +93,19 @@ class BrokerLink:
             self.failures += 1
             self.on_down(now + backoff(self.failures + 1, 0.2, 10.0, jitter=0.5))
             raise BrokerError(str(exc)) from None
-        self.metrics.broker_rtt.labels(op).observe(time.monotonic() - now)
+        self.observe(op, now)
         if self.down_since is not None:
             log.info("broker reachable again after %.1fs", now - self.down_since,
                      extra={"event": "broker_up", "pid": self.pid})
             self.down_since = None
         self.failures = 0
         return result
+
+    def observe(self, op, since):
+        series = self.rtt.get(op)
+        if series is None:
+            series = self.rtt[op] = self.metrics.broker_rtt.labels(op)
+        series.observe(time.monotonic() - since)
 
     def drop(self):
         if self.fd is not None:

@@ -26,12 +26,19 @@ log = logging.getLogger("tangguh.arbiter")
 class JobControl:
     """Collaborators: ``heartbeat``, ``pool``, ``dispatcher``, ``writer``, ``metrics``;
     callbacks ``count(event)``, ``cancel_unstarted(job, settings)`` (judge and store a
-    prefetched job as cancelled) and ``record()`` (this supervisor's record, a dict)."""
+    prefetched job as cancelled), ``record()`` (this supervisor's record, a dict) and
+    ``withdraw(child)``.
 
-    def __init__(self, heartbeat, pool, dispatcher, writer, metrics, count, cancel_unstarted, record):
+    A child may hold a batch: it runs the first job not answered yet, the others
+    wait behind it. Only the running job is ever signalled or killed; a queued
+    one is marked on the child (``lost``, ``cancels``) and the rest of the batch
+    withdrawn: handed back at once, that one dropped or ended ``cancelled``."""
+
+    def __init__(self, heartbeat, pool, dispatcher, writer, metrics, count, cancel_unstarted, record, withdraw):
         self.heartbeat, self.pool, self.dispatcher, self.writer = heartbeat, pool, dispatcher, writer
         self.metrics, self.count = metrics, count
         self.cancel_unstarted, self.record = cancel_unstarted, record
+        self.withdraw = withdraw  # withdraw(child): the jobs of its batch not started yet, handed back now
         self.paused = None  # queues paused in the broker, as of the heartbeat's last beat (None: not set yet)
         self.next_record_at = 0.0
 
@@ -50,8 +57,11 @@ class JobControl:
             self.count("lease_lost")
             self.dispatcher.forget(lease)
             self.writer.forget(lease)
-            c = self.pool.running(lease)
-            if c is not None:
+            c, running = holder(self.pool, lease)
+            if c is not None and not running:
+                c.lost.add(lease.job_id)  # dropped, never started
+                self.withdraw(c)
+            elif c is not None:
                 log.warning("lease lost: killing worker %d", c.slot,
                             extra=logs.job_fields(c.job, event="lease_lost", slot=c.slot, pid=c.pid))
                 self.pool.kill(c, KILLED_LEASE_LOST)
@@ -60,7 +70,16 @@ class JobControl:
         """The renewal answers with a held job's request every beat until it ends: act once."""
         while self.heartbeat.cancels:
             lease, request = self.heartbeat.cancels.popleft()
-            c = self.pool.running(lease)
+            c, running = holder(self.pool, lease)
+            if c is not None and not running:
+                c.cancels[lease.job_id] = request
+                self.withdraw(c)  # it ends cancelled, never started; the rest of the batch is released
+                continue
+            if c is not None and c.queued:
+                # Once withdrawn, no other job of the batch starts: the signal below can only
+                # reach the job it names (or none, if its result crossed the cancel).
+                self.withdraw(c)
+                c, running = holder(self.pool, lease)
             if c is not None:
                 if c.cancel_at is None:
                     c.job.cancel_request = request  # the latency metric starts at the request's time
@@ -98,3 +117,13 @@ class JobControl:
         if paused or not first:
             log.info("paused queues now: %s (%d prefetched jobs released)", ", ".join(sorted(paused)) or "none",
                      len(released), extra={"event": "queues_paused"})
+
+
+def holder(pool, lease):
+    """(the child holding the job of ``lease``, whether it runs it now), or (None, False)."""
+    for c in pool.children.values():
+        if c.job is not None and c.job.lease == lease:
+            return c, True
+        if any(job.lease == lease for job, _ in c.queued):
+            return c, False  # queued in its batch behind the running job
+    return None, False

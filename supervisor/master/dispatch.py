@@ -24,16 +24,25 @@ class Dispatcher:
     """Callbacks: ``hold(lease)`` the heartbeat starts renewing it; ``on_claimed(job)``
     counts and logs a claim; ``on_unknown(job, settings)`` a job no handler takes;
     ``settings_for(job)`` the rules to claim it under; ``on_expired(job_type)`` a
-    job the claim ended ``expired`` (never run)."""
+    job the claim ended ``expired`` (never run); ``give_back(job)`` releases a claimed
+    job untouched (no attempt counted). ``prefetch`` is the ``Prefetch`` policy."""
 
-    def __init__(self, cfg, handlers, owner, link, pool, hold, settings_for, on_claimed, on_unknown, on_expired):
+    def __init__(self, cfg, handlers, owner, link, pool, prefetch, hold, settings_for, on_claimed, on_unknown,
+                 on_expired, give_back):
+        self.prefetch = prefetch
         self.configure(cfg, handlers)
         self.owner = owner  # "host:pid", stored with every lease this supervisor takes
         self.link, self.pool = link, pool
         self.hold, self.settings_for = hold, settings_for
         self.on_claimed, self.on_unknown, self.on_expired = on_claimed, on_unknown, on_expired
+        self.give_back = give_back
         self.paused = set()  # queues not to claim from (job control: paused in the broker)
         self.prefetched = collections.deque()  # (job, settings), oldest first
+        # After handing jobs back, claim no more than the idle children can take until a
+        # child finishes a job: otherwise a queue of long jobs would be claimed and
+        # handed back on every loop turn.
+        self.room_closed = False
+        self.recheck = False  # new jobs waiting, or a type's prefetch went down: look for surplus
         self.next_claim_at = 0.0
         self.empty_claims = 0  # empty claims in a row: the idle backoff
         self.empty_polls = 0  # empty claims since start, for status
@@ -42,9 +51,18 @@ class Dispatcher:
         """The config, handlers and claim limits of the current generation."""
         self.cfg, self.handlers = cfg, handlers
         self.limits = registry.type_limits(cfg, handlers) or None  # enforced by the broker at claim
+        self.prefetch.configure(cfg.broker.prefetch, cfg.supervisor.workers, handlers)
+
+    def ran(self, job_type, seconds):
+        """A child finished a job of ``job_type`` in ``seconds``: learn its run time; a child is free."""
+        before = self.prefetch.for_type(job_type)
+        self.prefetch.ran(job_type, seconds)
+        self.recheck = self.recheck or self.prefetch.for_type(job_type) < before
+        self.room_closed = False
 
     def capacity(self):
-        prefetch = self.cfg.broker.prefetch
+        self.prefetch.workers = self.pool.target  # TTIN/TTOU change it between reloads
+        prefetch = 0 if self.room_closed else self.prefetch.room()
         if self.prefetched and len(self.prefetched) * 2 > prefetch:
             return 0  # refill the prefetch buffer once it is half empty: fewer, larger claims
         return len(self.pool.free()) + prefetch - len(self.prefetched)
@@ -85,6 +103,7 @@ class Dispatcher:
                 self.on_unknown(job, settings)
             else:
                 self.prefetched.append((job, settings))
+                self.recheck = True
         if jobs:
             self.empty_claims = 0
             self.next_claim_at = now
@@ -97,12 +116,44 @@ class Dispatcher:
                                                jitter=0.25)
 
     def dispatch(self):
-        """Hand prefetched jobs to free children, oldest first."""
-        for c in self.pool.free():
+        """Hand prefetched jobs to free children, oldest first; give back what may not wait here.
+
+        Consecutive jobs of short types go to a child as one batch, the prefetched
+        jobs shared out evenly among the free children. A child whose last job ran
+        long gets one job at a time.
+        """
+        free = self.pool.free()
+        for i, c in enumerate(free):
             if not self.prefetched:
                 return
-            job, settings = self.prefetched.popleft()
-            self.pool.run(c, job, settings)
+            size = 1 if c.ran_long else min(self.prefetch.batch, -(-len(self.prefetched) // (len(free) - i)))
+            most = self.cfg.supervisor.max_jobs_per_child
+            if most:
+                size = min(size, max(1, most - c.jobs_done))  # a child recycled after N jobs runs N
+            batch = [self.prefetched.popleft()]
+            while (len(batch) < size and self.prefetched and self.prefetch.batchable(batch[0][0].type)
+                   and self.prefetch.batchable(self.prefetched[0][0].type)):
+                batch.append(self.prefetched.popleft())
+            self.pool.run(c, batch)
+        if self.prefetched and self.prefetch.auto and self.recheck:
+            self.surplus()
+        self.recheck = False
+
+    def surplus(self):
+        """Hand back the waiting jobs beyond their type's prefetch (a long type: all of them).
+
+        A sibling supervisor with an idle child claims them at once; here they
+        would wait behind the running jobs.
+        """
+        kept, waiting = collections.deque(), collections.Counter()
+        for job, settings in self.prefetched:
+            waiting[job.type] += 1
+            if waiting[job.type] <= self.prefetch.for_type(job.type):
+                kept.append((job, settings))
+            else:
+                self.give_back(job)
+                self.room_closed = True
+        self.prefetched = kept
 
     def take_all(self):
         """Every prefetched job, removed (to be released at a stop)."""

@@ -23,6 +23,7 @@ log = logging.getLogger("tangguh.arbiter")
 # Delaying an ack is safe: the effect is durable already and the lease is still renewed.
 ACK_LINGER = 0.005
 STOP_WRITES_SECONDS = 10.0  # how long a stopping master keeps retrying unstored outcomes
+HOST = socket.gethostname()  # once: a syscall per job otherwise
 STORED_EVENTS = {ACK: "acked", RETRY: "retry_stored", DEAD: "dead_stored", RELEASE: "released",
                  CANCELLED: "cancelled_stored"}
 
@@ -57,7 +58,7 @@ class Write:
 
 def attempt_info(child=None, reply=None):
     """Where and how long an attempt ran, stored with its outcome."""
-    info = {"host": socket.gethostname()}
+    info = {"host": HOST}
     if child is not None:
         info.update(pid=child.pid, slot=child.slot)
     if reply and "duration" in reply:
@@ -182,7 +183,9 @@ class OutcomeWriter:
 
     def stored(self, write):
         self.on_stored(write)
-        log.debug("outcome stored: %s", write.op, extra=logs.job_fields(write.job, event=STORED_EVENTS[write.op]))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("outcome stored: %s", write.op,
+                      extra=logs.job_fields(write.job, event=STORED_EVENTS[write.op]))
 
     def settled(self):
         """At a stop: True once every outcome is stored, or after giving up on the rest.

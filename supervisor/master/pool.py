@@ -6,6 +6,7 @@ through callbacks. Children are forked only while no other thread runs in
 the master (docs/design.md, "Process-model rules"): the heartbeat is stopped
 and joined around every batch of forks.
 """
+import collections
 import logging
 import os
 import selectors
@@ -32,30 +33,18 @@ class Child:
         self.slot, self.pid, self.sock, self.generation = slot, pid, sock, generation
         self.reader = protocol.Reader()
         self.state = STARTING
-        self.job = None
+        self.job = None  # the job it runs: the first of its batch not answered yet
         self.settings = None  # registry.JobSettings the job was claimed under
-        self.started = None  # monotonic start of the current job
-        self.deadline = None  # monotonic hard-timeout instant
+        self.queued = collections.deque()  # (job, settings) of its batch behind ``job``, in order
+        self.lost, self.cancels = set(), {}  # its jobs' ids: lease lost (outcome dropped); cancelled -> request
+        self.skip_sent = self.ran_long = False  # asked to skip its batch's rest; its last job was long
+        self.started = self.deadline = None  # monotonic: the current job's start, its hard-timeout instant
         self.term_at = None  # when SIGTERM was sent (hard timeout grace)
         self.kill_reason = None  # KILLED_*: why we are killing it
         self.cancel_at = self.cancel_deadline = None  # monotonic: its job's cancel was sent; the kill after grace
         self.progress = None  # (fraction, note) its job last reported
-        self.jobs_done = 0
-        self.retiring = False
+        self.jobs_done, self.retiring = 0, False
         self.bad_frame = None  # the error of a message the protocol cannot take: no more reading
-
-    def view(self):
-        elapsed = None if self.started is None or self.job is None else round(time.monotonic() - self.started, 3)
-        try:
-            rss = psutil.Process(self.pid).memory_info().rss
-        except psutil.Error:
-            rss = None
-        return {"slot": self.slot, "pid": self.pid, "state": self.state,
-                "job_id": self.job.id if self.job else None, "job_type": self.job.type if self.job else None,
-                "attempt": self.job.attempt if self.job else None, "elapsed": elapsed, "rss_bytes": rss,
-                "jobs_done": self.jobs_done, "generation": self.generation,
-                "progress": self.progress[0] if self.progress else None,
-                "progress_note": self.progress[1] if self.progress else None, "cancelling": self.cancel_at is not None}
 
 
 class Pool:
@@ -150,22 +139,41 @@ class Pool:
                                                    "generation": self.generation})
 
     # -- talking to children -------------------------------------------------------------
-    def run(self, c, job, settings):
-        """Hand ``job`` to idle child ``c``."""
+    def run(self, c, batch):
+        """Hand ``batch`` (a list of (job, settings)) to idle child ``c``: one message, run in order."""
+        job, settings = batch[0]
+        self.start(c, job, settings)
+        c.queued.extend(batch[1:])
+        c.skip_sent = False
+        if len(batch) > 1:
+            log.debug("batch of %d jobs to worker %d", len(batch), c.slot,
+                      extra={"event": "batch", "slot": c.slot, "pid": c.pid})
+        try:
+            protocol.send(c.sock, protocol.batch_message(
+                [protocol.run_message(j, s.max_attempts, s.soft_timeout) for j, s in batch]))
+        except OSError:
+            pass  # the child just died: reaping records the crash and re-queues the jobs
+
+    def start(self, c, job, settings):
+        """Record that ``c`` runs ``job`` from now: its hard-timeout deadline starts here."""
         c.job, c.settings, c.state, c.started = job, settings, BUSY, time.monotonic()
         c.deadline, c.term_at = c.started + settings.timeout, None
         c.cancel_at = c.cancel_deadline = c.progress = None
-        log.debug("job started on worker %d", c.slot, extra=logs.job_fields(job, event="start", slot=c.slot, pid=c.pid))
-        try:
-            protocol.send(c.sock, protocol.run_message(job, settings.max_attempts, settings.soft_timeout))
-        except OSError:
-            pass  # the child just died: reaping records the crash and re-queues the job
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("job started on worker %d", c.slot,
+                      extra=logs.job_fields(job, event="start", slot=c.slot, pid=c.pid))
 
     def finish(self, c):
-        """The job ``c`` ran has ended (a reply came): forget it; returns (job, settings)."""
+        """The job ``c`` ran has ended (a reply came): forget it; returns (job, settings).
+
+        The next job of its batch is running from now on, unless the child is
+        being killed (it is handed back when the child is gone).
+        """
         job, settings = c.job, c.settings
         c.job = c.settings = c.started = c.deadline = c.cancel_deadline = c.progress = None
         c.jobs_done += 1
+        if c.queued and c.kill_reason is None and c.term_at is None:
+            self.start(c, *c.queued.popleft())
         return job, settings
 
     def after_reply(self, c):
@@ -241,10 +249,6 @@ class Pool:
         for c in self.children.values():
             self.kill(c, reason)
 
-    def running(self, lease):
-        """The child running the job of ``lease``, if any."""
-        return next((c for c in self.children.values() if c.job is not None and c.job.lease == lease), None)
-
     def read(self, c):
         try:
             data = c.sock.recv(65536)
@@ -253,12 +257,15 @@ class Pool:
         except OSError:
             data = b""
         if not data:
-            try:
-                self.selector.unregister(c.sock)  # EOF: the child is gone; reaping does the rest
-            except (KeyError, ValueError):
-                pass
+            self.unregister(c)  # EOF: the child is gone; reaping does the rest
             return
         self.messages(c, data)
+
+    def unregister(self, c):
+        try:
+            self.selector.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass  # already
 
     def messages(self, c, data):
         for msg in self.decode(c, data):
@@ -301,10 +308,7 @@ class Pool:
             c.bad_frame, c.reader.buffer = exc, bytearray()
             log.error("worker %d sent a bad message (%s): killing it", c.slot, exc,
                       extra={"event": "bad_frame", "slot": c.slot, "pid": c.pid})
-            try:
-                self.selector.unregister(c.sock)
-            except (KeyError, ValueError):
-                pass
+            self.unregister(c)
             self.kill(c, KILLED_BAD_FRAME)
             return []
 
@@ -350,10 +354,7 @@ class Pool:
             if c is None:
                 continue  # not ours (a handler's own subprocess): reaped so it leaves no zombie
             self.drain(c)
-            try:
-                self.selector.unregister(c.sock)
-            except (KeyError, ValueError):
-                pass
+            self.unregister(c)
             c.sock.close()
             self.exited(c, status)
 
@@ -377,7 +378,7 @@ class Pool:
         if not self.stopping and not c.retiring:
             self.restarts += 1
             self.count("restarted")
-        had_job = c.job is not None
+        had_job = c.job is not None or bool(c.queued)
         self.on_exit(c, how, fields)  # a job it was running is judged there
         if had_job:
             return

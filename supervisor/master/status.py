@@ -8,6 +8,7 @@ import logging
 import socket
 import time
 
+import psutil
 import setproctitle
 
 from .. import __version__, logs
@@ -49,6 +50,10 @@ class Status:
         self.notifier = notifier
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.ready_sent = False  # READY=1 goes out once the first children are up
+        # (Metrics attribute, labels) -> the labelled child: prometheus_client's labels()
+        # costs a lock and a tuple check per call, several times per job. Bounded: the
+        # labels are served types (job_labels), queues and a fixed set of reasons.
+        self.series = {}
 
     # -- counting --------------------------------------------------------------------------
     def count(self, event, *labels, job=None, n=1):
@@ -56,8 +61,11 @@ class Status:
         if job is not None:
             labels = (*self.metrics.job_labels(job), *labels)
         labels = (*labels, *fixed)
-        metric = getattr(self.metrics, attribute)
-        (metric.labels(*labels) if labels else metric).inc(n)
+        series = self.series.get((attribute, labels))
+        if series is None:
+            metric = getattr(self.metrics, attribute)
+            series = self.series[(attribute, labels)] = metric.labels(*labels) if labels else metric
+        series.inc(n)
         if key is not None:
             self.counters[key] += n
 
@@ -68,14 +76,15 @@ class Status:
         expired = len(job.history) >= 2 and job.history[-2].get("outcome") == "lease_expired"
         if expired:
             self.count("lease_expired", job=job)
-        log.debug("job claimed", extra=logs.job_fields(job, event="claim",
-                                                       reason="lease_expired" if expired else None))
+        if log.isEnabledFor(logging.DEBUG):  # the fields cost more than a discarded record
+            log.debug("job claimed", extra=logs.job_fields(job, event="claim",
+                                                           reason="lease_expired" if expired else None))
 
     def attempt(self, job, reply):
         """Metrics of one finished attempt: its duration and the child's counter deltas."""
         labels = self.metrics.job_labels(job)
         if isinstance(reply.get("duration"), (int, float)):
-            self.metrics.duration.labels(*labels).observe(reply["duration"])
+            self.observe("duration", labels, reply["duration"])
         deltas = reply.get("metrics")
         if isinstance(deltas, dict) and isinstance(deltas.get("duplicates_suppressed"), int):
             self.counters["duplicates_suppressed"] += deltas["duplicates_suppressed"]
@@ -100,7 +109,10 @@ class Status:
             return
         if outcome.op == ACK:
             self.count("succeeded", job=job)
-            log.info("job done in %.3fs", duration, extra=logs.job_fields(job, event="done"))
+            # At DEBUG: a line per job was a tenth of the master's time at full speed.
+            # Failures, retries and dead letters stay at INFO and above.
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("job done in %.3fs", duration, extra=logs.job_fields(job, event="done"))
             return
         if not outcome.failed:
             return
@@ -119,7 +131,14 @@ class Status:
     def stored(self, write):
         if write.op == ACK and write.job.queued_at:
             waited = max(0.0, time.time() - write.job.queued_at)  # the broker's clock set queued_at: close enough
-            self.metrics.complete.labels(*self.metrics.job_labels(write.job)).observe(waited)
+            self.observe("complete", self.metrics.job_labels(write.job), waited)
+
+    def observe(self, attribute, labels, value):
+        """A histogram observation through the same cache of labelled series as ``count``."""
+        series = self.series.get((attribute, labels))
+        if series is None:
+            series = self.series[(attribute, labels)] = getattr(self.metrics, attribute).labels(*labels)
+        series.observe(value)
 
     # -- reporting ---------------------------------------------------------------------------
     def set_title(self):
@@ -175,8 +194,9 @@ class Status:
             "config": m.cfg.path, "broker": m.broker_shown, "reload_error": m.reload_error,
             "stopping": m.stopping, "broker_down": m.link.down,
             "target_workers": m.pool.target, "prefetched": len(m.dispatcher.prefetched),
+            "prefetch": m.dispatcher.prefetch.view(),
             "pending_writes": len(m.writer),
-            "workers": [c.view() for c in sorted(m.pool.children.values(), key=lambda c: c.slot)],
+            "workers": [child_view(c) for c in sorted(m.pool.children.values(), key=lambda c: c.slot)],
             "restarts": m.pool.restarts, "counters": dict(self.counters), "empty_polls": m.dispatcher.empty_polls,
             "handlers": sorted(m.handlers),
             "queues": {q: s.to_dict() for q, s in m.periodic.queue_stats.items()},
@@ -192,3 +212,18 @@ class Status:
         return {"id": m.owner, "host": socket.gethostname(), "pid": m.pid, "version": __version__,
                 "started": m.started_at, "config": m.cfg.path, "queues": list(m.cfg.broker.queues),
                 "paused_queues": sorted(m.control.paused or ()), "workers": workers, "counters": dict(self.counters)}
+
+
+def child_view(c):
+    """One child (``pool.Child``) as ``status`` shows it."""
+    elapsed = None if c.started is None or c.job is None else round(time.monotonic() - c.started, 3)
+    try:
+        rss = psutil.Process(c.pid).memory_info().rss
+    except psutil.Error:
+        rss = None
+    return {"slot": c.slot, "pid": c.pid, "state": c.state,
+            "job_id": c.job.id if c.job else None, "job_type": c.job.type if c.job else None,
+            "attempt": c.job.attempt if c.job else None, "elapsed": elapsed, "queued": len(c.queued),
+            "rss_bytes": rss, "jobs_done": c.jobs_done, "generation": c.generation,
+            "progress": c.progress[0] if c.progress else None,
+            "progress_note": c.progress[1] if c.progress else None, "cancelling": c.cancel_at is not None}

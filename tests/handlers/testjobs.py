@@ -127,3 +127,30 @@ class _Unprintable(ValueError):
 def unprintable(ctx, payload):
     """Raises an exception whose ``str()`` itself raises."""
     raise _Unprintable()
+
+
+@supervisor.job("nap")
+def nap(ctx, payload):
+    """Runs ``seconds`` (default 30), or until the ``release`` file exists: a long job type."""
+    _mark(payload, f"started {ctx.job.id} {os.getpid()} {ctx.job.attempt}")
+    deadline = time.monotonic() + float(payload.get("seconds", 30))
+    release = payload.get("release")
+    while time.monotonic() < deadline and not (release and os.path.exists(release)):
+        time.sleep(0.01)
+    _mark(payload, f"finished {ctx.job.id}")
+
+
+@supervisor.job("quick")
+def quick(ctx, payload):
+    """A short job (batched once measured); on its first attempt it can die (``die``),
+    never return (``spin``) or wait for the ``release`` file (bounded)."""
+    _mark(payload, f"started {ctx.job.id} {os.getpid()} {ctx.job.attempt}")
+    if ctx.job.attempt == 1:
+        if payload.get("die"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        while payload.get("spin"):
+            pass
+        deadline = time.monotonic() + 30
+        while payload.get("release") and not os.path.exists(payload["release"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    _mark(payload, f"finished {ctx.job.id}")

@@ -105,6 +105,7 @@ class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
         jobs = [job.validate() for job in jobs]
         now = self.now()
         stored = {}  # NewJob id -> the id it is stored under
+        rows = []
         with contextlib.nullcontext() if _in_tx else self._write():
             for job in order(jobs):  # parents first; BadInput on a cycle
                 if job.idempotency_key is not None:
@@ -117,18 +118,26 @@ class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
                         stored[job.id] = row["id"]
                         continue
                 if job.depends_on:
+                    self._insert(rows)  # its parents first
+                    rows = []
                     stored[job.id] = self._insert_child(job, now, stored)
                     continue
-                self.db.execute(
-                    "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
-                    " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at)"
-                    " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (job.id, job.queue, job.type, json.dumps(job.payload), job.resource_id, job.idempotency_key,
-                     job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id,
-                     None if job.expires_in is None else now + job.expires_in),
-                )
+                rows.append((job.id, job.queue, job.type, json.dumps(job.payload), job.resource_id,
+                             job.idempotency_key, job.max_attempts, job.timeout, job.priority, now + job.delay, now,
+                             job.trace_id, None if job.expires_in is None else now + job.expires_in))
                 stored[job.id] = job.id
+                if job.idempotency_key is not None:
+                    self._insert(rows)  # now: a later job of this batch with the same key must see it
+                    rows = []
+            self._insert(rows)  # the others in one statement
         return [stored[job.id] for job in jobs]
+
+    def _insert(self, rows):
+        if rows:
+            self.db.executemany(
+                "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
+                " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at)"
+                " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
     def enqueue_once(self, job):
         job.validate()

@@ -1,0 +1,102 @@
+"""Where the master's time goes per job: cProfile of a real daemon on a no-op run.
+
+    python -m bench.profile_master [--broker sqlite|redis|postgres] [--jobs 5000] [--prefetch N] [--top 40]
+
+Enqueues N no-op jobs (bench/work.py's body), starts a daemon of 2 workers with
+the config defaults (``lease_seconds = 5``, ``heartbeat_seconds = 1`` as in
+``python -m bench``; ``--prefetch`` pins ``broker.prefetch``) whose master runs
+under cProfile, waits until every job has run, stops it with SIGTERM and prints
+the master's CPU per job and the functions with the most own time. The
+children are forked from the profiled master but end with ``os._exit``, so
+only the master's time is in the profile.
+"""
+import argparse
+import collections
+import json
+import os
+import pstats
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import psutil
+import redis
+import tomli_w
+
+from bench import run
+
+PROFILED = """
+import cProfile, sys
+from supervisor.cli import main
+prof = cProfile.Profile()
+prof.enable()
+try:
+    main(["run", "-c", sys.argv[1]])
+except SystemExit:
+    pass
+finally:
+    prof.disable()
+    prof.dump_stats(sys.argv[2])
+"""
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--broker", default="redis", choices=("sqlite", "redis", "postgres"))
+    ap.add_argument("--jobs", type=int, default=5000)
+    ap.add_argument("--prefetch", default=None, help="broker.prefetch (default: the config default)")
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--no-profile", action="store_true", help="only the master's CPU per job, no cProfile")
+    ap.add_argument("--events", action="store_true", help="log at debug and count the master's events per kind")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        fw = run.Tangguh(tmp, args.broker)
+        fw.reset()
+        key = f"prof-{uuid.uuid4().hex[:8]}"
+        ev = redis.Redis.from_url(run.EVIDENCE_URL)
+        fw.enqueue_many([{"kind": "noop", "key": key}] * args.jobs)
+        cfg_path = os.path.join(tmp, "t.toml")
+        broker = {"url": fw.url, "lease_seconds": 5, "heartbeat_seconds": 1.0}
+        if args.prefetch is not None:
+            broker["prefetch"] = args.prefetch if args.prefetch == "auto" else int(args.prefetch)
+        with open(cfg_path, "wb") as f:
+            tomli_w.dump({"supervisor": {"workers": 2, "handlers": os.path.join(run.ROOT, "bench", "handlers"),
+                                         "socket": os.path.join(tmp, "t.sock")}, "broker": broker,
+                          "log": {"level": "debug" if args.events else "info", "format": "json"}}, f)
+        out = os.path.join(tmp, "master.prof")
+        cmd = [sys.executable, "-c", PROFILED, cfg_path, out] if not args.no_profile else \
+            [sys.executable, "-m", "supervisor.cli", "run", "-c", cfg_path]
+        env = dict(os.environ, PYTHONPATH=run.ROOT)
+        started = time.monotonic()
+        log = open(os.path.join(tmp, "master.log"), "wb")  # a file, as a journal would take it
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT)
+        deadline = started + 300
+        while int(ev.get(f"{key}:n") or 0) < args.jobs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        wall = time.monotonic() - started
+        cpu = psutil.Process(proc.pid).cpu_times()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        done = int(ev.get(f"{key}:n") or 0)
+        ev.delete(f"{key}:n", f"{key}:t")
+        fw.cleanup()
+        print(f"{args.broker}: {done} jobs in {wall:.1f}s (start-up included); master CPU "
+              f"{(cpu.user + cpu.system) / max(done, 1) * 1e6:.0f} µs/job "
+              f"(user {cpu.user:.2f}s, system {cpu.system:.2f}s); load {os.getloadavg()[0]:.1f}")
+        if args.events:
+            counts = collections.Counter()
+            with open(os.path.join(tmp, "master.log")) as f:
+                for line in f:
+                    if line.startswith("{"):
+                        counts[json.loads(line).get("event")] += 1
+            print("events:", dict(counts.most_common()))
+        if not args.no_profile:
+            stats = pstats.Stats(out)
+            stats.sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""How many jobs of each type to claim beyond the idle children (``broker.prefetch``).
+
+A prefetched job waits in the master until a child of this supervisor is free.
+For a job type that runs in milliseconds that wait is nothing and saves a
+broker round trip per job; for a long type it is a trap (Celery's prefetch
+multiplier is the known one): the job sits behind a running one while a
+sibling supervisor may be idle. ``"auto"`` therefore keeps, per job type, a
+moving average of its run time and prefetches only as many jobs of it as the
+children get through within ``WAIT_BUDGET``; a type never measured yet, or
+slower than that, gets none. A number pins the prefetch for every type.
+"""
+WAIT_BUDGET = 0.05  # seconds a prefetched job may expect to wait for a free child
+PER_CHILD = 4  # most prefetched jobs per child, however short the type
+WEIGHT = 0.2  # weight of the newest run time in the moving average
+BATCH = 8  # most jobs in one message to a child
+
+
+class Prefetch:
+    batch = BATCH
+
+    def __init__(self, setting, workers):
+        self.averages = {}  # job type -> moving average of its run time, seconds
+        self.configure(setting, workers, None)
+
+    def configure(self, setting, workers, served):
+        """The setting and pool size of a (new) generation; forget types no longer ``served``."""
+        self.auto = setting == "auto"
+        self.pinned = 0 if self.auto else setting
+        self.workers = workers
+        if served is not None:  # bounded: only served types are measured
+            self.averages = {t: a for t, a in self.averages.items() if t in served}
+
+    def ran(self, job_type, seconds):
+        """A job of ``job_type`` ran for ``seconds`` (the child's measure)."""
+        if not isinstance(seconds, (int, float)) or seconds < 0:
+            return
+        before = self.averages.get(job_type)
+        self.averages[job_type] = seconds if before is None else before + WEIGHT * (seconds - before)
+
+    def for_type(self, job_type):
+        """Jobs of ``job_type`` that may wait prefetched here."""
+        if not self.auto:
+            return self.pinned
+        average = self.averages.get(job_type)
+        if average is None:
+            return 0  # not measured yet: run it first, prefetch once its run time is known
+        most = PER_CHILD * self.workers
+        return most if average <= 0 else min(most, int(WAIT_BUDGET * self.workers / average))
+
+    def batchable(self, job_type):
+        """Whether jobs of ``job_type`` may share a message to a child: a whole batch of
+        them is expected to run within ``WAIT_BUDGET`` (measured; prefetch pinned or not)."""
+        average = self.averages.get(job_type)
+        return average is not None and average * BATCH <= WAIT_BUDGET
+
+    def long(self, seconds):
+        """Whether one run of ``seconds`` is too long to have jobs batched behind it."""
+        return isinstance(seconds, (int, float)) and seconds * BATCH > WAIT_BUDGET
+
+    def room(self):
+        """Jobs a claim may take beyond the idle children: the most any type allows.
+
+        A claim cannot choose types; jobs of a type that allows fewer are handed
+        back by the dispatcher (``surplus``) at once.
+        """
+        if not self.auto:
+            return self.pinned
+        return max((self.for_type(t) for t in self.averages), default=0)
+
+    def view(self):
+        """For ``status``: the prefetch chosen for each measured type."""
+        return {"mode": "auto" if self.auto else self.pinned,
+                "types": [{"type": t, "prefetch": self.for_type(t), "average_seconds": round(a, 6)}
+                          for t, a in sorted(self.averages.items())]}

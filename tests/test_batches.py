@@ -1,0 +1,147 @@
+"""Batched dispatch: several short jobs in one message to a child, each answered, each accounted for.
+
+The master holds that a child runs the first job of its batch not answered
+yet; everything that ends an attempt (a crash, a hard timeout, a stop, a lost
+lease) concerns that job only, and the jobs behind it come back untouched.
+"""
+import signal
+
+from supervisor.master import prefetch as PREFETCH
+from supervisor.model import NewJob
+
+from .daemon import Daemon, read_lines
+from .util import wait_for
+
+
+def batch_daemon(tmp_path, broker_url, **sections):
+    """One child; ``quick`` measured short, so a claim of several is sent as one batch."""
+    sections.setdefault("supervisor", {}).update(workers=1)
+    d = Daemon(tmp_path, broker_url, **sections)
+    d.start()
+
+    def measured_short():
+        # A loaded machine stretches a few runs: more samples bring the moving average down.
+        for job_id in [d.enqueue("quick") for _ in range(5)]:
+            d.wait_job(job_id)
+        quick = {t["type"]: t for t in d.status()["prefetch"]["types"]}["quick"]
+        return quick["prefetch"] >= 3 and quick["average_seconds"] * PREFETCH.BATCH <= PREFETCH.WAIT_BUDGET
+
+    wait_for(measured_short, timeout=60, interval=0, message="quick measured short enough to batch")
+    return d
+
+
+def enqueue_batch(d, *payloads):
+    """Jobs enqueued at once (one transaction): one claim takes them all, one message carries them,
+    in the order given (descending priorities: ids made in one millisecond do not sort by time)."""
+    return d.broker.enqueue_many([NewJob("quick", p, priority=len(payloads) - i) for i, p in enumerate(payloads)])
+
+
+def batches_sent(d, size):
+    return [r for r in d.records(event="batch") if r["msg"] == f"batch of {size} jobs to worker 0"]
+
+
+def starts(marker):
+    return [line[1] for line in read_lines(marker) if line[0] == "started"]
+
+
+def test_only_the_running_job_of_a_batch_is_crashed_the_rest_released_and_run(tmp_path, broker_url):
+    d = batch_daemon(tmp_path, broker_url)
+    marker = d.marker("m")
+    try:
+        ids = enqueue_batch(d, {"marker": marker}, {"marker": marker, "die": True}, {"marker": marker},
+                            {"marker": marker})
+        jobs = [d.wait_job(job_id) for job_id in ids]
+        assert batches_sent(d, 4), "the four jobs went to the child as one batch"
+        assert [(j.state, j.attempt) for j in jobs] == [("done", 1), ("done", 2), ("done", 1), ("done", 1)]
+        assert [h["outcome"] for h in jobs[1].history] == ["retry", "done"]
+        assert jobs[1].history[0]["error"]["reason"] == "crashed"
+        for j in (jobs[0], jobs[2], jobs[3]):
+            assert [h["outcome"] for h in j.history] == ["done"]  # released: no attempt spent, none recorded
+        assert starts(marker).count(ids[2]) == starts(marker).count(ids[3]) == 1  # never started in the dead child
+        assert d.status()["counters"]["crashed"] == 1
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def test_a_hard_timeout_second_in_its_batch_kills_for_that_job_only(tmp_path, broker_url):
+    d = batch_daemon(tmp_path, broker_url, jobs={"types": {"quick": {"timeout": 1.0}}})
+    marker = d.marker("m")
+    try:
+        ids = enqueue_batch(d, {"marker": marker}, {"marker": marker, "spin": True}, {"marker": marker})
+        jobs = [d.wait_job(job_id) for job_id in ids]
+        assert batches_sent(d, 3)
+        assert [(j.state, j.attempt) for j in jobs] == [("done", 1), ("done", 2), ("done", 1)]
+        assert jobs[1].history[0]["error"]["reason"] == "timeout"
+        assert [h["outcome"] for h in jobs[2].history] == ["done"]
+        counters = d.status()["counters"]
+        assert (counters["timeouts"], counters["crashed"]) == (1, 0)
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def test_graceful_stop_finishes_the_running_job_and_releases_the_rest_of_its_batch(tmp_path, broker_url):
+    d = batch_daemon(tmp_path, broker_url)
+    marker, release = d.marker("m"), d.marker("release")
+    try:
+        ids = enqueue_batch(d, {"marker": marker, "release": release}, {"marker": marker}, {"marker": marker})
+        wait_for(lambda: starts(marker) == [ids[0]], message="the first job of the batch running")
+        assert batches_sent(d, 3)
+        d.signal(signal.SIGTERM)
+        wait_for(lambda: d.status()["stopping"] == "graceful", message="the stop to begin")
+        open(release, "w").close()
+        assert d.wait_exit() == 0
+        first, *rest = [d.job(job_id) for job_id in ids]
+        assert (first.state, first.attempt) == ("done", 1)
+        assert [(j.state, j.attempt) for j in rest] == [("queued", 0), ("queued", 0)]  # back, untouched
+        assert starts(marker) == [ids[0]]  # the rest never started
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def test_every_job_of_a_batch_has_its_lease_renewed(tmp_path, broker_url):
+    # A lease a few heartbeats long: renewed in time even on a loaded machine.
+    d = batch_daemon(tmp_path, broker_url, broker={"lease_seconds": 2.0, "heartbeat_seconds": 0.2})
+    marker, release = d.marker("m"), d.marker("release")
+    try:
+        ids = enqueue_batch(d, {"marker": marker, "release": release}, {"marker": marker}, {"marker": marker})
+        wait_for(lambda: starts(marker) == [ids[0]], message="the first job of the batch running")
+        assert batches_sent(d, 3)
+        claimed = {job_id: d.job(job_id).lease_until for job_id in ids}
+        # Every lease, the queued ones' too, renewed past the expiry it was claimed with.
+        wait_for(lambda: all(d.job(job_id).lease_until > claimed[job_id] + 2.0 for job_id in ids), timeout=20,
+                 message="every lease of the batch renewed past its first expiry")
+        open(release, "w").close()
+        jobs = [d.wait_job(job_id) for job_id in ids]
+        assert [(j.state, j.attempt) for j in jobs] == [("done", 1)] * 3
+        assert d.status()["counters"]["lease_lost"] == 0
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def test_a_cancel_reaches_only_its_job_of_a_batch(tmp_path, broker_url):
+    """The running job is interrupted (``Cancelled`` at a safe point); a queued one cancelled
+    ends ``cancelled`` without starting; the others of the batch run once, untouched."""
+    d = batch_daemon(tmp_path, broker_url, broker={"heartbeat_seconds": 0.2})
+    marker, release = d.marker("m"), d.marker("release")
+    try:
+        ids = enqueue_batch(d, {"marker": marker, "release": release}, {"marker": marker}, {"marker": marker},
+                            {"marker": marker})
+        wait_for(lambda: starts(marker) == [ids[0]], message="the first job of the batch running")
+        assert batches_sent(d, 4)
+        assert d.broker.cancel([ids[2]], by="ops", reason="queued") == {ids[2]: "requested"}
+        assert d.wait_job(ids[2], states=("cancelled", "done", "dead")).state == "cancelled"
+        assert d.broker.cancel([ids[0]], by="ops", reason="running") == {ids[0]: "requested"}
+        jobs = [d.wait_job(job_id, states=("cancelled", "done", "dead")) for job_id in ids]
+        assert [j.state for j in jobs] == ["cancelled", "done", "cancelled", "done"]
+        assert [j.attempt for j in jobs] == [1, 1, 1, 1]
+        assert ids[2] not in starts(marker)  # cancelled while queued: never started
+        assert sorted(starts(marker)) == sorted([ids[0], ids[1], ids[3]])  # each once
+        assert d.status()["counters"]["cancelled"] == 2
+        d.assert_clean()
+    finally:
+        open(release, "w").close()
+        d.stop()

@@ -1,0 +1,66 @@
+"""``broker.prefetch = "auto"``: short job types are prefetched, long ones never wait in a busy supervisor."""
+import os
+
+from supervisor.master.prefetch import PER_CHILD, Prefetch
+from supervisor.model import NewJob
+
+from .daemon import Daemon, read_lines
+from .util import wait_for
+
+
+def test_auto_prefetch_follows_each_types_run_time():
+    p = Prefetch("auto", 2)
+    assert (p.room(), p.for_type("quick")) == (0, 0)  # nothing measured: nothing prefetched
+    for _ in range(3):
+        p.ran("quick", 0.001)
+        p.ran("slow", 2.0)
+    assert (p.for_type("quick"), p.for_type("slow"), p.room()) == (PER_CHILD * 2, 0, PER_CHILD * 2)
+    for _ in range(30):
+        p.ran("quick", 1.0)  # the type turned long: its prefetch follows the average down
+    assert p.for_type("quick") == 0
+    p.configure("auto", 2, served={"slow"})
+    assert [t["type"] for t in p.view()["types"]] == ["slow"]  # a type no longer served is forgotten
+    pinned = Prefetch(3, 2)
+    pinned.ran("slow", 5.0)
+    assert (pinned.for_type("slow"), pinned.room(), pinned.view()["mode"]) == (3, 3, 3)
+    # Batches: only types a whole batch of which runs within the wait budget (pinned or not).
+    pinned.ran("quick", 0.001)
+    assert (pinned.batchable("quick"), pinned.batchable("slow"), pinned.batchable("unmeasured")) == (
+        True, False, False)
+
+
+def test_a_long_job_never_waits_behind_another_while_a_sibling_supervisor_is_idle(tmp_path, broker_url):
+    a = Daemon(tmp_path / "a", broker_url, supervisor={"workers": 1})
+    b = Daemon(tmp_path / "b", broker_url, supervisor={"workers": 1})
+    release = str(tmp_path / "release")
+    marker = str(tmp_path / "naps")
+    try:
+        a.start()
+        # a learns: noop is short (its claims now take jobs beyond its idle child), nap is long.
+        for job_id in [a.enqueue("noop") for _ in range(3)] + [a.enqueue("nap", {"seconds": 0.3})]:
+            a.wait_job(job_id)
+        chosen = {t["type"]: t["prefetch"] for t in a.status()["prefetch"]["types"]}
+        assert a.status()["prefetch"]["mode"] == "auto"
+        assert chosen["noop"] > 0 and chosen["nap"] == 0, chosen
+        # Two long jobs while a is the only supervisor: it claims both, runs one, and must
+        # not keep the other waiting behind it.
+        first, second = a.broker.enqueue_many([NewJob("nap", {"release": release, "marker": marker})
+                                               for _ in range(2)])
+        b.start(wait=False)  # it takes the job handed back at once: its child is never idle to wait for
+        # Both run at once, on the two supervisors: the first holds a's only child until released.
+        started = wait_for(lambda: (lines := [ln for ln in read_lines(marker) if ln[0] == "started"])
+                           and len(lines) == 2 and lines, timeout=20, message="both long jobs running")
+        assert {line[1] for line in started} == {first, second}
+        assert len({line[2] for line in started}) == 2  # two children: one of a, one of b
+        open(release, "w").close()
+        for job_id in (first, second):
+            job = a.wait_job(job_id)
+            assert (job.state, job.attempt) == ("done", 1)  # the handing back cost no attempt
+        pids = {a.job(job_id).history[-1]["pid"] for job_id in (first, second)}
+        assert pids == {int(line[2]) for line in started}
+        a.assert_clean()
+    finally:
+        if not os.path.exists(release):
+            open(release, "w").close()
+        a.stop()
+        b.stop()
