@@ -62,7 +62,11 @@ class BrokerPool:
         return await asyncio.get_running_loop().run_in_executor(self.executor, self._run, fn, args)
 
     def close(self):
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        # Wait for the calls already running: closing a connection another thread is
+        # using crashes the process (sqlite3 frees it under the running statement).
+        # Cancelling an awaiting task does not stop its thread, so this wait is needed
+        # at every shutdown; it is bounded by the broker's own timeouts.
+        self.executor.shutdown(wait=True, cancel_futures=True)
         with self.lock:
             for broker in self.opened:
                 try:
