@@ -14,7 +14,7 @@ end
 for _, z in ipairs({CANCELLED_Z, EXPIRED_Z}) do
   local ended = redis.call('ZRANGEBYSCORE', z, '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
   for _, id in ipairs(ended) do
-    local queued = micros(redis.call('HGET', JOB .. id, 'queued_at'))
+    local queued = us_of(redis.call('HGET', JOB .. id, 'queued_at'))
     if queued then redis.call('ZREM', SEARCH, search_member(id, queued)) end
     deleted = deleted + redis.call('DEL', JOB .. id)
     redis.call('ZREM', z, id)
