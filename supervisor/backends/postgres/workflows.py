@@ -35,7 +35,6 @@ _FINISHED = "('done', 'dead', 'cancelled', 'expired')"
 
 def migration(s):
     """Version 5's statements (the states came with version 4): the columns, the edge table, the triggers."""
-    notify = "pg_notify(left('tangguh_' || TG_TABLE_SCHEMA, 63), v_queue)"
     return [
         f"ALTER TABLE {s}.jobs ADD COLUMN pending integer, ADD COLUMN level integer,"
         " ADD COLUMN kids boolean NOT NULL DEFAULT false",
@@ -52,30 +51,40 @@ def migration(s):
         f"DROP INDEX {s}.jobs_idempotency",
         f"CREATE UNIQUE INDEX jobs_idempotency ON {s}.jobs (idempotency_key)"
         f" WHERE idempotency_key IS NOT NULL AND state IN {UNFINISHED}",
-        f"""CREATE FUNCTION {s}.flow_finish() RETURNS trigger LANGUAGE plpgsql AS $body$
+        # One parent's end, for each of its waiting children: the edge records it, the child's
+        # count drops under its row lock (RETURNING), and the child is cancelled (its parent
+        # failed an on="success" edge) or released (its last parent). Both triggers below end a parent.
+        f"""CREATE FUNCTION {s}.flow_settle(p_parent text, p_state text, p_result json, p_now double precision,
+                                           p_schema text) RETURNS void LANGUAGE plpgsql AS $body$
         DECLARE
-            v_now double precision := coalesce(NEW.finished_at, date_part('epoch', now()));
             v_pending integer;
             v_queue text;
             e record;
         BEGIN
-            FOR e IN WITH u AS (UPDATE {s}.job_edges SET state = NEW.state, result = NEW.result
-                                WHERE parent = NEW.id RETURNING child, on_)
+            FOR e IN WITH u AS (UPDATE {s}.job_edges SET state = p_state, result = p_result
+                                WHERE parent = p_parent RETURNING child, on_)
                      SELECT child, on_ FROM u ORDER BY child LOOP
                 UPDATE {s}.jobs SET pending = pending - 1 WHERE id = e.child AND state = 'waiting'
                     RETURNING pending INTO v_pending;
                 CONTINUE WHEN NOT FOUND;
-                IF NEW.state <> 'done' AND e.on_ = '{ON_SUCCESS}' THEN
-                    UPDATE {s}.jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = v_now,
+                IF p_state <> 'done' AND e.on_ = '{ON_SUCCESS}' THEN
+                    UPDATE {s}.jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = p_now,
                             cancel_request = jsonb_build_object('by', 'workflow', 'reason', '{PARENT_FAILED}',
-                                                                'at', v_now)
+                                                                'at', p_now)
                         WHERE id = e.child;
                 ELSIF v_pending = 0 THEN
-                    UPDATE {s}.jobs SET state = 'queued', run_at = greatest(run_at, v_now) WHERE id = e.child
+                    UPDATE {s}.jobs SET state = 'queued', run_at = greatest(run_at, p_now) WHERE id = e.child
                         RETURNING queue INTO v_queue;
-                    PERFORM {notify};
+                    PERFORM pg_notify(left('tangguh_' || p_schema, 63), v_queue);
                 END IF;
             END LOOP;
+        END
+        $body$""",
+        f"""CREATE FUNCTION {s}.flow_finish() RETURNS trigger LANGUAGE plpgsql AS $body$
+        DECLARE
+            v_now double precision := coalesce(NEW.finished_at, date_part('epoch', now()));
+        BEGIN
+            PERFORM {s}.flow_settle(NEW.id, NEW.state, NEW.result, v_now, TG_TABLE_SCHEMA);
             RETURN NULL;
         END
         $body$""",
@@ -100,31 +109,12 @@ def migration(s):
         f"""CREATE FUNCTION {s}.flow_forget() RETURNS trigger LANGUAGE plpgsql AS $body$
         DECLARE
             v_now double precision := date_part('epoch', now());
-            v_pending integer;
-            v_queue text;
-            e record;
         BEGIN
             IF OLD.pending IS NOT NULL THEN
                 DELETE FROM {s}.job_edges WHERE child = OLD.id;
             END IF;
             IF OLD.kids AND OLD.state NOT IN {_FINISHED} THEN
-                FOR e IN WITH u AS (UPDATE {s}.job_edges SET state = 'cancelled', result = NULL
-                                    WHERE parent = OLD.id RETURNING child, on_)
-                         SELECT child, on_ FROM u ORDER BY child LOOP
-                    UPDATE {s}.jobs SET pending = pending - 1 WHERE id = e.child AND state = 'waiting'
-                        RETURNING pending INTO v_pending;
-                    CONTINUE WHEN NOT FOUND;
-                    IF e.on_ = '{ON_SUCCESS}' THEN
-                        UPDATE {s}.jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = v_now,
-                                cancel_request = jsonb_build_object('by', 'workflow', 'reason', '{PARENT_FAILED}',
-                                                                    'at', v_now)
-                            WHERE id = e.child;
-                    ELSIF v_pending = 0 THEN
-                        UPDATE {s}.jobs SET state = 'queued', run_at = greatest(run_at, v_now) WHERE id = e.child
-                            RETURNING queue INTO v_queue;
-                        PERFORM {notify};
-                    END IF;
-                END LOOP;
+                PERFORM {s}.flow_settle(OLD.id, 'cancelled', NULL, v_now, TG_TABLE_SCHEMA);
             END IF;
             RETURN NULL;
         END
