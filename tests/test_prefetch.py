@@ -20,6 +20,9 @@ def test_auto_prefetch_follows_each_types_run_time():
     assert p.for_type("quick") == 0
     p.configure("auto", 2, served={"slow"})
     assert [t["type"] for t in p.view()["types"]] == ["slow"]  # a type no longer served is forgotten
+    for i in range(1000):  # a producer's unknown type names are not measured: the table stays bounded
+        p.ran(f"unknown-{i}", 0.001)
+    assert [t["type"] for t in p.view()["types"]] == ["slow"]
     pinned = Prefetch(3, 2)
     pinned.ran("slow", 5.0)
     assert (pinned.for_type("slow"), pinned.room(), pinned.view()["mode"]) == (3, 3, 3)

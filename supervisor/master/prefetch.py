@@ -20,6 +20,7 @@ class Prefetch:
 
     def __init__(self, setting, workers):
         self.averages = {}  # job type -> moving average of its run time, seconds
+        self.served = None  # the handlers' types: only those are measured (None: any)
         self.configure(setting, workers, None)
 
     def configure(self, setting, workers, served):
@@ -28,12 +29,15 @@ class Prefetch:
         self.pinned = 0 if self.auto else setting
         self.workers = workers
         if served is not None:  # bounded: only served types are measured
-            self.averages = {t: a for t, a in self.averages.items() if t in served}
+            self.served = frozenset(served)
+            self.averages = {t: a for t, a in self.averages.items() if t in self.served}
 
     def ran(self, job_type, seconds):
         """A job of ``job_type`` ran for ``seconds`` (the child's measure)."""
         if not isinstance(seconds, (int, float)) or seconds < 0:
             return
+        if self.served is not None and job_type not in self.served:
+            return  # a producer's unknown type names must not grow the table until a reload
         before = self.averages.get(job_type)
         self.averages[job_type] = seconds if before is None else before + WEIGHT * (seconds - before)
 
