@@ -81,10 +81,11 @@ class ControlFaults:
         self.later(secs, self.resume_queue)
         return f"{QUEUE} for {secs}s"
 
-    def resume_queue(self, paused=True):
-        started = time.time()
+    def resume_queue(self, paused=True, started=None):
+        # The window ends at the first attempt: a resume whose answer an outage cut may have landed.
+        started = time.time() if started is None else started
         if self.control_call(lambda br: br.resume(QUEUE)) is FAILED:
-            self.later(0.2, self.resume_queue, paused)  # the broker is out: again shortly (quiescence needs it)
+            self.later(0.2, self.resume_queue, paused, started)  # the broker is out: again shortly
             return
         if not paused:
             return

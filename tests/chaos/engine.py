@@ -342,13 +342,7 @@ class Soak(ControlFaults):
                                                           expires_in=exp) for key, kind, payload, a, exp in chunk])
                         break
                     except Exception:  # noqa: BLE001 - the broker is down: the outage fault at work
-                        if broker is not None:
-                            try:
-                                broker.close()
-                            except Exception:  # noqa: BLE001
-                                pass
-                        broker = None
-                        time.sleep(0.2)
+                        broker = _dropped(broker)
                 for (key, *_), job_id in zip(chunk, got):
                     self.ids[key] = job_id
                 # The workflows arrive among the plain jobs, each in one atomic enqueue.
@@ -360,13 +354,7 @@ class Soak(ControlFaults):
                         self.ids.update(flows.enqueue(broker, workflow))
                         self.flow_done.append(workflow[0][0])
                     except Exception:  # noqa: BLE001 - the outage fault at work: try again
-                        if broker is not None:
-                            try:
-                                broker.close()
-                            except Exception:  # noqa: BLE001
-                                pass
-                        broker = None
-                        time.sleep(0.2)
+                        broker = _dropped(broker)
         except BaseException as exc:  # noqa: BLE001 - reported by the checker
             self.producer_error = repr(exc)
         finally:
@@ -913,7 +901,7 @@ class Soak(ControlFaults):
               "cause them", not lost_bad, f"{lost_bad[:5]}")
         self.check_faults(check, jobs, fx)
         self.check_control(check, jobs)
-        flows.check(check, self.workflows, jobs)
+        flows.check(check, self.workflows, jobs, self.cancelled_ids)
         check("every broken reload was refused and shown in status (reload_error)", self.hup_unconfirmed == 0,
               f"{self.hup_unconfirmed} broken reloads without a reload_error")
         owners = {life.owner for sup in self.sups for life in sup.lives}
@@ -1096,3 +1084,14 @@ def format_report(r):
 def seed_from_env():
     value = os.environ.get("TANGGUH_CHAOS_SEED")
     return int(value) if value else random.SystemRandom().randrange(1, 2 ** 31)
+
+
+def _dropped(broker):
+    """Close a broker the outage broke and pause before the producer reopens one; returns None."""
+    if broker is not None:
+        try:
+            broker.close()
+        except Exception:  # noqa: BLE001 - it is broken already
+            pass
+    time.sleep(0.2)  # the retry pace of a producer during an outage, not a wait for a state
+    return None
