@@ -76,3 +76,79 @@ def test_the_next_page_is_a_range_of_the_same_index(filled):
     else:
         got = "\n".join(r[0] for r in broker._execute("EXPLAIN " + sql, params))
         assert "jobs_search_type" in got and "ROW(queued_at, id) <" in got, got
+
+
+# A payload value most jobs carried long ago and none lately ("a customer who left"): the
+# statistics say one job in ten matches, so the planner, asked for the newest matches, walks
+# jobs_search_queued from the newest job expecting a match every ten rows, and reads the
+# 18,000 newer jobs first. Nothing here is priced out: this is the plan the broker gets.
+OLD_SHARE, MANY = 2000, 20000
+
+
+@pytest.fixture
+def gone_customer(postgres_url):
+    broker = open_broker(postgres_url)
+    broker.migrate()
+    for start in range(0, MANY, 2000):
+        broker.enqueue_many([NewJob("t", {"customer": {"id": 7 if i < OLD_SHARE else i}, "n": i, "plan": "basic"})
+                             for i in range(start, start + 2000)])
+    broker._execute(f"ANALYZE {broker._jobs}")
+    yield broker
+    broker.close()
+
+
+def test_a_payload_search_reads_the_gin_index_even_when_the_planner_expects_many_matches(gone_customer):
+    broker = gone_customer
+    f = JobFilter.from_dict({"payload": {"customer.id": 7}})
+    got = broker._explain_page(f, None, "newest", "id, queued_at", 51)
+    assert "jobs_search_payload" in got, got
+    assert "jobs_search_queued" not in got and "Seq Scan" not in got, got
+    # and the next page's statement too (the cursor is a filter on what the index selects)
+    page = broker.search(f, None, 50)
+    key = (page.jobs[-1].queued_at, page.jobs[-1].id)
+    got = broker._explain_page(f, key, "newest", "id, queued_at", 51)
+    assert "jobs_search_payload" in got and "jobs_search_queued" not in got, got
+
+
+def every_page(broker, f, limit):
+    """(the matches' keys in page order, the pages' sizes)."""
+    seen, sizes, cursor = [], [], None
+    while True:
+        page = broker.search(f, cursor, limit)
+        seen += [(j.queued_at, j.id) for j in page.jobs]
+        sizes.append(len(page.jobs))
+        cursor = page.next_cursor
+        if cursor is None:
+            return seen, sizes
+
+
+def test_a_payload_search_pages_through_every_match_newest_first(gone_customer):
+    broker = gone_customer
+    seen, sizes = every_page(broker, JobFilter.from_dict({"payload": {"customer.id": 7}}), 200)
+    assert sizes == [200] * 10  # each page full: the index gave every match past the cursor
+    assert len(seen) == OLD_SHARE == len(set(seen))
+    assert seen == sorted(seen, reverse=True)
+    assert {broker.get(i).payload["n"] for _, i in seen} == set(range(OLD_SHARE))
+
+
+def test_a_value_most_jobs_have_is_walked_in_order_within_the_scan_bound(gone_customer):
+    # 20,000 matches: past GIN_BOUND, so the pages walk jobs_search_queued, full at once (every row
+    # matches), until fewer than GIN_BOUND are left past the cursor and the index serves the rest.
+    broker = gone_customer
+    seen, sizes = every_page(broker, JobFilter.from_dict({"payload": {"plan": "basic"}}), 500)
+    assert len(seen) == MANY == len(set(seen)) and seen == sorted(seen, reverse=True)
+    assert sizes == [500] * (MANY // 500)
+
+
+def test_a_walk_past_rare_matches_stops_at_the_scan_bound_with_a_cursor(gone_customer, monkeypatch):
+    # With the probe's bound below the 2,000 old matches, the walk from the newest job reads
+    # SCAN_BOUND rows per call and finds none in the first three calls: short pages with a cursor.
+    from supervisor.backends import scan
+    from supervisor.backends.postgres import search
+
+    monkeypatch.setattr(search, "GIN_BOUND", 500)
+    broker = gone_customer
+    seen, sizes = every_page(broker, JobFilter.from_dict({"payload": {"customer.id": 7}}), 50)
+    newer = MANY - OLD_SHARE
+    assert sizes[:newer // scan.SCAN_BOUND] == [0] * (newer // scan.SCAN_BOUND)
+    assert len(seen) == OLD_SHARE == len(set(seen)) and seen == sorted(seen, reverse=True)

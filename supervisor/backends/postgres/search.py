@@ -7,8 +7,35 @@ index (``jsonb_path_ops``) on ``payload::jsonb`` that serves containment:
 Error text (a substring) is checked row by row among dead and retrying jobs
 (``jobs_search_state``), on at most ``scan.SCAN_BOUND`` rows per call.
 
+A search by payload fields does not leave the plan to the planner. Asked for
+the newest matches, it would walk ``jobs_search_queued`` and filter whenever
+it expects a match every few hundred rows, which it does on an unanalyzed
+table (a default estimate) and for a value many jobs carried long ago and
+none lately (statistics are not per period): 2 s at 1,000,000 jobs. So a
+page is fetched in two ways:
+
+* first every match past the page's key, from the GIN index alone (a
+  MATERIALIZED CTE with no order, run with sequential and plain index scans
+  priced out, so a bitmap scan is the only way in; an OFFSET 0 fence keeps
+  the page's key a check on the rows it selected), at most ``GIN_BOUND`` of them, sorted by the key. While
+  fewer match, that is the exact answer: one posting list and at most
+  ``GIN_BOUND`` heap rows, a few ms for a hundred matches among 1,000,000;
+* when ``GIN_BOUND`` match past the key (a common value: sorting them all
+  would read them all), the rest of the call walks the key's order as before
+  with the payload compared per row in SQL (``payload_ok``) and counted by
+  ``scan`` against ``SCAN_BOUND``: the page may come back short, with a
+  cursor, like SQLite's. That costs the probe (the posting list of a value
+  every job has is ~50 ms at 1,000,000 jobs, and ``GIN_BOUND`` heap rows)
+  plus at most ``SCAN_BOUND`` rows; with matches that dense a page is
+  usually full long before.
+
+Each call decides anew, so a later page whose older matches are few goes
+back to the index.
+
 ``count`` is exact up to ``exact_up_to``; past it, the planner's row estimate
-(``EXPLAIN``: nothing is scanned), marked ``exact=False``.
+(``EXPLAIN``: nothing is scanned), marked ``exact=False``. Its count has no
+order to walk: the planner picks the GIN index or a scan that stops at the
+cap by itself.
 """
 import json
 
@@ -20,6 +47,10 @@ from .. import scan, sqlsearch
 from .statements import NOW
 
 SERVED = sqlsearch.SERVED + ("payload",)
+GIN_BOUND = scan.SCAN_BOUND  # matches past a page's key a payload search sorts itself
+# The plan of the GIN probe: a bitmap scan, or nothing (cheaper to say than to hope for).
+_BITMAP_ONLY = ("SELECT set_config('enable_seqscan', 'off', true), set_config('enable_indexscan', 'off', true),"
+                " set_config('enable_indexonlyscan', 'off', true)")
 _REQUEUE_FROM = ["dead", "cancelled", "expired"]
 _CLEARED_IF_PRESENT = ("cancel_request", "expires_at", "progress", "progress_note")
 
@@ -48,14 +79,70 @@ class SearchMixin:
         return clauses, params
 
     def _page_sql(self, f, after, order, columns, n):
-        """(SQL, params) of one batch of a search: what the plan tests EXPLAIN."""
+        """(SQL, params) of one batch of a search: what the plan tests EXPLAIN.
+
+        With payload fields, the GIN probe: every match past ``after`` (at most
+        ``GIN_BOUND``, taken in no order) sorted here; ``matched`` says how many.
+        """
         clauses, params = self._search_where(f)
         more, more_params, order_by = sqlsearch.keyset(after, order, "%s")
-        return sqlsearch.select(self._jobs, columns, clauses + more, order_by, "%s"), (*params, *more_params, n)
+        if not f.payload:
+            return sqlsearch.select(self._jobs, columns, clauses + more, order_by, "%s"), (*params, *more_params, n)
+        # OFFSET 0 keeps the key out of the index choice: its estimate is off by every job sharing
+        # the cursor's queued_at (one enqueue_many), and a wrong guess would trade the posting list
+        # for a range of jobs_search_queued. The key is checked on the rows the filters selected.
+        inner = sqlsearch.select(self._jobs, columns.removesuffix(", payload"), clauses, "", "")
+        key = " AND ".join(more) or "true"
+        return (f"WITH m AS MATERIALIZED (SELECT * FROM ({inner} OFFSET 0) g WHERE {key} LIMIT %s)"
+                f" SELECT *, true AS payload_ok, (SELECT count(*) FROM m) AS matched FROM m {order_by} LIMIT %s",
+                (*params, *more_params, GIN_BOUND, n))
+
+    def _walk_sql(self, f, after, order, columns, n):
+        """(SQL, params) of a batch of the walk in the key's order, the payload compared per row."""
+        clauses, params = sqlsearch.where(f, "%s")
+        more, more_params, order_by = sqlsearch.keyset(after, order, "%s")
+        columns = columns.removesuffix(", payload") + ", (payload::jsonb) @> %s::jsonb AS payload_ok"
+        return (sqlsearch.select(self._jobs, columns, clauses + more, order_by, "%s"),
+                (json.dumps(containment(f.payload)), *params, *more_params, n))
+
+    def _probe(self, sql, params):
+        """Rows of a GIN probe, planned with the bitmap scan as the only way in (for this statement)."""
+        with self._guard("search"):
+            db = self._conn()
+            with db.transaction():
+                db.execute(_BITMAP_ONLY)
+                return db.cursor(row_factory=dict_row).execute(sql, params).fetchall()
+
+    def _explain_page(self, f, after, order, columns, n):
+        """The plan of a search's first statement, as the broker runs it (the plan tests read it)."""
+        sql, params = self._page_sql(f, after, order, columns, n)
+        rows = self._probe("EXPLAIN " + sql, params) if f.payload else self._execute("EXPLAIN " + sql, params,
+                                                                                    row_factory=dict_row)
+        return "\n".join(r["QUERY PLAN"] for r in rows)
 
     def _fetcher(self, f, order, columns):
+        if f.payload:
+            return self._payload_fetcher(f, order, columns)
+
         def fetch(after, n):
             sql, params = self._page_sql(f, after, order, columns, n)
+            return self._execute(sql, params, row_factory=dict_row).fetchall()
+        return fetch
+
+    def _payload_fetcher(self, f, order, columns):
+        """``fetch`` for payload filters: the GIN probe while fewer than ``GIN_BOUND`` match past the
+        key, else (for the rest of this call) the walk. ``payload`` must be among ``scan``'s post
+        filters: the walk's rows are candidates, each with its ``payload_ok``."""
+        walking = False
+
+        def fetch(after, n):
+            nonlocal walking
+            if not walking:
+                rows = self._probe(*self._page_sql(f, after, order, columns, n))
+                if not rows or rows[0]["matched"] < GIN_BOUND:
+                    return rows
+                walking = True
+            sql, params = self._walk_sql(f, after, order, columns, n)
             return self._execute(sql, params, row_factory=dict_row).fetchall()
         return fetch
 
@@ -69,7 +156,8 @@ class SearchMixin:
 
     def search(self, filter, cursor=None, limit=50, order="newest"):
         f, after = scan.start(filter, cursor, limit, order)
-        post = scan.post_names(f, SERVED)
+        # payload: compared in SQL either way, but the walk's rows are candidates (see _payload_fetcher)
+        post = scan.post_names(f, sqlsearch.SERVED)
         columns = sqlsearch.candidate_columns(post)
         return scan.search_jobs(self._fetcher(f, order, columns), self._load, f, after, limit, order, post)
 
@@ -88,6 +176,9 @@ class SearchMixin:
             plan = json.loads(plan) if isinstance(plan, str) else plan
             return plan[0]["Plan"]["Plan Rows"]
 
+        # Only the error filter gets here (payload alone is indexed_count's): its rows are checked
+        # by scan, and payload fields are compared as a search does.
+        post = post + ["payload"] if f.payload else post
         fetch = self._fetcher(f, "newest", sqlsearch.candidate_columns(post))
         return scan.count_jobs(fetch, indexed_count, estimate, f, exact_up_to, post)
 
