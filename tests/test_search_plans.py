@@ -10,7 +10,7 @@ filter, and which.
 import pytest
 
 from supervisor.backends import open_broker
-from supervisor.jobfilter import JobFilter
+from supervisor.jobfilter import Count, JobFilter
 from supervisor.model import NewJob
 
 N = 4000
@@ -152,3 +152,10 @@ def test_a_walk_past_rare_matches_stops_at_the_scan_bound_with_a_cursor(gone_cus
     newer = MANY - OLD_SHARE
     assert sizes[:newer // scan.SCAN_BOUND] == [0] * (newer // scan.SCAN_BOUND)
     assert len(seen) == OLD_SHARE == len(set(seen)) and seen == sorted(seen, reverse=True)
+
+
+def test_a_payload_count_counts_every_match_in_the_index(gone_customer):
+    # No walk and no scan bound: 20,000 matches counted exactly when asked to
+    broker = gone_customer
+    assert broker.count(JobFilter.from_dict({"payload": {"plan": "basic"}}), exact_up_to=MANY) == Count(MANY, True)
+    assert broker.count(JobFilter.from_dict({"payload": {"customer.id": 7}})) == Count(OLD_SHARE, True)

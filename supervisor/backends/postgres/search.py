@@ -176,9 +176,9 @@ class SearchMixin:
             plan = json.loads(plan) if isinstance(plan, str) else plan
             return plan[0]["Plan"]["Plan Rows"]
 
-        # Only the error filter gets here (payload alone is indexed_count's): its rows are checked
-        # by scan, and payload fields are compared as a search does.
-        post = post + ["payload"] if f.payload else post
+        # fetch serves only the error filter's row-by-row count (scan); payload fields alone are
+        # indexed_count's. Next to an error filter they are compared as a search does.
+        post = post + ["payload"] if post and f.payload else post
         fetch = self._fetcher(f, "newest", sqlsearch.candidate_columns(post))
         return scan.count_jobs(fetch, indexed_count, estimate, f, exact_up_to, post)
 
