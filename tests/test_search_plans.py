@@ -159,3 +159,31 @@ def test_a_payload_count_counts_every_match_in_the_index(gone_customer):
     broker = gone_customer
     assert broker.count(JobFilter.from_dict({"payload": {"plan": "basic"}}), exact_up_to=MANY) == Count(MANY, True)
     assert broker.count(JobFilter.from_dict({"payload": {"customer.id": 7}})) == Count(OLD_SHARE, True)
+
+
+@pytest.fixture
+def unanalyzed(postgres_url):
+    """200,000 jobs, one with an idempotency key, and no statistics yet (a broker just after a bulk
+    load, before autovacuum analyzed it: off here), so the planner guesses hundreds of rows for
+    an equality. Below ~150,000 rows it sorts the guess instead; enqueue_many would take 20 s for
+    them, so the rows are written as enqueue writes them, in one statement."""
+    broker = open_broker(postgres_url)
+    broker.migrate()
+    broker._execute(f"ALTER TABLE {broker._jobs} SET (autovacuum_enabled = false)")
+    broker._execute(
+        f"INSERT INTO {broker._jobs} (id, queue, type, payload, state, idempotency_key, max_attempts, run_at,"
+        " queued_at) SELECT 'job_' || i, 'default', 't', json_build_object('n', i), 'queued',"
+        " CASE WHEN i = 10 THEN 'cron:nightly:1' END, 3, 1.7e9 + i / 1000.0, 1.7e9 + i / 1000.0"
+        " FROM generate_series(0, 199999) i")
+    yield broker
+    broker.close()
+
+
+def test_an_idempotency_key_is_looked_up_in_its_index_without_statistics(unanalyzed):
+    # The schedules page: each schedule's last run, bounded to the jobs since its tick. Guessing hundreds
+    # of matches, the planner would walk jobs_search_queued from the newest job for the first one.
+    broker = unanalyzed
+    for f in (JobFilter(idempotency_key="cron:nightly:1"), JobFilter(idempotency_key="cron:nightly:1", queued_after=1.0)):
+        got = broker._explain_page(f, None, "newest", "id, queued_at", 2)
+        assert "jobs_search_idempotency" in got and "jobs_search_queued" not in got, got
+        assert [j.payload["n"] for j in broker.search(f, None, 1).jobs] == [10]
