@@ -83,6 +83,7 @@ class SearchMixin:
 
         With payload fields, the GIN probe: every match past ``after`` (at most
         ``GIN_BOUND``, taken in no order) sorted here; ``matched`` says how many.
+        With an idempotency key, that key's jobs, sorted.
         """
         clauses, params = self._search_where(f)
         more, more_params, order_by = sqlsearch.keyset(after, order, "%s")
