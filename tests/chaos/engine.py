@@ -523,6 +523,12 @@ class Soak(ControlFaults):
         live = [s for s in self.up() if s.status()]  # a master not yet past its start dies of a HUP
         if not live:
             return None
+        if self.s.broker == "sqlite" and (self.broker_lock is not None
+                                          or any(s.state == "stopped" for s in self.sups)):
+            # The reload's wait below runs in this (the injector's) thread, so it would hold off
+            # the end of the outage or the SIGCONT that frees SQLite's write lock, while the
+            # reloading master's loop waits on that lock: the harness would deadlock itself.
+            return None
         sup = self.rng_faults.choice(live)
         d = sup.daemon
         self.hups += 1
@@ -571,8 +577,8 @@ class Soak(ControlFaults):
     def fault_broker_outage(self):
         down = round(self.rng_faults.uniform(0.5, 2.0), 2)
         if self.s.broker == "sqlite":
-            if self.broker_lock is not None:
-                return None
+            if self.broker_lock is not None or any(s.state == "stopped" for s in self.sups):
+                return None  # a stopped master may hold the write lock: only this thread can SIGCONT it
             lock = sqlite3.connect(self.broker_url[len("sqlite:///"):], timeout=30, isolation_level=None)
             lock.execute("BEGIN EXCLUSIVE")
             self.broker_lock = lock
