@@ -575,6 +575,8 @@ class Soak(ControlFaults):
         return f"hup_broken s{sup.index} {'handler' if broken_handler else 'config'}, {seen}"
 
     def fault_broker_outage(self):
+        if self.stalled:
+            return None  # a stopped child's lease must be kept by its master's renewals (check_faults)
         down = round(self.rng_faults.uniform(0.5, 2.0), 2)
         if self.s.broker == "sqlite":
             if self.broker_lock is not None or any(s.state == "stopped" for s in self.sups):
@@ -616,6 +618,8 @@ class Soak(ControlFaults):
         self.note("broker_back", "")
 
     def fault_stall_child(self):
+        if self.outage or self.broker_lock is not None:
+            return None  # renewals fail in an outage: the stall would not show its lease kept
         picked = self.busy_child()
         if picked is None:
             return None
