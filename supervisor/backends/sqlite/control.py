@@ -23,7 +23,7 @@ WAIT_FALLBACK = 1.0
 # shared memory, which inotify does not see): after a write, re-read every SETTLE_STEP
 # seconds for SETTLE seconds, so a commit seen early is read once it lands.
 SETTLE, SETTLE_STEP = 1.0, 0.02
-# The queues holding jobs: a skip scan of the index led by queue (jobs_search_queue), one
+# The queues holding jobs: a skip scan of an index led by queue (jobs_search_queue or jobs_stats), one
 # probe per queue instead of reading every job.
 DISTINCT_QUEUES = ("WITH RECURSIVE q(queue) AS (SELECT min(queue) FROM jobs UNION ALL"
                    " SELECT (SELECT min(j.queue) FROM jobs j WHERE j.queue > q.queue) FROM q"
