@@ -523,8 +523,7 @@ class Soak(ControlFaults):
         live = [s for s in self.up() if s.status()]  # a master not yet past its start dies of a HUP
         if not live:
             return None
-        if self.s.broker == "sqlite" and (self.broker_lock is not None
-                                          or any(s.state == "stopped" for s in self.sups)):
+        if self.broker_lock is not None or self.sqlite_stopped():
             # The reload's wait below runs in this (the injector's) thread, so it would hold off
             # the end of the outage or the SIGCONT that frees SQLite's write lock, while the
             # reloading master's loop waits on that lock: the harness would deadlock itself.
@@ -579,7 +578,7 @@ class Soak(ControlFaults):
             return None  # a stopped child's lease must be kept by its master's renewals (check_faults)
         down = round(self.rng_faults.uniform(0.5, 2.0), 2)
         if self.s.broker == "sqlite":
-            if self.broker_lock is not None or any(s.state == "stopped" for s in self.sups):
+            if self.broker_lock is not None or self.sqlite_stopped():
                 return None  # a stopped master may hold the write lock: only this thread can SIGCONT it
             lock = sqlite3.connect(self.broker_url[len("sqlite:///"):], timeout=30, isolation_level=None)
             lock.execute("BEGIN EXCLUSIVE")
@@ -617,8 +616,12 @@ class Soak(ControlFaults):
             self.outage = False
         self.note("broker_back", "")
 
+    def sqlite_stopped(self):
+        """On SQLite, a stopped master may hold the write lock: then the broker is out for all."""
+        return self.s.broker == "sqlite" and any(s.state == "stopped" for s in self.sups)
+
     def fault_stall_child(self):
-        if self.outage or self.broker_lock is not None:
+        if self.outage or self.broker_lock is not None or self.sqlite_stopped():
             return None  # renewals fail in an outage: the stall would not show its lease kept
         picked = self.busy_child()
         if picked is None:
@@ -653,6 +656,8 @@ class Soak(ControlFaults):
         live = self.up()
         if len(live) < len(self.sups) or not live:
             return None
+        if self.s.broker == "sqlite" and self.stalled:
+            return None  # a master stopped inside a write holds SQLite's lock: an outage for every master
         holding = []
         for sup in self.hittable(live):
             st = sup.status()
