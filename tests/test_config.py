@@ -236,6 +236,31 @@ def test_config_show_round_trips_through_tomllib(capsys, tmp_path):
     assert code == 0 and json.loads(out) == cfg.to_dict()
 
 
+def test_config_show_masks_passwords_and_credential_hashes(capsys, tmp_path):
+    hashed = "$argon2id$v=19$m=65536,t=3,p=4$c2FsdHNhbHQ$aGFzaGhhc2hoYXNo"
+    path = write(tmp_path, f"""
+        [broker]
+        url = "redis://:s3cret@127.0.0.1:6379/0"
+        [toolkit]
+        database_url = "postgresql://app:pgpass@db.internal/app"
+        [web.users.alice]
+        password = "{hashed}"
+        role = "admin"
+        [web.tokens.ci]
+        sha256 = "{'ab' * 32}"
+        role = "viewer"
+    """)
+    for extra in ((), ("--json",)):
+        code, out, _ = tangguh(capsys, "config", "show", *extra, "-c", path)
+        assert code == 0
+        for secret in ("s3cret", "pgpass", hashed, "ab" * 32):
+            assert secret not in out
+        assert "redis://:***@127.0.0.1:6379/0" in out and "postgresql://app:***@db.internal/app" in out
+    # Asked for, the secrets are printed: the output is again a config that loads the same.
+    code, out, _ = tangguh(capsys, "config", "show", "--show-secrets", "-c", path)
+    assert code == 0 and tomllib.loads(out) == config.load(path).to_dict()
+
+
 def test_config_init_writes_the_example_and_refuses_to_overwrite(capsys, tmp_path):
     target = tmp_path / "new.toml"
     code, out, _ = tangguh(capsys, "config", "init", target)

@@ -19,7 +19,9 @@ N = 4000
 CASES = [
     ({}, "jobs_search_queued", "jobs_search_queued"),
     ({"state": ["dead"]}, "jobs_search_state", "jobs_search_state"),
-    ({"queue": "q7"}, "jobs_search_queue", "jobs_search_queue"),
+    # PostgreSQL: a rare queue's ten jobs read through jobs_stats (queue, state, run_at) and sorted
+    # cost the same as jobs_search_queue; a large queue's page walks jobs_search_queue (issue 16).
+    ({"queue": "q7"}, "jobs_search_queue", ("jobs_search_queue", "jobs_stats")),
     ({"type": "t7"}, "jobs_search_type", "jobs_search_type"),
     ({"resource_id": "r7"}, "jobs_search_resource", "jobs_search_resource"),
     ({"idempotency_key": "k7"}, "jobs_search_idempotency", "jobs_search_idempotency"),
@@ -63,7 +65,7 @@ def test_each_filter_is_served_by_its_index(filled, spec, sqlite_index, postgres
     if want is None:
         pytest.skip("either index serves it")
     got = plan(kind, broker, JobFilter.from_dict(spec))
-    assert want in got, got
+    assert any(name in got for name in ((want,) if isinstance(want, str) else want)), got
     assert "SCAN jobs\n" not in got + "\n" and "Seq Scan" not in got, got
 
 

@@ -86,4 +86,6 @@ def test_queues_probes_the_queue_index_instead_of_reading_every_job(tmp_path):
         b.enqueue_many([NewJob("t", {}, queue=q) for q in ("b", "a", "b", "c")])
         assert b.queues() == ["a", "b", "c"]
         plan = " | ".join(row[3] for row in b.db.execute("EXPLAIN QUERY PLAN " + control.DISTINCT_QUEUES))
-        assert "COVERING INDEX jobs_search_queue" in plan and "SCAN jobs" not in plan, plan
+        # either index led by queue serves the probes (jobs_stats, issue 16, is the narrower)
+        assert "SCAN jobs" not in plan and "SEARCH j USING COVERING INDEX jobs_s" in plan, plan
+        assert "jobs_search_queue (queue>?)" in plan or "jobs_stats (queue>?)" in plan, plan

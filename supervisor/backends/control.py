@@ -4,6 +4,7 @@ Each check raises BadInput naming what is wrong before anything is written, so
 cancel, pause, renew and the supervisor records refuse the same input on every
 backend.
 """
+import collections
 import json
 import math
 import time
@@ -131,3 +132,22 @@ def wait_finished(job_id, get, block, timeout, fallback):
         if left <= 0:
             return None
         block(min(left, fallback))
+
+
+class ExpiredLog:
+    """A broker's record of the jobs its claims ended ``expired``, for ``take_expired``.
+
+    Per instance and bounded: the supervisor that claimed takes them once per loop
+    turn to count and log them; an instance nobody asks keeps only the newest.
+    """
+
+    @property
+    def _expired_log(self):
+        if "_expired" not in self.__dict__:
+            self._expired = collections.deque(maxlen=EXPIRED_KEPT)
+        return self._expired
+
+    def take_expired(self):
+        taken = list(self._expired_log)
+        self._expired_log.clear()
+        return taken

@@ -136,7 +136,9 @@ def build_parser():
     cfg = command(commands, "config", None, "check, show or create a config file")
     cfg_commands = cfg.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
     command(cfg_commands, "check", admin.cmd_config_check, "validate the config")
-    command(cfg_commands, "show", admin.cmd_config_show, "print the effective config, defaults included", as_json)
+    command(cfg_commands, "show", admin.cmd_config_show, "print the effective config, defaults included", as_json
+            ).add_argument("--show-secrets", action="store_true",
+                           help="print URL passwords and credential hashes (masked by default)")
     p = command(cfg_commands, "init", admin.cmd_config_init, "write a starter config, or install the systemd service")
     p.add_argument("path", metavar="PATH", nargs="?", help="where to write the config (not with --systemd)")
     p.add_argument("--systemd", action="store_true",

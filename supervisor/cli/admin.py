@@ -4,7 +4,7 @@ import shutil
 import sys
 
 from .. import config as config_module
-from ..urls import redact
+from ..urls import MASK, redact
 from .common import DATA, UsageError, daemon_module, load_config, open_client
 from .output import print_json
 
@@ -18,9 +18,31 @@ def cmd_config_check(args):
     print(f"ok: {cfg.path or 'no config file found, built-in defaults'}")
 
 
+SECRET_KEYS = ("password", "sha256")  # web.users.*.password (argon2 hash), web.tokens.*.sha256
+
+
+def masked(data):
+    """``data`` with every URL's password and every credential hash replaced by the mask.
+
+    ``config show`` output ends up pasted in tickets and chat; a hash is still a secret
+    (an offline attack on it is a guess away).
+    """
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out[key] = masked(value)
+        elif isinstance(value, str) and key.endswith("url") and value:
+            out[key] = redact(value)
+        elif isinstance(value, str) and key in SECRET_KEYS and value:
+            out[key] = MASK
+        else:
+            out[key] = value
+    return out
+
+
 def cmd_config_show(args):
     cfg = load_config(args)
-    data = cfg.to_dict()
+    data = cfg.to_dict() if args.show_secrets else masked(cfg.to_dict())
     if args.json:
         print_json(data)
         return

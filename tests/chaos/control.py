@@ -72,10 +72,12 @@ class ControlFaults:
     def fault_pause(self):
         if self.paused_now:
             return None
+        # No other pause until a resume lands: a resume sent in case a failed pause landed
+        # would otherwise end the window of the next pause while the check still counts it open.
+        self.paused_now = True
         if self.control_call(lambda br: br.pause(QUEUE, by="chaos")) is FAILED:
             self.later(0.5, self.resume_queue, False)  # in case the pause landed before the call failed
             return None
-        self.paused_now = True
         self.pauses.append([time.time(), None])
         secs = round(self.rng_faults.uniform(0.3, 1.5), 2)
         self.later(secs, self.resume_queue)
@@ -87,10 +89,10 @@ class ControlFaults:
         if self.control_call(lambda br: br.resume(QUEUE)) is FAILED:
             self.later(0.2, self.resume_queue, paused, started)  # the broker is out: again shortly
             return
+        self.paused_now = False
         if not paused:
             return
         self.pauses[-1][1] = started
-        self.paused_now = False
         self.note("resume", QUEUE)
 
     # -- invariants ---------------------------------------------------------------------------

@@ -523,6 +523,11 @@ class Soak(ControlFaults):
         live = [s for s in self.up() if s.status()]  # a master not yet past its start dies of a HUP
         if not live:
             return None
+        if self.broker_lock is not None or self.sqlite_stopped():
+            # The reload's wait below runs in this (the injector's) thread, so it would hold off
+            # the end of the outage or the SIGCONT that frees SQLite's write lock, while the
+            # reloading master's loop waits on that lock: the harness would deadlock itself.
+            return None
         sup = self.rng_faults.choice(live)
         d = sup.daemon
         self.hups += 1
@@ -569,10 +574,12 @@ class Soak(ControlFaults):
         return f"hup_broken s{sup.index} {'handler' if broken_handler else 'config'}, {seen}"
 
     def fault_broker_outage(self):
+        if self.stalled:
+            return None  # a stopped child's lease must be kept by its master's renewals (check_faults)
         down = round(self.rng_faults.uniform(0.5, 2.0), 2)
         if self.s.broker == "sqlite":
-            if self.broker_lock is not None:
-                return None
+            if self.broker_lock is not None or self.sqlite_stopped():
+                return None  # a stopped master may hold the write lock: only this thread can SIGCONT it
             lock = sqlite3.connect(self.broker_url[len("sqlite:///"):], timeout=30, isolation_level=None)
             lock.execute("BEGIN EXCLUSIVE")
             self.broker_lock = lock
@@ -609,7 +616,13 @@ class Soak(ControlFaults):
             self.outage = False
         self.note("broker_back", "")
 
+    def sqlite_stopped(self):
+        """On SQLite, a stopped master may hold the write lock: then the broker is out for all."""
+        return self.s.broker == "sqlite" and any(s.state == "stopped" for s in self.sups)
+
     def fault_stall_child(self):
+        if self.outage or self.broker_lock is not None or self.sqlite_stopped():
+            return None  # renewals fail in an outage: the stall would not show its lease kept
         picked = self.busy_child()
         if picked is None:
             return None
@@ -643,6 +656,8 @@ class Soak(ControlFaults):
         live = self.up()
         if len(live) < len(self.sups) or not live:
             return None
+        if self.s.broker == "sqlite" and self.stalled:
+            return None  # a master stopped inside a write holds SQLite's lock: an outage for every master
         holding = []
         for sup in self.hittable(live):
             st = sup.status()

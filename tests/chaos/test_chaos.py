@@ -46,9 +46,10 @@ def test_chaos_soak(broker, tmp_path):
             from exc
     text = engine.format_report(report)
     print(text)
-    assert report["ok"], f"chaos soak failed on {broker}; replay with TANGGUH_CHAOS_SEED={seed}\n{text}"
+    log = "\n".join(f"  {t:6.2f} {kind} {detail}" for t, kind, detail in report["fault_log"])
+    assert report["ok"], f"chaos soak failed on {broker}; replay with TANGGUH_CHAOS_SEED={seed}\n{text}\n" \
+                         f"fault log:\n{log}"
     kinds = {"kill_child", "kill_supervisor", "term_supervisor", "hup_good", "hup_broken", "broker_outage",
              "stall_child", "stall_supervisor", "cancel", "pause"}
     missing = kinds - set(report["faults"])
-    log = "\n".join(f"  {t:6.2f} {kind} {detail}" for t, kind, detail in report["fault_log"])
     assert not missing, f"faults that never landed: {sorted(missing)} (seed {seed})\n{text}\nfault log:\n{log}"

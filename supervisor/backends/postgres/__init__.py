@@ -316,13 +316,17 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
         queues = list(queues)
         out = {q: QueueStats(q) for q in queues}
         t = self._jobs
+        # Each arm is an index-only scan of a range of jobs_stats (queue, state, run_at) (schema
+        # version 6). NOW is written out in each arm, not joined from a CTE: the planner bounds the
+        # index range with a stable expression, and with the joined column it scanned the table.
         rows = self._execute(
-            f"WITH n AS (SELECT {NOW} AS now)"
-            f" SELECT queue, 'ready', count(*), max(n.now - run_at) FROM {t}, n"
-            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying') AND run_at <= n.now GROUP BY queue"
+            f"SELECT queue, 'ready', count(*), max({NOW} - run_at) FROM {t}"
+            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying')"
+            f" AND run_at <= {NOW} GROUP BY queue"
             " UNION ALL"
-            f" SELECT queue, 'scheduled', count(*), NULL FROM {t}, n"
-            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying') AND run_at > n.now GROUP BY queue"
+            f" SELECT queue, 'scheduled', count(*), NULL FROM {t}"
+            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying')"
+            f" AND run_at > {NOW} GROUP BY queue"
             " UNION ALL"
             f" SELECT queue, state, count(*), NULL FROM {t}"
             "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('running', 'dead', 'done', 'cancelled', 'expired',"

@@ -9,7 +9,6 @@ queues. ``wait`` marks the job ``waited`` and LISTENs on
 finishes; it re-reads the job at least every ``WAIT_FALLBACK`` seconds (a
 notification is lost if the listening connection drops).
 """
-import collections
 import json
 
 import psycopg
@@ -33,7 +32,7 @@ def _distinct_queues(table):
             " FROM q WHERE q.queue IS NOT NULL) SELECT queue FROM q WHERE queue IS NOT NULL")
 
 
-class ControlMixin:
+class ControlMixin(control.ExpiredLog):
     # -- cancel --------------------------------------------------------------
     def cancel(self, job_ids, by, reason):
         job_ids = control.check_ids(job_ids)
@@ -142,17 +141,6 @@ class ControlMixin:
         paused = {r[0] for r in db.execute(f"SELECT queue FROM {self._s}.paused_queues WHERE queue = ANY(%s)",
                                            (list(queues),)).fetchall()}
         return [q for q in queues if q not in paused]
-
-    @property
-    def _expired_log(self):
-        if "_expired" not in self.__dict__:
-            self._expired = collections.deque(maxlen=control.EXPIRED_KEPT)
-        return self._expired
-
-    def take_expired(self):
-        taken = list(self._expired_log)
-        self._expired_log.clear()
-        return taken
 
     # -- wait ------------------------------------------------------------------
     def wait(self, job_id, timeout):

@@ -11,7 +11,6 @@ supervisor records (id -> JSON).
 re-reads the job on each message and at least every ``WAIT_FALLBACK`` seconds
 (a pub/sub message is lost if the subscription's connection drops).
 """
-import collections
 import json
 import time
 
@@ -26,7 +25,7 @@ from .fields import body, to_job
 WAIT_FALLBACK = 1.0
 
 
-class ControlMixin:
+class ControlMixin(control.ExpiredLog):
     def _done_channel(self):
         return self.keys.channel + ":done"
 
@@ -128,17 +127,6 @@ class ControlMixin:
                 self._locator.remember(job.id, queue)
                 jobs.append(job)
         return jobs
-
-    @property
-    def _expired_log(self):
-        if "_expired" not in self.__dict__:
-            self._expired = collections.deque(maxlen=control.EXPIRED_KEPT)
-        return self._expired
-
-    def take_expired(self):
-        taken = list(self._expired_log)
-        self._expired_log.clear()
-        return taken
 
     # -- wait ------------------------------------------------------------------
     @guard

@@ -8,7 +8,6 @@ on the WAL file (every commit of any process writes it); it re-reads the job at
 least every ``WAIT_FALLBACK`` seconds in case a notification was missed
 (no inotify on this system), and briefly more often after a write (``SETTLE``).
 """
-import collections
 import json
 import os
 import select
@@ -24,7 +23,7 @@ WAIT_FALLBACK = 1.0
 # shared memory, which inotify does not see): after a write, re-read every SETTLE_STEP
 # seconds for SETTLE seconds, so a commit seen early is read once it lands.
 SETTLE, SETTLE_STEP = 1.0, 0.02
-# The queues holding jobs: a skip scan of the index led by queue (jobs_search_queue), one
+# The queues holding jobs: a skip scan of an index led by queue (jobs_search_queue or jobs_stats), one
 # probe per queue instead of reading every job.
 DISTINCT_QUEUES = ("WITH RECURSIVE q(queue) AS (SELECT min(queue) FROM jobs UNION ALL"
                    " SELECT (SELECT min(j.queue) FROM jobs j WHERE j.queue > q.queue) FROM q"
@@ -34,7 +33,7 @@ _CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(hi
 _LEASED = "id = :id AND token = :token AND state = 'running'"
 
 
-class ControlMixin:
+class ControlMixin(control.ExpiredLog):
     # -- cancel --------------------------------------------------------------
     def cancel(self, job_ids, by, reason):
         job_ids = control.check_ids(job_ids)
@@ -158,17 +157,6 @@ class ControlMixin:
         """Inside prune's transaction: delete cancelled and expired jobs finished before ``cutoff``."""
         return self.db.execute("DELETE FROM jobs WHERE state IN ('cancelled', 'expired') AND finished_at < ?",
                                (cutoff,)).rowcount
-
-    @property
-    def _expired_log(self):
-        if "_expired" not in self.__dict__:
-            self._expired = collections.deque(maxlen=control.EXPIRED_KEPT)
-        return self._expired
-
-    def take_expired(self):
-        taken = list(self._expired_log)
-        self._expired_log.clear()
-        return taken
 
     # -- wait ------------------------------------------------------------------
     def wait(self, job_id, timeout):
