@@ -25,6 +25,13 @@ class BrokerUnusable(BrokerError):
     """
 
 
+class BrokerBusy(BrokerError):
+    """The broker is there but another process holds it (a SQLite file locked past the busy timeout).
+
+    An outage, not a setup error: a daemon that meets it at start runs on and waits.
+    """
+
+
 class LeaseLost(TangguhError):
     """A call presented a lease token that is no longer current.
 

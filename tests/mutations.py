@@ -156,6 +156,10 @@ MUTATIONS = [
     Mutation("web-open-on-any-address", "supervisor/web/auth.py",
              "if not is_loopback(host) and not auth_configured(web):", "if False:",
              ("tests/test_web.py", "-k", "loopback"), "no console on a non-loopback address without users"),
+    Mutation("sqlite-locked-at-start-exits", "supervisor/master/arbiter.py",
+             'if self.cfg.broker.url.startswith("sqlite:") and not isinstance(cause, BrokerBusy):',
+             'if self.cfg.broker.url.startswith("sqlite:"):',
+             ("tests/test_outages.py", "-k", "locked_at_start"), "a SQLite file locked at start is waited out"),
 ]
 
 

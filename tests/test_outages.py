@@ -357,3 +357,33 @@ def all_executions(db):
             return conn.execute("SELECT job_id, pid FROM executions").fetchall()
     except sqlite3.OperationalError:
         return []
+
+
+def test_a_sqlite_file_locked_at_start_is_an_outage_the_supervisor_waits_out(tmp_path):
+    # Another process (a peer supervisor stopped inside a write, a backup) holds the write lock
+    # longer than the busy timeout while the supervisor starts: it must run on and wait, not
+    # exit as if the file could never be opened.
+    db = tmp_path / "broker.db"
+    d = Daemon(tmp_path, broker_url=f"sqlite:///{db}?busy_timeout=0.2")
+    job_id = d.enqueue("noop", {})
+    lock = sqlite3.connect(db, timeout=10, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    try:
+        d.start()  # serving (children up, status answered) while the file is still locked
+        assert '"broker_down"' in d.logs() and d.proc.poll() is None
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    try:
+        assert d.wait_job(job_id).state == "done"
+        assert '"broker_up"' in d.logs()
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "7200"])
+def test_a_bad_sqlite_busy_timeout_is_refused_naming_it(tmp_path, value):
+    with pytest.raises(BrokerError, match="busy_timeout must be seconds"):
+        open_broker(f"sqlite:///{tmp_path}/b.db?busy_timeout={value}")

@@ -34,7 +34,7 @@ import time
 
 from .. import config, jobref, protocol, registry, toolkit
 from ..child import worker as child  # imported before the forks: the children share it
-from ..errors import BrokerError, BrokerUnusable, ConfigError, TangguhError
+from ..errors import BrokerBusy, BrokerError, BrokerUnusable, ConfigError, TangguhError
 from ..health import AlreadyRunning, HealthServer
 from ..heartbeat import Heartbeat
 from ..metrics import SAMPLE_SECONDS, HttpExporter, Metrics
@@ -158,9 +158,9 @@ class Arbiter:
                 # Waiting cannot fix a bad option, port, database or login: exit 2, no restart loop.
                 self.health.close()
                 raise ConfigError("broker.url: " + " ".join(str(cause).split())) from None
-            if self.cfg.broker.url.startswith("sqlite:"):
+            if self.cfg.broker.url.startswith("sqlite:") and not isinstance(cause, BrokerBusy):
                 self.health.close()
-                raise  # a local file we cannot open is a setup error, not an outage
+                raise  # a local file we cannot open is a setup error; one another process holds is an outage
         self.status.set_title()
         self.pool.manage()
         self.heartbeat.start()

@@ -18,14 +18,14 @@ import os
 import sqlite3
 import urllib.parse
 
-from ...errors import BadInput, BrokerError, ConfigError, LeaseLost, NotDead
+from ...errors import BadInput, BrokerBusy, BrokerError, ConfigError, LeaseLost, NotDead
 from ...model import DEAD, DONE, Job, QueueStats, load_json
 from ..base import Broker
 from ..limits import Admission, active, refill
 from ...dependencies import order
 from . import schema, wakeup, workflows
 from .control import ControlMixin
-from .database import Transaction, connect, errors
+from .database import BUSY_TIMEOUT, Transaction, busy, connect, errors
 from .search import SearchMixin
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
@@ -50,6 +50,13 @@ class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
         synchronous = options.pop("synchronous", "full").upper()
         if synchronous not in ("FULL", "NORMAL"):
             raise BrokerError(f"sqlite url {url!r}: synchronous must be full or normal")
+        busy_timeout = options.pop("busy_timeout", None)
+        try:
+            busy_timeout = BUSY_TIMEOUT if busy_timeout is None else float(busy_timeout)
+        except ValueError:
+            busy_timeout = -1.0
+        if not 0 < busy_timeout <= 3600:
+            raise BrokerError(f"sqlite url {url!r}: busy_timeout must be seconds, more than 0 and at most 3600")
         if options:
             raise BrokerError(f"sqlite url {url!r}: unknown option(s) {', '.join(sorted(options))}")
         self.path = path
@@ -58,12 +65,20 @@ class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
         if not os.path.isdir(folder):
             raise BrokerError(f"sqlite database folder {folder} does not exist")
         try:
-            self.db = connect(path, synchronous)
+            self.db = connect(path, synchronous, busy_timeout)
             self.migrate()
         except ConfigError:
             self.db.close()
             raise
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, BrokerError) as exc:
+            if getattr(self, "db", None) is not None:
+                self.db.close()
+            if busy(exc if isinstance(exc, sqlite3.Error) else exc.__context__):
+                # Another process held the write lock past the busy timeout: an outage to wait out.
+                raise BrokerBusy(f"sqlite database {path}: locked by another process for more than"
+                                 f" {busy_timeout:g}s") from None
+            if isinstance(exc, BrokerError):
+                raise
             raise BrokerError(f"cannot open sqlite database {path}: {exc}") from None
 
     # -- plumbing ---------------------------------------------------------

@@ -5,17 +5,20 @@ import sqlite3
 from ...errors import BrokerError
 
 
-def connect(path, synchronous):
-    """A connection in WAL mode that waits up to 30 s for another process's write lock.
+BUSY_TIMEOUT = 30.0  # seconds a call waits for another process's write lock (URL option busy_timeout)
+
+
+def connect(path, synchronous, busy_timeout=BUSY_TIMEOUT):
+    """A connection in WAL mode that waits up to ``busy_timeout`` s for another process's write lock.
 
     ``isolation_level=None``: the broker issues BEGIN itself (IMMEDIATE where it writes).
     Raises ``sqlite3.Error``; the caller names the file.
     """
-    db = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+    db = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None, check_same_thread=False)
     db.row_factory = sqlite3.Row
     db.execute("PRAGMA journal_mode=WAL")
     db.execute(f"PRAGMA synchronous={synchronous}")
-    db.execute("PRAGMA busy_timeout=30000")
+    db.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
     db.execute("PRAGMA recursive_triggers=ON")  # a workflow's cancellation cascades down the tree
     return db
 
@@ -58,3 +61,8 @@ def errors(path):
         yield
     except sqlite3.Error as exc:
         raise BrokerError(f"sqlite database {path}: {exc}") from None
+
+
+def busy(exc):
+    """True when ``exc`` is SQLite's "database is locked": another process held the lock too long."""
+    return getattr(exc, "sqlite_errorname", "").startswith(("SQLITE_BUSY", "SQLITE_LOCKED"))
