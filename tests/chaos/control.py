@@ -33,8 +33,10 @@ class ControlFaults:
 
     def control_call(self, fn):
         """``fn(broker)`` on the injector's own connection; FAILED while the broker is out (fault owed)."""
-        if self.outage or self.broker_lock is not None:
-            return FAILED  # an injector blocked on a locked SQLite file could not end the outage
+        if self.outage or self.broker_lock is not None or self.sqlite_stopped():
+            # An injector blocked on a locked SQLite file could not end the outage, nor SIGCONT
+            # the stopped master that may hold the lock.
+            return FAILED
         try:
             if self.control_broker is None:
                 self.control_broker = open_broker(self.broker_url)
