@@ -50,12 +50,23 @@ class _Enqueue:
             self.span.set_attribute("tangguh.job.count", len(job_ids))
 
 
+_NOTHING = _Enqueue()  # the span of an enqueue that is not traced (it holds no state)
+
+
+def _no_sdk(trace):
+    """The tracer providers of the API alone: the proxy before an SDK is set, the no-op one."""
+    return trace.ProxyTracerProvider, trace.NoOpTracerProvider
+
+
 @contextlib.contextmanager
 def enqueue_span(type_names, queue=None):
     """``with enqueue_span(["send_receipt"]) as span``: store ``span.traceparent`` with the job(s)."""
     trace = _trace()
-    if not trace:
-        yield _Enqueue()
+    if not trace or (isinstance(trace.get_tracer_provider(), _no_sdk(trace))
+                     and not trace.get_current_span().get_span_context().is_valid):
+        # No OpenTelemetry, or its API without an SDK and no incoming trace: the span would record
+        # nothing and carry no traceparent, and making it costs more than the rest of an enqueue.
+        yield _NOTHING
         return
     names = sorted(set(type_names))
     name = f"tangguh.enqueue {names[0]}" if len(names) == 1 else "tangguh.enqueue"
