@@ -6,9 +6,9 @@ import operator
 import os
 import re
 import time
-import uuid
 
 from .errors import BadInput
+from .ids import job_id_from, new_job_id, new_trace_id, trace_id_from  # noqa: F401 - new_* are the model's API
 
 QUEUED, RUNNING, RETRYING, DONE, DEAD = "queued", "running", "retrying", "done", "dead"
 # Job control (cancel, expiry) and workflows (a job waiting on its parents).
@@ -26,7 +26,6 @@ REASONS = ("exception", "permanent", "timeout", "crashed", "lease_expired", "unk
 # doubles as the op that leads to it; DROP stores nothing (the lease is gone).
 ACK, RETRY, RELEASE, DROP = "ack", "retry", "release", "drop"
 
-_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 # What a producer may store. Each bound is checked at enqueue on every broker,
 # so a job that one broker would refuse (or could not hand to a worker) is
@@ -41,41 +40,6 @@ QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 QUEUE_RULE = "1 to 64 letters, digits or _ . : -"
 # Characters no text column takes (PostgreSQL refuses NUL; UTF-8 has no lone surrogates).
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-
-
-def new_job_id(now=None):
-    """A sortable id: ``job_`` + 48-bit milliseconds + 80 random bits, ULID-style.
-
-    Sorting ids sorts jobs by creation time, which gives brokers a stable
-    tie-breaker for "oldest first".
-    """
-    return _job_id(time.time() if now is None else now, os.urandom(10))
-
-
-def _job_id(now, noise):
-    n = ((int(now * 1000) << 80) | int.from_bytes(noise, "big")) & _ID_BITS
-    # 130 bits (48 + 80 used) are 26 digits, two per 10-bit table entry: the digit loop costs more
-    # than the rest of an enqueue's checks.
-    p = _PAIRS
-    return ("job_" + p[n >> 120] + p[n >> 110 & 1023] + p[n >> 100 & 1023] + p[n >> 90 & 1023]
-            + p[n >> 80 & 1023] + p[n >> 70 & 1023] + p[n >> 60 & 1023] + p[n >> 50 & 1023] + p[n >> 40 & 1023]
-            + p[n >> 30 & 1023] + p[n >> 20 & 1023] + p[n >> 10 & 1023] + p[n & 1023])
-
-
-_ID_BITS = (1 << 130) - 1
-_PAIRS = tuple(a + b for a in _CROCKFORD for b in _CROCKFORD)  # 10 bits -> two Crockford digits
-
-
-def new_trace_id():
-    return uuid.uuid4().hex
-
-
-def _trace_id(noise):
-    """``uuid.UUID(bytes=noise, version=4).hex`` (what ``new_trace_id`` makes) without the object."""
-    b = bytearray(noise)
-    b[6] = (b[6] & 0x0F) | 0x40
-    b[8] = (b[8] & 0x3F) | 0x80
-    return b.hex()
 
 
 def check_json(value, what):
@@ -220,7 +184,7 @@ class NewJob:
                            f" got {self.expires_in!r}")
         noise = os.urandom(26) if not (self.id and self.trace_id) else None  # one read for both ids
         if not self.id:
-            self.id = _job_id(time.time(), noise[:10])
+            self.id = job_id_from(time.time(), noise[:10])
         if self.depends_on is None or (type(self.depends_on) in (list, tuple) and not self.depends_on):
             self.depends_on = []  # what normalise makes of no edges, without the call
         else:
@@ -228,7 +192,7 @@ class NewJob:
 
             self.depends_on = normalise(self.depends_on, self.id)
         if not self.trace_id:
-            self.trace_id = _trace_id(noise[10:])
+            self.trace_id = trace_id_from(noise[10:])
         # The payload's JSON is what brokers store (``payload_json``): encoded once, here, so what
         # is stored is what was checked even if the caller changes the dict in place afterwards.
         self._payload_json = text
