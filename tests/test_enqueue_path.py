@@ -138,3 +138,13 @@ def test_a_connection_the_server_closed_is_replaced(rb, redis_url):
     assert rb._exchange([("CLIENT", "ID")]) != [ours]
     assert {rb.get(first).payload["n"], rb.get(second).payload["n"]} == {1, 2}
     assert rb.stats(["default"])["default"].ready == 2
+
+
+@pytest.mark.services
+def test_a_round_trip_cut_by_the_server_is_sent_again_on_a_new_connection(rb):
+    (ours,) = rb._exchange([("CLIENT", "ID")])
+    # The server answers the kill, then closes the connection before the PING's reply: the
+    # exchange reconnects and sends both again (the kill now finds no client: 0 killed).
+    killed, pong = rb._exchange([("CLIENT", "KILL", "ID", ours, "SKIPME", "no"), ("PING",)])
+    assert (killed, pong) == (0, "PONG")
+    assert rb._exchange([("CLIENT", "ID")]) != [ours]
