@@ -50,7 +50,17 @@ class _Enqueue:
             self.span.set_attribute("tangguh.job.count", len(job_ids))
 
 
-_NOTHING = _Enqueue()  # the span of an enqueue that is not traced (it holds no state)
+class _Untraced(_Enqueue):
+    """An enqueue that is not traced: its own context manager (no generator to run), holding no state."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NOTHING = _Untraced()
 
 
 def _no_sdk(trace):
@@ -58,7 +68,6 @@ def _no_sdk(trace):
     return trace.ProxyTracerProvider, trace.NoOpTracerProvider
 
 
-@contextlib.contextmanager
 def enqueue_span(type_names, queue=None):
     """``with enqueue_span(["send_receipt"]) as span``: store ``span.traceparent`` with the job(s)."""
     trace = _trace()
@@ -66,8 +75,12 @@ def enqueue_span(type_names, queue=None):
                      and not trace.get_current_span().get_span_context().is_valid):
         # No OpenTelemetry, or its API without an SDK and no incoming trace: the span would record
         # nothing and carry no traceparent, and making it costs more than the rest of an enqueue.
-        yield _NOTHING
-        return
+        return _NOTHING
+    return _traced(trace, type_names, queue)
+
+
+@contextlib.contextmanager
+def _traced(trace, type_names, queue):
     names = sorted(set(type_names))
     name = f"tangguh.enqueue {names[0]}" if len(names) == 1 else "tangguh.enqueue"
     attributes = {"messaging.system": "tangguh", "messaging.operation.type": "send", "tangguh.job.type": names}

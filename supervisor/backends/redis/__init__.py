@@ -100,8 +100,16 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, B
             pass
 
     # -- producing --------------------------------------------------------
+    @guard
     def enqueue(self, job):
-        return self.enqueue_many([job])[0]
+        # enqueue_many([job])[0] without its grouping by queue and chunking: one job, one script call.
+        job.validate()
+        if job.depends_on:
+            return self._enqueue_flow([job])[0]
+        self.keys.for_scripts(job.queue)  # rejects a bad name before anything is stored
+        (got,) = self._run_many([("enqueue", job.queue, [_BATCH.encode([enqueue_args(job)])])],
+                                before=[("sadd", self.keys.queues, job.queue)], confirm=True)
+        return got[0]
 
     @guard
     def enqueue_many(self, jobs):
