@@ -1,6 +1,7 @@
 """The producer's enqueue cost of two revisions, side by side, rounds interleaved (issue 17).
 
     python -m bench.enqueue_ab REV [--against REV2] [--cases redis-single,sqlite-batch] [--rounds 10]
+                                   [--json FILE]
 
 ``REV`` is checked out into a temporary git worktree; ``--against`` defaults
 to the working tree. Each side runs in its own process importing its own
@@ -12,9 +13,10 @@ of the bench's no-op payload 2,000 times (``single``), or ``enqueue_many`` of
 process per job (``time.process_time``: what other load on the machine
 disturbs least) and the wall-clock jobs/s.
 
-Cases: ``{sqlite,redis,postgres}-{single,batch}``.
+Cases: ``{sqlite,redis,postgres}-{single,batch}``. ``--json`` writes every round's figures.
 """
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -82,6 +84,7 @@ def main(argv=None):
     p.add_argument("--against", default=None, help="the other revision (default: the working tree)")
     p.add_argument("--cases", default="redis-single,sqlite-batch")
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--json", default=None, help="write every round's figures here")
     args = p.parse_args(argv)
     cases = [tuple(c.split("-")) for c in args.cases.split(",")]
     trees, made = {}, []
@@ -124,6 +127,13 @@ def main(argv=None):
         print(f"| {'-'.join(case)} | {cpu_a:.1f} | {cpu_b:.1f} | {cpu_b / cpu_a:.2f} ({min(cpu_r):.2f}–{max(cpu_r):.2f})"
               f" | {rate_a:,.0f} | {rate_b:,.0f} | {rate_b / rate_a:.2f} ({min(rate_r):.2f}–{max(rate_r):.2f}) |")
     print(f"\nA = {trees['A'][1]}, B = {trees['B'][1]}; {args.rounds} rounds, medians")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"A": trees["A"][1], "B": trees["B"][1], "rounds": args.rounds, "loadavg": os.getloadavg(),
+                       "single_calls": SINGLE, "batches": f"{BATCHES} x {BATCH}",
+                       "cases": {"-".join(case): {label: [{"cpu_us_per_job": c, "jobs_per_s": r}
+                                                          for c, r in results[label, case]] for label in ("A", "B")}
+                                 for case in cases}}, f, indent=1)
 
 
 if __name__ == "__main__":
