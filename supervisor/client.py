@@ -141,10 +141,12 @@ class Client:
             return []
         with tracing.enqueue_span([args[0] for args, _ in items]) as span:  # OpenTelemetry, when installed
             new_jobs = []
+            traceparent = span.traceparent
             for i, (args, options) in enumerate(items):
+                if traceparent is not None and not options.get("trace_id"):
+                    options = dict(options, trace_id=traceparent)
                 try:
-                    new_jobs.append(self.new_job(*args, **dict(options, trace_id=options.get("trace_id")
-                                                               or span.traceparent)))
+                    new_jobs.append(self.new_job(*args, **options))
                 except BadInput as exc:
                     raise BadInput(f"job {i}: {exc}") from None
             ids = self._call("enqueue_many", new_jobs, broker_kwargs)

@@ -2,12 +2,13 @@
 import dataclasses
 import json
 import math
+import operator
 import os
 import re
 import time
-import uuid
 
 from .errors import BadInput
+from .ids import job_id_from, new_job_id, new_trace_id, trace_id_from  # noqa: F401 - new_* are the model's API
 
 QUEUED, RUNNING, RETRYING, DONE, DEAD = "queued", "running", "retrying", "done", "dead"
 # Job control (cancel, expiry) and workflows (a job waiting on its parents).
@@ -25,7 +26,6 @@ REASONS = ("exception", "permanent", "timeout", "crashed", "lease_expired", "unk
 # doubles as the op that leads to it; DROP stores nothing (the lease is gone).
 ACK, RETRY, RELEASE, DROP = "ack", "retry", "release", "drop"
 
-_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 # What a producer may store. Each bound is checked at enqueue on every broker,
 # so a job that one broker would refuse (or could not hand to a worker) is
@@ -42,25 +42,6 @@ QUEUE_RULE = "1 to 64 letters, digits or _ . : -"
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
-def new_job_id(now=None):
-    """A sortable id: ``job_`` + 48-bit milliseconds + 80 random bits, ULID-style.
-
-    Sorting ids sorts jobs by creation time, which gives brokers a stable
-    tie-breaker for "oldest first".
-    """
-    ms = int((time.time() if now is None else now) * 1000)
-    n = (ms << 80) | int.from_bytes(os.urandom(10), "big")
-    chars = []
-    for _ in range(26):
-        chars.append(_CROCKFORD[n & 31])
-        n >>= 5
-    return "job_" + "".join(reversed(chars))
-
-
-def new_trace_id():
-    return uuid.uuid4().hex
-
-
 def check_json(value, what):
     """Return ``value`` serialised as JSON, or raise BadInput naming ``what``.
 
@@ -70,13 +51,23 @@ def check_json(value, what):
     if json_depth(value) > MAX_DEPTH:
         raise BadInput(f"{what} is nested more than {MAX_DEPTH} levels deep")
     try:
-        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+        return _ENCODER.encode(value)
     except (TypeError, ValueError, RecursionError) as exc:
         raise BadInput(f"{what} must be JSON-serialisable: {exc}") from None
 
 
+# json.dumps(value, allow_nan=False, separators=(",", ":")) without building an encoder per call.
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
 def json_depth(value, stop=MAX_DEPTH):
     """Levels of lists and dicts in ``value`` (0 for a scalar), counted up to ``stop + 1``."""
+    if type(value) is dict:  # the usual payload, a flat object: no walk
+        for child in value.values():
+            if isinstance(child, (dict, list, tuple)):
+                break
+        else:
+            return 1
     deepest = 0
     stack = [(value, 1)]
     while stack:
@@ -161,14 +152,25 @@ class NewJob:
     depends_on: list = dataclasses.field(default_factory=list)
 
     def validate(self):
-        """Raise BadInput on anything a broker must not store; fill defaults."""
+        """Raise BadInput on anything a broker must not store; fill defaults.
+
+        A job checked already, whose fields are still the objects it was checked
+        with (and its depends_on list the same edges), is not checked again: the
+        client validates, then the broker it hands the job to, which must for
+        callers that skip the client."""
+        checked = self.__dict__.get("_checked")
+        if (checked is not None and all(map(operator.is_, checked, self._values()))
+                and self._edges == tuple(self.depends_on)):  # a list changed in place is normalised again
+            return self
         _check_text(self.type, "job type", required=True)
         check_queue(self.queue)
         if not isinstance(self.payload, dict):
             raise BadInput(f"payload must be a JSON object, got {type(self.payload).__name__}")
-        check_json(self.payload, "payload")
-        for name in ("resource_id", "idempotency_key", "trace_id"):
-            _check_text(getattr(self, name), name)
+        text = check_json(self.payload, "payload")
+        for name, value in (("resource_id", self.resource_id), ("idempotency_key", self.idempotency_key),
+                            ("trace_id", self.trace_id)):
+            if value is not None:
+                _check_text(value, name)
         _check_int(self.max_attempts, "max_attempts", 1)
         _check_int(self.priority, "priority", -MAX_INT)
         if self.timeout is not None and not (_positive(self.timeout) and self.timeout <= MAX_TIMEOUT):
@@ -180,14 +182,35 @@ class NewJob:
         if self.expires_in is not None and not (_positive(self.expires_in) and self.expires_in <= MAX_DELAY):
             raise BadInput(f"expires_in must be a positive number of seconds up to {MAX_DELAY:.0f} (ten years),"
                            f" got {self.expires_in!r}")
+        noise = os.urandom(26) if not (self.id and self.trace_id) else None  # one read for both ids
         if not self.id:
-            self.id = new_job_id()
-        from .dependencies import normalise  # here, not at the top: dependencies imports this module
+            self.id = job_id_from(time.time(), noise[:10])
+        if self.depends_on is None or (type(self.depends_on) in (list, tuple) and not self.depends_on):
+            self.depends_on = []  # what normalise makes of no edges, without the call
+        else:
+            from .dependencies import normalise  # here, not at the top: dependencies imports this module
 
-        self.depends_on = normalise(self.depends_on, self.id)
+            self.depends_on = normalise(self.depends_on, self.id)
         if not self.trace_id:
-            self.trace_id = new_trace_id()
+            self.trace_id = trace_id_from(noise[10:])
+        # The payload's JSON is what brokers store (``payload_json``): encoded once, here, so what
+        # is stored is what was checked even if the caller changes the dict in place afterwards.
+        self._payload_json = text
+        self._edges = tuple(self.depends_on)
+        self._checked = self._values()
         return self
+
+    def _values(self):
+        return (self.type, self.queue, self.payload, self.resource_id, self.idempotency_key, self.max_attempts,
+                self.timeout, self.delay, self.trace_id, self.priority, self.id, self.expires_in, self.depends_on)
+
+    @property
+    def payload_json(self):
+        """The payload as the JSON text to store (compact; the one ``validate`` checked)."""
+        checked = self.__dict__.get("_checked")
+        if checked is None or checked[2] is not self.payload:
+            self.validate()
+        return self._payload_json
 
 
 def _number(x):

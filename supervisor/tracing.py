@@ -50,13 +50,37 @@ class _Enqueue:
             self.span.set_attribute("tangguh.job.count", len(job_ids))
 
 
-@contextlib.contextmanager
+class _Untraced(_Enqueue):
+    """An enqueue that is not traced: its own context manager (no generator to run), holding no state."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NOTHING = _Untraced()
+
+
+def _no_sdk(trace):
+    """The tracer providers of the API alone: the proxy before an SDK is set, the no-op one."""
+    return trace.ProxyTracerProvider, trace.NoOpTracerProvider
+
+
 def enqueue_span(type_names, queue=None):
     """``with enqueue_span(["send_receipt"]) as span``: store ``span.traceparent`` with the job(s)."""
     trace = _trace()
-    if not trace:
-        yield _Enqueue()
-        return
+    if not trace or (isinstance(trace.get_tracer_provider(), _no_sdk(trace))
+                     and not trace.get_current_span().get_span_context().is_valid):
+        # No OpenTelemetry, or its API without an SDK and no incoming trace: the span would record
+        # nothing and carry no traceparent, and making it costs more than the rest of an enqueue.
+        return _NOTHING
+    return _traced(trace, type_names, queue)
+
+
+@contextlib.contextmanager
+def _traced(trace, type_names, queue):
     names = sorted(set(type_names))
     name = f"tangguh.enqueue {names[0]}" if len(names) == 1 else "tangguh.enqueue"
     attributes = {"messaging.system": "tangguh", "messaging.operation.type": "send", "tangguh.job.type": names}

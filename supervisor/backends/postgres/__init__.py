@@ -150,7 +150,7 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
     def _insert(self, jobs, conn):
         params = (
             [j.id for j in jobs], [j.queue for j in jobs], [j.type for j in jobs],
-            [json.dumps(j.payload, allow_nan=False, separators=(",", ":")) for j in jobs],
+            [j.payload_json for j in jobs],
             [j.resource_id for j in jobs], [j.idempotency_key for j in jobs],
             [j.max_attempts for j in jobs], [None if j.timeout is None else float(j.timeout) for j in jobs],
             [j.priority for j in jobs], [float(j.delay) for j in jobs], [j.trace_id for j in jobs],

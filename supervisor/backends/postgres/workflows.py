@@ -178,7 +178,7 @@ class Workflows:
         planned = plan(fresh, known)
         parents = {parent for _, _, _, edges, _ in planned for parent, _, _, _ in edges}
         cols = list(zip(*[
-            (j.id, j.queue, j.type, json.dumps(j.payload, allow_nan=False, separators=(",", ":")), state,
+            (j.id, j.queue, j.type, j.payload_json, state,
              j.resource_id, j.idempotency_key, j.max_attempts, None if j.timeout is None else float(j.timeout),
              j.priority, float(j.delay), j.trace_id, None if j.expires_in is None else float(j.expires_in),
              pending, level or None, j.id in parents)

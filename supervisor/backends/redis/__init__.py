@@ -55,6 +55,8 @@ from .search import SearchMixin
 LIMITED_SCAN = 1000  # ready entries one limited claim looks at per queue (held-back jobs included)
 BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one script's run time
 CLOCK_REFRESH = 30.0
+# The enqueue scripts' job list: one encoder for every call (json.dumps with options builds one each time).
+_BATCH = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, Broker):
@@ -98,8 +100,16 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, B
             pass
 
     # -- producing --------------------------------------------------------
+    @guard
     def enqueue(self, job):
-        return self.enqueue_many([job])[0]
+        # enqueue_many([job])[0] without its grouping by queue and chunking: one job, one script call.
+        job.validate()
+        if job.depends_on:
+            return self._enqueue_flow([job])[0]
+        self.keys.for_scripts(job.queue)  # rejects a bad name before anything is stored
+        (got,) = self._run_many([("enqueue", job.queue, [_BATCH.encode([enqueue_args(job)])])],
+                                before=[("sadd", self.keys.queues, job.queue)], confirm=True)
+        return got[0]
 
     @guard
     def enqueue_many(self, jobs):
@@ -114,7 +124,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, B
         for queue, indexes in by_queue.items():
             for start in range(0, len(indexes), BATCH):
                 chunk = indexes[start:start + BATCH]
-                batch = json.dumps([enqueue_args(jobs[i]) for i in chunk], separators=(",", ":"), ensure_ascii=False)
+                batch = _BATCH.encode([enqueue_args(jobs[i]) for i in chunk])
                 calls.append(("enqueue", queue, [batch]))
                 slots.append(chunk)
         if not calls:
@@ -133,7 +143,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, B
         if job.idempotency_key is None:
             raise BadInput("enqueue_once needs an idempotency_key")
         self.keys.for_scripts(job.queue)
-        batch = json.dumps([enqueue_args(job)], separators=(",", ":"), ensure_ascii=False)
+        batch = _BATCH.encode([enqueue_args(job)])
         got = self._run_many([("enqueue_once", job.queue, [batch])], before=[("sadd", self.keys.queues, job.queue)],
                              confirm=True)
         return got[0][0] if got[0] else None

@@ -13,7 +13,7 @@ _JSON = ("payload", "result", "error", "cancel_request")
 def enqueue_args(job):
     """One job for enqueue.lua: [id, priority, delay_us, [field, value, ...], idempotency_key?, expires_in_us?]."""
     fields = ["id", job.id, "type", job.type, "queue", job.queue,
-              "payload", json.dumps(job.payload, separators=(",", ":")),
+              "payload", job.payload_json,
               "max_attempts", str(job.max_attempts), "priority", str(job.priority), "trace_id", job.trace_id]
     if job.resource_id is not None:
         fields += ["resource_id", job.resource_id]

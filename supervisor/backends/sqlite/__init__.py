@@ -137,7 +137,7 @@ class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
                     rows = []
                     stored[job.id] = self._insert_child(job, now, stored)
                     continue
-                rows.append((job.id, job.queue, job.type, json.dumps(job.payload), job.resource_id,
+                rows.append((job.id, job.queue, job.type, job.payload_json, job.resource_id,
                              job.idempotency_key, job.max_attempts, job.timeout, job.priority, now + job.delay, now,
                              job.trace_id, None if job.expires_in is None else now + job.expires_in))
                 stored[job.id] = job.id

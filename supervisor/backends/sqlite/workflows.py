@@ -149,7 +149,7 @@ class Workflows:
             "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
             " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at, pending, reason, finished_at,"
             " cancel_request, level) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (job.id, job.queue, job.type, json.dumps(job.payload), state, job.resource_id, job.idempotency_key,
+            (job.id, job.queue, job.type, job.payload_json, state, job.resource_id, job.idempotency_key,
              job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id,
              None if job.expires_in is None else now + job.expires_in, pending,
              PARENT_FAILED if failed else None, now if failed else None,
