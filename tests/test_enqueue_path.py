@@ -107,17 +107,6 @@ def rb(redis_url):
 
 
 @pytest.mark.services
-def test_the_packed_commands_are_what_redis_py_packs():
-    redis = pytest.importorskip("redis")
-    from supervisor.backends.redis.calls import pack
-
-    commands = [("SADD", "k", "q"), ("EVALSHA", "f" * 40, 2, "a", "b", 1.5, -3, 10**20, "é\x00", b"\xff")]
-    assert pack(commands) == b"".join(redis.Connection().pack_commands(commands))
-    with pytest.raises(redis.DataError):
-        pack([("SET", "k", None)])
-
-
-@pytest.mark.services
 def test_every_reply_is_read_with_errors_in_place(rb):
     from redis.exceptions import ResponseError
 

@@ -39,7 +39,7 @@ from .connection import Connections, libpq_conninfo, quote, read_url
 from .control import ControlMixin
 from .schema import migrations as _migrations  # looked up at each migrate: a test stands in older versions
 from .search import SearchMixin
-from .statements import NOW, Statements
+from .statements import NOW, Statements, stats_query
 
 __all__ = ["PostgresBroker", "libpq_conninfo"]
 
@@ -315,26 +315,7 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
     def stats(self, queues):
         queues = list(queues)
         out = {q: QueueStats(q) for q in queues}
-        t = self._jobs
-        # Each arm is an index-only scan of a range of jobs_stats (queue, state, run_at) (schema
-        # version 6). NOW is written out in each arm, not joined from a CTE: the planner bounds the
-        # index range with a stable expression, and with the joined column it scanned the table.
-        rows = self._execute(
-            f"SELECT queue, 'ready', count(*), max({NOW} - run_at) FROM {t}"
-            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying')"
-            f" AND run_at <= {NOW} GROUP BY queue"
-            " UNION ALL"
-            f" SELECT queue, 'scheduled', count(*), NULL FROM {t}"
-            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying')"
-            f" AND run_at > {NOW} GROUP BY queue"
-            " UNION ALL"
-            f" SELECT queue, state, count(*), NULL FROM {t}"
-            "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('running', 'dead', 'done', 'cancelled', 'expired',"
-            " 'waiting')"
-            "  GROUP BY queue, state"
-            f" UNION ALL SELECT queue, 'paused', 1, NULL FROM {self._s}.paused_queues WHERE queue = ANY(%(q)s::text[])",
-            {"q": queues},
-        ).fetchall()
+        rows = self._execute(stats_query(self._jobs, self._s), {"q": queues}).fetchall()
         for queue, kind, count, age in rows:
             setattr(out[queue], {"running": "in_flight"}.get(kind, kind), count if kind != "paused" else True)
             if kind == "ready":

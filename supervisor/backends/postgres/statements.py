@@ -14,6 +14,29 @@ UNLESS_CANCELLED = ("state = CASE WHEN cancel_request IS NULL THEN {state} ELSE 
                     f" finished_at = CASE WHEN cancel_request IS NULL THEN finished_at ELSE {NOW} END")
 
 
+def stats_query(t, s):
+    """``stats``: per queue (``%(q)s``), the ready, scheduled and per-state counts and the paused flag.
+
+    Each arm is an index-only scan of a range of jobs_stats (queue, state, run_at) (schema
+    version 6). NOW is written out in each arm, not joined from a CTE: the planner bounds the
+    index range with a stable expression, and with the joined column it scanned the table.
+    """
+    return (
+        f"SELECT queue, 'ready', count(*), max({NOW} - run_at) FROM {t}"
+        "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying')"
+        f" AND run_at <= {NOW} GROUP BY queue"
+        " UNION ALL"
+        f" SELECT queue, 'scheduled', count(*), NULL FROM {t}"
+        "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('queued', 'retrying')"
+        f" AND run_at > {NOW} GROUP BY queue"
+        " UNION ALL"
+        f" SELECT queue, state, count(*), NULL FROM {t}"
+        "  WHERE queue = ANY(%(q)s::text[]) AND state IN ('running', 'dead', 'done', 'cancelled', 'expired',"
+        " 'waiting')"
+        "  GROUP BY queue, state"
+        f" UNION ALL SELECT queue, 'paused', 1, NULL FROM {s}.paused_queues WHERE queue = ANY(%(q)s::text[])")
+
+
 class Statements:
     def __init__(self, s):
         """``s``: the quoted schema."""

@@ -14,7 +14,7 @@ refuses EVALSHA), so the calls run one after the other, each sent to the node
 serving its queue's slot; the commands that must land before them
 (``before``) are one round trip of their own.
 """
-from redis.exceptions import DataError, NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from ...errors import BrokerError
 from . import scripts
@@ -64,8 +64,9 @@ class ScriptCalls:
 
     def _exchange(self, commands):
         """Send commands in one write on one pooled connection and read every reply (an error reply
-        comes back in its place): what redis-py's pipeline does, without its per-call bookkeeping,
-        which cost an enqueue more CPU than the rest of it. Retried as redis-py retried the pipeline
+        comes back in its place): what redis-py's pipeline does, with redis-py's own packing and
+        reading, without the pipeline object's per-call bookkeeping (more CPU than the rest of an
+        enqueue). Retried as redis-py retried the pipeline
         (the client's ``Retry``: once, on a connection error, after reconnecting)."""
         pool = self.r.connection_pool
         conn = pool.get_connection()
@@ -79,7 +80,7 @@ class ScriptCalls:
 
 
 def _send_and_read(conn, commands):
-    conn.send_packed_command([pack(commands)])
+    conn.send_packed_command(conn.pack_commands(commands))
     replies = []
     for _ in commands:
         try:
@@ -87,20 +88,3 @@ def _send_and_read(conn, commands):
         except ResponseError as exc:
             replies.append(exc)
     return replies
-
-
-def pack(commands):
-    """Commands in RESP, as one bytes string: what ``Connection.pack_commands`` makes, encoding
-    arguments as redis-py's ``Encoder`` does (str as UTF-8, numbers by repr), at a fraction of its cost."""
-    out = []
-    for command in commands:
-        out.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            if isinstance(arg, str):
-                arg = arg.encode()
-            elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
-                arg = repr(arg).encode()
-            elif not isinstance(arg, bytes):
-                raise DataError(f"a redis argument must be str, bytes, int or float, got {type(arg).__name__}")
-            out.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
-    return b"".join(out)

@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import sqlite3
-import urllib.parse
 
 from ...errors import BadInput, BrokerBusy, BrokerError, ConfigError, LeaseLost, NotDead
 from ...model import DEAD, DONE, Job, QueueStats, load_json
@@ -25,7 +24,7 @@ from ..limits import Admission, active, refill
 from ...dependencies import order
 from . import schema, wakeup, workflows
 from .control import ControlMixin
-from .database import BUSY_TIMEOUT, Transaction, busy, connect, errors
+from .database import Transaction, busy, connect, errors, read_url
 from .search import SearchMixin
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
@@ -39,26 +38,7 @@ _UNLESS_CANCELLED = ("state = CASE WHEN cancel_request IS NULL THEN {state} ELSE
 class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
-        parts = urllib.parse.urlsplit(url)
-        path = urllib.parse.unquote(parts.path)
-        if parts.netloc not in ("", "localhost"):
-            raise BrokerError(f"sqlite url {url!r}: use sqlite:///path (three slashes)")
-        path = path[1:]  # sqlite:///rel.db is relative, sqlite:////abs.db absolute
-        if not path:
-            raise BrokerError(f"sqlite url {url!r} names no file")
-        options = dict(urllib.parse.parse_qsl(parts.query))
-        synchronous = options.pop("synchronous", "full").upper()
-        if synchronous not in ("FULL", "NORMAL"):
-            raise BrokerError(f"sqlite url {url!r}: synchronous must be full or normal")
-        busy_timeout = options.pop("busy_timeout", None)
-        try:
-            busy_timeout = BUSY_TIMEOUT if busy_timeout is None else float(busy_timeout)
-        except ValueError:
-            busy_timeout = -1.0
-        if not 0 < busy_timeout <= 3600:
-            raise BrokerError(f"sqlite url {url!r}: busy_timeout must be seconds, more than 0 and at most 3600")
-        if options:
-            raise BrokerError(f"sqlite url {url!r}: unknown option(s) {', '.join(sorted(options))}")
+        path, synchronous, busy_timeout = read_url(url)
         self.path = path
         self._inotify = None  # wake-up fd, opened on first wakeup_fd()
         folder = os.path.dirname(os.path.abspath(path))
