@@ -3,25 +3,41 @@
 Each queue has a search index, ``P:{Q}:search``: a sorted set of every job of
 the queue at score 0 with member ``"<16-digit queued_at us><id>"``, so a
 lexicographic range (``ZRANGEBYLEX``) is a ``(queued_at, id)`` range: the
-page's key. Enqueue adds the entry in its script; discard, purge and prune
-remove it; entries of done jobs whose hash expired (``done_ttl``) are removed
-when a search meets them and by prune, which sweeps ``BATCH`` entries per
-queue per call. ``migrate`` indexes jobs stored before the index existed, once.
+page's key. Each type of job in the queue has one more, ``P:{Q}:search:type:T``,
+with the same members for that type's jobs alone, and ``P:{Q}:search:types``
+names the types that have one (prune walks it: see below).
 
-A queue filter and the queued time range are served by the index. A state
-filter on dead, done, cancelled, expired or running jobs reads those states'
-own sorted sets instead, while they hold at most ``STATE_DRIVE_MAX`` jobs.
-Every other filter (type, resource_id, idempotency_key, finished range,
-error, payload fields; queued and retrying states) is a bounded scan: the
-index is read a batch at a time with each job's fields (``search_page.lua``,
-one call per queue and batch) and checked here, at most ``scan.SCAN_BOUND``
-jobs per call; past it the page comes back short with a cursor that
-continues. Without a queue filter the queues' indexes are merged.
+Enqueue (``enqueue.lua``, which ``enqueue_once`` runs too, and
+``enqueue_flow.lua``) adds a job's entry to both in its script: one ZADD more
+per job for the type's, and one SADD per type and call. Claim, ack and every
+other state change touch neither (the members never change: a job keeps its
+queue, type and queued time). Discard, purge and prune remove both entries.
+Entries of done jobs whose hash expired (``done_ttl``) are removed when a
+search meets them (from the type's index too when that is the one read) and
+by prune, which sweeps ``BATCH`` entries of the queue's index and ``BATCH`` of
+its type indexes (type after type, ``P:{Q}:search:types:sweep`` remembers
+where) per queue per call; a type whose index empties leaves the types set.
+``migrate`` indexes jobs stored before the indexes existed, once (the flag
+``P:search:ready:types``; a broker that had only the queue indexes runs it
+again for the type indexes).
 
-``count`` without row-by-row filters is ``ZLEXCOUNT`` per queue (O(log n)) or
-the size of the state sets; with them, exact when a bounded scan finishes,
-otherwise that number times the share of scanned jobs that matched, marked
-``exact=False``.
+Which index serves which filter: a type filter reads that type's index in
+each queue searched; without one, the queue's index. Either serves the queue
+filter (only that queue's keys are read) and the queued time range (the
+lexicographic bounds). A state filter on dead, done, cancelled, expired or
+running jobs reads those states' own sorted sets instead, while they hold at
+most ``STATE_DRIVE_MAX`` jobs (then a type filter is checked row by row).
+Every other filter (resource_id, idempotency_key, finished range, error,
+payload fields; queued and retrying states) is a bounded scan of the index
+read: a batch at a time with each job's fields (``search_page.lua``, one call
+per queue and batch), checked here, at most ``scan.SCAN_BOUND`` jobs per call;
+past it the page comes back short with a cursor that continues. Without a
+queue filter the queues' indexes are merged.
+
+``count`` without row-by-row filters is ``ZLEXCOUNT`` per queue on the index
+read (O(log n): a count by type alone is exact at any size) or the size of the
+state sets; with them, exact when a bounded scan finishes, otherwise that
+number times the share of scanned jobs that matched, marked ``exact=False``.
 """
 import json
 
