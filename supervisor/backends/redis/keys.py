@@ -15,6 +15,10 @@ queue's keys share one Redis Cluster slot::
                            carry an EXPIRE of done_ttl, stale entries are trimmed
     P:{Q}:idem     hash    idempotency key -> id of the unfinished job holding it
     P:{Q}:once     zset    enqueue_once keys by first use (us); prune trims them
+    P:{Q}:search   zset    every job at score 0, member "<queued_at us:016><id>":
+                           search's (queued_at, id) order (see search.py)
+    P:{Q}:search:type:T    zset  the same members for the jobs of type T
+    P:{Q}:search:types     set   the types with such an index (prune sweeps them)
     P:{Q}:run:T    set     ids of type T leased under a concurrency limit
     P:{Q}:excl:T   hash    resource id -> the job of exclusive type T last leased on it
     P:{Q}:rate:T   hash    type T's token bucket: tokens, ts (us)

@@ -1,6 +1,6 @@
 """The Redis broker's Lua scripts: one per state change, read from ``redis_lua/``.
 
-Every script starts with ``_common.lua``, ``_control.lua`` and ``_flows.lua`` (the shared helpers); a composed one
+Every script starts with ``_common.lua``, ``_control.lua``, ``_search.lua`` and ``_flows.lua`` (the shared helpers); a composed one
 is several files run in order, the first of which may return early. The files
 ship as package data beside this package (``supervisor/backends/redis_lua/``).
 """
@@ -14,8 +14,8 @@ NAMES = ("enqueue", "claim", "extend", "ack", "retry", "dead", "release", "repla
 CONTROL_NAMES = ("cancel", "renew", "cancelled", "mark_waited")
 # A script made of several files, run in order (the first may return early).
 COMPOSED = {"enqueue_once": ("enqueue_once", "enqueue")}
-# Prepended to every script: the shared helpers, job control's, then the workflows' settle/reopen.
-PRELUDE = ("_common.lua", "_control.lua", "_flows.lua")
+# Prepended to every script: the shared helpers, job control's, the search indexes', then the workflows' settle/reopen.
+PRELUDE = ("_common.lua", "_control.lua", "_search.lua", "_flows.lua")
 LUA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "redis_lua")
 
 

@@ -3,25 +3,41 @@
 Each queue has a search index, ``P:{Q}:search``: a sorted set of every job of
 the queue at score 0 with member ``"<16-digit queued_at us><id>"``, so a
 lexicographic range (``ZRANGEBYLEX``) is a ``(queued_at, id)`` range: the
-page's key. Enqueue adds the entry in its script; discard, purge and prune
-remove it; entries of done jobs whose hash expired (``done_ttl``) are removed
-when a search meets them and by prune, which sweeps ``BATCH`` entries per
-queue per call. ``migrate`` indexes jobs stored before the index existed, once.
+page's key. Each type of job in the queue has one more, ``P:{Q}:search:type:T``,
+with the same members for that type's jobs alone, and ``P:{Q}:search:types``
+names the types that have one (prune walks it: see below).
 
-A queue filter and the queued time range are served by the index. A state
-filter on dead, done, cancelled, expired or running jobs reads those states'
-own sorted sets instead, while they hold at most ``STATE_DRIVE_MAX`` jobs.
-Every other filter (type, resource_id, idempotency_key, finished range,
-error, payload fields; queued and retrying states) is a bounded scan: the
-index is read a batch at a time with each job's fields (``search_page.lua``,
-one call per queue and batch) and checked here, at most ``scan.SCAN_BOUND``
-jobs per call; past it the page comes back short with a cursor that
-continues. Without a queue filter the queues' indexes are merged.
+Enqueue (``enqueue.lua``, which ``enqueue_once`` runs too, and
+``enqueue_flow.lua``) adds a job's entry to both in its script: one ZADD more
+per job for the type's, and one SADD per type and call. Claim, ack and every
+other state change touch neither (the members never change: a job keeps its
+queue, type and queued time). Discard, purge and prune remove both entries.
+Entries of done jobs whose hash expired (``done_ttl``) are removed when a
+search meets them (from the type's index too when that is the one read) and
+by prune, which sweeps ``BATCH`` entries of the queue's index and ``BATCH`` of
+its type indexes (type after type, ``P:{Q}:search:types:sweep`` remembers
+where) per queue per call; a type whose index empties leaves the types set.
+``migrate`` indexes jobs stored before the indexes existed, once (the flag
+``P:search:ready:types``; a broker that had only the queue indexes runs it
+again for the type indexes).
 
-``count`` without row-by-row filters is ``ZLEXCOUNT`` per queue (O(log n)) or
-the size of the state sets; with them, exact when a bounded scan finishes,
-otherwise that number times the share of scanned jobs that matched, marked
-``exact=False``.
+Which index serves which filter: a type filter reads that type's index in
+each queue searched; without one, the queue's index. Either serves the queue
+filter (only that queue's keys are read) and the queued time range (the
+lexicographic bounds). A state filter on dead, done, cancelled, expired or
+running jobs reads those states' own sorted sets instead, while they hold at
+most ``STATE_DRIVE_MAX`` jobs (then a type filter is checked row by row).
+Every other filter (resource_id, idempotency_key, finished range, error,
+payload fields; queued and retrying states) is a bounded scan of the index
+read: a batch at a time with each job's fields (``search_page.lua``, one call
+per queue and batch), checked here, at most ``scan.SCAN_BOUND`` jobs per call;
+past it the page comes back short with a cursor that continues. Without a
+queue filter the queues' indexes are merged.
+
+``count`` without row-by-row filters is ``ZLEXCOUNT`` per queue on the index
+read (O(log n): a count by type alone is exact at any size) or the size of the
+state sets; with them, exact when a bounded scan finishes, otherwise that
+number times the share of scanned jobs that matched, marked ``exact=False``.
 """
 import json
 
@@ -31,12 +47,15 @@ from .connection import guard
 from .fields import to_job
 
 SERVED = ("queue", "queued_after", "queued_before")
+TYPE_SERVED = SERVED + ("type",)  # when the type's index drives
 # States with a sorted set of their own (dead, done, cancelled, expired, leased): a search
 # for them reads that set instead of walking the index, while the sets hold at most this many.
 STATE_SETS = ("dead", "done", "cancelled", "expired", "running")
 STATE_DRIVE_MAX = 20_000
 _FIELDS = ("state", "type", "resource_id", "idempotency_key", "finished_at", "payload", "error")
-_BACKFILLED = "search:ready"  # P:search:ready, set once every queue's existing jobs are in the index
+# P:search:ready:types, set once every queue's existing jobs are in its index and their type's
+# (P:search:ready meant the queue indexes alone, before the type indexes).
+_BACKFILLED = "search:ready:types"
 
 
 def _member_key(us, job_id):
@@ -51,6 +70,13 @@ class SearchMixin:
     def _search_key(self, queue):
         self.keys.for_scripts(queue)  # checks the name
         return f"{self.prefix}:{{{queue}}}:search"
+
+    def _type_key(self, queue, job_type):
+        return f"{self._search_key(queue)}:type:{job_type}"
+
+    def _index_key(self, queue, f):
+        """The index a search with ``f`` reads in ``queue``: its type's when it names one."""
+        return self._search_key(queue) if f.type is None else self._type_key(queue, f.type)
 
     def _search_queues(self, f):
         return [f.queue] if f.queue is not None else sorted(self.r.smembers(self.keys.queues))
@@ -77,7 +103,7 @@ class SearchMixin:
             low, high = self._lex_range(f, after, order)
             fields = _FIELDS if with_fields else ()
             width = 1 + len(fields)
-            calls = [("search_page", queue, [low, high, order, n, *fields]) for queue in queues]
+            calls = [("search_page", queue, [low, high, order, n, f.type or "", *fields]) for queue in queues]
             rows = []
             for queue, flat in zip(queues, self._run_many(calls) if calls else ()):
                 for i in range(0, len(flat), width):
@@ -120,12 +146,13 @@ class SearchMixin:
         return fetch
 
     def _plan(self, f, order):
-        """(fetch, post filters): from the state sets when they are small, else from the index."""
-        post = scan.post_names(f, SERVED)
+        """(fetch, post filters): from the state sets when they are small, else from the type's
+        index when the filter names a type, else from the queue's."""
         members = self._state_members(f, self._search_queues(f))
         if members is None:
+            post = scan.post_names(f, SERVED if f.type is None else TYPE_SERVED)
             return self._fetcher(f, order, bool(post)), post
-        post = [name for name in post if name != "state"]
+        post = [name for name in scan.post_names(f, SERVED) if name != "state"]
         return self._list_fetcher(f, members, order, bool(post)), post
 
     def _loader(self, rows_by_id):
@@ -164,7 +191,7 @@ class SearchMixin:
             low, high = self._lex_range(f, None, "newest")
             pipe = self.r.pipeline(transaction=False)
             for queue in queues:
-                pipe.zlexcount(self._search_key(queue), low, high)
+                pipe.zlexcount(self._index_key(queue, f), low, high)
             return sum(pipe.execute())
 
         members = getattr(fetch, "members", None)
@@ -198,7 +225,9 @@ class SearchMixin:
         return out
 
     def _backfill_search(self):
-        """Put jobs stored before the search index existed into it (once per broker)."""
+        """Put jobs stored before the search indexes existed into them (once per broker).
+
+        Also indexes a workflow's jobs stored before enqueue_flow.lua indexed them."""
         flag = f"{self.prefix}:{_BACKFILLED}"
         if self.r.exists(flag):
             return
@@ -207,11 +236,19 @@ class SearchMixin:
             for keys in _chunks(self.r.scan_iter(match=_glob_escape(base) + "*", count=1000), 1000):
                 pipe = self.r.pipeline(transaction=False)
                 for key in keys:
-                    pipe.hget(key, "queued_at")
-                members = {_member_key(_us(float(q)), k[len(base):]): 0
-                           for k, q in zip(keys, pipe.execute()) if q is not None}
-                if members:
-                    self.r.zadd(self._search_key(queue), members, nx=True)
+                    pipe.hmget(key, "queued_at", "type")
+                by_type = {}
+                for key, (queued, job_type) in zip(keys, pipe.execute()):
+                    if queued is not None and job_type is not None:
+                        by_type.setdefault(job_type, {})[_member_key(_us(float(queued)), key[len(base):])] = 0
+                if not by_type:
+                    continue
+                pipe = self.r.pipeline(transaction=False)
+                for job_type, members in by_type.items():
+                    pipe.zadd(self._search_key(queue), members, nx=True)
+                    pipe.zadd(self._type_key(queue, job_type), members, nx=True)
+                pipe.sadd(f"{self._search_key(queue)}:types", *by_type)
+                pipe.execute()
         self.r.set(flag, json.dumps(True))
 
 

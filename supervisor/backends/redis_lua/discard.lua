@@ -4,7 +4,7 @@ local out = {}
 for k = 3, #ARGV do
   local id = ARGV[k]
   local key = JOB .. id
-  local f = redis.call('HMGET', key, 'state', 'queued_at', 'run_at')
+  local f = redis.call('HMGET', key, 'state', 'queued_at', 'run_at', 'type')
   if not f[1] then
     out[#out + 1] = 'unknown'
   elseif f[1] == 'running' then
@@ -12,8 +12,7 @@ for k = 3, #ARGV do
   else
     unqueue(id, f[3])
     for _, z in ipairs({DEAD, DONE, CANCELLED_Z, EXPIRED_Z, EXPIRING}) do redis.call('ZREM', z, id) end
-    local queued = us_of(f[2])
-    if queued then redis.call('ZREM', SEARCH, search_member(id, queued)) end
+    unindex_job(id, {f[2], f[4]})
     free_key(key, id)
     -- Workflows: an unfinished parent discarded ends for its children as if cancelled.
     if f[1] ~= 'done' and f[1] ~= 'dead' and f[1] ~= 'cancelled' and f[1] ~= 'expired' then

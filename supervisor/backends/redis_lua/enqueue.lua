@@ -5,6 +5,7 @@
 local jobs = cjson.decode(ARGV[3])
 local ids = {}
 local due_now = false
+local typed = {}  -- types named in this call (index_job)
 for n, job in ipairs(jobs) do
   local id, priority, delay, fields, ikey = job[1], job[2], job[3], job[4], job[5]
   local key = JOB .. id
@@ -26,7 +27,7 @@ for n, job in ipairs(jobs) do
     local run = NOW + delay
     redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'token', 0, 'history', '[]',
       'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
-    redis.call('ZADD', SEARCH, 0, search_member(id, NOW))
+    index_job(id, field_of(fields, 'type'), NOW, typed)
     if ikey then redis.call('HSET', IDEM, ikey, id) end
     if job[6] then  -- expires in (us), on this clock
       redis.call('HSET', key, 'expires_at', secs(NOW + job[6]))

@@ -45,6 +45,7 @@ for n, job in ipairs(jobs) do
 end
 
 local due_now = false
+local typed = {}  -- types named in this call (index_job)
 for _, job in ipairs(fresh) do
   local id, priority, delay, fields, ikey, deps = job[1], job[2], job[3], job[4], job[5], job[7]
   local key = JOB .. id
@@ -69,6 +70,7 @@ for _, job in ipairs(fresh) do
   if failed then state = 'cancelled' elseif pending > 0 then state = 'waiting' end
   redis.call('HSET', key, 'state', state, 'attempt', 0, 'token', 0, 'history', '[]',
     'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
+  index_job(id, field_of(fields, 'type'), NOW, typed)
   if #deps > 0 then
     redis.call('HSET', key, 'pending', pending, 'level', levels[id])
     for i = 1, #extra, 1000 do

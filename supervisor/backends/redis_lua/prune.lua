@@ -1,12 +1,12 @@
 -- prune: ARGV[3] = age (us), ARGV[4] = batch size. Deletes up to a batch of done
--- (and of cancelled, of expired) jobs finished longer ago and sweeps a batch of the search index;
+-- (and of cancelled, of expired) jobs finished longer ago and sweeps a batch of the search index
+-- and one of the type indexes;
 -- returns {jobs deleted, index entries removed}.
 local cutoff = '(' .. num(NOW - tonumber(ARGV[3]))
 local ids = redis.call('ZRANGEBYSCORE', DONE, '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
 local deleted = 0
 for _, id in ipairs(ids) do
-  local queued = us_of(redis.call('HGET', JOB .. id, 'queued_at'))
-  if queued then redis.call('ZREM', SEARCH, search_member(id, queued)) end
+  unindex_job(id, redis.call('HMGET', JOB .. id, 'queued_at', 'type'))
   deleted = deleted + redis.call('DEL', JOB .. id)
   redis.call('ZREM', DONE, id)
 end
@@ -14,8 +14,7 @@ end
 for _, z in ipairs({CANCELLED_Z, EXPIRED_Z}) do
   local ended = redis.call('ZRANGEBYSCORE', z, '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
   for _, id in ipairs(ended) do
-    local queued = us_of(redis.call('HGET', JOB .. id, 'queued_at'))
-    if queued then redis.call('ZREM', SEARCH, search_member(id, queued)) end
+    unindex_job(id, redis.call('HMGET', JOB .. id, 'queued_at', 'type'))
     deleted = deleted + redis.call('DEL', JOB .. id)
     redis.call('ZREM', z, id)
   end
@@ -30,4 +29,39 @@ for _, m in ipairs(members) do
   if redis.call('EXISTS', JOB .. string.sub(m, 17)) == 0 then redis.call('ZREM', SEARCH, m) end
 end
 if #members < tonumber(ARGV[4]) then redis.call('DEL', sweep) else redis.call('SET', sweep, members[#members]) end
+-- The type indexes' entries of those jobs cannot be found from the queue's (the type left
+-- with the hash): sweep a batch of them too, type after type in name order.
+-- BASE..'search:types:sweep' {type, member} remembers where it stopped; a type whose
+-- index is empty leaves BASE..'search:types'.
+local tsweep = TYPES .. ':sweep'
+local types = redis.call('SMEMBERS', TYPES)
+table.sort(types)
+local at = redis.call('HMGET', tsweep, 'type', 'member')
+redis.call('DEL', tsweep)
+local i, after = 1, false
+if at[1] then
+  while types[i] and types[i] < at[1] do i = i + 1 end
+  if types[i] == at[1] then after = at[2] end  -- else that type left: the next one from its start
+end
+local budget = tonumber(ARGV[4])
+while types[i] and budget > 0 do
+  local index = type_index(types[i])
+  local got = redis.call('ZRANGEBYLEX', index, after and ('(' .. after) or '-', '+', 'LIMIT', 0, budget)
+  for _, m in ipairs(got) do
+    if redis.call('EXISTS', JOB .. string.sub(m, 17)) == 0 then redis.call('ZREM', index, m) end
+  end
+  budget = budget - #got
+  if redis.call('EXISTS', index) == 0 then
+    redis.call('SREM', TYPES, types[i])
+    i, after = i + 1, false
+  elseif budget == 0 then
+    after = got[#got]
+  else
+    i, after = i + 1, false
+  end
+end
+if types[i] then  -- the batch ran out: the next call starts here
+  redis.call('HSET', tsweep, 'type', types[i])
+  if after then redis.call('HSET', tsweep, 'member', after) end
+end
 return {deleted, #ids}

@@ -5,8 +5,7 @@ for k = 3, #ARGV do
   if state ~= 'dead' then return {'notdead', ARGV[k], state or 'unknown'} end
 end
 for k = 3, #ARGV do
-  local queued = us_of(redis.call('HGET', JOB .. ARGV[k], 'queued_at'))
-  if queued then redis.call('ZREM', SEARCH, search_member(ARGV[k], queued)) end
+  unindex_job(ARGV[k], redis.call('HMGET', JOB .. ARGV[k], 'queued_at', 'type'))
   redis.call('DEL', JOB .. ARGV[k])
   redis.call('ZREM', DEAD, ARGV[k])
 end
