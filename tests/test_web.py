@@ -280,3 +280,24 @@ def test_job_queue_and_schedule_actions_from_the_pages(tmp_path, broker):
         run = post("/schedules/nightly/run").headers["location"].rsplit("/", 1)[1]
         assert broker.get(run).type == "export" and broker.get(run).payload == {"customer_id": 1}
         assert post("/schedules/nope/run").status_code == 400
+
+
+def test_a_bounded_search_says_so_and_the_next_page_searches_further(console, broker):
+    # A payload field is checked job by job on SQLite and Redis (PostgreSQL has an index): with
+    # more non-matching jobs newer than the match than one page may check, the first page is
+    # short. It must say so, not "No job matches", and its next page must go on to find the job.
+    from supervisor.backends import scan
+
+    login(console, "ada", ADMIN_PW)
+    mine = broker.enqueue(NewJob("export", {"customer_id": 42}).validate())
+    broker.enqueue_many([NewJob("export", {"customer_id": 1}) for _ in range(scan.SCAN_BOUND + 100)])
+    page = console.get("/jobs", params={"where": "customer_id=42"})
+    if not broker.url.startswith("postgresql"):
+        assert 'id="partial-search"' in page.text and "No job matches" not in page.text
+        assert mine not in page.text and "Search further" in page.text
+    for _ in range(5):
+        if mine in page.text:
+            break
+        link = re.search(r'href="([^"]+)" class="button" id="next-page"', page.text).group(1)
+        page = console.get(link.replace("&amp;", "&"))
+    assert mine in page.text and 'id="partial-search"' not in page.text

@@ -44,11 +44,14 @@ async def jobs(request):
     next_link = None
     if page is not None and page.next_cursor:
         next_link = "/jobs?" + query_string(values, cursor=page.next_cursor, order=order)
+    # A short page that still has a next one: a filter checked job by job stopped at its bound
+    # (scan.SCAN_BOUND), not at the last match. "No job matches" would be a lie.
+    partial = next_link is not None and len(rows) < PAGE_SIZE
     # The count comes after the page, from /api/jobs/count: a count that scans (a payload
     # field on a large broker) never holds up the first page.
     count_link = "/api/jobs/count?" + query_string(values) if page is not None else None
     return c.render(request, "jobs.html", problems=fetch.problems, values=values, error=error, jobs=rows,
-                    count_link=count_link, next_link=next_link, order=order, paged=bool(cursor),
+                    count_link=count_link, next_link=next_link, order=order, paged=bool(cursor), partial=partial,
                     first_link="/jobs?" + query_string(values, order=order),
                     states=_states(), queues=c.cfg.broker.queues)
 
