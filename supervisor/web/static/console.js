@@ -178,7 +178,9 @@ function matchCount() {
   fetch(box.dataset.countUrl, {credentials: "same-origin"})
     .then(function (r) { return r.ok ? r.json() : Promise.reject(r.status); })
     .then(function (c) {
-      box.textContent = (c.exact ? "" : "about ") + c.count + " matching job" + (c.count === 1 ? "" : "s");
+      // An estimate is scaled from the jobs a bounded count checked: say so, "about 0" alone misleads.
+      box.textContent = (c.exact ? "" : "about ") + c.count + " matching job" + (c.count === 1 ? "" : "s") +
+        (c.exact ? "" : " (estimated from the jobs checked)");
     })
     .catch(function () { box.textContent = ""; });
 }
