@@ -64,16 +64,9 @@ def main(argv=None):
     p.add_argument("--backend", choices=("sqlite", "redis", "postgres"), default="sqlite")
     p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args(argv)
-    trees, made = {}, []
-    for label, rev in (("A", args.rev), ("B", args.against)):
-        if rev is None:
-            trees[label] = (HERE, "working tree")
-            continue
-        path = tempfile.mkdtemp(prefix=f"claim-ab-{label}-")
-        subprocess.run(["git", "-C", HERE, "worktree", "add", "--detach", "-q", path, rev], check=True)
-        made.append(path)
-        trees[label] = (path, rev)
-    try:
+    from bench.trees import checked_out  # not at the top: the worker imports the other side's bench
+
+    with checked_out({"A": args.rev, "B": args.against}, "claim-ab") as trees:
         # The worker is this file; PYTHONPATH makes it import each side's own supervisor package.
         procs = {label: subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", args.backend],
                                          cwd=path, env=dict(os.environ, PYTHONPATH=path), stdin=subprocess.PIPE,
@@ -88,9 +81,6 @@ def main(argv=None):
         for proc in procs.values():
             proc.stdin.close()
             proc.wait()
-    finally:
-        for path in made:
-            subprocess.run(["git", "-C", HERE, "worktree", "remove", "--force", path], check=False)
     print(f"| {args.backend} | revision | median claim+ack/s | best | rounds |")
     print("| --- | --- | ---: | ---: | ---: |")
     for label, (_, rev) in trees.items():

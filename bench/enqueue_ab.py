@@ -87,17 +87,10 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="write every round's figures here")
     args = p.parse_args(argv)
     cases = [tuple(c.split("-")) for c in args.cases.split(",")]
-    trees, made = {}, []
-    for label, rev in (("A", args.rev), ("B", args.against)):
-        if rev is None:
-            trees[label] = (HERE, "working tree")
-            continue
-        path = tempfile.mkdtemp(prefix=f"enqueue-ab-{label}-")
-        subprocess.run(["git", "-C", HERE, "worktree", "add", "--detach", "-q", path, rev], check=True)
-        made.append(path)
-        trees[label] = (path, rev)
-    results = {(label, case): [] for label in trees for case in cases}
-    try:
+    from bench.trees import checked_out  # not at the top: the worker imports the other side's bench
+
+    results = {(label, case): [] for label in ("A", "B") for case in cases}
+    with checked_out({"A": args.rev, "B": args.against}, "enqueue-ab") as trees:
         # The worker is this file; PYTHONPATH makes it import each side's own supervisor package.
         procs = {label: subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"], cwd=path,
                                          env=dict(os.environ, PYTHONPATH=path), stdin=subprocess.PIPE,
@@ -113,9 +106,6 @@ def main(argv=None):
         for proc in procs.values():
             proc.stdin.close()
             proc.wait()
-    finally:
-        for path in made:
-            subprocess.run(["git", "-C", HERE, "worktree", "remove", "--force", path], check=False)
     print("| case | A CPU µs/job | B CPU µs/job | B / A CPU (range) | A jobs/s | B jobs/s | B / A jobs/s (range) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for case in cases:

@@ -21,6 +21,7 @@ included; less sensitive to other load than wall time). ``--json`` writes every
 figure after every round.
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -34,20 +35,9 @@ import time
 import psutil
 
 from bench import run
+from bench.trees import checked_out
 
 BROKERS = ("sqlite", "redis", "postgres")
-
-
-def checkout(rev, made):
-    """(path, label) of a tree holding ``rev``; None means this working tree."""
-    if rev is None:
-        head = subprocess.run(["git", "-C", run.ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        return run.ROOT, f"working tree (at {head})"
-    path = tempfile.mkdtemp(prefix="throughput-ab-")
-    subprocess.run(["git", "-C", run.ROOT, "worktree", "add", "--detach", "-q", path, rev], check=True)
-    made.append(path)
-    return path, rev
 
 
 class Tangguh(run.Tangguh):
@@ -113,9 +103,11 @@ def main(argv=None):
     ev = run.Evidence()
     ev.r.ping()
     tmp = tempfile.mkdtemp(prefix="throughput-ab-run-")
-    made, rounds = [], []
-    try:
-        trees = {"A": checkout(args.rev, made), "B": checkout(args.against, made)}
+    rounds = []
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, tmp, ignore_errors=True)
+        stack.callback(ev.clear)
+        trees = stack.enter_context(checked_out({"A": args.rev, "B": args.against}, "throughput-ab"))
         for broker in brokers:
             for r in range(args.rounds):
                 figures = {"broker": broker, "round": r + 1, "loadavg": round(os.getloadavg()[0], 2)}
@@ -131,11 +123,6 @@ def main(argv=None):
                       file=sys.stderr, flush=True)
                 if args.json:  # after every round: an interrupted run keeps what it measured
                     write_json(args.json, trees, args.jobs, rounds)
-    finally:
-        ev.clear()
-        shutil.rmtree(tmp, ignore_errors=True)
-        for path in made:
-            subprocess.run(["git", "-C", run.ROOT, "worktree", "remove", "--force", path], check=False)
     print(f"A = {trees['A'][1]}, B = {trees['B'][1]}; {args.rounds} rounds of {args.jobs:,} no-ops per broker\n")
     print("| broker | measure | A median | B median | B / A (medians) | B / A per round: min – max | rounds |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
