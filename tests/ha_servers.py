@@ -208,7 +208,9 @@ class PostgresPair:
         import psycopg
 
         with psycopg.connect(self.primary.url(), autocommit=True) as db:
-            lsn = db.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+            # The insert position, not the write position: these clusters run synchronous_commit = off
+            # (tests/servers.py), so a commit that has answered may still sit in the WAL buffers.
+            lsn = db.execute("SELECT pg_current_wal_insert_lsn()").fetchone()[0]
         with psycopg.connect(self.replica.url(), autocommit=True) as db:
             wait_for(lambda: db.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn,)).fetchone()[0],
                      timeout=30, message="the replica to replay the primary's WAL")
