@@ -117,9 +117,16 @@ def test_child_killed_holding_a_redis_lock_frees_it_long_before_its_ttl(env, tmp
     first = wait_for(lambda: [line for line in read_lines(marker) if line[0] == "acquired"],
                      message="the first attempt to hold the lock")[0]
     key = first[6]
-    # The master knows the lock and keeps extending it: its PTTL goes back up.
-    seen = client.pttl(key)
-    wait_for(lambda: client.pttl(key) > seen, timeout=5, message="the heartbeat to extend the lock")
+    # The master knows the lock and keeps extending it: between two readings its PTTL goes
+    # back up. (Against the first reading alone this races: taken a millisecond after the
+    # acquire, it is as high as any extension leaves it.)
+    readings = [client.pttl(key)]
+
+    def went_up():
+        readings.append(client.pttl(key))
+        return readings[-1] > readings[-2]
+
+    wait_for(went_up, timeout=5, message="the heartbeat to extend the lock")
     os.kill(int(first[2]), signal.SIGKILL)
     job = d.wait_job(job_id)
     second = [line for line in read_lines(marker) if line[0] == "acquired"][1]
