@@ -160,6 +160,9 @@ MUTATIONS = [
              'if self.cfg.broker.url.startswith("sqlite:") and not isinstance(cause, BrokerBusy):',
              'if self.cfg.broker.url.startswith("sqlite:"):',
              ("tests/test_outages.py", "-k", "locked_at_start"), "a SQLite file locked at start is waited out"),
+    Mutation("login-throttle-off", "supervisor/web/throttle.py",
+             "if times is None or len(times) < self.failures:", "if True:",
+             ("tests/test_web.py", "-k", "throttled"), "failed logins from one address are throttled"),
 ]
 
 

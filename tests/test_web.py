@@ -19,7 +19,7 @@ from supervisor.errors import ConfigError  # noqa: E402
 from supervisor.logs import JsonFormatter  # noqa: E402
 from supervisor.model import NewJob, error_info  # noqa: E402
 from supervisor.web import app as web_app  # noqa: E402
-from supervisor.web import auth  # noqa: E402
+from supervisor.web import auth, throttle  # noqa: E402
 
 from .daemon import tangguh  # noqa: E402
 from .util import wait_for  # noqa: E402
@@ -115,6 +115,46 @@ def test_pages_need_a_login_and_a_wrong_password_is_refused(console):
         page = console.get(path)
         assert page.status_code == 200, path
         assert "ada" in page.text
+
+
+def test_failed_logins_from_one_address_are_throttled_without_locking_out_others(tmp_path, caplog):
+    cfg = make_config(tmp_path, f"sqlite:///{tmp_path}/throttle.db")
+    app = web_app.build(cfg, sample_interval=0.05)
+    caplog.set_level(logging.INFO, logger="tangguh.web")
+    with TestClient(app, client=("192.0.2.7", 40000)) as guesser:
+        for i in range(throttle.FAILURES):
+            assert login(guesser, "ada", f"guess-{i}").status_code == 401
+        # The limit reached: refused before the password is even checked, the right one too.
+        refused = login(guesser, "ada", ADMIN_PW)
+        assert refused.status_code == 429
+        assert "Too many failed logins" in refused.text
+        assert 0 < int(refused.headers["retry-after"]) <= throttle.WINDOW
+        assert guesser.get("/jobs", follow_redirects=False).headers["location"].startswith("/login")
+        events = [r.action for r in caplog.records if getattr(r, "event", None) == "web_action"]
+        assert events.count("login_refused") == throttle.FAILURES and events[-1] == "login_throttled"
+        # Another address is not held up by the guesser.
+        other = TestClient(app, client=("192.0.2.8", 40000))
+        assert login(other, "ada", ADMIN_PW).status_code == 303
+
+
+def test_the_login_throttle_forgets_after_its_window_and_stays_bounded():
+    now = [1000.0]
+    t = throttle.LoginThrottle(failures=3, window=60, max_addresses=100, clock=lambda: now[0])
+    for _ in range(3):
+        t.failed("a")
+    assert t.wait("a") == 60
+    now[0] += 59
+    assert t.wait("a") == 1
+    now[0] += 1
+    assert t.wait("a") == 0 and "a" not in t.recent  # the window passed: forgotten, not kept
+    for _ in range(3):
+        t.failed("b")
+    t.succeeded("b")
+    assert t.wait("b") == 0
+    for i in range(20_000):  # a crowd of addresses (or months of them): the table stays bounded
+        t.failed(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}")
+    assert len(t.recent) == 100
+    assert all(len(times) <= 3 for times in t.recent.values())
 
 
 def test_a_viewer_sees_no_buttons_and_a_forged_post_is_refused(console, broker):

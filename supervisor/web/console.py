@@ -22,6 +22,7 @@ from . import auth, csrf
 from .brokerio import BrokerPool, Fetch, unreachable, unsupported
 from .live import Sampler
 from .redact import Redactor
+from .throttle import LoginThrottle
 
 log = logging.getLogger("tangguh.web")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -37,6 +38,7 @@ class Console:
         self.pool = BrokerPool(cfg.broker.url)
         self.redactor = Redactor(cfg.web.redact)
         self.sampler = Sampler(self.pool, cfg.broker.queues, interval=sample_interval)
+        self.logins = LoginThrottle()  # failed logins per client address
         self.templates = Jinja2Templates(directory=os.path.join(HERE, "templates"))
         self.templates.env.filters.update(when=when, ago=ago, duration=duration, pretty=pretty)
         self.templates.env.globals.update(nav=NAV, finished=FINISHED)

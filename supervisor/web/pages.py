@@ -1,5 +1,6 @@
 """The HTML views (GET). Each reads the broker through ``Fetch``: an outage is a banner, never an error page."""
 import collections
+import math
 import time
 
 from starlette.responses import RedirectResponse
@@ -184,10 +185,21 @@ async def login(request):
     if not csrf.valid(request, None, form):
         return c.render(request, "login.html", status=403, next=nxt, error="The form expired: try again.",
                         open=False)
+    address = request.client.host if request.client else "-"
+    tried = auth.Identity(str(form.get("name") or "-")[:64], "-", "session")
+    wait = c.logins.wait(address)
+    if wait:
+        c.audit(tried, "login_throttled", 0, address=address)
+        page = c.render(request, "login.html", status=429, next=nxt, open=False,
+                        error=f"Too many failed logins from this address: try again in {math.ceil(wait)} s.")
+        page.headers["Retry-After"] = str(math.ceil(wait))
+        return page
     identity = auth.check_password(c.web, form.get("name"), form.get("password"))
     if identity is None:
-        c.audit(auth.Identity(str(form.get("name") or "-")[:64], "-", "session"), "login_refused", 0)
+        c.logins.failed(address)
+        c.audit(tried, "login_refused", 0, address=address)
         return c.render(request, "login.html", status=401, next=nxt, error="Wrong name or password.", open=False)
+    c.logins.succeeded(address)
     request.session.clear()  # a fresh session (and CSRF token) for the new identity
     request.session["user"] = identity.name
     c.audit(identity, "login", 0)
