@@ -337,6 +337,19 @@ def test_expiry_applies_to_a_retrying_job_and_not_to_a_running_one(broker):
     assert broker.get(job_id).state == "expired" and len(started(broker.get(job_id))) == 1
 
 
+def test_a_dead_job_replayed_after_its_expiry_runs_again(broker):
+    # Replay is an operator's "run it again now", like requeue: a deadline that passed
+    # while the job lay dead must not end the replayed job expired at its first claim.
+    job_id = broker.enqueue(new(expires_in=0.3, max_attempts=1))
+    job = claim_one(broker)
+    broker.dead(job.lease, "permanent", {"reason": "permanent", "class": "E", "message": "", "traceback": ""})
+    wait_past(broker, broker.get(job_id).expires_at + 0.05)
+    assert broker.dlq_replay([job_id]) == [job_id]
+    assert broker.get(job_id).expires_at is None
+    assert [j.id for j in broker.claim(Q, 5, 30, "w")] == [job_id]
+    assert broker.take_expired() == []
+
+
 def test_prune_deletes_old_cancelled_and_expired_jobs_like_done_ones(broker):
     cancelled = broker.enqueue(new())
     broker.cancel([cancelled], "ops", None)

@@ -351,8 +351,8 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
                     self._require_dead(db, job_ids)
                     db.execute(
                         f"UPDATE {self._jobs} SET state = 'queued', attempt = 0, run_at = {NOW}, reason = NULL,"
-                        " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL"
-                        " WHERE id = ANY(%s::text[])"
+                        " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL,"
+                        " expires_at = NULL WHERE id = ANY(%s::text[])"
                         " RETURNING pg_notify(%s, queue)",
                         (job_ids, self.channel),
                     )

@@ -18,8 +18,10 @@ for k = 3, #ARGV do
   local id = ARGV[k]
   local key = JOB .. id
   redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'run_at', secs(NOW))
-  redis.call('HDEL', key, 'reason', 'finished_at', 'lease_until', 'owner', 'open', 'cancel_request')
+  -- Run again by hand, like requeue: an expiry that passed while it lay dead is dropped.
+  redis.call('HDEL', key, 'reason', 'finished_at', 'lease_until', 'owner', 'open', 'cancel_request', 'expires_at')
   redis.call('ZREM', DEAD, id)
+  redis.call('ZREM', EXPIRING, id)
   local ikey = redis.call('HGET', key, 'idempotency_key')
   if ikey then redis.call('HSET', IDEM, ikey, id) end
   make_ready(id, redis.call('HGET', key, 'priority'), NOW)

@@ -356,7 +356,8 @@ class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
                 try:
                     self.db.execute(
                         "UPDATE jobs SET state = 'queued', attempt = 0, run_at = ?, reason = NULL,"
-                        " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL WHERE id = ?",
+                        " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL,"
+                        " expires_at = NULL WHERE id = ?",
                         (now, job_id),
                     )
                 except sqlite3.IntegrityError:
