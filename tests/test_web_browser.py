@@ -1,5 +1,5 @@
 """The web console in a real browser: headless Chromium driven by selenium, against a real
-``tangguh web`` process, a real supervisor and a real broker (SQLite and PostgreSQL).
+``tangguh web`` process, a real supervisor and a real broker (SQLite, Redis and PostgreSQL).
 
 Each broker gets one stack for the module (a supervisor, a console, a browser
 logged in as the admin); each test leaves the queues running. Pages are
@@ -22,7 +22,7 @@ import pytest
 
 from supervisor.web import auth
 
-from .conftest import POSTGRES_URL, REQUIRE_SERVICES, _with_query
+from .conftest import POSTGRES_URL, REDIS_URL, REQUIRE_SERVICES, _with_query
 from .daemon import Daemon, daemon_env
 from .util import wait_for
 
@@ -144,11 +144,22 @@ def driver():
     d.quit()
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+@pytest.fixture(scope="module", params=["sqlite", "redis", "postgres"])
 def stack(request, driver, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"web-{request.param}")
-    schema = None
+    schema = prefix = None
     url = None
+    if request.param == "redis":
+        import redis
+
+        try:
+            redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5).ping()
+        except Exception as exc:  # noqa: BLE001
+            if REQUIRE_SERVICES:
+                pytest.fail(f"redis not reachable: {exc}")
+            pytest.skip(f"redis not reachable: {exc}")
+        prefix = f"tangguh-test-{uuid.uuid4().hex[:10]}"
+        url = _with_query(REDIS_URL, prefix=prefix)
     if request.param == "postgres":
         import psycopg
 
@@ -182,6 +193,13 @@ def stack(request, driver, tmp_path_factory):
         if console is not None:
             console.stop()
         d.stop()
+        if prefix is not None:
+            import redis
+
+            client = redis.Redis.from_url(REDIS_URL)
+            for key in client.scan_iter(match=f"{prefix}*", count=1000):
+                client.delete(key)
+            client.close()
         if schema is not None:
             import psycopg
 
