@@ -22,7 +22,7 @@ import pytest
 
 from supervisor.web import auth
 
-from .conftest import POSTGRES_URL, REDIS_URL, REQUIRE_SERVICES, _with_query
+from .conftest import POSTGRES_URL, REDIS_URL, REQUIRE_SERVICES, _unavailable, _with_query
 from .daemon import Daemon, daemon_env
 from .util import wait_for
 
@@ -155,9 +155,7 @@ def stack(request, driver, tmp_path_factory):
         try:
             redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5).ping()
         except Exception as exc:  # noqa: BLE001
-            if REQUIRE_SERVICES:
-                pytest.fail(f"redis not reachable: {exc}")
-            pytest.skip(f"redis not reachable: {exc}")
+            _unavailable("redis", exc)
         prefix = f"tangguh-test-{uuid.uuid4().hex[:10]}"
         url = _with_query(REDIS_URL, prefix=prefix)
     if request.param == "postgres":
@@ -166,9 +164,7 @@ def stack(request, driver, tmp_path_factory):
         try:
             psycopg.connect(POSTGRES_URL, connect_timeout=5).close()
         except Exception as exc:  # noqa: BLE001
-            if REQUIRE_SERVICES:
-                pytest.fail(f"postgres not reachable: {exc}")
-            pytest.skip(f"postgres not reachable: {exc}")
+            _unavailable("postgres", exc)
         schema = f"tangguh_test_{uuid.uuid4().hex[:10]}"
         url = _with_query(POSTGRES_URL, schema=schema)
     d = Daemon(tmp, broker_url=url, handler_files=("testjobs.py", "webjobs.py"))
