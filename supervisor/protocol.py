@@ -10,6 +10,7 @@ import struct
 
 _HEADER = struct.Struct("!I")
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps builds one per call with separators
+_DECODE = json.JSONDecoder().decode  # json.loads without its per-call checks (the frames are UTF-8 text)
 MAX_MESSAGE = 64 * 1024 * 1024
 
 # master -> child. A RUN carries one job, or a "batch" of several the child runs
@@ -42,11 +43,12 @@ JOB_FIELDS = ("id", "type", "queue", "payload", "attempt", "max_attempts", "reso
 
 
 def run_message(job, max_attempts, soft_timeout):
-    """The RUN message that hands ``job`` to a child."""
-    fields = {name: getattr(job, name) for name in JOB_FIELDS if name != "max_attempts"}
-    fields["max_attempts"] = max_attempts
-    if fields["parents"] is None:
-        del fields["parents"]  # a job without dependencies: nothing to carry
+    """The RUN message that hands ``job`` to a child (the fields of ``JOB_FIELDS``)."""
+    fields = {"id": job.id, "type": job.type, "queue": job.queue, "payload": job.payload, "attempt": job.attempt,
+              "max_attempts": max_attempts, "resource_id": job.resource_id,
+              "idempotency_key": job.idempotency_key, "trace_id": job.trace_id, "token": job.token}
+    if job.parents is not None:  # a job without dependencies: nothing to carry
+        fields["parents"] = job.parents
     return {"op": RUN, "soft_timeout": soft_timeout, "job": fields}
 
 
@@ -115,7 +117,7 @@ class Reader:
                 raise TooLarge(f"message of {size} bytes is over the {MAX_MESSAGE} byte limit")
             if len(self.buffer) < _HEADER.size + size:
                 break
-            body = bytes(self.buffer[_HEADER.size:_HEADER.size + size])
+            body = self.buffer[_HEADER.size:_HEADER.size + size].decode()
             del self.buffer[:_HEADER.size + size]
-            messages.append(json.loads(body))
+            messages.append(_DECODE(body))
         return messages

@@ -57,6 +57,7 @@ from .status import Status
 log = logging.getLogger("tangguh.arbiter")
 
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_RUNNING, EXIT_BOOT = 0, 1, 2, 3, 4
+SETTINGS_CACHE = 1024  # (type, timeout, max_attempts) -> JobSettings of the current generation
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU,
            signal.SIGCHLD)
 
@@ -66,6 +67,7 @@ class Arbiter:
         self.cfg = cfg
         self.handlers = handlers
         self.generation = 1
+        self.settings_cache = {}
         self.pid = os.getpid()
         self.owner = f"{socket.gethostname()}:{self.pid}"
         self.started_at = time.time()
@@ -295,6 +297,7 @@ class Arbiter:
             return
         self.cfg, self.handlers = cfg, handlers
         self.generation += 1
+        self.settings_cache = {}
         self.reload_error = None
         self.dispatcher.configure(cfg, handlers)
         self.periodic.configure(cfg, handlers)
@@ -329,7 +332,14 @@ class Arbiter:
 
     # -- jobs ----------------------------------------------------------------------------------
     def settings_for(self, job):
-        return registry.job_settings(self.cfg, self.handlers, job)
+        # Cached per generation: they depend only on the config, the handlers and these job fields.
+        key = (job.type, job.timeout, job.max_attempts)
+        settings = self.settings_cache.get(key)
+        if settings is None:
+            if len(self.settings_cache) >= SETTINGS_CACHE:
+                self.settings_cache.clear()  # producers choose types: bounded, not grown
+            settings = self.settings_cache[key] = registry.job_settings(self.cfg, self.handlers, job)
+        return settings
 
     def backoff(self, failures):
         j = self.cfg.jobs

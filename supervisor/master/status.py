@@ -17,6 +17,7 @@ from ..protocol import TIMEOUT
 
 log = logging.getLogger("tangguh.arbiter")
 
+STATUS_SECONDS = 1.0  # the least time between two STATUS= texts to systemd
 COUNTERS = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost", "duplicates_suppressed",
             "cancelled", "expired")
 
@@ -50,6 +51,7 @@ class Status:
         self.notifier = notifier
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.ready_sent = False  # READY=1 goes out once the first children are up
+        self.status_due = 0.0  # monotonic instant the next STATUS= may go out
         # (Metrics attribute, labels) -> the labelled child: prometheus_client's labels()
         # costs a lock and a tuple check per call, several times per job. Bounded: the
         # labels are served types (job_labels), queues and a fixed set of reasons.
@@ -160,10 +162,17 @@ class Status:
     def report(self):
         """Tell systemd how we are: READY once, STATUS on change, WATCHDOG while the loop turns."""
         m = self.master
+        if not self.notifier.enabled:
+            return  # not under systemd (or no NOTIFY_SOCKET): nothing to tell, nothing to build
         if not self.ready_sent and m.stopping is None and m.pool.all_started():
             self.ready_sent = True
             self.notifier.ready(self.summary())
-        self.notifier.status(self.summary())
+        now = time.monotonic()
+        if now >= self.status_due:
+            # At most once a second: the text changes with every job done, and a
+            # datagram per loop turn would cost a syscall for every few jobs.
+            self.status_due = now + STATUS_SECONDS
+            self.notifier.status(self.summary())
         # Pings prove the loop turns, nothing more: a wedged loop stops them.
         # A broker outage does not (STATUS says BROKER DOWN): a restart by the
         # watchdog would kill running jobs and could not bring the broker back.

@@ -2,12 +2,16 @@
 import json
 
 from ...errors import BadInput, NotDead
-from ...model import Job, load_json
+from ...model import JOB_FIELDS, Job, load_json
 
 _INTS = ("attempt", "max_attempts", "priority", "token", "level")
 _FLOATS = ("timeout", "run_at", "queued_at", "lease_until", "first_failure_at", "last_failure_at", "finished_at",
            "expires_at", "progress")
 _JSON = ("payload", "result", "error", "cancel_request")
+# The Job fields stored as text, with what decodes them (other fields are the hash's own: "level", "open").
+_CONVERT = {name: convert for name, convert in {**dict.fromkeys(_INTS, int), **dict.fromkeys(_FLOATS, float),
+                                                **dict.fromkeys(_JSON, load_json), "pending": int}.items()
+            if name in JOB_FIELDS}
 
 
 def enqueue_args(job):
@@ -44,32 +48,34 @@ def check_script_reply(reply):
 
 
 def to_job(fields):
-    """A ``Job`` from a job hash (a dict, or the flat [field, value, ...] list a script returns)."""
+    """A ``Job`` from a job hash (a dict, or the flat [field, value, ...] list a script returns).
+
+    One pass over the fields: a claim decodes every job it leases, and this was
+    the largest part of the master's CPU per claimed job.
+    """
     if isinstance(fields, list):
-        fields = dict(zip(fields[::2], fields[1::2]))
-    d = dict(fields)
-    for key in _INTS:
-        if key in d:
-            d[key] = int(d[key])
-    for key in _FLOATS:
-        if key in d:
-            d[key] = float(d[key])
-    for key in _JSON:
-        if key in d:
-            d[key] = load_json(d[key])
-    if "pending" in d:  # a workflow's child: its finished parents are the "p:<id>" fields
-        d["pending"] = int(d["pending"])
-        d["parents"] = {}
-    for name in sorted(name for name in d if name[1:2] == ":" and name[0] in "pdk"):
-        value = d.pop(name)  # sorted: a parent's "d:" (its edge) comes before its "p:" (its end)
-        if name[0] == "d":
-            d["parents"][name[2:]] = (None, None)
-        elif name[0] == "p":
-            state, result = json.loads(value)
-            d["parents"][name[2:]] = (state, result)
-    history = json.loads(d.pop("history", "[]"))
-    open_entry = d.pop("open", None)
+        pairs = iter(fields)
+        fields = dict(zip(pairs, pairs))
+    d, edges, ends = {}, [], {}
+    open_entry = None
+    for key, value in fields.items():
+        convert = _CONVERT.get(key)
+        if convert is not None:
+            d[key] = convert(value)
+        elif key in JOB_FIELDS:
+            d[key] = value
+        elif key == "open":
+            open_entry = value
+        elif key[1:2] == ":":  # a workflow child's parents: "d:<id>" an edge, "p:<id>" that parent's end
+            if key[0] == "d":
+                edges.append(key[2:])
+            elif key[0] == "p":
+                ends[key[2:]] = tuple(json.loads(value))
+    if "pending" in d:
+        d["parents"] = {**dict.fromkeys(sorted(edges), (None, None)), **{p: ends[p] for p in sorted(ends)}}
+    stored = d.pop("history", "[]")
+    history = [] if stored == "[]" else json.loads(stored)  # "[]": a job's first attempt, the usual case
     if open_entry:
         history.append(json.loads(open_entry))
     d["history"] = history
-    return Job.from_dict(d)
+    return Job(**d)
