@@ -10,9 +10,9 @@ children get through within ``WAIT_BUDGET``; a type never measured yet, or
 slower than that, gets none. A number pins the prefetch for every type.
 """
 WAIT_BUDGET = 0.05  # seconds a prefetched job may expect to wait for a free child
-PER_CHILD = 4  # most prefetched jobs per child, however short the type
+PER_CHILD = 32  # most prefetched jobs per child, however short the type
 WEIGHT = 0.2  # weight of the newest run time in the moving average
-BATCH = 8  # most jobs in one message to a child
+BATCH = 32  # most jobs in one message to a child
 
 
 class Prefetch:
