@@ -102,7 +102,11 @@ def run_span(job, run):
     """``run()`` (the child's ``run_job``) inside a span ``tangguh.run <type>``, a child of the
     producer's span when the job carries its traceparent. Returns ``run()``'s reply."""
     trace = _trace()
-    if not trace:
+    if not trace or (isinstance(trace.get_tracer_provider(), _no_sdk(trace))
+                     and not (isinstance(job.get("trace_id"), str) and _TRACEPARENT.fullmatch(job["trace_id"]))):
+        # As for an enqueue: without an SDK and without a producer's trace to carry on to
+        # the handler's own enqueues, the span would record and pass on nothing, and making
+        # it cost more than the rest of the child's work per job.
         return run()
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
     from opentelemetry.trace.status import Status, StatusCode

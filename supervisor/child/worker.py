@@ -94,7 +94,11 @@ def main(sock, slot, handlers, master_pid):
 
 def serve(sock, slot, handlers, master_pid):
     pending = collections.deque()  # the jobs of a batch not started yet
+    idle = True  # what the process title says
     while True:
+        if not pending and not idle:
+            title(slot, "idle")  # once a batch is done, not between its jobs
+            idle = True
         try:
             # Between the jobs of a batch only a glance at the pipe (a SKIP, a STOP);
             # otherwise wait for work, checking now and then that the master lives.
@@ -121,8 +125,10 @@ def serve(sock, slot, handlers, master_pid):
                 pending.extend(msg["batch"] if "batch" in msg else [msg])
             # A CANCEL frame read here crossed the reply of the job it named: nothing to do
             # (the master asks for a SKIP first, so no job of a batch starts after it).
-        if pending and not run_one(sock, slot, handlers, pending.popleft()):
-            return
+        if pending:
+            idle = False
+            if not run_one(sock, slot, handlers, pending.popleft()):
+                return
 
 
 def run_one(sock, slot, handlers, entry):
@@ -135,7 +141,6 @@ def run_one(sock, slot, handlers, entry):
             send_reply(sock, reply)
     except JobTimeout:
         return False  # the reply is out; the master is stopping us (hard timeout crossed the reply)
-    title(slot, "idle")
     return True
 
 

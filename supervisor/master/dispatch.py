@@ -145,10 +145,13 @@ class Dispatcher:
         A sibling supervisor with an idle child claims them at once; here they
         would wait behind the running jobs.
         """
-        kept, waiting = collections.deque(), collections.Counter()
+        kept, room = collections.deque(), {}  # job type -> how many more of it may wait here
         for job, settings in self.prefetched:
-            waiting[job.type] += 1
-            if waiting[job.type] <= self.prefetch.for_type(job.type):
+            left = room.get(job.type)
+            if left is None:
+                left = self.prefetch.for_type(job.type)
+            room[job.type] = left - 1
+            if left > 0:
                 kept.append((job, settings))
             else:
                 self.give_back(job)

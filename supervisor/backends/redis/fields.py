@@ -4,6 +4,7 @@ import json
 from ...errors import BadInput, NotDead
 from ...model import JOB_FIELDS, Job, load_json
 
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps with separators builds one per call
 _INTS = ("attempt", "max_attempts", "priority", "token", "level")
 _FLOATS = ("timeout", "run_at", "queued_at", "lease_until", "first_failure_at", "last_failure_at", "finished_at",
            "expires_at", "progress")
@@ -35,7 +36,7 @@ def enqueue_args(job):
 
 def body(info):
     """The caller's info dict as the inside of a JSON object ('' when empty)."""
-    return json.dumps(info, separators=(",", ":"))[1:-1] if info else ""
+    return _ENCODE(info)[1:-1] if info else ""
 
 
 def check_script_reply(reply):
