@@ -72,11 +72,15 @@ class OutcomeWriter:
         self.unhold = unhold  # unhold(job_id): the heartbeat stops renewing that lease
         self.on_stored = on_stored  # on_stored(write): metrics of a stored outcome
         self.on_lost = on_lost  # on_lost(job): the broker refused the write, the lease is someone else's
+        # First-try acks, in the order they came (so the first is due first): they go
+        # out together in one ack_many. Every other write, and an ack that failed
+        # once, waits in ``writes`` and is retried alone.
+        self.acks = collections.deque()
         self.writes = collections.deque()
         self.give_up_at = None
 
     def __len__(self):
-        return len(self.writes)
+        return len(self.acks) + len(self.writes)
 
     def add(self, job, outcome, info):
         """Queue the store of a verdict (see ``verdict.Outcome``)."""
@@ -87,7 +91,9 @@ class OutcomeWriter:
         if outcome.op == ACK:
             write.result = outcome.result
             write.next_at = time.monotonic() + ACK_LINGER
-        elif outcome.failed:
+            self.acks.append(write)
+            return
+        if outcome.failed:
             write.error = error_info(outcome.reason, outcome.error_class, outcome.message, outcome.traceback)
             write.reason, write.delay = outcome.reason, outcome.delay or 0.0
         self.writes.append(write)
@@ -102,29 +108,32 @@ class OutcomeWriter:
         The broker would refuse it (LeaseLost) and the loss would be counted a
         second time; the job runs again under its new owner either way.
         """
-        for write in [w for w in self.writes if w.job.lease == lease]:
-            self.writes.remove(write)
-            log.warning("lease lost before the outcome was stored; the job will run again",
-                        extra=logs.job_fields(write.job, event="lease_lost"))
+        for queue in (self.acks, self.writes):
+            for write in [w for w in queue if w.job.lease == lease]:
+                queue.remove(write)
+                log.warning("lease lost before the outcome was stored; the job will run again",
+                            extra=logs.job_fields(write.job, event="lease_lost"))
 
     def due_at(self):
-        return min((w.next_at for w in self.writes), default=None)
+        instants = [w.next_at for w in self.writes]  # few: releases, failures, retried writes
+        if self.acks:
+            instants.append(self.acks[0].next_at)  # the first ack is due first
+        return min(instants, default=None)
 
     def stop_renewing(self, job):
         self.unhold(job.id)
 
     def flush(self):
         now = time.monotonic()
-        acks = []
         # One due ack takes every first-try ack along (they are only lingering for
         # company). An ack that failed once is retried alone below, so one ack the
         # broker refuses cannot keep failing the others until their leases expire.
-        ack_due = any(w.op == ACK and w.tries == 0 and w.next_at <= now for w in self.writes)
+        acks = []
+        if self.acks and self.acks[0].next_at <= now:
+            acks = list(self.acks)
+            self.acks.clear()
         for _ in range(len(self.writes)):
             write = self.writes.popleft()
-            if write.op == ACK and write.tries == 0 and ack_due:
-                acks.append(write)  # stored together below
-                continue
             if write.next_at > now:
                 self.writes.append(write)
                 continue
@@ -193,7 +202,7 @@ class OutcomeWriter:
         Outcomes the broker would not take are abandoned after a while rather
         than hang the stop. Their leases expire and the jobs run again.
         """
-        if not self.writes:
+        if not self.acks and not self.writes:
             return True
         now = time.monotonic()
         if self.give_up_at is None:
@@ -201,5 +210,5 @@ class OutcomeWriter:
         if now < self.give_up_at:
             return False
         log.error("stopping with %d outcomes not stored; those jobs will run again after their lease",
-                  len(self.writes), extra={"event": "writes_abandoned"})
+                  len(self), extra={"event": "writes_abandoned"})
         return True

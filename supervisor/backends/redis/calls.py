@@ -24,8 +24,10 @@ class ScriptCalls:
     """Mixin of ``RedisBroker``: needs ``r``, ``keys``, ``scripts``, ``cluster``, ``replica_wait`` and ``where``."""
 
     def _run(self, name, queue, args, confirm=False):
-        if confirm and self.replica_wait:
-            return self._run_many([(name, queue, args)], confirm=True)[0]
+        if not self.cluster:
+            # Through _exchange, not redis-py's Script object: the same packing and
+            # reading without its per-call wrappers (a claim is the master's hottest call).
+            return self._run_many([(name, queue, args)], confirm=confirm)[0]
         keys, head = self.keys.for_scripts(queue)
         return self.scripts[name](keys=keys, args=head + list(args), client=self.r)
 
