@@ -163,6 +163,9 @@ MUTATIONS = [
     Mutation("login-throttle-off", "supervisor/web/throttle.py",
              "if times is None or len(times) < self.failures:", "if True:",
              ("tests/test_web.py", "-k", "throttled"), "failed logins from one address are throttled"),
+    Mutation("top-up-behind-a-long-job", "supervisor/master/dispatch.py",
+             "and not self.prefetch.long(now - c.started)", "and True",
+             ("tests/test_batches.py", "-k", "runs_long"), "nothing is queued behind a job that runs long"),
 ]
 
 

@@ -145,3 +145,44 @@ def test_a_cancel_reaches_only_its_job_of_a_batch(tmp_path, broker_url):
     finally:
         open(release, "w").close()
         d.stop()
+
+
+def test_a_busy_child_gets_its_next_batch_before_it_runs_out_and_each_job_runs_once(tmp_path, broker_url):
+    d = batch_daemon(tmp_path, broker_url)
+    marker = d.marker("m")
+    try:
+        # Half a millisecond each: a batch lasts long enough for the master to see it run low,
+        # and short enough to stay batched on a loaded machine.
+        n = 6 * PREFETCH.BATCH
+        ids = d.broker.enqueue_many([NewJob("quick", {"marker": marker, "pause": 0.0005}) for _ in range(n)])
+        jobs = [d.wait_job(job_id) for job_id in ids]
+        assert [(j.state, j.attempt) for j in jobs] == [("done", 1)] * n
+        assert sorted(starts(marker)) == sorted(ids)  # each once
+        topped = [r for r in d.records(event="batch") if r["msg"].endswith(" (busy)")]
+        assert topped, "no batch was sent to a child still running the one before"
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def test_nothing_is_queued_behind_a_short_types_job_that_runs_long(tmp_path, broker_url):
+    """A job of a type measured short that runs long now is the long-job trap: jobs queued
+    behind it in its child would wait while a sibling supervisor may sit idle. They stay
+    prefetched in the master instead (free to go to another child, or back to the broker)."""
+    d = batch_daemon(tmp_path, broker_url)
+    marker, release = d.marker("m"), d.marker("release")
+    try:
+        first = d.enqueue("quick", {"marker": marker, "release": release})
+        wait_for(lambda: starts(marker) == [first], message="the first job running")
+        wait_for(lambda: (d.status()["workers"][0]["elapsed"] or 0) >= 0.05, message="the first job running long")
+        rest = [d.enqueue("quick", {"marker": marker}) for _ in range(3)]
+        wait_for(lambda: d.status()["prefetched"] == 3, message="the three jobs claimed and kept in the master")
+        assert d.status()["workers"][0]["queued"] == 0  # none behind the long one
+        open(release, "w").close()
+        jobs = [d.wait_job(job_id) for job_id in [first, *rest]]
+        assert [(j.state, j.attempt) for j in jobs] == [("done", 1)] * 4
+        assert starts(marker)[0] == first and sorted(starts(marker)) == sorted([first, *rest])
+        d.assert_clean()
+    finally:
+        open(release, "w").close()
+        d.stop()

@@ -125,19 +125,51 @@ class Dispatcher:
         free = self.pool.free()
         for i, c in enumerate(free):
             if not self.prefetched:
-                return
+                break
             size = 1 if c.ran_long else min(self.prefetch.batch, -(-len(self.prefetched) // (len(free) - i)))
             most = self.cfg.supervisor.max_jobs_per_child
             if most:
                 size = min(size, max(1, most - c.jobs_done))  # a child recycled after N jobs runs N
-            batch = [self.prefetched.popleft()]
-            while (len(batch) < size and self.prefetched and self.prefetch.batchable(batch[0][0].type)
-                   and self.prefetch.batchable(self.prefetched[0][0].type)):
-                batch.append(self.prefetched.popleft())
-            self.pool.run(c, batch)
+            self.pool.run(c, self.take_batch(size))
+        if self.prefetched:
+            self.top_up()
         if self.prefetched and self.prefetch.auto and self.recheck:
             self.surplus()
         self.recheck = False
+
+    def top_up(self):
+        """The next batch of short jobs to each busy child whose batch is running low.
+
+        Sent before the child runs out, it never waits for the master between
+        batches (the master may be inside a broker call just then). Only a child
+        running a short job with nothing else going on (no kill, cancel, skip or
+        retirement) is topped up, and only with short jobs; a job of a short type
+        that has run too long to be batched by now gets nothing queued behind it.
+        """
+        now = time.monotonic()
+        hungry = [c for c in self.pool.children.values()
+                  if c.job is not None and len(c.queued) < self.prefetch.refill and not c.ran_long
+                  and not self.prefetch.long(now - c.started)
+                  and c.generation == self.pool.generation and not c.retiring and c.kill_reason is None
+                  and c.term_at is None and c.cancel_at is None and not c.skip_sent
+                  and self.prefetch.batchable(c.job.type)]
+        most = self.cfg.supervisor.max_jobs_per_child
+        for i, c in enumerate(hungry):
+            if not self.prefetched or not self.prefetch.batchable(self.prefetched[0][0].type):
+                return
+            size = min(self.prefetch.batch - len(c.queued), -(-len(self.prefetched) // (len(hungry) - i)))
+            if most:
+                size = min(size, most - c.jobs_done - 1 - len(c.queued))  # its running job counts too
+            if size > 0:
+                self.pool.run(c, self.take_batch(size))
+
+    def take_batch(self, size):
+        """Up to ``size`` prefetched jobs, oldest first: one, and more only while their types are short."""
+        batch = [self.prefetched.popleft()]
+        while (len(batch) < size and self.prefetched and self.prefetch.batchable(batch[0][0].type)
+               and self.prefetch.batchable(self.prefetched[0][0].type)):
+            batch.append(self.prefetched.popleft())
+        return batch
 
     def surplus(self):
         """Hand back the waiting jobs beyond their type's prefetch (a long type: all of them).

@@ -64,11 +64,8 @@ class Pool:
         self.run_child, self.on_reply, self.on_lock = run_child, on_reply, on_lock
         self.on_exit, self.on_boot_failed, self.count = on_exit, on_boot_failed, count
         self.children = {}  # pid -> Child
-        self.target = cfg.workers
-        self.generation = 1
-        self.stopping = False
-        self.restarts = 0
-        self.boot_failures = 0
+        self.target, self.generation = cfg.workers, 1
+        self.stopping, self.restarts, self.boot_failures = False, 0, 0
         self.next_spawn_at = 0.0
 
     # -- size ---------------------------------------------------------------------------
@@ -140,13 +137,16 @@ class Pool:
 
     # -- talking to children -------------------------------------------------------------
     def run(self, c, batch):
-        """Hand ``batch`` (a list of (job, settings)) to idle child ``c``: one message, run in order."""
-        job, settings = batch[0]
-        self.start(c, job, settings)
-        c.queued.extend(batch[1:])
+        """Hand ``batch`` (a list of (job, settings)) to child ``c``: one message, run in order.
+        An idle child starts its first job now; a busy one queues them all behind its own."""
+        if c.job is None:
+            self.start(c, *batch[0])
+            c.queued.extend(batch[1:])
+        else:
+            c.queued.extend(batch)
         c.skip_sent = False
-        if len(batch) > 1:
-            log.debug("batch of %d jobs to worker %d", len(batch), c.slot,
+        if len(batch) > 1 or c.job is not batch[0][0]:  # " (busy)": queued behind the job it runs
+            log.debug("batch of %d jobs to worker %d%s", len(batch), c.slot, " (busy)" * (c.job is not batch[0][0]),
                       extra={"event": "batch", "slot": c.slot, "pid": c.pid})
         try:
             protocol.send(c.sock, protocol.batch_message(

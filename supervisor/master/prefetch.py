@@ -13,10 +13,11 @@ WAIT_BUDGET = 0.05  # seconds a prefetched job may expect to wait for a free chi
 PER_CHILD = 32  # most prefetched jobs per child, however short the type
 WEIGHT = 0.2  # weight of the newest run time in the moving average
 BATCH = 32  # most jobs in one message to a child
+REFILL = BATCH // 2  # a busy child with fewer short jobs queued than this gets the next batch
 
 
 class Prefetch:
-    batch = BATCH
+    batch, refill = BATCH, REFILL
 
     def __init__(self, setting, workers):
         self.averages = {}  # job type -> moving average of its run time, seconds

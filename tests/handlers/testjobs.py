@@ -142,9 +142,10 @@ def nap(ctx, payload):
 
 @supervisor.job("quick")
 def quick(ctx, payload):
-    """A short job (batched once measured); on its first attempt it can die (``die``),
-    never return (``spin``) or wait for the ``release`` file (bounded)."""
+    """A short job (batched once measured), ``pause`` seconds long; on its first attempt it can
+    die (``die``), never return (``spin``) or wait for the ``release`` file (bounded)."""
     _mark(payload, f"started {ctx.job.id} {os.getpid()} {ctx.job.attempt}")
+    time.sleep(payload.get("pause", 0))
     if ctx.job.attempt == 1:
         if payload.get("die"):
             os.kill(os.getpid(), signal.SIGKILL)
