@@ -688,6 +688,10 @@ class Soak(ControlFaults):
         except sqlite3.OperationalError:
             self.lock_held_stalls.add(life.pid)
             self.note("probe", f"stopped pid {life.pid} holds the SQLite write lock: no takeover possible")
+            # An outage for every other master too: none can renew its leases until it resumes.
+            for sup in self.sups:
+                if sup.state != "down" and sup.life is not life:
+                    sup.life.hits["broker_outage"] += 1
         finally:
             conn.close()
 
