@@ -48,7 +48,7 @@ MUTATIONS = [
              'f" {_CLOSE_ENTRY} WHERE {_LEASED}",', f'f" {{_CLOSE_ENTRY}} {NOT_FENCED}",',
              (CONFORMANCE, "-k", "sqlite and (stale or ack_many)"), "ack_many refuses a stale lease (SQLite)"),
     Mutation("redis-ack-many-fencing", "supervisor/backends/redis_lua/ack_many.lua",
-             "  if is_leased(key, token) then", "  if redis.call('HGET', key, 'state') == 'running' then",
+             "  if v[1] == 'running' and v[2] == token then", "  if v[1] == 'running' then",
              (CONFORMANCE, "-k", "redis and (stale or ack_many)"), "ack_many refuses a stale lease (Redis)"),
     Mutation("postgres-ack-many-fencing", "supervisor/backends/postgres/statements.py",
              '" WHERE j.id = a.id AND j.token = a.token AND j.state = \'running\'"',

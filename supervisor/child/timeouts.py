@@ -38,6 +38,7 @@ _depth = 0
 _pending = None  # the exception a critical section deferred
 _running = False  # a job is running (a cancel bell between jobs is stale: ignored)
 _cancelled = False  # the running job was cancelled
+_armed = False  # the soft-timeout timer is set
 
 
 def _fire(exc):
@@ -72,17 +73,20 @@ def install():
 
 
 def arm(seconds):
-    global _pending, _running, _cancelled
+    global _pending, _running, _cancelled, _armed
     _pending, _running, _cancelled = None, True, False
     if seconds and seconds > 0:
         signal.setitimer(signal.ITIMER_REAL, seconds)
+        _armed = True
 
 
 def disarm():
     """The handler is over: no more timeouts or cancels for it (``cancel_requested`` stays readable)."""
-    global _pending, _running
+    global _pending, _running, _armed
     _running = False
-    signal.setitimer(signal.ITIMER_REAL, 0)
+    if _armed:  # most jobs have no soft timeout: no syscall for them
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        _armed = False
     _pending = None
 
 

@@ -118,26 +118,31 @@ class Dispatcher:
     def dispatch(self):
         """Hand prefetched jobs to free children, oldest first; give back what may not wait here.
 
-        Consecutive jobs of short types go to a child as one batch, the prefetched
-        jobs shared out evenly among the free children. A child whose last job ran
-        long gets one job at a time.
+        Consecutive jobs of short types go to a child as one batch. A child takes
+        at most its share of the prefetched jobs, an equal part for each child
+        that is free or about to be (busy, few jobs queued): the rest wait here
+        for whichever child is free first, so one job that turns out long cannot
+        hold every waiting job behind it while a sibling child idles. A child
+        whose last job ran long gets one job at a time.
         """
         free = self.pool.free()
-        for i, c in enumerate(free):
+        soon = sum(1 for c in self.pool.live() if c.job is not None and len(c.queued) < self.prefetch.refill)
+        share = -(-len(self.prefetched) // max(1, len(free) + soon))
+        for c in free:
             if not self.prefetched:
                 break
-            size = 1 if c.ran_long else min(self.prefetch.batch, -(-len(self.prefetched) // (len(free) - i)))
+            size = 1 if c.ran_long else min(self.prefetch.batch, share)
             most = self.cfg.supervisor.max_jobs_per_child
             if most:
                 size = min(size, max(1, most - c.jobs_done))  # a child recycled after N jobs runs N
             self.pool.run(c, self.take_batch(size))
         if self.prefetched:
-            self.top_up()
+            self.top_up(share)
         if self.prefetched and self.prefetch.auto and self.recheck:
             self.surplus()
         self.recheck = False
 
-    def top_up(self):
+    def top_up(self, share):
         """The next batch of short jobs to each busy child whose batch is running low.
 
         Sent before the child runs out, it never waits for the master between
@@ -145,19 +150,23 @@ class Dispatcher:
         running a short job with nothing else going on (no kill, cancel, skip or
         retirement) is topped up, and only with short jobs; a job of a short type
         that has run too long to be batched by now gets nothing queued behind it.
+        Only a child that has answered ``refill`` jobs since its last batch is fed
+        so: a flood of short jobs, not a few of which one may hold the rest. As
+        in ``dispatch``, a child takes at most its ``share``.
         """
         now = time.monotonic()
+        refill = self.prefetch.refill
         hungry = [c for c in self.pool.children.values()
-                  if c.job is not None and len(c.queued) < self.prefetch.refill and not c.ran_long
+                  if c.job is not None and len(c.queued) < refill <= c.jobs_done - c.done_at_send and not c.ran_long
                   and not self.prefetch.long(now - c.started)
                   and c.generation == self.pool.generation and not c.retiring and c.kill_reason is None
                   and c.term_at is None and c.cancel_at is None and not c.skip_sent
                   and self.prefetch.batchable(c.job.type)]
         most = self.cfg.supervisor.max_jobs_per_child
-        for i, c in enumerate(hungry):
+        for c in hungry:
             if not self.prefetched or not self.prefetch.batchable(self.prefetched[0][0].type):
                 return
-            size = min(self.prefetch.batch - len(c.queued), -(-len(self.prefetched) // (len(hungry) - i)))
+            size = min(self.prefetch.batch - len(c.queued), share)
             if most:
                 size = min(size, most - c.jobs_done - 1 - len(c.queued))  # its running job counts too
             if size > 0:

@@ -39,11 +39,11 @@ class Child:
         self.lost, self.cancels = set(), {}  # its jobs' ids: lease lost (outcome dropped); cancelled -> request
         self.skip_sent = self.ran_long = False  # asked to skip its batch's rest; its last job was long
         self.started = self.deadline = None  # monotonic: the current job's start, its hard-timeout instant
-        self.term_at = None  # when SIGTERM was sent (hard timeout grace)
-        self.kill_reason = None  # KILLED_*: why we are killing it
+        self.term_at, self.kill_reason = None, None  # when SIGTERM was sent (hard timeout grace); why killing it
         self.cancel_at = self.cancel_deadline = None  # monotonic: its job's cancel was sent; the kill after grace
         self.progress = None  # (fraction, note) its job last reported
         self.jobs_done, self.retiring = 0, False
+        self.done_at_send = 0  # jobs_done when its last RUN message went out (top-ups: dispatch.top_up)
         self.bad_frame = None  # the error of a message the protocol cannot take: no more reading
 
 
@@ -144,7 +144,7 @@ class Pool:
             c.queued.extend(batch[1:])
         else:
             c.queued.extend(batch)
-        c.skip_sent = False
+        c.skip_sent, c.done_at_send = False, c.jobs_done
         if len(batch) > 1 or c.job is not batch[0][0]:  # " (busy)": queued behind the job it runs
             log.debug("batch of %d jobs to worker %d%s", len(batch), c.slot, " (busy)" * (c.job is not batch[0][0]),
                       extra={"event": "batch", "slot": c.slot, "pid": c.pid})

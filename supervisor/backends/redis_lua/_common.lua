@@ -33,24 +33,30 @@ end
 -- The open attempt lives in field "open" (a JSON object); closing it appends
 -- it to "history" with `suffix` (',"k":v,...') merged in: later keys win when
 -- the JSON is read, like SQLite's json_patch.
-local function close_entry(key, suffix)
-  local v = redis.call('HMGET', key, 'history', 'open')
-  local history, open = v[1] or '[]', v[2] or '{}'
+local function closed_history(history, open, suffix)
+  history, open = history or '[]', open or '{}'
   local entry
   if open == '{}' then entry = '{' .. string.sub(suffix, 2) .. '}'
   else entry = string.sub(open, 1, -2) .. suffix .. '}' end
-  if history == '[]' then history = '[' .. entry .. ']'
-  else history = string.sub(history, 1, -2) .. ',' .. entry .. ']' end
-  redis.call('HSET', key, 'history', history)
+  if history == '[]' then return '[' .. entry .. ']' end
+  return string.sub(history, 1, -2) .. ',' .. entry .. ']'
+end
+
+local function close_entry(key, suffix)
+  local v = redis.call('HMGET', key, 'history', 'open')
+  redis.call('HSET', key, 'history', closed_history(v[1], v[2], suffix))
   redis.call('HDEL', key, 'open')
 end
 
--- A finished job gives its idempotency key back.
-local function free_key(key, id)
-  local ikey = redis.call('HGET', key, 'idempotency_key')
+-- A finished job gives its idempotency key back (free_key_of: the key already read).
+local function free_key_of(ikey, id)
   if ikey and redis.call('HGET', IDEM, ikey) == id then
     redis.call('HDEL', IDEM, ikey)
   end
+end
+
+local function free_key(key, id)
+  free_key_of(redis.call('HGET', key, 'idempotency_key'), id)
 end
 
 local function failed_now(key)

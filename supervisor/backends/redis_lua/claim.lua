@@ -49,11 +49,11 @@ local until_us = NOW + lease
 for k = 1, #popped, 2 do
   local id = string.sub(popped[k], 17)
   local key = JOB .. id
-  local state = redis.call('HGET', key, 'state')
-  if state == 'queued' or state == 'retrying' then  -- never a job that ended meanwhile
-    local attempt = redis.call('HINCRBY', key, 'attempt', 1)
-    redis.call('HINCRBY', key, 'token', 1)
-    redis.call('HSET', key, 'state', 'running', 'lease_until', secs(until_us), 'owner', owner,
+  local f = redis.call('HMGET', key, 'state', 'attempt', 'token')
+  if f[1] == 'queued' or f[1] == 'retrying' then  -- never a job that ended meanwhile
+    local attempt = (tonumber(f[2]) or 0) + 1  -- one HSET for attempt, token and the lease
+    redis.call('HSET', key, 'state', 'running', 'attempt', attempt, 'token', (tonumber(f[3]) or 0) + 1,
+      'lease_until', secs(until_us), 'owner', owner,
       'open', '{"attempt":' .. attempt .. ',"started_at":' .. secs(NOW) .. ',"owner":' .. owner_json .. '}')
     redis.call('ZADD', LEASED, until_us, id)
     out[#out + 1] = cjson.encode(redis.call('HGETALL', key))
