@@ -89,7 +89,7 @@ def recv(sock):
     body = _read_exactly(sock, size)
     if body is None:
         return None
-    return json.loads(body)
+    return _DECODE(body.decode())
 
 
 def _read_exactly(sock, n):

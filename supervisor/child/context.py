@@ -26,6 +26,9 @@ class JobInfo:
     token: int
 
 
+_JOB_INFO = tuple(f.name for f in dataclasses.fields(JobInfo))  # once, not per job
+
+
 class _JobLogger(logging.LoggerAdapter):
     def process(self, msg, kwargs):
         kwargs["extra"] = dict(self.extra, **kwargs.get("extra", {}))
@@ -44,12 +47,20 @@ class Context:
     """
 
     def __init__(self, job, deadline=None):
-        self.job = JobInfo(**{f.name: job.get(f.name) for f in dataclasses.fields(JobInfo)})
+        self.job = JobInfo(**{name: job.get(name) for name in _JOB_INFO})
+        self._job = job
         self._parents = job.get("parents") or {}
         self.deadline = deadline
-        self.log = _JobLogger(logging.getLogger(f"tangguh.job.{self.job.type}"), job_fields(job))
+        self._log = None
         self.metrics = {}
         self._progress_sent_at = None
+
+    @property
+    def log(self):
+        """A logger whose records carry the job's ids (made on first use: most jobs never log)."""
+        if self._log is None:
+            self._log = _JobLogger(logging.getLogger(f"tangguh.job.{self.job.type}"), job_fields(self._job))
+        return self._log
 
     def cancelled(self):
         """True once this job was cancelled (``tangguh cancel``): a long loop may stop on it.

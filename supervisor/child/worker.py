@@ -30,6 +30,16 @@ def title(slot, text):
     setproctitle.setproctitle(f"tangguh: worker {slot} {text}")
 
 
+_clock = [None, ""]  # (whole second, its "HH:MM:SS"): strftime reads the local time zone on every call
+
+
+def clock():
+    now = int(time.time())
+    if now != _clock[0]:
+        _clock[:] = now, time.strftime("%H:%M:%S", time.localtime(now))
+    return _clock[1]
+
+
 def set_parent_death_signal(master_pid):
     """Die with the master: the kernel sends SIGKILL when the parent exits.
 
@@ -134,7 +144,7 @@ def serve(sock, slot, handlers, master_pid):
 def run_one(sock, slot, handlers, entry):
     """Run one job and send its reply; False when the child must leave (a hard timeout crossed the reply)."""
     job = entry["job"]
-    title(slot, f"{job['type']} {job['id']} since {time.strftime('%H:%M:%S')}")
+    title(slot, f"{job['type']} {job['id']} since {clock()}")
     reply = tracing.run_span(job, lambda: run_job(job, handlers, entry.get("soft_timeout")))
     try:
         with timeouts.critical():  # a SIGTERM now waits for the whole reply: never a torn frame
