@@ -167,21 +167,25 @@ def test_a_busy_child_gets_its_next_batch_before_it_runs_out_and_each_job_runs_o
 
 def test_nothing_is_queued_behind_a_short_types_job_that_runs_long(tmp_path, broker_url):
     """A job of a type measured short that runs long now is the long-job trap: jobs queued
-    behind it in its child would wait while a sibling supervisor may sit idle. They stay
-    prefetched in the master instead (free to go to another child, or back to the broker)."""
+    behind it in its child would wait while a sibling supervisor may sit idle. Its child
+    has answered enough short jobs of its batch to be fed the next one, but not while that
+    job runs: the new jobs stay prefetched in the master (free to go to another child)."""
     d = batch_daemon(tmp_path, broker_url)
     marker, release = d.marker("m"), d.marker("release")
+    held = PREFETCH.REFILL + 3  # answered before it: past the point where a child is topped up
     try:
-        first = d.enqueue("quick", {"marker": marker, "release": release})
-        wait_for(lambda: starts(marker) == [first], message="the first job running")
-        wait_for(lambda: (d.status()["workers"][0]["elapsed"] or 0) >= 0.05, message="the first job running long")
+        ids = enqueue_batch(d, *([{"marker": marker}] * held + [{"marker": marker, "release": release}]
+                                 + [{"marker": marker}] * (PREFETCH.BATCH - held - 1)))
+        wait_for(lambda: ids[held] in starts(marker), message="the holding job running")
+        assert batches_sent(d, PREFETCH.BATCH), "the jobs went to the child as one batch"
+        wait_for(lambda: (d.status()["workers"][0]["elapsed"] or 0) >= 0.05, message="it running long")
         rest = [d.enqueue("quick", {"marker": marker}) for _ in range(3)]
-        wait_for(lambda: d.status()["prefetched"] == 3, message="the three jobs claimed and kept in the master")
-        assert d.status()["workers"][0]["queued"] == 0  # none behind the long one
+        wait_for(lambda: d.status()["prefetched"] == 3, message="the three new jobs claimed and kept in the master")
+        assert d.status()["workers"][0]["queued"] == PREFETCH.BATCH - held - 1  # nothing added behind it
         open(release, "w").close()
-        jobs = [d.wait_job(job_id) for job_id in [first, *rest]]
-        assert [(j.state, j.attempt) for j in jobs] == [("done", 1)] * 4
-        assert starts(marker)[0] == first and sorted(starts(marker)) == sorted([first, *rest])
+        jobs = [d.wait_job(job_id) for job_id in ids + rest]
+        assert [(j.state, j.attempt) for j in jobs] == [("done", 1)] * len(jobs)
+        assert sorted(starts(marker)) == sorted(ids + rest)  # each once
         d.assert_clean()
     finally:
         open(release, "w").close()
