@@ -14,6 +14,9 @@ PER_CHILD = 32  # most prefetched jobs per child, however short the type
 WEIGHT = 0.2  # weight of the newest run time in the moving average
 BATCH = 32  # most jobs in one message to a child
 REFILL = BATCH // 2  # a busy child with fewer short jobs queued than this gets the next batch
+# One run longer than this stops batching to its child: an outlier of a short type (its
+# average is what makes it batchable), kept above a scheduler hiccup or a GC pause.
+LONG_RUN = WAIT_BUDGET / 8
 
 
 class Prefetch:
@@ -60,7 +63,7 @@ class Prefetch:
 
     def long(self, seconds):
         """Whether one run of ``seconds`` is too long to have jobs batched behind it."""
-        return isinstance(seconds, (int, float)) and seconds * BATCH > WAIT_BUDGET
+        return isinstance(seconds, (int, float)) and seconds > LONG_RUN
 
     def room(self):
         """Jobs a claim may take beyond the idle children: the most any type allows.
