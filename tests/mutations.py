@@ -51,8 +51,8 @@ MUTATIONS = [
              "  if v[1] == 'running' and v[2] == token then", "  if v[1] == 'running' then",
              (CONFORMANCE, "-k", "redis and (stale or ack_many)"), "ack_many refuses a stale lease (Redis)"),
     Mutation("postgres-ack-many-fencing", "supervisor/backends/postgres/statements.py",
-             '" WHERE j.id = a.id AND j.token = a.token AND j.state = \'running\'"',
-             '" WHERE j.id = a.id AND j.state = \'running\'"',
+             '" WHERE j.id = locked.id AND j.id = l.id AND j.token = l.token AND j.state = \'running\'"',
+             '" WHERE j.id = locked.id AND j.id = l.id AND j.state = \'running\'"',
              (CONFORMANCE, "-k", "postgres and (stale or ack_many)"), "ack_many refuses a stale lease (PostgreSQL)"),
     Mutation("lease-renewal-off", "supervisor/heartbeat.py",
              "br.renew(leases, self.lease_seconds, progress)",
@@ -166,6 +166,11 @@ MUTATIONS = [
     Mutation("top-up-behind-a-long-job", "supervisor/master/dispatch.py",
              "and not self.prefetch.long(now - c.started)", "and True",
              ("tests/test_batches.py", "-k", "runs_long"), "nothing is queued behind a job that runs long"),
+    Mutation("postgres-batch-lock-order", "supervisor/backends/postgres/statements.py",
+             'f" locked AS MATERIALIZED (SELECT id FROM {t} WHERE id IN (SELECT id FROM l) ORDER BY id FOR UPDATE)"',
+             'f" locked AS MATERIALIZED (SELECT id FROM l)"',
+             ("tests/test_postgres_broker.py", "-k", "id_order"),
+             "a batch of acks, extends or renewals never deadlocks a cancel (PostgreSQL)"),
 ]
 
 

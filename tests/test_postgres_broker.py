@@ -468,3 +468,50 @@ def test_a_url_libpq_cannot_read_is_a_broker_error_without_its_password():
     with pytest.raises(BrokerError, match="not a connection URL libpq can read") as err:
         open_broker("postgresql://postgres:s3cr%zzet@127.0.0.1:5432/test")  # a bad percent-escape
     assert "s3cr" not in str(err.value)
+
+
+# -- lock order of the batched lease writes --------------------------------------------
+
+BATCHED_LEASE_WRITES = {
+    "ack_many": lambda broker, leases: broker.ack_many([(lease, None, {}) for lease in leases]),
+    "extend": lambda broker, leases: broker.extend(leases, 30),
+    "renew": lambda broker, leases: broker.renew(leases, 30).lost,
+}
+
+
+@pytest.mark.parametrize("write", sorted(BATCHED_LEASE_WRITES))
+def test_a_batched_lease_write_locks_in_id_order_so_it_never_deadlocks_a_cancel(pg, postgres_url, write):
+    """A cancel (and every other multi-row write) locks jobs in id order. A batch of acks,
+    extends or renewals that locked them in the order it was given (completion order, claim
+    order) could hold B while waiting for A, and a cancel holding A then asking for B
+    deadlocked it: PostgreSQL aborts one of the two after deadlock_timeout."""
+    # Enough rows, analysed, for the plan a busy table gets: the batch's array outside,
+    # the jobs looked up one by one (with two rows the planner scans the table instead).
+    pg.enqueue_many([new({"n": n}) for n in range(1000)])
+    a, b = sorted((job.lease for job in pg.claim(Q, 2, 30, "w")), key=lambda lease: lease.job_id)
+    pg._execute(f"ANALYZE {pg._jobs}")
+    done = {}
+
+    def batch():
+        try:
+            done["lost"] = BATCHED_LEASE_WRITES[write](pg, [b, a])  # given in the order that is not id order
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            done["error"] = exc
+
+    canceller = psycopg.connect(pg.conninfo)  # stands for a cancel's transaction: A, then B
+    watcher = psycopg.connect(pg.conninfo, autocommit=True)
+    try:
+        canceller.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (a.job_id,))
+        backend = pg._conn().info.backend_pid
+        thread = threading.Thread(target=batch)
+        thread.start()
+        wait_for(lambda: watcher.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
+                                         (backend,)).fetchone()[0], timeout=10,
+                 message=f"{write} to wait for the cancel's lock on the first job")
+        canceller.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (b.job_id,))
+        canceller.commit()
+        thread.join(30)
+    finally:
+        canceller.close()
+        watcher.close()
+    assert done == {"lost": []}

@@ -271,7 +271,7 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
             return []
         rows = self._execute(
             self._sql.extend,
-            (float(lease_seconds), [lease.job_id for lease in leases], [lease.token for lease in leases]),
+            ([lease.job_id for lease in leases], [lease.token for lease in leases], float(lease_seconds)),
         ).fetchall()
         current = set(rows)
         return [lease for lease in leases if (lease.job_id, lease.token) not in current]

@@ -19,7 +19,7 @@ from ...model import CANCELLED, EXPIRED, Job, Renewal, check_queue
 from .. import control
 from .connection import quote
 from .control_schema import done_channel
-from .statements import NOW
+from .statements import NOW, leased_batch
 
 WAIT_FALLBACK = 1.0
 
@@ -70,14 +70,13 @@ class ControlMixin(control.ExpiredLog):
         values = [control.progress_value(progress[lease.job_id]) if lease.job_id in progress else (None, None)
                   for lease in leases]
         rows = self._execute(
-            f"UPDATE {self._jobs} j SET lease_until = {NOW} + %s::float8,"
-            " progress = coalesce(l.fraction, j.progress),"
-            " progress_note = CASE WHEN l.fraction IS NULL THEN j.progress_note ELSE l.note END"
-            " FROM unnest(%s::text[], %s::bigint[], %s::float8[], %s::text[]) AS l(id, token, fraction, note)"
-            " WHERE j.id = l.id AND j.token = l.token AND j.state = 'running'"
-            " RETURNING j.id, j.token, j.cancel_request",
-            (float(lease_seconds), [lease.job_id for lease in leases], [lease.token for lease in leases],
-             [v[0] for v in values], [v[1] for v in values])).fetchall()
+            leased_batch(self._jobs, "unnest(%s::text[], %s::bigint[], %s::float8[], %s::text[])"
+                                     " AS l(id, token, fraction, note)",
+                         f"lease_until = {NOW} + %s::float8, progress = coalesce(l.fraction, j.progress),"
+                         " progress_note = CASE WHEN l.fraction IS NULL THEN j.progress_note ELSE l.note END",
+                         "j.id, j.token, j.cancel_request"),
+            ([lease.job_id for lease in leases], [lease.token for lease in leases], [v[0] for v in values],
+             [v[1] for v in values], float(lease_seconds))).fetchall()
         current = {(job_id, token) for job_id, token, _ in rows}
         renewal.lost = [lease for lease in leases if (lease.job_id, lease.token) not in current]
         renewal.cancel = {job_id: request for job_id, _, request in rows if request is not None}

@@ -37,6 +37,22 @@ def stats_query(t, s):
         f" UNION ALL SELECT queue, 'paused', 1, NULL FROM {s}.paused_queues WHERE queue = ANY(%(q)s::text[])")
 
 
+def leased_batch(t, rows, assignments, returning):
+    """An UPDATE of a batch of leased jobs: ``rows`` an ``unnest(...) AS l(id, token, ...)`` (its
+    parameters come first), ``assignments`` the SET list (``j`` the job, ``l`` its row).
+
+    The jobs are locked first, in id order, as every other write of several jobs locks
+    them (cancel, requeue, discard). Left to the join, the update locked them in the
+    order the plan met them (the batch's order, or an index's), and a batch holding B
+    while it waited for A deadlocked a cancel holding A while it waited for B.
+    """
+    return (f"WITH l AS MATERIALIZED (SELECT * FROM {rows}),"
+            f" locked AS MATERIALIZED (SELECT id FROM {t} WHERE id IN (SELECT id FROM l) ORDER BY id FOR UPDATE)"
+            f" UPDATE {t} j SET {assignments} FROM l, locked"
+            " WHERE j.id = locked.id AND j.id = l.id AND j.token = l.token AND j.state = 'running'"
+            f" RETURNING {returning}")
+
+
 class Statements:
     def __init__(self, s):
         """``s``: the quoted schema."""
@@ -60,12 +76,8 @@ class Statements:
             f" WHERE (idempotency_key = ANY(%s::text[]) AND state IN {UNFINISHED}) OR id = ANY(%s::text[])"
         )
         self.claim = f"SELECT * FROM {s}.claim(%s::text[], %s::integer, %s::float8, %s::text)"
-        self.extend = (
-            f"UPDATE {t} j SET lease_until = {NOW} + %s::float8"
-            " FROM unnest(%s::text[], %s::bigint[]) AS l(id, token)"
-            " WHERE j.id = l.id AND j.token = l.token AND j.state = 'running'"
-            " RETURNING j.id, j.token"
-        )
+        self.extend = leased_batch(t, "unnest(%s::text[], %s::bigint[]) AS l(id, token)",
+                                   f"lease_until = {NOW} + %s::float8", "j.id, j.token")
         close = "history = jsonb_set(history, '{-1}', (history -> -1) || %(info)s::jsonb || jsonb_build_object("
         leased = "WHERE id = %(id)s AND token = %(token)s AND state = 'running'"
         retrying, queued = UNLESS_CANCELLED.format(state="'retrying'"), UNLESS_CANCELLED.format(state="'queued'")
@@ -73,14 +85,11 @@ class Statements:
             f"UPDATE {t} SET state = 'done', result = %(result)s::json, finished_at = {NOW}, lease_until = NULL, "
             + close + f"'ended_at', {NOW}, 'outcome', 'done')) " + leased
         )
-        self.ack_many = (
-            f"UPDATE {t} j SET state = 'done', result = a.result::json, finished_at = {NOW}, lease_until = NULL,"
-            " history = jsonb_set(j.history, '{-1}', (j.history -> -1) || a.info::jsonb || jsonb_build_object("
-            f"'ended_at', {NOW}, 'outcome', 'done'))"
-            " FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::text[]) AS a(id, token, result, info)"
-            " WHERE j.id = a.id AND j.token = a.token AND j.state = 'running'"
-            " RETURNING j.id, j.token"
-        )
+        self.ack_many = leased_batch(
+            t, "unnest(%s::text[], %s::bigint[], %s::text[], %s::text[]) AS l(id, token, result, info)",
+            f"state = 'done', result = l.result::json, finished_at = {NOW}, lease_until = NULL,"
+            " history = jsonb_set(j.history, '{-1}', (j.history -> -1) || l.info::jsonb || jsonb_build_object("
+            f"'ended_at', {NOW}, 'outcome', 'done'))", "j.id, j.token")
         self.retry = (
             f"UPDATE {t} SET {retrying}, run_at = %(run_at)s::float8,"
             " error = %(error)s::jsonb,"
