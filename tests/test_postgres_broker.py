@@ -515,3 +515,32 @@ def test_a_batched_lease_write_locks_in_id_order_so_it_never_deadlocks_a_cancel(
         canceller.close()
         watcher.close()
     assert done == {"lost": []}
+
+
+@pytest.mark.parametrize("write", sorted(BATCHED_LEASE_WRITES))
+def test_a_batched_lease_write_that_waited_for_a_renewal_still_finds_its_lease(pg, write):
+    """A renewal of the same job commits while the batch waits for its lock: the row has
+    moved (a new version), and the batch must still see its current lease, not call it lost."""
+    pg.enqueue_many([new({"n": 1}), new({"n": 2})])
+    leases = [job.lease for job in pg.claim(Q, 2, 30, "w")]
+    done = {}
+
+    def batch():
+        done["lost"] = BATCHED_LEASE_WRITES[write](pg, leases)
+
+    renewal = psycopg.connect(pg.conninfo)
+    watcher = psycopg.connect(pg.conninfo, autocommit=True)
+    try:
+        renewal.execute(f"UPDATE {pg._jobs} SET lease_until = lease_until + 5 WHERE id = %s", (leases[0].job_id,))
+        backend = pg._conn().info.backend_pid
+        thread = threading.Thread(target=batch)
+        thread.start()
+        wait_for(lambda: watcher.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
+                                         (backend,)).fetchone()[0], timeout=10,
+                 message=f"{write} to wait for the renewal's lock")
+        renewal.commit()
+        thread.join(30)
+    finally:
+        renewal.close()
+        watcher.close()
+    assert done == {"lost": []}

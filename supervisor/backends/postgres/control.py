@@ -71,7 +71,7 @@ class ControlMixin(control.ExpiredLog):
                   for lease in leases]
         rows = self._execute(
             leased_batch(self._jobs, "unnest(%s::text[], %s::bigint[], %s::float8[], %s::text[])"
-                                     " AS l(id, token, fraction, note)",
+                                     " AS b(id, token, fraction, note)",
                          f"lease_until = {NOW} + %s::float8, progress = coalesce(l.fraction, j.progress),"
                          " progress_note = CASE WHEN l.fraction IS NULL THEN j.progress_note ELSE l.note END",
                          "j.id, j.token, j.cancel_request"),

@@ -38,18 +38,19 @@ def stats_query(t, s):
 
 
 def leased_batch(t, rows, assignments, returning):
-    """An UPDATE of a batch of leased jobs: ``rows`` an ``unnest(...) AS l(id, token, ...)`` (its
-    parameters come first), ``assignments`` the SET list (``j`` the job, ``l`` its row).
+    """An UPDATE of a batch of leased jobs: ``rows`` an ``unnest(...) AS b(id, token, ...)`` (its
+    parameters come first), ``assignments`` the SET list (``j`` the job, ``l`` its row of the batch).
 
     The jobs are locked first, in id order, as every other write of several jobs locks
     them (cancel, requeue, discard). Left to the join, the update locked them in the
     order the plan met them (the batch's order, or an index's), and a batch holding B
-    while it waited for A deadlocked a cancel holding A while it waited for B.
+    while it waited for A deadlocked a cancel holding A while it waited for B. The
+    update then finds each job by id again (not by the locked row's ctid: a renewal
+    committed while we waited moved the row, and the fence must read its new version).
     """
-    return (f"WITH l AS MATERIALIZED (SELECT * FROM {rows}),"
-            f" locked AS MATERIALIZED (SELECT id FROM {t} WHERE id IN (SELECT id FROM l) ORDER BY id FOR UPDATE)"
-            f" UPDATE {t} j SET {assignments} FROM l, locked"
-            " WHERE j.id = locked.id AND j.id = l.id AND j.token = l.token AND j.state = 'running'"
+    return (f"WITH l AS MATERIALIZED (SELECT b.* FROM {t} j, {rows} WHERE j.id = b.id ORDER BY j.id FOR UPDATE OF j)"
+            f" UPDATE {t} j SET {assignments} FROM l"
+            " WHERE j.id = l.id AND j.token = l.token AND j.state = 'running'"
             f" RETURNING {returning}")
 
 
@@ -76,7 +77,7 @@ class Statements:
             f" WHERE (idempotency_key = ANY(%s::text[]) AND state IN {UNFINISHED}) OR id = ANY(%s::text[])"
         )
         self.claim = f"SELECT * FROM {s}.claim(%s::text[], %s::integer, %s::float8, %s::text)"
-        self.extend = leased_batch(t, "unnest(%s::text[], %s::bigint[]) AS l(id, token)",
+        self.extend = leased_batch(t, "unnest(%s::text[], %s::bigint[]) AS b(id, token)",
                                    f"lease_until = {NOW} + %s::float8", "j.id, j.token")
         close = "history = jsonb_set(history, '{-1}', (history -> -1) || %(info)s::jsonb || jsonb_build_object("
         leased = "WHERE id = %(id)s AND token = %(token)s AND state = 'running'"
@@ -86,7 +87,7 @@ class Statements:
             + close + f"'ended_at', {NOW}, 'outcome', 'done')) " + leased
         )
         self.ack_many = leased_batch(
-            t, "unnest(%s::text[], %s::bigint[], %s::text[], %s::text[]) AS l(id, token, result, info)",
+            t, "unnest(%s::text[], %s::bigint[], %s::text[], %s::text[]) AS b(id, token, result, info)",
             f"state = 'done', result = l.result::json, finished_at = {NOW}, lease_until = NULL,"
             " history = jsonb_set(j.history, '{-1}', (j.history -> -1) || l.info::jsonb || jsonb_build_object("
             f"'ended_at', {NOW}, 'outcome', 'done'))", "j.id, j.token")
