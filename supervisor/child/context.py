@@ -47,13 +47,21 @@ class Context:
     """
 
     def __init__(self, job, deadline=None):
-        self.job = JobInfo(**{name: job.get(name) for name in _JOB_INFO})
         self._job = job
+        self._info = None
         self._parents = job.get("parents") or {}
         self.deadline = deadline
         self._log = None
         self.metrics = {}
         self._progress_sent_at = None
+
+    @property
+    def job(self):
+        """The job's ids (``JobInfo``), made on first use: a frozen dataclass costs more than
+        the rest of a no-op job's context, and most handlers never read it."""
+        if self._info is None:
+            self._info = JobInfo(**{name: self._job.get(name) for name in _JOB_INFO})
+        return self._info
 
     @property
     def log(self):

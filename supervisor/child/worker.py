@@ -185,7 +185,8 @@ def run_job(job, handlers, soft_timeout=None):
         else:
             result = spec.fn(ctx, payload)
         timeouts.disarm()
-        check_json(result, "handler result")
+        if result is not None:  # most handlers return nothing: no walk, no trial encoding
+            check_json(result, "handler result")
         # ``cancelled``: the handler returned after its cancel reached it (the job ends cancelled).
         return dict(reply, ok=True, result=result, duration=time.monotonic() - started,
                     metrics=_numbers(ctx.metrics), cancelled=timeouts.cancel_requested())
