@@ -313,7 +313,8 @@ class Job:
 
 
 # Computed once: dataclasses.fields() walks every field on each call (a claim decodes every job).
-JOB_FIELDS = frozenset(f.name for f in dataclasses.fields(Job))
+JOB_ORDER = tuple(f.name for f in dataclasses.fields(Job))
+JOB_FIELDS = frozenset(JOB_ORDER)
 
 
 class Lease(typing.NamedTuple):

@@ -253,3 +253,31 @@ def test_a_lost_wakeup_connection_is_reported_and_replaced(rb, redis_url, raw):
     with open_broker(redis_url) as producer:
         producer.enqueue(new())
     wait_for(lambda: readable(fd), timeout=5, message="wake-up on the new connection")
+
+
+# -- claim's compact rows ----------------------------------------------------------------
+
+def test_claim_rows_name_the_fields_the_decoder_expects_in_its_order():
+    """claimed_row (_common.lua) and fields.from_claim share a field order: the Lua list is
+    read here, so a field added to one side only fails this test, not a claim in production."""
+    import re
+
+    from supervisor.backends.redis import fields, scripts
+
+    with open(os.path.join(scripts.LUA_DIR, "_common.lua"), encoding="utf-8") as f:
+        listed = re.search(r"local ROW_FIELDS = \{(.*?)\}", f.read(), re.S).group(1)
+    assert tuple(re.findall(r"'(\w+)'", listed)) == fields.ROW_FIELDS
+
+
+def test_a_claimed_job_is_the_job_get_reads_with_every_field_set(rb):
+    """Every field a claim can carry, through the compact row: a retried job with a key,
+    a resource, a timeout, an expiry, a priority and an error, claimed again."""
+    job_id = rb.enqueue(NewJob("t", {"n": 1, "s": "é/\"x\""}, resource_id="r:1", idempotency_key="k:1", timeout=2.5,
+                               expires_in=600, priority=3, max_attempts=4, trace_id="0af7651916cd43dd8448eb211c80319c"))
+    (first,) = rb.claim(["default"], 1, 30, "w1")
+    rb.retry(first.lease, rb.now(), error_info("exception", "ValueError", "no", "tb"), {"host": "h", "pid": 7})
+    (again,) = rb.claim(["default"], 1, 30, "w2")
+    assert again.id == job_id and again.attempt == 2 and again.owner == "w2"
+    assert again.error["class"] == "ValueError" and again.first_failure_at is not None
+    assert [entry.get("outcome") for entry in again.history] == ["retry", None]  # the open attempt last
+    assert again == rb.get(job_id)

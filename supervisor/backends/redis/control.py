@@ -20,7 +20,7 @@ from ...errors import LeaseLost
 from ...model import EXPIRED, Renewal, check_queue
 from .. import control
 from .connection import guard
-from .fields import body, to_job
+from .fields import body, from_claim
 
 WAIT_FALLBACK = 1.0
 
@@ -120,7 +120,7 @@ class ControlMixin(control.ExpiredLog):
         """The claim script's rows as jobs, minus the ones it ended ``expired`` (recorded here)."""
         jobs = []
         for fields in rows:
-            job = to_job(json.loads(fields))
+            job = from_claim(fields)
             if job.state == EXPIRED:
                 self._expired_log.append((job.id, job.type))
             else:

@@ -2,7 +2,7 @@
 import json
 
 from ...errors import BadInput, NotDead
-from ...model import JOB_FIELDS, Job, load_json
+from ...model import JOB_FIELDS, JOB_ORDER, Job, load_json
 
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps with separators builds one per call
 _INTS = ("attempt", "max_attempts", "priority", "token", "level")
@@ -13,6 +13,31 @@ _JSON = ("payload", "result", "error", "cancel_request")
 _CONVERT = {name: convert for name, convert in {**dict.fromkeys(_INTS, int), **dict.fromkeys(_FLOATS, float),
                                                 **dict.fromkeys(_JSON, load_json), "pending": int}.items()
             if name in JOB_FIELDS}
+
+
+# claimed_row's fields (_common.lua), in its order: the Job's positional fields up to
+# ``pending``, then the open attempt.
+ROW_FIELDS = JOB_ORDER[:JOB_ORDER.index("pending") + 1] + ("open",)
+_ROW_CONVERT = tuple(_CONVERT.get(name) for name in ROW_FIELDS[:-1])
+_HISTORY = ROW_FIELDS.index("history")
+_loads = json.loads
+
+
+def from_claim(text):
+    """A ``Job`` from one JSON string of a claim's reply: a ``claimed_row`` ([0, value, ...]),
+    or a whole hash's [field, value, ...] (a workflow child, an expired job)."""
+    row = _loads(text)
+    if row[0] != 0:
+        return to_job(row)
+    # Positional: the row holds the Job's fields in their order (false: not set).
+    args = [None if v is False else v if convert is None else convert(v)
+            for convert, v in zip(_ROW_CONVERT, row[1:-1])]
+    stored, open_entry = args[_HISTORY], row[-1]
+    history = [] if stored is None or stored == "[]" else _loads(stored)
+    if open_entry:
+        history.append(_loads(open_entry))
+    args[_HISTORY] = history
+    return Job(*args)
 
 
 def enqueue_args(job):

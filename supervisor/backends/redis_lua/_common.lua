@@ -25,6 +25,22 @@ local function make_ready(id, priority, run_us)
   redis.call('ZADD', READY, -tonumber(priority), string.format('%016.0f', run_us) .. id)
 end
 
+-- A leased job as claim returns it (fields.from_claim reads it): its fields in this order
+-- (the Job's own up to pending, then the open attempt; a missing one is false) as one JSON
+-- array led by 0. Half the text of the hash's pairs, decoded without a dict. A workflow
+-- child (pending set) comes as its whole hash instead: its parents' fields vary.
+local ROW_FIELDS = {'id', 'type', 'queue', 'payload', 'state', 'resource_id', 'idempotency_key', 'attempt',
+  'max_attempts', 'timeout', 'priority', 'run_at', 'queued_at', 'trace_id', 'token', 'lease_until', 'owner',
+  'result', 'error', 'reason', 'first_failure_at', 'last_failure_at', 'finished_at', 'history', 'expires_at',
+  'progress', 'progress_note', 'cancel_request', 'pending', 'open'}
+local PENDING_AT = #ROW_FIELDS - 1
+
+local function claimed_row(key)
+  local v = redis.call('HMGET', key, unpack(ROW_FIELDS))
+  if v[PENDING_AT] then return cjson.encode(redis.call('HGETALL', key)) end
+  return '[0,' .. string.sub(cjson.encode(v), 2)
+end
+
 local function is_leased(key, token)
   local v = redis.call('HMGET', key, 'state', 'token')
   return v[1] == 'running' and v[2] == token

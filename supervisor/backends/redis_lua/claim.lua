@@ -1,7 +1,8 @@
 -- claim: ARGV[3] = n, ARGV[4] = lease (us), ARGV[5] = owner, ARGV[6] = owner as JSON.
 -- Reclaims this queue's expired leases, promotes due delayed jobs, ends the due
--- jobs past their expiry, then (unless the queue is paused) leases up to n ready jobs. Returns each leased job's hash (HGETALL) as one JSON
--- array string: one bulk reply per job is far cheaper to parse than ~25.
+-- jobs past their expiry, then (unless the queue is paused) leases up to n ready jobs. Returns
+-- one JSON string per job (one bulk reply per job is far cheaper to parse than ~25): an
+-- expired job's hash (HGETALL), a leased job's claimed_row.
 local n, lease, owner, owner_json = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6]
 
 local expired = redis.call('ZRANGEBYSCORE', LEASED, '-inf', '(' .. num(NOW), 'LIMIT', 0, 1000)
@@ -56,7 +57,7 @@ for k = 1, #popped, 2 do
       'lease_until', secs(until_us), 'owner', owner,
       'open', '{"attempt":' .. attempt .. ',"started_at":' .. secs(NOW) .. ',"owner":' .. owner_json .. '}')
     redis.call('ZADD', LEASED, until_us, id)
-    out[#out + 1] = cjson.encode(redis.call('HGETALL', key))
+    out[#out + 1] = claimed_row(key)
   end
 end
 return out

@@ -51,7 +51,7 @@ local function lease_job(id, key)
   redis.call('HSET', key, 'state', 'running', 'lease_until', secs(until_us), 'owner', owner,
     'open', '{"attempt":' .. attempt .. ',"started_at":' .. secs(NOW) .. ',"owner":' .. owner_json .. '}')
   redis.call('ZADD', LEASED, until_us, id)
-  return cjson.encode(redis.call('HGETALL', key))
+  return claimed_row(key)
 end
 
 local out, drop = {}, {}
