@@ -157,12 +157,16 @@ class Tangguh(Framework):
             self.url = f"{REDIS}/13?prefix=tangguh-bench-{tag}"
         else:
             self.url = f"{PG_URL}?schema=tangguh_bench_{tag}"
-        from supervisor.backends import open_broker
         from supervisor.client import Client
+
+        self.migrate()
+        self.client = Client.from_url(self.url)
+
+    def migrate(self):
+        from supervisor.backends import open_broker
 
         with open_broker(self.url) as b:
             b.migrate()
-        self.client = Client.from_url(self.url)
 
     def cleanup(self):
         if self.client is not None:
