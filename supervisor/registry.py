@@ -103,6 +103,8 @@ def load_handlers(folder, generation=0):
             seen.add(id(value))
             fn = getattr(value, "__wrapped__", value)  # the function itself, under the Handler
             spec = HandlerSpec(fn=fn, is_async=inspect.iscoroutinefunction(fn), source=path, **meta)
+            if spec.is_async:
+                import asyncio  # noqa: F401 - loaded here, before the fork, so children share it
             other = handlers.get(spec.type)
             if other is not None and other.fn is not fn:
                 raise HandlerLoadError(f"job type {spec.type!r} has two handlers: {other.source} and {path}")

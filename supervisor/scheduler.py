@@ -23,8 +23,6 @@ import datetime
 import logging
 import zoneinfo
 
-import croniter
-
 from .errors import BadInput
 
 log = logging.getLogger("tangguh.scheduler")
@@ -41,6 +39,10 @@ class Schedule:
     catch_up: int = 1
 
     def _iter(self, t):
+        # Imported on first use: a daemon without schedules never loads croniter and
+        # dateutil, about 2 MiB in the master that every child shares.
+        import croniter
+
         return croniter.croniter(self.cron, datetime.datetime.fromtimestamp(t, zoneinfo.ZoneInfo(self.timezone)))
 
     def next_after(self, t):

@@ -255,6 +255,30 @@ def test_a_new_handler_file_runs_after_sighup(daemon):
     daemon.assert_clean()
 
 
+def test_an_async_handler_runs_and_only_it_loads_asyncio_in_the_master(daemon):
+    """asyncio (2 MiB with its C module) is loaded by the registry when a handler is a
+    coroutine function, in the master before the fork, so the children share it; a
+    daemon of plain functions never loads it."""
+    daemon.start()
+    assert not _mapped(daemon.proc.pid, "_asyncio")
+    with open(os.path.join(daemon.handlers, "awaits.py"), "w") as f:
+        f.write("import supervisor\n\n@supervisor.job('awaited')\nasync def awaited(ctx, payload):\n"
+                "    return {'double': payload['x'] * 2}\n")
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: "awaited" in daemon.status()["handlers"] and _idle(daemon, generation=2) == 2,
+             message="the new generation with the async handler")
+    assert _mapped(daemon.proc.pid, "_asyncio")
+    job = daemon.wait_job(daemon.enqueue("awaited", {"x": 21}, max_attempts=1))
+    assert (job.state, job.result) == ("done", {"double": 42})
+    daemon.assert_clean()
+
+
+def _mapped(pid, library):
+    """Whether a shared library whose file name contains ``library`` is mapped into ``pid``."""
+    with open(f"/proc/{pid}/maps") as f:
+        return any(library in os.path.basename(line.split()[-1]) for line in f if "/" in line)
+
+
 def test_ttin_and_ttou_change_the_worker_count(daemon):
     daemon.start()
     daemon.signal(signal.SIGTTIN)

@@ -84,6 +84,16 @@ def test_what_handlers_and_producers_import_stays_at_the_top():
         assert hasattr(supervisor.toolkit, name), name
 
 
+def test_the_daemons_code_loads_neither_croniter_nor_asyncio_until_a_schedule_or_an_async_handler_needs_them():
+    # Every module the master imports is in every child too (forked): croniter with dateutil
+    # and asyncio are about 4 MiB that a daemon without schedules or async handlers never uses.
+    heavy = ["croniter", "dateutil", "asyncio"]
+    probe = ("import sys, supervisor.cli.daemon, supervisor.master.arbiter, supervisor.child.worker;"
+             f" print([m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_importing_supervisor_loads_neither_the_worker_nor_a_driver():
     # Handler modules and producers import supervisor: the child's worker (asyncio)
     # and the broker drivers load only where they are used.

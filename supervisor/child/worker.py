@@ -4,7 +4,6 @@ The child never talks to the broker: the master claims, renews and acks. A
 child only runs handlers and says how they ended, so killing one at any
 instant loses nothing the master cannot account for.
 """
-import asyncio
 import collections
 import ctypes
 import logging
@@ -181,6 +180,8 @@ def run_job(job, handlers, soft_timeout=None):
     try:
         payload = schemas.for_handler(spec, job["payload"])  # the typed payload, or BadPayload
         if spec.is_async:
+            import asyncio  # the registry loaded it with the handler; a sync-only daemon never does
+
             result = asyncio.run(spec.fn(ctx, payload))
         else:
             result = spec.fn(ctx, payload)
