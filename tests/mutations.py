@@ -170,6 +170,14 @@ MUTATIONS = [
              "WHERE j.id = b.id ORDER BY j.id FOR UPDATE OF j)", "WHERE j.id = b.id)",
              ("tests/test_postgres_broker.py", "-k", "id_order"),
              "a batch of acks, extends or renewals never deadlocks a cancel (PostgreSQL)"),
+    Mutation("postgres-deadlock-victim-statement", "supervisor/backends/postgres/connection.py",
+             "if not retries_left or db.info.transaction_status != TransactionStatus.IDLE:", "if True:",
+             ("tests/test_postgres_broker.py", "-k", "aborts_to_break and ack"),
+             "a statement PostgreSQL aborted to break a deadlock runs again"),
+    Mutation("postgres-deadlock-victim-transaction", "supervisor/backends/postgres/connection.py",
+             "if (not retries_left or kwargs.get", "if (True or kwargs.get",
+             ("tests/test_postgres_broker.py", "-k", "aborts_to_break and cancel"),
+             "a transaction PostgreSQL aborted to break a deadlock runs again"),
 ]
 
 

@@ -544,3 +544,60 @@ def test_a_batched_lease_write_that_waited_for_a_renewal_still_finds_its_lease(p
         renewal.close()
         watcher.close()
     assert done == {"lost": []}
+
+
+# -- deadlocks PostgreSQL breaks by aborting one side ----------------------------------------
+
+@pytest.mark.parametrize("victim", ["ack", "cancel"])
+def test_a_write_postgresql_aborts_to_break_a_deadlock_runs_again(pg, postgres_url, victim):
+    """cancel([callback, member]) (what cancel_batch sends) locks ids in id order; the
+    member's ack locks the member, then its trigger locks the callback (a child). With the
+    callback's id first (same-millisecond ids: half the time) the two wait on each other
+    and PostgreSQL aborts one: the side whose deadlock_timeout ends first, set here to
+    choose it (a statement of its own, or a transaction of several). The aborted side was
+    rolled back whole and runs again."""
+    member, callback = "job_B_member", "job_A_callback"
+    pg.enqueue_many([new({"n": 1}, id=member), new({"n": 2}, id=callback, depends_on=[(member, "complete")])])
+    (job,) = pg.claim(Q, 1, 300, "w")
+    assert job.id == member
+    cancelling, acking = open_broker(postgres_url), open_broker(postgres_url)
+    for broker, name in ((cancelling, "cancel"), (acking, "ack")):
+        broker._conn().execute(f"SET deadlock_timeout = '{'100ms' if name == victim else '20s'}'")
+    # Holds the member against the cancel's FOR UPDATE but not against the ack's UPDATE
+    # (FOR KEY SHARE conflicts only with key changes): the cancel locks the callback, then waits.
+    gate = psycopg.connect(pg.conninfo)
+    watcher = psycopg.connect(pg.conninfo, autocommit=True)
+    done = {}
+
+    def call(name, fn):
+        try:
+            done[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            done[name] = exc
+
+    def waits(broker):
+        pid = broker._conn().info.backend_pid
+        return watcher.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
+                               (pid,)).fetchone()[0]
+
+    try:
+        gate.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR KEY SHARE", (member,))
+        cancel = threading.Thread(target=call, args=("cancel", lambda: cancelling.cancel([callback, member], "op", "x")))
+        cancel.start()
+        wait_for(lambda: waits(cancelling), timeout=10, message="the cancel to hold the callback and wait")
+        ack = threading.Thread(target=call, args=("ack", lambda: acking.ack(job.lease, {"r": 1})))
+        ack.start()
+        wait_for(lambda: waits(acking), timeout=10, message="the ack to hold the member and wait")
+        gate.commit()
+        cancel.join(30)
+        ack.join(30)
+    finally:
+        gate.close()
+        watcher.close()
+        cancelling.close()
+        acking.close()
+    # Whichever side PostgreSQL aborted ran again: the ack stored, the cancel answered (the
+    # member running, or already done when the cancel was the one that ran again).
+    assert done["ack"] is None and done["cancel"][callback] == "cancelled", done
+    assert done["cancel"][member] in ("requested", "already_done"), done
+    assert (pg.get(member).state, pg.get(callback).state) == ("done", "cancelled")

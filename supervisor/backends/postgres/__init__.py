@@ -35,7 +35,7 @@ from ...model import Job, QueueStats
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, workflows
-from .connection import Connections, libpq_conninfo, quote, read_url
+from .connection import Connections, deadlock_retried, libpq_conninfo, quote, read_url
 from .control import ControlMixin
 from .schema import migrations as _migrations  # looked up at each migrate: a test stands in older versions
 from .search import SearchMixin
@@ -107,7 +107,7 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
         if not jobs:
             return []
         if any(job.depends_on for job in jobs):
-            return self._enqueue_flow(jobs, conn)
+            return self._enqueue_flow(jobs, conn=conn)
         ids = {}  # position -> id
         pending = list(range(len(jobs)))
         for _ in range(5):
@@ -342,6 +342,7 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
             if state != "dead":
                 raise NotDead(f"job {job_id} is {'unknown' if state is None else state}, not dead")
 
+    @deadlock_retried
     def dlq_replay(self, job_ids):
         job_ids = list(job_ids)
         with self._guard("dlq replay"):
@@ -360,6 +361,7 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
                 raise BadInput("cannot replay: an idempotency key is held by an unfinished job") from None
         return job_ids
 
+    @deadlock_retried
     def dlq_purge(self, job_ids):
         job_ids = list(job_ids)
         with self._guard("dlq purge"):

@@ -15,6 +15,11 @@ libpq's multi-host form); unless it says otherwise it gets
 taking writes. A failover breaks the sessions; the next call reconnects, and
 libpq finds the promoted standby.
 
+Deadlocks: PostgreSQL breaks one by aborting a side, which it rolls back whole. A
+statement of ours it aborted runs again (``execute``), and so does a transaction of
+several (``deadlock_retried``): every write the broker makes is fenced (id, token,
+state) or checks the state it changes, so running it again stores what it would have.
+
 Connections are autocommit. Every psycopg error surfaces as ``BrokerError``
 (the daemon reads it as "broker down"), or ``BrokerUnusable`` when the
 settings can never work; the next call reconnects. After a ``fork()`` the
@@ -24,7 +29,10 @@ child opens its own connections and never touches (nor closes) the parent's.
 (re-measured every minute), so every supervisor measures leases against the
 same clock.
 """
+import collections.abc
 import contextlib
+import functools
+import logging
 import os
 import re
 import select
@@ -34,12 +42,43 @@ import urllib.parse
 import psycopg
 from psycopg import errors as pgerrors
 from psycopg.conninfo import make_conninfo
+from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 from psycopg.types.json import set_json_loads
 
 from ...errors import BrokerError, BrokerUnusable
 from ...model import load_json
 from ...urls import redact
+
+log = logging.getLogger("tangguh.broker")
+
+# Runs of a deadlock's victim after the first: each waits for the other side to have gone
+# (PostgreSQL's deadlock_timeout, 1 s by default), so a few are plenty.
+DEADLOCK_RETRIES = 3
+
+
+def deadlock_retried(method):
+    """A broker method whose transaction runs again when PostgreSQL aborted it to break a
+    deadlock (never one in a caller's transaction: ``conn=``)."""
+    @functools.wraps(method)
+    def retried(self, *args, **kwargs):
+        # An iterator of ids would be empty on the second run.
+        args = [list(a) if isinstance(a, collections.abc.Iterator) else a for a in args]
+        for retries_left in range(DEADLOCK_RETRIES, -1, -1):
+            try:
+                return method(self, *args, **kwargs)
+            except BrokerError as exc:
+                if (not retries_left or kwargs.get("conn") is not None
+                        or not isinstance(exc.__cause__, pgerrors.DeadlockDetected)):
+                    raise
+                _log_retry(method.__name__, exc.__cause__)
+    return retried
+
+
+def _log_retry(what, exc):
+    log.warning("postgres %s chosen to break a deadlock, running it again: %s", what,
+                str(exc).splitlines()[0], extra={"event": "deadlock_retry"})
+
 
 DEFAULT_SCHEMA = "tangguh"
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -169,9 +208,16 @@ class Connections:
 
     def execute(self, query, params=None, row_factory=tuple_row):
         with self.guard("query"):
-            cur = self.main().cursor(row_factory=row_factory)
-            cur.execute(query, params)
-            return cur
+            for retries_left in range(DEADLOCK_RETRIES, -1, -1):
+                db = self.main()
+                try:
+                    return db.cursor(row_factory=row_factory).execute(query, params)
+                except pgerrors.DeadlockDetected as exc:
+                    # Autocommit: the statement was its whole transaction (in a caller's
+                    # transaction block, that block runs again: deadlock_retried).
+                    if not retries_left or db.info.transaction_status != TransactionStatus.IDLE:
+                        raise
+                    _log_retry("query", exc)
 
     def now(self):
         if (time.monotonic() - self._synced > _CLOCK_RESYNC and self.db is not None and not self.db.closed

@@ -17,7 +17,7 @@ from psycopg.rows import dict_row
 from ...errors import LeaseLost
 from ...model import CANCELLED, EXPIRED, Job, Renewal, check_queue
 from .. import control
-from .connection import quote
+from .connection import deadlock_retried, quote
 from .control_schema import done_channel
 from .statements import NOW, leased_batch
 
@@ -34,6 +34,7 @@ def _distinct_queues(table):
 
 class ControlMixin(control.ExpiredLog):
     # -- cancel --------------------------------------------------------------
+    @deadlock_retried
     def cancel(self, job_ids, by, reason):
         job_ids = control.check_ids(job_ids)
         request = control.cancel_request(by, reason, None)

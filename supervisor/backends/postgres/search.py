@@ -44,6 +44,7 @@ from psycopg.rows import dict_row
 
 from ...model import Job
 from .. import scan, sqlsearch
+from .connection import deadlock_retried
 from .statements import NOW
 
 SERVED = sqlsearch.SERVED + ("payload",)
@@ -198,6 +199,7 @@ class SearchMixin:
                 (self.schema,))}
         return self._job_columns
 
+    @deadlock_retried
     def requeue(self, job_ids):
         job_ids = list(job_ids)
         out = {}
@@ -225,6 +227,7 @@ class SearchMixin:
                     out[job_id] = "conflict"
         return out
 
+    @deadlock_retried
     def discard(self, job_ids):
         job_ids = list(job_ids)
         with self._guard("discard"):

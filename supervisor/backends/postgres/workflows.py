@@ -28,6 +28,7 @@ from psycopg.rows import tuple_row
 
 from ...dependencies import ON_SUCCESS, PARENT_FAILED, order, plan
 from ...errors import BrokerError
+from .connection import deadlock_retried
 from .statements import UNFINISHED
 
 _FINISHED = "('done', 'dead', 'cancelled', 'expired')"
@@ -133,6 +134,7 @@ def migration(s):
 class Workflows:
     """The PostgreSQL broker's workflow operations (a mixin of ``PostgresBroker``)."""
 
+    @deadlock_retried
     def _enqueue_flow(self, jobs, conn=None):
         """Store validated jobs of which some have ``depends_on``: one transaction, four statements.
 
