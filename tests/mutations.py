@@ -178,6 +178,10 @@ MUTATIONS = [
              "if (not retries_left or kwargs.get", "if (True or kwargs.get",
              ("tests/test_postgres_broker.py", "-k", "aborts_to_break and cancel"),
              "a transaction PostgreSQL aborted to break a deadlock runs again"),
+    Mutation("postgres-reopen-unlocked", "supervisor/backends/postgres/workflows.py",
+             "                ORDER BY child, parent FOR UPDATE;", "                ORDER BY child, parent;",
+             ("tests/test_postgres_broker.py", "-k", "reopened_while"),
+             "a reopened workflow child counts a parent ending at the same moment (PostgreSQL)"),
 ]
 
 

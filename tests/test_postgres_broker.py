@@ -601,3 +601,56 @@ def test_a_write_postgresql_aborts_to_break_a_deadlock_runs_again(pg, postgres_u
     assert done["ack"] is None and done["cancel"][callback] == "cancelled", done
     assert done["cancel"][member] in ("requested", "already_done"), done
     assert (pg.get(member).state, pg.get(callback).state) == ("done", "cancelled")
+
+
+def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgres_url):
+    """J waits on P1 (success) and P2 (complete); P1 dead-lettered, so J was cancelled.
+    P2's ack has written its edges (J skipped: cancelled then) and not committed yet,
+    while a replay of P1 reopens J: the reopen must wait for P2's end and count it, or J
+    waits for P2 forever once P1 is done."""
+    p1, p2, j, k = "job_P1", "job_P2", "job_J", "job_K"
+    pg.enqueue_many([new({"n": 1}, id=p1, max_attempts=1), new({"n": 2}, id=p2),
+                     new({"n": 3}, id=j, depends_on=[(p1, "success"), (p2, "complete")]),
+                     new({"n": 4}, id=k, depends_on=[(p2, "complete")])])
+    leases = {job.id: job.lease for job in pg.claim(Q, 2, 300, "w")}
+    pg.dead(leases[p1], "failed", {"class": "E", "message": "m", "traceback": ""})
+    assert pg.get(j).state == "cancelled"
+    acking, replaying = open_broker(postgres_url), open_broker(postgres_url)
+    # Holds K, P2's other child: P2's ack stops between its edges and its commit.
+    gate = psycopg.connect(pg.conninfo)
+    watcher = psycopg.connect(pg.conninfo, autocommit=True)
+    done = {}
+
+    def call(name, fn):
+        try:
+            done[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            done[name] = exc
+
+    def waits(broker):
+        pid = broker._conn().info.backend_pid
+        return watcher.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
+                               (pid,)).fetchone()[0]
+
+    try:
+        gate.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (k,))
+        ack = threading.Thread(target=call, args=("ack", lambda: acking.ack(leases[p2])))
+        ack.start()
+        wait_for(lambda: waits(acking), timeout=10, message="P2's ack to wait for K, its edges written")
+        replay = threading.Thread(target=call, args=("replay", lambda: replaying.dlq_replay([p1])))
+        replay.start()
+        # The fixed reopen waits for P2's edge; the broken one commits at once.
+        wait_for(lambda: waits(replaying) or "replay" in done, timeout=10, message="the replay to wait or end")
+        gate.commit()
+        ack.join(30)
+        replay.join(30)
+    finally:
+        gate.close()
+        watcher.close()
+        acking.close()
+        replaying.close()
+    assert done == {"ack": None, "replay": [p1]}, done
+    again = {job.id: job.lease for job in pg.claim(Q, 5, 300, "w")}
+    assert set(again) == {p1, k}  # K was released by P2's end; J waits for P1
+    pg.ack(again[p1])  # P1 runs again and succeeds: J's last parent
+    assert pg.get(j).state == "queued"

@@ -137,6 +137,8 @@ def migrations(s):
         # Built inside the migration's transaction (not CONCURRENTLY): writes wait for it, 1.4 s
         # for a million jobs (bench/README.md).
         (6, [f"CREATE INDEX jobs_stats ON {s}.jobs (queue, state, run_at)"]),
+        # 7: a reopened workflow child counts a parent that ends at the same moment (workflows.py).
+        (7, workflows.reopen_migration(s)),
     ]
 
 

@@ -15,6 +15,10 @@ RETURNING``, which takes the child's row lock, so of two transactions
 finishing the last two parents at once the second waits for the first and
 sees ``pending`` drop to 0, the first sees 1. Children are locked in id order.
 
+A parent that runs again (replay, requeue) reopens its children: the trigger
+locks those children's edges before it counts their open parents, so a parent
+ending at that moment is counted once it commits (schema version 7).
+
 An enqueue with dependencies takes the row lock of each stored parent (it sets
 ``kids``) before reading its state: a parent ending at the same moment either
 ends first (the enqueue then sees it finished) or waits for the enqueue to
@@ -129,6 +133,36 @@ def migration(s):
         f"CREATE TRIGGER flow_forget AFTER DELETE ON {s}.jobs FOR EACH ROW WHEN (OLD.pending IS NOT NULL OR OLD.kids)"
         f" EXECUTE FUNCTION {s}.flow_forget()",
     ]
+
+
+def reopen_migration(s):
+    """Version 7: ``flow_reopen`` locks the edges of the children it reopens before it reads them.
+
+    A parent ending at the same moment writes its edges first and its children after, in
+    one transaction. Read from the reopen's snapshot, that parent's edge was still open
+    and the child it had skipped (cancelled then) was counted as waiting for it: once its
+    other parents finished, the child waited forever. Locked first, the edges are read
+    after that parent's commit (a later statement, a later snapshot), so its end counts.
+    """
+    return [f"""CREATE OR REPLACE FUNCTION {s}.flow_reopen() RETURNS trigger LANGUAGE plpgsql AS $body$
+        BEGIN
+            PERFORM 1 FROM {s}.job_edges
+                WHERE child IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id)
+                ORDER BY child, parent FOR UPDATE;
+            UPDATE {s}.job_edges e SET state = NULL, result = NULL FROM {s}.jobs c
+                WHERE e.parent = NEW.id AND c.id = e.child
+                    AND (c.state = 'waiting' OR (c.state = 'cancelled' AND c.reason = '{PARENT_FAILED}'));
+            UPDATE {s}.jobs SET pending = pending + 1
+                WHERE state = 'waiting' AND id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id);
+            UPDATE {s}.jobs j SET state = 'waiting', reason = NULL, finished_at = NULL, cancel_request = NULL,
+                    pending = (SELECT count(*) FROM {s}.job_edges e WHERE e.child = j.id AND e.state IS NULL)
+                WHERE j.state = 'cancelled' AND j.reason = '{PARENT_FAILED}'
+                    AND j.id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id)
+                    AND NOT EXISTS (SELECT 1 FROM {s}.job_edges e WHERE e.child = j.id AND e.on_ = '{ON_SUCCESS}'
+                                    AND e.state IS NOT NULL AND e.state <> 'done');
+            RETURN NULL;
+        END
+        $body$"""]
 
 
 class Workflows:
