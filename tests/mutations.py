@@ -182,6 +182,10 @@ MUTATIONS = [
              "                ORDER BY child, parent FOR UPDATE;", "                ORDER BY child, parent;",
              ("tests/test_postgres_broker.py", "-k", "reopened_while"),
              "a reopened workflow child counts a parent ending at the same moment (PostgreSQL)"),
+    Mutation("child-one-frame-per-job", "supervisor/child/worker.py",
+             "handed back what a SKIP names.\n                continue\n", "handed back what a SKIP names.\n",
+             ("tests/test_batches.py", "-k", "topped_up"),
+             "a job handed back behind a topped-up child never starts there"),
 ]
 
 

@@ -6,6 +6,8 @@ lease) concerns that job only, and the jobs behind it come back untouched.
 """
 import signal
 
+import pytest
+
 from supervisor.master import prefetch as PREFETCH
 from supervisor.model import NewJob
 
@@ -186,6 +188,44 @@ def test_nothing_is_queued_behind_a_short_types_job_that_runs_long(tmp_path, bro
         jobs = [d.wait_job(job_id) for job_id in ids + rest]
         assert [(j.state, j.attempt) for j in jobs] == [("done", 1)] * len(jobs)
         assert sorted(starts(marker)) == sorted(ids + rest)  # each once
+        d.assert_clean()
+    finally:
+        open(release, "w").close()
+        d.stop()
+
+
+@pytest.mark.parametrize("how", ["cancel", "stop"])
+def test_a_job_handed_back_behind_a_topped_up_child_never_starts_there(tmp_path, how):
+    """A child running job 16 of its batch with a top-up (the next batch) already in its
+    pipe: a cancel of a queued job, or a stop, hands the queued jobs back (SKIP). The
+    child must read the SKIP behind the top-up before it starts another job: reading
+    one frame per job, it started job 17 although the master had handed it back (a
+    cancelled job's handler ran; a stop released a job that had run)."""
+    d = batch_daemon(tmp_path, None, broker={"heartbeat_seconds": 0.2})
+    marker, release = d.marker("m"), d.marker("release")
+    try:
+        p = {"marker": marker}
+        ids = enqueue_batch(d, *([p] * 16 + [dict(p, release=release)] + [p] * 55))
+        wait_for(lambda: ids[16] in starts(marker), message="job 16, which holds, running")
+        # The top-up goes out as job 16 starts: its child then holds more than the 15 behind it.
+        wait_for(lambda: (lambda w: w["job_id"] == ids[16] and w["queued"] > 15)(d.status()["workers"][0]),
+                 timeout=30, message="a top-up queued behind job 16")
+        if how == "cancel":
+            d.broker.cancel([ids[17]], by="ops", reason="queued")
+            assert d.wait_job(ids[17], states=("cancelled", "done", "dead")).state == "cancelled"
+        else:
+            d.signal(signal.SIGTERM)
+            wait_for(lambda: d.status()["stopping"] == "graceful", message="the stop to begin")
+        open(release, "w").close()
+        if how == "stop":
+            assert d.wait_exit() == 0
+            job = d.job(ids[17])
+            assert (job.state, job.attempt) == ("queued", 0)  # back, untouched
+        else:
+            jobs = [d.wait_job(job_id, states=("cancelled", "done", "dead")) for job_id in ids]
+            assert [j.state for j in jobs].count("cancelled") == 1
+            assert sorted(starts(marker)) == sorted(set(ids) - {ids[17]})  # each other job once
+        assert ids[17] not in starts(marker)
         d.assert_clean()
     finally:
         open(release, "w").close()

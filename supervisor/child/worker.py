@@ -132,6 +132,9 @@ def serve(sock, slot, handlers, master_pid):
                 continue
             if msg.get("op") == protocol.RUN:
                 pending.extend(msg["batch"] if "batch" in msg else [msg])
+                # Every frame already here before the next job: a top-up RUN can sit in
+                # front of a SKIP, and the master has handed back what a SKIP names.
+                continue
             # A CANCEL frame read here crossed the reply of the job it named: nothing to do
             # (the master asks for a SKIP first, so no job of a batch starts after it).
         if pending:
