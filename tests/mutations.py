@@ -186,6 +186,10 @@ MUTATIONS = [
              "handed back what a SKIP names.\n                continue\n", "handed back what a SKIP names.\n",
              ("tests/test_batches.py", "-k", "topped_up"),
              "a job handed back behind a topped-up child never starts there"),
+    Mutation("retiring-child-keeps-its-batch", "supervisor/master/arbiter.py",
+             "            if c.retiring and c.queued:", "            if False:",
+             ("tests/test_batches.py", "-k", "reload_takes_back"),
+             "a reload hands back the batch queued behind an old child's running job"),
 ]
 
 

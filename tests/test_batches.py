@@ -230,3 +230,28 @@ def test_a_job_handed_back_behind_a_topped_up_child_never_starts_there(tmp_path,
     finally:
         open(release, "w").close()
         d.stop()
+
+
+def test_a_reload_takes_back_the_batch_queued_behind_an_old_childs_running_job(tmp_path):
+    """SIGHUP retires the old generation's children after their current job; the jobs queued
+    behind that job are handed back at once and run on the new generation's child, not
+    behind a job that may run long, under the old handlers."""
+    d = batch_daemon(tmp_path, None)
+    marker, release = d.marker("m"), d.marker("release")
+    try:
+        p = {"marker": marker}
+        ids = enqueue_batch(d, dict(p, release=release), p, p)
+        wait_for(lambda: ids[0] in starts(marker), message="the first job, which holds, running")
+        assert batches_sent(d, 3)
+        old = d.status()["workers"][0]["pid"]
+        d.signal(signal.SIGHUP)
+        later = [d.wait_job(job_id, timeout=20) for job_id in ids[1:]]  # while the first still holds
+        assert [(j.state, j.attempt) for j in later] == [("done", 1), ("done", 1)]
+        ran_on = {line[1]: int(line[2]) for line in read_lines(marker) if line[0] == "started"}
+        assert old not in (ran_on[ids[1]], ran_on[ids[2]])
+        open(release, "w").close()
+        assert d.wait_job(ids[0]).state == "done"
+        d.assert_clean()
+    finally:
+        open(release, "w").close()
+        d.stop()

@@ -119,6 +119,7 @@ class Arbiter:
             self.check_stop_deadline()
             self.writer.flush()
             self.pool.manage()
+            self.withdraw_from_retiring()
             self.claim_and_dispatch()
             self.run_periodic()
             self.status.report()
@@ -366,6 +367,14 @@ class Arbiter:
                                   f"no handler for job type {job.type!r}", self.backoff)
         self.status.outcome(job, outcome)
         self.writer.add(job, outcome, attempt_info())
+
+    def withdraw_from_retiring(self):
+        """A child told to exit after its current job (a reload, fewer workers) starts no other:
+        the jobs queued behind that one go back now, not after a job that may run long, nor
+        under the old generation's handlers."""
+        for c in list(self.pool.children.values()):
+            if c.retiring and c.queued:
+                self.endings.withdraw(c)
 
     def claim_and_dispatch(self):
         if self.stopping is not None:
