@@ -190,6 +190,10 @@ MUTATIONS = [
              "            if c.retiring and c.queued:", "            if False:",
              ("tests/test_batches.py", "-k", "reload_takes_back"),
              "a reload hands back the batch queued behind an old child's running job"),
+    Mutation("child-works-on-after-term", "supervisor/child/worker.py",
+             "    return not timeouts.terminated()", "    return True",
+             ("tests/test_batches.py", "-k", "terminated_over"),
+             "a child past its hard timeout starts no other job of its batch"),
 ]
 
 

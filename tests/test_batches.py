@@ -255,3 +255,22 @@ def test_a_reload_takes_back_the_batch_queued_behind_an_old_childs_running_job(t
     finally:
         open(release, "w").close()
         d.stop()
+
+
+def test_a_child_terminated_over_a_hard_timeout_starts_no_other_job_of_its_batch(tmp_path):
+    """The hard timeout's SIGTERM ends the running job (``JobTimeout``); the master then
+    hands back the jobs queued behind it and kills the child after ``kill_grace``. The child
+    must leave after its reply, not start the next job of its batch meanwhile: that job
+    would run there, cut off by the SIGKILL, and again elsewhere."""
+    d = batch_daemon(tmp_path, None, jobs={"types": {"quick": {"timeout": 1.0}}}, supervisor={"kill_grace": 20})
+    marker = d.marker("m")
+    try:
+        ids = enqueue_batch(d, {"marker": marker, "spin": True}, {"marker": marker}, {"marker": marker})
+        jobs = [d.wait_job(job_id) for job_id in ids]
+        assert batches_sent(d, 3)
+        assert [(j.state, j.attempt) for j in jobs] == [("done", 2), ("done", 1), ("done", 1)]
+        assert jobs[0].history[0]["error"]["reason"] == "timeout"
+        assert [starts(marker).count(job_id) for job_id in ids] == [2, 1, 1]
+        d.assert_clean()
+    finally:
+        d.stop()

@@ -500,6 +500,10 @@ def test_a_batched_lease_write_locks_in_id_order_so_it_never_deadlocks_a_cancel(
 
     canceller = psycopg.connect(pg.conninfo)  # stands for a cancel's transaction: A, then B
     watcher = psycopg.connect(pg.conninfo, autocommit=True)
+    # Were there a deadlock, the canceller would be the side PostgreSQL aborts (its
+    # deadlock_timeout ends first): the batch's own abort would be run again unseen.
+    canceller.execute("SET deadlock_timeout = '100ms'")
+    pg._conn().execute("SET deadlock_timeout = '20s'")
     try:
         canceller.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (a.job_id,))
         backend = pg._conn().info.backend_pid

@@ -39,6 +39,7 @@ _pending = None  # the exception a critical section deferred
 _running = False  # a job is running (a cancel bell between jobs is stale: ignored)
 _cancelled = False  # the running job was cancelled
 _armed = False  # the soft-timeout timer is set
+_terminated = False  # the master sent SIGTERM: this child ends after its reply
 
 
 def _fire(exc):
@@ -54,6 +55,8 @@ def _on_alarm(signum, frame):
 
 
 def _on_term(signum, frame):
+    global _terminated
+    _terminated = True
     _fire(JobTimeout("terminated by the supervisor (hard timeout)"))
 
 
@@ -88,6 +91,11 @@ def disarm():
         signal.setitimer(signal.ITIMER_REAL, 0)
         _armed = False
     _pending = None
+
+
+def terminated():
+    """True once the master sent SIGTERM (a hard timeout): the child starts no other job."""
+    return _terminated
 
 
 def cancel_requested():

@@ -144,7 +144,7 @@ def serve(sock, slot, handlers, master_pid):
 
 
 def run_one(sock, slot, handlers, entry):
-    """Run one job and send its reply; False when the child must leave (a hard timeout crossed the reply)."""
+    """Run one job and send its reply; False when the child must leave (a hard timeout's SIGTERM came)."""
     job = entry["job"]
     title(slot, f"{job['type']} {job['id']} since {clock()}")
     reply = tracing.run_span(job, lambda: run_job(job, handlers, entry.get("soft_timeout")))
@@ -153,7 +153,9 @@ def run_one(sock, slot, handlers, entry):
             send_reply(sock, reply)
     except JobTimeout:
         return False  # the reply is out; the master is stopping us (hard timeout crossed the reply)
-    return True
+    # After the hard timeout's SIGTERM the master hands back the rest of the batch and kills
+    # us after kill_grace: a job started meanwhile would run here, cut off, and again elsewhere.
+    return not timeouts.terminated()
 
 
 def send_reply(sock, reply):
