@@ -38,8 +38,10 @@ class Endings:
             m.dispatcher.ran(job.type, reply.get("duration"))
             c.ran_long = m.dispatcher.prefetch.long(reply.get("duration"))  # no batch behind a long job
             m.judge_child(job, settings, c, reply=reply, cancel_sent=cancel_sent)
-        if c.job is None and m.pool.after_reply(c) and m.stopping is None:
-            m.dispatcher.dispatch()  # the next prefetched job now: the child need not wait for the ack
+        # The next prefetched job now: the child need not wait for the ack. Not while a SKIP is
+        # out (``withdraw`` may be reading this very reply, and hands back what is queued after).
+        if c.job is None and m.pool.after_reply(c) and m.stopping is None and not c.skip_sent:
+            m.dispatcher.dispatch()
 
     def on_child_exit(self, c, how, fields):
         m = self.master
