@@ -194,6 +194,11 @@ MUTATIONS = [
              "    return not timeouts.terminated()", "    return True",
              ("tests/test_batches.py", "-k", "terminated_over"),
              "a child past its hard timeout starts no other job of its batch"),
+    Mutation("sqlite-renew-clock-before-lock", "supervisor/backends/sqlite/control.py",
+             "        with self._write():\n            now = self.now()  # once the write lock is ours",
+             "        now = self.now()\n        with self._write():\n            pass  # once the write lock is ours",
+             ("tests/test_sqlite_broker.py", "-k", "wait_for_the_write_lock and renew"),
+             "a renewal that waited for SQLite's write lock still grants a whole lease"),
 ]
 
 

@@ -89,3 +89,35 @@ def test_queues_probes_the_queue_index_instead_of_reading_every_job(tmp_path):
         # either index led by queue serves the probes (jobs_stats, issue 16, is the narrower)
         assert "SCAN jobs" not in plan and "SEARCH j USING COVERING INDEX jobs_s" in plan, plan
         assert "jobs_search_queue (queue>?)" in plan or "jobs_stats (queue>?)" in plan, plan
+
+
+@pytest.mark.parametrize("write", ["extend", "renew"])
+def test_a_lease_extended_after_a_wait_for_the_write_lock_runs_from_the_end_of_the_wait(tmp_path, write):
+    """Another process holds the write lock while a renewal waits for it (up to the busy
+    timeout, 30 s by default): the new lease must run ``lease_seconds`` from when the
+    renewal could write, not from when it began to wait, or a long wait eats it."""
+    import threading
+    import time
+
+    url = f"sqlite:///{tmp_path}/broker.db"
+    with open_broker(url) as broker:
+        broker.enqueue(NewJob("t", {}))
+        (job,) = broker.claim(["default"], 1, 30, "w")
+        began = threading.Event()
+        broker.db.set_trace_callback(lambda sql: began.set() if sql.startswith("BEGIN IMMEDIATE") else None)
+        holder = sqlite3.connect(tmp_path / "broker.db", isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        done = {}
+        call = {"extend": lambda: broker.extend([job.lease], 30),
+                "renew": lambda: broker.renew([job.lease], 30).lost}[write]
+        thread = threading.Thread(target=lambda: done.update(lost=call()))
+        thread.start()
+        assert began.wait(10), "the renewal never asked for the write lock"
+        time.sleep(1.0)  # the lock held a while: the wait this test is about
+        released = time.time()
+        holder.execute("COMMIT")
+        thread.join(30)
+        broker.db.set_trace_callback(None)
+        holder.close()
+        assert done == {"lost": []}
+        assert broker.get(job.id).lease_until >= released + 30 - 0.05

@@ -223,9 +223,9 @@ class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
         return claimed
 
     def extend(self, leases, lease_seconds):
-        now = self.now()
         lost = []
         with self._write():
+            now = self.now()  # once the write lock is ours: a wait for it must not eat the lease
             for lease in leases:
                 cur = self.db.execute(
                     "UPDATE jobs SET lease_until = :until WHERE " + _LEASED,

@@ -61,8 +61,8 @@ class ControlMixin(control.ExpiredLog):
     def renew(self, leases, lease_seconds, progress=None):
         progress = progress or {}
         renewal = Renewal()
-        now = self.now()
         with self._write():
+            now = self.now()  # once the write lock is ours: a wait for it must not eat the lease
             for lease in leases:
                 fraction, note = control.progress_value(progress[lease.job_id]) if lease.job_id in progress \
                     else (None, None)
