@@ -225,6 +225,8 @@ def test_a_job_handed_back_behind_a_topped_up_child_never_starts_there(tmp_path,
             jobs = [d.wait_job(job_id, states=("cancelled", "done", "dead")) for job_id in ids]
             assert [j.state for j in jobs].count("cancelled") == 1
             assert sorted(starts(marker)) == sorted(set(ids) - {ids[17]})  # each other job once
+            status = d.status()  # the child's count is of jobs run (what max_jobs_per_child counts)
+            assert status["workers"][0]["jobs_done"] == status["counters"]["succeeded"]
         assert ids[17] not in starts(marker)
         d.assert_clean()
     finally:

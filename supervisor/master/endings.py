@@ -28,7 +28,7 @@ class Endings:
         if c.job is None or reply.get("job_id") != c.job.id or reply.get("token") != c.job.token:
             return  # late: an answer for a job withdrawn from this child (a job id comes back, a token never)
         cancel_sent = c.cancel_at is not None  # read before the next job of the batch starts
-        job, settings = m.pool.finish(c)  # the next job of its batch, if any, runs from now
+        job, settings = m.pool.finish(c, ran=not reply.get("skipped"))  # the next job of its batch runs from now
         if reply.get("skipped") or job.id in c.lost:
             self.hand_back(c, job, settings)  # never started, or its lease is someone else's
         else:

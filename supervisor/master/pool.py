@@ -163,15 +163,15 @@ class Pool:
             log.debug("job started on worker %d", c.slot,
                       extra=logs.job_fields(job, event="start", slot=c.slot, pid=c.pid))
 
-    def finish(self, c):
-        """The job ``c`` ran has ended (a reply came): forget it; returns (job, settings).
+    def finish(self, c, ran=True):
+        """The job ``c`` ran (or skipped: ``ran`` False) has ended: forget it; returns (job, settings).
 
         The next job of its batch is running from now on, unless the child is
         being killed (it is handed back when the child is gone).
         """
         job, settings = c.job, c.settings
         c.job = c.settings = c.started = c.deadline = c.cancel_deadline = c.progress = None
-        c.jobs_done += 1
+        c.jobs_done += ran  # what max_jobs_per_child and the top-ups count: jobs run, not skipped
         if c.queued and c.kill_reason is None and c.term_at is None:
             self.start(c, *c.queued.popleft())
         return job, settings
