@@ -472,6 +472,44 @@ def test_a_url_libpq_cannot_read_is_a_broker_error_without_its_password():
 
 # -- lock order of the batched lease writes --------------------------------------------
 
+class Concurrent:
+    """Broker calls run in threads beside transactions a test holds: what each returned or
+    raised (``results``), and whether a broker's session waits for a lock now."""
+
+    def __init__(self, conninfo):
+        self.watcher = psycopg.connect(conninfo, autocommit=True)
+        self.results, self.threads = {}, []
+
+    def start(self, name, fn):
+        def run():
+            try:
+                self.results[name] = fn()
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                self.results[name] = exc
+        thread = threading.Thread(target=run)
+        thread.start()
+        self.threads.append(thread)
+
+    def waits(self, broker):
+        return self.watcher.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
+                                    (broker._conn().info.backend_pid,)).fetchone()[0]
+
+    def wait_until_waiting(self, broker, what):
+        wait_for(lambda: self.waits(broker), timeout=10, message=what)
+
+    def join(self):
+        for thread in self.threads:
+            thread.join(30)
+
+
+@pytest.fixture
+def concurrent(pg):
+    c = Concurrent(pg.conninfo)
+    yield c
+    c.join()
+    c.watcher.close()
+
+
 BATCHED_LEASE_WRITES = {
     "ack_many": lambda broker, leases: broker.ack_many([(lease, None, {}) for lease in leases]),
     "extend": lambda broker, leases: broker.extend(leases, 30),
@@ -480,7 +518,7 @@ BATCHED_LEASE_WRITES = {
 
 
 @pytest.mark.parametrize("write", sorted(BATCHED_LEASE_WRITES))
-def test_a_batched_lease_write_locks_in_id_order_so_it_never_deadlocks_a_cancel(pg, postgres_url, write):
+def test_a_batched_lease_write_locks_in_id_order_so_it_never_deadlocks_a_cancel(pg, concurrent, write):
     """A cancel (and every other multi-row write) locks jobs in id order. A batch of acks,
     extends or renewals that locked them in the order it was given (completion order, claim
     order) could hold B while waiting for A, and a cancel holding A then asking for B
@@ -490,70 +528,45 @@ def test_a_batched_lease_write_locks_in_id_order_so_it_never_deadlocks_a_cancel(
     pg.enqueue_many([new({"n": n}) for n in range(1000)])
     a, b = sorted((job.lease for job in pg.claim(Q, 2, 30, "w")), key=lambda lease: lease.job_id)
     pg._execute(f"ANALYZE {pg._jobs}")
-    done = {}
-
-    def batch():
-        try:
-            done["lost"] = BATCHED_LEASE_WRITES[write](pg, [b, a])  # given in the order that is not id order
-        except Exception as exc:  # noqa: BLE001 - the test reports it
-            done["error"] = exc
-
     canceller = psycopg.connect(pg.conninfo)  # stands for a cancel's transaction: A, then B
-    watcher = psycopg.connect(pg.conninfo, autocommit=True)
     # Were there a deadlock, the canceller would be the side PostgreSQL aborts (its
     # deadlock_timeout ends first): the batch's own abort would be run again unseen.
     canceller.execute("SET deadlock_timeout = '100ms'")
     pg._conn().execute("SET deadlock_timeout = '20s'")
     try:
         canceller.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (a.job_id,))
-        backend = pg._conn().info.backend_pid
-        thread = threading.Thread(target=batch)
-        thread.start()
-        wait_for(lambda: watcher.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
-                                         (backend,)).fetchone()[0], timeout=10,
-                 message=f"{write} to wait for the cancel's lock on the first job")
+        concurrent.start("lost", lambda: BATCHED_LEASE_WRITES[write](pg, [b, a]))  # not in id order
+        concurrent.wait_until_waiting(pg, f"{write} to wait for the cancel's lock on the first job")
         canceller.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (b.job_id,))
         canceller.commit()
-        thread.join(30)
+        concurrent.join()
     finally:
         canceller.close()
-        watcher.close()
-    assert done == {"lost": []}
+    assert concurrent.results == {"lost": []}
 
 
 @pytest.mark.parametrize("write", sorted(BATCHED_LEASE_WRITES))
-def test_a_batched_lease_write_that_waited_for_a_renewal_still_finds_its_lease(pg, write):
+def test_a_batched_lease_write_that_waited_for_a_renewal_still_finds_its_lease(pg, concurrent, write):
     """A renewal of the same job commits while the batch waits for its lock: the row has
     moved (a new version), and the batch must still see its current lease, not call it lost."""
     pg.enqueue_many([new({"n": 1}), new({"n": 2})])
     leases = [job.lease for job in pg.claim(Q, 2, 30, "w")]
-    done = {}
-
-    def batch():
-        done["lost"] = BATCHED_LEASE_WRITES[write](pg, leases)
-
     renewal = psycopg.connect(pg.conninfo)
-    watcher = psycopg.connect(pg.conninfo, autocommit=True)
     try:
         renewal.execute(f"UPDATE {pg._jobs} SET lease_until = lease_until + 5 WHERE id = %s", (leases[0].job_id,))
-        backend = pg._conn().info.backend_pid
-        thread = threading.Thread(target=batch)
-        thread.start()
-        wait_for(lambda: watcher.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
-                                         (backend,)).fetchone()[0], timeout=10,
-                 message=f"{write} to wait for the renewal's lock")
+        concurrent.start("lost", lambda: BATCHED_LEASE_WRITES[write](pg, leases))
+        concurrent.wait_until_waiting(pg, f"{write} to wait for the renewal's lock")
         renewal.commit()
-        thread.join(30)
+        concurrent.join()
     finally:
         renewal.close()
-        watcher.close()
-    assert done == {"lost": []}
+    assert concurrent.results == {"lost": []}
 
 
 # -- deadlocks PostgreSQL breaks by aborting one side ----------------------------------------
 
 @pytest.mark.parametrize("victim", ["ack", "cancel"])
-def test_a_write_postgresql_aborts_to_break_a_deadlock_runs_again(pg, postgres_url, victim):
+def test_a_write_postgresql_aborts_to_break_a_deadlock_runs_again(pg, postgres_url, concurrent, victim):
     """cancel([callback, member]) (what cancel_batch sends) locks ids in id order; the
     member's ack locks the member, then its trigger locks the callback (a child). With the
     callback's id first (same-millisecond ids: half the time) the two wait on each other
@@ -570,36 +583,19 @@ def test_a_write_postgresql_aborts_to_break_a_deadlock_runs_again(pg, postgres_u
     # Holds the member against the cancel's FOR UPDATE but not against the ack's UPDATE
     # (FOR KEY SHARE conflicts only with key changes): the cancel locks the callback, then waits.
     gate = psycopg.connect(pg.conninfo)
-    watcher = psycopg.connect(pg.conninfo, autocommit=True)
-    done = {}
-
-    def call(name, fn):
-        try:
-            done[name] = fn()
-        except Exception as exc:  # noqa: BLE001 - the test reports it
-            done[name] = exc
-
-    def waits(broker):
-        pid = broker._conn().info.backend_pid
-        return watcher.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
-                               (pid,)).fetchone()[0]
-
     try:
         gate.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR KEY SHARE", (member,))
-        cancel = threading.Thread(target=call, args=("cancel", lambda: cancelling.cancel([callback, member], "op", "x")))
-        cancel.start()
-        wait_for(lambda: waits(cancelling), timeout=10, message="the cancel to hold the callback and wait")
-        ack = threading.Thread(target=call, args=("ack", lambda: acking.ack(job.lease, {"r": 1})))
-        ack.start()
-        wait_for(lambda: waits(acking), timeout=10, message="the ack to hold the member and wait")
+        concurrent.start("cancel", lambda: cancelling.cancel([callback, member], "op", "x"))
+        concurrent.wait_until_waiting(cancelling, "the cancel to hold the callback and wait")
+        concurrent.start("ack", lambda: acking.ack(job.lease, {"r": 1}))
+        concurrent.wait_until_waiting(acking, "the ack to hold the member and wait")
         gate.commit()
-        cancel.join(30)
-        ack.join(30)
+        concurrent.join()
     finally:
         gate.close()
-        watcher.close()
         cancelling.close()
         acking.close()
+    done = concurrent.results
     # Whichever side PostgreSQL aborted ran again: the ack stored, the cancel answered (the
     # member running, or already done when the cancel was the one that ran again).
     assert done["ack"] is None and done["cancel"][callback] == "cancelled", done
@@ -607,7 +603,7 @@ def test_a_write_postgresql_aborts_to_break_a_deadlock_runs_again(pg, postgres_u
     assert (pg.get(member).state, pg.get(callback).state) == ("done", "cancelled")
 
 
-def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgres_url):
+def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgres_url, concurrent):
     """J waits on P1 (success) and P2 (complete); P1 dead-lettered, so J was cancelled.
     P2's ack has written its edges (J skipped: cancelled then) and not committed yet,
     while a replay of P1 reopens J: the reopen must wait for P2's end and count it, or J
@@ -622,38 +618,21 @@ def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgr
     acking, replaying = open_broker(postgres_url), open_broker(postgres_url)
     # Holds K, P2's other child: P2's ack stops between its edges and its commit.
     gate = psycopg.connect(pg.conninfo)
-    watcher = psycopg.connect(pg.conninfo, autocommit=True)
-    done = {}
-
-    def call(name, fn):
-        try:
-            done[name] = fn()
-        except Exception as exc:  # noqa: BLE001 - the test reports it
-            done[name] = exc
-
-    def waits(broker):
-        pid = broker._conn().info.backend_pid
-        return watcher.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
-                               (pid,)).fetchone()[0]
-
     try:
         gate.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (k,))
-        ack = threading.Thread(target=call, args=("ack", lambda: acking.ack(leases[p2])))
-        ack.start()
-        wait_for(lambda: waits(acking), timeout=10, message="P2's ack to wait for K, its edges written")
-        replay = threading.Thread(target=call, args=("replay", lambda: replaying.dlq_replay([p1])))
-        replay.start()
+        concurrent.start("ack", lambda: acking.ack(leases[p2]))
+        concurrent.wait_until_waiting(acking, "P2's ack to wait for K, its edges written")
+        concurrent.start("replay", lambda: replaying.dlq_replay([p1]))
         # The fixed reopen waits for P2's edge; the broken one commits at once.
-        wait_for(lambda: waits(replaying) or "replay" in done, timeout=10, message="the replay to wait or end")
+        wait_for(lambda: concurrent.waits(replaying) or "replay" in concurrent.results, timeout=10,
+                 message="the replay to wait or end")
         gate.commit()
-        ack.join(30)
-        replay.join(30)
+        concurrent.join()
     finally:
         gate.close()
-        watcher.close()
         acking.close()
         replaying.close()
-    assert done == {"ack": None, "replay": [p1]}, done
+    assert concurrent.results == {"ack": None, "replay": [p1]}, concurrent.results
     again = {job.id: job.lease for job in pg.claim(Q, 5, 300, "w")}
     assert set(again) == {p1, k}  # K was released by P2's end; J waits for P1
     pg.ack(again[p1])  # P1 runs again and succeeds: J's last parent

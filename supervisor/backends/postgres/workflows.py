@@ -93,22 +93,7 @@ def migration(s):
             RETURN NULL;
         END
         $body$""",
-        f"""CREATE FUNCTION {s}.flow_reopen() RETURNS trigger LANGUAGE plpgsql AS $body$
-        BEGIN
-            UPDATE {s}.job_edges e SET state = NULL, result = NULL FROM {s}.jobs c
-                WHERE e.parent = NEW.id AND c.id = e.child
-                    AND (c.state = 'waiting' OR (c.state = 'cancelled' AND c.reason = '{PARENT_FAILED}'));
-            UPDATE {s}.jobs SET pending = pending + 1
-                WHERE state = 'waiting' AND id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id);
-            UPDATE {s}.jobs j SET state = 'waiting', reason = NULL, finished_at = NULL, cancel_request = NULL,
-                    pending = (SELECT count(*) FROM {s}.job_edges e WHERE e.child = j.id AND e.state IS NULL)
-                WHERE j.state = 'cancelled' AND j.reason = '{PARENT_FAILED}'
-                    AND j.id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id)
-                    AND NOT EXISTS (SELECT 1 FROM {s}.job_edges e WHERE e.child = j.id AND e.on_ = '{ON_SUCCESS}'
-                                    AND e.state IS NOT NULL AND e.state <> 'done');
-            RETURN NULL;
-        END
-        $body$""",
+        reopen_function(s, "CREATE FUNCTION", lock_edges=False),
         # A deleted child takes its edges with it; a parent deleted unfinished (discard) ends for its
         # children as if cancelled (its edges' rows stay until those children go).
         f"""CREATE FUNCTION {s}.flow_forget() RETURNS trigger LANGUAGE plpgsql AS $body$
@@ -144,11 +129,18 @@ def reopen_migration(s):
     other parents finished, the child waited forever. Locked first, the edges are read
     after that parent's commit (a later statement, a later snapshot), so its end counts.
     """
-    return [f"""CREATE OR REPLACE FUNCTION {s}.flow_reopen() RETURNS trigger LANGUAGE plpgsql AS $body$
-        BEGIN
+    return [reopen_function(s, "CREATE OR REPLACE FUNCTION", lock_edges=True)]
+
+
+def reopen_function(s, create, lock_edges):
+    """The trigger function run when a parent runs again (replay, requeue): its children's
+    edges reopen, a waiting child waits for it again, a child cancelled for it waits again."""
+    lock = (f"""
             PERFORM 1 FROM {s}.job_edges
                 WHERE child IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id)
-                ORDER BY child, parent FOR UPDATE;
+                ORDER BY child, parent FOR UPDATE;""" if lock_edges else "")
+    return f"""{create} {s}.flow_reopen() RETURNS trigger LANGUAGE plpgsql AS $body$
+        BEGIN{lock}
             UPDATE {s}.job_edges e SET state = NULL, result = NULL FROM {s}.jobs c
                 WHERE e.parent = NEW.id AND c.id = e.child
                     AND (c.state = 'waiting' OR (c.state = 'cancelled' AND c.reason = '{PARENT_FAILED}'));
@@ -162,7 +154,7 @@ def reopen_migration(s):
                                     AND e.state IS NOT NULL AND e.state <> 'done');
             RETURN NULL;
         END
-        $body$"""]
+        $body$"""
 
 
 class Workflows:
