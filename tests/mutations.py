@@ -199,6 +199,16 @@ MUTATIONS = [
              "        now = self.now()\n        with self._write():\n            pass  # once the write lock is ours",
              ("tests/test_sqlite_broker.py", "-k", "wait_for_the_write_lock and renew"),
              "a renewal that waited for SQLite's write lock still grants a whole lease"),
+    Mutation("redis-claim-drops-leased-on-failure", "supervisor/backends/redis/__init__.py",
+             "                if not claimed:\n                    raise\n",
+             "                raise\n",
+             ("tests/test_redis_broker.py", "-k", "later_queues"),
+             "a claim whose later queue fails keeps the jobs it leased before"),
+    Mutation("redis-claim-keeps-expiry-entry", "supervisor/backends/redis_lua/claim.lua",
+             "    if f[4] then redis.call('ZREM', EXPIRING, id) end",
+             "",
+             ("tests/test_redis_broker.py", "-k", "expiry_index and plain"),
+             "a claimed job leaves the expiry index (no entry per finished job)"),
 ]
 
 

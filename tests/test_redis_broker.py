@@ -281,3 +281,53 @@ def test_a_claimed_job_is_the_job_get_reads_with_every_field_set(rb):
     assert again.error["class"] == "ValueError" and again.first_failure_at is not None
     assert [entry.get("outcome") for entry in again.history] == ["retry", None]  # the open attempt last
     assert again == rb.get(job_id)
+
+
+# -- claims over several queues, expiry index ---------------------------------------------
+
+@pytest.mark.parametrize("limits", [None, {"t": TypeLimits(max_concurrency=50)}], ids=["plain", "limited"])
+def test_a_claim_keeps_the_jobs_it_leased_when_a_later_queues_call_fails(rb, raw, redis_url, limits):
+    """One script call per queue: a failure at the second queue (its Cluster node failing over;
+    here an ACL that refuses that queue's keys) must not throw away the first queue's jobs,
+    leased already. They would stay leased to nobody, an attempt spent: a job on its last
+    attempt dead-lettered ``lease_expired`` without ever running."""
+    ids = rb.enqueue_many([new(queue="healthy", max_attempts=1) for _ in range(4)])
+    sick = rb.enqueue(new(queue="sick"))
+    prefix = prefix_of(redis_url)
+    user, password = f"{prefix}-claimer", f"pw-{prefix}"
+    raw.execute_command("ACL", "SETUSER", user, "on", f">{password}", "+@all", "-@dangerous", "+script|load",
+                        f"~{prefix}:{{healthy}}:*", f"~{prefix}:queues", "&*")
+    parts = urllib.parse.urlsplit(redis_url)
+    limited = parts._replace(netloc=f"{user}:{password}@{parts.hostname}:{parts.port or 6379}").geturl()
+    try:
+        with open_broker(limited) as claimer:
+            jobs = claimer.claim(["healthy", "sick"], 10, 30, "w", limits)
+            assert sorted(j.id for j in jobs) == sorted(ids)  # returned, not lost with the error
+            assert claimer.ack_many([(j.lease, None, None) for j in jobs]) == []
+            with pytest.raises(BrokerError):
+                claimer.claim(["sick", "healthy"], 10, 30, "w", limits)  # nothing leased: the failure is raised
+        assert [rb.get(i).state for i in ids] == ["done"] * 4
+        assert (rb.get(sick).state, rb.get(sick).attempt) == ("queued", 0)
+    finally:
+        raw.execute_command("ACL", "DELUSER", user)
+
+
+@pytest.mark.parametrize("limits", [None, {"t": TypeLimits(max_concurrency=50)}], ids=["plain", "limited"])
+def test_a_started_job_leaves_the_expiry_index_until_a_retry_or_release_puts_it_back(rb, raw, redis_url, limits):
+    """Only a job not started can expire. A claimed job's entry in the queue's expiry index would
+    otherwise stay after the job finished, until its expires_at (up to ten years away) came
+    round: one entry per finished job, growing for as long as the daemon runs."""
+    index = f"{prefix_of(redis_url)}:{{default}}:expiring"
+    rb.enqueue_many([new(expires_in=30 * 86400) for _ in range(4)])
+    assert raw.zcard(index) == 4
+    done, dead, released, retried = rb.claim(["default"], 4, 30, "w", limits)
+    assert raw.zcard(index) == 0
+    rb.ack_many([(done.lease, None, None)])
+    rb.dead(dead.lease, "failed", error_info("exception", "E", "m", "tb"))
+    rb.release(released.lease)
+    rb.retry(retried.lease, rb.now() + 60, error_info("exception", "E", "m", "tb"))
+    assert sorted(raw.zrange(index, 0, -1)) == sorted([released.id, retried.id])  # unfinished: may still expire
+    rb.claim(["default"], 1, 30, "w", limits)  # the released one
+    raw.zadd(index, {done.id: 2 ** 52})  # what a claim of a version before this fix left behind
+    rb.prune(0)
+    assert raw.zrange(index, 0, -1) == [retried.id]  # the pruned job's entry went with it

@@ -34,6 +34,7 @@ Semantics beyond the shared contract:
   use and every 30 seconds, erring early (never ahead of the server).
 """
 import json
+import logging
 import time
 
 import redis
@@ -52,9 +53,12 @@ from .keys import Keys
 from .locate import Locator
 from .search import SearchMixin
 
+log = logging.getLogger("tangguh.broker")
+
 LIMITED_SCAN = 1000  # ready entries one limited claim looks at per queue (held-back jobs included)
 BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one script's run time
 CLOCK_REFRESH = 30.0
+PARTIAL_WARN_EVERY = 60.0  # seconds between warnings of a queue failing its part of claims
 # The enqueue scripts' job list: one encoder for every call (json.dumps with options builds one each time).
 _BATCH = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
@@ -73,6 +77,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, B
         self._pubsub = None
         self._wakeup_sock = None
         self._wakeups_lost = False
+        self._partial_warned = {}  # queue -> when its failed part of a claim was last logged
 
     @guard
     def migrate(self):
@@ -158,29 +163,49 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, B
         limits = active(limits)
         if limits:
             return self._runnable(self._claim_limited(queues, n, lease_us, owner, owner_json, limits))
+        return self._runnable(self._queue_by_queue(queues, n, lambda queue, want: self._leased(
+            queue, self._run("claim", queue, [want, lease_us, owner, owner_json]))))
+
+    def _queue_by_queue(self, queues, n, lease):
+        """Up to ``n`` jobs, one script call per queue in order: ``lease(queue, want)`` -> that queue's jobs.
+
+        When a queue's call fails (its Cluster node failing over, the connection dropped),
+        the jobs the calls before it leased are returned, not lost with the exception: they
+        would stay leased to nobody, an attempt spent, until their leases expire. The
+        failure is raised when nothing was leased, so an outage still reads as one.
+        """
         claimed = []
         for queue in queues:
             if len(claimed) >= n:
                 break
-            claimed.extend(self._leased(queue, self._run("claim", queue, [n - len(claimed), lease_us, owner,
-                                                                          owner_json])))
-        return self._runnable(claimed)
+            try:
+                claimed.extend(lease(queue, n - len(claimed)))
+            except RedisError as exc:
+                if not claimed:
+                    raise
+                now = time.monotonic()
+                if now - self._partial_warned.get(queue, -PARTIAL_WARN_EVERY) >= PARTIAL_WARN_EVERY:
+                    self._partial_warned[queue] = now  # a queue on a failing node fails every claim
+                    log.warning("claim from queue %r failed; the jobs leased from the queues before it are kept:"
+                                " %s: %s", queue, type(exc).__name__, exc,
+                                extra={"event": "claim_partial", "queue": queue})
+                break
+        return claimed
 
     def _claim_limited(self, queues, n, lease_us, owner, owner_json, limits):
         """Per queue, one round trip: claim.lua with n = 0 (reclaim, promote), then claim_limited.lua."""
         spec = json.dumps({t: [-1 if lim.max_concurrency is None else lim.max_concurrency, int(lim.exclusive),
                                lim.rate[0] if lim.rate else 0, int(lim.rate[1] * 1e6) if lim.rate else 0]
                            for t, lim in limits.items()}, separators=(",", ":"))
-        claimed = []
-        for queue in queues:
-            if len(claimed) >= n:
-                break
+
+        def lease(queue, want):
             calls = [("claim", queue, [0, lease_us, owner, owner_json]),
-                     ("claim_limited", queue, [n - len(claimed), lease_us, owner, owner_json, spec, LIMITED_SCAN])]
+                     ("claim_limited", queue, [want, lease_us, owner, owner_json, spec, LIMITED_SCAN])]
             expired, leased = self._run_many(calls)
             self._leased(queue, expired)  # records what the plain claim ended expired
-            claimed.extend(self._leased(queue, leased))
-        return claimed
+            return self._leased(queue, leased)
+
+        return self._queue_by_queue(queues, n, lease)
 
     @guard
     def extend(self, leases, lease_seconds):

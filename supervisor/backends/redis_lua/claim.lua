@@ -50,8 +50,11 @@ local until_us = NOW + lease
 for k = 1, #popped, 2 do
   local id = string.sub(popped[k], 17)
   local key = JOB .. id
-  local f = redis.call('HMGET', key, 'state', 'attempt', 'token')
+  local f = redis.call('HMGET', key, 'state', 'attempt', 'token', 'expires_at')
   if f[1] == 'queued' or f[1] == 'retrying' then  -- never a job that ended meanwhile
+    -- A started job cannot expire: out of the expiry index until a retry or release puts it
+    -- back, or a finished job's entry would stay until its expires_at (up to ten years).
+    if f[4] then redis.call('ZREM', EXPIRING, id) end
     local attempt = (tonumber(f[2]) or 0) + 1  -- one HSET for attempt, token and the lease
     redis.call('HSET', key, 'state', 'running', 'attempt', attempt, 'token', (tonumber(f[3]) or 0) + 1,
       'lease_until', secs(until_us), 'owner', owner,

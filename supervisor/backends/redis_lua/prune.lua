@@ -9,6 +9,7 @@ for _, id in ipairs(ids) do
   unindex_job(id, redis.call('HMGET', JOB .. id, 'queued_at', 'type'))
   deleted = deleted + redis.call('DEL', JOB .. id)
   redis.call('ZREM', DONE, id)
+  redis.call('ZREM', EXPIRING, id)  -- an entry a claim of an older version left behind
 end
 -- Cancelled and expired jobs are kept like done ones (their hashes have no TTL).
 for _, z in ipairs({CANCELLED_Z, EXPIRED_Z}) do
