@@ -47,11 +47,19 @@ class Heartbeat:
 
     def hold(self, lease):
         with self.lock:
+            old = self.held.get(lease.job_id)
+            if old is not None and old != lease:
+                # Our own claim took the job again once our lease on it had expired: the
+                # old attempt is lost like any other (its child killed), though no beat
+                # will say so now that the job id names the new lease.
+                self.lost.append(old)
             self.held[lease.job_id] = lease
 
-    def drop(self, job_id):
+    def drop(self, lease):
+        """Stop renewing ``lease``; a newer lease on the same job stays held."""
         with self.lock:
-            self.held.pop(job_id, None)
+            if self.held.get(lease.job_id) == lease:
+                del self.held[lease.job_id]
 
     def holding(self):
         with self.lock:

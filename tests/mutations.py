@@ -209,6 +209,20 @@ MUTATIONS = [
              "",
              ("tests/test_redis_broker.py", "-k", "expiry_index and plain"),
              "a claimed job leaves the expiry index (no entry per finished job)"),
+    Mutation("pause-leaves-child-batch", "supervisor/master/control.py",
+             "                self.withdraw(c)  # behind its running job, not started: handed back with the rest of the batch",
+             "                pass",
+             ("tests/test_batches.py", "-k", "pause_hands_back and sqlite"),
+             "a pause hands back its queue's jobs queued in a child's batch"),
+    Mutation("heartbeat-hides-retaken-lease", "supervisor/heartbeat.py",
+             "                self.lost.append(old)\n", "                pass\n",
+             ("tests/test_leases.py", "-k", "own_claim"),
+             "our own claim retaking a job kills the attempt still running under the old lease"),
+    Mutation("heartbeat-drop-by-job-id", "supervisor/heartbeat.py",
+             "            if self.held.get(lease.job_id) == lease:\n                del self.held[lease.job_id]\n",
+             "            self.held.pop(lease.job_id, None)\n",
+             ("tests/test_leases.py", "-k", "new_lease"),
+             "storing an old attempt's outcome leaves the new attempt's lease renewed"),
 ]
 
 

@@ -204,6 +204,35 @@ def test_nothing_is_queued_behind_a_short_types_job_that_runs_long(tmp_path, bro
         d.stop()
 
 
+def test_a_pause_hands_back_its_queues_jobs_queued_in_a_childs_batch(tmp_path, broker_url):
+    """Jobs of a queue paused while they wait in a child's batch behind a running job have not
+    started: like the prefetched ones, they go back to the broker at once and stay there
+    until the queue is resumed (an operator pauses a queue because something is broken)."""
+    d = batch_daemon(tmp_path, broker_url)
+    marker, release = d.marker("m"), d.marker("release")
+    try:
+        ids = enqueue_batch(d, {"marker": marker, "release": release}, *([{"marker": marker}] * 3))
+        wait_for(lambda: ids[0] in starts(marker), message="the first job of the batch running")
+        assert batches_sent(d, 4) and d.status()["workers"][0]["queued"] == 3
+        d.broker.pause("default", by="ops")
+        wait_for(lambda: d.status()["paused_queues"] == ["default"] and d.status()["workers"][0]["queued"] == 0
+                 and [d.job(j).state for j in ids[1:]] == ["queued"] * 3,
+                 message="the pause seen and the three queued jobs handed back")
+        open(release, "w").close()
+        assert d.wait_job(ids[0]).state == "done"
+        wait_for(lambda: d.status()["workers"][0]["state"] == "idle", message="the child idle")
+        assert [(d.job(j).state, d.job(j).attempt) for j in ids[1:]] == [("queued", 0)] * 3
+        assert starts(marker) == [ids[0]]
+        d.broker.resume("default")
+        jobs = [d.wait_job(job_id) for job_id in ids]
+        assert [(j.state, j.attempt) for j in jobs] == [("done", 1)] * 4
+        assert sorted(starts(marker)) == sorted(ids)  # each once
+        d.assert_clean()
+    finally:
+        open(release, "w").close()
+        d.stop()
+
+
 @pytest.mark.parametrize("how", ["cancel", "stop"])
 def test_a_job_handed_back_behind_a_topped_up_child_never_starts_there(tmp_path, how):
     """A child running job 16 of its batch with a top-up (the next batch) already in its

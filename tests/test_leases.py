@@ -5,6 +5,7 @@ must keep its lease (the heartbeat pushes ``lease_until`` forward, read back
 from the broker while it runs), so the other supervisor never reclaims it: it
 runs exactly once, under one token.
 """
+import os
 import signal
 
 import pytest
@@ -58,3 +59,62 @@ def test_a_job_longer_than_its_lease_keeps_it_and_runs_once(pair, tmp_path):
         d.signal(signal.SIGTERM)
         assert d.wait_exit() == 0
     pair[0].assert_clean()
+
+
+def test_our_own_claim_of_a_job_whose_lease_ran_out_kills_the_attempt_still_running(tmp_path):
+    """Our lease on a running job ran out (renewals that did not land: a master frozen longer
+    than the lease, a heartbeat whose calls failed) and our own next claim takes the job again
+    before a beat sees the loss. The old attempt is then as lost as if another supervisor had
+    taken it: its child is killed, not left running beside the new attempt, and finishing it
+    must not stop the renewal of the new attempt's lease."""
+    import sqlite3
+
+    # A long beat: the claim, not a renewal, is what meets the expired lease.
+    d = Daemon(tmp_path, None, supervisor={"workers": 2}, broker={"lease_seconds": 30, "heartbeat_seconds": 10})
+    d.start()
+    marker, release = d.marker("m"), d.marker("release")
+    try:
+        job_id = d.enqueue("hold", {"marker": marker, "release": release, "max_wait": 60})
+        wait_for(lambda: read_lines(marker), message="attempt 1 running")
+        first_pid = int(read_lines(marker)[0][2])
+        with sqlite3.connect(d.broker_url.removeprefix("sqlite:///"), timeout=10) as db:
+            db.execute("UPDATE jobs SET lease_until = ? WHERE id = ?", (d.broker.now() - 1, job_id))
+        d.enqueue("noop")  # a wake-up: the claim comes now, long before the next beat
+        wait_for(lambda: [line[3] for line in read_lines(marker) if line[0] == "started"] == ["1", "2"],
+                 message="attempt 2 started")
+        wait_for(lambda: not _alive(first_pid), message="attempt 1's child killed")
+        open(release, "w").close()
+        job = d.wait_job(job_id)
+        assert (job.state, job.attempt) == ("done", 2)
+        assert [h["outcome"] for h in job.history] == ["lease_expired", "done"]
+        assert [line[0] for line in read_lines(marker)] == ["started", "started", "finished"]  # attempt 2's
+        assert d.status()["counters"]["lease_lost"] == 1
+    finally:
+        open(release, "w").close()
+        d.stop()
+
+
+def test_a_new_lease_on_a_held_job_reports_the_old_one_lost_and_only_its_own_drop_ends_it():
+    from supervisor.heartbeat import Heartbeat
+    from supervisor.model import Lease
+
+    beat = Heartbeat("sqlite:///unused.db", lease_seconds=30, interval=10, wake_fd=None)
+    old, new = Lease("job_1", 1), Lease("job_1", 2)
+    beat.hold(old)
+    beat.hold(old)  # the same lease again: nothing lost
+    assert list(beat.lost) == []
+    beat.hold(new)
+    assert list(beat.lost) == [old] and beat.holding() == [new]
+    beat.drop(old)  # the old attempt's outcome, stored or dropped: the new lease is still renewed
+    assert beat.holding() == [new]
+    beat.drop(new)
+    assert beat.holding() == []
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[-1][0] != "Z"  # a zombie is dead: its parent reaps it soon

@@ -381,6 +381,7 @@ class Arbiter:
             return
         self.dispatcher.dispatch()
         self.dispatcher.claim()
+        self.control.handle_lost_leases()  # a claim may retake a job of ours: its old attempt goes first
         self.dispatcher.dispatch()
 
     def run_periodic(self):

@@ -10,8 +10,9 @@ the main loop (deques, a wake-up byte). Here, in the loop:
   and the cancel signal: ``Cancelled`` is raised in the handler at its next
   safe point) and killed if still running ``cancel_grace`` later; a job still
   waiting in the prefetch buffer is ended ``cancelled`` without running;
-* a change in the **paused queues**: claims skip them, and prefetched jobs
-  of a paused queue that no child has started are released at once;
+* a change in the **paused queues**: claims skip them, and jobs of a paused
+  queue that no child has started are released at once: prefetched ones, and
+  those queued in a child's batch (the batch is withdrawn, every queue's job of it);
 * the **record** the heartbeat writes is refreshed once per beat.
 """
 import logging
@@ -114,9 +115,14 @@ class JobControl:
         released = self.dispatcher.take_queues(newly)
         for job in released:
             self.writer.release(job)
+        queued = 0
+        for c in list(self.pool.children.values()):
+            if any(job.queue in newly for job, _ in c.queued):
+                queued += len(c.queued)
+                self.withdraw(c)  # behind its running job, not started: handed back with the rest of the batch
         if paused or not first:
-            log.info("paused queues now: %s (%d prefetched jobs released)", ", ".join(sorted(paused)) or "none",
-                     len(released), extra={"event": "queues_paused"})
+            log.info("paused queues now: %s (%d prefetched jobs released, %d queued in workers)",
+                     ", ".join(sorted(paused)) or "none", len(released), queued, extra={"event": "queues_paused"})
 
 
 def holder(pool, lease):

@@ -69,7 +69,7 @@ def attempt_info(child=None, reply=None):
 class OutcomeWriter:
     def __init__(self, link, unhold, on_stored, on_lost):
         self.link = link  # BrokerLink
-        self.unhold = unhold  # unhold(job_id): the heartbeat stops renewing that lease
+        self.unhold = unhold  # unhold(lease): the heartbeat stops renewing that lease
         self.on_stored = on_stored  # on_stored(write): metrics of a stored outcome
         self.on_lost = on_lost  # on_lost(job): the broker refused the write, the lease is someone else's
         # First-try acks, in the order they came (so the first is due first): they go
@@ -121,7 +121,7 @@ class OutcomeWriter:
         return min(instants, default=None)
 
     def stop_renewing(self, job):
-        self.unhold(job.id)
+        self.unhold(job.lease)
 
     def flush(self):
         now = time.monotonic()

@@ -40,7 +40,7 @@ import time
 import redis
 from redis.exceptions import RedisError
 
-from ...errors import BadInput, BrokerError, LeaseLost, NotDead
+from ...errors import BadInput, BrokerError, LeaseLost
 from ...model import QueueStats
 from ..base import Broker
 from ..limits import active
@@ -48,7 +48,8 @@ from . import scripts, workflows
 from .calls import ScriptCalls
 from .connection import connect, guard
 from .control import ControlMixin
-from .fields import body, check_script_reply, enqueue_args, to_job
+from .deadletters import DeadLetters
+from .fields import body, enqueue_args, to_job
 from .keys import Keys
 from .locate import Locator
 from .search import SearchMixin
@@ -63,7 +64,7 @@ PARTIAL_WARN_EVERY = 60.0  # seconds between warnings of a queue failing its par
 _BATCH = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
-class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, Broker):
+class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, DeadLetters, Broker):
     def __init__(self, url):
         self.url = url
         conn = connect(url)
@@ -301,64 +302,6 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, B
             out[queue] = QueueStats(queue, ready, scheduled, in_flight, dead, done, int(age) / 1e6, waiting=waiting,
                                     cancelled=cancelled, expired=expired, paused=bool(paused))
         return out
-
-    # -- dead letters -----------------------------------------------------
-    @guard
-    def dlq_list(self, type=None, limit=100):
-        picked = []
-        for queue in sorted(self.r.smembers(self.keys.queues)):
-            picked.extend(self._dead_in(queue, type, limit))
-        picked.sort(reverse=True)  # failure time desc, then id desc
-        if limit is not None:
-            picked = picked[:limit]
-        if not picked:
-            return []
-        pipe = self.r.pipeline(transaction=False)
-        for _, job_id, queue in picked:
-            pipe.hgetall(self.keys.job(queue, job_id))
-        return [to_job(fields) for fields in pipe.execute() if fields]
-
-    def _dead_in(self, queue, type, limit):
-        """(score, id, queue) of the newest dead jobs of one queue, at most ``limit``."""
-        key = self.keys.dead(queue)
-        page = max(1, min(limit, 500)) if limit is not None and type is None else 500
-        out, start = [], 0
-        while limit is None or len(out) < limit:
-            rows = self.r.zrevrange(key, start, start + page - 1, withscores=True)
-            if not rows:
-                break
-            start += len(rows)
-            if type is not None:
-                pipe = self.r.pipeline(transaction=False)
-                for job_id, _ in rows:
-                    pipe.hget(self.keys.job(queue, job_id), "type")
-                rows = [row for row, t in zip(rows, pipe.execute()) if t == type]
-            out.extend((score, job_id, queue) for job_id, score in rows)
-        return out if limit is None else out[:limit]
-
-    def _group_dead(self, job_ids):
-        """Check every id is dead (NotDead otherwise); group them by queue."""
-        found = self._locator.find(job_ids)
-        groups = {}
-        for job_id in job_ids:
-            if job_id not in found or found[job_id][1].get("state") != "dead":
-                state = found[job_id][1].get("state") if job_id in found else "unknown"
-                raise NotDead(f"job {job_id} is {state}, not dead")
-            groups.setdefault(found[job_id][0], []).append(job_id)
-        return groups
-
-    @guard
-    def dlq_replay(self, job_ids):
-        for queue, ids in self._group_dead(job_ids).items():
-            check_script_reply(self._run("replay", queue, ids))
-        return list(job_ids)
-
-    @guard
-    def dlq_purge(self, job_ids):
-        count = 0
-        for queue, ids in self._group_dead(job_ids).items():
-            count += int(check_script_reply(self._run("purge", queue, ids))[1])
-        return count
 
     @guard
     def prune(self, done_older_than):

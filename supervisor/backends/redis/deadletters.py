@@ -1,0 +1,68 @@
+"""The Redis broker's dead-letter queue: list, replay and purge across queues.
+
+A mixin of ``RedisBroker``. Each queue keeps its dead jobs in ``P:{Q}:dead``
+(a zset by failure time); the list merges the queues' newest. Replay and purge
+check every id first (``NotDead``), then run one all-or-nothing script per queue.
+"""
+from ...errors import NotDead
+from .connection import guard
+from .fields import check_script_reply, to_job
+
+
+class DeadLetters:
+    @guard
+    def dlq_list(self, type=None, limit=100):
+        picked = []
+        for queue in sorted(self.r.smembers(self.keys.queues)):
+            picked.extend(self._dead_in(queue, type, limit))
+        picked.sort(reverse=True)  # failure time desc, then id desc
+        if limit is not None:
+            picked = picked[:limit]
+        if not picked:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for _, job_id, queue in picked:
+            pipe.hgetall(self.keys.job(queue, job_id))
+        return [to_job(fields) for fields in pipe.execute() if fields]
+
+    def _dead_in(self, queue, type, limit):
+        """(score, id, queue) of the newest dead jobs of one queue, at most ``limit``."""
+        key = self.keys.dead(queue)
+        page = max(1, min(limit, 500)) if limit is not None and type is None else 500
+        out, start = [], 0
+        while limit is None or len(out) < limit:
+            rows = self.r.zrevrange(key, start, start + page - 1, withscores=True)
+            if not rows:
+                break
+            start += len(rows)
+            if type is not None:
+                pipe = self.r.pipeline(transaction=False)
+                for job_id, _ in rows:
+                    pipe.hget(self.keys.job(queue, job_id), "type")
+                rows = [row for row, t in zip(rows, pipe.execute()) if t == type]
+            out.extend((score, job_id, queue) for job_id, score in rows)
+        return out if limit is None else out[:limit]
+
+    def _group_dead(self, job_ids):
+        """Check every id is dead (NotDead otherwise); group them by queue."""
+        found = self._locator.find(job_ids)
+        groups = {}
+        for job_id in job_ids:
+            if job_id not in found or found[job_id][1].get("state") != "dead":
+                state = found[job_id][1].get("state") if job_id in found else "unknown"
+                raise NotDead(f"job {job_id} is {state}, not dead")
+            groups.setdefault(found[job_id][0], []).append(job_id)
+        return groups
+
+    @guard
+    def dlq_replay(self, job_ids):
+        for queue, ids in self._group_dead(job_ids).items():
+            check_script_reply(self._run("replay", queue, ids))
+        return list(job_ids)
+
+    @guard
+    def dlq_purge(self, job_ids):
+        count = 0
+        for queue, ids in self._group_dead(job_ids).items():
+            count += int(check_script_reply(self._run("purge", queue, ids))[1])
+        return count
