@@ -186,6 +186,7 @@ class NewJob:
         noise = os.urandom(26) if not (self.id and self.trace_id) else None  # one read for both ids
         if not self.id:
             self.id = job_id_from(time.time(), noise[:10])
+            self._id_made = True  # not the caller's: unique by construction (a broker may skip checking it)
         if self.depends_on is None or (type(self.depends_on) in (list, tuple) and not self.depends_on):
             self.depends_on = []  # what normalise makes of no edges, without the call
         else:

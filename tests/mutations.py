@@ -223,6 +223,10 @@ MUTATIONS = [
              "            self.held.pop(lease.job_id, None)\n",
              ("tests/test_leases.py", "-k", "new_lease"),
              "storing an old attempt's outcome leaves the new attempt's lease renewed"),
+    Mutation("redis-chosen-id-across-queues", "supervisor/backends/redis/__init__.py",
+             "            if queue != chosen[job_id]:", "            if False:",
+             ("tests/test_redis_broker.py", "-k", "caller_chose"),
+             "an id the caller chose may not name a job of another queue"),
 ]
 
 

@@ -1,4 +1,5 @@
 """Redis-specific behaviour of the Redis broker (the contract is in test_broker_conformance)."""
+import dataclasses
 import os
 import select
 import stat
@@ -331,3 +332,17 @@ def test_a_started_job_leaves_the_expiry_index_until_a_retry_or_release_puts_it_
     raw.zadd(index, {done.id: 2 ** 52})  # what a claim of a version before this fix left behind
     rb.prune(0)
     assert raw.zrange(index, 0, -1) == [retried.id]  # the pruned job's entry went with it
+
+
+def test_an_id_the_caller_chose_may_not_name_a_job_of_another_queue(rb):
+    """Each queue's keys stand apart: without a check, a second job under the same id in
+    another queue is stored beside the first, and a lease of one could ack the other."""
+    assert rb.enqueue(NewJob("t", {"n": 1}, id="job_order_42", queue="a")) == "job_order_42"
+    for enqueue in (rb.enqueue, lambda job: rb.enqueue_many([job]),
+                    lambda job: rb.enqueue_once(dataclasses.replace(job, idempotency_key="k"))):
+        with pytest.raises(BadInput, match="job id 'job_order_42' is taken by a job of queue 'a'"):
+            enqueue(NewJob("t", {"n": 2}, id="job_order_42", queue="b"))
+    assert rb.stats(["b"])["b"].ready == 0
+    assert rb.enqueue(NewJob("t", {"n": 1}, id="job_order_42", queue="a")) == "job_order_42"  # a resend: the same job
+    (job,) = rb.claim(["a"], 5, 30, "w")
+    assert (job.id, job.payload) == ("job_order_42", {"n": 1})

@@ -110,6 +110,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
     def enqueue(self, job):
         # enqueue_many([job])[0] without its grouping by queue and chunking: one job, one script call.
         job.validate()
+        self._check_chosen_ids([job])
         if job.depends_on:
             return self._enqueue_flow([job])[0]
         self.keys.for_scripts(job.queue)  # rejects a bad name before anything is stored
@@ -120,6 +121,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
     @guard
     def enqueue_many(self, jobs):
         jobs = [job.validate() for job in jobs]
+        self._check_chosen_ids(jobs)
         if any(job.depends_on for job in jobs):
             return self._enqueue_flow(jobs)
         by_queue = {}
@@ -148,11 +150,22 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         job.validate()
         if job.idempotency_key is None:
             raise BadInput("enqueue_once needs an idempotency_key")
+        self._check_chosen_ids([job])
         self.keys.for_scripts(job.queue)
         batch = _BATCH.encode([enqueue_args(job)])
         got = self._run_many([("enqueue_once", job.queue, [batch])], before=[("sadd", self.keys.queues, job.queue)],
                              confirm=True)
         return got[0][0] if got[0] else None
+
+    def _check_chosen_ids(self, jobs):
+        """An id the caller chose may not name a job of another queue. Each queue's keys stand
+        apart (a hash slot each), so the second job would be stored beside the first, and a
+        lease of one, found by its id, could renew or ack the other. (SQLite's and PostgreSQL's
+        primary key refuse it too.) Ids ``validate`` made are unique by construction."""
+        chosen = {job.id: job.queue for job in jobs if not job.__dict__.get("_id_made")}
+        for job_id, (queue, _) in self._locator.find(list(chosen), fetch=False).items():
+            if queue != chosen[job_id]:
+                raise BadInput(f"job id {job_id!r} is taken by a job of queue {queue!r}")
 
     # -- leasing ----------------------------------------------------------
     @guard
