@@ -41,9 +41,11 @@ class JobFilter:
     payload: tuple = ()  # ((dotted key, value), ...), sorted: hashable and stable
 
     def __post_init__(self):
+        if not isinstance(self.state, (str, list, tuple)) and self.state is not None:
+            raise BadInput(f"state filter must be a state or a list of states, got {self.state!r}")
         state = (self.state,) if isinstance(self.state, str) else tuple(self.state or ())
         for s in state:
-            if s not in STATES:
+            if not isinstance(s, str) or s not in STATES:
                 raise BadInput(f"unknown state {s!r} (expected one of {', '.join(STATES)})")
         object.__setattr__(self, "state", tuple(dict.fromkeys(state)))
         if self.queue is not None:
@@ -57,7 +59,13 @@ class JobFilter:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
                 raise BadInput(f"{name} must be a number of epoch seconds, got {value!r}")
-        pairs = self.payload.items() if isinstance(self.payload, dict) else self.payload
+        if isinstance(self.payload, dict):
+            pairs = list(self.payload.items())
+        elif isinstance(self.payload, (list, tuple)) and all(
+                isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in self.payload):
+            pairs = self.payload
+        else:
+            raise BadInput(f"payload filter must map dotted keys to values, got {self.payload!r}")
         checked = []
         for key, value in pairs:
             check_payload_key(key)
@@ -156,7 +164,7 @@ def decode_cursor(cursor, order):
         if got_order != order or not isinstance(job_id, str) or not isinstance(sort_value, (int, float)):
             raise ValueError
         return sort_value, job_id
-    except (ValueError, TypeError, UnicodeDecodeError):
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):  # RecursionError: JSON nested deep
         raise BadInput("bad cursor (use the next_cursor of a page with the same order)") from None
 
 

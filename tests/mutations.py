@@ -227,6 +227,18 @@ MUTATIONS = [
              "            if queue != chosen[job_id]:", "            if False:",
              ("tests/test_redis_broker.py", "-k", "caller_chose"),
              "an id the caller chose may not name a job of another queue"),
+    Mutation("web-open-console-any-host", "supervisor/web/app.py",
+             "*([] if auth.auth_configured(cfg.web) else [Middleware(LoopbackHostsOnly)]),", "",
+             ("tests/test_web.py", "-k", "rebound and sqlite"),
+             "an open console answers requests to a loopback host only (DNS rebinding)"),
+    Mutation("web-parents-unredacted", "supervisor/web/redact.py",
+             "        if d.get(\"parents\"):", "        if False:",
+             ("tests/test_web.py", "-k", "parents_result and sqlite"),
+             "a redacted field of a parent's result is masked in a child's API answer"),
+    Mutation("web-500-without-headers", "supervisor/web/app.py",
+             "    response.headers.update({name.decode(): value.decode() for name, value in HEADERS})\n", "",
+             ("tests/test_web.py", "-k", "unexpected_error"),
+             "an internal-error answer carries the security headers"),
 ]
 
 

@@ -4,6 +4,7 @@ Each test builds the real app (``supervisor.web.app.build``) on a real broker an
 talks HTTP to it through Starlette's TestClient; the browser tests
 (tests/test_web_browser.py) drive a real console process.
 """
+import base64
 import json
 import logging
 import re
@@ -26,6 +27,7 @@ from .util import wait_for  # noqa: E402
 
 SECRET = "4111-1111-1111-1111"
 ADMIN_PW, VIEWER_PW = "admin-password", "viewer-password"
+LOOPBACK = "http://127.0.0.1:9465"  # how a browser on this machine addresses an open console
 _HASHES = {}
 
 
@@ -247,7 +249,7 @@ def test_unknown_job_is_a_404_page_and_a_bad_filter_an_inline_error(console):
 
 def test_every_page_renders_with_a_banner_while_the_broker_is_down(tmp_path):
     cfg = make_config(tmp_path, "redis://127.0.0.1:1/0", users=False)
-    with TestClient(web_app.build(cfg, sample_interval=0.05)) as client:
+    with TestClient(web_app.build(cfg, sample_interval=0.05), base_url=LOOPBACK) as client:
         wait_for(lambda: client.get("/api/overview").json()["at"], message="the first sample")
         for path in ("/", "/jobs", "/dead", "/queues", "/schedules", "/supervisors"):
             page = client.get(path)
@@ -268,10 +270,13 @@ def test_an_unexpected_error_is_a_page_without_a_traceback(tmp_path, monkeypatch
 
     monkeypatch.setattr(pages, "schedule_listing", explode)
     cfg = make_config(tmp_path, f"sqlite:///{tmp_path}/b.db", users=False)
-    with TestClient(web_app.build(cfg), raise_server_exceptions=False) as client:
+    with TestClient(web_app.build(cfg), raise_server_exceptions=False, base_url=LOOPBACK) as client:
         page = client.get("/schedules")
         assert page.status_code == 500
         assert "secret internals" not in page.text and "Traceback" not in page.text
+        # Answered outside the middleware, yet with every header the others carry.
+        assert page.headers["x-frame-options"] == "DENY" and "frame-ancestors 'none'" in page.headers[
+            "content-security-policy"] and page.headers["cache-control"] == "no-store"
         assert client.get("/api/schedules").json() == {"error": "internal error (the console's log has the details)"}
 
 
@@ -341,3 +346,56 @@ def test_a_bounded_search_says_so_and_the_next_page_searches_further(console, br
         link = re.search(r'href="([^"]+)" class="button" id="next-page"', page.text).group(1)
         page = console.get(link.replace("&amp;", "&"))
     assert mine in page.text and 'id="partial-search"' not in page.text
+
+
+# -- hostile requests --------------------------------------------------------------------
+
+def test_an_open_console_answers_loopback_hosts_only_so_a_rebound_dns_name_reaches_nothing(tmp_path, broker):
+    """With no users every request acts as an admin. A page whose DNS name an attacker points
+    at 127.0.0.1 is the console's own origin in the victim's browser; its requests still name
+    the attacker's host, and that is what turns them away: no page, no token, no action."""
+    cfg = make_config(tmp_path, broker.url, users=False)
+
+    def open_console(base):
+        return TestClient(web_app.build(cfg, sample_interval=0.05), base_url=base)
+
+    with open_console("http://attacker.example:9465") as rebound:
+        for answer in (rebound.get("/jobs"), rebound.get("/api/queues"),
+                       rebound.post("/api/queues/default/pause", json={})):
+            assert answer.status_code == 400 and "loopback address only" in answer.text
+            assert answer.headers["x-frame-options"] == "DENY"
+    assert broker.paused() == {}
+    for base in (LOOPBACK, "http://localhost:9465", "http://[::1]:9465", "http://127.0.0.2"):
+        with open_console(base) as local:
+            assert local.get("/api/queues").status_code == 200, base
+    # With users, the session cookie never goes to another host name: no such rule, and none needed.
+    with TestClient(web_app.build(make_config(tmp_path, broker.url)), base_url="http://console.internal") as named:
+        assert login(named, "ada", ADMIN_PW).status_code == 303
+
+
+def test_a_viewer_never_sees_a_redacted_field_of_a_parents_result(console, broker):
+    parent = broker.enqueue(NewJob("charge", {"n": 1}).validate())
+    child = broker.enqueue(NewJob("receipt", {"n": 2}, depends_on=[(parent, "complete")]).validate())
+    (claimed,) = broker.claim(["default"], 1, 30, "test")
+    broker.ack(claimed.lease, {"card_number": SECRET, "auth_code": "A1"})
+    login(console, "vic", VIEWER_PW)
+    for path in (f"/api/jobs/{child}", f"/api/jobs/{parent}", f"/jobs/{child}"):
+        answer = console.get(path)
+        assert answer.status_code == 200 and SECRET not in answer.text, path
+    assert console.get(f"/api/jobs/{child}").json()["parents"][parent][1] == {"card_number": "***", "auth_code": "A1"}
+
+
+@pytest.mark.parametrize("how", ["cursor", "form body", "state", "payload", "payload pairs"])
+def test_bad_input_to_the_api_is_a_400_not_an_error(console, how):
+    login(console, "ada", ADMIN_PW)
+    token = csrf_of(console.get("/jobs").text)
+    if how == "cursor":  # JSON nested too deep to decode
+        answer = console.get("/api/jobs", params={"cursor": base64.urlsafe_b64encode(b"[" * 20000).decode()})
+    elif how == "form body":
+        answer = console.post("/api/jobs/cancel", data={"filter": "x", "csrf": token})
+    else:
+        bad = {"state": {"state": 5}, "payload": {"payload": 5}, "payload pairs": {"payload": [[1]]}}[how]
+        answer = console.post("/api/jobs/cancel", json={"filter": bad, "dry_run": True},
+                              headers={"x-csrf-token": token})
+    assert answer.status_code == 400, answer.text
+    assert "internal error" not in answer.text

@@ -29,7 +29,7 @@ def answer(data, status=200):
 async def body(request):
     try:
         data = await request.json()
-    except ValueError:
+    except (ValueError, RuntimeError):  # RuntimeError: a form body, read already as a form
         raise BadInput("the body must be a JSON object") from None
     if not isinstance(data, dict):
         raise BadInput("the body must be a JSON object")

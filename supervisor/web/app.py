@@ -21,7 +21,8 @@ from starlette.staticfiles import StaticFiles
 from ..model import FINISHED
 from . import actions, api, auth, live, pages
 from .console import HERE, Console, gate, pretty, when
-from .headers import SecurityHeaders
+from .headers import HEADERS, SecurityHeaders
+from .hosts import LoopbackHostsOnly
 
 log = logging.getLogger("tangguh.web")
 MAX_CONNECTIONS = 200
@@ -95,6 +96,8 @@ def build(cfg, sample_interval=1.0):
     app = Starlette(
         routes=routes(), lifespan=lifespan,
         middleware=[Middleware(SecurityHeaders),
+                    # An open console turns away requests to other hosts (DNS rebinding) before anything.
+                    *([] if auth.auth_configured(cfg.web) else [Middleware(LoopbackHostsOnly)]),
                     Middleware(SessionMiddleware, secret_key=secrets.token_urlsafe(32), session_cookie="tangguh_web",
                                same_site="strict", https_only=False, max_age=12 * 3600)],
         exception_handlers={HTTPException: http_error, Exception: internal_error})
@@ -110,7 +113,10 @@ async def internal_error(request, exc):
     # Logged with its traceback for the operator; the browser gets one line.
     log.error("console error on %s %s", request.method, request.url.path, exc_info=exc,
               extra={"event": "web_error"})
-    return error_page(request, 500, "internal error (the console's log has the details)")
+    response = error_page(request, 500, "internal error (the console's log has the details)")
+    # Starlette answers from here outside the middleware: SecurityHeaders never sees this answer.
+    response.headers.update({name.decode(): value.decode() for name, value in HEADERS})
+    return response
 
 
 def error_page(request, status, message):

@@ -27,8 +27,10 @@ class Redactor:
         return any(part.lower() in self.fields for part in dotted_key.split("."))
 
     def job_dict(self, job):
-        """A Job as the console shows it: every field, payload and result masked."""
+        """A Job as the console shows it: every field, its payload, result and parents' results masked."""
         d = job.to_dict()
         d["payload"] = self.value(d["payload"])
         d["result"] = self.value(d["result"])
+        if d.get("parents"):  # a workflow child carries its parents' results
+            d["parents"] = {parent: [state, self.value(result)] for parent, (state, result) in d["parents"].items()}
         return d
