@@ -239,6 +239,16 @@ MUTATIONS = [
              "    response.headers.update({name.decode(): value.decode() for name, value in HEADERS})\n", "",
              ("tests/test_web.py", "-k", "unexpected_error"),
              "an internal-error answer carries the security headers"),
+    Mutation("web-logout-keeps-session", "supervisor/web/pages.py",
+             "        console_of(request).sessions.end(request.session.get(\"sid\"))", "        pass",
+             ("tests/test_web.py", "-k", "logout_ends and sqlite"),
+             "a logout ends the session for a copy of its cookie too"),
+    Mutation("web-argon2-on-the-loop", "supervisor/web/console.py",
+             "        return await asyncio.get_running_loop().run_in_executor(self.hashing, auth.check_password, self.web, name,\n"
+             "                                                                password)",
+             "        return auth.check_password(self.web, name, password)",
+             ("tests/test_web.py", "-k", "never_holds_up and sqlite"),
+             "a password check never holds up the console's other requests"),
 ]
 
 

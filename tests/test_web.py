@@ -399,3 +399,62 @@ def test_bad_input_to_the_api_is_a_400_not_an_error(console, how):
                               headers={"x-csrf-token": token})
     assert answer.status_code == 400, answer.text
     assert "internal error" not in answer.text
+
+
+def test_a_logout_ends_the_session_even_for_a_copy_of_its_cookie(console):
+    """The session cookie is signed, not stored: a copy taken before the logout (a shared
+    machine, a stolen cookie) must not read pages or act for the rest of its twelve hours."""
+    assert login(console, "ada", ADMIN_PW).status_code == 303
+    token = csrf_of(console.get("/jobs").text)
+    kept = console.cookies.get("tangguh_web")
+    assert console.get("/api/supervisors").status_code == 200
+    assert console.post("/logout", data={"csrf": token}, follow_redirects=False).status_code == 303
+    console.cookies.set("tangguh_web", kept)  # the copy, put back
+    assert console.get("/api/supervisors").status_code == 401
+    assert console.post("/api/queues/default/pause", json={}, headers={"x-csrf-token": token}).status_code in (401, 403)
+    assert console.get("/jobs", follow_redirects=False).status_code in (302, 303, 307)  # to the login page
+    assert login(console, "ada", ADMIN_PW).status_code == 303  # a new login is a new session
+    assert console.get("/api/supervisors").status_code == 200
+
+
+def test_the_live_sessions_stay_bounded_and_forget_expired_ones():
+    sessions = auth.Sessions(max_age=3600, most=3)
+    first, *rest = [sessions.start() for _ in range(4)]
+    assert not sessions.live(first) and all(sessions.live(s) for s in rest) and len(sessions.until) == 3
+    sessions.end(rest[0])
+    assert not sessions.live(rest[0]) and not sessions.live(None) and not sessions.live(["x"])
+    brief = auth.Sessions(max_age=0.0)
+    gone = brief.start()
+    assert not brief.live(gone)
+    brief.start()
+    assert gone not in brief.until  # expired ones leave at the next login
+
+
+def test_a_password_check_never_holds_up_the_other_requests(tmp_path, broker, monkeypatch):
+    """argon2 is slow on purpose; checked on the event loop, each login attempt (anyone may
+    make them) would stall every page, API answer and live stream of everyone else."""
+    import threading
+
+    checking, release, answers = threading.Event(), threading.Event(), []
+    real = auth.check_password
+
+    def held(*args):
+        checking.set()
+        release.wait(15)  # bounded: on the loop, this would hold the request below until then
+        return real(*args)
+
+    monkeypatch.setattr(auth, "check_password", held)
+    with TestClient(web_app.build(make_config(tmp_path, broker.url), sample_interval=0.05)) as client:
+        token = csrf_of(client.get("/login").text)
+        form = {"name": "ada", "password": ADMIN_PW, "csrf": token, "next": "/"}
+        worker = threading.Thread(target=lambda: answers.append(client.post("/login", data=form,
+                                                                            follow_redirects=False)))
+        worker.start()
+        try:
+            assert checking.wait(15), "the login's check did not start"
+            assert client.get("/static/console.css").status_code == 200
+            assert not release.is_set() and not answers  # served while the check was still running
+        finally:
+            release.set()
+            worker.join(30)
+        assert answers[0].status_code == 303

@@ -20,7 +20,7 @@ from starlette.staticfiles import StaticFiles
 
 from ..model import FINISHED
 from . import actions, api, auth, live, pages
-from .console import HERE, Console, gate, pretty, when
+from .console import HERE, SESSION_AGE, Console, gate, pretty, when
 from .headers import HEADERS, SecurityHeaders
 from .hosts import LoopbackHostsOnly
 
@@ -92,6 +92,7 @@ def build(cfg, sample_interval=1.0):
             with contextlib.suppress(asyncio.CancelledError):
                 await sampler
             console.pool.close()
+            console.hashing.shutdown(wait=False)
 
     app = Starlette(
         routes=routes(), lifespan=lifespan,
@@ -99,7 +100,7 @@ def build(cfg, sample_interval=1.0):
                     # An open console turns away requests to other hosts (DNS rebinding) before anything.
                     *([] if auth.auth_configured(cfg.web) else [Middleware(LoopbackHostsOnly)]),
                     Middleware(SessionMiddleware, secret_key=secrets.token_urlsafe(32), session_cookie="tangguh_web",
-                               same_site="strict", https_only=False, max_age=12 * 3600)],
+                               same_site="strict", https_only=False, max_age=SESSION_AGE)],
         exception_handlers={HTTPException: http_error, Exception: internal_error})
     app.state.console = console
     return app
@@ -123,7 +124,7 @@ def error_page(request, status, message):
     console = request.app.state.console
     if request.url.path.startswith("/api/"):
         return JSONResponse({"error": message}, status_code=status)
-    request.state.identity = getattr(request.state, "identity", None) or auth.identify(request, console.web)
+    request.state.identity = getattr(request.state, "identity", None) or auth.identify(request, console.web, console.sessions)
     return console.render(request, "error.html", status=status, code=status, message=message)
 
 

@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import ipaddress
 import secrets
+import time
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
@@ -60,7 +61,7 @@ def check_password(web, name, password):
     return Identity(name, entry["role"], "session") if entry else None
 
 
-def identify(request, web):
+def identify(request, web, sessions):
     """The Identity behind a request, or None (not logged in, or a bad token)."""
     if not auth_configured(web):
         return Identity("anonymous", "admin", "open")
@@ -73,8 +74,35 @@ def identify(request, web):
         return None
     name = request.session.get("user")
     entry = web.users.get(name) if name else None
+    if entry is None or not sessions.live(request.session.get("sid")):
+        return None  # no user, or a cookie kept after its logout
     # The role is read from the config on every request: a demoted or removed user loses it at once.
-    return Identity(name, entry["role"], "session") if entry else None
+    return Identity(name, entry["role"], "session")
+
+
+class Sessions:
+    """The sessions logged in and not logged out yet. The cookie is signed, not stored, so a
+    copy kept from before a logout would otherwise stay good until it expires."""
+
+    def __init__(self, max_age, most=10_000):
+        self.max_age, self.most = max_age, most
+        self.until = {}  # session id -> monotonic expiry, oldest first
+
+    def start(self):
+        now = time.monotonic()
+        for sid in [sid for sid, until in self.until.items() if until <= now]:
+            del self.until[sid]
+        while len(self.until) >= self.most:  # bounded: the oldest login makes room
+            del self.until[next(iter(self.until))]
+        sid = secrets.token_urlsafe(24)
+        self.until[sid] = now + self.max_age
+        return sid
+
+    def end(self, sid):
+        self.until.pop(sid, None)
+
+    def live(self, sid):
+        return isinstance(sid, str) and self.until.get(sid, 0) > time.monotonic()
 
 
 def is_loopback(host):

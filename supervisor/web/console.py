@@ -6,6 +6,8 @@ refuses a change from a viewer (403) or without the CSRF token (403), and
 turns whatever the endpoint raises into a page or JSON answer without a
 traceback: BadInput into 400 with its message, an outage into 503.
 """
+import asyncio
+import concurrent.futures
 import datetime
 import functools
 import json
@@ -26,6 +28,7 @@ from .throttle import LoginThrottle
 
 log = logging.getLogger("tangguh.web")
 HERE = os.path.dirname(os.path.abspath(__file__))
+SESSION_AGE = 12 * 3600  # seconds a login lasts (the cookie's max-age, and the session's)
 
 NAV = [("/", "Overview"), ("/jobs", "Jobs"), ("/dead", "Dead letters"), ("/queues", "Queues"),
        ("/schedules", "Schedules"), ("/supervisors", "Supervisors")]
@@ -39,12 +42,20 @@ class Console:
         self.redactor = Redactor(cfg.web.redact)
         self.sampler = Sampler(self.pool, cfg.broker.queues, interval=sample_interval)
         self.logins = LoginThrottle()  # failed logins per client address
+        self.sessions = auth.Sessions(SESSION_AGE)  # logged in, not logged out
+        # argon2 is slow on purpose (~0.1-0.3 s): on the event loop, every login would stall
+        # every page, API answer and live stream. One thread: logins queue, nothing else waits.
+        self.hashing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tangguh-web-argon2")
         self.templates = Jinja2Templates(directory=os.path.join(HERE, "templates"))
         self.templates.env.filters.update(when=when, ago=ago, duration=duration, pretty=pretty)
         self.templates.env.globals.update(nav=NAV, finished=FINISHED)
 
     def fetch(self):
         return Fetch(self.pool)
+
+    async def check_password(self, name, password):
+        return await asyncio.get_running_loop().run_in_executor(self.hashing, auth.check_password, self.web, name,
+                                                                password)
 
     def render(self, request, name, status=200, problems=(), **context):
         # An outage the sampler saw shows on every page, even one whose own reads did not fail.
@@ -71,7 +82,7 @@ def gate(kind="page", admin=False):
         @functools.wraps(endpoint)
         async def run(request):
             console = request.app.state.console
-            identity = request.state.identity = auth.identify(request, console.web)
+            identity = request.state.identity = auth.identify(request, console.web, console.sessions)
             if identity is None:
                 if kind == "api":
                     return JSONResponse({"error": "authentication required"}, status_code=401)

@@ -194,14 +194,15 @@ async def login(request):
                         error=f"Too many failed logins from this address: try again in {math.ceil(wait)} s.")
         page.headers["Retry-After"] = str(math.ceil(wait))
         return page
-    identity = auth.check_password(c.web, form.get("name"), form.get("password"))
+    c.logins.failed(address)  # counted before the check, which runs off the loop: parallel tries stay within the limit
+    identity = await c.check_password(form.get("name"), form.get("password"))
     if identity is None:
-        c.logins.failed(address)
         c.audit(tried, "login_refused", 0, address=address)
         return c.render(request, "login.html", status=401, next=nxt, error="Wrong name or password.", open=False)
     c.logins.succeeded(address)
+    c.sessions.end(request.session.get("sid"))
     request.session.clear()  # a fresh session (and CSRF token) for the new identity
-    request.session["user"] = identity.name
+    request.session.update(user=identity.name, sid=c.sessions.start())
     c.audit(identity, "login", 0)
     return RedirectResponse(nxt, status_code=303)
 
@@ -209,6 +210,7 @@ async def login(request):
 async def logout(request):
     form = await request.form()
     if csrf.valid(request, None, form):
+        console_of(request).sessions.end(request.session.get("sid"))  # a copy of the cookie is no good either
         request.session.clear()
     return RedirectResponse("/login", status_code=303)
 
