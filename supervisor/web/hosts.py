@@ -9,9 +9,9 @@ so an open console refuses every ``Host`` that is not a loopback name or address
 A console with users or tokens needs no such rule: the browser never sends its
 session cookie to another host name.
 """
-import ipaddress
-
 from starlette.responses import PlainTextResponse
+
+from .auth import is_loopback
 
 
 def loopback(host_header):
@@ -21,12 +21,7 @@ def loopback(host_header):
         host = host[1:].partition("]")[0]
     elif host.count(":") == 1:
         host = host.partition(":")[0]
-    if host in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(host)
 
 
 class LoopbackHostsOnly:
