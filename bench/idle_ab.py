@@ -17,19 +17,14 @@ Prints a Markdown table per broker: each side's median p50 and p99 latency (ms)
 and idle PSS (MiB), B / A of the medians and the per-round range of B / A.
 """
 import argparse
-import contextlib
 import json
-import os
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 
 from bench import run
 from bench.throughput_ab import BROKERS, daemon
-from bench.trees import checked_out
+from bench.trees import ab_rounds, broker_list
 
 MEASURES = (("latency p50 ms", "p50_ms", 2), ("latency p99 ms", "p99_ms", 2), ("idle PSS MiB", "pss_mib", 1))
 
@@ -58,38 +53,28 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=40, help="latency samples per start (python -m bench: 40)")
     p.add_argument("--json", help="write every figure to this file")
     args = p.parse_args(argv)
-    brokers = [b.strip() for b in args.broker.split(",")]
-    unknown = [b for b in brokers if b not in BROKERS]
-    if unknown:
-        p.error(f"unknown broker {unknown[0]!r} (expected {', '.join(BROKERS)})")
+    brokers = broker_list(p, args.broker, BROKERS)
     if args.rounds < 1 or args.samples < 1:
         p.error("--rounds and --samples must be at least 1")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still stop the daemon and remove the worktree
     settings = run.Settings(quick=False)
     settings.latency_samples = args.samples
     ev = run.Evidence()
-    ev.r.ping()
-    tmp = tempfile.mkdtemp(prefix="idle-ab-run-")
     rounds = []
-    with contextlib.ExitStack() as stack:
-        stack.callback(shutil.rmtree, tmp, ignore_errors=True)
-        stack.callback(ev.clear)
-        trees = stack.enter_context(checked_out({"A": args.rev, "B": args.against}, "idle-ab"))
-        for broker in brokers:
-            for r in range(args.rounds):
-                figures = {"broker": broker, "round": r + 1, "loadavg": round(os.getloadavg()[0], 2)}
-                for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                    figures[side] = one_round(daemon(tmp, broker, trees[side][0]), ev, settings)
-                rounds.append(figures)
-                a, b = figures["A"], figures["B"]
-                print(f"  {broker} round {r + 1}: p50 A {a['p50_ms']} B {b['p50_ms']} ms, PSS A {a['pss_mib']}"
-                      f" B {b['pss_mib']} MiB  (load {figures['loadavg']:.1f})", file=sys.stderr, flush=True)
-                if args.json:  # after every round: an interrupted run keeps what it measured
-                    with open(args.json, "w") as f:
-                        json.dump({"written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                   "A": trees["A"][1], "B": trees["B"][1], "samples": args.samples,
-                                   "machine": run.machine(), "rounds": rounds}, f, indent=2)
-                        f.write("\n")
+    for trees, figures, sides, tmp in ab_rounds({"A": args.rev, "B": args.against}, "idle-ab", brokers,
+                                                args.rounds, ev):
+        for side in sides:
+            figures[side] = one_round(daemon(tmp, figures["broker"], trees[side][0]), ev, settings)
+        rounds.append(figures)
+        a, b = figures["A"], figures["B"]
+        print(f"  {figures['broker']} round {figures['round']}: p50 A {a['p50_ms']} B {b['p50_ms']} ms,"
+              f" PSS A {a['pss_mib']} B {b['pss_mib']} MiB  (load {figures['loadavg']:.1f})", file=sys.stderr,
+              flush=True)
+        if args.json:  # after every round: an interrupted run keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "A": trees["A"][1], "B": trees["B"][1], "samples": args.samples,
+                           "machine": run.machine(), "rounds": rounds}, f, indent=2)
+                f.write("\n")
     print(f"A = {trees['A'][1]}, B = {trees['B'][1]}; {args.rounds} daemon starts per side and broker,"
           f" {args.samples} latency samples each\n")
     print("| broker | measure | A median | B median | B / A (medians) | B / A per round: min – max | rounds |")

@@ -21,21 +21,17 @@ included; less sensitive to other load than wall time). ``--json`` writes every
 figure after every round.
 """
 import argparse
-import contextlib
 import json
 import os
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import psutil
 
 from bench import run
-from bench.trees import checked_out
+from bench.trees import ab_rounds, broker_list
 
 BROKERS = ("sqlite", "redis", "postgres")
 
@@ -97,39 +93,28 @@ def main(argv=None):
     p.add_argument("--prefetch", type=int, default=None,
                    help="pin broker.prefetch on both sides (default: each side's config default)")
     args = p.parse_args(argv)
-    brokers = [b.strip() for b in args.broker.split(",")]
-    unknown = [b for b in brokers if b not in BROKERS]
-    if unknown:
-        p.error(f"unknown broker {unknown[0]!r} (expected {', '.join(BROKERS)})")
+    brokers = broker_list(p, args.broker, BROKERS)
     if args.rounds < 1 or args.jobs < 2:
         p.error("--rounds must be at least 1 and --jobs at least 2")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still stop the daemon and remove the worktree
     run.Tangguh.prefetch = args.prefetch
     settings = run.Settings(quick=False)
     settings.noop_jobs = args.jobs
     ev = run.Evidence()
-    ev.r.ping()
-    tmp = tempfile.mkdtemp(prefix="throughput-ab-run-")
     rounds = []
-    with contextlib.ExitStack() as stack:
-        stack.callback(shutil.rmtree, tmp, ignore_errors=True)
-        stack.callback(ev.clear)
-        trees = stack.enter_context(checked_out({"A": args.rev, "B": args.against}, "throughput-ab"))
-        for broker in brokers:
-            for r in range(args.rounds):
-                figures = {"broker": broker, "round": r + 1, "loadavg": round(os.getloadavg()[0], 2)}
-                for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                    figures[side], figures[f"{side}_cpu_us"], complete = one_round(
-                        daemon(tmp, broker, trees[side][0]), ev, settings)
-                    if not complete:
-                        figures.setdefault("cut_off", []).append(side)
-                rounds.append(figures)
-                cut = f"  cut off: {', '.join(figures['cut_off'])}" if "cut_off" in figures else ""
-                print(f"  {broker} round {r + 1}: A {figures['A']:,.0f}  B {figures['B']:,.0f} jobs/s, master"
-                      f" {figures['A_cpu_us']} / {figures['B_cpu_us']} µs/job  (load {figures['loadavg']:.1f}){cut}",
-                      file=sys.stderr, flush=True)
-                if args.json:  # after every round: an interrupted run keeps what it measured
-                    write_json(args.json, trees, args.jobs, rounds)
+    for trees, figures, sides, tmp in ab_rounds({"A": args.rev, "B": args.against}, "throughput-ab", brokers,
+                                                args.rounds, ev):
+        for side in sides:
+            figures[side], figures[f"{side}_cpu_us"], complete = one_round(
+                daemon(tmp, figures["broker"], trees[side][0]), ev, settings)
+            if not complete:
+                figures.setdefault("cut_off", []).append(side)
+        rounds.append(figures)
+        cut = f"  cut off: {', '.join(figures['cut_off'])}" if "cut_off" in figures else ""
+        print(f"  {figures['broker']} round {figures['round']}: A {figures['A']:,.0f}  B {figures['B']:,.0f} jobs/s,"
+              f" master {figures['A_cpu_us']} / {figures['B_cpu_us']} µs/job  (load {figures['loadavg']:.1f}){cut}",
+              file=sys.stderr, flush=True)
+        if args.json:  # after every round: an interrupted run keeps what it measured
+            write_json(args.json, trees, args.jobs, rounds)
     print(f"A = {trees['A'][1]}, B = {trees['B'][1]}; {args.rounds} rounds of {args.jobs:,} no-ops per broker\n")
     print("| broker | measure | A median | B median | B / A (medians) | B / A per round: min – max | rounds |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
