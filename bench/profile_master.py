@@ -1,6 +1,6 @@
 """Where the master's time goes per job: cProfile of a real daemon on a no-op run.
 
-    python -m bench.profile_master [--broker sqlite|redis|postgres] [--jobs 5000] [--prefetch N] [--top 40]
+    python -m bench.profile_master [--broker sqlite|redis|postgres] [--jobs 5000] [--prefetch N] [--top 40] [--save PATH]
 
 Enqueues N no-op jobs (bench/work.py's body), starts a daemon of 2 workers with
 the config defaults (``lease_seconds = 5``, ``heartbeat_seconds = 1`` as in
@@ -52,6 +52,7 @@ def main(argv=None):
     ap.add_argument("--sort", default="tottime", help="pstats order: tottime, cumulative, ncalls")
     ap.add_argument("--no-profile", action="store_true", help="only the master's CPU per job, no cProfile")
     ap.add_argument("--events", action="store_true", help="log at debug and count the master's events per kind")
+    ap.add_argument("--save", metavar="PATH", help="keep the profile there (for pstats' callers and callees)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         fw = run.Tangguh(tmp, args.broker)
@@ -97,6 +98,8 @@ def main(argv=None):
         if not args.no_profile:
             stats = pstats.Stats(out)
             stats.sort_stats(args.sort).print_stats(args.top)
+            if args.save:
+                stats.dump_stats(args.save)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ _HEADER = struct.Struct("!I")
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps builds one per call with separators
 _DECODE = json.JSONDecoder().decode  # json.loads without its per-call checks (the frames are UTF-8 text)
 MAX_MESSAGE = 64 * 1024 * 1024
+TOP_UP_BYTES = 64 * 1024  # the most a message to a busy child holds (master/pool.py, Child.room)
 
 # master -> child. A RUN carries one job, or a "batch" of several the child runs
 # in order, answering each; SKIP: answer the jobs not started yet "skipped".
@@ -50,6 +51,11 @@ def run_message(job, max_attempts, soft_timeout):
     if job.parents is not None:  # a job without dependencies: nothing to carry
         fields["parents"] = job.parents
     return {"op": RUN, "soft_timeout": soft_timeout, "job": fields}
+
+
+def run_frame(batch):
+    """The framed RUN message of ``batch``: a list of (job, registry.JobSettings)."""
+    return encode(batch_message([run_message(j, s.max_attempts, s.soft_timeout) for j, s in batch]))
 
 
 def batch_message(entries):

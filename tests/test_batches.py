@@ -315,3 +315,35 @@ def test_a_child_terminated_over_a_hard_timeout_starts_no_other_job_of_its_batch
         d.assert_clean()
     finally:
         d.stop()
+
+
+def test_a_top_up_larger_than_the_pipe_never_stalls_the_master_nor_splits_a_message(tmp_path):
+    """A top-up goes to a child busy with a job, which reads nothing until that job ends.
+    A top-up of jobs with large payloads is more than the socket buffer holds: a blocking
+    send stalled the whole master until the child read (up to its 5 s socket timeout),
+    then left half a message in the pipe. The child then waited for the rest of it while
+    the master took its next job for running. The master queues what the pipe cannot take
+    and sends it as the child reads, between its other work."""
+    d = batch_daemon(tmp_path, None, broker={"heartbeat_seconds": 0.2})
+    marker, release = d.marker("m"), d.marker("release")
+    try:
+        p = {"marker": marker, "pad": "x" * 40_000}  # 32 of them: 1.3 MB, far over a socket buffer
+        ids = enqueue_batch(d, *([p] * 16 + [dict(p, release=release)] + [p] * 55))
+        wait_for(lambda: ids[16] in starts(marker), message="job 16, which holds, running")
+        wait_for(lambda: (lambda w: w["job_id"] == ids[16] and w["queued"] > 15)(d.status()["workers"][0]),
+                 timeout=30, message="a top-up queued behind job 16")
+        # The master goes on serving while the top-up waits: a job enqueued now is claimed.
+        late = d.enqueue("quick", {"marker": marker})
+        wait_for(lambda: d.job(late).state == "running" or d.status()["prefetched"] >= 1,
+                 message="the master claiming while the top-up waits for the child")
+        for _ in range(20):  # well past the old 5 s socket timeout, the loop answering all along
+            assert d.status()["workers"][0]["job_id"] == ids[16]
+        wait_for(lambda: d.status()["workers"][0]["elapsed"] > 6, timeout=30, message="job 16 past the old socket timeout")
+        open(release, "w").close()
+        jobs = [d.wait_job(job_id) for job_id in ids + [late]]
+        assert [(j.state, j.attempt) for j in jobs] == [("done", 1)] * len(jobs)
+        assert sorted(starts(marker)) == sorted(ids + [late])  # each once
+        d.assert_clean()
+    finally:
+        open(release, "w").close()
+        d.stop()

@@ -42,7 +42,7 @@ from ..protocol import KILLED_SHUTDOWN, UNKNOWN_TYPE
 from ..retry import next_delay
 from ..sdnotify import Notifier
 from ..urls import redact
-from . import verdict
+from . import overdue, verdict
 from .brokerlink import BrokerLink
 from .control import JobControl
 from .dispatch import Dispatcher
@@ -115,7 +115,7 @@ class Arbiter:
             self.handle_signals()
             self.pool.reap()
             self.control.run(self.cfg.broker.queues, stopping=self.stopping is not None)
-            self.pool.kill_overdue()
+            overdue.kill_overdue(self.pool)
             self.check_stop_deadline()
             self.writer.flush()
             self.pool.manage()
@@ -183,7 +183,7 @@ class Arbiter:
         """Seconds until the earliest instant some part needs the loop."""
         now = time.monotonic()
         instants = [now + 1.0, self.writer.due_at(), self.stop_deadline, self.status.notifier.next_ping_at()]
-        instants.extend(self.pool.deadlines())
+        instants.extend(overdue.deadlines(self.pool))
         if self.stopping is None:
             # A WatchdogSec= under 2 s must not expire while we sleep: the ping is in the list.
             instants += [self.dispatcher.due_at(), self.pool.spawn_due_at(), self.periodic.due_at()]

@@ -170,7 +170,10 @@ class Dispatcher:
             if most:
                 size = min(size, most - c.jobs_done - 1 - len(c.queued))  # its running job counts too
             if size > 0:
-                self.pool.run(c, self.take_batch(size))
+                left = self.pool.run(c, self.take_batch(size))
+                if left:  # more than its pipe takes while it is busy: they wait for a free child
+                    self.prefetched.extendleft(reversed(left))
+                    return
 
     def take_batch(self, size):
         """Up to ``size`` prefetched jobs, oldest first: one, and more only while their types are short."""

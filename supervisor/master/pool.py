@@ -18,7 +18,7 @@ import traceback
 import psutil
 
 from .. import logs, protocol
-from ..protocol import KILLED_BAD_FRAME, KILLED_CANCEL, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT
+from ..protocol import KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT
 from ..retry import backoff
 
 log = logging.getLogger("tangguh.arbiter")
@@ -45,6 +45,8 @@ class Child:
         self.jobs_done, self.retiring = 0, False
         self.done_at_send = 0  # jobs_done when its last RUN message went out (top-ups: dispatch.top_up)
         self.bad_frame = None  # the error of a message the protocol cannot take: no more reading
+        # What a message to it may hold while it is busy: a quarter of its pipe (one top-up unread at a time).
+        self.room = min(protocol.TOP_UP_BYTES, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4)
 
 
 class Pool:
@@ -138,7 +140,18 @@ class Pool:
     # -- talking to children -------------------------------------------------------------
     def run(self, c, batch):
         """Hand ``batch`` (a list of (job, settings)) to child ``c``: one message, run in order.
-        An idle child starts its first job now; a busy one queues them all behind its own."""
+        An idle child starts its first job now; a busy one queues them all behind its own.
+
+        A busy child reads nothing until its job ends, so a message to it must fit in its
+        pipe (``room``): a longer one would block the master's send until the child read.
+        Its first jobs that fit go; the rest are returned, to wait for a free child.
+        """
+        left, frame = [], protocol.run_frame(batch)
+        while c.job is not None and len(frame) > c.room and batch:
+            batch, left = batch[:len(batch) // 2], batch[len(batch) // 2:] + left
+            frame = protocol.run_frame(batch)
+        if not batch:
+            return left
         if c.job is None:
             self.start(c, *batch[0])
             c.queued.extend(batch[1:])
@@ -149,10 +162,10 @@ class Pool:
             log.debug("batch of %d jobs to worker %d%s", len(batch), c.slot, " (busy)" * (c.job is not batch[0][0]),
                       extra={"event": "batch", "slot": c.slot, "pid": c.pid})
         try:
-            protocol.send(c.sock, protocol.batch_message(
-                [protocol.run_message(j, s.max_attempts, s.soft_timeout) for j, s in batch]))
+            c.sock.sendall(frame)
         except OSError:
             pass  # the child just died: reaping records the crash and re-queues the jobs
+        return left
 
     def start(self, c, job, settings):
         """Record that ``c`` runs ``job`` from now: its hard-timeout deadline starts here."""
@@ -311,35 +324,6 @@ class Pool:
             self.unregister(c)
             self.kill(c, KILLED_BAD_FRAME)
             return []
-
-    # -- deadlines ---------------------------------------------------------------------
-    def deadlines(self):
-        """The instants at which a hard timeout needs the loop awake."""
-        grace = self.cfg.kill_grace
-        return [c.term_at + grace if c.term_at else c.deadline for c in self.children.values()
-                if c.deadline is not None] + [c.cancel_deadline for c in self.children.values() if c.cancel_deadline]
-
-    def kill_overdue(self):
-        """Hard timeout: SIGTERM, SIGKILL after the grace. Still running ``cancel_grace`` after a cancel: SIGKILL."""
-        now = time.monotonic()
-        grace = self.cfg.kill_grace
-        for c in list(self.children.values()):
-            if c.job is not None and c.cancel_deadline is not None and now >= c.cancel_deadline:
-                log.warning("job still running %.1fs after its cancel: killing worker %d", self.cfg.cancel_grace,
-                            c.slot, extra=logs.job_fields(c.job, event="cancel_kill", slot=c.slot, pid=c.pid))
-                c.cancel_deadline = None
-                self.kill(c, KILLED_CANCEL)
-                continue
-            if c.job is None or c.deadline is None or now < c.deadline:
-                continue
-            if c.term_at is None:
-                c.term_at = now
-                log.warning("job over its hard timeout: SIGTERM to worker %d, SIGKILL after %.1fs", c.slot, grace,
-                            extra=logs.job_fields(c.job, event="timeout_kill", slot=c.slot, pid=c.pid,
-                                              signal=int(signal.SIGTERM)))
-                self.kill(c, KILLED_TIMEOUT, signal.SIGTERM)
-            elif now >= c.term_at + grace:
-                self.kill(c, KILLED_TIMEOUT, signal.SIGKILL)
 
     # -- reaping -----------------------------------------------------------------------
     def reap(self):
