@@ -1,6 +1,5 @@
 """The job model: ids, states, the record a broker stores, and input checks."""
 import dataclasses
-import json
 import math
 import operator
 import os
@@ -9,6 +8,8 @@ import time
 import typing
 
 from .errors import BadInput
+from .jsonvalues import (MAX_DEPTH, UNSTORABLE, check_json, is_storable, json_depth,  # noqa: F401 - the model's API
+                         load_json, payload_problem, storable)
 from .ids import job_id_from, new_job_id, new_trace_id, trace_id_from  # noqa: F401 - new_* are the model's API
 
 QUEUED, RUNNING, RETRYING, DONE, DEAD = "queued", "running", "retrying", "done", "dead"
@@ -31,7 +32,6 @@ ACK, RETRY, RELEASE, DROP = "ack", "retry", "release", "drop"
 # What a producer may store. Each bound is checked at enqueue on every broker,
 # so a job that one broker would refuse (or could not hand to a worker) is
 # refused by all of them, before anything is written.
-MAX_DEPTH = 64  # nesting levels of a payload: far from any parser's recursion limit
 MAX_NAME = 255  # characters of a type, resource_id, idempotency_key or trace_id
 MAX_DELAY = 10 * 365 * 86400.0  # seconds: ten years
 MAX_INT = 2**31 - 1  # priority and max_attempts fit a 32-bit integer column
@@ -39,74 +39,6 @@ MAX_TIMEOUT = 365 * 86400.0  # seconds: a year
 # Queue names become Redis keys ("{queue}" is the hash tag) and metric labels.
 QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 QUEUE_RULE = "1 to 64 letters, digits or _ . : -"
-# Characters no text column takes (PostgreSQL refuses NUL; UTF-8 has no lone surrogates).
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-
-
-def check_json(value, what):
-    """Return ``value`` serialised as JSON, or raise BadInput naming ``what``.
-
-    The nesting is measured first, without recursion: a value deeper than
-    ``MAX_DEPTH`` (or cyclic) is refused whatever the caller's stack depth.
-    """
-    if json_depth(value) > MAX_DEPTH:
-        raise BadInput(f"{what} is nested more than {MAX_DEPTH} levels deep")
-    try:
-        return _ENCODER.encode(value)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise BadInput(f"{what} must be JSON-serialisable: {exc}") from None
-
-
-# json.dumps(value, allow_nan=False, separators=(",", ":")) without building an encoder per call.
-_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
-
-
-def json_depth(value, stop=MAX_DEPTH):
-    """Levels of lists and dicts in ``value`` (0 for a scalar), counted up to ``stop + 1``."""
-    if type(value) is dict:  # the usual payload, a flat object: no walk
-        for child in value.values():
-            if isinstance(child, (dict, list, tuple)):
-                break
-        else:
-            return 1
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, (list, tuple)):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        if deepest > stop:
-            return deepest
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
-
-
-def load_json(text):
-    """Decode a stored JSON value; text that does not decode (invalid, or too deep for
-    the parser) comes back as the text itself, so reading a job never raises."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return text.decode("utf-8", "replace") if isinstance(text, (bytes, bytearray)) else text
-
-
-def payload_problem(payload):
-    """Why a stored payload cannot be handed to a worker, or None."""
-    if not isinstance(payload, dict):
-        return "the stored payload is not a JSON object (or does not decode)"
-    if json_depth(payload) > MAX_DEPTH:
-        return f"the stored payload is nested more than {MAX_DEPTH} levels deep"
-    return None
-
-
-def storable(text):
-    """``text`` with what no database text column takes (NUL, lone surrogates) replaced by U+FFFD."""
-    return _UNSTORABLE.sub("\ufffd", text) if isinstance(text, str) else text
 
 
 def check_queue(queue, what="queue"):
@@ -122,7 +54,7 @@ def _check_text(value, name, required=False):
         raise BadInput(f"{name} must be a {'non-empty ' if required else ''}string")
     if len(value) > MAX_NAME:
         raise BadInput(f"{name} is {len(value)} characters long, more than {MAX_NAME}")
-    if _UNSTORABLE.search(value):
+    if UNSTORABLE.search(value):
         raise BadInput(f"{name} contains a NUL character or a lone surrogate")
 
 
@@ -184,7 +116,9 @@ class NewJob:
             raise BadInput(f"expires_in must be a positive number of seconds up to {MAX_DELAY:.0f} (ten years),"
                            f" got {self.expires_in!r}")
         noise = os.urandom(26) if not (self.id and self.trace_id) else None  # one read for both ids
-        if not self.id:
+        if self.id:
+            _check_text(self.id, "job id", required=True)
+        else:
             self.id = job_id_from(time.time(), noise[:10])
             self._id_made = True  # not the caller's: unique by construction (a broker may skip checking it)
         if self.depends_on is None or (type(self.depends_on) in (list, tuple) and not self.depends_on):
@@ -213,6 +147,24 @@ class NewJob:
         if checked is None or checked[2] is not self.payload:
             self.validate()
         return self._payload_json
+
+
+def chosen_ids(jobs):
+    """{id: queue} of the checked ``jobs`` whose id the caller chose (``NewJob(id=...)``).
+
+    Such an id names one job: a resend to its queue returns it (the producer's reply was
+    lost), and a job of another queue may not take it (``id_taken``). Ids ``validate`` made
+    are unique by construction, so the usual enqueue pays nothing for this.
+    """
+    chosen = {}
+    for job in jobs:
+        if not job.__dict__.get("_id_made") and chosen.setdefault(job.id, job.queue) != job.queue:
+            raise id_taken(job.id, chosen[job.id])  # twice in one batch, for two queues
+    return chosen
+
+
+def id_taken(job_id, queue):
+    return BadInput(f"job id {job_id!r} is taken by a job of queue {queue!r}")
 
 
 def _number(x):

@@ -78,11 +78,20 @@ def test_enqueue_takes_a_payload_nested_64_deep_and_refuses_one_deeper(broker):
     ("idempotency_key", "k" * 8192), ("resource_id", "r" * 256), ("trace_id", "t\x00"),
     ("idempotency_key", "\udc80"), ("type_", "t" * 256), ("type_", "t\x00"),
     ("queue", "a{b}"), ("queue", "q" * 65), ("queue", "two words"), ("queue", "tab\t"),
+    # No database text takes NUL or a lone surrogate: PostgreSQL failed the whole batch with a
+    # BrokerError (an outage to the producer, retried for ever) where SQLite stored it.
+    ("payload", {"s": "a\x00b"}), ("payload", {"k\x00": 1}), ("payload", {"s": ["x", {"y": "\udc80"}]}),
+    ("id", "job\x00"), ("id", 42), ("id", "j" * 256),
 ])
 def test_enqueue_rejects_bad_fields(broker, field, value):
     with pytest.raises(BadInput):
         broker.enqueue(new(**{field: value}))
     assert broker.stats(Q)["default"].ready == 0
+
+
+def test_a_payload_may_hold_what_looks_like_an_escape_and_any_character_a_database_stores(broker):
+    payload = {"s": "a literal \\u0000 and \\ud800", "emoji": "\U0001F600", "nul-free": "\u2028\ufffd"}
+    assert broker.get(broker.enqueue(new(payload=payload))).payload == payload
 
 
 def test_enqueue_takes_the_largest_values_it_allows(broker):
@@ -99,6 +108,24 @@ def test_enqueue_many_returns_ids_in_order(broker):
     assert len(set(ids)) == 50
     assert [broker.get(i).payload["i"] for i in ids] == list(range(50))
     assert broker.stats(Q)["default"].ready == 50
+
+
+def test_an_id_the_caller_chose_names_one_job_a_resend_returns_it_another_queue_is_refused(broker):
+    """A producer that resends a job it named (its reply was lost) gets the id back and one
+    job is stored; the same id for a job of another queue is bad input, refused on every
+    broker and by every way in (PostgreSQL once returned the id and stored nothing: the
+    second job was lost; SQLite answered it as an outage)."""
+    assert broker.enqueue(new("charge", {"n": 1}, id="job_order_42", queue="a")) == "job_order_42"
+    assert broker.enqueue(new("charge", {"n": 1}, id="job_order_42", queue="a")) == "job_order_42"
+    assert broker.enqueue_many([new("charge", {"n": 1}, id="job_order_42", queue="a"),
+                                new("charge", {"n": 2}, id="job_order_43", queue="a")]) == ["job_order_42", "job_order_43"]
+    for enqueue in (broker.enqueue, lambda job: broker.enqueue_many([new("other", queue="b"), job])):
+        with pytest.raises(BadInput, match="job_order_42.*queue 'a'"):
+            enqueue(new("mail", {"to": "x"}, id="job_order_42", queue="b"))
+    with pytest.raises(BadInput, match="job_order_42.*queue 'a'"):
+        broker.enqueue_once(new("mail", id="job_order_42", queue="b", idempotency_key="once:42"))
+    assert broker.stats(["a", "b"])["a"].ready == 2 and broker.stats(["a", "b"])["b"].ready == 0
+    assert (broker.get("job_order_42").queue, broker.get("job_order_42").type) == ("a", "charge")
 
 
 def test_enqueue_dedups_on_idempotency_key_while_unfinished(broker):
@@ -527,6 +554,24 @@ def test_rate_limit_is_a_token_bucket_shared_by_claimers(broker):
     finally:
         second.close()
     assert [j.id for j in later] == [ids[3]]
+
+
+def test_a_released_lease_gives_its_rate_token_back(broker):
+    """``release`` spends no attempt (a surplus of the prefetch handed back, a pause, a stop), so
+    it spends no rate either: the tokens of the jobs that never ran are there for the next claim.
+    Without it, claiming 5 of a 5-a-minute type and handing 4 back left 1 run in that minute."""
+    limits = {"r": TypeLimits(rate=(5, 3600.0))}  # no refill to speak of within the test
+    ids = [broker.enqueue(new("r", payload={"i": i})) for i in range(8)]
+    got = broker.claim(Q, 5, 30, "w", limits=limits)
+    assert len(got) == 5 and broker.claim(Q, 10, 30, "w", limits=limits) == []  # the five tokens spent
+    for job in got[1:]:
+        broker.release(job.lease)
+    again = broker.claim(Q, 10, 30, "w", limits=limits)
+    assert len(again) == 4 and {j.id for j in again} <= set(ids) - {got[0].id}  # the four tokens back
+    broker.release(again[0].lease)
+    with pytest.raises(LeaseLost):
+        broker.release(again[0].lease)  # a second release of the same lease is refused: no second token
+    assert len(broker.claim(Q, 10, 30, "w", limits=limits)) == 1
 
 
 def test_enqueue_once_enqueues_a_key_only_once_even_after_the_job_is_done(broker):

@@ -126,6 +126,9 @@ BAD = [
     ("[broker]\nqueues = [\"%s\"]" % ("q" * 65), "broker.queues: '%s' is not a queue name" % ("q" * 65)),
     ("[jobs.types.mail]\nqueue = \"{x}\"", "jobs.types.mail.queue: expected a queue name"),
     ("[schedules.s]\ncron = \"* * * * *\"\ntype = \"t\"\nqueue = \"x}\"", "schedules.s.queue: expected a queue name"),
+    # Every tick of it failed in the master's loop as a broker outage (PostgreSQL), pausing claims.
+    ("[schedules.s]\ncron = \"* * * * *\"\ntype = \"t\"\npayload = { s = \"a\\u0000b\" }",
+     "schedules.s.payload: payload contains a NUL character"),
     ("[jobs.types.mail]\nqueue = \"nope\"", "jobs.types.mail.queue: 'nope' is not in broker.queues"),
     ("[log]\nlevel = \"loud\"", "log.level: expected one of 'debug', 'info', 'warning', 'error', got \"loud\""),
     ("[log]\nformat = 1", "log.format: expected one of"),

@@ -35,6 +35,23 @@ def die(broker, job):
 
 # -- dependencies ----------------------------------------------------------------
 
+def test_a_workflow_resent_with_the_ids_it_chose_is_stored_once_and_another_queue_refused(broker):
+    """A producer resending a workflow whose reply it lost gets the same ids back: no second
+    job, no second edge, no error (both SQL brokers once failed it for ever, "try again")."""
+    flow = lambda: [new("parent", id="job_flow_p"), new("child", id="job_flow_c", depends_on=["job_flow_p"])]  # noqa: E731
+    assert broker.enqueue_many(flow()) == ["job_flow_p", "job_flow_c"]
+    assert broker.enqueue_many(flow()) == ["job_flow_p", "job_flow_c"]
+    with pytest.raises(BadInput, match="job_flow_c.*queue 'default'"):
+        broker.enqueue_many([new("parent", id="job_flow_p"),
+                             new("child", id="job_flow_c", queue="other", depends_on=["job_flow_p"])])
+    assert broker.stats(Q)["default"].ready == 1  # the parent; the child waits for it
+    (parent,) = claim_all(broker)
+    broker.ack(parent.lease)
+    (child,) = claim_all(broker)
+    assert child.id == "job_flow_c" and list(child.parents) == ["job_flow_p"]
+    assert claim_all(broker) == []
+
+
 def test_a_child_waits_until_its_parent_is_done_and_then_reads_its_result(broker):
     parent = broker.enqueue(new("fetch"))
     child = broker.enqueue(new("load", depends_on=[parent]))

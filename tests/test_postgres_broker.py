@@ -130,6 +130,44 @@ def test_migrate_twice_keeps_one_version_row(pg, producer):
     assert rows == VERSIONS
 
 
+@pytest.fixture
+def app_role(pg):
+    """A role with what an operator gives the application once the owner has migrated:
+    USAGE on the schema, DML on its tables, EXECUTE on its functions; no CREATE."""
+    import uuid
+
+    role = f"tangguh_app_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg.conninfo, autocommit=True) as admin:
+        admin.execute(f'CREATE ROLE "{role}" LOGIN')
+        for grant in (f'USAGE ON SCHEMA "{pg.schema}"', f'SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA'
+                      f' "{pg.schema}"', f'EXECUTE ON ALL FUNCTIONS IN SCHEMA "{pg.schema}"'):
+            admin.execute(f'GRANT {grant} TO "{role}"')
+    yield role
+    with psycopg.connect(pg.conninfo, autocommit=True) as admin:
+        admin.execute(f'DROP OWNED BY "{role}"')
+        admin.execute(f'DROP ROLE "{role}"')
+
+
+def test_an_up_to_date_schema_migrates_as_a_role_without_create_and_a_needed_one_says_so(pg, postgres_url, app_role):
+    """Every supervisor migrates at start (``broker.migrate = true``). A schema at the last version
+    needs nothing, so a least-privilege role must pass: ``CREATE TABLE IF NOT EXISTS`` asked for
+    the CREATE privilege even when the table existed, and the daemon looped "broker unreachable".
+    A schema that does need a migration names what is missing instead."""
+    parts = urllib.parse.urlsplit(postgres_url)
+    url = urllib.parse.urlunsplit(parts._replace(netloc=f"{app_role}@{parts.hostname}:{parts.port or 5432}"))
+    app = open_broker(url)
+    try:
+        app.migrate()  # a no-op, allowed
+        job_id = app.enqueue(new())
+        assert [j.id for j in app.claim(Q, 1, 30, "w")] == [job_id]
+        with psycopg.connect(pg.conninfo, autocommit=True) as admin:
+            admin.execute(f'DELETE FROM "{pg.schema}".tangguh_schema_version WHERE version = %s', (VERSIONS[-1][0],))
+        with pytest.raises(ConfigError, match=f"needs migrating to version {VERSIONS[-1][0]}.*tangguh db migrate"):
+            app.migrate()
+    finally:
+        app.close()
+
+
 def test_a_version_1_schema_is_upgraded_in_place(postgres_url, monkeypatch):
     from supervisor.backends import postgres
     from supervisor.model import TypeLimits

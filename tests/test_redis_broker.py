@@ -212,17 +212,17 @@ def test_prune_works_in_batches(rb, monkeypatch):
 
 def test_text_round_trips_exactly(rb):
     odd = 'é 😀 "q" \\ / \n\t\x00 ]}'
-    name = odd.replace("\x00", "")  # no broker stores a NUL in a name (PostgreSQL cannot)
-    job_id = rb.enqueue(NewJob(name, {odd: [odd, 1.5, 2**60, None, True]}, resource_id=name, idempotency_key=name,
+    name = odd.replace("\x00", "")  # no broker stores a NUL in a name or a payload (PostgreSQL cannot)
+    job_id = rb.enqueue(NewJob(name, {name: [name, 1.5, 2**60, None, True]}, resource_id=name, idempotency_key=name,
                                trace_id=name))
     assert rb.enqueue(NewJob("t", {}, idempotency_key=name)) == job_id
     job = rb.claim(["default"], 1, 30, odd)[0]
     assert (job.type, job.payload, job.resource_id, job.idempotency_key, job.trace_id, job.owner) == (
-        name, {odd: [odd, 1.5, 2**60, None, True]}, name, name, name, odd)
+        name, {name: [name, 1.5, 2**60, None, True]}, name, name, name, odd)
     assert job.history[0]["owner"] == odd
     stored = rb.get(job_id)  # what the broker keeps, not only what claim returned
     assert (stored.type, stored.payload, stored.resource_id, stored.idempotency_key, stored.trace_id, stored.owner,
-            stored.history[0]["owner"]) == (name, {odd: [odd, 1.5, 2**60, None, True]}, name, name, name, odd, odd)
+            stored.history[0]["owner"]) == (name, {name: [name, 1.5, 2**60, None, True]}, name, name, name, odd, odd)
     rb.ack(job.lease, {odd: odd}, {odd: odd})
     done = rb.get(job_id)
     assert done.result == {odd: odd} and done.history[0][odd] == odd and done.history[0]["owner"] == odd

@@ -10,7 +10,7 @@ import math
 import time
 
 from ..errors import BadInput
-from ..model import FINISHED, MAX_NAME, check_json, storable
+from ..model import FINISHED, MAX_NAME, check_json, is_storable, storable
 
 MAX_NOTE = 200  # characters of a progress note kept (a handler may send anything)
 MAX_IDS = 10_000  # job ids in one cancel call
@@ -27,8 +27,8 @@ def check_ids(job_ids):
     if len(job_ids) > MAX_IDS:
         raise BadInput(f"at most {MAX_IDS} job ids at once, got {len(job_ids)}")
     for job_id in job_ids:
-        if not isinstance(job_id, str) or not job_id or len(job_id) > MAX_NAME:
-            raise BadInput(f"job id must be a string of 1 to {MAX_NAME} characters, got {job_id!r}")
+        if not isinstance(job_id, str) or not job_id or len(job_id) > MAX_NAME or not is_storable(job_id):
+            raise BadInput(f"job id must be a string of 1 to {MAX_NAME} characters (no NUL), got {job_id!r}")
     return list(dict.fromkeys(job_ids))
 
 

@@ -31,7 +31,7 @@ from psycopg import errors as pgerrors
 from psycopg.rows import dict_row, tuple_row
 
 from ...errors import BadInput, BrokerError, LeaseLost, NotDead
-from ...model import Job, QueueStats
+from ...model import Job, QueueStats, chosen_ids, id_taken
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, workflows
@@ -108,6 +108,11 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
             return []
         if any(job.depends_on for job in jobs):
             return self._enqueue_flow(jobs, conn=conn)
+        chosen = chosen_ids(jobs)
+        if chosen:  # refused before anything is stored
+            for job_id, queue in self._query(self._sql.queues_of, (list(chosen),), conn):
+                if queue != chosen[job_id]:
+                    raise id_taken(job_id, queue)
         ids = {}  # position -> id
         pending = list(range(len(jobs)))
         for _ in range(5):
@@ -128,17 +133,19 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
             # or a job with its id exists already (a producer retrying the same NewJob).
             keys = [jobs[i].idempotency_key for i in missing if jobs[i].idempotency_key is not None]
             rows = self._query(self._sql.existing, (keys, [jobs[i].id for i in missing]), conn)
-            for row_id, key, state in rows:
+            for row_id, key, state, _ in rows:
                 if key is not None and state in ("queued", "running", "retrying", "waiting"):
                     by_key.setdefault(key, row_id)
-            existing_ids = {row[0] for row in rows}
+            existing_ids = {row[0]: row[3] for row in rows}
             pending = []
             for i in missing:
                 job = jobs[i]
                 if job.idempotency_key is not None and job.idempotency_key in by_key:
                     ids[i] = by_key[job.idempotency_key]
                 elif job.id in existing_ids:
-                    ids[i] = job.id
+                    if existing_ids[job.id] != job.queue:  # stored meanwhile by another producer
+                        raise id_taken(job.id, existing_ids[job.id])
+                    ids[i] = job.id  # a resend of a job it named
                 else:
                     pending.append(i)  # the holder finished meanwhile: insert again
             if not pending:

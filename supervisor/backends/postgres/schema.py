@@ -9,6 +9,8 @@ holding tables of the same names that are not Tangguh's is refused
 """
 import hashlib
 
+from psycopg import errors as pgerrors
+
 from ...errors import BrokerError, ConfigError
 from .connection import quote
 from . import workflows
@@ -143,29 +145,44 @@ def migrations(s):
 
 
 def migrate(db, schema, versions):
-    """Bring ``schema`` up to the last of ``versions`` (``migrations(quoted schema)``) in one transaction."""
+    """Bring ``schema`` up to the last of ``versions`` (``migrations(quoted schema)``) in one transaction.
+
+    A schema at the last version is only read: every supervisor migrates at start, and an
+    application's role on a schema its owner migrated has no CREATE privilege.
+    """
     key = int.from_bytes(hashlib.sha256(f"tangguh-migrate:{schema}".encode()).digest()[:8], "big", signed=True)
-    s = quote(schema)
+    s, latest = quote(schema), versions[-1][0]
     with db.transaction():
         db.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
-        # CREATE SCHEMA IF NOT EXISTS needs the CREATE privilege even when the schema exists.
-        if db.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone() is None:
-            db.execute(f"CREATE SCHEMA {s}")
-        tables = {row[0] for row in db.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,))}
-        if VERSIONS not in tables:
-            _adopt(db, schema, tables)
+        try:
+            current = _migrate(db, schema, s, versions)
+        except pgerrors.InsufficientPrivilege as exc:
+            raise ConfigError(f"postgres broker schema {schema!r} needs migrating to version {latest}, and this"
+                              f" role may not ({str(exc).splitlines()[0]}): run `tangguh db migrate` as the"
+                              " schema's owner") from None
+        if current > latest:
+            raise BrokerError(f"postgres broker schema {schema!r} is at version {current}, newer than"
+                              f" this tangguh knows ({latest}): upgrade tangguh")
+
+
+def _migrate(db, schema, s, versions):
+    """The migrations ``schema`` lacks, applied; returns the version it was at."""
+    # IF NOT EXISTS still asks for the CREATE privilege: look first.
+    if db.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone() is None:
+        db.execute(f"CREATE SCHEMA {s}")
+    tables = {row[0] for row in db.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,))}
+    if VERSIONS not in tables:
+        _adopt(db, schema, tables)
         db.execute(f"CREATE TABLE IF NOT EXISTS {s}.{VERSIONS} ("
                    " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())")
-        current = db.execute(f"SELECT coalesce(max(version), 0) FROM {s}.{VERSIONS}").fetchone()[0]
-        if current > versions[-1][0]:
-            raise BrokerError(f"postgres broker schema {schema!r} is at version {current}, newer than"
-                              f" this tangguh knows ({versions[-1][0]}): upgrade tangguh")
-        for version, statements in versions:
-            if version <= current:
-                continue
-            for statement in statements:
-                db.execute(statement)
-            db.execute(f"INSERT INTO {s}.{VERSIONS} (version) VALUES (%s)", (version,))
+    current = db.execute(f"SELECT coalesce(max(version), 0) FROM {s}.{VERSIONS}").fetchone()[0]
+    for version, statements in versions:
+        if version <= current or current > versions[-1][0]:
+            continue
+        for statement in statements:
+            db.execute(statement)
+        db.execute(f"INSERT INTO {s}.{VERSIONS} (version) VALUES (%s)", (version,))
+    return current
 
 
 def _adopt(db, schema, tables):

@@ -73,9 +73,10 @@ class Statements:
             " RETURNING id, CASE WHEN run_at <= queued_at THEN pg_notify(%s, queue) END"
         )
         self.existing = (
-            f"SELECT id, idempotency_key, state FROM {t}"
+            f"SELECT id, idempotency_key, state, queue FROM {t}"
             f" WHERE (idempotency_key = ANY(%s::text[]) AND state IN {UNFINISHED}) OR id = ANY(%s::text[])"
         )
+        self.queues_of = f"SELECT id, queue FROM {t} WHERE id = ANY(%s::text[])"
         self.claim = f"SELECT * FROM {s}.claim(%s::text[], %s::integer, %s::float8, %s::text)"
         self.extend = leased_batch(t, "unnest(%s::text[], %s::bigint[]) AS b(id, token)",
                                    f"lease_until = {NOW} + %s::float8", "j.id, j.token")
@@ -103,9 +104,11 @@ class Statements:
             f" first_failure_at = coalesce(first_failure_at, {NOW}), last_failure_at = {NOW}, lease_until = NULL, "
             + close + f"'ended_at', {NOW}, 'outcome', 'dead', 'error', %(error)s::jsonb)) " + leased
         )
+        # No attempt spent, nor a rate: the token goes back (the next claim's refill caps the bucket).
         self.release = (
-            f"UPDATE {t} SET {queued}, attempt = attempt - 1,"
+            f"WITH r AS (UPDATE {t} SET {queued}, attempt = attempt - 1,"
             " lease_until = NULL, owner = NULL,"
-            f" run_at = {NOW}, history = history - -1 " + leased
-            + " RETURNING pg_notify(%(channel)s, queue)"
+            f" run_at = {NOW}, history = history - -1 " + leased + " RETURNING queue, type),"
+            f" b AS (UPDATE {s}.rate_buckets SET tokens = tokens + 1 WHERE type IN (SELECT type FROM r))"
+            " SELECT pg_notify(%(channel)s, queue) FROM r"
         )

@@ -32,6 +32,7 @@ from psycopg.rows import tuple_row
 
 from ...dependencies import ON_SUCCESS, PARENT_FAILED, order, plan
 from ...errors import BrokerError
+from ...model import chosen_ids, id_taken
 from .connection import deadlock_retried
 from .statements import UNFINISHED
 
@@ -185,8 +186,16 @@ class Workflows:
         holders = dict(cur.execute(
             f"SELECT idempotency_key, id FROM {t} WHERE idempotency_key = ANY(%s::text[])"
             f" AND state IN {UNFINISHED} FOR UPDATE", (keys,)).fetchall()) if keys else {}
+        chosen = chosen_ids(jobs)
+        taken = dict(cur.execute(f"SELECT id, queue FROM {t} WHERE id = ANY(%s::text[]) FOR UPDATE",
+                                 (list(chosen),)).fetchall()) if chosen else {}
         stored, fresh = {}, []
         for job in order(jobs):
+            if job.id in taken:
+                if taken[job.id] != job.queue:
+                    raise id_taken(job.id, taken[job.id])
+                stored[job.id] = job.id  # a resend of a job it named: stored once
+                continue
             key = job.idempotency_key
             if key is not None and key in holders:
                 stored[job.id] = holders[key]

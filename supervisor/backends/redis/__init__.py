@@ -41,7 +41,7 @@ import redis
 from redis.exceptions import RedisError
 
 from ...errors import BadInput, BrokerError, LeaseLost
-from ...model import QueueStats
+from ...model import QueueStats, chosen_ids, id_taken
 from ..base import Broker
 from ..limits import active
 from . import scripts, workflows
@@ -160,12 +160,12 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
     def _check_chosen_ids(self, jobs):
         """An id the caller chose may not name a job of another queue. Each queue's keys stand
         apart (a hash slot each), so the second job would be stored beside the first, and a
-        lease of one, found by its id, could renew or ack the other. (SQLite's and PostgreSQL's
-        primary key refuse it too.) Ids ``validate`` made are unique by construction."""
-        chosen = {job.id: job.queue for job in jobs if not job.__dict__.get("_id_made")}
+        lease of one, found by its id, could renew or ack the other. (The SQL brokers make the
+        same check.) Ids ``validate`` made are unique by construction."""
+        chosen = chosen_ids(jobs)
         for job_id, (queue, _) in self._locator.find(list(chosen), fetch=False).items():
             if queue != chosen[job_id]:
-                raise BadInput(f"job id {job_id!r} is taken by a job of queue {queue!r}")
+                raise id_taken(job_id, queue)
 
     # -- leasing ----------------------------------------------------------
     @guard

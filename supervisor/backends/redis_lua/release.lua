@@ -3,6 +3,9 @@ local id, token = ARGV[3], ARGV[4]
 local key = JOB .. id
 if not is_leased(key, token) then return 0 end
 redis.call('HINCRBY', key, 'attempt', -1)
+-- Nor was a rate spent: the token goes back (the next limited claim caps the bucket).
+local bucket = QBASE .. 'rate:' .. redis.call('HGET', key, 'type')
+if redis.call('EXISTS', bucket) == 1 then redis.call('HINCRBYFLOAT', bucket, 'tokens', 1) end
 redis.call('HDEL', key, 'open', 'lease_until', 'owner')
 redis.call('ZREM', LEASED, id)
 if redis.call('HEXISTS', key, 'cancel_request') == 1 then  -- asked to cancel: it does not run again

@@ -8,11 +8,10 @@ own folder). ``?synchronous=normal`` trades durability on power loss (not on a
 process crash) for speed; the default is ``full``.
 
 The package's parts: ``schema`` (the tables, the foreign-table refusal),
-``database`` (opening the file, transactions, errors), ``wakeup`` (inotify on
+``producing`` (enqueue), ``database`` (opening the file, transactions, errors), ``wakeup`` (inotify on
 the WAL), ``search`` (search, count, requeue, discard); the other operations
 are here.
 """
-import contextlib
 import json
 import os
 import sqlite3
@@ -21,9 +20,9 @@ from ...errors import BadInput, BrokerBusy, BrokerError, ConfigError, LeaseLost,
 from ...model import DEAD, DONE, Job, QueueStats, load_json
 from ..base import Broker
 from ..limits import Admission, active, refill
-from ...dependencies import order
 from . import schema, wakeup, workflows
 from .control import ControlMixin
+from .producing import ProducingMixin
 from .database import Transaction, busy, connect, errors, read_url
 from .search import SearchMixin
 
@@ -35,7 +34,7 @@ _UNLESS_CANCELLED = ("state = CASE WHEN cancel_request IS NULL THEN {state} ELSE
                      " finished_at = CASE WHEN cancel_request IS NULL THEN finished_at ELSE :now END")
 
 
-class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
+class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixin, Broker):
     def __init__(self, url):
         self.url = url
         path, synchronous, busy_timeout = read_url(url)
@@ -91,59 +90,6 @@ class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
     def drain_wakeups(self):
         if self._inotify is not None:
             wakeup.drain(self._inotify)
-
-    # -- producing --------------------------------------------------------
-    def enqueue(self, job):
-        return self.enqueue_many([job])[0]
-
-    def enqueue_many(self, jobs, _in_tx=False):
-        jobs = [job.validate() for job in jobs]
-        now = self.now()
-        stored = {}  # NewJob id -> the id it is stored under
-        rows = []
-        with contextlib.nullcontext() if _in_tx else self._write():
-            for job in order(jobs):  # parents first; BadInput on a cycle
-                if job.idempotency_key is not None:
-                    row = self.db.execute(
-                        "SELECT id FROM jobs WHERE idempotency_key = ?"
-                        " AND state IN ('queued','running','retrying','waiting')",
-                        (job.idempotency_key,),
-                    ).fetchone()
-                    if row:
-                        stored[job.id] = row["id"]
-                        continue
-                if job.depends_on:
-                    self._insert(rows)  # its parents first
-                    rows = []
-                    stored[job.id] = self._insert_child(job, now, stored)
-                    continue
-                rows.append((job.id, job.queue, job.type, job.payload_json, job.resource_id,
-                             job.idempotency_key, job.max_attempts, job.timeout, job.priority, now + job.delay, now,
-                             job.trace_id, None if job.expires_in is None else now + job.expires_in))
-                stored[job.id] = job.id
-                if job.idempotency_key is not None:
-                    self._insert(rows)  # now: a later job of this batch with the same key must see it
-                    rows = []
-            self._insert(rows)  # the others in one statement
-        return [stored[job.id] for job in jobs]
-
-    def _insert(self, rows):
-        if rows:
-            self.db.executemany(
-                "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
-                " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at)"
-                " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
-
-    def enqueue_once(self, job):
-        job.validate()
-        if job.idempotency_key is None:
-            raise BadInput("enqueue_once needs an idempotency_key")
-        with self._write():
-            inserted = self.db.execute("INSERT OR IGNORE INTO once_keys (key, created_at) VALUES (?, ?)",
-                                       (job.idempotency_key, self.now())).rowcount
-            if not inserted:
-                return None
-            return self.enqueue_many([job], _in_tx=True)[0]
 
     # -- leasing ----------------------------------------------------------
     def claim(self, queues, n, lease_seconds, owner, limits=None):
@@ -295,6 +241,9 @@ class SQLiteBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
             )
             if cur.rowcount == 0:
                 raise LeaseLost(lease.job_id, lease.token)
+            # Nor was a rate spent: the token goes back (the next claim's refill caps the bucket).
+            self.db.execute("UPDATE rate_buckets SET tokens = tokens + 1 WHERE type = (SELECT type FROM jobs"
+                            " WHERE id = ?)", (lease.job_id,))
 
     # -- reading ----------------------------------------------------------
     def get(self, job_id):

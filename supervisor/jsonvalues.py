@@ -1,0 +1,103 @@
+"""JSON values a job carries (payloads, results): the checks at enqueue, the decode on reading.
+
+What one broker cannot store or hand to a worker is refused by all of them,
+before anything is written (model.py's bounds).
+"""
+import json
+import re
+
+from .errors import BadInput
+
+MAX_DEPTH = 64  # nesting levels of a payload: far from any parser's recursion limit
+# Characters no text column takes (PostgreSQL refuses NUL; UTF-8 has no lone surrogates).
+UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def check_json(value, what):
+    """Return ``value`` serialised as JSON, or raise BadInput naming ``what``.
+
+    The nesting is measured first, without recursion: a value deeper than
+    ``MAX_DEPTH`` (or cyclic) is refused whatever the caller's stack depth.
+    """
+    if json_depth(value) > MAX_DEPTH:
+        raise BadInput(f"{what} is nested more than {MAX_DEPTH} levels deep")
+    try:
+        text = _ENCODER.encode(value)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise BadInput(f"{what} must be JSON-serialisable: {exc}") from None
+    # The encoder escapes them (ASCII output): only a text holding such an escape needs the walk.
+    if ("\\u0000" in text or "\\ud" in text) and _holds_unstorable(value):
+        raise BadInput(f"{what} contains a NUL character or a lone surrogate, which no broker stores")
+    return text
+
+
+def _holds_unstorable(value):
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if UNSTORABLE.search(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return False
+
+
+# json.dumps(value, allow_nan=False, separators=(",", ":")) without building an encoder per call.
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
+def json_depth(value, stop=MAX_DEPTH):
+    """Levels of lists and dicts in ``value`` (0 for a scalar), counted up to ``stop + 1``."""
+    if type(value) is dict:  # the usual payload, a flat object: no walk
+        for child in value.values():
+            if isinstance(child, (dict, list, tuple)):
+                break
+        else:
+            return 1
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > stop:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def load_json(text):
+    """Decode a stored JSON value; text that does not decode (invalid, or too deep for
+    the parser) comes back as the text itself, so reading a job never raises."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text.decode("utf-8", "replace") if isinstance(text, (bytes, bytearray)) else text
+
+
+def payload_problem(payload):
+    """Why a stored payload cannot be handed to a worker, or None."""
+    if not isinstance(payload, dict):
+        return "the stored payload is not a JSON object (or does not decode)"
+    if json_depth(payload) > MAX_DEPTH:
+        return f"the stored payload is nested more than {MAX_DEPTH} levels deep"
+    return None
+
+
+def storable(text):
+    """``text`` with what no database text column takes (NUL, lone surrogates) replaced by U+FFFD."""
+    return UNSTORABLE.sub("\ufffd", text) if isinstance(text, str) else text
+
+
+def is_storable(text):
+    """False when ``text`` holds what ``storable`` would replace."""
+    return not UNSTORABLE.search(text)
