@@ -10,6 +10,8 @@ from supervisor.client import Client
 from supervisor.errors import BrokerError, ConfigError
 from supervisor.model import NewJob
 
+from .util import wait_for
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify wake-ups are Linux-only")
 
 
@@ -121,3 +123,28 @@ def test_a_lease_extended_after_a_wait_for_the_write_lock_runs_from_the_end_of_t
         holder.close()
         assert done == {"lost": []}
         assert broker.get(job.id).lease_until >= released + 30 - 0.05
+
+
+def test_prune_deletes_a_backlog_in_short_write_transactions(tmp_path, monkeypatch):
+    """A backlog of finished jobs goes in batches, each its own write transaction: one
+    transaction for millions of rows held SQLite's write lock past every other process's
+    busy timeout, and their claims read as "broker down"."""
+    from supervisor.backends import sqlite as sqlite_broker
+
+    monkeypatch.setattr(sqlite_broker, "PRUNE_BATCH", 4)
+    b = open_broker(f"sqlite:///{tmp_path}/b.db")
+    try:
+        ids = b.enqueue_many([NewJob("t", {"i": i}) for i in range(11)])
+        for job in b.claim(["default"], 11, 30, "w"):
+            b.ack(job.lease)
+        b.cancel(b.enqueue_many([NewJob("t", {}) for _ in range(5)]), by="ops", reason="test")
+        kept = b.enqueue(NewJob("t", {}))
+        writes = []
+        real = b._write
+        monkeypatch.setattr(b, "_write", lambda: writes.append(1) or real())
+        wait_for(lambda: b.now() > b.get(kept).queued_at, message="the broker clock past the last cancel")
+        assert b.prune(0.0) == 16
+        assert len(writes) == 3 + 2 + 1  # done 4+4+3, cancelled 4+1, once keys: no transaction past a batch
+        assert [b.get(i) for i in ids] == [None] * 11 and b.get(kept).state == "queued"
+    finally:
+        b.close()

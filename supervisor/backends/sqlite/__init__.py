@@ -33,6 +33,8 @@ _LEASED = "id = :id AND token = :token AND state = 'running'"
 _UNLESS_CANCELLED = ("state = CASE WHEN cancel_request IS NULL THEN {state} ELSE 'cancelled' END,"
                      " finished_at = CASE WHEN cancel_request IS NULL THEN finished_at ELSE :now END")
 
+PRUNE_BATCH = 5000  # rows one write transaction of prune deletes
+
 
 class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixin, Broker):
     def __init__(self, url):
@@ -327,12 +329,22 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
                 raise NotDead(f"job {job_id} is {'unknown' if row is None else row['state']}, not dead")
 
     def prune(self, done_older_than):
+        """Done, cancelled and expired jobs finished before the cutoff, ``PRUNE_BATCH`` rows per
+        write transaction: another process's claim waits for one batch, never for a backlog
+        (millions of rows in one transaction held the write lock past the busy timeout)."""
+        cutoff = self.now() - done_older_than
+        total = 0
+        for states in ("'done'", "'cancelled', 'expired'"):
+            while True:
+                with self._write():
+                    n = self.db.execute(f"DELETE FROM jobs WHERE rowid IN (SELECT rowid FROM jobs WHERE state IN"
+                                        f" ({states}) AND finished_at < ? LIMIT {PRUNE_BATCH})", (cutoff,)).rowcount
+                total += n
+                if n < PRUNE_BATCH:
+                    break
         with self._write():
-            cutoff = self.now() - done_older_than
-            cur = self.db.execute("DELETE FROM jobs WHERE state = 'done' AND finished_at < ?", (cutoff,))
             self.db.execute("DELETE FROM once_keys WHERE created_at < ?", (cutoff,))
-            ended = self._prune_ended(cutoff)  # cancelled and expired jobs: kept like done ones
-        return cur.rowcount + ended
+        return total
 
 
 def _job(row):

@@ -153,11 +153,6 @@ class ControlMixin(control.ExpiredLog):
         paused = {r[0] for r in self.db.execute("SELECT queue FROM paused_queues")}
         return [q for q in queues if q not in paused]
 
-    def _prune_ended(self, cutoff):
-        """Inside prune's transaction: delete cancelled and expired jobs finished before ``cutoff``."""
-        return self.db.execute("DELETE FROM jobs WHERE state IN ('cancelled', 'expired') AND finished_at < ?",
-                               (cutoff,)).rowcount
-
     # -- wait ------------------------------------------------------------------
     def wait(self, job_id, timeout):
         fd = wakeup.watch_modifications([os.path.abspath(self.path) + "-wal"])
