@@ -254,6 +254,12 @@ MUTATIONS = [
              "        return auth.check_password(self.web, name, password)",
              ("tests/test_web.py", "-k", "never_holds_up and sqlite"),
              "a password check never holds up the console's other requests"),
+    # The handler toolkit (review of the toolkit and the application-side API).
+    Mutation("sqlite-failed-begin-stays-busy", "supervisor/toolkit/transaction.py",
+             "            self.db.busy = False\n            if kind == \"sqlite\" and conn.in_transaction",
+             "            pass\n            if kind == \"sqlite\" and conn.in_transaction",
+             ("tests/test_toolkit.py", "-k", "begin_that_fails"),
+             "a BEGIN that failed leaves ctx.transaction() usable in that process"),
 ]
 
 

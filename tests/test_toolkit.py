@@ -411,6 +411,31 @@ def test_transactions_do_not_nest(db):
         assert tx.scalar("SELECT count(*) FROM invoices") == 1
 
 
+def test_a_begin_that_fails_on_sqlite_leaves_the_transaction_usable(tmp_path):
+    # A sibling child holds the write lock past the busy timeout: BEGIN IMMEDIATE
+    # fails, and the next transaction in this process must not be refused as nested.
+    import sqlite3
+
+    path = tmp_path / "handlers.db"
+    db = toolkit.Database(f"sqlite:///{path}")
+    conn, _ = db.connection()
+    conn.execute("PRAGMA busy_timeout=50")  # fail fast instead of after 5 s
+    conn.execute("CREATE TABLE t (x integer)")
+    sibling = sqlite3.connect(path, isolation_level=None)
+    try:
+        sibling.execute("BEGIN IMMEDIATE")
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            with transaction(db) as tx:
+                tx.execute("INSERT INTO t VALUES (1)")
+        sibling.execute("COMMIT")
+        with transaction(db) as tx:
+            tx.execute("INSERT INTO t VALUES (2)")
+        assert sibling.execute("SELECT x FROM t").fetchall() == [(2,)]
+    finally:
+        sibling.close()
+        db.close()
+
+
 # -- config and migrate ------------------------------------------------------------------------
 
 def test_toolkit_config_validates_urls_and_resolves_sqlite_paths(tmp_path):
