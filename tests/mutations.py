@@ -260,6 +260,18 @@ MUTATIONS = [
              "            pass\n            if kind == \"sqlite\" and conn.in_transaction",
              ("tests/test_toolkit.py", "-k", "begin_that_fails"),
              "a BEGIN that failed leaves ctx.transaction() usable in that process"),
+    Mutation("cache-lease-kept-when-value-unstorable", "supervisor/toolkit/cache.py",
+             "            entry, ms = self._entry(key, builder(), ttl, stale_ttl)\n        except BaseException:",
+             "            value = builder()\n        except BaseException:\n            raise\n"
+             "        entry, ms = self._entry(key, value, ttl, stale_ttl)\n        try:\n            pass\n"
+             "        except BaseException:",
+             ("tests/test_toolkit.py", "-k", "json_cannot"),
+             "a cache value that cannot be stored frees its fill lease at once"),
+    Mutation("cache-store-error-unhandled", "supervisor/toolkit/cache.py",
+             "        except (redis_py.ConnectionError, redis_py.TimeoutError) as exc:\n            # The value is built",
+             "        except ZeroDivisionError as exc:\n            # The value is built",
+             ("tests/test_toolkit.py", "-k", "after_the_build"),
+             "Redis failing after the builder ran returns the value, built once"),
 ]
 
 

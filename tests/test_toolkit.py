@@ -401,6 +401,58 @@ def test_cache_unreachable_reads_the_source_and_invalidation_fails_loudly():
         cache.invalidate("k")
 
 
+def test_a_value_json_cannot_hold_fails_naming_the_key_and_frees_the_fill_lease(rc):
+    from decimal import Decimal
+
+    client, prefix = rc
+    cache = Cache(client, prefix)
+    with pytest.raises(TypeError, match="cache value for key 'invoice:1:summary' is not JSON"):
+        cache.get_or_build("invoice:1:summary", lambda: {"total": Decimal("12.50")}, ttl=300)
+    assert not client.exists(prefix + "cache-lease:invoice:1:summary")
+    # The next reader is the builder at once: with the lease left behind it would build without storing.
+    assert cache.get_or_build("invoice:1:summary", lambda: {"total": "12.50"}, ttl=300, wait=0) == {"total": "12.50"}
+    assert client.exists(prefix + "cache:invoice:1:summary")
+
+
+def test_a_miss_returns_what_a_hit_returns(rc):
+    client, prefix = rc
+    cache = Cache(client, prefix)
+    built = {"ids": (1, 2), 3: "x"}
+    as_json = {"ids": [1, 2], "3": "x"}
+    assert cache.get_or_build("k", lambda: built, ttl=300) == as_json  # the builder's miss
+    assert cache.get_or_build("k", lambda: "not called", ttl=300) == as_json  # the hit
+    cache.lease("busy", ttl=300)  # another process is filling it: this caller builds for itself
+    assert cache.get_or_build("busy", lambda: built, ttl=300, wait=0) == as_json
+
+
+def test_redis_failing_after_the_build_returns_the_value_built_once(tmp_path):
+    import signal
+
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from .servers import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    client = server.client(socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
+    calls = []
+
+    def build():  # the lease is taken; Redis dies while the database is read
+        calls.append(1)
+        server.stop(signal.SIGKILL)
+        return "from the database"
+
+    try:
+        assert Cache(client, "p:").get_or_build("k", build, ttl=10) == "from the database"
+        assert len(calls) == 1
+        with pytest.raises(redis.ConnectionError):  # it is gone, for real
+            client.ping()
+    finally:
+        client.close()
+        server.stop()
+
+
 def test_transactions_do_not_nest(db):
     with transaction(db) as tx:
         with pytest.raises(RuntimeError, match="do not nest"):
