@@ -272,6 +272,14 @@ MUTATIONS = [
              "        except ZeroDivisionError as exc:\n            # The value is built",
              ("tests/test_toolkit.py", "-k", "after_the_build"),
              "Redis failing after the builder ran returns the value, built once"),
+    Mutation("idempotency-prune-in-job-transaction", "supervisor/toolkit/idempotency.py",
+             "tx.after_commit(lambda: _prune_alone(tx.conn, tx.kind, self.retention))", "prune(tx, self.retention)",
+             ("tests/test_toolkit.py", "-k", "pruning_waits"),
+             "idempotency pruning runs outside the job's transaction"),
+    Mutation("idempotency-prune-waits-on-locks", "supervisor/toolkit/idempotency.py",
+             'pick += " FOR UPDATE SKIP LOCKED"', 'pick += ""',
+             ("tests/test_toolkit.py", "-k", "prune_skips"),
+             "idempotency pruning never waits on records another transaction holds"),
 ]
 
 

@@ -178,6 +178,66 @@ def test_prune_deletes_old_done_records_only(db):
         assert [r["key"] for r in tx.fetchall("SELECT key FROM idempotency_records")] == ["new"]
 
 
+def _old_done_records(tx, keys):
+    for key in keys:
+        tx.execute("INSERT INTO idempotency_records (key, status, created_at, completed_at) VALUES (%s, 'done', 0, 0)",
+                   (key,))
+
+
+def test_pruning_waits_for_the_commit_and_never_blocks_another_childs_begin(db, handlers_db, monkeypatch):
+    from supervisor.toolkit import idempotency
+
+    with transaction(db) as tx:
+        _old_done_records(tx, [f"old:{i}" for i in range(5)])
+    other = toolkit.Database(handlers_db)
+    out, thread = {}, None
+
+    def other_child():  # its prune is due too (a fresh child's first begin)
+        monkeypatch.setattr(idempotency, "_next_prune", 0.0)
+        with transaction(other) as tx2:
+            out["rec"] = Idempotency(retention=60).begin(tx2, "email:42:welcome")
+            out["rec"].complete(None)
+
+    try:
+        with transaction(db) as tx:
+            monkeypatch.setattr(idempotency, "_next_prune", 0.0)
+            rec = Idempotency(retention=60).begin(tx, "invoice:1:recalc:1")
+            # The job's transaction stays open (a slow effect) while another child begins another key.
+            thread = threading.Thread(target=other_child)
+            thread.start()
+            wait_for(lambda: not thread.is_alive(), timeout=10, message="the other child's begin of another key")
+            assert not out["rec"].done
+            # That child pruned after its own commit, not held up by this open transaction either
+            # (seen from a third connection: nothing is left for this job's transaction to hold).
+            assert query(handlers_db, "SELECT count(*) AS n FROM idempotency_records"
+                                      " WHERE key LIKE 'old:%%'")["n"] == 0
+            rec.complete(None)
+        assert query(handlers_db, "SELECT count(*) AS n FROM idempotency_records WHERE key LIKE 'old:%%'")["n"] == 0
+        assert query(handlers_db, "SELECT count(*) AS n FROM idempotency_records")["n"] == 2
+    finally:
+        if thread is not None:
+            thread.join(10)
+        other.close()
+
+
+def test_prune_skips_records_another_transaction_holds_and_is_bounded(db, handlers_db):
+    with transaction(db) as tx:
+        _old_done_records(tx, ["held"] + [f"old:{i}" for i in range(5)])
+    other = toolkit.Database(handlers_db)
+    try:
+        with transaction(other) as holder:
+            row_lock(holder, "idempotency_records", "held", column="key")
+            with transaction(db) as tx:
+                with tx.lock_timeout(5):  # a prune that waited would fail here, not hang
+                    assert prune(tx, 60) == 5
+        with transaction(db) as tx:
+            assert [r["key"] for r in tx.fetchall("SELECT key FROM idempotency_records")] == ["held"]
+            _old_done_records(tx, [f"more:{i}" for i in range(4)])
+            assert prune(tx, 60, limit=3) == 3 and prune(tx, 60, limit=3) == 2
+    finally:
+        other.close()
+
+
 def test_missing_table_names_the_fix(postgres_url):
     db = toolkit.Database(postgres_url)  # a schema nobody migrated
     with pytest.raises(IdempotencyError, match="run `tangguh db migrate`"):
