@@ -114,13 +114,37 @@ def test_assertions_on_enqueued_jobs(tangguh_client):
     testing.assert_enqueued("greet", count=2)
     testing.assert_not_enqueued("greet", where={"name": "eve"})
     testing.assert_not_enqueued("broken")
-    with pytest.raises(AssertionError, match=r"expected 1 queued 'greet' job\(s\) matching \{'name': 'eve'\}, found 0"):
+    with pytest.raises(AssertionError, match=r"expected 1 enqueued 'greet' job\(s\) matching \{'name': 'eve'\}, found 0"):
         testing.assert_enqueued("greet", where={"name": "eve"})
     with pytest.raises(AssertionError):
         testing.assert_not_enqueued("greet", where={"name": "bob"})
     testing.run_jobs(tangguh_client)
     assert [j.payload["name"] for j in testing.jobs_in_state("done", "greet")] == ["ada", "bob"]
     testing.assert_not_enqueued("greet")
+
+
+def test_assertions_see_jobs_waiting_on_parents_and_retrying(tangguh_client):
+    charge, email = tangguh_client.chain([("flaky", {"succeed_on": 2}), ("greet", {"name": "ada"})])
+    assert tangguh_client.get(email).state == "waiting"
+    testing.assert_enqueued("greet", where={"name": "ada"})
+    with pytest.raises(AssertionError, match=r"\('waiting', \{'name': 'ada'\}\)"):
+        testing.assert_not_enqueued("greet")
+    assert [r.outcome for r in testing.run_jobs(tangguh_client, until=1)] == ["retry"]
+    assert tangguh_client.get(charge).state == "retrying"
+    testing.assert_enqueued("flaky")
+    testing.run_jobs(tangguh_client)
+    testing.assert_not_enqueued("flaky")
+    testing.assert_not_enqueued("greet")
+
+
+def test_wait_job_returns_a_cancelled_job_and_a_timeout_names_the_state(tangguh_config, tangguh_client):
+    sup = testing.Supervisor(tangguh_config)  # not started: wait_job only reads the broker
+    cancelled = tangguh_client.enqueue("greet", {"name": "ada"})
+    tangguh_client.cancel(cancelled)
+    assert sup.wait_job(cancelled, timeout=5).state == "cancelled"
+    queued = tangguh_client.enqueue("greet", {"name": "bob"})
+    with pytest.raises(AssertionError, match=f"job {queued} .*: it is still queued"):
+        sup.wait_job(queued, timeout=0)
 
 
 def test_a_hard_timeout_with_a_real_supervisor(tangguh_client, tangguh_supervisor):
