@@ -325,6 +325,21 @@ def test_redis_lock_owner_only_release_fence_increases_and_busy_after_wait(rc):
     assert not client.exists(first.key)
 
 
+def test_a_lock_name_that_is_another_locks_fence_counter_is_refused(rc):
+    client, prefix = rc
+    locks = Locks(client, prefix)
+    locks.acquire("garden", ttl=30, wait=0).release()
+    with pytest.raises(ValueError, match=r"lock name 'garden:fence' ends in ':fence', the fence counter of lock"
+                                         r" 'garden': choose another name"):
+        locks.acquire("garden:fence", ttl=30, wait=0)
+    with pytest.raises(ValueError, match="fence counter"):
+        locks.acquire("yard:fence", ttl=30, wait=0)
+    assert not client.exists(prefix + "lock:yard:fence")
+    yard = locks.acquire("yard", ttl=30, wait=0)  # its counter is its own
+    assert yard.fence == 1
+    yard.release()
+
+
 def test_expired_holder_cannot_release_the_new_lock_and_its_fenced_write_is_rejected(rc, db, handlers_db):
     client, prefix = rc
     new_invoice(handlers_db, 5, [100])
