@@ -284,6 +284,24 @@ def test_row_lock_waits_nowait_skip_locked_and_timeout(db, handlers_db):
         other.close()
 
 
+def test_row_lock_takes_a_schema_qualified_table(db, handlers_db):
+    new_invoice(handlers_db, 3, [100])
+    schema = handlers_db.split("schema=")[1]
+    other = toolkit.Database(handlers_db)
+    try:
+        with transaction(db) as tx:
+            assert row_lock(tx, f"{schema}.invoices", 3, nowait=True)["id"] == 3
+            with pytest.raises(LockBusy):  # the very row the unqualified name locks
+                with transaction(other) as tx2:
+                    row_lock(tx2, "invoices", 3, nowait=True)
+    finally:
+        other.close()
+    for bad in ("invoices;drop", "a..b", ".invoices"):
+        with pytest.raises(ValueError, match="not a plain SQL identifier"):
+            with transaction(db) as tx:
+                row_lock(tx, bad, 3)
+
+
 def test_advisory_lock_is_transaction_scoped(db, handlers_db):
     other = toolkit.Database(handlers_db)
     try:

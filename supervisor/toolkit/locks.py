@@ -174,13 +174,13 @@ def row_lock(tx, table, key, column="id", nowait=False, skip_locked=False, timeo
     if nowait and skip_locked:
         raise ValueError("row_lock: nowait and skip_locked exclude each other")
     if tx.kind == "sqlite":
-        return tx.fetchone(f'SELECT * FROM "{_ident(table)}" WHERE "{_ident(column)}" = %s', (key,))
+        return tx.fetchone(f"SELECT * FROM {_ident(table)} WHERE {_ident(column)} = %s", (key,))
     import psycopg
 
     mode = " NOWAIT" if nowait else " SKIP LOCKED" if skip_locked else ""
     try:
         with tx.lock_timeout(timeout):
-            return tx.fetchone(f'SELECT * FROM "{_ident(table)}" WHERE "{_ident(column)}" = %s FOR UPDATE{mode}',
+            return tx.fetchone(f"SELECT * FROM {_ident(table)} WHERE {_ident(column)} = %s FOR UPDATE{mode}",
                                (key,))
     except psycopg.errors.LockNotAvailable:
         raise LockBusy(retry_delay, f"row {table}.{column}={key!r} is locked by another transaction") from None
@@ -209,6 +209,8 @@ def advisory_lock(tx, key, timeout=None, retry_delay=1.0):
 
 
 def _ident(name):
-    if not name.replace("_", "").replace(".", "").isalnum():
+    """``name`` quoted for SQL, each part of a dotted ``schema.table`` on its own."""
+    parts = name.split(".")
+    if not all(part.replace("_", "").isalnum() for part in parts):
         raise ValueError(f"not a plain SQL identifier: {name!r}")
-    return name
+    return ".".join(f'"{part}"' for part in parts)
