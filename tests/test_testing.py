@@ -1,6 +1,7 @@
 """supervisor.testing and its pytest fixtures: run_jobs in-process against a real supervisor."""
 import os
 import shutil
+import sys
 
 import pytest
 
@@ -105,6 +106,42 @@ def test_handlers_given_as_functions(tangguh_client):
     outcomes.greet.enqueue({"name": "x"})
     (ran,) = testing.run_jobs(tangguh_client, handlers=[outcomes.greet])
     assert ran.result == {"hello": "x"}
+
+
+BILLING = """
+import supervisor
+
+CALLS = []
+
+
+def charge_card(amount):
+    return f"REAL CHARGE of {amount}"  # the production side effect
+
+
+@supervisor.job("charge")
+def charge(ctx, payload):
+    CALLS.append(payload["amount"])
+    return charge_card(payload["amount"])
+"""
+
+
+def test_run_jobs_runs_the_handler_module_the_test_imported_and_patched(tangguh_handlers, tangguh_client,
+                                                                           monkeypatch):
+    with open(os.path.join(tangguh_handlers, "billing.py"), "w") as f:
+        f.write(BILLING)
+    monkeypatch.syspath_prepend(tangguh_handlers)
+    try:
+        import billing
+
+        monkeypatch.setattr(billing, "charge_card", lambda amount: f"fake charge of {amount}")
+        billing.charge.enqueue({"amount": 5})
+        (ran,) = testing.run_jobs(tangguh_client)  # the config's handlers folder
+        billing.charge.enqueue({"amount": 6})
+        (again,) = testing.run_jobs(tangguh_client)
+        assert (ran.result, again.result) == ("fake charge of 5", "fake charge of 6")
+        assert billing.CALLS == [5, 6]
+    finally:
+        sys.modules.pop("billing", None)  # a module of this test's folder only
 
 
 def test_assertions_on_enqueued_jobs(tangguh_client):
