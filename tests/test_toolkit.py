@@ -105,6 +105,25 @@ def test_done_key_suppresses_the_effect_and_counts_it(db):
     assert row["status"] == "done" and row["completed_at"] > 0
 
 
+@pytest.mark.parametrize("kind", ["postgres", "sqlite"])
+def test_begin_twice_in_one_transaction_returns_the_same_record(kind, handlers_db, tmp_path):
+    url = handlers_db if kind == "postgres" else f"sqlite:///{tmp_path}/handlers.db"
+    toolkit.migrate(url)
+    database = toolkit.Database(url)
+    metrics = {}
+    try:
+        with transaction(database) as tx:
+            rec = Idempotency(metrics=metrics).begin(tx, "k:1")
+            assert Idempotency(metrics=metrics).begin(tx, "k:1") is rec  # a helper begins it too
+            rec.complete({"n": 1})
+        with transaction(database) as tx:
+            done = Idempotency(metrics=metrics).begin(tx, "k:1")
+            assert Idempotency(metrics=metrics).begin(tx, "k:1") is done
+        assert done.done and done.result == {"n": 1} and metrics == {"duplicates_suppressed": 1}
+    finally:
+        database.close()
+
+
 def test_rollback_removes_the_record_with_the_effect(db):
     idem = Idempotency()
     with pytest.raises(RuntimeError):

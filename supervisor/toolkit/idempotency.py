@@ -20,6 +20,9 @@ own database, written in the same transaction as the effect::
   committed), gets the key (the twin rolled back), or raises ``RetryLater``;
 * otherwise the key is ours; a rollback removes it with the effect.
 
+``begin`` again with a key this transaction began already returns the same
+``Record`` (a helper that begins the key its caller began is not a twin).
+
 Committing after ``begin`` without ``complete`` is refused (the transaction
 rolls back with ``IdempotencyError``): a ``processing`` row that outlives its
 transaction would block the key for good.
@@ -101,6 +104,14 @@ class Idempotency:
             key = self.job.idempotency_key
         if key is None:
             return Record(tx, None, False)
+        # On the transaction, not on self: ctx.idempotency makes a new Idempotency per use.
+        held = tx.__dict__.setdefault("_idempotency_records", {})
+        if key in held:
+            return held[key]  # begun already in this transaction: our own row is no twin
+        held[key] = record = self._claim(tx, key)
+        return record
+
+    def _claim(self, tx, key):
         self._maybe_prune(tx)
         job_id = self.job.id if self.job is not None else None
         inserted = self._insert(tx, key, job_id)
