@@ -177,8 +177,11 @@ class Client:
     def store(self, jobs, **broker_kwargs):
         """Store validated ``NewJob``s in one atomic write (a workflow); returns their ids."""
         with tracing.enqueue_span([job.type for job in jobs]) as span:
+            # The steps were validated before this span existed, so each has a trace id
+            # already: a made-up one gives way to the producer's trace, a caller's stays.
             for job in jobs:
-                job.trace_id = job.trace_id or span.traceparent
+                if span.traceparent is not None and (not job.trace_id or job.__dict__.get("_trace_made")):
+                    job.trace_id, job._trace_made = span.traceparent, False
             ids = self._call("enqueue_many", jobs, broker_kwargs)
             span.stored(ids)
             for job, job_id in zip(jobs, ids):

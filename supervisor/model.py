@@ -129,6 +129,7 @@ class NewJob:
             self.depends_on = normalise(self.depends_on, self.id)
         if not self.trace_id:
             self.trace_id = trace_id_from(noise[10:])
+            self._trace_made = True  # not the caller's: Client.store may put the producer's traceparent here
         # The payload's JSON is what brokers store (``payload_json``): encoded once, here, so what
         # is stored is what was checked even if the caller changes the dict in place afterwards.
         self._payload_json = text

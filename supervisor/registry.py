@@ -85,8 +85,11 @@ class HandlerLoadError(ConfigError):
     """A handler file failed to import, or two handlers claim one type."""
 
 
-def load_handlers(folder, generation=0):
-    """Import every ``*.py`` in ``folder``; return ``{type: HandlerSpec}``."""
+def load_handlers(folder, generation=0, importer=None):
+    """Import every ``*.py`` in ``folder``; return ``{type: HandlerSpec}``.
+
+    ``importer(path, module_name)`` returns a file's module (default: a fresh import).
+    """
     if not os.path.isdir(folder):
         raise HandlerLoadError(f"supervisor.handlers: {folder} is not a folder")
     handlers = {}
@@ -94,7 +97,7 @@ def load_handlers(folder, generation=0):
         if not filename.endswith(".py") or filename.startswith((".", "_")):
             continue
         path = os.path.join(folder, filename)
-        module = _import_path(path, f"tangguh_handlers.g{generation}.{filename[:-3]}")
+        module = (importer or _import_path)(path, f"tangguh_handlers.g{generation}.{filename[:-3]}")
         seen = set()
         for value in vars(module).values():
             meta = getattr(value, _MARK, None)

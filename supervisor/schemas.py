@@ -10,6 +10,7 @@ hands the handler the typed object.
 
 Dataclasses and TypedDicts are checked here against their annotations: the
 JSON types (str, int, float, bool, None), ``list[...]``, ``dict[str, ...]``,
+``tuple[X, ...]`` and ``tuple[X, Y]`` (a JSON list; the handler gets a tuple),
 ``X | None``, ``Literal[...]``, ``Any``, and nested dataclasses or TypedDicts.
 An annotation outside that set is accepted as it comes.
 """
@@ -43,7 +44,7 @@ def dump(schema, value):
     """The JSON payload to store for ``value`` (an instance of ``schema`` or a dict); raises ``BadInput``."""
     kind = kind_of(schema)
     if kind == "dataclass" and isinstance(value, schema):
-        value = dataclasses.asdict(value)
+        value = _as_json(dataclasses.asdict(value))
     elif kind == "pydantic" and isinstance(value, schema):
         value = value.model_dump(mode="json")
     elif kind == "msgspec" and isinstance(value, schema):
@@ -117,8 +118,15 @@ def _check(tp, value, path):
     if origin in (list, tuple, set, frozenset) or tp in (list, tuple):
         if not isinstance(value, list):
             raise SchemaError(f"{where}: expected a list, got {_json_name(value)}")
+        if (origin is tuple or tp is tuple) and args and args[-1] is not Ellipsis:
+            # tuple[int, str]: a fixed length, a type per position.
+            if len(value) != len(args):
+                raise SchemaError(f"{where}: expected a list of {len(args)} items"
+                                  f" ({', '.join(_name(a) for a in args)}), got {len(value)}")
+            return tuple(_check(item, v, f"{path}[{i}]") for i, (item, v) in enumerate(zip(args, value)))
         item = args[0] if args else typing.Any
-        return [_check(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        items = [_check(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple or tp is tuple else items
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise SchemaError(f"{where}: expected an object, got {_json_name(value)}")
@@ -156,6 +164,15 @@ def _check_record(tp, value, path):
         raise SchemaError(f"{prefix}{key}: missing (expected {_name(hints.get(key, typing.Any))})")
     checked = {key: _check(hints.get(key, typing.Any), v, prefix + key) for key, v in value.items()}
     return tp(**checked) if dataclasses.is_dataclass(tp) else checked
+
+
+def _as_json(value):
+    """A dataclass's ``asdict`` as JSON will store it: tuples become lists."""
+    if isinstance(value, (list, tuple)):
+        return [_as_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    return value
 
 
 def _json_name(value):

@@ -32,7 +32,7 @@ from .child import worker as child
 from .jobref import default_client
 from .master import verdict
 from .master.outcomes import Write
-from .model import ACK, DEAD, QUEUED, RETRY, error_info
+from .model import ACK, DEAD, FINISHED, QUEUED, RETRY, RETRYING, WAITING, error_info
 from .retry import next_delay
 
 
@@ -170,11 +170,14 @@ def _own_broker(url):
 
 
 def _handlers(given, cfg):
-    """``{type: HandlerSpec}`` from a folder, handler functions or modules (default: the config's folder)."""
-    if given is None:
-        return registry.load_handlers(cfg.supervisor.handlers)
-    if isinstance(given, (str, os.PathLike)):
-        return registry.load_handlers(os.fspath(given))
+    """``{type: HandlerSpec}`` from a folder, handler functions or modules (default: the config's folder).
+
+    A handler file the test imported itself is run as that module, not a fresh copy of it: what
+    the test patched there (``monkeypatch.setattr(billing, "charge_card", fake)``) is what runs.
+    """
+    if given is None or isinstance(given, (str, os.PathLike)):
+        folder = cfg.supervisor.handlers if given is None else os.fspath(given)
+        return registry.load_handlers(folder, importer=_imported_or_fresh)
     if isinstance(given, dict):
         return given
     specs = {}
@@ -188,6 +191,17 @@ def _handlers(given, cfg):
     return specs
 
 
+def _imported_or_fresh(path, module_name):
+    real, base = os.path.realpath(path), os.path.basename(path)
+    for module in list(sys.modules.values()):
+        name, file = getattr(module, "__name__", ""), getattr(module, "__file__", None)
+        # tangguh_handlers.* are earlier loads of this folder, never the module the test holds.
+        if (isinstance(file, str) and os.path.basename(file) == base and not name.startswith("tangguh_handlers.")
+                and os.path.realpath(file) == real):
+            return module
+    return registry._import_path(path, module_name)
+
+
 def _is_async(fn):
     import inspect
 
@@ -196,8 +210,8 @@ def _is_async(fn):
 
 # -- assertions ------------------------------------------------------------------------------------
 def jobs_in_state(state=None, type=None, client=None):
-    """The stored jobs (``model.Job``) in ``state`` ("queued", "retrying", "done", "dead"...), of ``type``,
-    oldest first. Reads the SQLite broker's file."""
+    """The stored jobs (``model.Job``) in ``state`` ("queued", "retrying", "done", "dead"..., or a tuple of
+    states), of ``type``, oldest first. Reads the SQLite broker's file."""
     client = client or default_client()
     from .backends.base import open_broker
 
@@ -208,16 +222,21 @@ def jobs_in_state(state=None, type=None, client=None):
         try:
             sql, args = "SELECT id FROM jobs WHERE 1=1", []
             for column, value in (("state", state), ("type", type)):
-                if value is not None:
-                    sql += f" AND {column} = ?"
-                    args.append(value)
+                values = [value] if isinstance(value, str) else list(value or ())
+                if values:
+                    sql += f" AND {column} IN ({','.join('?' * len(values))})"
+                    args += values
             ids = [row[0] for row in db.execute(sql + " ORDER BY id", args)]
         finally:
             db.close()
         return [broker.get(job_id) for job_id in ids]
 
 
-def _matching(type, where, client, state=QUEUED):
+# Stored and still to run: waiting on parents, queued (a delayed job too), or waiting out a retry backoff.
+ENQUEUED = (WAITING, QUEUED, RETRYING)
+
+
+def _matching(type, where, client, state=ENQUEUED):
     where = where or {}
     return [job for job in jobs_in_state(state, type, client)
             if all(job.payload.get(k) == v if k not in _JOB_KEYS else getattr(job, k) == v
@@ -229,16 +248,20 @@ _JOB_KEYS = ("queue", "resource_id", "idempotency_key", "priority", "max_attempt
 
 
 def assert_enqueued(type, where=None, count=1, client=None):
-    """Exactly ``count`` queued jobs of ``type`` whose payload (or queue, resource_id...) matches ``where``."""
+    """Exactly ``count`` enqueued jobs of ``type`` whose payload (or queue, resource_id...) matches ``where``.
+
+    Enqueued: stored and still to run (``ENQUEUED``: waiting on its parents, queued, or retrying).
+    """
     found = _matching(type, where, client)
     if len(found) != count:
-        raise AssertionError(f"expected {count} queued {type!r} job(s) matching {where or {}}, found {len(found)}:"
-                             f" {[j.payload for j in jobs_in_state(QUEUED, type, client)]}")
+        stored = [(j.state, j.payload) for j in jobs_in_state(ENQUEUED, type, client)]
+        raise AssertionError(f"expected {count} enqueued {type!r} job(s) matching {where or {}}, found {len(found)}"
+                             f" (waiting, queued or retrying): {stored}")
     return found
 
 
 def assert_not_enqueued(type, where=None, client=None):
-    """No queued job of ``type`` matches ``where``."""
+    """No enqueued job (waiting, queued or retrying) of ``type`` matches ``where``."""
     assert_enqueued(type, where, 0, client)
 
 
@@ -287,13 +310,24 @@ class Supervisor:
             return False
         return sum(1 for w in status["workers"] if w["state"] == "idle") >= status["target_workers"]
 
-    def wait_job(self, job_id, states=("done", "dead"), timeout=30):
-        """The job once it reaches one of ``states``."""
+    def wait_job(self, job_id, states=FINISHED, timeout=30):
+        """The job once it reaches one of ``states`` (default: finished, i.e. done, dead, cancelled or expired)."""
         from .backends.base import open_broker
 
         with open_broker(self.config.broker.url) as broker:
-            return _wait(lambda: (j := broker.get(job_id)) is not None and j.state in states and j, timeout,
-                         f"job {job_id} to reach {states}")
+            seen = []
+
+            def reached():
+                job = broker.get(job_id)
+                seen[:] = [job]
+                return job is not None and job.state in states and job
+
+            found = _wait(reached, timeout, f"job {job_id} to reach {states}", fail=False)
+            if found is None:
+                now = "not stored" if seen[0] is None else f"still {seen[0].state}"
+                raise AssertionError(f"timed out after {timeout}s waiting for job {job_id} to reach {states}:"
+                                     f" it is {now}")
+            return found
 
     def logs(self):
         with open(self.log_path, "rb") as f:

@@ -279,6 +279,32 @@ MUTATIONS = [
              "        return auth.check_password(self.web, name, password)",
              ("tests/test_web.py", "-k", "never_holds_up and sqlite"),
              "a password check never holds up the console's other requests"),
+    # The handler toolkit (review of the toolkit and the application-side API).
+    Mutation("sqlite-failed-begin-stays-busy", "supervisor/toolkit/transaction.py",
+             "            self.db.busy = False\n            if kind == \"sqlite\" and conn.in_transaction",
+             "            pass\n            if kind == \"sqlite\" and conn.in_transaction",
+             ("tests/test_toolkit.py", "-k", "begin_that_fails"),
+             "a BEGIN that failed leaves ctx.transaction() usable in that process"),
+    Mutation("cache-lease-kept-when-value-unstorable", "supervisor/toolkit/cache.py",
+             "            entry, ms = self._entry(key, builder(), ttl, stale_ttl)\n        except BaseException:",
+             "            value = builder()\n        except BaseException:\n            raise\n"
+             "        entry, ms = self._entry(key, value, ttl, stale_ttl)\n        try:\n            pass\n"
+             "        except BaseException:",
+             ("tests/test_toolkit.py", "-k", "json_cannot"),
+             "a cache value that cannot be stored frees its fill lease at once"),
+    Mutation("cache-store-error-unhandled", "supervisor/toolkit/cache.py",
+             "        except (redis_py.ConnectionError, redis_py.TimeoutError) as exc:\n            # The value is built",
+             "        except ZeroDivisionError as exc:\n            # The value is built",
+             ("tests/test_toolkit.py", "-k", "after_the_build"),
+             "Redis failing after the builder ran returns the value, built once"),
+    Mutation("idempotency-prune-in-job-transaction", "supervisor/toolkit/idempotency.py",
+             "tx.after_commit(lambda: _prune_alone(tx.conn, tx.kind, self.retention))", "prune(tx, self.retention)",
+             ("tests/test_toolkit.py", "-k", "pruning_waits"),
+             "idempotency pruning runs outside the job's transaction"),
+    Mutation("idempotency-prune-waits-on-locks", "supervisor/toolkit/idempotency.py",
+             'pick += " FOR UPDATE SKIP LOCKED"', 'pick += ""',
+             ("tests/test_toolkit.py", "-k", "prune_skips"),
+             "idempotency pruning never waits on records another transaction holds"),
 ]
 
 

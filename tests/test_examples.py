@@ -68,3 +68,23 @@ def test_fastapi_enqueue_from_an_endpoint_and_wait_for_the_result(tmp_path, monk
     assert again.json() == accepted.json()  # the idempotency key: one job per order
     assert result.status_code == 200 and result.json() == {
         "state": "done", "result": {"sent_to": "ada@example.com", "order_id": 7}, "reason": None}
+
+
+def test_fastapi_result_endpoint_answers_at_once_for_a_cancelled_job(tmp_path, monkeypatch):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from supervisor.client import Client
+
+    config = testing.write_config(str(tmp_path), os.path.join(EXAMPLES, "fastapi_app", "handlers"))
+    monkeypatch.setenv("TANGGUH_CONFIG", config)
+    monkeypatch.syspath_prepend(os.path.join(EXAMPLES, "fastapi_app"))
+    import app as fastapi_app
+
+    with TestClient(fastapi_app.app) as http, Client.from_config(config) as client:
+        job_id = http.post("/orders/8/receipt", params={"email": "bob@example.com"}).json()["job_id"]
+        client.cancel(job_id)  # no supervisor runs: it is cancelled while queued
+        result = http.get(f"/jobs/{job_id}", params={"timeout": 5})
+    assert result.status_code == 200, result.text
+    assert result.json()["state"] == "cancelled"

@@ -84,6 +84,24 @@ def test_typed_dicts():
         schemas.dump(Refund, {})
 
 
+@dataclasses.dataclass
+class Shape:
+    pair: tuple[int, str]
+    points: tuple[int, ...] = ()
+
+
+def test_tuples_are_json_lists_checked_by_position_and_loaded_as_tuples():
+    assert schemas.dump(Shape, Shape((1, "a"), (2, 3))) == {"pair": [1, "a"], "points": [2, 3]}
+    assert schemas.dump(Shape, {"pair": [1, "a"]}) == {"pair": [1, "a"]}
+    assert schemas.load(Shape, {"pair": [1, "a"], "points": [2, 3]}) == Shape((1, "a"), (2, 3))
+    with pytest.raises(BadInput, match=r"payload: pair\[1\]: expected str, got int"):
+        schemas.dump(Shape, {"pair": [1, 2]})
+    with pytest.raises(BadInput, match=r"payload: pair: expected a list of 2 items \(int, str\), got 3"):
+        schemas.dump(Shape, {"pair": [1, "a", "b"]})
+    with pytest.raises(BadInput, match=r"payload: points\[1\]: expected int, got str"):
+        schemas.dump(Shape, {"pair": [1, "a"], "points": [1, "x"]})
+
+
 def test_pydantic_models():
     pydantic = pytest.importorskip("pydantic")
 

@@ -1,6 +1,7 @@
 """supervisor.testing and its pytest fixtures: run_jobs in-process against a real supervisor."""
 import os
 import shutil
+import sys
 
 import pytest
 
@@ -107,6 +108,42 @@ def test_handlers_given_as_functions(tangguh_client):
     assert ran.result == {"hello": "x"}
 
 
+BILLING = """
+import supervisor
+
+CALLS = []
+
+
+def charge_card(amount):
+    return f"REAL CHARGE of {amount}"  # the production side effect
+
+
+@supervisor.job("charge")
+def charge(ctx, payload):
+    CALLS.append(payload["amount"])
+    return charge_card(payload["amount"])
+"""
+
+
+def test_run_jobs_runs_the_handler_module_the_test_imported_and_patched(tangguh_handlers, tangguh_client,
+                                                                           monkeypatch):
+    with open(os.path.join(tangguh_handlers, "billing.py"), "w") as f:
+        f.write(BILLING)
+    monkeypatch.syspath_prepend(tangguh_handlers)
+    try:
+        import billing
+
+        monkeypatch.setattr(billing, "charge_card", lambda amount: f"fake charge of {amount}")
+        billing.charge.enqueue({"amount": 5})
+        (ran,) = testing.run_jobs(tangguh_client)  # the config's handlers folder
+        billing.charge.enqueue({"amount": 6})
+        (again,) = testing.run_jobs(tangguh_client)
+        assert (ran.result, again.result) == ("fake charge of 5", "fake charge of 6")
+        assert billing.CALLS == [5, 6]
+    finally:
+        sys.modules.pop("billing", None)  # a module of this test's folder only
+
+
 def test_assertions_on_enqueued_jobs(tangguh_client):
     outcomes.greet.enqueue({"name": "ada"}, resource_id="user:1")
     outcomes.greet.enqueue({"name": "bob"})
@@ -114,13 +151,37 @@ def test_assertions_on_enqueued_jobs(tangguh_client):
     testing.assert_enqueued("greet", count=2)
     testing.assert_not_enqueued("greet", where={"name": "eve"})
     testing.assert_not_enqueued("broken")
-    with pytest.raises(AssertionError, match=r"expected 1 queued 'greet' job\(s\) matching \{'name': 'eve'\}, found 0"):
+    with pytest.raises(AssertionError, match=r"expected 1 enqueued 'greet' job\(s\) matching \{'name': 'eve'\}, found 0"):
         testing.assert_enqueued("greet", where={"name": "eve"})
     with pytest.raises(AssertionError):
         testing.assert_not_enqueued("greet", where={"name": "bob"})
     testing.run_jobs(tangguh_client)
     assert [j.payload["name"] for j in testing.jobs_in_state("done", "greet")] == ["ada", "bob"]
     testing.assert_not_enqueued("greet")
+
+
+def test_assertions_see_jobs_waiting_on_parents_and_retrying(tangguh_client):
+    charge, email = tangguh_client.chain([("flaky", {"succeed_on": 2}), ("greet", {"name": "ada"})])
+    assert tangguh_client.get(email).state == "waiting"
+    testing.assert_enqueued("greet", where={"name": "ada"})
+    with pytest.raises(AssertionError, match=r"\('waiting', \{'name': 'ada'\}\)"):
+        testing.assert_not_enqueued("greet")
+    assert [r.outcome for r in testing.run_jobs(tangguh_client, until=1)] == ["retry"]
+    assert tangguh_client.get(charge).state == "retrying"
+    testing.assert_enqueued("flaky")
+    testing.run_jobs(tangguh_client)
+    testing.assert_not_enqueued("flaky")
+    testing.assert_not_enqueued("greet")
+
+
+def test_wait_job_returns_a_cancelled_job_and_a_timeout_names_the_state(tangguh_config, tangguh_client):
+    sup = testing.Supervisor(tangguh_config)  # not started: wait_job only reads the broker
+    cancelled = tangguh_client.enqueue("greet", {"name": "ada"})
+    tangguh_client.cancel(cancelled)
+    assert sup.wait_job(cancelled, timeout=5).state == "cancelled"
+    queued = tangguh_client.enqueue("greet", {"name": "bob"})
+    with pytest.raises(AssertionError, match=f"job {queued} .*: it is still queued"):
+        sup.wait_job(queued, timeout=0)
 
 
 def test_a_hard_timeout_with_a_real_supervisor(tangguh_client, tangguh_supervisor):

@@ -105,6 +105,25 @@ def test_done_key_suppresses_the_effect_and_counts_it(db):
     assert row["status"] == "done" and row["completed_at"] > 0
 
 
+@pytest.mark.parametrize("kind", ["postgres", "sqlite"])
+def test_begin_twice_in_one_transaction_returns_the_same_record(kind, handlers_db, tmp_path):
+    url = handlers_db if kind == "postgres" else f"sqlite:///{tmp_path}/handlers.db"
+    toolkit.migrate(url)
+    database = toolkit.Database(url)
+    metrics = {}
+    try:
+        with transaction(database) as tx:
+            rec = Idempotency(metrics=metrics).begin(tx, "k:1")
+            assert Idempotency(metrics=metrics).begin(tx, "k:1") is rec  # a helper begins it too
+            rec.complete({"n": 1})
+        with transaction(database) as tx:
+            done = Idempotency(metrics=metrics).begin(tx, "k:1")
+            assert Idempotency(metrics=metrics).begin(tx, "k:1") is done
+        assert done.done and done.result == {"n": 1} and metrics == {"duplicates_suppressed": 1}
+    finally:
+        database.close()
+
+
 def test_rollback_removes_the_record_with_the_effect(db):
     idem = Idempotency()
     with pytest.raises(RuntimeError):
@@ -178,6 +197,66 @@ def test_prune_deletes_old_done_records_only(db):
         assert [r["key"] for r in tx.fetchall("SELECT key FROM idempotency_records")] == ["new"]
 
 
+def _old_done_records(tx, keys):
+    for key in keys:
+        tx.execute("INSERT INTO idempotency_records (key, status, created_at, completed_at) VALUES (%s, 'done', 0, 0)",
+                   (key,))
+
+
+def test_pruning_waits_for_the_commit_and_never_blocks_another_childs_begin(db, handlers_db, monkeypatch):
+    from supervisor.toolkit import idempotency
+
+    with transaction(db) as tx:
+        _old_done_records(tx, [f"old:{i}" for i in range(5)])
+    other = toolkit.Database(handlers_db)
+    out, thread = {}, None
+
+    def other_child():  # its prune is due too (a fresh child's first begin)
+        monkeypatch.setattr(idempotency, "_next_prune", 0.0)
+        with transaction(other) as tx2:
+            out["rec"] = Idempotency(retention=60).begin(tx2, "email:42:welcome")
+            out["rec"].complete(None)
+
+    try:
+        with transaction(db) as tx:
+            monkeypatch.setattr(idempotency, "_next_prune", 0.0)
+            rec = Idempotency(retention=60).begin(tx, "invoice:1:recalc:1")
+            # The job's transaction stays open (a slow effect) while another child begins another key.
+            thread = threading.Thread(target=other_child)
+            thread.start()
+            wait_for(lambda: not thread.is_alive(), timeout=10, message="the other child's begin of another key")
+            assert not out["rec"].done
+            # That child pruned after its own commit, not held up by this open transaction either
+            # (seen from a third connection: nothing is left for this job's transaction to hold).
+            assert query(handlers_db, "SELECT count(*) AS n FROM idempotency_records"
+                                      " WHERE key LIKE 'old:%%'")["n"] == 0
+            rec.complete(None)
+        assert query(handlers_db, "SELECT count(*) AS n FROM idempotency_records WHERE key LIKE 'old:%%'")["n"] == 0
+        assert query(handlers_db, "SELECT count(*) AS n FROM idempotency_records")["n"] == 2
+    finally:
+        if thread is not None:
+            thread.join(10)
+        other.close()
+
+
+def test_prune_skips_records_another_transaction_holds_and_is_bounded(db, handlers_db):
+    with transaction(db) as tx:
+        _old_done_records(tx, ["held"] + [f"old:{i}" for i in range(5)])
+    other = toolkit.Database(handlers_db)
+    try:
+        with transaction(other) as holder:
+            row_lock(holder, "idempotency_records", "held", column="key")
+            with transaction(db) as tx:
+                with tx.lock_timeout(5):  # a prune that waited would fail here, not hang
+                    assert prune(tx, 60) == 5
+        with transaction(db) as tx:
+            assert [r["key"] for r in tx.fetchall("SELECT key FROM idempotency_records")] == ["held"]
+            _old_done_records(tx, [f"more:{i}" for i in range(4)])
+            assert prune(tx, 60, limit=3) == 3 and prune(tx, 60, limit=3) == 2
+    finally:
+        other.close()
+
+
 def test_missing_table_names_the_fix(postgres_url):
     db = toolkit.Database(postgres_url)  # a schema nobody migrated
     with pytest.raises(IdempotencyError, match="run `tangguh db migrate`"):
@@ -224,6 +303,24 @@ def test_row_lock_waits_nowait_skip_locked_and_timeout(db, handlers_db):
         other.close()
 
 
+def test_row_lock_takes_a_schema_qualified_table(db, handlers_db):
+    new_invoice(handlers_db, 3, [100])
+    schema = handlers_db.split("schema=")[1]
+    other = toolkit.Database(handlers_db)
+    try:
+        with transaction(db) as tx:
+            assert row_lock(tx, f"{schema}.invoices", 3, nowait=True)["id"] == 3
+            with pytest.raises(LockBusy):  # the very row the unqualified name locks
+                with transaction(other) as tx2:
+                    row_lock(tx2, "invoices", 3, nowait=True)
+    finally:
+        other.close()
+    for bad in ("invoices;drop", "a..b", ".invoices"):
+        with pytest.raises(ValueError, match="not a plain SQL identifier"):
+            with transaction(db) as tx:
+                row_lock(tx, bad, 3)
+
+
 def test_advisory_lock_is_transaction_scoped(db, handlers_db):
     other = toolkit.Database(handlers_db)
     try:
@@ -263,6 +360,21 @@ def test_redis_lock_owner_only_release_fence_increases_and_busy_after_wait(rc):
     assert second.fence > first.fence
     second.release()
     assert not client.exists(first.key)
+
+
+def test_a_lock_name_that_is_another_locks_fence_counter_is_refused(rc):
+    client, prefix = rc
+    locks = Locks(client, prefix)
+    locks.acquire("garden", ttl=30, wait=0).release()
+    with pytest.raises(ValueError, match=r"lock name 'garden:fence' ends in ':fence', the fence counter of lock"
+                                         r" 'garden': choose another name"):
+        locks.acquire("garden:fence", ttl=30, wait=0)
+    with pytest.raises(ValueError, match="fence counter"):
+        locks.acquire("yard:fence", ttl=30, wait=0)
+    assert not client.exists(prefix + "lock:yard:fence")
+    yard = locks.acquire("yard", ttl=30, wait=0)  # its counter is its own
+    assert yard.fence == 1
+    yard.release()
 
 
 def test_expired_holder_cannot_release_the_new_lock_and_its_fenced_write_is_rejected(rc, db, handlers_db):
@@ -401,6 +513,58 @@ def test_cache_unreachable_reads_the_source_and_invalidation_fails_loudly():
         cache.invalidate("k")
 
 
+def test_a_value_json_cannot_hold_fails_naming_the_key_and_frees_the_fill_lease(rc):
+    from decimal import Decimal
+
+    client, prefix = rc
+    cache = Cache(client, prefix)
+    with pytest.raises(TypeError, match="cache value for key 'invoice:1:summary' is not JSON"):
+        cache.get_or_build("invoice:1:summary", lambda: {"total": Decimal("12.50")}, ttl=300)
+    assert not client.exists(prefix + "cache-lease:invoice:1:summary")
+    # The next reader is the builder at once: with the lease left behind it would build without storing.
+    assert cache.get_or_build("invoice:1:summary", lambda: {"total": "12.50"}, ttl=300, wait=0) == {"total": "12.50"}
+    assert client.exists(prefix + "cache:invoice:1:summary")
+
+
+def test_a_miss_returns_what_a_hit_returns(rc):
+    client, prefix = rc
+    cache = Cache(client, prefix)
+    built = {"ids": (1, 2), 3: "x"}
+    as_json = {"ids": [1, 2], "3": "x"}
+    assert cache.get_or_build("k", lambda: built, ttl=300) == as_json  # the builder's miss
+    assert cache.get_or_build("k", lambda: "not called", ttl=300) == as_json  # the hit
+    cache.lease("busy", ttl=300)  # another process is filling it: this caller builds for itself
+    assert cache.get_or_build("busy", lambda: built, ttl=300, wait=0) == as_json
+
+
+def test_redis_failing_after_the_build_returns_the_value_built_once(tmp_path):
+    import signal
+
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from .servers import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    client = server.client(socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
+    calls = []
+
+    def build():  # the lease is taken; Redis dies while the database is read
+        calls.append(1)
+        server.stop(signal.SIGKILL)
+        return "from the database"
+
+    try:
+        assert Cache(client, "p:").get_or_build("k", build, ttl=10) == "from the database"
+        assert len(calls) == 1
+        with pytest.raises(redis.ConnectionError):  # it is gone, for real
+            client.ping()
+    finally:
+        client.close()
+        server.stop()
+
+
 def test_transactions_do_not_nest(db):
     with transaction(db) as tx:
         with pytest.raises(RuntimeError, match="do not nest"):
@@ -409,6 +573,31 @@ def test_transactions_do_not_nest(db):
         tx.execute("INSERT INTO invoices (id) VALUES (1)")
     with transaction(db) as tx:  # the outer one committed and the connection is free again
         assert tx.scalar("SELECT count(*) FROM invoices") == 1
+
+
+def test_a_begin_that_fails_on_sqlite_leaves_the_transaction_usable(tmp_path):
+    # A sibling child holds the write lock past the busy timeout: BEGIN IMMEDIATE
+    # fails, and the next transaction in this process must not be refused as nested.
+    import sqlite3
+
+    path = tmp_path / "handlers.db"
+    db = toolkit.Database(f"sqlite:///{path}")
+    conn, _ = db.connection()
+    conn.execute("PRAGMA busy_timeout=50")  # fail fast instead of after 5 s
+    conn.execute("CREATE TABLE t (x integer)")
+    sibling = sqlite3.connect(path, isolation_level=None)
+    try:
+        sibling.execute("BEGIN IMMEDIATE")
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            with transaction(db) as tx:
+                tx.execute("INSERT INTO t VALUES (1)")
+        sibling.execute("COMMIT")
+        with transaction(db) as tx:
+            tx.execute("INSERT INTO t VALUES (2)")
+        assert sibling.execute("SELECT x FROM t").fetchall() == [(2,)]
+    finally:
+        sibling.close()
+        db.close()
 
 
 # -- config and migrate ------------------------------------------------------------------------

@@ -98,6 +98,39 @@ def sup_logs(tmp_path):
         return f.read().splitlines()
 
 
+WORKFLOWS = """
+import json, sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from supervisor.client import Client
+from supervisor.tracing import trace_id_of
+
+trace.set_tracer_provider(TracerProvider())
+with Client.from_url(sys.argv[1]) as client:
+    with trace.get_tracer("web").start_as_current_span("POST /month-end") as request:
+        chain = client.chain([("a", {}), ("b", {}), ("c", {}, {"trace_id": "the-callers-own"})])
+        flow = client.group([("a", {}), ("a", {})], then=("b", {}))
+        batch = client.batch([("a", {})], on_success=("b", {}), on_complete=("c", {}))
+    ids = {"chain": chain[:2], "group": [*flow.ids, flow.then],
+           "batch": [*batch.members, batch.on_success, batch.on_complete]}
+    print(json.dumps({"request": format(request.get_span_context().trace_id, "032x"),
+                      "traces": {what: [trace_id_of(client.get(i).trace_id) for i in job_ids]
+                                 for what, job_ids in ids.items()},
+                      "kept": client.get(chain[2]).trace_id}))
+"""
+
+
+def test_chains_groups_and_batches_carry_the_producers_trace(sqlite_url):
+    out = subprocess.run([sys.executable, "-c", WORKFLOWS, sqlite_url], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen["traces"] == {"chain": [seen["request"]] * 2, "group": [seen["request"]] * 3,
+                              "batch": [seen["request"]] * 3}
+    assert seen["kept"] == "the-callers-own"  # a step's own trace_id is not replaced
+
+
 @pytest.mark.parametrize("blocked", [False, True])
 def test_without_opentelemetry_nothing_changes(sqlite_url, blocked):
     # Installed but with no SDK configured, or not importable at all: the job keeps a random trace id.

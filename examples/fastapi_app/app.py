@@ -11,6 +11,7 @@ import time
 from fastapi import FastAPI, HTTPException, Request
 
 import supervisor
+from supervisor.model import FINISHED
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "handlers"))
 from receipts import Receipt, send_receipt  # noqa: E402 - the producer imports the handler module
@@ -39,10 +40,10 @@ async def request_receipt(order_id: int, email: str, request: Request):
 
 @app.get("/jobs/{job_id}")
 async def job_result(job_id: str, request: Request, timeout: float = 10.0):
-    """The job's result once it is done; 504 if it is not finished within ``timeout`` seconds."""
+    """The job once it is finished (done, dead, cancelled or expired); 504 if not within ``timeout`` seconds."""
     client = request.app.state.tangguh
     deadline = time.monotonic() + min(timeout, 30.0)
-    while (job := client.get(job_id)) is not None and job.state not in ("done", "dead"):
+    while (job := client.get(job_id)) is not None and job.state not in FINISHED:
         if time.monotonic() > deadline:
             raise HTTPException(504, f"job {job_id} is still {job.state}")
         await asyncio.sleep(0.05)  # the event loop serves other requests meanwhile

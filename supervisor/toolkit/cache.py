@@ -33,12 +33,16 @@ Write (in the transaction that changes the data)::
   never before (a reader could refill from the old row) and never on
   rollback.
 * With Redis unreachable, ``get_or_build`` returns ``builder()`` (nothing
-  stored); ``invalidate`` raises, so the job fails and its retry, finding its
-  idempotency record done, invalidates again.
+  stored); Redis failing after the builder ran (the store) leaves the value
+  unstored, never builds it twice. ``invalidate`` raises, so the job fails and
+  its retry, finding its idempotency record done, invalidates again.
 * Counters: ``cache_hit``, ``cache_miss``, ``cache_rebuild`` (the builder
   ran), ``cache_stale_served``.
 
-Values are stored as JSON. Redis keys: ``<prefix>cache:<key>``,
+Values are stored as JSON, and every call returns the value as JSON gives it
+back (tuples as lists, dict keys as strings), on a miss as on a hit; a value
+JSON cannot hold (``Decimal``, ``datetime``) raises ``TypeError`` naming the
+key (convert it in the builder). Redis keys: ``<prefix>cache:<key>``,
 ``<prefix>cache-lease:<key>``, ``<prefix>cache-tag:<tag>``; the scripts
 build key names from the prefix, so use one Redis instance, not a cluster.
 """
@@ -91,6 +95,18 @@ def _count(metrics, name):
     metrics[name] = metrics.get(name, 0) + 1
 
 
+def _dumps(key, value):
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"cache value for key {key!r} is not JSON: {exc}") from None
+
+
+def _round_trip(key, value):
+    """``value`` as a hit would return it (tuples become lists, keys strings), whether stored or not."""
+    return json.loads(_dumps(key, value))
+
+
 class Cache:
     """``ctx.cache``: ``get_or_build``, ``invalidate``, ``invalidate_after_commit``.
 
@@ -120,15 +136,23 @@ class Cache:
         by; ``stale_ttl`` > 0 marks the key tolerant of stale reads for that
         many seconds past ``ttl``; ``wait`` bounds the wait on another builder.
         """
+        ran = []
+
+        def build():
+            ran.append(True)
+            return builder()
+
         try:
-            return self._get_or_build(key, builder, ttl, tags, stale_ttl, wait)
+            return self._get_or_build(key, build, ttl, tags, stale_ttl, wait)
         except (redis_py.ConnectionError, redis_py.TimeoutError) as exc:
+            if ran:
+                raise  # raised by the builder itself: running it again would read (and do) it all twice
             # Cache-aside: with the cache away, read the source of truth. Nothing
             # is stored, so nothing stale can be left behind.
             log.warning("cache unreachable, building %s directly: %s", key, exc)
             _count(self.metrics, "cache_miss")
             _count(self.metrics, "cache_rebuild")
-            return builder()
+            return _round_trip(key, builder())
 
     def _get_or_build(self, key, builder, ttl, tags, stale_ttl, wait):
         wait = self.wait if wait is None else wait
@@ -160,7 +184,7 @@ class Cache:
             time.sleep(pause * random.uniform(0.5, 1.5))  # jittered: the waiters do not poll in step
             pause = min(0.1, pause * 2)
         _count(self.metrics, "cache_rebuild")
-        return builder()  # waited long enough: build for this caller, store nothing
+        return _round_trip(key, builder())  # waited long enough: build for this caller, store nothing
 
     def invalidate(self, *names):
         """Delete the entries (and cancel the fill leases) of keys and tags ``names`` now."""
@@ -190,19 +214,33 @@ class Cache:
         """Run the builder under our lease; store its value only if the lease survived."""
         _count(self.metrics, "cache_rebuild")
         try:
-            value = builder()
+            entry, ms = self._entry(key, builder(), ttl, stale_ttl)
         except BaseException:
-            self.client.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end"
-                             " return 0", 1, self._lease(key), token)
+            # A value that cannot be stored fails like a builder that raised: the
+            # lease goes now, or every other reader would wait it out and build
+            # without storing until it expires.
+            try:
+                self.client.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1])"
+                                 " end return 0", 1, self._lease(key), token)
+            except redis_py.RedisError as exc:
+                log.warning("cannot release the fill lease of %s (it expires by itself): %s", key, exc)
             raise
-        self.store(key, value, ttl, token, stale_ttl)
-        return value
+        try:
+            self.client.eval(STORE, 2, self._lease(key), self._key(key), token, entry, ms)
+        except (redis_py.ConnectionError, redis_py.TimeoutError) as exc:
+            # The value is built: hand it over rather than build it again (the lease expires by itself).
+            log.warning("cache unreachable, %s not stored: %s", key, exc)
+        return json.loads(entry)["v"]
+
+    def _entry(self, key, value, ttl, stale_ttl):
+        """``(the JSON entry, its lifetime in ms)``; a value JSON cannot hold is a TypeError naming ``key``."""
+        fresh = ttl * (1 - self.jitter * random.random())
+        entry = _dumps(key, {"v": value, "fresh": time.time() + fresh})
+        return entry, max(1, int((fresh + stale_ttl) * 1000))
 
     def store(self, key, value, ttl, token, stale_ttl=0.0):
         """Store ``value`` if fill lease ``token`` is still valid; False if an invalidation cancelled it."""
-        fresh = ttl * (1 - self.jitter * random.random())
-        entry = json.dumps({"v": value, "fresh": time.time() + fresh})
-        ms = max(1, int((fresh + stale_ttl) * 1000))
+        entry, ms = self._entry(key, value, ttl, stale_ttl)
         return bool(self.client.eval(STORE, 2, self._lease(key), self._key(key), token, entry, ms))
 
     def lease(self, key, ttl, tags=(), stale_ttl=0.0):

@@ -20,6 +20,9 @@ own database, written in the same transaction as the effect::
   committed), gets the key (the twin rolled back), or raises ``RetryLater``;
 * otherwise the key is ours; a rollback removes it with the effect.
 
+``begin`` again with a key this transaction began already returns the same
+``Record`` (a helper that begins the key its caller began is not a twin).
+
 Committing after ``begin`` without ``complete`` is refused (the transaction
 rolls back with ``IdempotencyError``): a ``processing`` row that outlives its
 transaction would block the key for good.
@@ -29,7 +32,11 @@ completed_at)`` (times: epoch seconds), created by ``tangguh db migrate``.
 Done records older than ``toolkit.idempotency_retention`` seconds are pruned
 by the children, at most every ``PRUNE_EVERY`` seconds each; after that a
 very late duplicate would run again, so keep the retention longer than any
-job can be retried.
+job can be retried. The prune runs after the job's transaction commits, as a
+statement of its own: at most ``PRUNE_BATCH`` records, skipping any another
+transaction has locked. Inside the job's transaction its row locks would last
+as long as the job, and another child's prune, in its ``begin`` of an
+unrelated key, would wait on them.
 
 A job without a key uses none of this: ``begin(tx)`` with no key falls back
 to the job's own ``idempotency_key``, and with none of either returns a record
@@ -37,12 +44,16 @@ that is not done and whose ``complete`` does nothing. A handler may derive a
 key from its payload, as the invoice example does.
 """
 import json
+import logging
 import random
 import time
 
 from ..retry import RetryLater
 
+log = logging.getLogger("tangguh.idempotency")
+
 PRUNE_EVERY = 600.0
+PRUNE_BATCH = 1000
 
 _next_prune = 0.0
 
@@ -93,6 +104,14 @@ class Idempotency:
             key = self.job.idempotency_key
         if key is None:
             return Record(tx, None, False)
+        # On the transaction, not on self: ctx.idempotency makes a new Idempotency per use.
+        held = tx.__dict__.setdefault("_idempotency_records", {})
+        if key in held:
+            return held[key]  # begun already in this transaction: our own row is no twin
+        held[key] = record = self._claim(tx, key)
+        return record
+
+    def _claim(self, tx, key):
         self._maybe_prune(tx)
         job_id = self.job.id if self.job is not None else None
         inserted = self._insert(tx, key, job_id)
@@ -143,13 +162,40 @@ class Idempotency:
             return
         # Jittered, so that children started together do not prune together.
         _next_prune = time.monotonic() + PRUNE_EVERY * random.uniform(0.5, 1.5)
-        prune(tx, self.retention)
+        tx.after_commit(lambda: _prune_alone(tx.conn, tx.kind, self.retention))
 
 
-def prune(tx, retention):
-    """Delete done records completed more than ``retention`` seconds ago; the number deleted."""
-    return tx.execute("DELETE FROM idempotency_records WHERE status = 'done' AND completed_at < %s",
-                      (time.time() - retention,)).rowcount
+def prune(tx, retention, limit=PRUNE_BATCH):
+    """Delete up to ``limit`` done records completed more than ``retention`` seconds ago; the number deleted.
+
+    Records another transaction holds locked are skipped, never waited on (PostgreSQL).
+    """
+    pick = "SELECT key FROM idempotency_records WHERE status = 'done' AND completed_at < %s LIMIT %s"
+    if tx.kind == "postgres":
+        pick += " FOR UPDATE SKIP LOCKED"
+    return tx.execute(f"DELETE FROM idempotency_records WHERE key IN ({pick})",
+                      (time.time() - retention, limit)).rowcount
+
+
+def _prune_alone(conn, kind, retention):
+    """``prune`` in a transaction of its own on ``conn``, just after the job's committed.
+
+    An after-commit step: a failure here is logged, never the job's.
+    """
+    global _next_prune
+    from .transaction import Transaction
+
+    tx = Transaction(conn, kind)  # SQLite's connection is in autocommit: the DELETE is its own transaction
+    try:
+        deleted = prune(tx, retention)
+        if kind == "postgres":
+            conn.commit()
+    except Exception as exc:  # noqa: BLE001 - the next round prunes what this one left
+        tx._rollback()
+        log.warning("pruning idempotency records failed: %s: %s", type(exc).__name__, exc)
+        return
+    if deleted >= PRUNE_BATCH:
+        _next_prune = 0.0  # a backlog: the next begin prunes the next batch
 
 
 def create_table(conn, kind):

@@ -7,7 +7,9 @@ Redis lock (``ctx.lock``)::
 
 * Acquire is one script: ``SET key token NX PX ttl`` and, when it succeeds,
   ``INCR`` of the key's fence counter: every acquisition gets a **fencing
-  token** strictly greater than all earlier ones for that key.
+  token** strictly greater than all earlier ones for that key. The counter's
+  key is the lock's plus ``:fence``, so a lock name ending in ``:fence`` is
+  refused.
 * Release and extend compare the owner token first (compare-and-delete,
   compare-and-pexpire): only the holder can release or extend.
 * The child tells the master about each lock it holds (``{"op": "lock"}`` on
@@ -47,6 +49,8 @@ from .. import protocol
 from ..retry import RetryLater
 
 log = logging.getLogger("tangguh.locks")
+
+FENCE = ":fence"  # lock ``name``'s fence counter is its key plus this
 
 ACQUIRE = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
@@ -126,13 +130,20 @@ class Locks:
         return f"{self.prefix}lock:{name}"
 
     def acquire(self, name, ttl=30.0, wait=10.0, retry_delay=1.0):
-        """Take lock ``name`` for ``ttl`` seconds, waiting up to ``wait``; a ``Lock`` or ``LockBusy``."""
+        """Take lock ``name`` for ``ttl`` seconds, waiting up to ``wait``; a ``Lock`` or ``LockBusy``.
+
+        A name ending in ``:fence`` is refused (``ValueError``): its key is the fence counter of another lock.
+        """
+        if name.endswith(FENCE):
+            # The counters stay where they are: moving them would restart the fences of locks in use.
+            raise ValueError(f"lock name {name!r} ends in {FENCE!r}, the fence counter of lock"
+                             f" {name[:-len(FENCE)]!r}: choose another name")
         key, token = self.key(name), uuid.uuid4().hex
         ms = max(1, int(ttl * 1000))
         started = time.monotonic()
         pause = 0.005
         while True:
-            fence = self.client.eval(ACQUIRE, 2, key, key + ":fence", token, ms)
+            fence = self.client.eval(ACQUIRE, 2, key, key + FENCE, token, ms)
             if fence is not None:
                 count(self.metrics, "lock_acquired")
                 count(self.metrics, "lock_wait_seconds", time.monotonic() - started)
@@ -163,13 +174,13 @@ def row_lock(tx, table, key, column="id", nowait=False, skip_locked=False, timeo
     if nowait and skip_locked:
         raise ValueError("row_lock: nowait and skip_locked exclude each other")
     if tx.kind == "sqlite":
-        return tx.fetchone(f'SELECT * FROM "{_ident(table)}" WHERE "{_ident(column)}" = %s', (key,))
+        return tx.fetchone(f"SELECT * FROM {_ident(table)} WHERE {_ident(column)} = %s", (key,))
     import psycopg
 
     mode = " NOWAIT" if nowait else " SKIP LOCKED" if skip_locked else ""
     try:
         with tx.lock_timeout(timeout):
-            return tx.fetchone(f'SELECT * FROM "{_ident(table)}" WHERE "{_ident(column)}" = %s FOR UPDATE{mode}',
+            return tx.fetchone(f"SELECT * FROM {_ident(table)} WHERE {_ident(column)} = %s FOR UPDATE{mode}",
                                (key,))
     except psycopg.errors.LockNotAvailable:
         raise LockBusy(retry_delay, f"row {table}.{column}={key!r} is locked by another transaction") from None
@@ -198,6 +209,8 @@ def advisory_lock(tx, key, timeout=None, retry_delay=1.0):
 
 
 def _ident(name):
-    if not name.replace("_", "").replace(".", "").isalnum():
+    """``name`` quoted for SQL, each part of a dotted ``schema.table`` on its own."""
+    parts = name.split(".")
+    if not all(part.replace("_", "").isalnum() for part in parts):
         raise ValueError(f"not a plain SQL identifier: {name!r}")
-    return name
+    return ".".join(f'"{part}"' for part in parts)

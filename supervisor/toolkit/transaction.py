@@ -147,9 +147,18 @@ class transaction:  # noqa: N801 - used as a context manager, reads like a funct
             raise RuntimeError("ctx.transaction() is already open in this process: do not nest them")
         conn, kind = self.db.connection()
         self.db.busy = True
-        if kind == "sqlite":
-            conn.execute("BEGIN IMMEDIATE")  # take the write lock now: no upgrade deadlocks later
-        self.tx = Transaction(conn, kind)
+        try:
+            if kind == "sqlite":
+                conn.execute("BEGIN IMMEDIATE")  # take the write lock now: no upgrade deadlocks later
+            self.tx = Transaction(conn, kind)
+        except BaseException:
+            # __exit__ will not run: a BEGIN that failed ("database is locked" after
+            # the busy timeout, a JobTimeout while waiting) must not leave this
+            # process's only connection marked busy, or open, for good.
+            self.db.busy = False
+            if kind == "sqlite" and conn.in_transaction and not Transaction(conn, kind)._rollback():
+                self.db.discard(conn)
+            raise
         return self.tx
 
     def __exit__(self, exc_type, exc, tb):
