@@ -12,7 +12,10 @@ from .model import QUEUE_NAME, QUEUE_RULE
 
 
 def _num(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    try:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:  # an integer too large for a float (TOML has no size limit)
+        return False
 
 
 def positive_int(v):
@@ -111,6 +114,10 @@ def cron(v):
     import croniter
 
     if isinstance(v, str) and croniter.croniter.is_valid(v):
+        try:  # valid syntax that matches no date (Feb 31) failed every tick, read as a broker outage
+            croniter.croniter(v).get_next()
+        except croniter.CroniterBadDateError:
+            raise ValueError(f'"{v}" matches no date') from None
         return v
     raise ValueError('expected a cron expression ("*/5 * * * *"; a 6th field, last, is seconds)')
 

@@ -43,6 +43,7 @@ class Heartbeat:
         self.extensions = 0  # leases renewed
         self.errors = 0
         self.lag = 0.0  # how late the last beat ran, seconds
+        self.due = None  # monotonic: when the next beat is due (kept across a stop and start)
         self.last_beat = time.monotonic()
 
     def hold(self, lease):
@@ -109,10 +110,14 @@ class Heartbeat:
             self.broker = None
 
     def _run(self):
-        due = time.monotonic() + self.interval
-        while not self.stopping.wait(max(0.0, due - time.monotonic())):
-            self.lag = max(0.0, time.monotonic() - due)
-            due = time.monotonic() + self.interval
+        # The master stops this thread around every fork. A restart keeps the schedule (a beat
+        # overdue is made at once): waiting a whole interval after each restart renewed no
+        # lease at all while children were forked more often than that.
+        if self.due is None:
+            self.due = time.monotonic() + self.interval
+        while not self.stopping.wait(max(0.0, self.due - time.monotonic())):
+            self.lag = max(0.0, time.monotonic() - self.due)
+            self.due = time.monotonic() + self.interval
             self.beat()
 
     def beat(self):

@@ -99,13 +99,20 @@ def load_handlers(folder, generation=0, importer=None):
         path = os.path.join(folder, filename)
         module = (importer or _import_path)(path, f"tangguh_handlers.g{generation}.{filename[:-3]}")
         seen = set()
-        for value in vars(module).values():
-            meta = getattr(value, _MARK, None)
+        for name, value in list(vars(module).items()):
+            try:
+                meta = getattr(value, _MARK, None)
+            except Exception:  # noqa: BLE001 - a lazy proxy (Django's settings, a werkzeug LocalProxy): not ours
+                continue
             if meta is None or id(value) in seen or not callable(value):
                 continue
             seen.add(id(value))
             fn = getattr(value, "__wrapped__", value)  # the function itself, under the Handler
-            spec = HandlerSpec(fn=fn, is_async=inspect.iscoroutinefunction(fn), source=path, **meta)
+            try:
+                spec = HandlerSpec(fn=fn, is_async=inspect.iscoroutinefunction(fn), source=path, **meta)
+            except TypeError as exc:
+                raise HandlerLoadError(f"{path}: {name} is marked as a handler but is not one made by"
+                                       f" @supervisor.job ({exc})") from None
             if spec.is_async:
                 import asyncio  # noqa: F401 - loaded here, before the fork, so children share it
             other = handlers.get(spec.type)

@@ -126,6 +126,7 @@ BAD = [
     ("[broker]\nqueues = [\"%s\"]" % ("q" * 65), "broker.queues: '%s' is not a queue name" % ("q" * 65)),
     ("[jobs.types.mail]\nqueue = \"{x}\"", "jobs.types.mail.queue: expected a queue name"),
     ("[schedules.s]\ncron = \"* * * * *\"\ntype = \"t\"\nqueue = \"x}\"", "schedules.s.queue: expected a queue name"),
+    ("[schedules.s]\ncron = \"0 0 31 2 *\"\ntype = \"t\"", 'schedules.s.cron: "0 0 31 2 *" matches no date'),
     # Every tick of it failed in the master's loop as a broker outage (PostgreSQL), pausing claims.
     ("[schedules.s]\ncron = \"* * * * *\"\ntype = \"t\"\npayload = { s = \"a\\u0000b\" }",
      "schedules.s.payload: payload contains a NUL character"),

@@ -221,21 +221,35 @@ def test_sighup_applies_a_new_worker_count(daemon):
     daemon.assert_clean()
 
 
-@pytest.mark.parametrize("breakage", ["config", "handler"])
+@pytest.mark.parametrize("breakage", ["config", "handler", "huge_number", "bad_mark", "socket"])
 def test_sighup_with_a_broken_config_or_handler_keeps_serving(daemon, breakage):
+    """A reload that cannot be applied keeps the running generation and says why. "huge_number"
+    (a 400-digit integer: OverflowError in the check) and "bad_mark" (an error that is not
+    Tangguh's, out of the registry) used to end the master itself; a new socket path was
+    applied to nothing, and a second daemon with that config would start beside this one."""
     daemon.start()
     pids = sorted(daemon.worker_pids())
     if breakage == "config":
         with open(daemon.config_path, "a") as f:
             f.write("\n[broker]\nlease_seconds = 'soon'\n")
-    else:
+    elif breakage == "handler":
         with open(os.path.join(daemon.handlers, "broken.py"), "w") as f:
             f.write("import supervisor\n\ndef oops(:\n")
+    elif breakage == "bad_mark":
+        with open(os.path.join(daemon.handlers, "odd.py"), "w") as f:
+            f.write("def odd(ctx, payload):\n    pass\n\nodd.__tangguh_job__ = {'not_a_setting': 1}\n")
+    else:
+        key = ("broker", "lease_seconds", 10**400) if breakage == "huge_number" else (
+            "supervisor", "socket", daemon.socket + ".new")
+        daemon.config[key[0]][key[1]] = key[2]
+        daemon.write_config()
     daemon.signal(signal.SIGHUP)
     wait_for(lambda: daemon.status()["reload_error"], message="reload_error to be reported")
     status = daemon.status()
     assert status["generation"] == 1 and sorted(daemon.worker_pids()) == pids
-    assert ("broken.py:3" in status["reload_error"]) if breakage == "handler" else status["reload_error"]
+    assert {"handler": "broken.py:3", "huge_number": "broker.lease_seconds: expected a positive number",
+            "bad_mark": "odd.py", "socket": "supervisor.socket: changing it needs a restart",
+            "config": ""}[breakage] in status["reload_error"]
     assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
     daemon.assert_clean()
 

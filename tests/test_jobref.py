@@ -57,6 +57,25 @@ def test_the_loader_still_finds_decorated_handlers(tmp_path):
     assert handlers["b"].is_async and not handlers["a"].is_async
 
 
+def test_a_handler_file_may_hold_a_lazy_proxy_that_raises_on_any_attribute(tmp_path):
+    """Django's ``settings`` without DJANGO_SETTINGS_MODULE, a werkzeug ``LocalProxy`` outside
+    a request: looking for the handler mark on them raised, which ended the master on SIGHUP."""
+    (tmp_path / "proxied.py").write_text(textwrap.dedent("""
+        import supervisor
+
+        class Proxy:
+            def __getattr__(self, name):
+                raise RuntimeError("Working outside of application context.")
+
+        settings = Proxy()
+
+        @supervisor.job("p")
+        def p(ctx, payload):
+            return 1
+    """))
+    assert set(registry.load_handlers(str(tmp_path))) == {"p"}
+
+
 def test_enqueue_through_the_handler_with_a_configured_url(sqlite_url):
     supervisor.configure(url=sqlite_url)
     job_id = send_receipt.enqueue({"order_id": 7}, idempotency_key="receipt:7", resource_id="order:7")

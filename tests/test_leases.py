@@ -10,6 +10,8 @@ import signal
 
 import pytest
 
+from supervisor.model import NewJob
+
 from .daemon import Daemon, read_lines
 from .util import wait_for
 
@@ -118,3 +120,37 @@ def _alive(pid):
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(") ")[-1][0] != "Z"  # a zombie is dead: its parent reaps it soon
+
+
+def test_leases_are_renewed_while_children_are_forked_faster_than_the_heartbeat(tmp_path):
+    """The master stops the heartbeat thread around every fork. A restarted thread used to wait
+    a whole interval before its first beat, so children forked more often than that (a child
+    recycled after each job, a type that kills its child) renewed no lease at all: every
+    running job lost its lease and ran again. The beat keeps its schedule across restarts."""
+    d = Daemon(tmp_path, broker={"lease_seconds": LEASE, "heartbeat_seconds": 0.2},
+               supervisor={"workers": 2, "max_jobs_per_child": 1})
+    d.start()
+    marker, release = str(tmp_path / "m"), str(tmp_path / "release")
+    try:
+        job_id = d.enqueue("hold", {"marker": marker, "release": release, "max_wait": 60})
+        wait_for(lambda: read_lines(marker), message="the job to start")
+        first = d.job(job_id)
+        started, noops = d.broker.now(), str(tmp_path / "noops")
+
+        def three_leases_of_forks():
+            d.broker.enqueue_many([NewJob("noop", {"marker": noops}) for _ in range(10)])  # each recycles its child
+            job = d.job(job_id)
+            assert (job.state, job.token, job.attempt) == ("running", first.token, 1), job
+            return d.broker.now() > started + 3 * LEASE
+
+        wait_for(three_leases_of_forks, timeout=60, interval=0.05, message="three lease lengths of forks")
+        children = {line[1] for line in read_lines(noops)}  # one child per noop: each forked
+        assert len(children) >= 3 * LEASE / 0.2, len(children)  # forks more often than the heartbeat beats
+        open(release, "w").close()
+        job = d.wait_job(job_id)
+        assert (job.state, job.attempt, job.token) == ("done", 1, first.token)
+        assert [line[0] for line in read_lines(marker)] == ["started", "finished"]  # one run
+        assert d.status()["counters"]["lease_lost"] == 0
+    finally:
+        open(release, "w").close()
+        d.stop()

@@ -57,6 +57,9 @@ from .status import Status
 log = logging.getLogger("tangguh.arbiter")
 
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_RUNNING, EXIT_BOOT = 0, 1, 2, 3, 4
+# Settings a reload may not change: what they name was opened at start (the locks' Redis too).
+RESTART_ONLY = (("broker", "url"), ("toolkit", "redis_url"), ("supervisor", "socket"), ("supervisor", "socket_mode"),
+                ("supervisor", "socket_group"), ("metrics", "listen"))
 SETTINGS_CACHE = 1024  # (type, timeout, max_attempts) -> JobSettings of the current generation
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU,
            signal.SIGCHLD)
@@ -284,16 +287,14 @@ class Arbiter:
     def load_generation(self):
         try:
             cfg = config.load(self.cfg.path)
-            if cfg.broker.url != self.cfg.broker.url:
-                raise ConfigError("broker.url: changing the broker needs a restart, not a reload")
-            if cfg.toolkit.redis_url != self.cfg.toolkit.redis_url:
-                # The master extends and releases the children's locks on this Redis.
-                raise ConfigError("toolkit.redis_url: changing it needs a restart, not a reload")
+            for section, key in RESTART_ONLY:
+                if getattr(getattr(cfg, section), key) != getattr(getattr(self.cfg, section), key):
+                    raise ConfigError(f"{section}.{key}: changing it needs a restart, not a reload")
             handlers = registry.load_handlers(cfg.supervisor.handlers, self.generation + 1)
-        except TangguhError as exc:
-            self.reload_error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever a reload meets, the running generation goes on
+            self.reload_error = str(exc) if isinstance(exc, TangguhError) else f"{type(exc).__name__}: {exc}"
             self.status.count("reload", "failed")
-            log.error("reload failed, keeping generation %d: %s", self.generation, exc,
+            log.error("reload failed, keeping generation %d: %s", self.generation, self.reload_error,
                       extra={"event": "reload_failed", "generation": self.generation})
             return
         self.cfg, self.handlers = cfg, handlers
