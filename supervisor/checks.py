@@ -43,6 +43,13 @@ def positive_number(v):
     raise ValueError("expected a positive number")
 
 
+def poll_interval(v):
+    # Below this an idle master polls so often it spins a core (a microsecond: 16,000 empty claims a second).
+    if _num(v) and v >= 0.001:
+        return float(v)
+    raise ValueError("expected a number of seconds >= 0.001")
+
+
 def non_negative_number(v):
     if _num(v) and v >= 0:
         return float(v)

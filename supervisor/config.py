@@ -13,7 +13,8 @@ import tomllib
 import urllib.parse
 
 from .checks import (Unshown, boolean, cron, field_names, fraction, group_name, listen_address, name,
-                     non_negative_int, non_negative_number, one_of, positive_int, positive_number, prefetch_setting,
+                     non_negative_int, non_negative_number, one_of, poll_interval, positive_int, positive_number,
+                     prefetch_setting,
                      queue_name, queue_names, rate, string, table, timezone, url_of, web_accounts)
 from .errors import BadInput, ConfigError
 from .model import check_json
@@ -41,7 +42,7 @@ class SupervisorConfig:
     max_jobs_per_child: int = option(non_negative_int, "recycle a child after this many jobs (0: never)", default=0)
     max_child_rss_mb: int = option(non_negative_int, "recycle a child above this RSS (0: never)", default=0)
     max_boot_failures: int = option(positive_int, "consecutive child boot failures before giving up", default=5)
-    poll_interval: float = option(positive_number, "longest wait between claims when idle", default=0.5)
+    poll_interval: float = option(poll_interval, "longest wait between claims when idle", default=0.5)
 
 
 @dataclasses.dataclass

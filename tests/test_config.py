@@ -99,7 +99,9 @@ BAD = [
     ("[supervisor]\nsocket_mode = -1", "supervisor.socket_mode: expected an integer >= 0"),
     ("[supervisor]\nhandlers = 3", "supervisor.handlers: expected a string, got 3"),
     ("[supervisor]\ngraceful_timeout = 0", "supervisor.graceful_timeout: expected a positive number"),
-    ("[supervisor]\npoll_interval = nan", "supervisor.poll_interval: expected a positive number"),
+    ("[supervisor]\npoll_interval = nan", "supervisor.poll_interval: expected a number of seconds >= 0.001"),
+    # An idle master polling every microsecond spun a core.
+    ("[supervisor]\npoll_interval = 0.000001", "supervisor.poll_interval: expected a number of seconds >= 0.001"),
     ("[broker]\nlease_seconds = \"abc\"", 'broker.lease_seconds: expected a positive number, got "abc"'),
     ("[broker]\nqueues = []", "broker.queues: expected a non-empty list of distinct names"),
     ("[broker]\nqueues = [\"a\", \"a\"]", "broker.queues: expected a non-empty list of distinct names"),

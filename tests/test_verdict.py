@@ -42,6 +42,14 @@ ROWS = [
     ("handler raises on the last attempt: dead", 5, 5, Ending(reply=error("exception")), DEAD, "exception", None),
     ("handler raises RetryLater: its own delay, stored as exception", 1, 5,
      Ending(reply=error("retry_later", "LockBusy", delay=7.5)), RETRY, "exception", 7.5),
+    # A delay that is no number of seconds: the backoff. "inf" parked the job for ever, "nan"
+    # made a write no broker takes (retried until the lease ran out), a negative one skipped
+    # the backoff, a string ended the master's loop.
+    *[(f"handler raises RetryLater({bad!r}): the backoff instead", 2, 5,
+       Ending(reply=error("retry_later", "X", delay=bad)), RETRY, "exception", 20.0)
+      for bad in (float("inf"), float("nan"), -1e9, "soon", None, True)],
+    ("handler raises RetryLater(1e300): at most ten years", 1, 5,
+     Ending(reply=error("retry_later", "X", delay=1e300)), RETRY, "exception", 10 * 365 * 86400.0),
     ("Permanent: dead at once", 1, 5, Ending(reply=error("permanent", "Permanent")), DEAD, "permanent", None),
     ("bad payload: dead at once", 1, 5, Ending(reply=error("bad_payload", "BadPayload")), DEAD, "bad_payload", None),
     ("unknown type: dead at once", 1, 5, Ending(reply=error("unknown_type", "UnknownType")), DEAD, "unknown_type",

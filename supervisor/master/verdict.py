@@ -8,8 +8,9 @@ I/O, keeps no state and reads no clock: the retry policy comes in as
 ``backoff(failures) -> seconds``.
 """
 import dataclasses
+import math
 
-from ..model import ACK, CANCELLED, DEAD, DROP, REASONS, RELEASE, RETRY, Outcome  # noqa: F401 - the ops
+from ..model import ACK, CANCELLED, DEAD, DROP, MAX_DELAY, REASONS, RELEASE, RETRY, Outcome  # noqa: F401 - the ops
 from ..protocol import (BAD_PAYLOAD, CRASHED, EXCEPTION, KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN,
                         KILLED_TIMEOUT, PERMANENT, RESULT_TOO_LARGE, RETRY_LATER, TIMEOUT, UNKNOWN_TYPE)
 
@@ -81,6 +82,7 @@ def failure(attempt, max_attempts, kind, error_class, message, backoff, tracebac
     fields = dict(reason=reason, error_class=error_class, message=message, traceback=traceback, kind=kind)
     if kind in DEAD_AT_ONCE or attempt >= max_attempts:
         return Outcome(DEAD, **fields)
+    delay = _seconds(delay)
     if delay is None:
         # A child that died under a job's first attempt was most likely killed from
         # outside (OOM killer, an operator, a deploy): run the job again at once. A
@@ -88,3 +90,11 @@ def failure(attempt, max_attempts, kind, error_class, message, backoff, tracebac
         failures = attempt - 1 if kind == CRASHED else attempt
         delay = backoff(failures) if failures > 0 else 0.0
     return Outcome(RETRY, delay=delay, **fields)
+
+
+def _seconds(delay):
+    """A handler's ``RetryLater`` delay when it is one (a finite number >= 0, at most ten
+    years, like an enqueue's delay), else None: the backoff."""
+    if isinstance(delay, (int, float)) and not isinstance(delay, bool) and math.isfinite(delay) and delay >= 0:
+        return min(float(delay), MAX_DELAY)
+    return None
