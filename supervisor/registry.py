@@ -6,6 +6,7 @@ module object named for its generation, so an edited file really changes
 ``sys.modules``). Code outside the handlers folder changes only on restart.
 """
 import dataclasses
+import gc
 import importlib.util
 import inspect
 import os
@@ -120,6 +121,16 @@ def load_handlers(folder, generation=0, importer=None):
                 raise HandlerLoadError(f"job type {spec.type!r} has two handlers: {other.source} and {path}")
             handlers[spec.type] = spec
     return handlers
+
+
+def forget_generation(generation):
+    """Drop a past generation's handler modules from ``sys.modules``, and with them (once
+    nothing else holds them) everything they built at import. Children forked with them
+    keep their own copies."""
+    prefix = f"tangguh_handlers.g{generation}."
+    for name in [name for name in sys.modules if name.startswith(prefix)]:
+        del sys.modules[name]
+    gc.collect()  # a module and its functions are a cycle: an idle master may not collect it for hours
 
 
 def _import_path(path, module_name):

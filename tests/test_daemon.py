@@ -275,6 +275,31 @@ def test_a_new_handler_file_runs_after_sighup(daemon, kind):
     daemon.assert_clean()
 
 
+def test_a_reload_lets_go_of_the_previous_generations_handler_modules(daemon):
+    """Each reload imports the handler files afresh, as modules of a new generation. The old
+    generation's modules stayed in the master's ``sys.modules`` for ever, with everything
+    they built at import: a deploy-and-reload a day grew the master by their size each
+    time. A module's witness object reports when the module is freed."""
+    freed = os.path.join(daemon.dir, "freed")
+    with open(os.path.join(daemon.handlers, "witnessed.py"), "w") as f:
+        f.write("import os\n\nclass _Witness:\n    def __del__(self):\n"
+                f"        with open({freed!r}, 'a') as f:\n            f.write(__name__ + '\\n')\n\n"
+                "witness = _Witness()\n")
+    daemon.start()
+    for generation in (2, 3, 4):
+        daemon.signal(signal.SIGHUP)
+        wait_for(lambda: daemon.status()["generation"] == generation, message=f"generation {generation}")
+
+    def freed_modules():
+        return open(freed).read().split() if os.path.exists(freed) else []
+
+    wait_for(lambda: {"tangguh_handlers.g1.witnessed", "tangguh_handlers.g2.witnessed",
+                      "tangguh_handlers.g3.witnessed"} <= set(freed_modules()), message="the old generations freed")
+    assert "tangguh_handlers.g4.witnessed" not in freed_modules()  # the one in use stays
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    daemon.assert_clean()
+
+
 def _mapped(pid, library):
     """Whether a shared library whose file name contains ``library`` is mapped into ``pid``."""
     with open(f"/proc/{pid}/maps") as f:

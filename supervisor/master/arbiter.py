@@ -6,13 +6,12 @@ the broker's wake-up fd), then in order handle signals, reap children, act on
 what the heartbeat found (lost leases, cancels, pauses), kill overdue
 children, write outcomes to the broker, bring the pool to size, claim work and
 hand it out, run the periodic chores (schedules, pruning, queue samples) and
-report. Nothing blocks except broker calls, and
-those are bounded by the broker's own timeouts. docs/design.md draws the parts
-and the rules.
+report. Nothing blocks except broker calls, bounded by the broker's own
+timeouts. docs/design.md draws the parts and the rules.
 
 This is the only module of ``supervisor.master`` that knows the others:
 
-* ``pool``: the children (fork, pipes, reaping, deadlines, recycling);
+* ``pool``: the children (fork, pipes, reaping, recycling); ``overdue``: their hard timeouts;
 * ``dispatch``: claiming, prefetch, handing jobs (batches of short ones) to free children;
 * ``prefetch``: how many jobs of each type may wait here, and which may share a batch;
 * ``endings``: a child's replies and death, and the jobs queued behind its running one;
@@ -298,6 +297,7 @@ class Arbiter:
                       extra={"event": "reload_failed", "generation": self.generation})
             return
         self.cfg, self.handlers = cfg, handlers
+        registry.forget_generation(self.generation)
         self.generation += 1
         self.settings_cache = {}
         self.reload_error = None
