@@ -7,6 +7,7 @@ wrappers in ``tests/handlers/toolkit_jobs.py`` that SIGKILL a child at a
 chosen instant. Each test ends with nothing leased, no lock left in Redis and
 the daemon stopped cleanly.
 """
+import json
 import os
 import shutil
 import signal
@@ -135,6 +136,25 @@ def test_child_killed_holding_a_redis_lock_frees_it_long_before_its_ttl(env, tmp
     # Waited far less than the 60 s TTL: the master released the dead child's lock at once.
     assert float(second[5]) < 10
     assert not client.exists(key)
+    finish(d, client, prefix)
+
+
+def test_a_builder_killed_holding_the_fill_lease_frees_it_so_the_next_read_builds_and_stores(env, tmp_path):
+    """The fill lease of a builder whose child died lived its whole TTL: every reader meanwhile
+    waited, then built for itself without storing (a stampede on the database the cache is
+    there to spare). The master frees it with the child's locks; the retry builds and stores."""
+    start, db_url, client, prefix = env
+    d = start()
+    marker = str(tmp_path / "m")
+    job_id = d.enqueue("fill_cache", {"key": "report:9", "marker": marker})
+    first = wait_for(lambda: read_lines(marker), message="the first build to start")[0]
+    assert client.exists(f"{prefix}cache-lease:report:9")
+    os.kill(int(first[2]), signal.SIGKILL)
+    job = d.wait_job(job_id)
+    assert (job.state, job.attempt, job.result) == ("done", 2, {"built_by": 2})
+    assert [line[:2] for line in read_lines(marker)] == [["building", "1"], ["building", "2"]]
+    stored = client.get(f"{prefix}cache:report:9")
+    assert stored is not None and json.loads(stored)["v"] == {"built_by": 2}  # built under the lease: stored
     finish(d, client, prefix)
 
 

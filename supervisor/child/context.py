@@ -164,4 +164,4 @@ class Context:
         from ..toolkit import cache
 
         client, prefix = toolkit.redis()
-        return cache.Cache(client, prefix, self.metrics)
+        return cache.Cache(client, prefix, self.metrics, notify=toolkit.notify_master)

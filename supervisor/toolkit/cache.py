@@ -15,7 +15,9 @@ Write (in the transaction that changes the data)::
   entries filled together do not expire together.
 * **Single flight**: a miss takes a short *fill lease* (``SET NX``) before
   reading the database; only the holder builds. Others poll for its value up
-  to ``wait`` seconds, then build for themselves without storing.
+  to ``wait`` seconds, then build for themselves without storing. In a job,
+  the master holds the lease like a lock: extended while the build runs,
+  freed at once if the child dies, so the next reader builds and stores.
 * **Fill leases cancelled by invalidation**: an invalidation deletes the
   entry *and* the outstanding fill lease; the store is a compare-and-set on
   the lease token, so a builder that read the old row before the writer
@@ -53,6 +55,8 @@ import time
 import uuid
 
 import redis as redis_py
+
+from .. import protocol
 
 log = logging.getLogger("tangguh.cache")
 
@@ -115,10 +119,14 @@ class Cache:
     cache): ``Cache(redis.Redis(...), prefix)``.
     """
 
-    def __init__(self, client, prefix="", metrics=None, jitter=0.1, lease_ttl=10.0, wait=2.0):
+    def __init__(self, client, prefix="", metrics=None, jitter=0.1, lease_ttl=10.0, wait=2.0, notify=None):
         self.client, self.prefix = client, prefix
         self.metrics = metrics if metrics is not None else {}
         self.jitter, self.lease_ttl, self.wait = jitter, lease_ttl, wait
+        # In a child: tells the master of each fill lease, as of a lock. It extends a long build's
+        # lease with the job's, and frees a dead builder's at once: the next reader builds (and
+        # stores) instead of every reader building for itself until the lease ran out.
+        self.notify = notify
 
     def _key(self, key):
         return f"{self.prefix}cache:{key}"
@@ -212,6 +220,16 @@ class Cache:
 
     def _build(self, key, builder, ttl, stale_ttl, token):
         """Run the builder under our lease; store its value only if the lease survived."""
+        if self.notify is None:
+            return self._build_leased(key, builder, ttl, stale_ttl, token)
+        lease = {"key": self._lease(key), "token": token}
+        self.notify(dict(lease, op=protocol.LOCK, ttl=self.lease_ttl))
+        try:
+            return self._build_leased(key, builder, ttl, stale_ttl, token)
+        finally:
+            self.notify(dict(lease, op=protocol.UNLOCK))
+
+    def _build_leased(self, key, builder, ttl, stale_ttl, token):
         _count(self.metrics, "cache_rebuild")
         try:
             entry, ms = self._entry(key, builder(), ttl, stale_ttl)

@@ -86,3 +86,17 @@ def leak_lock(ctx, payload):
     """Takes a lock and returns without releasing it (a handler bug the master cleans up)."""
     lock = ctx.lock(payload["name"], ttl=60, wait=1)
     return {"key": lock.key, "fence": lock.fence}
+
+
+@supervisor.job("fill_cache", timeout=60)
+def fill_cache(ctx, payload):
+    """Reads ``payload["key"]`` through ``ctx.cache``; on attempt 1 its builder holds the fill
+    lease until the test SIGKILLs the child."""
+    def build():
+        _mark(payload, "building", ctx.job.attempt, os.getpid())
+        deadline = time.monotonic() + 50
+        while ctx.job.attempt == 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"built_by": ctx.job.attempt}
+
+    return ctx.cache.get_or_build(payload["key"], build, ttl=600)
