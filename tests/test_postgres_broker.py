@@ -675,3 +675,23 @@ def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgr
     assert set(again) == {p1, k}  # K was released by P2's end; J waits for P1
     pg.ack(again[p1])  # P1 runs again and succeeds: J's last parent
     assert pg.get(j).state == "queued"
+
+
+def test_one_claim_ends_a_bounded_number_of_expired_jobs_and_the_next_ones_the_rest(pg, producer, monkeypatch):
+    """A backlog of jobs past their ``expires_at`` (a long outage) was ended, and returned
+    whole (payload, history), by the first claim alone: its time and memory grew with the
+    backlog. Each claim now ends at most EXPIRE_BATCH of them."""
+    from supervisor.backends.postgres.control_schema import EXPIRE_BATCH
+
+    pg.enqueue_many([new({"pad": "x" * 100}, expires_in=0.001) for _ in range(EXPIRE_BATCH + 200)])
+    wait_for(lambda: pg.now() > producer.execute(f'SELECT max(expires_at) FROM "{pg.schema}".jobs').fetchone()[0],
+             message="every job past its expires_at")
+    producer.rollback()
+
+    def expired():
+        n = producer.execute(f"SELECT count(*) FROM \"{pg.schema}\".jobs WHERE state = 'expired'").fetchone()[0]
+        producer.rollback()
+        return n
+
+    assert pg.claim(Q, 1, 30, "w") == [] and expired() == EXPIRE_BATCH
+    assert pg.claim(Q, 1, 30, "w") == [] and expired() == EXPIRE_BATCH + 200

@@ -10,6 +10,7 @@ finishes. Jobs nobody waits on send nothing, so acks cost what they did.
 from ...model import STATES
 
 DONE_CHANNEL_PREFIX = "tangguh_done_"
+EXPIRE_BATCH = 1000  # jobs one claim ends expired at most
 
 
 def done_channel(schema):
@@ -46,10 +47,20 @@ def control_migration(s):
         f"""CREATE TRIGGER jobs_done_wakes_waiters AFTER UPDATE OF state ON {s}.jobs FOR EACH ROW
             WHEN (NEW.waited AND NEW.state IN ('done', 'dead', 'cancelled', 'expired'))
             EXECUTE FUNCTION {s}.notify_done()""",
-        # claim: reclaim expired leases (a lost attempt asked to cancel ends cancelled), end the due
-        # jobs past their expires_at (returned with state 'expired': the caller records them and
-        # leases nothing of them), then lease due jobs queue by queue, skipping paused queues.
-        f"""CREATE OR REPLACE FUNCTION {s}.claim(p_queues text[], p_n integer, p_lease double precision,
+        claim_function(s),
+    ]
+
+
+def claim_function(s):
+    """The claim function (version 4; version 8 bounds what one call expires).
+
+    It reclaims expired leases (a lost attempt asked to cancel ends cancelled), ends the due
+    jobs past their expires_at (returned with state 'expired': the caller records them and
+    leases nothing of them; at most ``EXPIRE_BATCH`` per call, so a backlog of them costs one
+    claim a bounded time and memory, the next claims the rest), then leases due jobs queue by
+    queue, skipping paused queues and the jobs past their expires_at left for a later call.
+    """
+    return f"""CREATE OR REPLACE FUNCTION {s}.claim(p_queues text[], p_n integer, p_lease double precision,
                                                  p_owner text)
         RETURNS SETOF {s}.jobs LANGUAGE plpgsql AS $body$
         DECLARE
@@ -84,7 +95,7 @@ def control_migration(s):
             FROM (SELECT e.id FROM {s}.jobs e
                   WHERE e.queue = ANY(p_queues) AND e.expires_at IS NOT NULL AND e.expires_at <= v_now
                     AND e.state IN ('queued', 'retrying') AND e.run_at <= v_now
-                  FOR UPDATE SKIP LOCKED) x
+                  LIMIT {EXPIRE_BATCH} FOR UPDATE SKIP LOCKED) x
             WHERE j.id = x.id
             RETURNING j.*;
 
@@ -99,6 +110,7 @@ def control_migration(s):
                         'attempt', j.attempt + 1, 'started_at', v_now, 'owner', p_owner))
                 FROM (SELECT d.id FROM {s}.jobs d
                       WHERE d.queue = v_queue AND d.state IN ('queued', 'retrying') AND d.run_at <= v_now
+                        AND (d.expires_at IS NULL OR d.expires_at > v_now)
                       ORDER BY d.priority DESC, d.run_at, d.id
                       LIMIT v_left FOR UPDATE SKIP LOCKED) c
                 WHERE j.id = c.id
@@ -107,5 +119,4 @@ def control_migration(s):
                 v_left := v_left - v_got;
             END LOOP;
         END
-        $body$""",
-    ]
+        $body$"""

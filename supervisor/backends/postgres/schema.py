@@ -14,7 +14,7 @@ from psycopg import errors as pgerrors
 from ...errors import BrokerError, ConfigError
 from .connection import quote
 from . import workflows
-from .control_schema import control_migration
+from .control_schema import claim_function, control_migration
 from .statements import UNFINISHED
 
 VERSIONS = "tangguh_schema_version"  # a name of our own: "schema_version" is common in applications' schemas
@@ -141,6 +141,8 @@ def migrations(s):
         (6, [f"CREATE INDEX jobs_stats ON {s}.jobs (queue, state, run_at)"]),
         # 7: a reopened workflow child counts a parent that ends at the same moment (workflows.py).
         (7, workflows.reopen_migration(s)),
+        # 8: a claim ends at most EXPIRE_BATCH jobs expired (control_schema.claim_function).
+        (8, [claim_function(s)]),
     ]
 
 
