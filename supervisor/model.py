@@ -8,8 +8,9 @@ import time
 import typing
 
 from .errors import BadInput
-from .jsonvalues import (MAX_DEPTH, UNSTORABLE, check_json, is_storable, json_depth,  # noqa: F401 - the model's API
-                         load_json, payload_problem, storable)
+from .jsonvalues import (MAX_DEPTH, MAX_ERROR_CLASS, MAX_ERROR_MESSAGE, MAX_ERROR_TRACEBACK,  # noqa: F401 - the model's API
+                         UNSTORABLE, check_json, clip_end, clip_start, is_storable, json_depth, load_json,
+                         payload_problem, storable)
 from .ids import job_id_from, new_job_id, new_trace_id, trace_id_from  # noqa: F401 - new_* are the model's API
 
 QUEUED, RUNNING, RETRYING, DONE, DEAD = "queued", "running", "retrying", "done", "dead"
@@ -335,7 +336,9 @@ def error_info(reason, exc_class="", message="", traceback=""):
 
     Its text comes from handlers: anything a database cannot store is replaced
     here, once for every broker, so the write is never refused and the error
-    is never lost.
+    is never lost. The child already cut long text; the cut here holds for
+    every other way an error reaches a broker.
     """
-    return {"reason": reason, "class": storable(exc_class), "message": storable(message),
-            "traceback": storable(traceback)}
+    return {"reason": reason, "class": storable(clip_start(exc_class, MAX_ERROR_CLASS)),
+            "message": storable(clip_start(message, MAX_ERROR_MESSAGE)),
+            "traceback": storable(clip_end(traceback, MAX_ERROR_TRACEBACK))}

@@ -305,6 +305,15 @@ MUTATIONS = [
              'pick += " FOR UPDATE SKIP LOCKED"', 'pick += ""',
              ("tests/test_toolkit.py", "-k", "prune_skips"),
              "idempotency pruning never waits on records another transaction holds"),
+    # Operations review (huge error text, the control socket, reloads, reused job ids).
+    Mutation("child-error-message-uncut", "supervisor/child/worker.py",
+             "    message = clip_start(full, MAX_ERROR_MESSAGE)\n", "    message = full\n",
+             ("tests/test_master_robustness.py", "-k", "huge_exception"),
+             "a handler's huge exception message is cut in the child, before the pipe and the logs"),
+    Mutation("error-info-uncut", "supervisor/model.py",
+             '"message": storable(clip_start(message, MAX_ERROR_MESSAGE)),', '"message": storable(message),',
+             ("tests/test_master_robustness.py", "-k", "error_info_cuts"),
+             "error text reaching a broker by any path is cut to its limit"),
 ]
 
 

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.health import HealthServer, request
-from supervisor.model import NewJob
+from supervisor.model import MAX_ERROR_MESSAGE, MAX_ERROR_TRACEBACK, NewJob, error_info
 from supervisor.oneshot import OneShotServer
 from supervisor.retry import backoff, next_delay
 
@@ -246,6 +246,43 @@ def test_an_exception_that_cannot_be_printed_is_an_exception_not_a_crash(daemon)
     assert status["restarts"] == 0 and status["counters"]["crashed"] == 0
     serves_a_job(daemon)
     daemon.assert_clean()
+
+
+def test_a_huge_exception_message_is_stored_and_logged_cut_and_the_job_retries_as_usual(daemon):
+    # A 4 MB message was sent whole, logged twice on one line and stored in every attempt's history.
+    daemon.start()
+    job = daemon.wait_job(daemon.enqueue("huge_error", {"size": 4_000_000}, max_attempts=2), timeout=60)
+    assert (job.state, job.reason, job.attempt) == ("dead", "exception", 2)
+    errors = [entry["error"] for entry in job.history if entry.get("error")] + [job.error]
+    assert len(errors) == 3, job.history  # both attempts, then the dead job's own error
+    for error in errors:
+        assert error["class"] == "ValueError"
+        assert error["message"].startswith("head-of-message xxx") and "characters cut" in error["message"]
+        assert len(error["message"]) <= MAX_ERROR_MESSAGE + 100
+        # The message is cut inside the traceback too, so every frame down to the raise is kept.
+        assert error["traceback"].startswith("Traceback") and "in huge_error" in error["traceback"]
+        assert "ValueError: head-of-message" in error["traceback"]
+        assert len(error["traceback"]) <= MAX_ERROR_TRACEBACK + 100
+    # A cause's message is not the job's: the traceback keeps its end, where the handler raised.
+    job = daemon.wait_job(daemon.enqueue("huge_error", {"size": 10, "cause_size": 2_000_000}, max_attempts=1))
+    assert job.error["traceback"].startswith("(") and "characters cut" in job.error["traceback"]
+    assert job.error["traceback"].rstrip().endswith("ValueError: head-of-message xxxxxxxxxx")
+    assert len(job.error["traceback"]) <= MAX_ERROR_TRACEBACK + 100
+    lines = daemon.logs().splitlines()
+    assert max(len(line) for line in lines) < 2 * MAX_ERROR_MESSAGE, "a log line holds the whole message"
+    assert len(daemon.records(event="dead")) == 2 and len(daemon.records(event="retry")) == 1
+    serves_a_job(daemon)
+    daemon.assert_clean()
+
+
+def test_error_info_cuts_text_from_any_path():
+    error = error_info("exception", "E" * 10_000, "m" * 1_000_000, "t" * 1_000_000 + "raised here")
+    assert error["class"].startswith("EEE") and len(error["class"]) <= MAX_ERROR_MESSAGE
+    assert error["message"].startswith("mmm") and error["message"].endswith("(991808 characters cut)")
+    assert error["traceback"].endswith("raised here") and error["traceback"].startswith("(")
+    assert len(error["traceback"]) <= MAX_ERROR_TRACEBACK + 100
+    assert error_info("exception", "E", "short", "tb") == {"reason": "exception", "class": "E", "message": "short",
+                                                          "traceback": "tb"}
 
 
 def test_a_max_rss_recycle_is_logged_with_its_reason(tmp_path):
