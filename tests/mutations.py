@@ -227,7 +227,7 @@ MUTATIONS = [
              "                if job.id in taken:", "                if False:",
              (CONFORMANCE, "-k", "sqlite and caller_chose"),
              "a resend of a job whose id the caller chose returns it (SQLite)"),
-    Mutation("payload-nul-stored", "supervisor/model.py",
+    Mutation("payload-nul-stored", "supervisor/jsonvalues.py",
              '    if ("\\\\u0000" in text or "\\\\ud" in text) and _holds_unstorable(value):', "    if False:",
              (CONFORMANCE, "-k", "rejects_bad_fields and payload"),
              "a payload no database stores (NUL, a lone surrogate) is BadInput on every broker"),
