@@ -314,6 +314,27 @@ MUTATIONS = [
              '"message": storable(clip_start(message, MAX_ERROR_MESSAGE)),', '"message": storable(message),',
              ("tests/test_master_robustness.py", "-k", "error_info_cuts"),
              "error text reaching a broker by any path is cut to its limit"),
+    Mutation("health-connect-fails-on-full-queue", "supervisor/health.py",
+             "            s.connect(path)\n", "            s.settimeout(timeout)\n            s.connect(path)\n",
+             ("tests/test_master_robustness.py", "-k", "flood"),
+             "the CLI's connect waits for room in a full accept queue"),
+    Mutation("oneshot-accepts-without-end-unread", "supervisor/oneshot.py",
+             "        for _ in range(self.accept_batch):\n            try:\n                conn, _ = self.listener.accept()\n"
+             "            except OSError:  # BlockingIOError: none left; anything else: try on the next wake-up\n"
+             "                return\n            conn.setblocking(False)\n"
+             "            client = _Client(conn, time.monotonic() + min(IDLE_SECONDS, self.client_timeout))\n"
+             "            self.clients[client.fd] = client\n"
+             "            self.selector.register(conn, selectors.EVENT_READ, lambda mask, c=client: self._io(c, mask))\n"
+             "            self._io(client, selectors.EVENT_READ)",
+             # Both halves: either one alone keeps the operator's connection from being pushed out unread.
+             "        while True:\n            try:\n                conn, _ = self.listener.accept()\n"
+             "            except OSError:\n                return\n            conn.setblocking(False)\n"
+             "            client = _Client(conn, time.monotonic() + min(IDLE_SECONDS, self.client_timeout))\n"
+             "            self.clients[client.fd] = client\n"
+             "            self.selector.register(conn, selectors.EVENT_READ, lambda mask, c=client: self._io(c, mask))\n"
+             "            pass",
+             ("tests/test_master_robustness.py", "-k", "flood"),
+             "a flood of silent connections cannot push out a client before its request is read"),
 ]
 
 

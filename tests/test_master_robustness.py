@@ -4,11 +4,13 @@ socket, oversize results, unbounded label sets, a socket path that is a file.
 Process tests run the real ``tangguh run`` (tests/daemon.py) and end with the
 daemon still serving: a job runs after the hostile part.
 """
+import collections
 import os
 import selectors
 import signal
 import socket
 import stat
+import threading
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -133,6 +135,68 @@ def test_idle_connections_cannot_lock_out_status_and_are_closed(daemon):
             s.close()
     serves_a_job(daemon)
     daemon.assert_clean()
+
+
+class SilentFlood:
+    """Threads that open connections as fast as the server takes them, never send a byte,
+    and each keep ``hold`` of them open (the oldest closed as new ones open)."""
+
+    def __init__(self, opener, threads=3, hold=300):
+        self.opener, self.hold, self.stop = opener, hold, threading.Event()
+        self.opened = [0] * threads
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def _run(self, i):
+        held = collections.deque()
+        while not self.stop.is_set():
+            try:
+                held.append(self.opener())
+                self.opened[i] += 1
+            except OSError:
+                continue
+            if len(held) > self.hold:
+                held.popleft().close()
+        for s in held:
+            s.close()
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        # Past the server's limit before the first real client comes.
+        wait_for(lambda: sum(self.opened) > 2 * OneShotServer.max_clients, message="the flood under way")
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+
+def test_a_flood_of_silent_connections_cannot_lock_out_status_or_metrics(tmp_path):
+    # The accept loop took connections without end and shed the oldest unread one: the
+    # operator's own, while a flood kept the accept queue full (and the CLI's connect
+    # failed at once with EAGAIN on a full queue).
+    d = Daemon(tmp_path, metrics={"listen": "127.0.0.1:0"})
+    try:
+        d.start()
+        host, port = d.status()["metrics_listen"].rsplit(":", 1)
+        with SilentFlood(lambda: connect(d.socket)) as flood:
+            for _ in range(20):
+                assert request(d.socket, {"cmd": "status"}, timeout=10)["ok"] is True
+            result = tangguh("status", "-c", d.config_path)
+            assert result.returncode == 0, result.stderr
+            assert all(flood.opened), flood.opened
+        with SilentFlood(lambda: socket.create_connection((host, int(port)), timeout=10)) as flood:
+            for _ in range(20):
+                with socket.create_connection((host, int(port)), timeout=10) as s:
+                    s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                    assert reply_or_eof(s).startswith(b"HTTP/1.0 200"), "a scrape went unanswered"
+        serves_a_job(d)
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
 
 
 def test_a_failure_answering_one_client_drops_that_client_only(tmp_path):
