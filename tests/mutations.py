@@ -335,6 +335,10 @@ MUTATIONS = [
              "            pass",
              ("tests/test_master_robustness.py", "-k", "flood"),
              "a flood of silent connections cannot push out a client before its request is read"),
+    Mutation("dropped-queue-gauges-kept", "supervisor/metrics.py",
+             "        self.sampled_queues = set(stats)\n", "        self.sampled_queues = set()\n",
+             ("tests/test_metrics.py", "-k", "reload_stops"),
+             "a queue a reload stops serving loses its queue gauges"),
 ]
 
 
