@@ -165,6 +165,19 @@ def chosen_ids(jobs):
     return chosen
 
 
+def first_token(job):
+    """The fencing token a new job starts from (its first claim's lease gets the next one).
+
+    An id the caller chose can name a job again once the first was deleted
+    (discarded, purged, pruned): starting from a random 40-bit number, the new
+    job's tokens never meet a lease still held on the old one, which would
+    otherwise renew, ack or fail the new attempt. Brokers only compare tokens
+    for equality, and 2**40 plus any number of claims stays exact in Lua's
+    doubles (Redis). An id ``validate`` made names nothing before it: 0.
+    """
+    return 0 if job.__dict__.get("_id_made") else int.from_bytes(os.urandom(5), "big")
+
+
 def id_taken(job_id, queue):
     return BadInput(f"job id {job_id!r} is taken by a job of queue {queue!r}")
 

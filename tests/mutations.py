@@ -339,6 +339,18 @@ MUTATIONS = [
              "        self.sampled_queues = set(stats)\n", "        self.sampled_queues = set()\n",
              ("tests/test_metrics.py", "-k", "reload_stops"),
              "a queue a reload stops serving loses its queue gauges"),
+    Mutation("chosen-id-token-restarts-at-zero", "supervisor/model.py",
+             'return 0 if job.__dict__.get("_id_made") else int.from_bytes(os.urandom(5), "big")', "return 0",
+             (CONFORMANCE, "-k", "reused_job_id"),
+             "a reused job id's new job never meets a lease of the deleted one (every broker)"),
+    Mutation("postgres-flow-token-at-zero", "supervisor/backends/postgres/workflows.py",
+             "pending, level or None, j.id in parents, tokens[j.id])", "pending, level or None, j.id in parents, 0)",
+             (CONFORMANCE, "-k", "postgres and reused_job_id and flow"),
+             "a workflow job with a reused id starts from a fresh token (PostgreSQL)"),
+    Mutation("redis-enqueue-token-at-zero", "supervisor/backends/redis/fields.py",
+             '"token", str(first_token(job))]', '"token", "0"]',
+             (CONFORMANCE, "-k", "redis and reused_job_id"),
+             "a job with a reused id starts from a fresh token (Redis)"),
 ]
 
 
