@@ -351,6 +351,11 @@ MUTATIONS = [
              '"token", str(first_token(job))]', '"token", "0"]',
              (CONFORMANCE, "-k", "redis and reused_job_id"),
              "a job with a reused id starts from a fresh token (Redis)"),
+    Mutation("oneshot-new-connection-unread", "supervisor/oneshot.py",
+             "            self._io(client, selectors.EVENT_READ)  # usually the whole request is here: answered now\n",
+             "            pass\n",
+             ("tests/test_master_robustness.py", "-k", "oldest_silent"),
+             "a request there when its connection is accepted is answered without pushing a client out"),
 ]
 
 

@@ -127,7 +127,8 @@ def test_idle_connections_cannot_lock_out_status_and_are_closed(daemon):
             result = tangguh("status", "-c", daemon.config_path)
             assert result.returncode == 0, result.stderr
         assert daemon.status()["ok"] is True
-        assert closed_by_peer(idle[0])  # the oldest silent one made room
+        # Who made room (if anyone: a request already there when accepted is answered at once)
+        # is in test_at_the_limit_the_oldest_silent_connection_makes_room.
         # The rest are closed after the idle bound, without anyone else connecting.
         wait_for(lambda: all(closed_by_peer(s) for s in idle), timeout=20, message="idle connections closed")
     finally:
@@ -197,6 +198,59 @@ def test_a_flood_of_silent_connections_cannot_lock_out_status_or_metrics(tmp_pat
         d.assert_clean()
     finally:
         d.stop()
+
+
+def pump(sel, until, message):
+    """Run the server's side of the loop (no expiry: no time-based closing) until ``until()``."""
+    def turn():
+        for key, mask in sel.select(0.05):
+            key.data(mask)
+        return until()
+    wait_for(turn, message=message)
+
+
+def pumped_reply(sel, s):
+    """Send a ping on ``s`` and run the server until its reply line is read."""
+    s.sendall(b'{"cmd": "ping"}\n')
+    s.setblocking(False)
+    got = bytearray()
+
+    def answered():
+        try:
+            got.extend(s.recv(4096))
+        except BlockingIOError:
+            pass
+        return got.endswith(b"\n")
+    pump(sel, answered, "the reply")
+    return bytes(got)
+
+
+def test_at_the_limit_the_oldest_silent_connection_makes_room(tmp_path):
+    sel = selectors.DefaultSelector()
+    path = str(tmp_path / "s.sock")
+    server = HealthServer(path, 0o600, sel, lambda req: {"ok": True, "pong": True})
+    idle = []
+    try:
+        for _ in range(server.max_clients):
+            idle.append(connect(path))  # one at a time: the listen backlog is shorter than the table
+            idle[-1].setblocking(False)
+            pump(sel, lambda: len(server.clients) == len(idle), "the connection accepted")
+        # A request there when its connection is accepted is answered at once: nobody is pushed out.
+        asker = connect(path)
+        assert b'"pong": true' in pumped_reply(sel, asker)
+        asker.close()
+        assert len(server.clients) == server.max_clients and not any(closed_by_peer(s) for s in idle)
+        # One accepted before its request arrives pushes out the oldest silent one, not itself.
+        late = connect(path)
+        pump(sel, lambda: closed_by_peer(idle[0]), "the oldest silent connection closed")
+        assert len(server.clients) == server.max_clients and not any(closed_by_peer(s) for s in idle[1:])
+        assert b'"pong": true' in pumped_reply(sel, late)
+        late.close()
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+        sel.close()
 
 
 def test_a_failure_answering_one_client_drops_that_client_only(tmp_path):
