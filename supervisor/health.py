@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import stat
+import struct
 
 from .errors import ConfigError, TangguhError
 from .oneshot import OneShotServer
@@ -31,12 +32,18 @@ class NoSupervisor(TangguhError):
 def request(path, obj, timeout=5.0):
     """Send one request to a supervisor; return its reply (a dict)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
+    # A blocking connect waits (up to SO_SNDTIMEO) for room in a full accept
+    # queue; under a timeout, i.e. non-blocking, it failed at once with EAGAIN.
+    whole, part = divmod(max(timeout, 0.001), 1.0)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(whole), int(part * 1e6)))
     try:
         try:
             s.connect(path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise NoSupervisor(f"no supervisor answering on {path} ({exc.strerror})") from None
+        except BlockingIOError:
+            raise NoSupervisor(f"supervisor on {path} did not take the connection within {timeout}s") from None
+        s.settimeout(timeout)
         s.sendall(json.dumps(obj).encode() + b"\n")
         data = bytearray()
         while not data.endswith(b"\n"):

@@ -11,6 +11,11 @@ from .errors import BadInput
 MAX_DEPTH = 64  # nesting levels of a payload: far from any parser's recursion limit
 # Characters no text column takes (PostgreSQL refuses NUL; UTF-8 has no lone surrogates).
 UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+# A handler's error text is stored in every attempt's history and logged on one
+# line: a multi-megabyte exception message must not become megabytes per attempt.
+MAX_ERROR_MESSAGE = 8 * 1024
+MAX_ERROR_TRACEBACK = 32 * 1024
+MAX_ERROR_CLASS = 255
 
 
 def check_json(value, what):
@@ -91,6 +96,20 @@ def payload_problem(payload):
     if json_depth(payload) > MAX_DEPTH:
         return f"the stored payload is nested more than {MAX_DEPTH} levels deep"
     return None
+
+
+def clip_start(text, limit):
+    """``text`` cut to its first ``limit`` characters, saying how many were cut (a message reads from its start)."""
+    if not isinstance(text, str) or len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} characters cut)"
+
+
+def clip_end(text, limit):
+    """``text`` cut to its last ``limit`` characters, saying how many were cut (a traceback ends where it failed)."""
+    if not isinstance(text, str) or len(text) <= limit:
+        return text
+    return f"({len(text) - limit} characters cut) …{text[-limit:]}"
 
 
 def storable(text):

@@ -61,6 +61,7 @@ class Metrics:
                               ("queue",))
         self.queue_sampled = g("tangguh_queue_sample_timestamp_seconds",
                                "Unix time of the last successful queue sample")
+        self.sampled_queues = set()
 
         # outcomes
         self.claimed = c("tangguh_jobs_claimed_total", "Attempts started (jobs claimed)", JOB)
@@ -155,7 +156,20 @@ class Metrics:
                 counter.labels(*labels).inc(value)
 
     def sample_queues(self, stats):
-        """Set the queue gauges from ``broker.stats(queues)`` (``{queue: QueueStats}``)."""
+        """Set the queue gauges from ``broker.stats(queues)`` (``{queue: QueueStats}``).
+
+        A queue no longer served (a reload took it out of ``broker.queues``)
+        loses its series: kept, they would show its last depth for good, and an
+        alert on them would never clear.
+        """
+        for queue in self.sampled_queues - set(stats):
+            for gauge in (self.queue_ready, self.queue_scheduled, self.queue_in_flight, self.queue_dead,
+                          self.queue_oldest, self.queue_paused):
+                try:
+                    gauge.remove(queue)
+                except KeyError:
+                    pass  # never set (a paused flag before the first heartbeat)
+        self.sampled_queues = set(stats)
         for queue, s in stats.items():
             self.queue_ready.labels(queue).set(s.ready)
             self.queue_scheduled.labels(queue).set(s.scheduled)

@@ -8,8 +8,9 @@ import time
 import typing
 
 from .errors import BadInput
-from .jsonvalues import (MAX_DEPTH, UNSTORABLE, check_json, is_storable, json_depth,  # noqa: F401 - the model's API
-                         load_json, payload_problem, storable)
+from .jsonvalues import (MAX_DEPTH, MAX_ERROR_CLASS, MAX_ERROR_MESSAGE, MAX_ERROR_TRACEBACK,  # noqa: F401 - the model's API
+                         UNSTORABLE, check_json, clip_end, clip_start, is_storable, json_depth, load_json,
+                         payload_problem, storable)
 from .ids import job_id_from, new_job_id, new_trace_id, trace_id_from  # noqa: F401 - new_* are the model's API
 
 QUEUED, RUNNING, RETRYING, DONE, DEAD = "queued", "running", "retrying", "done", "dead"
@@ -162,6 +163,19 @@ def chosen_ids(jobs):
         if not job.__dict__.get("_id_made") and chosen.setdefault(job.id, job.queue) != job.queue:
             raise id_taken(job.id, chosen[job.id])  # twice in one batch, for two queues
     return chosen
+
+
+def first_token(job):
+    """The fencing token a new job starts from (its first claim's lease gets the next one).
+
+    An id the caller chose can name a job again once the first was deleted
+    (discarded, purged, pruned): starting from a random 40-bit number, the new
+    job's tokens never meet a lease still held on the old one, which would
+    otherwise renew, ack or fail the new attempt. Brokers only compare tokens
+    for equality, and 2**40 plus any number of claims stays exact in Lua's
+    doubles (Redis). An id ``validate`` made names nothing before it: 0.
+    """
+    return 0 if job.__dict__.get("_id_made") else int.from_bytes(os.urandom(5), "big")
 
 
 def id_taken(job_id, queue):
@@ -335,7 +349,9 @@ def error_info(reason, exc_class="", message="", traceback=""):
 
     Its text comes from handlers: anything a database cannot store is replaced
     here, once for every broker, so the write is never refused and the error
-    is never lost.
+    is never lost. The child already cut long text; the cut here holds for
+    every other way an error reaches a broker.
     """
-    return {"reason": reason, "class": storable(exc_class), "message": storable(message),
-            "traceback": storable(traceback)}
+    return {"reason": reason, "class": storable(clip_start(exc_class, MAX_ERROR_CLASS)),
+            "message": storable(clip_start(message, MAX_ERROR_MESSAGE)),
+            "traceback": storable(clip_end(traceback, MAX_ERROR_TRACEBACK))}

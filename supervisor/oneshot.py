@@ -4,11 +4,15 @@ The health socket and the HTTP ``/metrics`` endpoint are both served this way:
 no thread (docs/design.md's fork rule), no blocking call, a deadline per client so a
 silent or slow client cannot hold the loop or a slot, and a size limit so an
 endless request cannot grow the master's memory. A connection that sends
-nothing gets ``IDLE_SECONDS``; at ``max_clients`` the oldest connection still
-waiting for its request makes room for a new one, so idle connections held
-open (slowloris) cannot lock an operator out. A failure while answering one
-client closes that client, never the loop. Subclasses say when a request is
-complete and what to answer.
+nothing gets ``IDLE_SECONDS``. Idle connections held open (slowloris, or a
+flood of them) cannot lock an operator out: a real client writes its request
+as soon as it connects, so a new connection is read at once and answered in
+the same turn when its request is there; the loop accepts a bounded batch per
+wake-up, so it reads every connection it holds before ``max_clients`` newer
+ones arrive; and at ``max_clients`` the oldest connection still waiting for
+its request makes room. A failure while answering one client closes that
+client, never the loop. Subclasses say when a request is complete and what to
+answer.
 """
 import logging
 import selectors
@@ -32,6 +36,9 @@ class OneShotServer:
     max_request = 64 * 1024
     max_clients = 256
     read_size = 65536
+    # Per wake-up: under a connection storm the loop still gets back to reading
+    # the clients it holds, instead of accepting (and shedding) without end.
+    accept_batch = 32
 
     def __init__(self, listener, selector, client_timeout):
         self.listener, self.selector, self.client_timeout = listener, selector, client_timeout
@@ -57,28 +64,33 @@ class OneShotServer:
 
     # -- the loop's side -----------------------------------------------------------------
     def _accept(self, _mask):
-        while True:
+        for _ in range(self.accept_batch):
             try:
                 conn, _ = self.listener.accept()
             except OSError:  # BlockingIOError: none left; anything else: try on the next wake-up
                 return
-            if len(self.clients) >= self.max_clients and not self._make_room():
-                conn.close()  # a connection storm must not grow the master's memory or fd table
-                continue
             conn.setblocking(False)
             client = _Client(conn, time.monotonic() + min(IDLE_SECONDS, self.client_timeout))
             self.clients[client.fd] = client
             self.selector.register(conn, selectors.EVENT_READ, lambda mask, c=client: self._io(c, mask))
+            self._io(client, selectors.EVENT_READ)  # usually the whole request is here: answered now
+            if len(self.clients) > self.max_clients:
+                self._make_room(client)
 
-    def _make_room(self):
-        """Drop the oldest client still waiting for its request, silent ones first."""
-        waiting = [c for c in self.clients.values() if not c.outbox]
-        if not waiting:
-            return False
-        self._drop(min(waiting, key=lambda c: (len(c.inbox) > 0, c.accepted)))
-        return True
+    def _make_room(self, newcomer):
+        """Back to ``max_clients``: the oldest client still waiting for its request goes, silent ones first.
+
+        Not the newcomer: the kernel wakes the loop as a client connects, so a
+        real client is usually accepted a moment before its request arrives.
+        A bounded batch per wake-up means the loop reads every held connection
+        before ``max_clients`` newer ones can push it out.
+        """
+        waiting = [c for c in self.clients.values() if c is not newcomer and not c.outbox]
+        self._drop(min(waiting, key=lambda c: (len(c.inbox) > 0, c.accepted)) if waiting else newcomer)
 
     def _io(self, client, mask):
+        if self.clients.get(client.fd) is not client:
+            return  # dropped earlier in this turn (its fd may already be a newer client's)
         try:
             self._serve(client, mask)
         except Exception:  # noqa: BLE001 - one client's request must never stop the master's loop
@@ -122,7 +134,8 @@ class OneShotServer:
             self._drop(client)
 
     def _drop(self, client):
-        if self.clients.pop(client.fd, None) is not None:
+        if self.clients.get(client.fd) is client:
+            del self.clients[client.fd]
             try:
                 self.selector.unregister(client.sock)
             except (KeyError, ValueError):

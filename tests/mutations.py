@@ -227,7 +227,7 @@ MUTATIONS = [
              "                if job.id in taken:", "                if False:",
              (CONFORMANCE, "-k", "sqlite and caller_chose"),
              "a resend of a job whose id the caller chose returns it (SQLite)"),
-    Mutation("payload-nul-stored", "supervisor/model.py",
+    Mutation("payload-nul-stored", "supervisor/jsonvalues.py",
              '    if ("\\\\u0000" in text or "\\\\ud" in text) and _holds_unstorable(value):', "    if False:",
              (CONFORMANCE, "-k", "rejects_bad_fields and payload"),
              "a payload no database stores (NUL, a lone surrogate) is BadInput on every broker"),
@@ -336,6 +336,57 @@ MUTATIONS = [
              'pick += " FOR UPDATE SKIP LOCKED"', 'pick += ""',
              ("tests/test_toolkit.py", "-k", "prune_skips"),
              "idempotency pruning never waits on records another transaction holds"),
+    # Operations review (huge error text, the control socket, reloads, reused job ids).
+    Mutation("child-error-message-uncut", "supervisor/child/worker.py",
+             "    message = clip_start(full, MAX_ERROR_MESSAGE)\n", "    message = full\n",
+             ("tests/test_master_robustness.py", "-k", "huge_exception"),
+             "a handler's huge exception message is cut in the child, before the pipe and the logs"),
+    Mutation("error-info-uncut", "supervisor/model.py",
+             '"message": storable(clip_start(message, MAX_ERROR_MESSAGE)),', '"message": storable(message),',
+             ("tests/test_master_robustness.py", "-k", "error_info_cuts"),
+             "error text reaching a broker by any path is cut to its limit"),
+    Mutation("health-connect-fails-on-full-queue", "supervisor/health.py",
+             "            s.connect(path)\n", "            s.settimeout(timeout)\n            s.connect(path)\n",
+             ("tests/test_master_robustness.py", "-k", "flood"),
+             "the CLI's connect waits for room in a full accept queue"),
+    Mutation("oneshot-accepts-without-end-unread", "supervisor/oneshot.py",
+             "        for _ in range(self.accept_batch):\n            try:\n                conn, _ = self.listener.accept()\n"
+             "            except OSError:  # BlockingIOError: none left; anything else: try on the next wake-up\n"
+             "                return\n            conn.setblocking(False)\n"
+             "            client = _Client(conn, time.monotonic() + min(IDLE_SECONDS, self.client_timeout))\n"
+             "            self.clients[client.fd] = client\n"
+             "            self.selector.register(conn, selectors.EVENT_READ, lambda mask, c=client: self._io(c, mask))\n"
+             "            self._io(client, selectors.EVENT_READ)",
+             # Both halves: either one alone keeps the operator's connection from being pushed out unread.
+             "        while True:\n            try:\n                conn, _ = self.listener.accept()\n"
+             "            except OSError:\n                return\n            conn.setblocking(False)\n"
+             "            client = _Client(conn, time.monotonic() + min(IDLE_SECONDS, self.client_timeout))\n"
+             "            self.clients[client.fd] = client\n"
+             "            self.selector.register(conn, selectors.EVENT_READ, lambda mask, c=client: self._io(c, mask))\n"
+             "            pass",
+             ("tests/test_master_robustness.py", "-k", "flood"),
+             "a flood of silent connections cannot push out a client before its request is read"),
+    Mutation("dropped-queue-gauges-kept", "supervisor/metrics.py",
+             "        self.sampled_queues = set(stats)\n", "        self.sampled_queues = set()\n",
+             ("tests/test_metrics.py", "-k", "reload_stops"),
+             "a queue a reload stops serving loses its queue gauges"),
+    Mutation("chosen-id-token-restarts-at-zero", "supervisor/model.py",
+             'return 0 if job.__dict__.get("_id_made") else int.from_bytes(os.urandom(5), "big")', "return 0",
+             (CONFORMANCE, "-k", "reused_job_id"),
+             "a reused job id's new job never meets a lease of the deleted one (every broker)"),
+    Mutation("postgres-flow-token-at-zero", "supervisor/backends/postgres/workflows.py",
+             "pending, level or None, j.id in parents, tokens[j.id])", "pending, level or None, j.id in parents, 0)",
+             (CONFORMANCE, "-k", "postgres and reused_job_id and flow"),
+             "a workflow job with a reused id starts from a fresh token (PostgreSQL)"),
+    Mutation("redis-enqueue-token-at-zero", "supervisor/backends/redis/fields.py",
+             '"token", str(first_token(job))]', '"token", "0"]',
+             (CONFORMANCE, "-k", "redis and reused_job_id"),
+             "a job with a reused id starts from a fresh token (Redis)"),
+    Mutation("oneshot-new-connection-unread", "supervisor/oneshot.py",
+             "            self._io(client, selectors.EVENT_READ)  # usually the whole request is here: answered now\n",
+             "            pass\n",
+             ("tests/test_master_robustness.py", "-k", "oldest_silent"),
+             "a request there when its connection is accepted is answered without pushing a client out"),
 ]
 
 

@@ -303,6 +303,44 @@ def test_ack_many_with_live_stale_and_current_leases_stores_only_the_current(bro
     assert broker.stats(Q)["default"].done == 2 and broker.stats(Q)["default"].in_flight == 2
 
 
+@pytest.mark.parametrize("delete", ["discard", "dlq_purge"])
+@pytest.mark.parametrize("path", ["plain", "flow"])
+def test_a_reused_job_id_never_meets_a_lease_of_the_deleted_job(broker, delete, path):
+    """A chosen id deleted and enqueued again is a new job: a lease still held on the
+    old one (a frozen supervisor's) must not renew, ack or fail the new one's attempt.
+    Its token used to restart at 0, so the first claim got the old lease's token again."""
+    after = {}
+    if path == "flow":  # the workflow insert: a job with a parent (done, so the job is due at once)
+        parent = broker.enqueue(new(payload={"parent": True}))
+        broker.ack(claim_one(broker).lease)
+        after = {"depends_on": [parent]}
+    broker.enqueue(new(id="order-7", payload={"v": "old"}, **after))
+    stale = claim_one(broker, owner="frozen").lease
+    if delete == "discard":
+        broker.release(stale)  # handed back (or reclaimed after the lease ran out): not running, discardable
+        assert broker.discard(["order-7"]) == {"order-7": "discarded"}
+    else:
+        broker.dead(stale, "permanent", error_info("permanent"))
+        assert broker.dlq_purge(["order-7"]) == 1
+    assert broker.get("order-7") is None
+    assert broker.enqueue(new(id="order-7", payload={"v": "new"}, **after)) == "order-7"
+    fresh = claim_one(broker, owner="owner")
+    assert (fresh.id, fresh.payload, fresh.attempt) == ("order-7", {"v": "new"}, 1)
+    assert fresh.token != stale.token
+    assert broker.extend([stale], 30) == [stale]
+    with pytest.raises(LeaseLost):
+        broker.ack(stale, {"by": "frozen"})
+    assert broker.ack_many([(stale, {"by": "frozen"}, None)]) == [stale]
+    broker.ack(fresh.lease, {"by": "owner"})
+    done = broker.get("order-7")
+    assert (done.state, done.result, done.token) == ("done", {"by": "owner"}, fresh.token)
+
+
+def test_a_job_id_tangguh_made_starts_its_tokens_at_zero(broker):
+    job_id = broker.enqueue(new())
+    assert broker.get(job_id).token == 0 and claim_one(broker).token == 1
+
+
 def test_ack_stores_result_and_closes_history(broker):
     job_id = broker.enqueue(new())
     job = claim_one(broker)

@@ -4,17 +4,19 @@ socket, oversize results, unbounded label sets, a socket path that is a file.
 Process tests run the real ``tangguh run`` (tests/daemon.py) and end with the
 daemon still serving: a job runs after the hostile part.
 """
+import collections
 import os
 import selectors
 import signal
 import socket
 import stat
+import threading
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.health import HealthServer, request
-from supervisor.model import NewJob
+from supervisor.model import MAX_ERROR_MESSAGE, MAX_ERROR_TRACEBACK, NewJob, error_info
 from supervisor.oneshot import OneShotServer
 from supervisor.retry import backoff, next_delay
 
@@ -125,7 +127,8 @@ def test_idle_connections_cannot_lock_out_status_and_are_closed(daemon):
             result = tangguh("status", "-c", daemon.config_path)
             assert result.returncode == 0, result.stderr
         assert daemon.status()["ok"] is True
-        assert closed_by_peer(idle[0])  # the oldest silent one made room
+        # Who made room (if anyone: a request already there when accepted is answered at once)
+        # is in test_at_the_limit_the_oldest_silent_connection_makes_room.
         # The rest are closed after the idle bound, without anyone else connecting.
         wait_for(lambda: all(closed_by_peer(s) for s in idle), timeout=20, message="idle connections closed")
     finally:
@@ -133,6 +136,121 @@ def test_idle_connections_cannot_lock_out_status_and_are_closed(daemon):
             s.close()
     serves_a_job(daemon)
     daemon.assert_clean()
+
+
+class SilentFlood:
+    """Threads that open connections as fast as the server takes them, never send a byte,
+    and each keep ``hold`` of them open (the oldest closed as new ones open)."""
+
+    def __init__(self, opener, threads=3, hold=300):
+        self.opener, self.hold, self.stop = opener, hold, threading.Event()
+        self.opened = [0] * threads
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def _run(self, i):
+        held = collections.deque()
+        while not self.stop.is_set():
+            try:
+                held.append(self.opener())
+                self.opened[i] += 1
+            except OSError:
+                continue
+            if len(held) > self.hold:
+                held.popleft().close()
+        for s in held:
+            s.close()
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        # Past the server's limit before the first real client comes.
+        wait_for(lambda: sum(self.opened) > 2 * OneShotServer.max_clients, message="the flood under way")
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+
+def test_a_flood_of_silent_connections_cannot_lock_out_status_or_metrics(tmp_path):
+    # The accept loop took connections without end and shed the oldest unread one: the
+    # operator's own, while a flood kept the accept queue full (and the CLI's connect
+    # failed at once with EAGAIN on a full queue).
+    d = Daemon(tmp_path, metrics={"listen": "127.0.0.1:0"})
+    try:
+        d.start()
+        host, port = d.status()["metrics_listen"].rsplit(":", 1)
+        with SilentFlood(lambda: connect(d.socket)) as flood:
+            for _ in range(20):
+                assert request(d.socket, {"cmd": "status"}, timeout=10)["ok"] is True
+            result = tangguh("status", "-c", d.config_path)
+            assert result.returncode == 0, result.stderr
+            assert all(flood.opened), flood.opened
+        with SilentFlood(lambda: socket.create_connection((host, int(port)), timeout=10)) as flood:
+            for _ in range(20):
+                with socket.create_connection((host, int(port)), timeout=10) as s:
+                    s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                    assert reply_or_eof(s).startswith(b"HTTP/1.0 200"), "a scrape went unanswered"
+        serves_a_job(d)
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def pump(sel, until, message):
+    """Run the server's side of the loop (no expiry: no time-based closing) until ``until()``."""
+    def turn():
+        for key, mask in sel.select(0.05):
+            key.data(mask)
+        return until()
+    wait_for(turn, message=message)
+
+
+def pumped_reply(sel, s):
+    """Send a ping on ``s`` and run the server until its reply line is read."""
+    s.sendall(b'{"cmd": "ping"}\n')
+    s.setblocking(False)
+    got = bytearray()
+
+    def answered():
+        try:
+            got.extend(s.recv(4096))
+        except BlockingIOError:
+            pass
+        return got.endswith(b"\n")
+    pump(sel, answered, "the reply")
+    return bytes(got)
+
+
+def test_at_the_limit_the_oldest_silent_connection_makes_room(tmp_path):
+    sel = selectors.DefaultSelector()
+    path = str(tmp_path / "s.sock")
+    server = HealthServer(path, 0o600, sel, lambda req: {"ok": True, "pong": True})
+    idle = []
+    try:
+        for _ in range(server.max_clients):
+            idle.append(connect(path))  # one at a time: the listen backlog is shorter than the table
+            idle[-1].setblocking(False)
+            pump(sel, lambda: len(server.clients) == len(idle), "the connection accepted")
+        # A request there when its connection is accepted is answered at once: nobody is pushed out.
+        asker = connect(path)
+        assert b'"pong": true' in pumped_reply(sel, asker)
+        asker.close()
+        assert len(server.clients) == server.max_clients and not any(closed_by_peer(s) for s in idle)
+        # One accepted before its request arrives pushes out the oldest silent one, not itself.
+        late = connect(path)
+        pump(sel, lambda: closed_by_peer(idle[0]), "the oldest silent connection closed")
+        assert len(server.clients) == server.max_clients and not any(closed_by_peer(s) for s in idle[1:])
+        assert b'"pong": true' in pumped_reply(sel, late)
+        late.close()
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+        sel.close()
 
 
 def test_a_failure_answering_one_client_drops_that_client_only(tmp_path):
@@ -246,6 +364,43 @@ def test_an_exception_that_cannot_be_printed_is_an_exception_not_a_crash(daemon)
     assert status["restarts"] == 0 and status["counters"]["crashed"] == 0
     serves_a_job(daemon)
     daemon.assert_clean()
+
+
+def test_a_huge_exception_message_is_stored_and_logged_cut_and_the_job_retries_as_usual(daemon):
+    # A 4 MB message was sent whole, logged twice on one line and stored in every attempt's history.
+    daemon.start()
+    job = daemon.wait_job(daemon.enqueue("huge_error", {"size": 4_000_000}, max_attempts=2), timeout=60)
+    assert (job.state, job.reason, job.attempt) == ("dead", "exception", 2)
+    errors = [entry["error"] for entry in job.history if entry.get("error")] + [job.error]
+    assert len(errors) == 3, job.history  # both attempts, then the dead job's own error
+    for error in errors:
+        assert error["class"] == "ValueError"
+        assert error["message"].startswith("head-of-message xxx") and "characters cut" in error["message"]
+        assert len(error["message"]) <= MAX_ERROR_MESSAGE + 100
+        # The message is cut inside the traceback too, so every frame down to the raise is kept.
+        assert error["traceback"].startswith("Traceback") and "in huge_error" in error["traceback"]
+        assert "ValueError: head-of-message" in error["traceback"]
+        assert len(error["traceback"]) <= MAX_ERROR_TRACEBACK + 100
+    # A cause's message is not the job's: the traceback keeps its end, where the handler raised.
+    job = daemon.wait_job(daemon.enqueue("huge_error", {"size": 10, "cause_size": 2_000_000}, max_attempts=1))
+    assert job.error["traceback"].startswith("(") and "characters cut" in job.error["traceback"]
+    assert job.error["traceback"].rstrip().endswith("ValueError: head-of-message xxxxxxxxxx")
+    assert len(job.error["traceback"]) <= MAX_ERROR_TRACEBACK + 100
+    lines = daemon.logs().splitlines()
+    assert max(len(line) for line in lines) < 2 * MAX_ERROR_MESSAGE, "a log line holds the whole message"
+    assert len(daemon.records(event="dead")) == 2 and len(daemon.records(event="retry")) == 1
+    serves_a_job(daemon)
+    daemon.assert_clean()
+
+
+def test_error_info_cuts_text_from_any_path():
+    error = error_info("exception", "E" * 10_000, "m" * 1_000_000, "t" * 1_000_000 + "raised here")
+    assert error["class"].startswith("EEE") and len(error["class"]) <= MAX_ERROR_MESSAGE
+    assert error["message"].startswith("mmm") and error["message"].endswith("(991808 characters cut)")
+    assert error["traceback"].endswith("raised here") and error["traceback"].startswith("(")
+    assert len(error["traceback"]) <= MAX_ERROR_TRACEBACK + 100
+    assert error_info("exception", "E", "short", "tb") == {"reason": "exception", "class": "E", "message": "short",
+                                                          "traceback": "tb"}
 
 
 def test_a_max_rss_recycle_is_logged_with_its_reason(tmp_path):

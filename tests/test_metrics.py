@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor import toolkit
 from supervisor.backends import open_broker
+from supervisor.health import request
 from supervisor.metrics import HttpExporter, Metrics
 from supervisor.model import Job, NewJob
 
@@ -238,6 +239,41 @@ def test_supervisor_events_are_one_record_each_with_slot_and_pid(ran):
     assert len(spawns) == 8 and all(isinstance(r["slot"], int) and r["pid"] > 0 for r in spawns)
     assert len({r["pid"] for r in spawns}) == 8
     assert [r["event"] for r in recs if r.get("event", "").startswith("reload")] == ["reload", "reload_failed"]
+
+
+QUEUE_GAUGES = ("tangguh_queue_ready_jobs", "tangguh_queue_scheduled_jobs", "tangguh_queue_in_flight_jobs",
+                "tangguh_queue_dead_jobs", "tangguh_queue_oldest_ready_age_seconds", "tangguh_queue_paused")
+
+
+def queue_series(d, queue):
+    """{gauge name: value} of ``queue``'s series in the daemon's metrics."""
+    scrape = samples(request(d.socket, {"cmd": "metrics"})["text"])
+    return {name: v for (name, labels), v in scrape.items() if name in QUEUE_GAUGES and labels == (("queue", queue),)}
+
+
+def test_a_queue_a_reload_stops_serving_loses_its_gauges(tmp_path):
+    # They kept their last sample for good: a dashboard showed a depth that was not there.
+    d = Daemon(tmp_path, broker={"queues": ["default", "legacy"]})
+    try:
+        d.start()
+        d.enqueue("noop", {}, queue="legacy", delay=3600)
+        d.enqueue("no_such_type", {}, queue="legacy", max_attempts=1)
+        wait_for(lambda: queue_series(d, "legacy").get("tangguh_queue_dead_jobs") == 1, timeout=30,
+                 message="legacy's dead job sampled")
+        assert set(queue_series(d, "legacy")) == set(QUEUE_GAUGES)
+        assert queue_series(d, "legacy")["tangguh_queue_scheduled_jobs"] == 1
+        d.config["broker"]["queues"] = ["default"]
+        d.write_config()
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: d.status()["generation"] == 2 and d.ready(), message="the reload")
+        wait_for(lambda: not queue_series(d, "legacy"), timeout=30, message="legacy's series gone")
+        assert set(queue_series(d, "default")) == set(QUEUE_GAUGES)  # the served queue keeps all of its own
+        assert d.broker.stats(["legacy"])["legacy"].dead == 1  # the jobs are there, only no longer served
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
 
 
 # -- alert rules and dashboard: every name they use is one the daemon exports ---------------------

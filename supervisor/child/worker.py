@@ -16,7 +16,7 @@ import traceback
 import setproctitle
 
 from .. import protocol, schemas, toolkit, tracing
-from ..model import check_json
+from ..model import MAX_ERROR_CLASS, MAX_ERROR_MESSAGE, MAX_ERROR_TRACEBACK, check_json, clip_end, clip_start
 from ..retry import BadPayload, Permanent, RetryLater
 from . import timeouts
 from .context import Context
@@ -213,11 +213,27 @@ def run_job(job, handlers, soft_timeout=None):
             reply["delay"] = exc.delay
         else:
             kind = protocol.EXCEPTION
-        message = _text(exc)
-        ctx.log.warning("job failed: %s: %s", type(exc).__name__, message)
-        return dict(reply, ok=False, kind=kind, error_class=type(exc).__name__, message=message,
-                    traceback=traceback.format_exc(), duration=time.monotonic() - started,
+        error_class, message, trace = _error_text(exc)
+        ctx.log.warning("job failed: %s: %s", error_class, message)
+        return dict(reply, ok=False, kind=kind, error_class=error_class, message=message,
+                    traceback=trace, duration=time.monotonic() - started,
                     metrics=_numbers(ctx.metrics), cancelled=timeouts.cancel_requested())
+
+
+def _error_text(exc):
+    """The class, message and traceback of a handler's exception, each cut to its limit.
+
+    Cut here, before the pipe: one exception holding a response body would
+    otherwise be sent, logged twice and stored in every attempt's history.
+    The message keeps its start; the traceback keeps its end (where the
+    handler failed), with the cut message in place of the whole one.
+    """
+    full = _text(exc)
+    message = clip_start(full, MAX_ERROR_MESSAGE)
+    trace = traceback.format_exc()
+    if message is not full:
+        trace = trace.replace(full, message)
+    return clip_start(type(exc).__name__, MAX_ERROR_CLASS), message, clip_end(trace, MAX_ERROR_TRACEBACK)
 
 
 def _text(exc):

@@ -12,7 +12,7 @@ import psutil
 import setproctitle
 
 from .. import __version__, logs
-from ..model import ACK, CANCELLED, DEAD, RETRY
+from ..model import ACK, CANCELLED, DEAD, MAX_ERROR_MESSAGE, RETRY, clip_start
 from ..protocol import TIMEOUT
 
 log = logging.getLogger("tangguh.arbiter")
@@ -121,7 +121,8 @@ class Status:
         self.count("failed", outcome.reason, job=job)
         if outcome.kind == TIMEOUT:
             self.count("timeout", "hard" if outcome.hard_timeout else "soft", job=job)
-        fields = logs.job_fields(job, reason=outcome.reason, error=f"{outcome.error_class}: {outcome.message}")
+        error = clip_start(f"{outcome.error_class}: {outcome.message}", MAX_ERROR_MESSAGE)  # one log line, bounded
+        fields = logs.job_fields(job, reason=outcome.reason, error=error)
         if outcome.op == DEAD:
             self.count("dead", outcome.reason, job=job)
             log.warning("job dead-lettered (%s)", outcome.reason, extra=dict(fields, event="dead"))

@@ -155,3 +155,15 @@ def quick(ctx, payload):
         while payload.get("release") and not os.path.exists(payload["release"]) and time.monotonic() < deadline:
             time.sleep(0.01)
     _mark(payload, f"finished {ctx.job.id}")
+
+
+@supervisor.job("huge_error")
+def huge_error(ctx, payload):
+    """Raises with a message of ``size`` characters (a response body in an exception), and
+    with a cause whose message is ``cause_size`` characters when given."""
+    if payload.get("cause_size"):
+        try:
+            raise KeyError("y" * int(payload["cause_size"]))
+        except KeyError as cause:
+            raise ValueError("head-of-message " + "x" * int(payload["size"])) from cause
+    raise ValueError("head-of-message " + "x" * int(payload["size"]) + " tail-of-message")

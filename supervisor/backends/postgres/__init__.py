@@ -31,7 +31,7 @@ from psycopg import errors as pgerrors
 from psycopg.rows import dict_row, tuple_row
 
 from ...errors import BadInput, BrokerError, LeaseLost, NotDead
-from ...model import Job, QueueStats, chosen_ids, id_taken
+from ...model import Job, QueueStats, chosen_ids, first_token, id_taken
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, workflows
@@ -161,7 +161,8 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
             [j.resource_id for j in jobs], [j.idempotency_key for j in jobs],
             [j.max_attempts for j in jobs], [None if j.timeout is None else float(j.timeout) for j in jobs],
             [j.priority for j in jobs], [float(j.delay) for j in jobs], [j.trace_id for j in jobs],
-            [None if j.expires_in is None else float(j.expires_in) for j in jobs], self.channel,
+            [None if j.expires_in is None else float(j.expires_in) for j in jobs],
+            [first_token(j) for j in jobs], self.channel,
         )
         return {row[0] for row in self._query(self._sql.enqueue, params, conn)}
 

@@ -32,7 +32,7 @@ from psycopg.rows import tuple_row
 
 from ...dependencies import ON_SUCCESS, PARENT_FAILED, order, plan
 from ...errors import BrokerError
-from ...model import chosen_ids, id_taken
+from ...model import chosen_ids, first_token, id_taken
 from .connection import deadlock_retried
 from .statements import UNFINISHED
 
@@ -190,6 +190,7 @@ class Workflows:
         taken = dict(cur.execute(f"SELECT id, queue FROM {t} WHERE id = ANY(%s::text[]) FOR UPDATE",
                                  (list(chosen),)).fetchall()) if chosen else {}
         stored, fresh = {}, []
+        tokens = {job.id: first_token(job) for job in jobs}  # read before the copies below lose ``_id_made``
         for job in order(jobs):
             if job.id in taken:
                 if taken[job.id] != job.queue:
@@ -218,23 +219,23 @@ class Workflows:
             (j.id, j.queue, j.type, j.payload_json, state,
              j.resource_id, j.idempotency_key, j.max_attempts, None if j.timeout is None else float(j.timeout),
              j.priority, float(j.delay), j.trace_id, None if j.expires_in is None else float(j.expires_in),
-             pending, level or None, j.id in parents)
+             pending, level or None, j.id in parents, tokens[j.id])
             for j, state, pending, _, level in planned]))
         cur.execute(
             f"INSERT INTO {t} (id, queue, type, payload, state, resource_id, idempotency_key, max_attempts,"
             " timeout, priority, run_at, queued_at, trace_id, expires_at, pending, level, kids, reason, finished_at,"
-            " cancel_request)"
+            " cancel_request, token)"
             " SELECT i.id, i.queue, i.type, i.payload::json, i.state, i.resource_id, i.idempotency_key,"
             "  i.max_attempts, i.timeout, i.priority, n.now + i.delay, n.now, i.trace_id, n.now + i.expires_in,"
             f"  i.pending, i.level, i.kids, CASE WHEN i.state = 'cancelled' THEN '{PARENT_FAILED}' END,"
             "  CASE WHEN i.state = 'cancelled' THEN n.now END,"
             "  CASE WHEN i.state = 'cancelled' THEN jsonb_build_object('by', 'workflow', 'reason',"
-            f"   '{PARENT_FAILED}', 'at', n.now) END"
+            f"   '{PARENT_FAILED}', 'at', n.now) END, i.token"
             " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
             "  %s::integer[], %s::float8[], %s::integer[], %s::float8[], %s::text[], %s::float8[], %s::integer[],"
-            "  %s::integer[], %s::boolean[])"
+            "  %s::integer[], %s::boolean[], %s::bigint[])"
             "  WITH ORDINALITY AS i(id, queue, type, payload, state, resource_id, idempotency_key, max_attempts,"
-            "  timeout, priority, delay, trace_id, expires_in, pending, level, kids, ord),"
+            "  timeout, priority, delay, trace_id, expires_in, pending, level, kids, token, ord),"
             f" (SELECT date_part('epoch', now()) AS now) n ORDER BY i.ord"
             " RETURNING CASE WHEN state = 'queued' AND run_at <= queued_at THEN pg_notify(%s, queue) END",
             [list(c) for c in cols] + [self.channel])

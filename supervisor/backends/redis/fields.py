@@ -2,7 +2,7 @@
 import json
 
 from ...errors import BadInput, NotDead
-from ...model import JOB_FIELDS, JOB_ORDER, Job, load_json
+from ...model import JOB_FIELDS, JOB_ORDER, Job, first_token, load_json
 
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps with separators builds one per call
 _INTS = ("attempt", "max_attempts", "priority", "token", "level")
@@ -44,7 +44,8 @@ def enqueue_args(job):
     """One job for enqueue.lua: [id, priority, delay_us, [field, value, ...], idempotency_key?, expires_in_us?]."""
     fields = ["id", job.id, "type", job.type, "queue", job.queue,
               "payload", job.payload_json,
-              "max_attempts", str(job.max_attempts), "priority", str(job.priority), "trace_id", job.trace_id]
+              "max_attempts", str(job.max_attempts), "priority", str(job.priority), "trace_id", job.trace_id,
+              "token", str(first_token(job))]
     if job.resource_id is not None:
         fields += ["resource_id", job.resource_id]
     if job.idempotency_key is not None:

@@ -25,7 +25,7 @@ for n, job in ipairs(jobs) do
     ids[n] = id  -- a resent call (client retry): stored already
   else
     local run = NOW + delay
-    redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'token', 0, 'history', '[]',
+    redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'history', '[]',
       'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
     index_job(id, field_of(fields, 'type'), NOW, typed)
     if ikey then redis.call('HSET', IDEM, ikey, id) end

@@ -68,7 +68,7 @@ for _, job in ipairs(fresh) do
   end
   local state = 'queued'
   if failed then state = 'cancelled' elseif pending > 0 then state = 'waiting' end
-  redis.call('HSET', key, 'state', state, 'attempt', 0, 'token', 0, 'history', '[]',
+  redis.call('HSET', key, 'state', state, 'attempt', 0, 'history', '[]',
     'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
   index_job(id, field_of(fields, 'type'), NOW, typed)
   if #deps > 0 then

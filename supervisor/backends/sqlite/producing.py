@@ -8,7 +8,7 @@ import contextlib
 
 from ...dependencies import order
 from ...errors import BadInput
-from ...model import chosen_ids, id_taken
+from ...model import chosen_ids, first_token, id_taken
 
 
 class ProducingMixin:
@@ -47,7 +47,8 @@ class ProducingMixin:
                     continue
                 rows.append((job.id, job.queue, job.type, job.payload_json, job.resource_id,
                              job.idempotency_key, job.max_attempts, job.timeout, job.priority, now + job.delay, now,
-                             job.trace_id, None if job.expires_in is None else now + job.expires_in))
+                             job.trace_id, None if job.expires_in is None else now + job.expires_in,
+                             first_token(job)))
                 stored[job.id] = job.id
                 if job.idempotency_key is not None:
                     self._insert(rows)  # now: a later job of this batch with the same key must see it
@@ -68,8 +69,8 @@ class ProducingMixin:
         if rows:
             self.db.executemany(
                 "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
-                " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at)"
-                " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+                " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at, token)"
+                " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
     def enqueue_once(self, job):
         job.validate()

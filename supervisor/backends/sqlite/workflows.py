@@ -29,7 +29,7 @@ import json
 
 from ...dependencies import ON_SUCCESS, PARENT_FAILED, cancelled_by_workflow, level_of
 from ...errors import BadInput
-from ...model import FINISHED
+from ...model import FINISHED, first_token
 
 _FINISHED = "('done', 'dead', 'cancelled', 'expired')"
 _NOW = "(julianday('now') - 2440587.5) * 86400.0"
@@ -148,12 +148,12 @@ class Workflows:
         self.db.execute(
             "INSERT INTO jobs (id, queue, type, payload, state, resource_id, idempotency_key,"
             " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at, pending, reason, finished_at,"
-            " cancel_request, level) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " cancel_request, level, token) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (job.id, job.queue, job.type, job.payload_json, state, job.resource_id, job.idempotency_key,
              job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id,
              None if job.expires_in is None else now + job.expires_in, pending,
              PARENT_FAILED if failed else None, now if failed else None,
-             json.dumps(cancelled_by_workflow(now)) if failed else None, level),
+             json.dumps(cancelled_by_workflow(now)) if failed else None, level, first_token(job)),
         )
         self.db.executemany("INSERT INTO job_edges (parent, child, on_, state, result) VALUES (?, ?, ?, ?, ?)",
                             rows)
