@@ -26,6 +26,7 @@ class Periodic:
         self.cfg = cfg
         self.scheduler = scheduler.from_config(cfg, handlers)
         self.schedule_at = 0.0  # monotonic instant of the next check
+        self.next_sample_at = 0.0  # the queues served may have changed: their gauges follow at once
 
     def due_at(self):
         return self.schedule_at if self.scheduler.schedules else None
