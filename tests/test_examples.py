@@ -43,7 +43,9 @@ def test_django_enqueue_on_commit_and_orm_handlers_in_children(tmp_path, monkeyp
         db.close()
 
 
-def test_fastapi_enqueue_from_an_endpoint_and_wait_for_the_result(tmp_path, monkeypatch):
+@pytest.fixture
+def fastapi_example(tmp_path, monkeypatch):
+    """(examples/fastapi_app's ``app`` module, its supervisor config, fastapi's TestClient)."""
     pytest.importorskip("fastapi")
     pytest.importorskip("httpx")
     from fastapi.testclient import TestClient
@@ -53,6 +55,11 @@ def test_fastapi_enqueue_from_an_endpoint_and_wait_for_the_result(tmp_path, monk
     monkeypatch.syspath_prepend(os.path.join(EXAMPLES, "fastapi_app"))
     import app as fastapi_app
 
+    return fastapi_app, config, TestClient
+
+
+def test_fastapi_enqueue_from_an_endpoint_and_wait_for_the_result(fastapi_example):
+    fastapi_app, config, TestClient = fastapi_example
     sup = testing.Supervisor(config).start()
     try:
         with TestClient(fastapi_app.app) as http:
@@ -70,18 +77,10 @@ def test_fastapi_enqueue_from_an_endpoint_and_wait_for_the_result(tmp_path, monk
         "state": "done", "result": {"sent_to": "ada@example.com", "order_id": 7}, "reason": None}
 
 
-def test_fastapi_result_endpoint_answers_at_once_for_a_cancelled_job(tmp_path, monkeypatch):
-    pytest.importorskip("fastapi")
-    pytest.importorskip("httpx")
-    from fastapi.testclient import TestClient
-
+def test_fastapi_result_endpoint_answers_at_once_for_a_cancelled_job(fastapi_example):
     from supervisor.client import Client
 
-    config = testing.write_config(str(tmp_path), os.path.join(EXAMPLES, "fastapi_app", "handlers"))
-    monkeypatch.setenv("TANGGUH_CONFIG", config)
-    monkeypatch.syspath_prepend(os.path.join(EXAMPLES, "fastapi_app"))
-    import app as fastapi_app
-
+    fastapi_app, config, TestClient = fastapi_example
     with TestClient(fastapi_app.app) as http, Client.from_config(config) as client:
         job_id = http.post("/orders/8/receipt", params={"email": "bob@example.com"}).json()["job_id"]
         client.cancel(job_id)  # no supervisor runs: it is cancelled while queued

@@ -57,6 +57,7 @@ import uuid
 import redis as redis_py
 
 from .. import protocol
+from .locks import RELEASE
 
 log = logging.getLogger("tangguh.cache")
 
@@ -238,8 +239,7 @@ class Cache:
             # lease goes now, or every other reader would wait it out and build
             # without storing until it expires.
             try:
-                self.client.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1])"
-                                 " end return 0", 1, self._lease(key), token)
+                self.client.eval(RELEASE, 1, self._lease(key), token)  # a lock's release: the token's owner only
             except redis_py.RedisError as exc:
                 log.warning("cannot release the fill lease of %s (it expires by itself): %s", key, exc)
             raise

@@ -178,8 +178,10 @@ def _migrate(db, schema, s, versions):
         db.execute(f"CREATE TABLE IF NOT EXISTS {s}.{VERSIONS} ("
                    " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())")
     current = db.execute(f"SELECT coalesce(max(version), 0) FROM {s}.{VERSIONS}").fetchone()[0]
+    if current > versions[-1][0]:
+        return current  # newer than this code: the caller refuses it
     for version, statements in versions:
-        if version <= current or current > versions[-1][0]:
+        if version <= current:
             continue
         for statement in statements:
             db.execute(statement)
