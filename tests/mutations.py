@@ -42,6 +42,15 @@ class Mutation:
     breaks: str  # the guarantee it breaks
 
 
+# The limited PostgreSQL claim's wait for the limit's lock, and its read of the paused queues.
+PG_LIMIT_LOCK = (
+    '            db.execute("SELECT count(pg_advisory_xact_lock(hashtextextended(%s || l.t, 0)))"\n'
+    '                       " FROM (SELECT t FROM unnest(%s::text[]) AS t ORDER BY t) l",\n'
+    '                       (f"tangguh-limit:{self.schema}:", types))\n')
+PG_UNPAUSED = (
+    "            # After the wait for the lock: a pause that committed meanwhile holds for this claim.\n"
+    "            queues = self._unpaused(db, queues)\n")
+
 MUTATIONS = [
     # The four the suite used to miss.
     Mutation("sqlite-ack-many-fencing", "supervisor/backends/sqlite/__init__.py",
@@ -387,6 +396,10 @@ MUTATIONS = [
              "            pass\n",
              ("tests/test_master_robustness.py", "-k", "oldest_silent"),
              "a request there when its connection is accepted is answered without pushing a client out"),
+    Mutation("postgres-limited-claim-reads-pauses-early", "supervisor/backends/postgres/__init__.py",
+             PG_LIMIT_LOCK + PG_UNPAUSED, PG_UNPAUSED + PG_LIMIT_LOCK,
+             ("tests/test_postgres_broker.py", "-k", "paused_meanwhile"),
+             "a limited PostgreSQL claim that waited for the limit's lock skips a queue paused meanwhile"),
 ]
 
 

@@ -555,6 +555,28 @@ BATCHED_LEASE_WRITES = {
 }
 
 
+def test_a_limited_claim_that_waited_for_another_claimers_lock_skips_a_queue_paused_meanwhile(pg, other, concurrent):
+    """A claim under type limits waits for the limit's lock while another claimer holds it.
+    It read the paused queues before that wait: a pause that committed meanwhile did not
+    stop it, and it leased jobs of the paused queue (started inside the pause)."""
+    from supervisor.model import TypeLimits
+
+    pg.enqueue(new())
+    holder = psycopg.connect(pg.conninfo)  # stands for another supervisor's limited claim, mid-way
+    try:
+        holder.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"tangguh-limit:{pg.schema}:t",))
+        concurrent.start("claimed", lambda: pg.claim(Q, 5, 30, "w", limits={"t": TypeLimits(max_concurrency=5)}))
+        concurrent.wait_until_waiting(pg, "the claim to wait for the limit's lock")
+        other.pause("default", by="ops")
+        holder.commit()
+        concurrent.join()
+    finally:
+        holder.close()
+    assert concurrent.results == {"claimed": []}
+    other.resume("default")
+    assert len(pg.claim(Q, 5, 30, "w", limits={"t": TypeLimits(max_concurrency=5)})) == 1
+
+
 @pytest.mark.parametrize("write", sorted(BATCHED_LEASE_WRITES))
 def test_a_batched_lease_write_locks_in_id_order_so_it_never_deadlocks_a_cancel(pg, concurrent, write):
     """A cancel (and every other multi-row write) locks jobs in id order. A batch of acks,

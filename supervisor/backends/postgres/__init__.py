@@ -221,10 +221,11 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
         with db.transaction():
             cur = db.cursor(row_factory=dict_row)
             self._leasable(cur.execute(f"SELECT * FROM {self._s}.claim(%s::text[], 0, 0, '')", (queues,)).fetchall())
-            queues = self._unpaused(db, queues)
             db.execute("SELECT count(pg_advisory_xact_lock(hashtextextended(%s || l.t, 0)))"
                        " FROM (SELECT t FROM unnest(%s::text[]) AS t ORDER BY t) l",
                        (f"tangguh-limit:{self.schema}:", types))
+            # After the wait for the lock: a pause that committed meanwhile holds for this claim.
+            queues = self._unpaused(db, queues)
             now = db.execute("SELECT date_part('epoch', clock_timestamp())").fetchone()[0]
             leased = db.execute(f"SELECT type, resource_id FROM {t} WHERE state = 'running'"
                                 " AND type = ANY(%s::text[])", (types,)).fetchall()
