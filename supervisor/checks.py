@@ -24,6 +24,17 @@ def positive_int(v):
     raise ValueError("expected a positive integer")
 
 
+# Children per supervisor, from the config or SIGTTIN: each costs the master a descriptor
+# and a process, and a count past this is a typo, not a machine.
+MAX_WORKERS = 1024
+
+
+def worker_count(v):
+    if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_WORKERS:
+        return v
+    raise ValueError(f"expected an integer from 1 to {MAX_WORKERS}")
+
+
 def non_negative_int(v):
     if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
         return v

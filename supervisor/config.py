@@ -14,8 +14,8 @@ import urllib.parse
 
 from .checks import (Unshown, boolean, cron, field_names, fraction, group_name, listen_address, name,
                      non_negative_int, non_negative_number, one_of, poll_interval, positive_int, positive_number,
-                     prefetch_setting,
-                     queue_name, queue_names, rate, string, table, timezone, url_of, web_accounts)
+                     prefetch_setting, queue_name, queue_names, rate, string, table, timezone, url_of, web_accounts,
+                     worker_count)
 from .errors import BadInput, ConfigError
 from .model import check_json
 
@@ -30,7 +30,7 @@ def option(check, doc, **kw):
 
 @dataclasses.dataclass
 class SupervisorConfig:
-    workers: int = option(positive_int, "child worker processes", default=2)
+    workers: int = option(worker_count, "child worker processes", default=2)
     handlers: str = option(string, "folder of handler modules (*.py)", default="handlers")
     socket: str = option(string, "health socket path", default="tangguh.sock")
     socket_mode: int = option(non_negative_int, "health socket file mode", default=0o660)

@@ -107,6 +107,7 @@ class Metrics:
         self.recycled = c("tangguh_children_recycled_total", "Children retired on max_jobs_per_child or RSS",
                           ("reason",))
         self.spawned = c("tangguh_children_spawned_total", "Children forked")
+        self.spawn_failures = c("tangguh_spawn_failures_total", "Forks refused by the system (descriptors, processes)")
         self.reloads = c("tangguh_reloads_total", "SIGHUP reloads", ("result",))
 
         # the supervisor's own health

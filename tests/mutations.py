@@ -400,6 +400,15 @@ MUTATIONS = [
              PG_LIMIT_LOCK + PG_UNPAUSED, PG_UNPAUSED + PG_LIMIT_LOCK,
              ("tests/test_postgres_broker.py", "-k", "paused_meanwhile"),
              "a limited PostgreSQL claim that waited for the limit's lock skips a queue paused meanwhile"),
+    Mutation("spawn-failure-ends-master", "supervisor/master/pool.py",
+             "        except OSError as exc:\n            # Out of descriptors",
+             "        except ValueError as exc:\n            # Out of descriptors",
+             ("tests/test_daemon.py", "-k", "forks_the_system_refuses"),
+             "a fork the system refuses leaves the master serving with the children it has"),
+    Mutation("no-descriptor-reserve", "supervisor/childlimits.py",
+             "    if used + reserve > soft:", "    if used > soft:",
+             ("tests/test_daemon.py", "-k", "forks_the_system_refuses"),
+             "the master keeps descriptors for the socket and the broker when forking"),
 ]
 
 

@@ -92,10 +92,11 @@ def test_values_are_read(tmp_path):
 # -- errors name the key path -----------------------------------------------------
 
 BAD = [
-    ("[supervisor]\nworkers = 0", "supervisor.workers: expected a positive integer, got 0"),
-    ("[supervisor]\nworkers = \"two\"", 'supervisor.workers: expected a positive integer, got "two"'),
-    ("[supervisor]\nworkers = true", "supervisor.workers: expected a positive integer, got true"),
-    ("[supervisor]\nworkers = 2.5", "supervisor.workers: expected a positive integer, got 2.5"),
+    ("[supervisor]\nworkers = 0", "supervisor.workers: expected an integer from 1 to 1024, got 0"),
+    ("[supervisor]\nworkers = \"two\"", 'supervisor.workers: expected an integer from 1 to 1024, got "two"'),
+    ("[supervisor]\nworkers = true", "supervisor.workers: expected an integer from 1 to 1024, got true"),
+    ("[supervisor]\nworkers = 2.5", "supervisor.workers: expected an integer from 1 to 1024, got 2.5"),
+    ("[supervisor]\nworkers = 5000", "supervisor.workers: expected an integer from 1 to 1024, got 5000"),
     ("[supervisor]\nsocket_mode = -1", "supervisor.socket_mode: expected an integer >= 0"),
     ("[supervisor]\nhandlers = 3", "supervisor.handlers: expected a string, got 3"),
     ("[supervisor]\ngraceful_timeout = 0", "supervisor.graceful_timeout: expected a positive number"),

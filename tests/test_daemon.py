@@ -6,11 +6,18 @@ through the broker, the health socket and signals, and ends with
 """
 import json
 import os
+import re
 import signal
 import socket
 import time
+from types import SimpleNamespace
 
+import psutil
 import pytest
+
+from supervisor import childlimits
+from supervisor.checks import MAX_WORKERS
+from supervisor.master.pool import Pool
 
 from .daemon import Daemon, read_lines, tangguh
 from .util import wait_for
@@ -319,6 +326,43 @@ def test_ttin_and_ttou_change_the_worker_count(daemon):
     assert daemon.status()["target_workers"] == 1
     assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
     daemon.assert_clean()
+
+
+def test_forks_the_system_refuses_leave_the_master_serving_with_the_children_it_has(daemon):
+    """SIGTTIN past the file-descriptor limit (``LimitNOFILE=``, ``ulimit -n``): the failed
+    socketpair ended the master, running jobs and all, and even before that a master with
+    no descriptor left could not answer ``status`` nor reach its broker. Now the master
+    keeps a reserve, serves on with the children it has, and forks again later."""
+    daemon.start()
+    master = psutil.Process(daemon.proc.pid)
+    limit = master.num_fds() + childlimits.DESCRIPTOR_RESERVE + 3  # room for a few children more
+    soft, hard = master.rlimit(psutil.RLIMIT_NOFILE)
+    master.rlimit(psutil.RLIMIT_NOFILE, (limit, hard))
+    for n in range(3, 11):  # one at a time: two identical pending signals may arrive as one
+        daemon.signal(signal.SIGTTIN)
+        wait_for(lambda: daemon.status()["target_workers"] == n, message=f"target {n}")
+    wait_for(lambda: daemon.records(event="spawn_failed"), message="a fork refused for want of descriptors")
+    status = daemon.status()
+    assert 2 <= len(status["workers"]) < 10 and status["target_workers"] == 10
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    failures = re.search(r"^tangguh_spawn_failures_total (\S+)$", tangguh("metrics", "-c", daemon.config_path).stdout,
+                         re.M)
+    assert failures and float(failures.group(1)) >= 1
+    master.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
+    wait_for(lambda: len(daemon.status()["workers"]) == 10, timeout=60, message="the missing children, forked later")
+    daemon.assert_clean()
+
+
+def test_the_worker_count_has_a_ceiling(daemon):
+    """A count past the ceiling is a typo: the config refuses it, SIGTTIN stops there."""
+    daemon.config["supervisor"]["workers"] = MAX_WORKERS + 1
+    daemon.write_config()
+    out = tangguh("config", "check", "-c", daemon.config_path)
+    assert out.returncode != 0 and f"supervisor.workers: expected an integer from 1 to {MAX_WORKERS}" in out.stderr
+    pool = Pool(SimpleNamespace(workers=MAX_WORKERS - 1), *[None] * 8)
+    assert [pool.resize(+1), pool.resize(+1), pool.resize(-1)] == [MAX_WORKERS, MAX_WORKERS, MAX_WORKERS - 1]
+    pool.target = 1
+    assert pool.resize(-1) == 1
 
 
 def test_garbage_on_the_health_socket_gets_an_error_and_harms_nothing(daemon):

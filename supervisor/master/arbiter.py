@@ -233,13 +233,10 @@ class Arbiter:
             self.stop_fast()  # a second TERM/INT: the operator means it
 
     def handle_ttin(self):
-        self.pool.target += 1
-        log.info("worker count raised to %d", self.pool.target, extra={"event": "ttin"})
+        log.info("worker count raised to %d", self.pool.resize(+1), extra={"event": "ttin"})
 
     def handle_ttou(self):
-        if self.pool.target > 1:
-            self.pool.target -= 1
-        log.info("worker count lowered to %d", self.pool.target, extra={"event": "ttou"})
+        log.info("worker count lowered to %d", self.pool.resize(-1), extra={"event": "ttou"})
 
     # -- stopping ------------------------------------------------------------------------
     def stop_gracefully(self):
@@ -310,8 +307,8 @@ class Arbiter:
         self.pool.retire_all(older_than=self.generation)
         self.status.set_title()
         self.status.count("reload", "ok")
-        log.info("reloaded: generation %d with %d handler types", self.generation, len(handlers),
-                 extra={"event": "reload", "generation": self.generation})
+        log.info("reloaded: generation %d with %d handler types, %d workers (the config's)", self.generation,
+                 len(handlers), self.pool.target, extra={"event": "reload", "generation": self.generation})
 
     # -- children ----------------------------------------------------------------------------
     def run_child(self, sock, slot):

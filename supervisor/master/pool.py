@@ -15,9 +15,8 @@ import socket
 import time
 import traceback
 
-import psutil
-
-from .. import logs, protocol
+from .. import childlimits, logs, protocol
+from ..checks import MAX_WORKERS
 from ..protocol import KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT
 from ..retry import backoff
 
@@ -67,10 +66,15 @@ class Pool:
         self.on_exit, self.on_boot_failed, self.count = on_exit, on_boot_failed, count
         self.children = {}  # pid -> Child
         self.target, self.generation = cfg.workers, 1
-        self.stopping, self.restarts, self.boot_failures = False, 0, 0
+        self.stopping, self.restarts, self.boot_failures, self.spawn_failures = False, 0, 0, 0
         self.next_spawn_at = 0.0
 
     # -- size ---------------------------------------------------------------------------
+    def resize(self, by):
+        """SIGTTIN (+1) / SIGTTOU (-1): the new target, within 1 .. ``MAX_WORKERS`` (a reload sets the config's)."""
+        self.target = min(MAX_WORKERS, max(1, self.target + by))
+        return self.target
+
     def live(self):
         return [c for c in self.children.values() if c.generation == self.generation and not c.retiring]
 
@@ -107,15 +111,30 @@ class Pool:
         try:
             for _ in range(n):
                 self.spawn_one()
+            self.spawn_failures = 0
+        except OSError as exc:
+            # Out of descriptors or processes (ulimit, TasksMax): serve on with the children there are.
+            self.spawn_failures += 1
+            self.count("spawn_failed")
+            delay = backoff(self.spawn_failures + 1, 0.1, 30.0)
+            self.next_spawn_at = time.monotonic() + delay
+            log.error("cannot start a worker (%d of %d running): %s; next try in %.1fs", len(self.live()),
+                      self.target, exc, delay, extra={"event": "spawn_failed"})
         finally:
             if running:
                 self.heartbeat.start()
 
     def spawn_one(self):
+        childlimits.check_descriptors()
         used = {c.slot for c in self.children.values()}
         slot = next(i for i in range(len(used) + 1) if i not in used)
         parent_sock, child_sock = socket.socketpair()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            parent_sock.close()
+            child_sock.close()
+            raise
         if pid == 0:
             # From here on this is the child: whatever happens, it must never
             # return into the master's loop.
@@ -199,7 +218,7 @@ class Pool:
         if c.retiring:
             self.retire(c)
             return False
-        recycle = self.should_recycle(c)
+        recycle = childlimits.recycle_reason(self.cfg, c)
         if recycle:
             why, detail = recycle
             self.count("recycled", why)
@@ -208,20 +227,6 @@ class Pool:
             self.retire(c)
             return False
         return True
-
-    def should_recycle(self, c):
-        """(reason, what to log) when ``c`` should be replaced, else None."""
-        s = self.cfg
-        if s.max_jobs_per_child and c.jobs_done >= s.max_jobs_per_child:
-            return "max_jobs", f"after {c.jobs_done} jobs (max_jobs_per_child)"
-        if s.max_child_rss_mb:
-            try:
-                rss = psutil.Process(c.pid).memory_info().rss
-            except psutil.Error:
-                return None
-            if rss > s.max_child_rss_mb * 1024 * 1024:
-                return "max_rss", f"RSS {rss / 1048576:.1f} MiB over max_child_rss_mb = {s.max_child_rss_mb}"
-        return None
 
     def retire(self, c):
         """Ask a child to exit after its current job (at once when idle)."""

@@ -36,6 +36,7 @@ EVENTS = {
     "crashed_idle": (None, "crashed", ("idle",)),
     "crashed_boot": (None, "crashed", ("boot",)),
     "spawned": (None, "spawned", ()),
+    "spawn_failed": (None, "spawn_failures", ()),
     "restarted": (None, "restarted", ()),
     "recycled": (None, "recycled", ()),
     "reload": (None, "reloads", ()),
@@ -229,7 +230,7 @@ def child_view(c):
     elapsed = None if c.started is None or c.job is None else round(time.monotonic() - c.started, 3)
     try:
         rss = psutil.Process(c.pid).memory_info().rss
-    except psutil.Error:
+    except (psutil.Error, OSError):  # gone, or no descriptor left to read /proc with
         rss = None
     return {"slot": c.slot, "pid": c.pid, "state": c.state,
             "job_id": c.job.id if c.job else None, "job_type": c.job.type if c.job else None,

@@ -1,0 +1,39 @@
+"""What a child may cost the master: the descriptors its fork takes, the jobs and
+the memory it may run up before it is recycled."""
+import errno
+import os
+import resource
+
+import psutil
+
+# Never spent on children: the broker's connections, the socket's clients, the log.
+# A master out of descriptors could not answer ``tangguh status`` nor reach its broker.
+DESCRIPTOR_RESERVE = 32
+
+
+def check_descriptors(reserve=DESCRIPTOR_RESERVE):
+    """Raise ``OSError(EMFILE)`` when a fork now would leave fewer than ``reserve`` descriptors."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return  # no /proc here: the fork's own socketpair reports a shortage
+    if used + reserve > soft:
+        raise OSError(errno.EMFILE, f"{used} of {soft} file descriptors in use, {reserve} kept for the broker"
+                                    " and the socket (LimitNOFILE= raises the limit)")
+
+
+def recycle_reason(cfg, c):
+    """(reason, what to log) when child ``c`` should be replaced (``cfg``: the supervisor section), else None."""
+    if cfg.max_jobs_per_child and c.jobs_done >= cfg.max_jobs_per_child:
+        return "max_jobs", f"after {c.jobs_done} jobs (max_jobs_per_child)"
+    if cfg.max_child_rss_mb:
+        try:
+            rss = psutil.Process(c.pid).memory_info().rss
+        except (psutil.Error, OSError):  # gone, or no descriptor left to read /proc with
+            return None
+        if rss > cfg.max_child_rss_mb * 1024 * 1024:
+            return "max_rss", f"RSS {rss / 1048576:.1f} MiB over max_child_rss_mb = {cfg.max_child_rss_mb}"
+    return None
