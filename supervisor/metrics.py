@@ -177,6 +177,8 @@ class Metrics:
             self.queue_in_flight.labels(queue).set(s.in_flight)
             self.queue_dead.labels(queue).set(s.dead)
             self.queue_oldest.labels(queue).set(s.oldest_ready_age)
+            # Also here, not only when the paused set changes: a queue a reload brings back is paused already.
+            self.queue_paused.labels(queue).set(1 if s.paused else 0)
         self.queue_sampled.set(time.time())
 
     def render(self):

@@ -409,6 +409,10 @@ MUTATIONS = [
              "    if used + reserve > soft:", "    if used > soft:",
              ("tests/test_daemon.py", "-k", "forks_the_system_refuses"),
              "the master keeps descriptors for the socket and the broker when forking"),
+    Mutation("paused-gauge-only-on-change", "supervisor/metrics.py",
+             "            self.queue_paused.labels(queue).set(1 if s.paused else 0)\n", "",
+             ("tests/test_metrics.py", "-k", "reload_stops_serving"),
+             "a queue a reload serves again shows its paused flag"),
 ]
 
 
