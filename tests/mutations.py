@@ -413,6 +413,10 @@ MUTATIONS = [
              "            self.queue_paused.labels(queue).set(1 if s.paused else 0)\n", "",
              ("tests/test_metrics.py", "-k", "reload_stops_serving"),
              "a queue a reload serves again shows its paused flag"),
+    Mutation("web-cookie-never-secure", "supervisor/web/headers.py",
+             "[secure(h) if https else h for h in", "[h for h in",
+             ("tests/test_web.py", "-k", "https"),
+             "over HTTPS the console's session cookie carries Secure"),
 ]
 
 

@@ -223,6 +223,18 @@ def test_headers_forbid_inline_scripts_and_framing_and_the_cookie_is_httponly_an
     assert "<script>" not in page.text and " on" + "click=" not in page.text and "style=" not in page.text
 
 
+def test_over_https_the_session_cookie_is_secure(tmp_path, broker, console):
+    """Behind a TLS proxy the browser must never send the session over plain HTTP: the
+    cookie carries ``Secure`` when the request came over HTTPS (uvicorn takes the scheme
+    from ``X-Forwarded-Proto`` of a proxy on 127.0.0.1); on plain HTTP it cannot."""
+    assert "secure" not in console.get("/login").headers["set-cookie"].lower()
+    with TestClient(web_app.build(make_config(tmp_path, broker.url)), base_url="https://localhost") as tls:
+        answer = login(tls, "ada", ADMIN_PW)
+        cookies = [v.lower() for k, v in answer.headers.multi_items() if k == "set-cookie"]
+        assert cookies and all("; secure" in c for c in cookies)
+        assert tls.get("/jobs", follow_redirects=False).status_code == 200  # the cookie comes back over HTTPS
+
+
 def test_a_redacted_field_never_appears_in_a_page_or_an_api_answer(console, broker):
     job_id = dead_job(broker, {"customer_id": 42, "card": {"card_number": SECRET}, "card_number": SECRET})
     login(console, "ada", ADMIN_PW)
