@@ -417,6 +417,18 @@ MUTATIONS = [
              "[secure(h) if https else h for h in", "[h for h in",
              ("tests/test_web.py", "-k", "https"),
              "over HTTPS the console's session cookie carries Secure"),
+    Mutation("redis-claim-leases-past-expiry", "supervisor/backends/redis_lua/claim.lua",
+             "  if (f[1] == 'queued' or f[1] == 'retrying') and past_expiry(f[4]) then", "  if false then",
+             (CONTROL, "-k", "redis and backlog_of_expired and plain"),
+             "a claim never leases a job past its expiry that its expire_due batch left (Redis)"),
+    Mutation("redis-limited-claim-leases-past-expiry", "supervisor/backends/redis_lua/claim_limited.lua",
+             "    elseif past_expiry(f[3]) and (f[4] == 'queued' or f[4] == 'retrying') then", "    elseif false then",
+             (CONTROL, "-k", "redis and backlog_of_expired and limited"),
+             "a limited claim never leases a job past its expiry that expire_due left (Redis)"),
+    Mutation("postgres-limited-claim-leases-past-expiry", "supervisor/backends/postgres/__init__.py",
+             '" AND (d.expires_at IS NULL OR d.expires_at > %s)"', '" AND (d.expires_at IS NULL OR %s IS NOT NULL)"',
+             (CONTROL, "-k", "postgres and backlog_of_expired and limited"),
+             "a limited claim never leases a job past its expiry that the claim function left (PostgreSQL)"),
 ]
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from supervisor.backends import control, open_broker
 from supervisor.errors import BadInput, LeaseLost
-from supervisor.model import NewJob
+from supervisor.model import NewJob, TypeLimits
 
 from .util import wait_for
 
@@ -325,6 +325,31 @@ def test_a_job_due_past_its_expiry_ends_expired_without_an_attempt(broker):
     assert broker.take_expired() == []
     assert broker.stats(Q)["default"].expired == 2
     assert broker.cancel([short], "ops", None) == {short: "already_expired"}
+
+
+@pytest.mark.parametrize("limited", [False, True], ids=["plain", "limited"])
+def test_a_backlog_of_expired_jobs_is_never_leased_past_its_expiry(broker, limited):
+    # More jobs past their expiry than one claim ends at its start (1,000 on Redis and
+    # PostgreSQL): the claim that leases must still end the rest expired, or leave them to the
+    # next claims, and never lease one. The stale jobs go first in claim order (priority).
+    limits = {"t": TypeLimits(max_concurrency=10)} if limited else None
+    stale = broker.enqueue_many([new(expires_in=0.3, priority=5) for _ in range(1001)])
+    keep = broker.enqueue_many([new(expires_in=3600) for _ in range(3)])
+    wait_past(broker, broker.get(stale[-1]).expires_at + 0.05)
+    leased = []
+    for _ in range(3):  # PostgreSQL ends what is left over in the next claim
+        before = broker.now()
+        got = broker.claim(Q, 5, 30, "w1", limits=limits)
+        assert [j.id for j in got if j.expires_at <= before] == [], "leased past its expiry"
+        leased += [j.id for j in got]
+    assert sorted(leased) == sorted(keep)
+    assert sorted(broker.take_expired()) == sorted((job_id, "t") for job_id in stale)
+    for job_id in stale:
+        job = broker.get(job_id)
+        assert (job.state, job.attempt, started(job)) == ("expired", 0, []), job
+        assert [e["outcome"] for e in job.history] == ["expired"]
+    s = broker.stats(Q)["default"]
+    assert (s.ready, s.in_flight, s.expired) == (0, 3, 1001)
 
 
 def test_expiry_applies_to_a_retrying_job_and_not_to_a_running_one(broker):

@@ -51,8 +51,27 @@ local function end_cancelled(key, id)
   settle(id, 'cancelled', nil)
 end
 
--- The due jobs past their expires_at end 'expired' (at most 1000 per call); their hashes
--- are appended to `out` (the caller records them, never leases them).
+-- expires_at (the hash's text) has passed: the job may no longer start.
+local function past_expiry(expires_at)
+  local exp = us_of(expires_at)
+  return exp ~= nil and exp <= NOW
+end
+
+-- A due queued or retrying job, out of the ready and delayed zsets already, ends 'expired';
+-- its hash is appended to `out` (the caller records it, never leases it).
+local function end_expired(key, id, expires_at, out)
+  redis.call('HSET', key, 'state', 'expired', 'finished_at', secs(NOW))
+  append_entry(key, '{"outcome":"expired","at":' .. secs(NOW) .. ',"expires_at":' .. expires_at .. '}')
+  redis.call('ZADD', EXPIRED_Z, NOW, id)
+  redis.call('ZREM', EXPIRING, id)
+  free_key(key, id)
+  tell_waiters(key, id)
+  settle(id, 'expired', nil)
+  out[#out + 1] = cjson.encode(redis.call('HGETALL', key))
+end
+
+-- The due jobs past their expires_at end 'expired' (at most 1000 per call: a larger backlog
+-- is ended where the claim leases, by end_expired); their hashes are appended to `out`.
 local function expire_due(out)
   local ids = redis.call('ZRANGEBYSCORE', EXPIRING, '-inf', num(NOW), 'LIMIT', 0, 1000)
   for _, id in ipairs(ids) do
@@ -63,14 +82,7 @@ local function expire_due(out)
       redis.call('ZADD', EXPIRING, run, id)  -- not due yet: looked at again when it is
     elseif f[1] == 'queued' or f[1] == 'retrying' then
       unqueue(id, f[2])
-      redis.call('HSET', key, 'state', 'expired', 'finished_at', secs(NOW))
-      append_entry(key, '{"outcome":"expired","at":' .. secs(NOW) .. ',"expires_at":' .. f[3] .. '}')
-      redis.call('ZADD', EXPIRED_Z, NOW, id)
-      redis.call('ZREM', EXPIRING, id)
-      free_key(key, id)
-      tell_waiters(key, id)
-      settle(id, 'expired', nil)
-      out[#out + 1] = cjson.encode(redis.call('HGETALL', key))
+      end_expired(key, id, f[3], out)
     else
       redis.call('ZREM', EXPIRING, id)  -- running or finished: a retry or release puts it back
     end

@@ -41,7 +41,8 @@ for k = 1, #due, 2 do
   if priority then make_ready(id, priority, tonumber(due[k + 1])) end
 end
 
--- Expired jobs come first in the reply (state 'expired': recorded, not leased).
+-- Expired jobs (state 'expired': recorded, not leased) come first in the reply, and where a
+-- popped job turns out past its expiry.
 local out = {}
 expire_due(out)
 if n < 1 or redis.call('EXISTS', PAUSED) == 1 then return out end
@@ -51,7 +52,10 @@ for k = 1, #popped, 2 do
   local id = string.sub(popped[k], 17)
   local key = JOB .. id
   local f = redis.call('HMGET', key, 'state', 'attempt', 'token', 'expires_at')
-  if f[1] == 'queued' or f[1] == 'retrying' then  -- never a job that ended meanwhile
+  if (f[1] == 'queued' or f[1] == 'retrying') and past_expiry(f[4]) then
+    -- One of a backlog expire_due left (it ends 1000 per call): ended here, never leased.
+    end_expired(key, id, f[4], out)
+  elseif f[1] == 'queued' or f[1] == 'retrying' then  -- never a job that ended meanwhile
     -- A started job cannot expire: out of the expiry index until a retry or release puts it
     -- back, or a finished job's entry would stay until its expires_at (up to ten years).
     if f[4] then redis.call('ZREM', EXPIRING, id) end

@@ -56,8 +56,8 @@ local function lease_job(id, key)
 end
 
 local out, drop = {}, {}
-local start, scanned = 0, 0
-while #out < n and scanned < scan_max do
+local start, scanned, leased = 0, 0, 0  -- out holds the jobs ended expired too: leased counts
+while leased < n and scanned < scan_max do
   local page = redis.call('ZRANGE', READY, start, start + PAGE - 1)
   if #page == 0 then break end
   start = start + #page
@@ -65,9 +65,15 @@ while #out < n and scanned < scan_max do
     scanned = scanned + 1
     local id = string.sub(member, 17)
     local key = JOB .. id
-    local f = redis.call('HMGET', key, 'type', 'resource_id')
+    local f = redis.call('HMGET', key, 'type', 'resource_id', 'expires_at', 'state')
     if not f[1] then
       drop[#drop + 1] = member  -- the job is gone
+    elseif past_expiry(f[3]) and (f[4] == 'queued' or f[4] == 'retrying') then
+      -- One of a backlog claim.lua's expire_due left (it ends 1000 per call): ended, never
+      -- leased, before the limits count it. Out of the ready zset with the drops, after the
+      -- walk, whose ranks a removal now would shift.
+      drop[#drop + 1] = member
+      end_expired(key, id, f[3], out)
     else
       local s = limit_state(f[1])
       local ok = not (s.room and s.room <= 0) and not (s.tokens and s.tokens < 1)
@@ -86,9 +92,10 @@ while #out < n and scanned < scan_max do
         if s.tokens then s.tokens = s.tokens - 1 end
         if excl then redis.call('HSET', excl, f[2], id) end
         out[#out + 1] = lease_job(id, key)
+        leased = leased + 1
       end
     end
-    if #out >= n or scanned >= scan_max then break end
+    if leased >= n or scanned >= scan_max then break end
   end
 end
 if #drop > 0 then redis.call('ZREM', READY, unpack(drop)) end
