@@ -429,6 +429,10 @@ MUTATIONS = [
              '" AND (d.expires_at IS NULL OR d.expires_at > %s)"', '" AND (d.expires_at IS NULL OR %s IS NOT NULL)"',
              (CONTROL, "-k", "postgres and backlog_of_expired and limited"),
              "a limited claim never leases a job past its expiry that the claim function left (PostgreSQL)"),
+    Mutation("redis-deleted-child-keeps-edges", "supervisor/backends/redis_lua/_flows.lua",
+             "  if redis.call('HEXISTS', key, 'pending') == 0 then return end", "  do return end",
+             ("tests/test_conformance_workflows.py", "-k", "redis and leaves_no_edge"),
+             "a deleted child's parents never settle or reopen a new job of its id (Redis)"),
 ]
 
 

@@ -465,3 +465,38 @@ def test_discarding_an_unfinished_parent_ends_it_for_its_children(broker):
     assert broker.get(always).parents == {parent: ("cancelled", None)}
     assert broker.discard([always]) == {always: "discarded"}  # a child goes with its edges
     assert broker.stats(Q)["default"].waiting == 0
+
+
+def test_a_discarded_waiting_child_leaves_no_edge_for_a_new_job_of_its_id(broker):
+    # An id the caller chose names a job again once the first is deleted: the deleted
+    # child's parent ending must not settle the new job (Redis kept the edge on the parent).
+    old_parent = broker.enqueue(new("parent", id="job_edge_old_parent"))
+    broker.enqueue(new("child", id="job_edge_child", depends_on=[old_parent]))
+    assert broker.discard(["job_edge_child"]) == {"job_edge_child": "discarded"}
+    own_parent = broker.enqueue(new("parent", id="job_edge_own_parent", delay=3600))
+    broker.enqueue(new("child", id="job_edge_child", depends_on=[own_parent]))
+    broker.ack(claim_ids(broker)[old_parent].lease)
+    child = broker.get("job_edge_child")
+    assert (child.state, child.pending) == ("waiting", 1)
+    assert child.parents == {own_parent: (None, None)}
+
+
+def test_a_purged_or_pruned_child_leaves_no_edge_for_a_new_job_of_its_id(broker):
+    # The same through the other deletions: a dead child purged, a done one pruned, and their
+    # dead parent replayed (it ends a second time) after new jobs took their ids.
+    parent = broker.enqueue(new("parent", id="job_edge_parent"))
+    kids = ["job_edge_dead", "job_edge_done"]
+    broker.enqueue_many([new("child", id=kid, depends_on=[(parent, "complete")]) for kid in kids])
+    die(broker, claim_ids(broker)[parent])
+    jobs = claim_ids(broker)
+    die(broker, jobs["job_edge_dead"])
+    broker.ack(jobs["job_edge_done"].lease)
+    assert broker.dlq_purge(["job_edge_dead"]) == 1
+    wait_for(lambda: broker.prune(0) >= 0 and broker.get("job_edge_done") is None, message="the done child pruned")
+    own_parent = broker.enqueue(new("parent", id="job_edge_own_parent", delay=3600))
+    broker.enqueue_many([new("child", id=kid, depends_on=[own_parent]) for kid in kids])
+    assert broker.dlq_replay([parent]) == [parent]
+    broker.ack(claim_ids(broker)[parent].lease)
+    for kid in kids:
+        child = broker.get(kid)
+        assert (child.state, child.pending, child.parents) == ("waiting", 1, {own_parent: (None, None)}), kid

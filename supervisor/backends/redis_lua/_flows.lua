@@ -117,3 +117,14 @@ reopen = function(id)
     end
   end
 end
+
+-- A job about to be deleted (discard, purge, prune) takes its edges off its parents: an id
+-- the caller chose may name a new job later, which those parents' end must not settle, nor
+-- their replay reopen. 'pending' marks a child (set at enqueue, never removed).
+local function unlink(key, id)
+  if redis.call('HEXISTS', key, 'pending') == 0 then return end
+  local fields = redis.call('HGETALL', key)
+  for i = 1, #fields, 2 do
+    if string.sub(fields[i], 1, 2) == 'd:' then redis.call('HDEL', JOB .. string.sub(fields[i], 3), 'k:' .. id) end
+  end
+end

@@ -18,6 +18,7 @@ for k = 3, #ARGV do
     if f[1] ~= 'done' and f[1] ~= 'dead' and f[1] ~= 'cancelled' and f[1] ~= 'expired' then
       settle(id, 'cancelled', nil)
     end
+    unlink(key, id)
     redis.call('DEL', key)
     out[#out + 1] = 'discarded'
   end

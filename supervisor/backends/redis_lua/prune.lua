@@ -7,6 +7,7 @@ local ids = redis.call('ZRANGEBYSCORE', DONE, '-inf', cutoff, 'LIMIT', 0, tonumb
 local deleted = 0
 for _, id in ipairs(ids) do
   unindex_job(id, redis.call('HMGET', JOB .. id, 'queued_at', 'type'))
+  unlink(JOB .. id, id)
   deleted = deleted + redis.call('DEL', JOB .. id)
   redis.call('ZREM', DONE, id)
   redis.call('ZREM', EXPIRING, id)  -- an entry a claim of an older version left behind
@@ -16,6 +17,7 @@ for _, z in ipairs({CANCELLED_Z, EXPIRED_Z}) do
   local ended = redis.call('ZRANGEBYSCORE', z, '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
   for _, id in ipairs(ended) do
     unindex_job(id, redis.call('HMGET', JOB .. id, 'queued_at', 'type'))
+    unlink(JOB .. id, id)
     deleted = deleted + redis.call('DEL', JOB .. id)
     redis.call('ZREM', z, id)
   end

@@ -6,6 +6,7 @@ for k = 3, #ARGV do
 end
 for k = 3, #ARGV do
   unindex_job(ARGV[k], redis.call('HMGET', JOB .. ARGV[k], 'queued_at', 'type'))
+  unlink(JOB .. ARGV[k], ARGV[k])
   redis.call('DEL', JOB .. ARGV[k])
   redis.call('ZREM', DEAD, ARGV[k])
 end
