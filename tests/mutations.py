@@ -417,6 +417,15 @@ MUTATIONS = [
              "[secure(h) if https else h for h in", "[h for h in",
              ("tests/test_web.py", "-k", "https"),
              "over HTTPS the console's session cookie carries Secure"),
+    # The toolkit's Redis keys: fences that survive a lost counter, counters and tags that stay bounded.
+    Mutation("lock-fence-not-seeded-from-clock", "supervisor/toolkit/locks.py",
+             "if (tonumber(redis.call('GET', KEYS[2])) or 0) < floor then", "if false then",
+             ("tests/test_toolkit.py", "-k", "rewinds_the_counter"),
+             "a lock's fence stays above every earlier one after Redis lost or rewound its counter"),
+    Mutation("lock-fence-counter-kept-forever", "supervisor/toolkit/locks.py",
+             "redis.call('PEXPIRE', KEYS[2], ARGV[3])\n", "",
+             ("tests/test_toolkit.py", "-k", "fence_counter_expires"),
+             "an unused lock name's fence counter expires"),
 ]
 
 

@@ -20,7 +20,7 @@ from supervisor.config import ConfigError, from_dict
 from supervisor.retry import RetryLater
 from supervisor.toolkit.cache import Cache
 from supervisor.toolkit.idempotency import Idempotency, IdempotencyError, prune
-from supervisor.toolkit.locks import LockBusy, LockLost, Locks, advisory_lock, row_lock
+from supervisor.toolkit.locks import FENCE_MARGIN, LockBusy, LockLost, Locks, advisory_lock, row_lock
 from supervisor.toolkit.transaction import transaction
 
 from .daemon import tangguh
@@ -373,8 +373,57 @@ def test_a_lock_name_that_is_another_locks_fence_counter_is_refused(rc):
         locks.acquire("yard:fence", ttl=30, wait=0)
     assert not client.exists(prefix + "lock:yard:fence")
     yard = locks.acquire("yard", ttl=30, wait=0)  # its counter is its own
-    assert yard.fence == 1
+    assert int(client.get(prefix + "lock:yard:fence")) == yard.fence
+    assert not client.exists(prefix + "lock:yard:fence:fence")
     yard.release()
+
+
+def _a_millisecond_later(client):
+    """Wait for the server's clock to pass the millisecond it is in (fences rise with it)."""
+    def ms():
+        seconds, micros = client.time()
+        return seconds * 1000 + micros // 1000
+
+    now = ms()
+    wait_for(lambda: ms() > now, timeout=5, interval=0.001, message="the server's clock to move on")
+
+
+def test_fences_keep_rising_when_redis_loses_or_rewinds_the_counter(rc):
+    """A restart that lost the counter (no persistence, eviction) or a failover to a replica that
+    missed its last INCRs: fences from 1 again would be refused by every fenced resource."""
+    client, prefix = rc
+    locks = Locks(client, prefix)
+    first = locks.acquire("invoice:7:export", ttl=30, wait=0)
+    first.release()
+    counter = first.key + ":fence"
+    _a_millisecond_later(client)  # a restart takes that long at the very least
+    client.delete(counter)  # lost
+    second = locks.acquire("invoice:7:export", ttl=30, wait=0)
+    second.release()
+    assert second.fence > first.fence
+    _a_millisecond_later(client)
+    client.set(counter, first.fence)  # behind: the replica saw the first acquire only
+    third = locks.acquire("invoice:7:export", ttl=30, wait=0)
+    third.release()
+    assert third.fence > second.fence
+    # Exact integers, as stored (a float's 14 digits would repeat or skip fences).
+    assert int(client.get(counter)) == third.fence and isinstance(third.fence, int) and third.fence < 2 ** 53
+
+
+def test_a_fence_counter_expires_once_its_lock_name_is_unused(rc):
+    """Every distinct lock name used to leave its counter behind for good."""
+    client, prefix = rc
+    locks = Locks(client, prefix)
+    for i in range(20):
+        locks.acquire(f"invoice:{i}:export", ttl=30, wait=0).release()
+    counters = list(client.scan_iter(match=f"{prefix}lock:*:fence"))
+    assert len(counters) == 20
+    assert all(30_000 < client.pttl(k) <= 30_000 + FENCE_MARGIN * 1000 for k in counters)
+    # Each acquire pushes it back: a name in use keeps its counter.
+    counter = prefix + "lock:invoice:0:export:fence"
+    client.pexpire(counter, 50)
+    locks.acquire("invoice:0:export", ttl=600, wait=0).release()
+    assert client.pttl(counter) > 600_000
 
 
 def test_expired_holder_cannot_release_the_new_lock_and_its_fenced_write_is_rejected(rc, db, handlers_db):
