@@ -426,6 +426,22 @@ MUTATIONS = [
              "redis.call('PEXPIRE', KEYS[2], ARGV[3])\n", "",
              ("tests/test_toolkit.py", "-k", "fence_counter_expires"),
              "an unused lock name's fence counter expires"),
+    Mutation("cache-store-leaves-tags-to-expire", "supervisor/toolkit/cache.py",
+             "  if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[5]) then redis.call('PEXPIRE', KEYS[i], ARGV[5]) end\n",
+             "", ("tests/test_toolkit.py", "-k", "outlives_its_tag"),
+             "a cache entry's tags live as long as the entry, so invalidating a tag reaches it"),
+    Mutation("cache-store-without-its-tag", "supervisor/toolkit/cache.py",
+             "  if redis.call('SISMEMBER', KEYS[i], ARGV[4]) == 0 then", "  if false then",
+             ("tests/test_toolkit.py", "-k", "outlives_its_tag"),
+             "a build that outlived its tag stores nothing an invalidation could have missed"),
+    Mutation("cache-tag-never-trimmed", "supervisor/toolkit/cache.py",
+             "        redis.call('SREM', KEYS[i], key)\n", "",
+             ("tests/test_toolkit.py", "-k", "only_members_that_may"),
+             "a cache tag keeps only the members still readable or being filled"),
+    Mutation("cache-big-tag-in-one-script", "supervisor/toolkit/cache.py",
+             "  if redis.call('SCARD', tag) <= batch then", "  if true then",
+             ("tests/test_toolkit.py", "-k", "big_tag"),
+             "a big tag is invalidated in short scripts"),
 ]
 
 
