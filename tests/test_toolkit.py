@@ -20,7 +20,7 @@ from supervisor.config import ConfigError, from_dict
 from supervisor.retry import RetryLater
 from supervisor.toolkit.cache import Cache
 from supervisor.toolkit.idempotency import Idempotency, IdempotencyError, prune
-from supervisor.toolkit.locks import LockBusy, LockLost, Locks, advisory_lock, row_lock
+from supervisor.toolkit.locks import FENCE_MARGIN, LockBusy, LockLost, Locks, advisory_lock, row_lock
 from supervisor.toolkit.transaction import transaction
 
 from .daemon import tangguh
@@ -373,8 +373,57 @@ def test_a_lock_name_that_is_another_locks_fence_counter_is_refused(rc):
         locks.acquire("yard:fence", ttl=30, wait=0)
     assert not client.exists(prefix + "lock:yard:fence")
     yard = locks.acquire("yard", ttl=30, wait=0)  # its counter is its own
-    assert yard.fence == 1
+    assert int(client.get(prefix + "lock:yard:fence")) == yard.fence
+    assert not client.exists(prefix + "lock:yard:fence:fence")
     yard.release()
+
+
+def _a_millisecond_later(client):
+    """Wait for the server's clock to pass the millisecond it is in (fences rise with it)."""
+    def ms():
+        seconds, micros = client.time()
+        return seconds * 1000 + micros // 1000
+
+    now = ms()
+    wait_for(lambda: ms() > now, timeout=5, interval=0.001, message="the server's clock to move on")
+
+
+def test_fences_keep_rising_when_redis_loses_or_rewinds_the_counter(rc):
+    """A restart that lost the counter (no persistence, eviction) or a failover to a replica that
+    missed its last INCRs: fences from 1 again would be refused by every fenced resource."""
+    client, prefix = rc
+    locks = Locks(client, prefix)
+    first = locks.acquire("invoice:7:export", ttl=30, wait=0)
+    first.release()
+    counter = first.key + ":fence"
+    _a_millisecond_later(client)  # a restart takes that long at the very least
+    client.delete(counter)  # lost
+    second = locks.acquire("invoice:7:export", ttl=30, wait=0)
+    second.release()
+    assert second.fence > first.fence
+    _a_millisecond_later(client)
+    client.set(counter, first.fence)  # behind: the replica saw the first acquire only
+    third = locks.acquire("invoice:7:export", ttl=30, wait=0)
+    third.release()
+    assert third.fence > second.fence
+    # Exact integers, as stored (a float's 14 digits would repeat or skip fences).
+    assert int(client.get(counter)) == third.fence and isinstance(third.fence, int) and third.fence < 2 ** 53
+
+
+def test_a_fence_counter_expires_once_its_lock_name_is_unused(rc):
+    """Every distinct lock name used to leave its counter behind for good."""
+    client, prefix = rc
+    locks = Locks(client, prefix)
+    for i in range(20):
+        locks.acquire(f"invoice:{i}:export", ttl=30, wait=0).release()
+    counters = list(client.scan_iter(match=f"{prefix}lock:*:fence"))
+    assert len(counters) == 20
+    assert all(30_000 < client.pttl(k) <= 30_000 + FENCE_MARGIN * 1000 for k in counters)
+    # Each acquire pushes it back: a name in use keeps its counter.
+    counter = prefix + "lock:invoice:0:export:fence"
+    client.pexpire(counter, 50)
+    locks.acquire("invoice:0:export", ttl=600, wait=0).release()
+    assert client.pttl(counter) > 600_000
 
 
 def test_expired_holder_cannot_release_the_new_lock_and_its_fenced_write_is_rejected(rc, db, handlers_db):
@@ -444,6 +493,95 @@ def test_fill_lease_race_reader_cannot_store_a_row_read_before_the_writers_commi
         assert reader.store("k", "old", 300, token) is False and not client.exists(prefix + "cache:k")
     finally:
         writer.close()
+
+
+def test_an_entry_never_outlives_its_tag_set(rc):
+    """The tag's TTL was set when the lease was taken, the entry's when it was stored: a build the
+    master kept leased for long stored an entry that outlived its tag, and invalidating the tag
+    then missed it (the old value served after the write)."""
+    client, prefix = rc
+    cache = Cache(client, prefix, jitter=0, lease_ttl=2)
+    tag = prefix + "cache-tag:invoice:1"
+
+    def long_build():  # its lease extended by the master until now: the tag has 1 s left
+        client.pexpire(tag, 1000)
+        return "old"
+
+    assert cache.get_or_build("invoice:1:summary", long_build, ttl=300, tags=["invoice:1"]) == "old"
+    entry_ms = client.pttl(prefix + "cache:invoice:1:summary")
+    assert entry_ms > 290_000 and client.pttl(tag) >= entry_ms + 1000
+    cache.invalidate("invoice:1")
+    assert not client.exists(prefix + "cache:invoice:1:summary")
+
+    # A build longer than the tag's whole TTL: the tag went, so an invalidation meanwhile could
+    # not have cancelled the lease. The value is the caller's, never stored.
+    def longer_build():
+        client.delete(prefix + "cache-tag:invoice:2")
+        return "maybe old"
+
+    assert cache.get_or_build("invoice:2:summary", longer_build, ttl=300, tags=["invoice:2"]) == "maybe old"
+    assert not client.exists(prefix + "cache:invoice:2:summary")
+    assert not client.exists(prefix + "cache-lease:invoice:2:summary")  # the next reader builds at once
+    # The two-step form names its tags to the store as to the lease.
+    token = cache.lease("invoice:3:summary", ttl=300, tags=["invoice:3"])
+    client.pexpire(prefix + "cache-tag:invoice:3", 1000)
+    assert cache.store("invoice:3:summary", "v", 300, token, tags=["invoice:3"])
+    assert client.pttl(prefix + "cache-tag:invoice:3") > 290_000
+
+
+def test_a_tag_keeps_only_members_that_may_still_be_read(rc):
+    """Every fill added its key to the tag and only an invalidation removed it: a tag refilled but
+    never invalidated grew without bound (and made its invalidation one long script)."""
+    client, prefix = rc
+    cache = Cache(client, prefix)
+    tag = prefix + "cache-tag:catalog"
+    for q in range(300):
+        cache.get_or_build(f"catalog:search:{q}", lambda: [q], ttl=300, tags=["catalog"])
+    inflight = cache.lease("catalog:inflight", ttl=300, tags=["catalog"])  # a build running: no entry yet
+    for q in range(300):  # the first round's entries expire (evicted here: no waiting)
+        client.delete(f"{prefix}cache:catalog:search:{q}")
+    for q in range(300, 600):
+        cache.get_or_build(f"catalog:search:{q}", lambda: [q], ttl=300, tags=["catalog"])
+    members = {m.decode() for m in client.smembers(tag)}
+    assert len(members) < 330  # 601 before: the dead ones go as fills come (about 301 now)
+    assert {f"catalog:search:{q}" for q in range(300, 600)} | {"catalog:inflight"} <= members
+    cache.invalidate("catalog")
+    assert not any(client.exists(f"{prefix}cache:catalog:search:{q}") for q in range(300, 600))
+    assert cache.store("catalog:inflight", "old", 300, inflight, tags=["catalog"]) is False
+
+
+def test_a_big_tag_is_invalidated_in_short_scripts_and_no_entry_of_it_survives(rc, monkeypatch):
+    """One script over every member of a big tag blocked Redis (the broker's too, maybe) for as long.
+    In batches, fills that took their lease before the invalidation store between two batches: each
+    is deleted or refused, none readable once invalidate() returns."""
+    from supervisor.toolkit import cache as cache_module
+
+    client, prefix = rc
+    cache = Cache(client, prefix)
+    cache.invalidate_batch = 10
+    inflight = []
+    for q in range(55):
+        cache.get_or_build(f"big:{q}", lambda: "old", ttl=300, tags=["big"])
+        if q % 3 == 0:
+            inflight.append((f"big:late:{q}", cache.lease(f"big:late:{q}", ttl=300, tags=["big"])))
+    batches, stored = [], []
+    real_eval = client.eval
+
+    def eval_(script, numkeys, *args):
+        out = real_eval(script, numkeys, *args)
+        if script == cache_module.DROP_MEMBERS:
+            batches.append(len(args) - 2)
+            if len(batches) == 1:  # the builders that read the old rows store now
+                stored.extend(cache.store(key, "old", 300, token, tags=["big"]) for key, token in inflight)
+        return out
+
+    monkeypatch.setattr(client, "eval", eval_)
+    cache.invalidate("big")
+    assert len(batches) >= 7 and max(batches) <= 10
+    assert any(stored)  # stored mid-invalidation: the old rows were readable for a moment
+    assert [k for k in client.scan_iter(match=f"{prefix}cache:big:*")] == []
+    assert not client.exists(prefix + "cache-tag:big")
+    assert cache.get_or_build("big:3", lambda: "new", ttl=300, tags=["big"]) == "new"
 
 
 def test_invalidate_after_commit_never_before_and_never_on_rollback(rc, db):

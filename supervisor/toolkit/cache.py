@@ -23,7 +23,10 @@ Write (in the transaction that changes the data)::
   the lease token, so a builder that read the old row before the writer
   committed cannot store it afterwards. Tags are registered when the lease
   is taken, before the database read, so invalidating a tag reaches fills in
-  flight too.
+  flight too. The store keeps each tag at least as long as the entry (a tag
+  gone during a very long build stores nothing), and taking a lease drops from
+  its tags a few members with neither entry nor lease: a tag refilled but
+  never invalidated stays about the size of its live keys.
 * **Stale-while-revalidate**, only for keys that say they tolerate it
   (``stale_ttl > 0``): after ``ttl`` the entry is kept ``stale_ttl`` seconds
   more; one reader (the lease holder) rebuilds, the others get the stale
@@ -33,7 +36,9 @@ Write (in the transaction that changes the data)::
   is a key, a tag, or both; a tag removes every key filled under it
   (``invoice:123`` -> summary, list pages, aggregates). After commit means
   never before (a reader could refill from the old row) and never on
-  rollback.
+  rollback. A tag of more than ``invalidate_batch`` (500) members goes in
+  batches, one short script each (the Redis may be the broker's too); when
+  the call returns, every entry filled under it before is gone.
 * With Redis unreachable, ``get_or_build`` returns ``builder()`` (nothing
   stored); Redis failing after the builder ran (the store) leaves the value
   unstored, never builds it twice. ``invalidate`` raises, so the job fails and
@@ -61,10 +66,19 @@ from .locks import RELEASE
 
 log = logging.getLogger("tangguh.cache")
 
+# A lease taken also trims its tags: of 5 members drawn at random, those with neither an entry nor
+# a lease go (nothing of theirs is readable, and a new lease adds them again). As fills come, dead
+# members fall to about a fifth of a tag, instead of piling up until an invalidation.
 TAKE_LEASE = """
 if ARGV[5] == 'absent' and redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local p = ARGV[6]
   for i = 3, #KEYS do
+    for _, key in ipairs(redis.call('SRANDMEMBER', KEYS[i], 5)) do
+      if redis.call('EXISTS', p .. 'cache:' .. key, p .. 'cache-lease:' .. key) == 0 then
+        redis.call('SREM', KEYS[i], key)
+      end
+    end
     redis.call('SADD', KEYS[i], ARGV[3])
     if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[4]) then redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
   end
@@ -72,27 +86,53 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
 end
 return 0
 """
+# The tags (KEYS[3..]) are made to outlive the entry, or invalidating one would miss it. A tag
+# without the key means it expired during the build (leased longer than its TTL, the master
+# extending the lease): an invalidation meanwhile could not have cancelled it, so nothing is stored.
 STORE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"""
-INVALIDATE = """
-local p = ARGV[1]
-local n = 0
-for i = 2, #ARGV do
-  local name = ARGV[i]
-  n = n + redis.call('DEL', p .. 'cache:' .. name, p .. 'cache-lease:' .. name)
-  local tag = p .. 'cache-tag:' .. name
-  for _, key in ipairs(redis.call('SMEMBERS', tag)) do
-    n = n + redis.call('DEL', p .. 'cache:' .. key, p .. 'cache-lease:' .. key)
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+for i = 3, #KEYS do
+  if redis.call('SISMEMBER', KEYS[i], ARGV[4]) == 0 then
+    redis.call('DEL', KEYS[1])
+    return 0
   end
-  redis.call('DEL', tag)
 end
-return n
+for i = 3, #KEYS do
+  if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[5]) then redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
+end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+redis.call('DEL', KEYS[1])
+return 1
+"""
+# Keys and small tags at once; a tag of more than ARGV[2] members is left to DROP_MEMBERS in
+# batches (its index among the names is returned), so no script runs long on a shared Redis.
+INVALIDATE = """
+local p, batch = ARGV[1], tonumber(ARGV[2])
+local big = {}
+for i = 3, #ARGV do
+  local name = ARGV[i]
+  redis.call('DEL', p .. 'cache:' .. name, p .. 'cache-lease:' .. name)
+  local tag = p .. 'cache-tag:' .. name
+  if redis.call('SCARD', tag) <= batch then
+    for _, key in ipairs(redis.call('SMEMBERS', tag)) do
+      redis.call('DEL', p .. 'cache:' .. key, p .. 'cache-lease:' .. key)
+    end
+    redis.call('DEL', tag)
+  else
+    big[#big + 1] = i - 3
+  end
+end
+return big
+"""
+# One batch of a big tag: each member's entry and lease go with its membership, in one step.
+DROP_MEMBERS = """
+local p = ARGV[1]
+local tag = p .. 'cache-tag:' .. ARGV[2]
+for i = 3, #ARGV do
+  redis.call('DEL', p .. 'cache:' .. ARGV[i], p .. 'cache-lease:' .. ARGV[i])
+  redis.call('SREM', tag, ARGV[i])
+end
+return #ARGV - 2
 """
 
 
@@ -124,6 +164,8 @@ class Cache:
         self.client, self.prefix = client, prefix
         self.metrics = metrics if metrics is not None else {}
         self.jitter, self.lease_ttl, self.wait = jitter, lease_ttl, wait
+        # Members per script of a tag's invalidation: about 1 ms of Redis time each.
+        self.invalidate_batch = 500
         # In a child: tells the master of each fill lease, as of a lock. It extends a long build's
         # lease with the job's, and frees a dead builder's at once: the next reader builds (and
         # stores) instead of every reader building for itself until the lease ran out.
@@ -174,7 +216,7 @@ class Cache:
             if token is None:
                 _count(self.metrics, "cache_stale_served")
                 return entry["v"]
-            return self._build(key, builder, ttl, stale_ttl, token)
+            return self._build(key, builder, ttl, stale_ttl, token, tags)
         _count(self.metrics, "cache_miss")
         deadline = time.monotonic() + wait
         pause = 0.005
@@ -184,7 +226,7 @@ class Cache:
             # second build.
             token = self._take_lease(key, tags, ttl, stale_ttl)
             if token is not None:
-                return self._build(key, builder, ttl, stale_ttl, token)
+                return self._build(key, builder, ttl, stale_ttl, token, tags)
             entry = self._read(key)  # filled meanwhile, or being filled by another process
             if entry is not None:
                 return entry["v"]
@@ -197,8 +239,19 @@ class Cache:
 
     def invalidate(self, *names):
         """Delete the entries (and cancel the fill leases) of keys and tags ``names`` now."""
-        if names:
-            self.client.eval(INVALIDATE, 0, self.prefix, *names)
+        if not names:
+            return
+        batch = self.invalidate_batch
+        for i in self.client.eval(INVALIDATE, 0, self.prefix, batch, *names):
+            name = names[int(i)]
+            # Every member there at the start is visited (SSCAN's promise), so each entry filled
+            # before now is deleted, or its lease is and the store refused. A member added since
+            # was leased after the write committed: visiting it or not, nothing old is stored.
+            cursor = None
+            while cursor != 0:
+                cursor, members = self.client.sscan(self._tag(name), cursor or 0, count=batch)
+                for start in range(0, len(members), batch):
+                    self.client.eval(DROP_MEMBERS, 0, self.prefix, name, *members[start:start + batch])
 
     def invalidate_after_commit(self, tx, *names):
         """``invalidate(*names)`` once ``tx`` commits; nothing if it rolls back."""
@@ -215,22 +268,23 @@ class Cache:
         tag_ms = int((ttl + stale_ttl + self.lease_ttl) * 1000) + 1000
         keys = [self._lease(key), self._key(key)] + [self._tag(t) for t in tags]
         mode = "absent" if if_absent else "any"
-        if self.client.eval(TAKE_LEASE, len(keys), *keys, token, int(self.lease_ttl * 1000), key, tag_ms, mode) == 1:
+        if self.client.eval(TAKE_LEASE, len(keys), *keys, token, int(self.lease_ttl * 1000), key, tag_ms, mode,
+                            self.prefix) == 1:
             return token
         return None
 
-    def _build(self, key, builder, ttl, stale_ttl, token):
+    def _build(self, key, builder, ttl, stale_ttl, token, tags):
         """Run the builder under our lease; store its value only if the lease survived."""
         if self.notify is None:
-            return self._build_leased(key, builder, ttl, stale_ttl, token)
+            return self._build_leased(key, builder, ttl, stale_ttl, token, tags)
         lease = {"key": self._lease(key), "token": token}
         self.notify(dict(lease, op=protocol.LOCK, ttl=self.lease_ttl))
         try:
-            return self._build_leased(key, builder, ttl, stale_ttl, token)
+            return self._build_leased(key, builder, ttl, stale_ttl, token, tags)
         finally:
             self.notify(dict(lease, op=protocol.UNLOCK))
 
-    def _build_leased(self, key, builder, ttl, stale_ttl, token):
+    def _build_leased(self, key, builder, ttl, stale_ttl, token, tags):
         _count(self.metrics, "cache_rebuild")
         try:
             entry, ms = self._entry(key, builder(), ttl, stale_ttl)
@@ -244,7 +298,7 @@ class Cache:
                 log.warning("cannot release the fill lease of %s (it expires by itself): %s", key, exc)
             raise
         try:
-            self.client.eval(STORE, 2, self._lease(key), self._key(key), token, entry, ms)
+            self._store(key, entry, ms, token, tags)
         except (redis_py.ConnectionError, redis_py.TimeoutError) as exc:
             # The value is built: hand it over rather than build it again (the lease expires by itself).
             log.warning("cache unreachable, %s not stored: %s", key, exc)
@@ -256,10 +310,18 @@ class Cache:
         entry = _dumps(key, {"v": value, "fresh": time.time() + fresh})
         return entry, max(1, int((fresh + stale_ttl) * 1000))
 
-    def store(self, key, value, ttl, token, stale_ttl=0.0):
-        """Store ``value`` if fill lease ``token`` is still valid; False if an invalidation cancelled it."""
+    def _store(self, key, entry, ms, token, tags):
+        keys = [self._lease(key), self._key(key)] + [self._tag(t) for t in tags]
+        tag_ms = ms + int(self.lease_ttl * 1000)
+        return bool(self.client.eval(STORE, len(keys), *keys, token, entry, ms, key, tag_ms))
+
+    def store(self, key, value, ttl, token, stale_ttl=0.0, tags=()):
+        """Store ``value`` if fill lease ``token`` is still valid; False if an invalidation cancelled it.
+
+        ``tags``: those the lease was taken with (they are kept as long as the entry).
+        """
         entry, ms = self._entry(key, value, ttl, stale_ttl)
-        return bool(self.client.eval(STORE, 2, self._lease(key), self._key(key), token, entry, ms))
+        return self._store(key, entry, ms, token, tags)
 
     def lease(self, key, ttl, tags=(), stale_ttl=0.0):
         """Take the fill lease of ``key`` by hand: its token, or None when another holds it.

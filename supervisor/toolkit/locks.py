@@ -6,10 +6,13 @@ Redis lock (``ctx.lock``)::
         ...   # lock.fence: store it beside the write and compare (see below)
 
 * Acquire is one script: ``SET key token NX PX ttl`` and, when it succeeds,
-  ``INCR`` of the key's fence counter: every acquisition gets a **fencing
-  token** strictly greater than all earlier ones for that key. The counter's
-  key is the lock's plus ``:fence``, so a lock name ending in ``:fence`` is
-  refused.
+  ``INCR`` of the key's fence counter, first raised to the server's clock in
+  ms x 1024 if it lies below: every acquisition gets a **fencing token** (a
+  64-bit integer) strictly greater than all earlier ones for that key, even
+  after Redis lost or rewound the counter (a restart, a failover, an
+  eviction). The counter's key is the lock's plus ``:fence``, so a lock name
+  ending in ``:fence`` is refused; it expires ``FENCE_MARGIN`` (an hour) past
+  the lock's TTL from its last acquire, so unused names leave nothing behind.
 * Release and extend compare the owner token first (compare-and-delete,
   compare-and-pexpire): only the holder can release or extend.
 * The child tells the master about each lock it holds (``{"op": "lock"}`` on
@@ -51,12 +54,26 @@ from ..retry import RetryLater
 log = logging.getLogger("tangguh.locks")
 
 FENCE = ":fence"  # lock ``name``'s fence counter is its key plus this
+# Seconds a fence counter outlives its lock's TTL: unused names' counters go, and only a clock
+# stepped back by more than this could then hand out a fence below an earlier one.
+FENCE_MARGIN = 3600
 
+# The counter never lies below the server's clock in ms x 1024 (as the broker's job tokens,
+# model.first_token): a counter lost (a restart without persistence, an eviction, its TTL) or
+# rewound (a failover to a replica that missed the last INCRs) goes on above every fence handed
+# out before, as long as one name got fewer than 1,024 fences per ms, which its lock rules out.
+# Below 2**53 until the year 2248: exact in Lua's doubles. Formatted by hand: tostring keeps
+# 14 digits.
 ACQUIRE = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return redis.call('INCR', KEYS[2])
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
+local now = redis.call('TIME')
+local floor = (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)) * 1024
+if (tonumber(redis.call('GET', KEYS[2])) or 0) < floor then
+  redis.call('SET', KEYS[2], string.format('%.0f', floor))
 end
-return false
+local fence = redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return fence
 """
 RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -143,7 +160,7 @@ class Locks:
         started = time.monotonic()
         pause = 0.005
         while True:
-            fence = self.client.eval(ACQUIRE, 2, key, key + FENCE, token, ms)
+            fence = self.client.eval(ACQUIRE, 2, key, key + FENCE, token, ms, ms + FENCE_MARGIN * 1000)
             if fence is not None:
                 count(self.metrics, "lock_acquired")
                 count(self.metrics, "lock_wait_seconds", time.monotonic() - started)
