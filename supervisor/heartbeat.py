@@ -24,8 +24,9 @@ log = logging.getLogger("tangguh.heartbeat")
 
 
 class Heartbeat:
-    def __init__(self, url, lease_seconds, interval, wake_fd):
+    def __init__(self, url, lease_seconds, interval, wake_fd, queues=None):
         self.url = url
+        self.queues = queues  # the served queues (replaced on reload): the only ones whose pause matters here
         self.lease_seconds = lease_seconds
         self.interval = interval
         self.wake_fd = wake_fd
@@ -133,7 +134,8 @@ class Heartbeat:
             return
         # Every beat, leases or not: every supervisor sharing the broker learns of a pause
         # within one heartbeat, and its record says it is alive.
-        paused = self._call(lambda br: br.paused())
+        queues = self.queues
+        paused = self._call(lambda br: br.paused(queues))
         if record is not None and paused is not None:  # None: the broker failed, the record waits a beat
             record = dict(record, paused_queues=sorted(paused))
             self._call(lambda br: br.write_supervisor(record, self.record_ttl()))

@@ -279,6 +279,9 @@ def test_pause_stops_every_claimer_sharing_the_broker(broker, broker_url):
         for b in (broker, other):
             assert set(b.paused()) == {"mail"} and b.paused()["mail"]["by"] == "ops"
             assert b.paused()["mail"]["at"] > 0
+            # Only the queues asked about (what a supervisor's heartbeat serves): the others are none of its business.
+            assert b.paused(["mail", "default"]) == b.paused() and b.paused(["default", "nowhere"]) == {}
+            assert b.paused([]) == {}
         assert other.claim(["mail"], 5, 30, "s2") == []
         assert [j.queue for j in other.claim(["mail", "default"], 5, 30, "s2")] == ["default"]
         stats = broker.stats(["mail", "default"])

@@ -177,8 +177,10 @@ def test_pause_is_seen_by_two_supervisors_sharing_a_broker(tmp_path, url):
         wait_for(lambda: a.status()["prefetched"] + b.status()["prefetched"] == 6, timeout=30,
                  message="the default jobs prefetched")
         assert tangguh("queue", "pause", "default", "-c", a.config_path).returncode == 0
-        for d in (a, b):
-            wait_for(lambda d=d: d.status()["paused_queues"] == ["default"] and d.status()["prefetched"] == 0,
+        assert tangguh("queue", "pause", "only_b", "-c", a.config_path).returncode == 0
+        # Each sees the pauses of the queues it serves, and asks the broker for no others.
+        for d, mine in ((a, ["default"]), (b, ["default", "only_b"])):
+            wait_for(lambda d=d, mine=mine: d.status()["paused_queues"] == mine and d.status()["prefetched"] == 0,
                      timeout=30, message="the pause seen and the prefetched jobs released")
         open(release, "w").close()
         for job_id in holds:
@@ -191,6 +193,7 @@ def test_pause_is_seen_by_two_supervisors_sharing_a_broker(tmp_path, url):
         metrics = tangguh("metrics", "-c", b.config_path).stdout
         assert 'tangguh_queue_paused{queue="default"} 1.0' in metrics
         assert tangguh("queue", "resume", "default", "-c", b.config_path).returncode == 0
+        assert tangguh("queue", "resume", "only_b", "-c", b.config_path).returncode == 0
         for job_id in waiting:
             assert a.wait_job(job_id).state == "done"
         for d in (a, b):

@@ -346,3 +346,50 @@ def test_an_id_the_caller_chose_may_not_name_a_job_of_another_queue(rb):
     assert rb.enqueue(NewJob("t", {"n": 1}, id="job_order_42", queue="a")) == "job_order_42"  # a resend: the same job
     (job,) = rb.claim(["a"], 5, 30, "w")
     assert (job.id, job.payload) == ("job_order_42", {"n": 1})
+
+
+def test_a_heartbeat_asking_for_its_own_queues_reads_no_other_queue(rb, raw, redis_url):
+    """Producers may name a queue per tenant. The heartbeat's ``paused()`` read every
+    queue ever named, each beat: 50,000 names cost 0.6 s a beat, most of a core on an idle
+    supervisor, and renewals fell behind. Asked for the queues it serves, it reads those."""
+    prefix = prefix_of(redis_url)
+    raw.sadd(f"{prefix}:queues", *[f"tenant{i}" for i in range(3000)])
+    rb.pause("tenant7", by="ops")
+    rb.pause("default", by="ops")
+    end = f"{prefix}-end"
+    with raw.monitor() as monitor:
+        answer = rb.paused(["default"])
+        raw.echo(end)
+        seen = []
+        for command in monitor.listen():
+            if end in command["command"]:
+                break
+            if prefix in command["command"]:
+                seen.append(command["command"])
+    assert list(answer) == ["default"]
+    assert len(seen) == 1 and seen[0].startswith("GET ") and "{default}" in seen[0], seen
+    assert set(rb.paused()) == {"default", "tenant7"}  # asked for every queue: every queue
+
+
+def test_the_heartbeats_instance_keeps_queue_entries_only_for_the_leases_it_holds(rb, redis_url, monkeypatch):
+    """The heartbeat renews on a broker instance of its own, which never sees the acks. It
+    kept the queue of every job it ever renewed (11 MiB at the bound), then emptied the
+    whole cache at once, and each lease then held cost a probe of every queue ever named."""
+    from supervisor.backends.redis import locate
+
+    beat = open_broker(redis_url)  # the heartbeat's instance
+    try:
+        rb.enqueue_many([new() for _ in range(30)])
+        leases = [job.lease for job in rb.claim(["default"], 30, 30, "w")]
+        assert beat.renew(leases, 30).lost == []
+        assert set(beat._locator.known) == {lease.job_id for lease in leases}
+        for lease in leases[:20]:
+            rb.ack(lease)
+        assert beat.renew(leases[20:], 30).lost == []
+        assert set(beat._locator.known) == {lease.job_id for lease in leases[20:]}
+        monkeypatch.setattr(locate, "WHERE_MAX", 8)
+        for i in range(20):
+            beat._locator.remember(f"job_x{i}", "default")
+        assert 6 <= len(beat._locator.known) <= 8 and "job_x19" in beat._locator.known  # trimmed, never emptied
+    finally:
+        beat.close()

@@ -242,3 +242,33 @@ def test_a_schedule_that_cannot_build_its_job_is_skipped_not_fatal(broker):
     schedules = dict(every_second(), bad=Schedule("bad", "* * * * * *", "t", {}))
     got = Scheduler(schedules, refuse).tick(broker, now=T0 + 0.5)
     assert [(name, job_id is not None) for name, _, job_id in got] == [("beat", True)]
+
+
+def test_a_wall_clock_step_forward_is_seen_at_the_next_clock_check(tmp_path, monkeypatch):
+    """The wait until the next tick ran on the monotonic clock, computed once from the broker's
+    time: after a wall-clock step forward (NTP, a VM resumed) an hourly tick came up to an
+    hour late, a daily one a day late. The broker's clock is read again at least every
+    ``CLOCK_CHECK_SECONDS`` (shortened here)."""
+    from supervisor.backends.sqlite import SQLiteBroker
+    from supervisor.master import periodic
+
+    class SteppedClock(SQLiteBroker):
+        step = 0.0
+
+        def now(self):
+            return super().now() + self.step
+
+    broker = SteppedClock(f"sqlite:///{tmp_path}/broker.db")
+    broker.migrate()
+    cfg = config.from_dict({"schedules": {"hourly": {"cron": "0 * * * *", "type": "t", "catch_up": 0}}})
+    link = type("Link", (), {"down": False, "call": lambda self, fn, what=None: fn(broker)})()
+    monkeypatch.setattr(periodic, "CLOCK_CHECK_SECONDS", 0.05)
+    chores = periodic.Periodic(cfg, {}, link, metrics=None, sample_seconds=3600)
+    now = broker.now()
+    broker.step = 3600 - now % 3600 - 30  # half a minute before the hour
+    chores.run_schedules()
+    assert broker.stats(["default"])["default"].ready == 0
+    broker.step += 60  # the wall clock steps a minute forward: the hour is past
+    wait_for(lambda: chores.run_schedules() or broker.stats(["default"])["default"].ready == 1, timeout=10,
+             message="the tick of the hour enqueued after the step")
+    broker.close()

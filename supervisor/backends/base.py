@@ -225,8 +225,9 @@ class Broker(abc.ABC):
         """Undo ``pause``; idempotent."""
         raise NotImplementedError
 
-    def paused(self):
-        """``{queue: {"by", "at"}}`` for every paused queue."""
+    def paused(self, queues=None):
+        """``{queue: {"by", "at"}}`` for every paused queue, or for those of ``queues`` (what a
+        supervisor serves: its heartbeat asks every beat, and producers may name many queues)."""
         raise NotImplementedError
 
     def queues(self):

@@ -87,7 +87,7 @@ class Arbiter:
         self.link = BrokerLink(b.url, b.migrate, self.selector, self.metrics, on_wakeup=self.on_broker_wakeup,
                                on_down=self.on_broker_down, pid=self.pid)
         # The wake-up pipe is made in start(); the heartbeat only writes to it once started.
-        self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, None)
+        self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, None, list(b.queues))
         self.endings = Endings(self)
         self.pool = Pool(cfg.supervisor, self.selector, self.heartbeat, run_child=self.run_child,
                          on_reply=self.endings.on_reply, on_lock=self.on_lock, on_exit=self.endings.on_child_exit,
@@ -301,7 +301,7 @@ class Arbiter:
         self.dispatcher.configure(cfg, handlers)
         self.periodic.configure(cfg, handlers)
         self.pool.cfg, self.pool.generation, self.pool.target = cfg.supervisor, self.generation, cfg.supervisor.workers
-        self.heartbeat.lease_seconds = cfg.broker.lease_seconds
+        self.heartbeat.lease_seconds, self.heartbeat.queues = cfg.broker.lease_seconds, list(cfg.broker.queues)
         self.heartbeat.interval = cfg.broker.heartbeat_seconds
         logging.getLogger().setLevel(cfg.log.level.upper())
         self.pool.retire_all(older_than=self.generation)

@@ -11,6 +11,10 @@ from .. import scheduler
 from ..errors import BrokerError
 
 PRUNE_SECONDS = 300  # how often finished jobs past the retention are deleted (jittered: many supervisors)
+# The longest wait before the broker's clock is read again for the schedules: the wait until
+# the next tick is counted on the monotonic clock, which a wall-clock step (NTP, a VM resumed)
+# does not move, so a daily tick could otherwise come a day late.
+CLOCK_CHECK_SECONDS = 30.0
 
 
 class Periodic:
@@ -50,7 +54,7 @@ class Periodic:
         except BrokerError:
             self.schedule_at = time.monotonic() + 1.0  # what was not enqueued stays due
             return
-        self.schedule_at = time.monotonic() + max(0.0, self.scheduler.due_at() - now)
+        self.schedule_at = time.monotonic() + min(CLOCK_CHECK_SECONDS, max(0.0, self.scheduler.due_at() - now))
 
     def prune(self):
         now = time.monotonic()

@@ -105,8 +105,11 @@ class ControlMixin(control.ExpiredLog):
         check_queue(queue)
         self._execute(f"DELETE FROM {self._s}.paused_queues WHERE queue = %s", (queue,))
 
-    def paused(self):
-        rows = self._execute(f"SELECT queue, paused_by, paused_at FROM {self._s}.paused_queues ORDER BY queue")
+    def paused(self, queues=None):
+        sql, params = f"SELECT queue, paused_by, paused_at FROM {self._s}.paused_queues", ()
+        if queues is not None:
+            sql, params = sql + " WHERE queue = ANY(%s::text[])", ([check_queue(q) for q in queues],)
+        rows = self._execute(sql + " ORDER BY queue", params)
         return {queue: {"by": by, "at": at} for queue, by, at in rows.fetchall()}
 
     def queues(self):

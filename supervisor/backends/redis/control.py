@@ -55,6 +55,7 @@ class ControlMixin(control.ExpiredLog):
         progress = progress or {}
         renewal = Renewal()
         lease_us = max(1, int(lease_seconds * 1e6))
+        self._locator.renewing(lease.job_id for lease in leases)
         where = self._locator.queues_of([lease.job_id for lease in leases])
         groups = {}
         for lease in leases:
@@ -101,8 +102,9 @@ class ControlMixin(control.ExpiredLog):
         self.r.delete(self._paused_key(queue))
 
     @guard
-    def paused(self):
-        queues = sorted(self.r.smembers(self.keys.queues))
+    def paused(self, queues=None):
+        # Not every queue ever named when the caller says which: producers may name thousands.
+        queues = sorted(self.r.smembers(self.keys.queues)) if queues is None else sorted(set(queues))
         if not queues:
             return {}
         pipe = self.r.pipeline(transaction=False)  # one slot per queue: no cross-slot MGET

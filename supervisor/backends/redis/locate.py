@@ -7,6 +7,8 @@ known queue in one pipelined round trip: ``get``, ``dlq_*``, and the first
 ``extend`` or finish call for leases another instance claimed (the heartbeat
 thread's own broker) take that path.
 """
+import itertools
+
 WHERE_MAX = 100_000  # job id -> queue cache bound
 
 
@@ -14,11 +16,24 @@ class Locator:
     def __init__(self, client, keys):
         self.client, self.keys = client, keys
         self.known = {}  # job id -> queue, for jobs this instance claimed or looked up
+        self.renewed = set()  # the ids the last ``renew`` held
 
     def remember(self, job_id, queue):
         if len(self.known) >= WHERE_MAX:
-            self.known.clear()
+            # The oldest quarter goes (a dict keeps insertion order), not all: emptied, every
+            # lease held would cost a probe of every queue ever named at its next renewal.
+            for old in list(itertools.islice(self.known, WHERE_MAX // 4)):
+                del self.known[old]
         self.known[job_id] = queue
+
+    def renewing(self, job_ids):
+        """``renew`` holds these now. An id the previous renewal held and this one does not has
+        finished elsewhere (the heartbeat's instance never sees the ack): its entry goes, so a
+        renewing instance keeps entries for what it holds, not for every job it ever renewed."""
+        job_ids = set(job_ids)
+        for gone in self.renewed - job_ids:
+            self.known.pop(gone, None)
+        self.renewed = job_ids
 
     def forget(self, job_id):
         self.known.pop(job_id, None)

@@ -106,9 +106,13 @@ class ControlMixin(control.ExpiredLog):
         with self._write():
             self.db.execute("DELETE FROM paused_queues WHERE queue = ?", (queue,))
 
-    def paused(self):
+    def paused(self, queues=None):
+        sql, params = "SELECT queue, paused_by, paused_at FROM paused_queues", ()
+        if queues is not None:
+            queues = [check_queue(q) for q in queues]
+            sql, params = sql + f" WHERE queue IN ({', '.join('?' * len(queues))})", queues
         with self._read():
-            rows = self.db.execute("SELECT queue, paused_by, paused_at FROM paused_queues ORDER BY queue").fetchall()
+            rows = self.db.execute(sql + " ORDER BY queue", params).fetchall()
         return {r["queue"]: {"by": r["paused_by"], "at": r["paused_at"]} for r in rows}
 
     def queues(self):
