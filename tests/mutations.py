@@ -480,6 +480,10 @@ MUTATIONS = [
              "max(0.0, self.scheduler.due_at() - now)",
              ("tests/test_scheduling.py", "-k", "wall_clock_step"),
              "a wall-clock step forward is seen by the schedules within CLOCK_CHECK_SECONDS"),
+    Mutation("prefetch-ignores-job-size", "supervisor/master/prefetch.py",
+             "return count if not size else min(count, int(BYTES / size))", "return count",
+             ("tests/test_prefetch.py", "-k", "large_jobs"),
+             "at most BYTES of one type's jobs wait prefetched in the master"),
 ]
 
 

@@ -1,7 +1,7 @@
 """``broker.prefetch = "auto"``: short job types are prefetched, long ones never wait in a busy supervisor."""
 import os
 
-from supervisor.master.prefetch import PER_CHILD, Prefetch
+from supervisor.master.prefetch import BYTES, PER_CHILD, Prefetch
 from supervisor.model import NewJob
 
 from .daemon import Daemon, read_lines
@@ -67,3 +67,30 @@ def test_a_long_job_never_waits_behind_another_while_a_sibling_supervisor_is_idl
             open(release, "w").close()
         a.stop()
         b.stop()
+
+
+def test_large_jobs_are_prefetched_a_few_at_a_time(tmp_path):
+    """A quick type with large payloads counted as short: 32 jobs per child waited in the
+    master, each decoded, several times its size (ten 7 MB payloads: a 0.9 GB peak). At most
+    ``BYTES`` of one type's jobs wait now, as measured in the messages to the children."""
+    d = Daemon(tmp_path, supervisor={"workers": 1})
+    release = d.marker("release")
+    big = {"pad": "x" * (BYTES // 4)}  # a quarter of the budget: four may wait
+    try:
+        d.start()
+        for job_id in [d.enqueue("noop", big) for _ in range(5)]:
+            assert d.wait_job(job_id).state == "done"
+        noop = {t["type"]: t for t in d.status()["prefetch"]["types"]}["noop"]
+        assert noop["average_bytes"] > BYTES // 4 and noop["prefetch"] == 3, noop  # 4 jobs' messages overshoot 8 MiB
+        held = d.enqueue("hold", {"release": release})
+        wait_for(lambda: d.job(held).state == "running", message="the child busy")
+        ids = d.broker.enqueue_many([NewJob("noop", big) for _ in range(12)])  # one claim could take them all
+        wait_for(lambda: d.status()["prefetched"] == 3, message="large jobs prefetched")
+        for _ in range(20):  # the claims go on while the child is busy: never more than the three
+            assert d.status()["prefetched"] <= 3
+        open(release, "w").close()
+        assert [d.wait_job(job_id).state for job_id in ids + [held]] == ["done"] * 13
+        d.assert_clean()
+    finally:
+        open(release, "w").close()
+        d.stop()

@@ -135,7 +135,7 @@ class Dispatcher:
             most = self.cfg.supervisor.max_jobs_per_child
             if most:
                 size = min(size, max(1, most - c.jobs_done))  # a child recycled after N jobs runs N
-            self.pool.run(c, self.take_batch(size))
+            self.send(c, self.take_batch(size))
         if self.prefetched:
             self.top_up(share)
         if self.prefetched and self.prefetch.auto and self.recheck:
@@ -170,10 +170,21 @@ class Dispatcher:
             if most:
                 size = min(size, most - c.jobs_done - 1 - len(c.queued))  # its running job counts too
             if size > 0:
-                left = self.pool.run(c, self.take_batch(size))
+                left = self.send(c, self.take_batch(size))
                 if left:  # more than its pipe takes while it is busy: they wait for a free child
                     self.prefetched.extendleft(reversed(left))
                     return
+
+    def send(self, c, batch):
+        """``batch`` to child ``c``; returns what its pipe could not take. The prefetch learns the jobs' sizes."""
+        left = self.pool.run(c, batch)
+        sent = batch[:len(batch) - len(left)]
+        if sent:
+            types = [job.type for job, _ in sent]
+            before = self.prefetch.for_type(types[0])
+            self.prefetch.weigh(types, c.sent_bytes)
+            self.recheck = self.recheck or self.prefetch.for_type(types[0]) < before  # large jobs: fewer wait
+        return left
 
     def take_batch(self, size):
         """Up to ``size`` prefetched jobs, oldest first: one, and more only while their types are short."""

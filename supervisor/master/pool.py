@@ -43,6 +43,7 @@ class Child:
         self.progress = None  # (fraction, note) its job last reported
         self.jobs_done, self.retiring = 0, False
         self.done_at_send = 0  # jobs_done when its last RUN message went out (top-ups: dispatch.top_up)
+        self.sent_bytes = 0  # the size of that message (the prefetch learns the jobs' sizes)
         self.bad_frame = None  # the error of a message the protocol cannot take: no more reading
         # What a message to it may hold while it is busy: a quarter of its pipe (one top-up unread at a time).
         self.room = min(protocol.TOP_UP_BYTES, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4)
@@ -180,6 +181,7 @@ class Pool:
         if len(batch) > 1 or c.job is not batch[0][0]:  # " (busy)": queued behind the job it runs
             log.debug("batch of %d jobs to worker %d%s", len(batch), c.slot, " (busy)" * (c.job is not batch[0][0]),
                       extra={"event": "batch", "slot": c.slot, "pid": c.pid})
+        c.sent_bytes = len(frame)
         try:
             c.sock.sendall(frame)
         except OSError:

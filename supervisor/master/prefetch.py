@@ -7,7 +7,9 @@ multiplier is the known one): the job sits behind a running one while a
 sibling supervisor may be idle. ``"auto"`` therefore keeps, per job type, a
 moving average of its run time and prefetches only as many jobs of it as the
 children get through within ``WAIT_BUDGET``; a type never measured yet, or
-slower than that, gets none. A number pins the prefetch for every type.
+slower than that, gets none; and no more than ``BYTES`` of one type's jobs (a
+job waits decoded, several times its size). A number pins the prefetch for
+every type.
 """
 WAIT_BUDGET = 0.05  # seconds a prefetched job may expect to wait for a free child
 PER_CHILD = 32  # most prefetched jobs per child, however short the type
@@ -17,6 +19,9 @@ REFILL = BATCH // 2  # a busy child with fewer short jobs queued than this gets 
 # One run longer than this stops batching to its child: an outlier of a short type (its
 # average is what makes it batchable), kept above a scheduler hiccup or a GC pause.
 LONG_RUN = WAIT_BUDGET / 8
+# Most bytes of one type's jobs waiting prefetched (as measured in the messages to the children):
+# a job waits decoded, several times its size, so a type with large payloads gets fewer.
+BYTES = 8 * 2**20
 
 
 class Prefetch:
@@ -24,6 +29,7 @@ class Prefetch:
 
     def __init__(self, setting, workers):
         self.averages = {}  # job type -> moving average of its run time, seconds
+        self.sizes = {}  # job type -> moving average of one job's bytes in a message to a child
         self.served = None  # the handlers' types: only those are measured (None: any)
         self.configure(setting, workers, None)
 
@@ -35,6 +41,7 @@ class Prefetch:
         if served is not None:  # bounded: only served types are measured
             self.served = frozenset(served)
             self.averages = {t: a for t, a in self.averages.items() if t in self.served}
+            self.sizes = {t: a for t, a in self.sizes.items() if t in self.served}
 
     def ran(self, job_type, seconds):
         """A job of ``job_type`` ran for ``seconds`` (the child's measure)."""
@@ -45,15 +52,29 @@ class Prefetch:
         before = self.averages.get(job_type)
         self.averages[job_type] = seconds if before is None else before + WEIGHT * (seconds - before)
 
+    def weigh(self, job_types, nbytes):
+        """One message of jobs of ``job_types`` (a batch) to a child took ``nbytes``."""
+        if not job_types:
+            return
+        each = nbytes / len(job_types)
+        for job_type in set(job_types):
+            if self.served is not None and job_type not in self.served:
+                continue
+            before = self.sizes.get(job_type)
+            self.sizes[job_type] = each if before is None else before + WEIGHT * (each - before)
+
     def for_type(self, job_type):
-        """Jobs of ``job_type`` that may wait prefetched here."""
+        """Jobs of ``job_type`` that may wait prefetched here: as many as run within
+        ``WAIT_BUDGET`` and not more than ``BYTES`` of them (a pinned number is the operator's)."""
         if not self.auto:
             return self.pinned
         average = self.averages.get(job_type)
         if average is None:
             return 0  # not measured yet: run it first, prefetch once its run time is known
         most = PER_CHILD * self.workers
-        return most if average <= 0 else min(most, int(WAIT_BUDGET * self.workers / average))
+        count = most if average <= 0 else min(most, int(WAIT_BUDGET * self.workers / average))
+        size = self.sizes.get(job_type)
+        return count if not size else min(count, int(BYTES / size))
 
     def batchable(self, job_type):
         """Whether jobs of ``job_type`` may share a message to a child: a whole batch of
@@ -78,5 +99,6 @@ class Prefetch:
     def view(self):
         """For ``status``: the prefetch chosen for each measured type."""
         return {"mode": "auto" if self.auto else self.pinned,
-                "types": [{"type": t, "prefetch": self.for_type(t), "average_seconds": round(a, 6)}
+                "types": [{"type": t, "prefetch": self.for_type(t), "average_seconds": round(a, 6),
+                           "average_bytes": round(self.sizes.get(t, 0))}
                           for t, a in sorted(self.averages.items())]}
