@@ -53,12 +53,12 @@ class Daemon:
             tomli_w.dump(config or self.config, f)
 
     # -- life --------------------------------------------------------------------
-    def start(self, wait=True):
+    def start(self, wait=True, preexec_fn=None):
         self.log = open(self.log_path, "ab")
         # Own process group: cleanup can kill the master and every child at once.
         self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "-c", self.config_path],
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=daemon_env())
+                                     env=daemon_env(), preexec_fn=preexec_fn)
         if wait:
             wait_for(self.ready, timeout=30, message="supervisor to answer ping with its children up")
         return self

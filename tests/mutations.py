@@ -484,6 +484,11 @@ MUTATIONS = [
              "return count if not size else min(count, int(BYTES / size))", "return count",
              ("tests/test_prefetch.py", "-k", "large_jobs"),
              "at most BYTES of one type's jobs wait prefetched in the master"),
+    Mutation("ready-waits-for-refused-forks", "supervisor/master/pool.py",
+             "forked = self.missing() <= 0 or (self.spawn_failures > 0 and bool(self.live()))",
+             "forked = self.missing() <= 0",
+             ("tests/test_systemd.py", "-k", "lets_it_fork"),
+             "READY goes to systemd with the children the system let the master fork"),
 ]
 
 

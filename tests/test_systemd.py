@@ -9,6 +9,7 @@ systemd.
 import logging
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -20,6 +21,7 @@ import uuid
 
 import pytest
 
+from supervisor import childlimits
 from supervisor.sdnotify import Notifier
 
 from .daemon import Daemon
@@ -116,6 +118,25 @@ def daemon(tmp_path):
         f.write(ENV_PROBE)
     yield d
     d.stop()
+
+
+def test_ready_comes_with_the_children_the_system_lets_it_fork(notify, daemon):
+    """Started under a descriptor limit too low for every child (``LimitNOFILE=``): the
+    master serves with the children it could fork, and READY must say so, not wait for
+    the rest. Waiting, systemd's start timeout killed a master that was serving."""
+    daemon.config["supervisor"]["workers"] = 30
+    daemon.write_config()
+    limit = childlimits.DESCRIPTOR_RESERVE + 24  # the master's own descriptors and a few children
+    daemon.start(wait=False, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+    notify.wait("READY=1", timeout=30)
+    message = next(m for m in notify.messages if "READY=1" in m)
+    status = next(line for line in message if line.startswith("STATUS="))
+    assert re.search(r"forks refused: \d+ of 30 workers", status), status
+    served = daemon.status()
+    assert 1 <= len(served["workers"]) < 30 and served["target_workers"] == 30
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
 
 
 def test_ready_status_watchdog_reload_and_stopping_in_order(systemd, daemon):

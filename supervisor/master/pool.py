@@ -88,7 +88,9 @@ class Pool:
                 if c.state == IDLE and not c.retiring and c.generation == self.generation]
 
     def all_started(self):
-        return self.missing() <= 0 and all(c.state != STARTING for c in self.children.values())
+        """Every child up; while the system refuses forks, every child it let us fork (one at least)."""
+        forked = self.missing() <= 0 or (self.spawn_failures > 0 and bool(self.live()))
+        return forked and all(c.state != STARTING for c in self.children.values())
 
     def spawn_due_at(self):
         return self.next_spawn_at if not self.stopping and self.missing() > 0 else None

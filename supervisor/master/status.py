@@ -159,6 +159,8 @@ class Status:
             text += "; BROKER DOWN"
         if m.reload_error:
             text += "; last reload failed"
+        if m.pool.spawn_failures:
+            text += f"; forks refused: {len(m.pool.live())} of {m.pool.target} workers"
         return text
 
     def report(self):
