@@ -20,6 +20,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pro
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .oneshot import OneShotServer
+from .protocol import finite
 
 SAMPLE_SECONDS = 5.0  # how often queue gauges are refreshed from the broker
 
@@ -152,8 +153,8 @@ class Metrics:
                 # A lock or cache user gets all of that group's series at once, so
                 # ratios (failed / all, misses / all) exist even while one side is 0.
                 counter.labels(*labels)
-            value = deltas.get(key, 0)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+            value = finite(deltas.get(key, 0))
+            if value is not None and value > 0:
                 counter.labels(*labels).inc(value)
 
     def sample_queues(self, stats):

@@ -5,6 +5,7 @@ and the job fields a child receives. The master, the child and the lock
 helpers use these names, never the strings.
 """
 import json
+import math
 import signal
 import struct
 
@@ -72,6 +73,37 @@ def skipped_reply(job):
 
 class TooLarge(ValueError):
     """A message over ``MAX_MESSAGE`` bytes."""
+
+
+def finite(value):
+    """``value`` when it is a number a float holds (not a bool, not inf or NaN), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return value if math.isfinite(value) else None
+    except OverflowError:  # an int past a float's range: 10**400
+        return None
+
+
+def clean_result(msg):
+    """A child's RESULT with what the master computes with made safe: ``duration`` and
+    ``delay`` dropped unless ``finite``, ``metrics`` kept only as {name: finite number}, the
+    error's texts dropped unless strings.
+
+    A handler's values travel in it (a count, a ``RetryLater`` delay), and a handler may even
+    write to the pipe itself: nothing in a reply may raise in the master's loop.
+    """
+    for key in ("duration", "delay"):
+        if key in msg and finite(msg[key]) is None:
+            del msg[key]
+    for key in ("kind", "error_class", "message", "traceback"):
+        if key in msg and not isinstance(msg[key], str):
+            del msg[key]
+    deltas = msg.get("metrics")
+    if deltas is not None:
+        msg["metrics"] = {k: v for k, v in deltas.items() if isinstance(k, str) and finite(v) is not None} \
+            if isinstance(deltas, dict) else None
+    return msg
 
 
 def encode(obj, limit=None):

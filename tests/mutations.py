@@ -489,6 +489,14 @@ MUTATIONS = [
              "forked = self.missing() <= 0",
              ("tests/test_systemd.py", "-k", "lets_it_fork"),
              "READY goes to systemd with the children the system let the master fork"),
+    Mutation("result-numbers-trusted", "supervisor/master/pool.py",
+             "self.on_reply(c, protocol.clean_result(msg))", "self.on_reply(c, msg)",
+             ("tests/test_master_robustness.py", "-k", "forged_result"),
+             "a child's RESULT cannot end the master with numbers no float holds or texts that are not text"),
+    Mutation("lock-ttl-through-float", "supervisor/master/locks.py",
+             "            ttl = protocol.finite(msg.get(\"ttl\") or 0)", "            ttl = float(msg.get(\"ttl\") or 0)",
+             ("tests/test_master_robustness.py", "-k", "forged_lock"),
+             "a child's lock message cannot end the master with a TTL no float holds"),
 ]
 
 

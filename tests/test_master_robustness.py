@@ -418,3 +418,35 @@ def test_a_max_rss_recycle_is_logged_with_its_reason(tmp_path):
     finally:
         d.stop()
 
+
+
+def test_a_forged_result_with_numbers_no_float_holds_fails_its_attempt_and_the_master_serves_on(tmp_path):
+    """A handler can reach the child's pipe. A RESULT whose delay or counter was 10**400 ended
+    the master (OverflowError in the metrics, then in the retry delay), and every restart
+    claimed the same job and ended again. Such values are dropped at the master's door: the
+    attempt fails with the backoff's delay, the master serves on, and the retry runs."""
+    d = Daemon(tmp_path, handler_files=("testjobs.py", "forged.py"), jobs={"backoff_base": 0.0})
+    try:
+        d.start()
+        job = d.wait_job(d.enqueue("forges_its_result"))
+        assert (job.state, job.attempt, job.result) == ("done", 2, {"attempt": 2})
+        assert job.history[0]["outcome"] == "retry" and job.history[0]["error"]["reason"] == "exception"
+        assert d.proc.poll() is None and d.status()["restarts"] == 0
+        assert d.wait_job(d.enqueue("noop")).state == "done"
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def test_a_forged_lock_message_with_a_ttl_no_float_holds_is_ignored_and_the_master_serves_on(tmp_path, redis_url):
+    """The same through a lock message: its TTL went through float(), and 10**400 raised."""
+    d = Daemon(tmp_path, handler_files=("testjobs.py", "forged.py"), toolkit={"redis_url": redis_url})
+    try:
+        d.start()
+        assert d.wait_job(d.enqueue("forges_a_lock")).state == "done"
+        assert d.proc.poll() is None and d.status()["restarts"] == 0
+        assert d.wait_job(d.enqueue("noop")).state == "done"
+        assert len([r for r in d.records() if "malformed lock message" in r.get("msg", "")]) == 6
+        d.assert_clean()
+    finally:
+        d.stop()

@@ -44,7 +44,9 @@ class MasterLocks:
         """A child's ``lock`` or ``unlock`` message (a malformed one is logged and ignored)."""
         try:
             key, token = str(msg["key"]), str(msg["token"])
-            ttl = float(msg.get("ttl") or 0)
+            ttl = protocol.finite(msg.get("ttl") or 0)  # 10**400 or inf would raise here, NaN at each extension
+            if ttl is None or ttl < 0:
+                raise ValueError(msg.get("ttl"))
         except (KeyError, TypeError, ValueError):
             log.warning("ignoring a malformed %s message from child %d", msg.get("op"), pid)
             return

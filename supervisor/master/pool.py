@@ -296,7 +296,7 @@ class Pool:
                 c.state = IDLE if c.state == STARTING else c.state
                 self.boot_failures = 0
             elif op == protocol.RESULT:
-                self.on_reply(c, msg)
+                self.on_reply(c, protocol.clean_result(msg))
             elif op in (protocol.LOCK, protocol.UNLOCK):
                 self.on_lock(c, msg)
             elif op == protocol.PROGRESS:

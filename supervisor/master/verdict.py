@@ -8,11 +8,10 @@ I/O, keeps no state and reads no clock: the retry policy comes in as
 ``backoff(failures) -> seconds``.
 """
 import dataclasses
-import math
 
 from ..model import ACK, CANCELLED, DEAD, DROP, MAX_DELAY, REASONS, RELEASE, RETRY, Outcome  # noqa: F401 - the ops
 from ..protocol import (BAD_PAYLOAD, CRASHED, EXCEPTION, KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN,
-                        KILLED_TIMEOUT, PERMANENT, RESULT_TOO_LARGE, RETRY_LATER, TIMEOUT, UNKNOWN_TYPE)
+                        KILLED_TIMEOUT, PERMANENT, RESULT_TOO_LARGE, RETRY_LATER, TIMEOUT, UNKNOWN_TYPE, finite)
 
 # Failures that no retry can mend: dead-lettered on the first attempt.
 DEAD_AT_ONCE = (PERMANENT, BAD_PAYLOAD, UNKNOWN_TYPE, RESULT_TOO_LARGE)
@@ -95,6 +94,5 @@ def failure(attempt, max_attempts, kind, error_class, message, backoff, tracebac
 def _seconds(delay):
     """A handler's ``RetryLater`` delay when it is one (a finite number >= 0, at most ten
     years, like an enqueue's delay), else None: the backoff."""
-    if isinstance(delay, (int, float)) and not isinstance(delay, bool) and math.isfinite(delay) and delay >= 0:
-        return min(float(delay), MAX_DELAY)
-    return None
+    delay = finite(delay)
+    return None if delay is None or delay < 0 else min(float(delay), MAX_DELAY)
