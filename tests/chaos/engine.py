@@ -1054,7 +1054,14 @@ class Effects:
         conn = self.connect()
         if self.kind == "sqlite":
             sql = sql.replace("%s", "?")
-        cur = conn.execute(sql, params)
+        try:
+            cur = conn.execute(sql, params)
+        except Exception:  # noqa: BLE001 - only a connection the broker_outage fault closed is retried
+            if self.kind != "postgres" or not conn.closed:
+                raise
+            # The private server restarted after this connection opened: once more on a new one.
+            self.conn = None
+            cur = self.connect().execute(sql, params)
         return cur.fetchall() if cur.description else None
 
     def create(self):
