@@ -1,10 +1,15 @@
 """What a child may cost the master: the descriptors its fork takes, the jobs and
-the memory it may run up before it is recycled."""
+the memory it may run up before it is recycled; and what a fork needs: no other
+thread running in the master."""
 import errno
+import logging
 import os
 import resource
+import threading
 
 import psutil
+
+log = logging.getLogger("tangguh.arbiter")
 
 # Never spent on children: the broker's connections, the socket's clients, the log.
 # A master out of descriptors could not answer ``tangguh status`` nor reach its broker.
@@ -37,3 +42,15 @@ def recycle_reason(cfg, c):
         if rss > cfg.max_child_rss_mb * 1024 * 1024:
             return "max_rss", f"RSS {rss / 1048576:.1f} MiB over max_child_rss_mb = {cfg.max_child_rss_mb}"
     return None
+
+
+def warn_of_threads(seen):
+    """Log once per set of names when threads other than the main one run at a fork (one a
+    handler module started at import: a lock it holds at the fork stays held in every
+    child). Returns the set, for the next call."""
+    others = frozenset(t.name for t in threading.enumerate() if t is not threading.main_thread())
+    if others and others != seen:
+        log.error("forking beside threads a handler module started (%s): a lock one of them holds at the fork"
+                  " stays held in every child; start them lazily, in the job", ", ".join(sorted(others)),
+                  extra={"event": "fork_beside_threads"})
+    return others

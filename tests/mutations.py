@@ -497,6 +497,10 @@ MUTATIONS = [
              "            ttl = protocol.finite(msg.get(\"ttl\") or 0)", "            ttl = float(msg.get(\"ttl\") or 0)",
              ("tests/test_master_robustness.py", "-k", "forged_lock"),
              "a child's lock message cannot end the master with a TTL no float holds"),
+    Mutation("fork-beside-threads-silent", "supervisor/childlimits.py",
+             "    if others and others != seen:", "    if False:",
+             ("tests/test_master_robustness.py", "-k", "thread_a_handler"),
+             "the master names the threads a handler module started before it forks beside them"),
 ]
 
 

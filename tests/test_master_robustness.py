@@ -450,3 +450,21 @@ def test_a_forged_lock_message_with_a_ttl_no_float_holds_is_ignored_and_the_mast
         d.assert_clean()
     finally:
         d.stop()
+
+
+def test_a_thread_a_handler_module_starts_at_import_is_named_before_the_fork(tmp_path):
+    """The master forks only while no other thread runs (a lock a thread holds at the fork
+    stays held in every child, and a child taking it hangs until its hard timeout). A
+    thread a handler module starts at import breaks that silently on Python 3.11: the
+    master names it once, and serves on."""
+    d = Daemon(tmp_path, handler_files=("testjobs.py", "importthread.py"))
+    try:
+        d.start()
+        warned = wait_for(lambda: d.records(event="fork_beside_threads"), message="the thread named")
+        assert len(warned) == 1 and "config-refresher" in warned[0]["msg"]
+        assert d.wait_job(d.enqueue("refreshed")).state == "done"
+        d.signal(signal.SIGTTIN)  # another fork beside the same thread: not said again
+        wait_for(lambda: len(d.worker_pids()) == 3, message="a third child")
+        assert len(d.records(event="fork_beside_threads")) == 1
+    finally:
+        d.stop()

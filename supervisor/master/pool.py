@@ -69,6 +69,7 @@ class Pool:
         self.target, self.generation = cfg.workers, 1
         self.stopping, self.restarts, self.boot_failures, self.spawn_failures = False, 0, 0, 0
         self.next_spawn_at = 0.0
+        self.threads_seen = frozenset()  # other threads of the master at the last fork (warned of once)
 
     # -- size ---------------------------------------------------------------------------
     def resize(self, by):
@@ -111,6 +112,7 @@ class Pool:
         # Fork only while no other thread runs (docs/design.md, process-model rules).
         running = self.heartbeat.thread is not None
         self.heartbeat.stop()
+        self.threads_seen = childlimits.warn_of_threads(self.threads_seen)
         try:
             for _ in range(n):
                 self.spawn_one()
