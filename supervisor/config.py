@@ -16,6 +16,7 @@ from .checks import (Unshown, boolean, cron, field_names, fraction, group_name, 
                      non_negative_int, non_negative_number, one_of, poll_interval, positive_int, positive_number,
                      prefetch_setting, queue_name, queue_names, rate, string, table, timezone, url_of, web_accounts,
                      worker_count)
+from . import urls
 from .errors import BadInput, ConfigError
 from .model import check_json
 
@@ -237,6 +238,9 @@ def from_dict(data, base_dir="."):
     cfg.supervisor.socket = os.path.normpath(os.path.join(base_dir, cfg.supervisor.socket))
     cfg.broker.url = resolve_broker_url(cfg.broker.url, base_dir)
     cfg.broker.url = with_wait_replicas(cfg.broker.url, cfg.broker.redis_wait_replicas)
+    for key in ("database_url", "redis_url"):
+        if urls.problem(getattr(cfg.toolkit, key)):
+            raise ConfigError(f"toolkit.{key}: {urls.problem(getattr(cfg.toolkit, key))}")
     if cfg.toolkit.database_url.startswith("sqlite:"):
         try:
             cfg.toolkit.database_url = resolve_broker_url(cfg.toolkit.database_url, base_dir)
@@ -254,6 +258,8 @@ def resolve_broker_url(url, base_dir):
         scheme = scheme_of(url)
     except BrokerError as exc:
         raise ConfigError(f"broker.url: {exc}") from None
+    if urls.problem(url):
+        raise ConfigError(f"broker.url: {urls.problem(url)}")
     if scheme != "sqlite":
         return url
     parts = urllib.parse.urlsplit(url)
@@ -365,6 +371,9 @@ def load(path=None):
         raise ConfigError(f"{found}: cannot read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{found}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8: a file saved as Latin-1 (an accent in a comment)
+        raise ConfigError(f"{found}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r});"
+                          " save it as UTF-8") from None
     cfg = from_dict(data, os.path.dirname(os.path.abspath(found)))
     cfg.path = os.path.abspath(found)
     return cfg

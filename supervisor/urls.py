@@ -33,13 +33,13 @@ def redact(url):
         netloc = parts.netloc
         # The last "@" ends the userinfo: an unencoded "@" in a password comes before it.
         userinfo, at, host = netloc.rpartition("@")
-        if at:
-            user, colon, _password = userinfo.partition(":")
-            netloc = f"{user}:{MASK}@{host}" if colon else netloc
-        elif "@" in rest:
+        if "@" in rest[len(parts.netloc):]:
             # An unencoded "/", "?" or "#" in a password ends the netloc early and
             # the rest of the password lands in the path, query or fragment.
             raise ValueError("ambiguous userinfo")
+        if at:
+            user, colon, _password = userinfo.partition(":")
+            netloc = f"{user}:{MASK}@{host}" if colon else netloc
         query = "&".join(_redact_pair(pair) for pair in parts.query.split("&")) if parts.query else ""
         fragment = _KEY_VALUE.sub(rf"\1\2{MASK}", parts.fragment)
         # Put together by hand: urlunsplit drops the "//" of an empty host (postgresql:///db).
@@ -52,3 +52,25 @@ def redact(url):
 def _redact_pair(pair):
     key, eq, _value = pair.partition("=")
     return f"{key}={MASK}" if eq and is_secret(urllib.parse.unquote_plus(key)) else pair
+
+
+def problem(url):
+    """Why a server URL can never be read as meant, in words that show none of it; None when it can.
+
+    A URL the parser refuses (``redis://[::1:6379``) would read as an outage for ever; an
+    unencoded ``/``, ``?`` or ``#`` in a password ends the host part early, so the rest of
+    the password is read as a host, option or path, and drivers echo those in their errors.
+    A ``sqlite:`` path may hold any of these: only server URLs are checked.
+    """
+    text = str(url)
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme.lower() == "sqlite":
+        return None
+    try:
+        parts = urllib.parse.urlsplit(text)
+    except ValueError as exc:
+        return f"cannot be read as a URL ({exc})"
+    if "@" in rest[len(parts.netloc):] or parts.netloc.count("@") > 1:  # libpq reads up to the first "@"
+        return ("the user name or password holds an unencoded '@', '/', '?' or '#':"
+                " percent-encode it (%40, %2F, %3F, %23)")
+    return None

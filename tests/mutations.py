@@ -501,6 +501,18 @@ MUTATIONS = [
              "    if others and others != seen:", "    if False:",
              ("tests/test_master_robustness.py", "-k", "thread_a_handler"),
              "the master names the threads a handler module started before it forks beside them"),
+    Mutation("url-ambiguous-userinfo-accepted", "supervisor/urls.py",
+             'if "@" in rest[len(parts.netloc):] or parts.netloc.count("@") > 1:', "if False:",
+             ("tests/test_urls.py", "-k", "cannot_be_read"),
+             "a server URL with an unencoded '@', '/', '?' or '#' in its password is refused without showing it"),
+    Mutation("redact-trusts-the-first-netloc", "supervisor/urls.py",
+             '        if "@" in rest[len(parts.netloc):]:\n', "        if False:\n",
+             ("tests/test_urls.py", "-k", "cannot_be_read"),
+             "redact never shows a password whose unencoded '#' or '?' ends the netloc early"),
+    Mutation("config-not-utf8-internal-error", "supervisor/config.py",
+             "    except UnicodeDecodeError as exc:", "    except ZeroDivisionError as exc:",
+             ("tests/test_ops.py", "-k", "not_utf8"),
+             "a config that is not UTF-8 is a config error (exit 2) naming the byte"),
 ]
 
 

@@ -138,24 +138,26 @@ def test_config_check_catches_what_run_rejects_at_start(tmp_path, problem, words
 
 # -- status while the config file is broken ------------------------------------------------
 
-def test_status_works_while_the_config_is_broken_and_with_socket_alone(tmp_path):
+@pytest.mark.parametrize("breakage, said", [(b"\n[broken\n", "invalid TOML"),
+                                            (b"\n# caf\xe9 (saved as Latin-1)\n", "not UTF-8")])
+def test_status_works_while_the_config_is_broken_and_with_socket_alone(tmp_path, breakage, said):
     d = Daemon(tmp_path)
     try:
         d.start()
-        with open(d.config_path, "a") as f:
-            f.write("\n[broken\n")
+        with open(d.config_path, "ab") as f:
+            f.write(breakage)
         d.signal(signal.SIGHUP)
         wait_for(lambda: d.status()["reload_error"], message="the reload to fail")
         for command in (["status"], ["status", "--json"], ["metrics"]):
             result = tangguh(*command, "-c", d.config_path)
             assert result.returncode == 0, result.stderr
-            assert result.stderr.startswith("tangguh: warning: ") and "invalid TOML" in result.stderr
+            assert result.stderr.startswith("tangguh: warning: ") and said in result.stderr
             assert result.stderr.count("\n") == 1 and d.socket in result.stderr
         text = tangguh("status", "-c", d.config_path).stdout
-        assert "RELOAD FAILED (running the previous generation)" in text and "invalid TOML" in text
+        assert "RELOAD FAILED (running the previous generation)" in text and said in text
         assert "generation 1" in text
         reply = json.loads(tangguh("status", "--json", "-c", d.config_path).stdout)
-        assert reply["generation"] == 1 and "invalid TOML" in reply["reload_error"]
+        assert reply["generation"] == 1 and said in reply["reload_error"]
         # No config at all (an empty folder): --socket is enough.
         empty = tmp_path / "elsewhere"
         empty.mkdir()
@@ -168,6 +170,17 @@ def test_status_works_while_the_config_is_broken_and_with_socket_alone(tmp_path)
     finally:
         d.stop()
 
+
+
+def test_a_config_that_is_not_utf8_is_a_config_error_naming_the_byte(tmp_path):
+    """TOML is UTF-8. A config saved as Latin-1 was an internal error (exit 1: systemd
+    restarts it in a loop), not the exit 2 of every other unreadable config."""
+    path = tmp_path / "tangguh.toml"
+    path.write_bytes(b"# caf\xe9\n[supervisor]\nworkers = 2\n")
+    for command in (["config", "check"], ["run"]):
+        result = tangguh(*command, "-c", str(path))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr == f"tangguh: error: {path}: not UTF-8 text (byte 5: b'\\xe9'); save it as UTF-8\n"
 
 def test_socket_path_is_read_leniently_from_a_broken_config(tmp_path):
     from supervisor import config

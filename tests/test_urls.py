@@ -2,9 +2,12 @@
 import pytest
 
 from supervisor.backends.base import scheme_of
-from supervisor.errors import BrokerError, ConfigError
+from supervisor.backends import open_broker
+from supervisor.errors import BrokerError, BrokerUnusable, ConfigError
 from supervisor import config
 from supervisor.urls import redact
+
+from .daemon import tangguh
 
 SECRET = "s3cret-Pw"
 
@@ -70,3 +73,40 @@ def test_a_bad_scheme_is_named_never_the_url(url):
     with pytest.raises(ConfigError) as caught:
         config.from_dict({"toolkit": {"database_url": url}})
     assert SECRET not in str(caught.value) and str(caught.value).startswith("toolkit.database_url: expected")
+
+
+@pytest.mark.parametrize("url", [
+    f"postgresql://app:pa@{SECRET}#wd@127.0.0.1:5499/test",  # "@" and "#": the rest read as a fragment
+    f"postgresql://app:Pa@{SECRET}@127.0.0.1:5499/test",  # "@": libpq reads the host from the first one
+    f"redis://:Pa?{SECRET}@127.0.0.1:6379/0",  # "?": the rest read as options
+    f"redis+sentinel://:{SECRET}#x@h1:26379/mymaster",
+    f"redis://[::1:{SECRET}6379/0",  # no URL parser reads it
+])
+def test_a_server_url_that_cannot_be_read_as_meant_is_refused_without_showing_it(url, tmp_path):
+    """Such a URL showed part of the password in the redacted URL (``***@ss#wd@host``) or in
+    the driver's errors ("failed to resolve host 'ss99@127.0.0.1'"), or, unparseable, read
+    as an outage for ever. Refused now, at the config and at open, naming the fix."""
+    assert SECRET not in redact(url)
+    with pytest.raises(BrokerUnusable) as caught:
+        open_broker(url)
+    assert SECRET not in str(caught.value)
+    assert "percent-encode" in str(caught.value) or "cannot be read as a URL" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        config.from_dict({"broker": {"url": url}})
+    assert SECRET not in str(caught.value) and str(caught.value).startswith("broker.url: ")
+    if url.startswith("redis"):
+        with pytest.raises(ConfigError) as caught:
+            config.from_dict({"toolkit": {"redis_url": url}})
+        assert SECRET not in str(caught.value) and str(caught.value).startswith("toolkit.redis_url: ")
+    toml = tmp_path / "tangguh.toml"
+    toml.write_text(f'[broker]\nurl = "{url}"\n')
+    result = tangguh("config", "check", "-c", str(toml))
+    assert result.returncode == 2 and SECRET not in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_a_sqlite_path_may_hold_an_at_sign(tmp_path):
+    folder = tmp_path / "team@host"
+    folder.mkdir()
+    broker = open_broker(f"sqlite:///{folder}/broker.db")
+    broker.close()
+    assert config.from_dict({"broker": {"url": f"sqlite:///{folder}/broker.db"}}).broker.url.endswith("/broker.db")

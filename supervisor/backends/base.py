@@ -67,7 +67,8 @@ import abc
 import time
 import re
 
-from ..errors import BrokerError, LeaseLost
+from .. import urls
+from ..errors import BrokerError, BrokerUnusable, LeaseLost
 from ..model import Job, Lease, NewJob, QueueStats, error_info, payload_problem  # noqa: F401  (re-exported)
 
 
@@ -326,4 +327,6 @@ def open_broker(url) -> Broker:
     import importlib
 
     module_name, class_name = SCHEMES[scheme_of(url)]
+    if urls.problem(url):
+        raise BrokerUnusable(f"broker URL {urls.redact(url)}: {urls.problem(url)}")
     return getattr(importlib.import_module(module_name), class_name)(url)
