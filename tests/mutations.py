@@ -513,6 +513,10 @@ MUTATIONS = [
              "    except UnicodeDecodeError as exc:", "    except ZeroDivisionError as exc:",
              ("tests/test_ops.py", "-k", "not_utf8"),
              "a config that is not UTF-8 is a config error (exit 2) naming the byte"),
+    Mutation("config-check-asks-no-broker", "supervisor/cli/admin.py",
+             "    check_broker(cfg.broker.url)\n", "",
+             ("tests/test_config.py", "-k", "asks_the_broker"),
+             "config check refuses the broker settings run would refuse"),
 ]
 
 

@@ -206,6 +206,25 @@ def test_config_check(capsys, tmp_path):
     assert code == 2 and err.startswith("tangguh: error: ") and "invalid TOML" in err and err.count("\n") == 1
 
 
+def test_config_check_asks_the_broker_server_what_run_would(capsys, tmp_path, redis_url, postgres_url):
+    """It said "ok" to a broker URL `run` refuses at once (exit 2: an unknown option, an
+    unknown database); one round trip now says what `run` would. A server that does not
+    answer is a warning: `run` waits it out."""
+    (tmp_path / "handlers").mkdir()
+    refused = {f"{redis_url}&bogus=1": "unknown option(s) bogus",
+               redis_url.replace("/0?", "/99?"): "DB index is out of range",
+               postgres_url.replace("/test?", "/no_such_database?"): "no_such_database"}
+    for url, said in refused.items():
+        code, out, err = tangguh(capsys, "config", "check", "-c", write(tmp_path, f'[broker]\nurl = "{url}"\n'))
+        assert (code, out) == (2, "") and err.startswith("tangguh: error: broker.url: ") and said in err, err
+        assert err.count("\n") == 1
+    for url in (redis_url, postgres_url):
+        assert tangguh(capsys, "config", "check", "-c", write(tmp_path, f'[broker]\nurl = "{url}"\n'))[0] == 0
+    silent = write(tmp_path, '[broker]\nurl = "redis://127.0.0.1:1/0"\n')
+    code, out, err = tangguh(capsys, "config", "check", "-c", silent)
+    assert (code, out) == (0, f"ok: {silent}\n") and err.startswith("tangguh: warning: broker.url: not reachable now")
+
+
 def test_config_check_as_a_process_prints_no_traceback(tmp_path):
     bad = write(tmp_path, "[jobs.types.mail]\nqueue = \"nope\"\n")
     result = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "check", "-c", bad],

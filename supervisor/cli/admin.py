@@ -4,9 +4,11 @@ import shutil
 import sys
 
 from .. import config as config_module
+from ..backends import open_broker
+from ..errors import BrokerError, BrokerUnusable, ConfigError
 from ..urls import MASK, redact
-from .common import DATA, UsageError, daemon_module, load_config, open_client
-from .output import print_json
+from .common import DATA, PROG, UsageError, daemon_module, load_config, open_client
+from .output import print_json, printable
 
 EXAMPLE_CONFIG = os.path.join(DATA, "config.example.toml")
 EXAMPLE_HANDLERS = os.path.join(DATA, "handlers", "examples.py")
@@ -15,7 +17,28 @@ EXAMPLE_HANDLERS = os.path.join(DATA, "handlers", "examples.py")
 def cmd_config_check(args):
     cfg = load_config(args)
     config_module.check_host(cfg)
+    check_broker(cfg.broker.url)
     print(f"ok: {cfg.path or 'no config file found, built-in defaults'}")
+
+
+def check_broker(url):
+    """One round trip to a broker server, as ``run`` makes at start: settings it refuses (an
+    unknown option, database or login) fail the check as they fail ``run`` (exit 2); a server
+    that does not answer now is only a warning (``run`` waits it out). A SQLite file is left
+    alone: opening it would create it."""
+    if url.startswith("sqlite:"):
+        return
+    try:
+        broker = open_broker(url)
+        try:
+            broker.now()
+        finally:
+            broker.close()
+    except BrokerUnusable as exc:
+        raise ConfigError(f"broker.url: {exc}") from None
+    except BrokerError as exc:
+        text = " ".join(printable(exc).split())
+        print(f"{PROG}: warning: broker.url: not reachable now ({text}); `tangguh run` waits for it", file=sys.stderr)
 
 
 SECRET_KEYS = ("password", "sha256")  # web.users.*.password (argon2 hash), web.tokens.*.sha256
