@@ -6,6 +6,7 @@ it cannot run, and the CLI shows every job without letting its text drive the
 terminal.
 """
 import json
+import time
 
 import pytest
 
@@ -14,7 +15,7 @@ from supervisor.client import Client
 from supervisor.errors import BadInput
 from supervisor.model import NewJob, error_info
 
-from .daemon import Daemon, tangguh
+from .daemon import Daemon, read_lines, tangguh
 from .util import wait_for
 
 ESCAPE = "\x1b]0;pwned\x07\x1b[31m"  # sets the terminal title, turns the text red
@@ -131,3 +132,119 @@ def test_a_stored_payload_the_master_cannot_hand_out_is_dead_lettered_and_the_re
     assert daemon.wait_job(later).state == "done"  # claims go on
     assert "broker_down" not in daemon.logs()
     daemon.assert_clean()
+
+
+# -- what a handler leaves in its child: numbers, endings, forks, signals, threads ---------------
+# One child, so each job meets what the one before it left there (and the child's pid proves it).
+
+def one_child(tmp_path, **supervisor):
+    return Daemon(tmp_path, handler_files=("testjobs.py", "hostile.py"), supervisor=dict(workers=1, **supervisor))
+
+
+def errors(job):
+    return [(h["outcome"], h["error"]["class"]) for h in job.history]
+
+
+def serves_on(d, pids):
+    """The same child still serves: no crash, no replacement."""
+    assert d.wait_job(d.enqueue("noop")).state == "done"
+    assert d.worker_pids() == pids and not d.records(event="crash")
+    d.assert_clean()
+
+
+def test_counts_and_retry_delays_the_pipe_cannot_carry_are_dropped_in_the_child(tmp_path):
+    d = one_child(tmp_path)
+    try:
+        d.start()
+        pids = d.worker_pids()
+        job = d.wait_job(d.enqueue("odd_counts"))
+        assert (job.state, job.attempt, job.result, [h["outcome"] for h in job.history]) == (
+            "done", 1, {"ok": True}, ["done"])
+        wait_for(lambda: d.status()["counters"]["duplicates_suppressed"] == 2, message="the one sane count")
+        # No float holds it, past int's 4,300-digit text limit, not a number: each gets the backoff.
+        for after in ({"exp": 400}, {"exp": 5000}, "soon"):
+            job = d.wait_job(d.enqueue("throttled", {"after": after}, max_attempts=2))
+            assert (job.state, job.reason, job.attempt) == ("dead", "exception", 2), after
+            assert errors(job) == [("retry", "Throttled"), ("dead", "Throttled")], after
+        job = d.wait_job(d.enqueue("throttled", {"after": 3600}), states=("retrying",))
+        assert job.run_at > time.time() + 3000  # a sane delay still crosses
+        serves_on(d, pids)
+    finally:
+        d.stop()
+
+
+def test_a_handlers_failure_the_child_cannot_describe_is_still_its_failure(tmp_path):
+    d = one_child(tmp_path)
+    try:
+        d.start()
+        pids = d.worker_pids()
+        for type_, cls in (("str_exits", "StrExits"), ("str_interrupts", "StrInterrupts")):
+            job = d.wait_job(d.enqueue(type_, max_attempts=1))
+            assert (job.state, job.reason, job.attempt) == ("dead", "exception", 1), job.error
+            assert (job.error["class"], job.error["message"]) == (cls, f"<unprintable {cls}>")
+            assert f"raise {cls}()" in job.error["traceback"]  # described, not the last-resort stand-in
+        job = d.wait_job(d.enqueue("busy", max_attempts=2))  # a RetryLater without a delay: the backoff
+        assert (job.state, job.reason, errors(job)) == ("dead", "exception", [("retry", "Busy"), ("dead", "Busy")])
+        assert "raise Busy()" in job.error["traceback"]
+        job = d.wait_job(d.enqueue("shifty_result", max_attempts=1))
+        assert (job.state, job.reason, job.attempt, (job.error or {}).get("class")) == (
+            "dead", "exception", 1, "UnencodableReply")
+        assert "Exceeds the limit" in job.error["message"], job.error
+        serves_on(d, pids)
+    finally:
+        d.stop()
+
+
+def test_a_process_the_handler_forked_never_answers_for_its_job(tmp_path):
+    d = one_child(tmp_path)
+    try:
+        d.start()
+        pids = d.worker_pids()
+        marker = d.marker("forked")
+        # The forked process leaves as Python would have had it: its exit code reaches the handler.
+        for end, code in (("exit", 0), ("exit", 3), ("return", 0), ("raise", 1)):
+            job = d.wait_job(d.enqueue("fork_and_wait", {"marker": marker, "end": end, "code": code}))
+            assert (job.state, job.attempt, job.result) == ("done", 1, {"exit_code": code}), (end, job.history)
+            assert [h["outcome"] for h in job.history] == ["done"]
+        assert len(read_lines(marker)) == 4  # each effect once
+        serves_on(d, pids)
+    finally:
+        d.stop()
+
+
+def test_signal_handlers_and_masks_a_job_changed_are_reset_before_the_next_job(tmp_path):
+    d = one_child(tmp_path, cancel_grace=60.0)
+    try:
+        d.start()
+        pids = d.worker_pids()
+        marker = d.marker("naps")
+        for culprit in ("block_signals", "own_signal_handlers"):
+            assert d.wait_job(d.enqueue(culprit)).result == {"pid": pids[0]}
+            job = d.wait_job(d.enqueue("sleeper", max_attempts=1))  # 5 s of sleep, 0.5 s soft timeout
+            assert (job.state, job.reason, (job.error or {}).get("class")) == ("dead", "timeout", "JobTimeout"), culprit
+            assert int(job.history[0]["pid"]) == pids[0]
+            d.wait_job(d.enqueue(culprit))
+            nap = d.enqueue("napper", {"marker": marker, "seconds": 20})
+            wait_for(lambda: ["started", nap] in read_lines(marker), timeout=30, message="the nap to start")
+            assert tangguh("cancel", nap, "-c", d.config_path).returncode == 0
+            job = d.wait_job(nap, states=("cancelled", "done", "dead"))
+            assert job.state == "cancelled" and read_lines(marker)[-1] == ["saw", "Cancelled"], culprit
+        assert not d.records(event="cancel_kill")
+        serves_on(d, pids)
+    finally:
+        d.stop()
+
+
+def test_a_thread_a_job_left_in_critical_does_not_hold_back_the_next_jobs_timeout(tmp_path):
+    d = one_child(tmp_path)
+    try:
+        d.start()
+        pids = d.worker_pids()
+        assert d.wait_job(d.enqueue("start_flusher")).result == {"pid": pids[0]}
+        job = d.wait_job(d.enqueue("sleeper", max_attempts=1))
+        assert (job.state, job.reason, job.attempt, (job.error or {}).get("class")) == (
+            "dead", "timeout", 1, "JobTimeout")
+        assert float(job.history[0]["duration"]) < 4  # cut at its soft timeout, not after its 5 s sleep
+        serves_on(d, pids)
+    finally:
+        d.stop()

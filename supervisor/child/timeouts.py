@@ -9,8 +9,10 @@ before a hard-timeout SIGKILL) takes the same path, and so does a cancel: the
 master rings ``protocol.CANCEL_SIGNAL`` and ``Cancelled`` is raised at the next
 safe point (``tangguh cancel``; docs/design.md, "One job's way").
 """
+import _signal  # the signal module's wrappers turn every answer into an enum: ~2 us a job more
 import contextlib
 import signal
+import threading
 
 from ..protocol import CANCEL_SIGNAL
 
@@ -40,6 +42,9 @@ _running = False  # a job is running (a cancel bell between jobs is stale: ignor
 _cancelled = False  # the running job was cancelled
 _armed = False  # the soft-timeout timer is set
 _terminated = False  # the master sent SIGTERM: this child ends after its reply
+# The thread install() ran on (a child's main thread), else None: run_jobs in a test process never
+# installs, and may run its jobs on a thread that cannot set handlers.
+_installed_on = None
 
 
 def _fire(exc):
@@ -51,7 +56,9 @@ def _fire(exc):
 
 
 def _on_alarm(signum, frame):
-    _fire(JobTimeout("soft timeout"))
+    # Between jobs an alarm is stale: one a job kept blocked past its soft timeout rings as arm() unblocks it.
+    if _running:
+        _fire(JobTimeout("soft timeout"))
 
 
 def _on_term(signum, frame):
@@ -68,15 +75,34 @@ def _on_cancel(signum, frame):
     _fire(Cancelled("the job was cancelled"))
 
 
+_HANDLERS = ((signal.SIGALRM, _on_alarm), (signal.SIGTERM, _on_term), (CANCEL_SIGNAL, _on_cancel))
+_SIGNALS = tuple(sig for sig, _ in _HANDLERS)
+
+
 def install():
     """Install the child's SIGALRM, SIGTERM and cancel handlers."""
-    signal.signal(signal.SIGALRM, _on_alarm)
-    signal.signal(signal.SIGTERM, _on_term)
-    signal.signal(CANCEL_SIGNAL, _on_cancel)
+    global _installed_on
+    for sig, handler in _HANDLERS:
+        signal.signal(sig, handler)
+    _installed_on = threading.get_ident()
+
+
+def _restore():
+    """Undo what the last job did to our signals: a handler of its own, or a mask it never lifted,
+    would leave every later job on this child without its soft timeout and its cancel."""
+    for sig, handler in _HANDLERS:
+        if _signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+    # What rang while blocked is handled here: stale alarms and bells are ignored (no job is
+    # running), a SIGTERM raises JobTimeout into the job about to start.
+    _signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
 
 
 def arm(seconds):
+    """A job starts: its soft timeout, and the signals it needs as install() left them."""
     global _pending, _running, _cancelled, _armed
+    if _installed_on == threading.get_ident():
+        _restore()
     _pending, _running, _cancelled = None, True, False
     if seconds and seconds > 0:
         signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -107,12 +133,19 @@ def cancel_requested():
 def critical():
     """Defer ``JobTimeout`` and ``Cancelled`` until the block is over. Nestable.
 
+    Only the main thread's blocks defer: they are raised there, never in another thread.
+
     Wrap commits and other all-or-nothing steps in it::
 
         with critical():
             conn.commit()
     """
     global _depth, _pending
+    if threading.get_ident() != threading.main_thread().ident:
+        # Python runs signal handlers on the main thread only: no other thread's block can be torn,
+        # and a thread a job left behind must not hold back (and catch) a later job's JobTimeout.
+        yield
+        return
     _depth += 1
     try:
         yield

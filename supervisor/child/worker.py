@@ -7,6 +7,7 @@ instant loses nothing the master cannot account for.
 import collections
 import ctypes
 import logging
+import math
 import os
 import select
 import signal
@@ -23,6 +24,7 @@ from .context import Context
 from .timeouts import Cancelled, JobTimeout
 
 PR_SET_PDEATHSIG = 1
+_pid = None  # this child's own pid (main): a process a handler forked is any other
 
 
 def title(slot, text):
@@ -83,7 +85,9 @@ def main(sock, slot, handlers, master_pid):
     inherited from the master: closing an inherited PostgreSQL connection
     would end the master's own session.
     """
+    global _pid
     code = 0
+    _pid = os.getpid()
     try:
         set_parent_death_signal(master_pid)
         batch_scheduling()
@@ -159,14 +163,24 @@ def run_one(sock, slot, handlers, entry):
 
 
 def send_reply(sock, reply):
-    """Send a job's reply; one over the protocol's limit fails the job instead (``result_too_large``)."""
+    """Send a job's reply; one over the protocol's limit fails the job instead (``result_too_large``),
+    and so does one that does not encode (``exception``, class ``UnencodableReply``)."""
     try:
         frame = protocol.encode(reply, limit=protocol.MAX_MESSAGE)
-    except protocol.TooLarge as exc:
+    except JobTimeout:
+        raise  # the master's SIGTERM, not the reply's fault
+    except BaseException as exc:  # noqa: BLE001 - a result's own types run code as it is encoded
         what = "result" if reply.get("ok") else f"{reply.get('error_class')} error reply"
+        if isinstance(exc, protocol.TooLarge):
+            kind, error_class, message = protocol.RESULT_TOO_LARGE, "ResultTooLarge", f"{what}: {exc}"
+        else:
+            # The result passed check_json in run_job, then changed (another thread, a mapping
+            # whose items() differ each call): a failed attempt, retried like any exception.
+            kind, error_class = protocol.EXCEPTION, "UnencodableReply"
+            message = clip_start(f"{what} does not encode: {type(exc).__name__}: {_text(exc)}", MAX_ERROR_MESSAGE)
         frame = protocol.encode({
             "op": protocol.RESULT, "job_id": reply["job_id"], "token": reply["token"], "ok": False,
-            "kind": protocol.RESULT_TOO_LARGE, "error_class": "ResultTooLarge", "message": f"{what}: {exc}",
+            "kind": kind, "error_class": error_class, "message": message,
             "traceback": "", "duration": reply.get("duration"), "metrics": reply.get("metrics", {})})
     sock.sendall(frame)
 
@@ -181,8 +195,8 @@ def run_job(job, handlers, soft_timeout=None):
                     message=f"no handler for job type {job['type']!r}", traceback="", duration=0.0)
     deadline = time.time() + soft_timeout if soft_timeout else None
     ctx = Context(job, deadline)
-    timeouts.arm(soft_timeout)
     try:
+        timeouts.arm(soft_timeout)  # a SIGTERM the last job kept blocked raises JobTimeout here
         payload = schemas.for_handler(spec, job["payload"])  # the typed payload, or BadPayload
         if spec.is_async:
             import asyncio  # the registry loaded it with the handler; a sync-only daemon never does
@@ -190,6 +204,8 @@ def run_job(job, handlers, soft_timeout=None):
             result = asyncio.run(spec.fn(ctx, payload))
         else:
             result = spec.fn(ctx, payload)
+        if _pid is not None and os.getpid() != _pid:
+            _leave_fork(None)
         timeouts.disarm()
         if result is not None:  # most handlers return nothing: no walk, no trial encoding
             check_json(result, "handler result")
@@ -197,27 +213,42 @@ def run_job(job, handlers, soft_timeout=None):
         return dict(reply, ok=True, result=result, duration=time.monotonic() - started,
                     metrics=_numbers(ctx.metrics), cancelled=timeouts.cancel_requested())
     except BaseException as exc:  # noqa: BLE001 - every way a handler can end is an outcome
+        if _pid is not None and os.getpid() != _pid:
+            _leave_fork(exc)
         timeouts.disarm()
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)) and not isinstance(exc, JobTimeout):
-            kind = protocol.EXCEPTION
-        elif isinstance(exc, JobTimeout):
-            kind = protocol.TIMEOUT
-        elif isinstance(exc, Cancelled):
-            kind = protocol.CANCELLED
-        elif isinstance(exc, BadPayload):
-            kind = protocol.BAD_PAYLOAD
-        elif isinstance(exc, Permanent):
-            kind = protocol.PERMANENT
-        elif isinstance(exc, RetryLater):
-            kind = protocol.RETRY_LATER
-            reply["delay"] = exc.delay
-        else:
-            kind = protocol.EXCEPTION
-        error_class, message, trace = _error_text(exc)
-        ctx.log.warning("job failed: %s: %s", error_class, message)
-        return dict(reply, ok=False, kind=kind, error_class=error_class, message=message,
-                    traceback=trace, duration=time.monotonic() - started,
-                    metrics=_numbers(ctx.metrics), cancelled=timeouts.cancel_requested())
+        try:
+            return _failure(reply, exc, ctx, started)
+        except BaseException:  # noqa: BLE001 - the exception's own code (__class__, a log filter) failed too
+            name = clip_start(type(exc).__name__, MAX_ERROR_CLASS)
+            return dict(reply, ok=False, kind=protocol.EXCEPTION, error_class=name, message=f"<unprintable {name}>",
+                        traceback="", duration=time.monotonic() - started, metrics={},
+                        cancelled=timeouts.cancel_requested())
+
+
+def _failure(reply, exc, ctx, started):
+    """The reply for a handler that raised ``exc``."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)) and not isinstance(exc, JobTimeout):
+        kind = protocol.EXCEPTION
+    elif isinstance(exc, JobTimeout):
+        kind = protocol.TIMEOUT
+    elif isinstance(exc, Cancelled):
+        kind = protocol.CANCELLED
+    elif isinstance(exc, BadPayload):
+        kind = protocol.BAD_PAYLOAD
+    elif isinstance(exc, Permanent):
+        kind = protocol.PERMANENT
+    elif isinstance(exc, RetryLater):
+        kind = protocol.RETRY_LATER
+        delay = _delay(exc)
+        if delay is not None:  # else the master applies the backoff
+            reply["delay"] = delay
+    else:
+        kind = protocol.EXCEPTION
+    error_class, message, trace = _error_text(exc)
+    ctx.log.warning("job failed: %s: %s", error_class, message)
+    return dict(reply, ok=False, kind=kind, error_class=error_class, message=message,
+                traceback=trace, duration=time.monotonic() - started,
+                metrics=_numbers(ctx.metrics), cancelled=timeouts.cancel_requested())
 
 
 def _error_text(exc):
@@ -240,13 +271,66 @@ def _text(exc):
     """``str(exc)``, or a stand-in when the exception's own ``__str__`` fails: still the handler's failure."""
     try:
         return str(exc)
-    except Exception:  # noqa: BLE001 - any failure of a handler's __str__
+    except BaseException:  # noqa: BLE001 - any failure of a handler's __str__, SystemExit too
         return f"<unprintable {type(exc).__name__}>"
 
 
+def _delay(exc):
+    """A ``RetryLater``'s delay as a number the master takes, or None (a subclass may set anything, or nothing)."""
+    try:
+        return _number(exc.delay)
+    except BaseException:  # noqa: BLE001 - no delay, or a property of the handler's that fails
+        return None
+
+
+def _number(value):
+    """``value`` as a finite int or float, or None: what a float cannot hold, or an int
+    past 4,300 digits, would fail the frame or the master's arithmetic."""
+    if isinstance(value, (bool, str, bytes, bytearray)):
+        return None  # True is no count, and text is not parsed into one
+    try:
+        number = float(value)
+    except BaseException:  # noqa: BLE001 - an overflow, or the __float__ of a handler's type
+        return None
+    if not math.isfinite(number):
+        return None
+    return value if type(value) is int else number  # an exact int stays one: the status counters add ints
+
+
 def _numbers(counts):
-    """The counter deltas that can cross the pipe (a bad value must not break the reply)."""
+    """The counter deltas that can cross the pipe: a bad key or value is dropped, never breaks the reply."""
+    out = {}
     if not isinstance(counts, dict):
-        return {}
-    return {str(k): v for k, v in counts.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")}
+        return out
+    try:
+        for key, value in counts.items():
+            value = _number(value)
+            key = key if type(key) is str else _key(key)
+            if value is not None and key is not None:
+                out[key] = value
+    except BaseException:  # noqa: BLE001 - a mapping of the handler's own that fails as it is read
+        pass
+    return out
+
+
+def _key(key):
+    try:
+        return str(key)
+    except BaseException:  # noqa: BLE001 - a handler's key type whose __str__ fails: dropped
+        return None
+
+
+def _leave_fork(exc):
+    """End a process the handler forked, where its handler ended: as Python would have
+    (the exit code of its ``sys.exit``, 1 and a traceback for an exception), but with no
+    reply (the job is its parent's) and no flush of buffers it shares with its parent."""
+    code = 1
+    try:
+        if exc is None or (isinstance(exc, SystemExit) and exc.code is None):
+            code = 0
+        elif isinstance(exc, SystemExit) and type(exc.code) is int:
+            code = exc.code & 0xFF  # what the kernel keeps of it
+        else:
+            os.write(2, "".join(traceback.format_exception(exc)).encode(errors="replace"))
+    finally:
+        os._exit(code)

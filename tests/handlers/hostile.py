@@ -1,4 +1,10 @@
-"""Handlers whose errors and results hold what storage and terminals choke on."""
+"""Handlers whose errors, results, numbers, forks, signals and threads the supervisor must survive."""
+import os
+import signal
+import sys
+import threading
+import time
+
 import supervisor
 
 UNSTORABLE = "nul \x00 and a lone \udc80 surrogate"
@@ -15,3 +21,141 @@ def deep_result(ctx, payload):
     for _ in range(int(payload["depth"]) - 1):
         result = {"a": result}
     return result
+
+
+# -- numbers, exceptions and results the child must still describe -------------------------
+
+class Unprintable:
+    def __str__(self):
+        raise RuntimeError("no str")
+
+
+@supervisor.job("odd_counts")
+def odd_counts(ctx, payload):
+    ctx.count("duplicates_suppressed", 2)  # the one sane count: it must still reach the master
+    ctx.count("cache_hit", 10 ** 400)  # no float holds it
+    ctx.count("whatever", 10 ** 5000)  # past the 4,300 digits int() turns into text
+    ctx.count("cache_miss", float("inf"))
+    ctx.metrics[Unprintable()] = 1
+    return {"ok": True}
+
+
+class Throttled(supervisor.RetryLater):
+    """Takes the server's Retry-After as it came, never calling RetryLater.__init__."""
+
+    def __init__(self, after):
+        Exception.__init__(self, "throttled")
+        self.delay = after
+
+
+class Busy(supervisor.RetryLater):
+    def __init__(self):
+        Exception.__init__(self, "busy")  # no .delay at all
+
+
+@supervisor.job("throttled")
+def throttled(ctx, payload):
+    after = payload["after"]
+    raise Throttled(10 ** after["exp"] if isinstance(after, dict) else after)
+
+
+@supervisor.job("busy")
+def busy(ctx, payload):
+    raise Busy()
+
+
+class StrExits(Exception):
+    def __str__(self):
+        raise SystemExit("from __str__")
+
+
+class StrInterrupts(Exception):
+    def __str__(self):
+        raise KeyboardInterrupt
+
+
+@supervisor.job("str_exits")
+def str_exits(ctx, payload):
+    raise StrExits()
+
+
+@supervisor.job("str_interrupts")
+def str_interrupts(ctx, payload):
+    raise StrInterrupts()
+
+
+class Shifty(dict):
+    """A result that passes the child's check, then holds what no frame can carry when it is sent."""
+
+    def items(self):
+        self.seen = getattr(self, "seen", 0) + 1
+        return super().items() if self.seen == 1 else [("n", 10 ** 5000)]
+
+
+@supervisor.job("shifty_result")
+def shifty_result(ctx, payload):
+    return Shifty(n=1)
+
+
+# -- processes and signals a job leaves behind -------------------------------------------
+
+@supervisor.job("fork_and_wait")
+def fork_and_wait(ctx, payload):
+    """Forks the usual way; the forked process ends as payload["end"] says, the handler waits for it."""
+    pid = os.fork()
+    if pid == 0:
+        with open(payload["marker"], "a") as f:
+            f.write(f"forked {ctx.job.id}\n")
+        if payload["end"] == "exit":
+            sys.exit(int(payload.get("code", 0)))
+        if payload["end"] == "raise":
+            raise ValueError("in the forked process")
+        return {"from": "the forked process"}  # "return"
+    _, status = os.waitpid(pid, 0)
+    return {"exit_code": os.waitstatus_to_exitcode(status)}
+
+
+@supervisor.job("block_signals")
+def block_signals(ctx, payload):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGUSR1})  # and never unblocks them
+    return {"pid": os.getpid()}
+
+
+@supervisor.job("own_signal_handlers")
+def own_signal_handlers(ctx, payload):
+    signal.signal(signal.SIGALRM, lambda *_: None)  # an old timeout helper's, left in place
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    return {"pid": os.getpid()}
+
+
+def _flush_forever():
+    while True:  # a batch flusher that commits under critical(), as the toolkit does
+        with supervisor.critical():
+            time.sleep(0.05)
+
+
+@supervisor.job("start_flusher")
+def start_flusher(ctx, payload):
+    threading.Thread(target=_flush_forever, daemon=True).start()
+    return {"pid": os.getpid()}
+
+
+@supervisor.job("sleeper", soft_timeout=0.5, timeout=60)
+def sleeper(ctx, payload):
+    """Sleeps well past its soft timeout unless JobTimeout cuts it short."""
+    time.sleep(float(payload.get("seconds", 5)))
+    return {"slept": True}
+
+
+@supervisor.job("napper", timeout=120)
+def napper(ctx, payload):
+    """No soft timeout: only a cancel cuts its sleep short."""
+    with open(payload["marker"], "a") as f:
+        f.write(f"started {ctx.job.id}\n")
+    try:
+        time.sleep(float(payload.get("seconds", 30)))
+    except supervisor.Cancelled:
+        with open(payload["marker"], "a") as f:
+            f.write("saw Cancelled\n")
+        raise
+    return {"slept": True}
