@@ -34,6 +34,13 @@ def run(capsys, cfg, *args):
     return code, out, err
 
 
+def outcomes(out):
+    """A bulk action's --json output: one {"id", "outcome"} a line, then the summary; ({id: outcome}, summary)."""
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert "verb" in lines[-1] and all("verb" not in line for line in lines[:-1])
+    return {line["id"]: line["outcome"] for line in lines[:-1]}, lines[-1]
+
+
 def snapshot(broker):
     return sorted((j.id, j.state, j.attempt) for j in broker.search({}, limit=1000).jobs)
 
@@ -121,7 +128,9 @@ def test_retry_by_filter_requeues_only_what_it_can_with_a_dry_run_first(capsys, 
         job = broker.get(jobs[name])
         assert (job.state, job.attempt, len(job.history)) == ("queued", 0, 1)
     code, out, _ = run(capsys, cfg, "retry", jobs["a"], jobs["dead1"], "job_nope", "--json")
-    assert json.loads(out) == {jobs["a"]: "not_finished", jobs["dead1"]: "not_finished", "job_nope": "unknown"}
+    got, summary = outcomes(out)
+    assert got == {jobs["a"]: "not_finished", jobs["dead1"]: "not_finished", "job_nope": "unknown"}
+    assert summary == {"verb": "retry", "count": 3, "outcomes": {"not_finished": 2, "unknown": 1}, "stopped": None}
 
 
 def test_discard_by_payload_field_and_by_ids(capsys, cfg, broker, jobs):
@@ -132,7 +141,7 @@ def test_discard_by_payload_field_and_by_ids(capsys, cfg, broker, jobs):
     assert broker.get(jobs["a"]) is None and broker.get(jobs["c"]) is None and broker.get(jobs["b"]) is not None
     running = broker.claim(["default"], 1, 300, "w")[0].id
     code, out, _ = run(capsys, cfg, "discard", running, jobs["d"], "--json")
-    assert json.loads(out) == {running: "running", jobs["d"]: "discarded"}
+    assert outcomes(out)[0] == {running: "running", jobs["d"]: "discarded"}
 
 
 def test_discard_all_needs_all(capsys, cfg, broker, jobs):
@@ -180,6 +189,6 @@ def test_cancel_by_filter_prints_each_outcome_and_records_who_and_why(capsys, cf
     assert job.state == "cancelled" and job.history[-1]["by"] == "ops" and job.history[-1]["reason"] == "bad batch"
     assert broker.get(running).cancel_request["by"] == "ops"
     code, out, _ = run(capsys, cfg, "cancel", other, jobs["dead1"], "job_nope", "--json")
-    assert json.loads(out) == {other: "already_cancelled", jobs["dead1"]: "already_dead", "job_nope": "unknown"}
+    assert outcomes(out)[0] == {other: "already_cancelled", jobs["dead1"]: "already_dead", "job_nope": "unknown"}
     code, out, _ = run(capsys, cfg, "retry", "--state", "cancelled")
     assert out.strip().splitlines()[-1] == "retry: 1 queued" and broker.get(other).state == "queued"

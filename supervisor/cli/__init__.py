@@ -3,9 +3,11 @@
 Every command takes ``-c/--config PATH`` (default ``./tangguh.toml``, else
 ``/etc/tangguh/config.toml``, else built-in defaults); commands that print data
 take ``--json``. Exit codes: 0 ok, 1 runtime error (broker unreachable, job not
-found, no supervisor answering), 2 bad input, usage or config error. Every
-error is one line on stderr (``tangguh: error: ...``), and input is checked
-before the broker is opened, so a rejected command writes nothing.
+found, no supervisor answering, a bulk action stopped partway), 2 bad input,
+usage or config error (nothing written), 141 stdout closed by its reader
+(``| head``; quiet, as a SIGPIPE death). Every error is one line on stderr
+(``tangguh: error: ...``; quoted values cut and escaped), and input is
+checked before the broker is opened, so a rejected command writes nothing.
 """
 import argparse
 import contextlib
@@ -15,6 +17,8 @@ import sys
 from ..errors import BadInput, ConfigError, NotDead, TangguhError
 from . import admin, bulk, control, daemon, dlq, flows, jobs, web
 from .common import PROG, Failure, UsageError
+from .output import printable
+from .progress import stdout_gone
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,7 +38,15 @@ def main(argv=None):
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        sys.stdout.flush()  # here, not at interpreter exit: a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # The reader went away (`tangguh jobs | head -1`): what it wanted it has. Quiet, and
+        # 141 like a command a shell saw die of SIGPIPE, so `set -o pipefail` scripts still see it.
+        # (A bulk action never ends here: it stops and says how far it got, exit 1.)
+        stdout_gone()
+        return 141
     except UsageError as exc:
         return _fail(exc, 2)
     except (ConfigError, BadInput) as exc:
@@ -51,11 +63,18 @@ def main(argv=None):
         return _fail(f"internal error: {type(exc).__name__}: {exc} (set TANGGUH_DEBUG=1 for a traceback)", 1)
 
 
+ECHO_LIMIT = 1000  # characters of an error line: a 100 KB argument it quotes is cut, not echoed whole
+
+
 def _fail(message, code):
-    text = " ".join(str(message).split()) or "failed"
+    text = printable(" ".join(str(message).split()) or "failed", keep="")
+    if len(text) > ECHO_LIMIT:
+        text = f"{text[:ECHO_LIMIT]}... ({len(text) - ECHO_LIMIT} characters cut)"
     try:
         sys.stdout.flush()
-    except (BrokenPipeError, ValueError):
+    except BrokenPipeError:
+        stdout_gone()
+    except ValueError:
         pass
     print(f"{PROG}: error: {text}", file=sys.stderr)
     return code
@@ -119,15 +138,17 @@ def build_parser():
         dest="dlq_command", metavar="COMMAND", required=True)
     p = command(dlq_commands, "list", dlq.cmd_dlq_list, "list dead jobs, most recently failed first", as_json)
     p.add_argument("--type", metavar="T", help="only jobs of this type")
-    p.add_argument("--limit", type=int, default=100, metavar="N", help="at most N jobs (default 100; 0: all)")
+    p.add_argument("--limit", type=int, default=100, metavar="N",
+                   help="at most N jobs, most recently failed first (default 100, at most 1000; "
+                   "0: every dead job, page by page, newest queued first)")
     command(dlq_commands, "show", dlq.cmd_dlq_show, "show a dead job: reason, error, attempts", as_json).add_argument(
         "job_id", metavar="ID")
-    p = command(dlq_commands, "replay", dlq.cmd_dlq_replay, "put dead jobs back on their queue")
+    p = command(dlq_commands, "replay", dlq.cmd_dlq_replay, "put dead jobs back on their queue", as_json)
     p.add_argument("job_ids", nargs="*", metavar="ID")
     p.add_argument("--all", action="store_true", help="every dead job (of --type)")
     p.add_argument("--type", metavar="T", help="with --all: only jobs of this type")
     p.add_argument("--rate", type=float, metavar="N", help="at most N replays per second")
-    p = command(dlq_commands, "purge", dlq.cmd_dlq_purge, "delete dead jobs for good")
+    p = command(dlq_commands, "purge", dlq.cmd_dlq_purge, "delete dead jobs for good", as_json)
     p.add_argument("job_ids", nargs="*", metavar="ID")
     p.add_argument("--all", action="store_true", help="every dead job (of --type); needs --yes")
     p.add_argument("--type", metavar="T", help="with --all: only jobs of this type")

@@ -8,11 +8,12 @@ the broker is opened: a bad one is one line and exit 2, nothing changed.
 The bulk actions take job ids or filters (not both); with neither they need
 ``--all``, so a forgotten filter never acts on every job. They walk the
 selection page by page (keyset pages stay valid while jobs change state or
-go), print one line per job (``ID OUTCOME``) and a summary, and with
-``--rate`` pace themselves like ``dlq replay --rate``. ``--dry-run`` prints
-how many jobs the selection holds and changes nothing.
+go), print one line per job (``ID OUTCOME``; ``--json``: one JSON object a
+line, then a summary object) as each batch is done, and with ``--rate`` pace
+themselves like ``dlq replay --rate``. A stop partway (broker gone, stdout
+closed) is ``stopped after N of M: REASON``, exit 1 (``progress``).
+``--dry-run`` prints how many jobs the selection holds and changes nothing.
 """
-import collections
 import re
 import time
 
@@ -21,6 +22,7 @@ from ..jobfilter import JobFilter, check_page, decode_cursor, parse_where
 from ..model import parse_rate
 from .common import UsageError, open_client
 from .output import one_line, print_json, say, table, when
+from .progress import Progress
 
 PAGE = 500
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
@@ -80,7 +82,9 @@ def parse_duration(text, option):
 
 def filter_of(args, default_states=()):
     """The ``JobFilter`` the options name (BadInput on a bad one); times are resolved at the broker later."""
-    states = [s.strip() for item in args.state or () for s in item.split(",") if s.strip()]
+    states = [s.strip() for item in args.state or () for s in item.split(",")]
+    if "" in states:  # else `--state ''` (an unset variable) would quietly widen the selection to every state
+        raise BadInput("--state needs a state name (repeat --state or comma-separate for several)")
     payload = dict(parse_where(w) for w in args.where or ())
     fields = dict(state=tuple(states) or tuple(default_states), queue=args.queue, type=args.type,
                   resource_id=args.resource_id, idempotency_key=args.idempotency_key, error=args.error,
@@ -141,46 +145,37 @@ def cmd_bulk(args):
     with open_client(args) as client:
         broker = client.broker
         if args.job_ids:
-            ids = list(dict.fromkeys(args.job_ids))
-            if args.dry_run:
-                print(f"would {verb} {len(ids)} job(s)")
-                return
-            batches = iter([ids])
+            batches, selected, exact = iter([list(dict.fromkeys(args.job_ids))]), len(set(args.job_ids)), True
         else:
             f = _with_times(f, broker, since, until)
-            if args.dry_run:
-                count = broker.count(f)
-                print(f"would {verb} {'' if count.exact else 'about '}{count.n} job(s)")
-                return
-            batches = _pages(broker, f)
+            count = broker.count(f)
+            batches, selected, exact = pages(broker, f), count.n, count.exact
+        if args.dry_run:
+            if args.json:
+                print_json({"verb": verb, "count": selected, "exact": exact, "dry_run": True})
+            else:
+                print(f"would {verb} {'' if exact else 'about '}{selected} job(s)")
+            return
         act = _action(broker, verb, by or _user(), getattr(args, "reason", ""))
-        outcomes = collections.Counter()
-        per_id = {}
-        began, done = time.monotonic(), 0
-        for batch in batches:
-            for start in range(0, len(batch), 1 if rate else PAGE):
-                chunk = batch[start:start + (1 if rate else PAGE)]
-                if rate:
-                    pause = began + done / rate - time.monotonic()
-                    if pause > 0:
-                        time.sleep(pause)  # pacing, so a bulk retry does not flood the workers
-                got = act(chunk)
-                done += len(chunk)
-                for job_id in chunk:
-                    outcome = got.get(job_id, "unknown")
-                    outcomes[outcome] += 1
-                    if args.json:
-                        per_id[job_id] = outcome
-                    else:
-                        print(f"{job_id} {outcome}")
-    if args.json:
-        print_json(per_id)
-    else:
-        summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items())) or "no jobs matched"
-        print(f"{verb}: {summary}")
+        progress = Progress(verb, args.json, selected, exact)
+        began = time.monotonic()
+        with progress.running():
+            for batch in batches:
+                step = 1 if rate else PAGE
+                for start in range(0, len(batch), step):
+                    chunk = batch[start:start + step]
+                    if rate:
+                        pause = began + progress.done / rate - time.monotonic()
+                        if pause > 0:
+                            time.sleep(pause)  # pacing, so a bulk retry does not flood the workers
+                    got = act(chunk)
+                    progress.report({job_id: got.get(job_id, "unknown") for job_id in chunk})
+    summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(progress.outcomes.items()))
+    progress.finish(f"{verb}: {summary or 'no jobs matched'}")
 
 
-def _pages(broker, f):
+def pages(broker, f):
+    """The ids ``f`` selects, oldest first, a page at a time: memory holds a page however many match."""
     cursor = None
     while True:
         page = broker.search(f, cursor=cursor, limit=PAGE, order="oldest")

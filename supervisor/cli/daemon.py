@@ -56,14 +56,17 @@ def cmd_metrics(args):
     sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
 
 
+WATCH_MAX = 86400
+
+
 def cmd_status(args):
+    if args.watch is not None and not 0 < args.watch <= WATCH_MAX:  # inf would overflow the sleep
+        raise UsageError(f"status: --watch needs a positive number of seconds, at most {WATCH_MAX}")
     path = supervisor_socket(args)
     reply = ask_supervisor(path, {"cmd": "status"})
     if args.watch is None:
         print_json(reply) if args.json else say(render_status(reply))
         return
-    if not args.watch > 0:
-        raise UsageError("status: --watch needs a positive number of seconds")
     if not args.json:
         pending = [reply]
 

@@ -1,28 +1,69 @@
-"""Dead letters: ``dlq list``, ``show``, ``replay``, ``purge``."""
+"""Dead letters: ``dlq list``, ``show``, ``replay``, ``purge``.
+
+``--all`` and ``list --limit 0`` walk the dead jobs a page at a time (100,000
+dead jobs with 2 KB payloads loaded whole took over a gigabyte). Replay and
+purge report like the bulk actions (``progress``): text lists only the ids
+left as they were (``ID conflict``, ``ID not_dead``) above the summary,
+``--json`` every id, and a stop partway says how far it got.
+"""
 import json
+import math
+import sys
 import time
 
-from ..errors import NotDead
+from ..errors import BadInput, NotDead
+from ..jobfilter import MAX_LIMIT, JobFilter
+from .bulk import PAGE, pages
 from .common import UsageError, open_client
 from .jobs import get_job, render_error, render_history
-from .output import one_line, print_json, say, table, when
+from .output import one_line, print_json, printable, say, table, when
+from .progress import Progress
+
+NOT_DONE = ("conflict", "not_dead")  # the outcomes text mode lists by id; the rest is the summary's count
 
 
 def cmd_dlq_list(args):
     if args.limit < 0:
         raise UsageError("dlq list: --limit must be >= 0")
+    if args.limit > MAX_LIMIT:
+        raise UsageError(f"dlq list: --limit must be at most {MAX_LIMIT} (0 lists every dead job, page by page)")
     with open_client(args) as client:
-        jobs = client.broker.dlq_list(type=args.type, limit=args.limit or None)
+        if args.limit:
+            _print_list(args, [client.broker.dlq_list(type=args.type, limit=args.limit)])
+        else:  # every dead job: a page at a time, so a huge dead-letter queue never sits in memory whole
+            _print_list(args, _dead_pages(client.broker, args.type))
+
+
+def _dead_pages(broker, type):
+    cursor = None
+    while True:
+        page = broker.search(JobFilter(state="dead", type=type), cursor=cursor, limit=PAGE, order="newest")
+        yield page.jobs
+        cursor = page.next_cursor
+        if cursor is None:
+            return
+
+
+def _print_list(args, pages):
+    """Print pages of dead jobs as they come: a JSON array (one element a line) or a table per page."""
+    first = True
+    for jobs in pages:
+        if args.json:
+            for job in jobs:
+                print(("[" if first else ",") + json.dumps(job.to_dict(), default=str))
+                first = False
+        elif jobs:
+            rows = [[j.id, j.type, j.queue, j.reason, f"{j.attempt}/{j.max_attempts}", when(j.last_failure_at),
+                     one_line(((j.error or {}).get("class") or "") + ": " + ((j.error or {}).get("message") or ""),
+                              50)] for j in jobs]
+            text = table(["ID", "TYPE", "QUEUE", "REASON", "ATTEMPTS", "LAST_FAILURE", "ERROR"], rows)
+            say(text if first else text.split("\n", 1)[1])  # one header, above the first page
+            first = False
+        sys.stdout.flush()
     if args.json:
-        print_json([job.to_dict() for job in jobs])
-        return
-    if not jobs:
-        print("no dead jobs" + (f" of type {args.type}" if args.type else ""))
-        return
-    rows = [[j.id, j.type, j.queue, j.reason, f"{j.attempt}/{j.max_attempts}", when(j.last_failure_at),
-             one_line(((j.error or {}).get("class") or "") + ": " + ((j.error or {}).get("message") or ""), 50)]
-            for j in jobs]
-    say(table(["ID", "TYPE", "QUEUE", "REASON", "ATTEMPTS", "LAST_FAILURE", "ERROR"], rows))
+        print("[]" if first else "]")
+    elif first:
+        print("no dead jobs" + (f" of type {printable(args.type, keep='')}" if args.type else ""))
 
 
 def dead_job(broker, job_id):
@@ -32,14 +73,17 @@ def dead_job(broker, job_id):
     return job
 
 
-def selected_ids(broker, args):
-    """The dead jobs ``--all`` (of ``--type``) or the ids given, each checked dead before any is touched."""
+def selected(broker, args):
+    """(batches of ids, how many): the dead jobs ``--all`` (of ``--type``) a page at a time, or the ids
+    given, each checked dead before any is touched."""
     if args.all:
-        return [job.id for job in broker.dlq_list(type=args.type, limit=None)]
+        f = JobFilter(state="dead", type=args.type)
+        count = broker.count(f)
+        return pages(broker, f), count.n, count.exact
     ids = list(dict.fromkeys(args.job_ids))
     for job_id in ids:  # all or nothing: a wrong id changes nothing
         dead_job(broker, job_id)
-    return ids
+    return iter([ids]), len(ids), True
 
 
 def cmd_dlq_show(args):
@@ -68,22 +112,44 @@ def _selection(args, verb):
 
 def cmd_dlq_replay(args):
     _selection(args, "replay")
-    if args.rate is not None and not args.rate > 0:
+    if args.rate is not None and not 0 < args.rate < math.inf:
         raise UsageError("dlq replay: --rate must be a positive number of replays per second")
     with open_client(args) as client:
         broker = client.broker
-        ids = selected_ids(broker, args)
-        if args.rate is None:
-            for start in range(0, len(ids), 500):
-                broker.dlq_replay(ids[start:start + 500])
-        else:
-            began = time.monotonic()
-            for i, job_id in enumerate(ids):
-                pause = began + i / args.rate - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)  # pacing, so a replay storm does not flood the workers
-                broker.dlq_replay([job_id])
-    print(f"replayed {len(ids)} job(s)")
+        batches, count, exact = selected(broker, args)
+        progress = Progress("dlq replay", args.json, count, exact, per_id=NOT_DONE)
+        began, step = time.monotonic(), 1 if args.rate else PAGE
+        with progress.running():
+            for batch in batches:
+                for start in range(0, len(batch), step):
+                    if args.rate:
+                        pause = began + progress.done / args.rate - time.monotonic()
+                        if pause > 0:
+                            time.sleep(pause)  # pacing, so a replay storm does not flood the workers
+                    progress.report(_replay(broker, batch[start:start + step]))
+    progress.finish(_summary("replayed", progress.outcomes))
+
+
+def _replay(broker, ids):
+    """``{id: "replayed" | "conflict" | "not_dead"}``. A batch is all or nothing in the broker, so
+    one job whose idempotency key an unfinished job holds sends its batch through one id at a time:
+    the others are replayed, it stays dead and is reported, as ``retry`` reports it."""
+    try:
+        broker.dlq_replay(ids)
+        return dict.fromkeys(ids, "replayed")
+    except BadInput:  # the broker's word for a held idempotency key
+        if len(ids) == 1:
+            return {ids[0]: "conflict"}
+    except NotDead:
+        if len(ids) == 1:
+            return {ids[0]: "not_dead"}  # replayed, purged or retried by someone else since it was selected
+    return {job_id: outcome for one in ids for job_id, outcome in _replay(broker, [one]).items()}
+
+
+def _summary(verb, outcomes):
+    done = outcomes.get(verb, 0)
+    rest = ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items()) if outcome != verb)
+    return f"{verb} {done} job(s)" + (f"; not {verb}: {rest}" if rest else "")
 
 
 def cmd_dlq_purge(args):
@@ -93,8 +159,20 @@ def cmd_dlq_purge(args):
                          + " for good; add --yes to confirm")
     with open_client(args) as client:
         broker = client.broker
-        ids = selected_ids(broker, args)
-        purged = 0
-        for start in range(0, len(ids), 500):
-            purged += broker.dlq_purge(ids[start:start + 500])
-    print(f"purged {purged} job(s)")
+        batches, count, exact = selected(broker, args)
+        progress = Progress("dlq purge", args.json, count, exact, per_id=NOT_DONE)
+        with progress.running():
+            for batch in batches:
+                for start in range(0, len(batch), PAGE):
+                    progress.report(_purge(broker, batch[start:start + PAGE]))
+    progress.finish(_summary("purged", progress.outcomes))
+
+
+def _purge(broker, ids):
+    try:
+        broker.dlq_purge(ids)
+        return dict.fromkeys(ids, "purged")
+    except NotDead:  # one of them left the dead letters since it was selected: the rest still go
+        if len(ids) == 1:
+            return {ids[0]: "not_dead"}
+        return {job_id: outcome for one in ids for job_id, outcome in _purge(broker, [one]).items()}
