@@ -101,6 +101,8 @@ class Pool:
         if self.stopping:
             return
         missing = self.missing()
+        if missing <= 0:
+            self.spawn_failures = 0  # whole again (forks came back, or a lower target): no shortfall to report
         if missing > 0 and time.monotonic() >= self.next_spawn_at:
             self.spawn(missing)
         elif missing < 0:
