@@ -32,7 +32,8 @@ ADMIN_PW, VIEWER_PW = "admin-password", "viewer-password"
 DOCS = pathlib.Path(__file__).parent.parent / "docs" / "console"
 
 webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException  # noqa: E402
+from selenium.common.exceptions import (NoSuchElementException, StaleElementReferenceException,  # noqa: E402
+                                        WebDriverException)
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
@@ -78,6 +79,14 @@ class Console:
         self.log.close()
 
 
+def _replaced(exc):
+    """None when chromium lost the node to a live update between finding and reading it (it says
+    so as an inspector error, not as a stale element); any other driver error stands."""
+    if "does not belong to the document" in str(exc):
+        return None
+    raise exc
+
+
 class Stack:
     def __init__(self, name, daemon, console, driver, shots):
         self.name, self.daemon, self.console, self.driver, self.shots = name, daemon, console, driver, shots
@@ -94,12 +103,16 @@ class Stack:
             return self.find(css).text
         except (NoSuchElementException, StaleElementReferenceException):  # not there, or replaced by a live update
             return None
+        except WebDriverException as exc:
+            return _replaced(exc)
 
     def links(self, css):
         try:
             return [a.text for a in self.driver.find_elements(By.CSS_SELECTOR, css)]
         except StaleElementReferenceException:
             return None
+        except WebDriverException as exc:
+            return _replaced(exc)
 
     def login(self, name, password):
         self.driver.delete_all_cookies()
