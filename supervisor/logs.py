@@ -15,7 +15,8 @@ JOB_FIELDS = ("job_id", "type", "queue", "attempt", "resource_id", "idempotency_
 EVENT_FIELDS = JOB_FIELDS + ("event", "slot", "pid", "signal", "exit_code", "reason", "by", "generation", "error",
                              "elapsed", "delay",
                              # the web console's action events: who did what to which jobs, how many
-                             "user", "action", "count", "job_ids", "filter", "outcome", "queues", "schedule", "rate")
+                             "user", "action", "count", "job_ids", "filter", "outcome", "queues", "schedule", "rate",
+                             "dropped_types")
 
 
 def job_fields(job, **extra):

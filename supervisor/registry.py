@@ -9,13 +9,16 @@ import dataclasses
 import gc
 import importlib.util
 import inspect
+import logging
 import os
 import sys
 import traceback
 
-from .errors import ConfigError
+from .errors import ConfigError, TangguhError
+from .jsonvalues import clip_start
 
 _MARK = "__tangguh_job__"
+MAX_LOAD_ERROR = 2000  # characters of a handler file's exception kept: status and the log show it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,13 +126,39 @@ def load_handlers(folder, generation=0, importer=None):
     return handlers
 
 
+def reload_handlers(folder, generation, current):
+    """The next generation's handlers, and the job types it no longer serves. A folder with none
+    while ``current`` serves some is refused: a deploy caught halfway would dead-letter every job."""
+    handlers = load_handlers(folder, generation)
+    if current and not handlers:
+        raise HandlerLoadError(f"supervisor.handlers: {folder} holds no job handler now; keeping the"
+                               f" {len(current)} job types loaded")
+    return handlers, sorted(set(current) - set(handlers))
+
+
+def reload_error_text(exc):
+    """What ``status`` and the log say of a failed reload (a handler file's error is cut: ``_describe``)."""
+    return str(exc) if isinstance(exc, TangguhError) else f"{type(exc).__name__}: {exc}"
+
+
+def dropped_note(dropped):
+    """The reload log's note on the job types a new generation no longer serves ('' for none)."""
+    if not dropped:
+        return ""
+    return f"; no longer serves {', '.join(dropped[:20])}{' and more' if len(dropped) > 20 else ''}" \
+           " (their jobs claimed here are dead-lettered: unknown_type)"
+
+
 def forget_generation(generation):
-    """Drop a past generation's handler modules from ``sys.modules``, and with them (once
-    nothing else holds them) everything they built at import. Children forked with them
-    keep their own copies."""
+    """Drop a past generation's handler modules from ``sys.modules`` (and the loggers they named
+    after themselves), and with them (once nothing else holds them) everything they built at
+    import. Children forked with them keep their own copies."""
     prefix = f"tangguh_handlers.g{generation}."
     for name in [name for name in sys.modules if name.startswith(prefix)]:
         del sys.modules[name]
+    loggers = logging.Logger.manager.loggerDict  # getLogger(__name__): one per module per reload
+    for name in [name for name in loggers if name.startswith(prefix) or name == prefix[:-1]]:
+        loggers.pop(name, None)
     gc.collect()  # a module and its functions are a cycle: an idle master may not collect it for hours
 
 
@@ -137,11 +166,17 @@ def _import_path(path, module_name):
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses, pickle and friends look modules up here
+    pid = os.getpid()
     try:
         spec.loader.exec_module(module)
     except BaseException as exc:  # noqa: BLE001 - any failure of a handler file is a load error
         sys.modules.pop(module_name, None)
         raise HandlerLoadError(_describe(path, exc)) from None
+    finally:
+        if os.getpid() != pid:
+            # A process the module forked at import came back here: it would run on as a second
+            # master, on our socket, signals and broker.
+            os._exit(0)
     return module
 
 
@@ -153,7 +188,11 @@ def _describe(path, exc):
     for frame in traceback.extract_tb(exc.__traceback__):
         if os.path.abspath(frame.filename) == os.path.abspath(path):
             line = frame.lineno
-    return f"{path}:{line}: {type(exc).__name__}: {exc}"
+    try:
+        text = str(exc)
+    except BaseException:  # noqa: BLE001 - an exception whose __str__ fails still names its file
+        text = f"<unprintable {type(exc).__name__}>"
+    return f"{path}:{line}: {type(exc).__name__}: {clip_start(text, MAX_LOAD_ERROR)}"
 
 
 def first(*values):

@@ -228,7 +228,7 @@ def test_sighup_applies_a_new_worker_count(daemon):
     daemon.assert_clean()
 
 
-@pytest.mark.parametrize("breakage", ["config", "handler", "huge_number", "bad_mark", "socket"])
+@pytest.mark.parametrize("breakage", ["config", "handler", "huge_number", "bad_mark", "socket", "huge_error", "empty"])
 def test_sighup_with_a_broken_config_or_handler_keeps_serving(daemon, breakage):
     """A reload that cannot be applied keeps the running generation and says why. "huge_number"
     (a 400-digit integer: OverflowError in the check) and "bad_mark" (an error that is not
@@ -242,6 +242,12 @@ def test_sighup_with_a_broken_config_or_handler_keeps_serving(daemon, breakage):
     elif breakage == "handler":
         with open(os.path.join(daemon.handlers, "broken.py"), "w") as f:
             f.write("import supervisor\n\ndef oops(:\n")
+    elif breakage == "huge_error":  # 20 MB in every status reply and log line, before
+        with open(os.path.join(daemon.handlers, "loud.py"), "w") as f:
+            f.write("raise ValueError('x' * 20_000_000)\n")
+    elif breakage == "empty":  # a deploy caught halfway: every job would be dead-lettered unknown_type
+        for name in os.listdir(daemon.handlers):
+            os.remove(os.path.join(daemon.handlers, name))
     elif breakage == "bad_mark":
         with open(os.path.join(daemon.handlers, "odd.py"), "w") as f:
             f.write("def odd(ctx, payload):\n    pass\n\nodd.__tangguh_job__ = {'not_a_setting': 1}\n")
@@ -256,7 +262,9 @@ def test_sighup_with_a_broken_config_or_handler_keeps_serving(daemon, breakage):
     assert status["generation"] == 1 and sorted(daemon.worker_pids()) == pids
     assert {"handler": "broken.py:3", "huge_number": "broker.lease_seconds: expected a positive number",
             "bad_mark": "odd.py", "socket": "supervisor.socket: changing it needs a restart",
-            "config": ""}[breakage] in status["reload_error"]
+            "config": "", "huge_error": "loud.py:1: ValueError: xxx",
+            "empty": "holds no job handler now"}[breakage] in status["reload_error"]
+    assert len(status["reload_error"]) < 3000 and len(daemon.logs()) < 100_000
     assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
     daemon.assert_clean()
 
@@ -289,9 +297,12 @@ def test_a_reload_lets_go_of_the_previous_generations_handler_modules(daemon):
     time. A module's witness object reports when the module is freed."""
     freed = os.path.join(daemon.dir, "freed")
     with open(os.path.join(daemon.handlers, "witnessed.py"), "w") as f:
-        f.write("import os\n\nclass _Witness:\n    def __del__(self):\n"
+        f.write("import logging\nimport os\n\nimport supervisor\n\nclass _Witness:\n    def __del__(self):\n"
+                "        logging.getLogger('tangguh.witness').warning('freed %s', __name__, extra={'event': 'freed'})\n"
                 f"        with open({freed!r}, 'a') as f:\n            f.write(__name__ + '\\n')\n\n"
-                "witness = _Witness()\n")
+                "witness = _Witness()\nlog = logging.getLogger(__name__)\n\n"
+                "@supervisor.job('loggers')\ndef loggers(ctx, payload):\n"
+                "    return sorted(n for n in logging.Logger.manager.loggerDict if n.startswith('tangguh_handlers.'))\n")
     daemon.start()
     for generation in (2, 3, 4):
         daemon.signal(signal.SIGHUP)
@@ -303,7 +314,74 @@ def test_a_reload_lets_go_of_the_previous_generations_handler_modules(daemon):
     wait_for(lambda: {"tangguh_handlers.g1.witnessed", "tangguh_handlers.g2.witnessed",
                       "tangguh_handlers.g3.witnessed"} <= set(freed_modules()), message="the old generations freed")
     assert "tangguh_handlers.g4.witnessed" not in freed_modules()  # the one in use stays
+    # Freed by the reload that replaced them, not by some later collection (hours on an idle master).
+    order = [r["msg"][6:] if r["event"] == "freed" else r["generation"] for r in daemon.records() if r.get("event") in ("freed", "reload")]
+    assert order == ["tangguh_handlers.g1.witnessed", 2, "tangguh_handlers.g2.witnessed", 3,
+                     "tangguh_handlers.g3.witnessed", 4], order
+    # Nor their loggers (getLogger(__name__)): a child forked now sees the master's.
+    assert daemon.wait_job(daemon.enqueue("loggers")).result == ["tangguh_handlers.g4",
+                                                                 "tangguh_handlers.g4.witnessed"]
     assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    daemon.assert_clean()
+
+
+def test_a_handler_module_that_forks_at_import_leaves_one_master(daemon):
+    """The forked copy returned from the import into the master's reload and ran on as a
+    second master, on the same self-pipe, socket and broker: it took signals meant for the
+    master and answered for it. It leaves at once now."""
+    daemon.start()
+    with open(os.path.join(daemon.handlers, "forker.py"), "w") as f:
+        f.write("import os\n\nos.fork()  # a library starting a helper that forgot os._exit\n")
+    for generation in (2, 3, 4):
+        daemon.signal(signal.SIGHUP)
+        wait_for(lambda: daemon.status()["generation"] == generation, message=f"generation {generation}")
+    reloads = daemon.records(event="reload")
+    assert [(r["process"], r["generation"]) for r in reloads] == [(daemon.proc.pid, g) for g in (2, 3, 4)]
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    daemon.assert_clean()
+
+
+def test_a_reload_that_drops_job_types_names_them(daemon):
+    with open(os.path.join(daemon.handlers, "extra.py"), "w") as f:
+        f.write("import supervisor\n\n@supervisor.job('extra')\ndef extra(ctx, payload):\n    pass\n")
+    daemon.start()
+    os.remove(os.path.join(daemon.handlers, "extra.py"))
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: daemon.status()["generation"] == 2, message="generation 2")
+    [record] = daemon.records(event="reload")
+    assert (record["level"], record["dropped_types"]) == ("warning", ["extra"])
+    assert "no longer serves extra (their jobs claimed here are dead-lettered: unknown_type)" in record["msg"]
+
+
+def test_a_sighup_while_the_handlers_import_at_start_is_a_reload_afterwards(daemon):
+    """Before its signal handlers were set, a SIGHUP (logrotate, a deploy script) ended the
+    daemon at start-up: for systemd a clean exit, so no restart either."""
+    importing = os.path.join(daemon.dir, "importing")
+    with open(os.path.join(daemon.handlers, "slow.py"), "w") as f:
+        f.write(f"import time\n\nopen({importing!r}, 'a').close()\ntime.sleep(1.5)\n")
+    daemon.start(wait=False)
+    wait_for(lambda: os.path.exists(importing), message="the handlers to import")
+    daemon.signal(signal.SIGHUP)
+    wait_for(daemon.ready, timeout=30, message="the daemon up despite the SIGHUP")
+    wait_for(lambda: daemon.status()["generation"] == 2, message="the SIGHUP applied as a reload")
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    daemon.assert_clean()
+
+
+def test_a_sighup_to_the_whole_group_reloads_without_ending_running_jobs(daemon):
+    """``systemctl kill -s HUP`` (every process of the unit) or a hangup: the children took
+    its default action and died mid-job, each job spending an attempt."""
+    daemon.start()
+    release, marker = os.path.join(daemon.dir, "release"), daemon.marker("naps")
+    jobs = [daemon.enqueue("nap", {"seconds": 30, "release": release, "marker": marker}) for _ in range(2)]
+    wait_for(lambda: len(read_lines(marker)) == 2, message="both jobs running")
+    os.killpg(daemon.proc.pid, signal.SIGHUP)
+    wait_for(lambda: daemon.status()["generation"] == 2, message="the reload")
+    open(release, "w").close()
+    for job_id in jobs:
+        job = daemon.wait_job(job_id)
+        assert (job.state, job.attempt) == ("done", 1), job.history
+    assert not daemon.records(event="crash")
     daemon.assert_clean()
 
 
@@ -350,6 +428,22 @@ def test_forks_the_system_refuses_leave_the_master_serving_with_the_children_it_
     assert failures and float(failures.group(1)) >= 1
     master.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
     wait_for(lambda: len(daemon.status()["workers"]) == 10, timeout=60, message="the missing children, forked later")
+
+    # A child that exits frees what it held: its replacement is forked then, not when the backoff ends.
+    def last_backoff():
+        record = daemon.records(event="spawn_failed")[-1]
+        return float(re.search(r"next try in ([\d.]+)s", record["msg"]).group(1)), record["ts"]
+    steady = min(master.num_fds() for _ in range(5))  # not a status client's connection
+    master.rlimit(psutil.RLIMIT_NOFILE, (steady + childlimits.DESCRIPTOR_RESERVE - 2, hard))  # no room for a fork
+    daemon.signal(signal.SIGTTIN)  # an eleventh: refused, again and again
+    wait_for(lambda: last_backoff()[0] >= 6, timeout=60, message="forks refused long enough for a 6 s backoff")
+    delay, failed_at = last_backoff()
+    before = daemon.worker_pids()
+    for pid in before[-4:]:  # their descriptors are room for a fork again
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: set(daemon.worker_pids()) - set(before), timeout=failed_at + delay - time.time() - 1,
+             message="a replacement, forked before the backoff ends")
+    master.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
     daemon.assert_clean()
 
 

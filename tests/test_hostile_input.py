@@ -248,3 +248,37 @@ def test_a_thread_a_job_left_in_critical_does_not_hold_back_the_next_jobs_timeou
         serves_on(d, pids)
     finally:
         d.stop()
+
+
+def test_an_alarm_a_job_left_running_is_no_soft_timeout_for_a_later_job(tmp_path):
+    d = one_child(tmp_path)
+    try:
+        d.start()
+        pids = d.worker_pids()
+        marker = d.marker("naps")
+        assert d.wait_job(d.enqueue("leave_alarm", {"seconds": 0.3})).result == {"pid": pids[0]}
+        nap = d.wait_job(d.enqueue("napper", {"marker": marker, "seconds": 1.5}, max_attempts=1))
+        assert (nap.state, nap.attempt, nap.error) == ("done", 1, None), nap.history  # it has no soft timeout
+        assert int(nap.history[0]["pid"]) == pids[0]
+        job = d.wait_job(d.enqueue("sleeper", max_attempts=1))  # a job with its own still gets it
+        assert (job.state, job.reason, (job.error or {}).get("class")) == ("dead", "timeout", "JobTimeout")
+        serves_on(d, pids)
+    finally:
+        d.stop()
+
+
+def test_a_thread_a_job_left_sending_progress_never_tears_a_later_jobs_reply(tmp_path):
+    d = one_child(tmp_path)
+    try:
+        d.start()
+        pids = d.worker_pids()
+        assert d.wait_job(d.enqueue("start_reporter", {"seconds": 8})).result == {"pid": pids[0]}
+        # Replies larger than the socket's buffer go out in several writes: the thread's frames
+        # would land between them.
+        for _ in range(6):
+            job = d.wait_job(d.enqueue("big_result", {"size": 3 * 2 ** 20}, max_attempts=1))
+            assert (job.state, job.attempt, len((job.result or {}).get("blob", ""))) == ("done", 1, 3 * 2 ** 20), job.history
+        assert not d.records(event="bad_frame")
+        serves_on(d, pids)
+    finally:
+        d.stop()

@@ -56,8 +56,10 @@ def _fire(exc):
 
 
 def _on_alarm(signum, frame):
-    # Between jobs an alarm is stale: one a job kept blocked past its soft timeout rings as arm() unblocks it.
-    if _running:
+    # Only the running job's own soft timeout counts. Between jobs an alarm is stale (one a job kept
+    # blocked rings as arm() unblocks it); so is one a handler set (signal.alarm) and left running
+    # into a later job that has no soft timeout (a job that has one replaced it in arm()).
+    if _running and _armed:
         _fire(JobTimeout("soft timeout"))
 
 

@@ -11,6 +11,7 @@ import math
 import os
 import select
 import signal
+import threading
 import time
 import traceback
 
@@ -25,6 +26,9 @@ from .timeouts import Cancelled, JobTimeout
 
 PR_SET_PDEATHSIG = 1
 _pid = None  # this child's own pid (main): a process a handler forked is any other
+# A thread a job started (or left behind) may send on the pipe (ctx.progress, a lock) while
+# this thread replies: one frame at a time, or the master reads a torn one and kills us.
+_send_lock = threading.Lock()
 
 
 def title(slot, text):
@@ -72,8 +76,11 @@ def batch_scheduling():
 def reset_signals():
     """Undo the master's handlers; Ctrl-C on the terminal is for the master only."""
     signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGHUP, signal.SIGQUIT, signal.SIGTTIN, signal.SIGTTOU, signal.SIGCHLD, signal.SIGUSR1):
+    for sig in (signal.SIGQUIT, signal.SIGTTIN, signal.SIGTTOU, signal.SIGCHLD, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
+    # A reload is the master's: a SIGHUP to the whole group (`systemctl kill -s HUP`, a hangup)
+    # must not end the jobs running here.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     timeouts.install()
 
@@ -95,8 +102,8 @@ def main(sock, slot, handlers, master_pid):
         for name in ("NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC"):
             os.environ.pop(name, None)
         title(slot, "idle")
-        protocol.send(sock, {"op": protocol.READY, "pid": os.getpid()})
-        toolkit.attach_master(lambda msg: protocol.send(sock, msg))  # ctx.lock registers its locks
+        send_frame(sock, protocol.encode({"op": protocol.READY, "pid": os.getpid()}))
+        toolkit.attach_master(lambda msg: send_frame(sock, protocol.encode(msg)))  # ctx.lock registers its locks
         serve(sock, slot, handlers, master_pid)
     except BaseException:  # noqa: BLE001 - a child must never unwind into the master's code
         traceback.print_exc()
@@ -162,6 +169,15 @@ def run_one(sock, slot, handlers, entry):
     return not timeouts.terminated()
 
 
+def send_frame(sock, frame):
+    """Send one whole frame to the master: never beside another thread's, never from a process
+    a handler forked (its frames would speak for a job it does not run)."""
+    if _pid is not None and os.getpid() != _pid:
+        return
+    with _send_lock:
+        sock.sendall(frame)
+
+
 def send_reply(sock, reply):
     """Send a job's reply; one over the protocol's limit fails the job instead (``result_too_large``),
     and so does one that does not encode (``exception``, class ``UnencodableReply``)."""
@@ -182,7 +198,7 @@ def send_reply(sock, reply):
             "op": protocol.RESULT, "job_id": reply["job_id"], "token": reply["token"], "ok": False,
             "kind": kind, "error_class": error_class, "message": message,
             "traceback": "", "duration": reply.get("duration"), "metrics": reply.get("metrics", {})})
-    sock.sendall(frame)
+    send_frame(sock, frame)
 
 
 def run_job(job, handlers, soft_timeout=None):

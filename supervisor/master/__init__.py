@@ -1,13 +1,15 @@
 """The supervisor's master process, one role per module; ``arbiter`` wires them (docs/design.md)."""
+import signal
 import sys
 
 from .. import config, logs, registry
 from ..errors import BrokerError, ConfigError
-from .arbiter import EXIT_BOOT, EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_RUNNING, Arbiter  # noqa: F401
+from .arbiter import EXIT_BOOT, EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_RUNNING, HELD_AT_START, Arbiter  # noqa: F401
 
 
 def run(config_path=None):
     """``tangguh run``: load everything, then supervise until stopped. Returns the exit code."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD_AT_START)  # a SIGHUP while the handlers import: a reload after
     try:
         cfg = config.load(config_path)
     except ConfigError as exc:
@@ -21,6 +23,7 @@ def run(config_path=None):
         print(f"tangguh: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     arbiter = Arbiter(cfg, handlers)
+    del handlers  # the arbiter's until a reload replaces them: then nothing may hold them here
     try:
         return arbiter.run()
     except ConfigError as exc:  # found only at start (supervisor.socket_group): exit 2, no restart loop

@@ -33,7 +33,7 @@ import time
 
 from .. import config, jobref, protocol, registry, toolkit
 from ..child import worker as child  # imported before the forks: the children share it
-from ..errors import BrokerBusy, BrokerError, BrokerUnusable, ConfigError, TangguhError
+from ..errors import BrokerBusy, BrokerError, BrokerUnusable, ConfigError
 from ..health import AlreadyRunning, HealthServer
 from ..heartbeat import Heartbeat
 from ..metrics import SAMPLE_SECONDS, HttpExporter, Metrics
@@ -62,6 +62,7 @@ RESTART_ONLY = (("broker", "url"), ("toolkit", "redis_url"), ("supervisor", "soc
 SETTINGS_CACHE = 1024  # (type, timeout, max_attempts) -> JobSettings of the current generation
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU,
            signal.SIGCHLD)
+HELD_AT_START = {signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU}  # their default ends us: kept until start()
 
 
 class Arbiter:
@@ -140,6 +141,7 @@ class Arbiter:
         for sig in SIGNALS:
             signal.signal(sig, lambda *_: None)  # the byte on the self-pipe is all we need
         signal.set_wakeup_fd(self.sig_w)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_START)  # one sent during start-up is handled now
         if self.cfg.metrics.listen:
             try:
                 self.exporter = HttpExporter(self.cfg.metrics.listen, self.selector, self.metrics.render)
@@ -286,20 +288,20 @@ class Arbiter:
             for section, key in RESTART_ONLY:
                 if getattr(getattr(cfg, section), key) != getattr(getattr(self.cfg, section), key):
                     raise ConfigError(f"{section}.{key}: changing it needs a restart, not a reload")
-            handlers = registry.load_handlers(cfg.supervisor.handlers, self.generation + 1)
+            handlers, dropped = registry.reload_handlers(cfg.supervisor.handlers, self.generation + 1, self.handlers)
         except Exception as exc:  # noqa: BLE001 - whatever a reload meets, the running generation goes on
-            self.reload_error = str(exc) if isinstance(exc, TangguhError) else f"{type(exc).__name__}: {exc}"
+            self.reload_error = registry.reload_error_text(exc)
             self.status.count("reload", "failed")
             log.error("reload failed, keeping generation %d: %s", self.generation, self.reload_error,
                       extra={"event": "reload_failed", "generation": self.generation})
             return
         self.cfg, self.handlers = cfg, handlers
-        registry.forget_generation(self.generation)
         self.generation += 1
         self.settings_cache = {}
         self.reload_error = None
         self.dispatcher.configure(cfg, handlers)
         self.periodic.configure(cfg, handlers)
+        registry.forget_generation(self.generation - 1)  # once nothing here holds its handlers
         self.pool.cfg, self.pool.generation, self.pool.target = cfg.supervisor, self.generation, cfg.supervisor.workers
         self.heartbeat.lease_seconds, self.heartbeat.queues = cfg.broker.lease_seconds, list(cfg.broker.queues)
         self.heartbeat.interval = cfg.broker.heartbeat_seconds
@@ -307,8 +309,9 @@ class Arbiter:
         self.pool.retire_all(older_than=self.generation)
         self.status.set_title()
         self.status.count("reload", "ok")
-        log.info("reloaded: generation %d with %d handler types, %d workers (the config's)", self.generation,
-                 len(handlers), self.pool.target, extra={"event": "reload", "generation": self.generation})
+        log.log(logging.WARNING if dropped else logging.INFO, "reloaded: generation %d with %d handler types, %d workers"
+                " (the config's)%s", self.generation, len(handlers), self.pool.target, registry.dropped_note(dropped),
+                extra={"event": "reload", "generation": self.generation, "dropped_types": dropped})
 
     # -- children ----------------------------------------------------------------------------
     def run_child(self, sock, slot):

@@ -354,6 +354,8 @@ class Pool:
             self.unregister(c)
             c.sock.close()
             self.exited(c, status)
+            if self.spawn_failures and c.state != STARTING:
+                self.next_spawn_at = 0.0  # forks were refused: what it held is free, try now
 
     def drain(self, c):
         """Read what a dead child wrote before it exited (a result must not be taken for a crash)."""

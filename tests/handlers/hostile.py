@@ -159,3 +159,24 @@ def napper(ctx, payload):
             f.write("saw Cancelled\n")
         raise
     return {"slept": True}
+
+
+@supervisor.job("leave_alarm")
+def leave_alarm(ctx, payload):
+    signal.setitimer(signal.ITIMER_REAL, float(payload.get("seconds", 0.3)))  # set, never cancelled
+    return {"pid": os.getpid()}
+
+
+@supervisor.job("start_reporter")
+def start_reporter(ctx, payload):
+    """Leaves a thread sending progress frames as fast as it can, for ``seconds``."""
+    def report(until=time.monotonic() + float(payload.get("seconds", 8))):
+        while time.monotonic() < until:
+            ctx.progress(1.0, "n" * 200)  # 1.0 always leaves the child: no throttle
+    threading.Thread(target=report, daemon=True).start()
+    return {"pid": os.getpid()}
+
+
+@supervisor.job("big_result")
+def big_result(ctx, payload):
+    return {"blob": "b" * int(payload["size"])}
