@@ -1,10 +1,12 @@
 """What a child may cost the master: the descriptors its fork takes, the jobs and
 the memory it may run up before it is recycled; and what a fork needs: no other
 thread running in the master."""
+import atexit
 import errno
 import logging
 import os
 import resource
+import sys
 import threading
 
 import psutil
@@ -48,9 +50,29 @@ def warn_of_threads(seen):
     """Log once per set of names when threads other than the main one run at a fork (one a
     handler module started at import: a lock it holds at the fork stays held in every
     child). Returns the set, for the next call."""
-    others = frozenset(t.name for t in threading.enumerate() if t is not threading.main_thread())
-    if others and others != seen:
+    # By ident: a reload that imports the module again starts another thread of the same name.
+    others = frozenset((t.ident, t.name) for t in threading.enumerate() if t is not threading.main_thread())
+    if others and not others <= seen:
         log.error("forking beside threads a handler module started (%s): a lock one of them holds at the fork"
-                  " stays held in every child; start them lazily, in the job", ", ".join(sorted(others)),
-                  extra={"event": "fork_beside_threads"})
+                  " stays held in every child; start them lazily, in the job",
+                  ", ".join(sorted(name for _, name in others)), extra={"event": "fork_beside_threads"})
     return others
+
+
+def leave(code):
+    """End the stopped master with ``code``. A thread a handler module started without
+    ``daemon=True`` would keep it alive (Python waits for such threads at exit) until
+    systemd's SIGKILL: name them, run the exit handlers, and leave without waiting."""
+    stuck = sorted(t.name for t in threading.enumerate()
+                   if t is not threading.main_thread() and not t.daemon and t.is_alive())
+    if not stuck:
+        return code
+    log.warning("not waiting for %d thread(s) a handler module started: %s", len(stuck), ", ".join(stuck),
+                extra={"event": "threads_left"})
+    atexit._run_exitfuncs()  # logging's flush among them
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -618,6 +618,14 @@ MUTATIONS = [
              "    if not dropped:\n        return \"\"", "    if True:\n        return \"\"",
              ("tests/test_daemon.py", "-k", "drops_job_types"),
              "a reload names the job types it no longer serves"),
+    Mutation("threads-compared-by-name", "supervisor/childlimits.py",
+             "    others = frozenset((t.ident, t.name) for t", "    others = frozenset((0, t.name) for t",
+             ("tests/test_master_robustness.py", "-k", "non_daemon_thread"),
+             "a reload's new thread of the same name is named before the fork too"),
+    Mutation("master-waits-for-handler-threads", "supervisor/childlimits.py",
+             "    if not stuck:\n        return code", "    if True:\n        return code",
+             ("tests/test_master_robustness.py", "-k", "non_daemon_thread"),
+             "a handler module's non-daemon thread does not keep the stopped master alive"),
 ]
 
 

@@ -468,3 +468,24 @@ def test_a_thread_a_handler_module_starts_at_import_is_named_before_the_fork(tmp
         assert len(d.records(event="fork_beside_threads")) == 1
     finally:
         d.stop()
+
+
+def test_a_non_daemon_thread_a_handler_module_started_neither_hides_nor_keeps_the_stopped_master_alive(tmp_path):
+    """Python waits for non-daemon threads at exit: a stopped master stayed up until systemd's
+    SIGKILL. And a reload that imports the module again starts another thread of the same
+    name: compared by name, it went unsaid."""
+    d = Daemon(tmp_path, handler_files=("testjobs.py",))
+    with open(os.path.join(d.handlers, "poller.py"), "w") as f:
+        f.write("import threading\n\nthreading.Thread(target=threading.Event().wait, name='poller').start()\n")
+    try:
+        d.start()
+        wait_for(lambda: d.records(event="fork_beside_threads"), message="the thread named")
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: d.status()["generation"] == 2 and len(d.worker_pids()) == 2, message="generation 2")
+        wait_for(lambda: len(d.records(event="fork_beside_threads")) == 2, message="the second thread named too")
+        d.signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=30) == 0
+        [record] = d.records(event="threads_left")
+        assert record["msg"] == "not waiting for 2 thread(s) a handler module started: poller, poller"
+    finally:
+        d.stop()

@@ -2,7 +2,7 @@
 import signal
 import sys
 
-from .. import config, logs, registry
+from .. import childlimits, config, logs, registry
 from ..errors import BrokerError, ConfigError
 from .arbiter import EXIT_BOOT, EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_RUNNING, HELD_AT_START, Arbiter  # noqa: F401
 
@@ -25,7 +25,7 @@ def run(config_path=None):
     arbiter = Arbiter(cfg, handlers)
     del handlers  # the arbiter's until a reload replaces them: then nothing may hold them here
     try:
-        return arbiter.run()
+        return childlimits.leave(arbiter.run())
     except ConfigError as exc:  # found only at start (supervisor.socket_group): exit 2, no restart loop
         print(f"tangguh: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
