@@ -44,6 +44,8 @@ class SupervisorConfig:
     max_child_rss_mb: int = option(non_negative_int, "recycle a child above this RSS (0: never)", default=0)
     max_boot_failures: int = option(positive_int, "consecutive child boot failures before giving up", default=5)
     poll_interval: float = option(poll_interval, "longest wait between claims when idle", default=0.5)
+    import_timeout: float = option(positive_number, "seconds a reload's trial import of the handler files may take",
+                                   default=30.0)
 
 
 @dataclasses.dataclass

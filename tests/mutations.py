@@ -626,6 +626,10 @@ MUTATIONS = [
              "    if not stuck:\n        return code", "    if True:\n        return code",
              ("tests/test_master_robustness.py", "-k", "non_daemon_thread"),
              "a handler module's non-daemon thread does not keep the stopped master alive"),
+    Mutation("reload-imports-untried", "supervisor/master/trial.py",
+             "    problem = trial(folder, generation, heartbeat, timeout)", "    problem = None",
+             ("tests/test_daemon.py", "-k", "broken_config_or_handler and at_import"),
+             "a handler module that ends or freezes the process importing it fails the reload, not the master"),
 ]
 
 

@@ -228,7 +228,8 @@ def test_sighup_applies_a_new_worker_count(daemon):
     daemon.assert_clean()
 
 
-@pytest.mark.parametrize("breakage", ["config", "handler", "huge_number", "bad_mark", "socket", "huge_error", "empty"])
+@pytest.mark.parametrize("breakage", ["config", "handler", "huge_number", "bad_mark", "socket", "huge_error", "empty",
+                                      "exits_at_import", "waits_at_import"])
 def test_sighup_with_a_broken_config_or_handler_keeps_serving(daemon, breakage):
     """A reload that cannot be applied keeps the running generation and says why. "huge_number"
     (a 400-digit integer: OverflowError in the check) and "bad_mark" (an error that is not
@@ -245,6 +246,11 @@ def test_sighup_with_a_broken_config_or_handler_keeps_serving(daemon, breakage):
     elif breakage == "huge_error":  # 20 MB in every status reply and log line, before
         with open(os.path.join(daemon.handlers, "loud.py"), "w") as f:
             f.write("raise ValueError('x' * 20_000_000)\n")
+    elif breakage in ("exits_at_import", "waits_at_import"):  # ended, or froze, the master itself
+        daemon.config["supervisor"]["import_timeout"] = 1.0
+        daemon.write_config()
+        with open(os.path.join(daemon.handlers, "rude.py"), "w") as f:
+            f.write("import os\nos._exit(7)\n" if breakage == "exits_at_import" else "import time\ntime.sleep(3600)\n")
     elif breakage == "empty":  # a deploy caught halfway: every job would be dead-lettered unknown_type
         for name in os.listdir(daemon.handlers):
             os.remove(os.path.join(daemon.handlers, name))
@@ -263,7 +269,9 @@ def test_sighup_with_a_broken_config_or_handler_keeps_serving(daemon, breakage):
     assert {"handler": "broken.py:3", "huge_number": "broker.lease_seconds: expected a positive number",
             "bad_mark": "odd.py", "socket": "supervisor.socket: changing it needs a restart",
             "config": "", "huge_error": "loud.py:1: ValueError: xxx",
-            "empty": "holds no job handler now"}[breakage] in status["reload_error"]
+            "empty": "holds no job handler now",
+            "exits_at_import": "a handler module ended the process importing it (exit code 7)",
+            "waits_at_import": "importing the handler files took over 1s"}[breakage] in status["reload_error"]
     assert len(status["reload_error"]) < 3000 and len(daemon.logs()) < 100_000
     assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
     daemon.assert_clean()

@@ -41,7 +41,7 @@ from ..protocol import KILLED_SHUTDOWN, UNKNOWN_TYPE
 from ..retry import next_delay
 from ..sdnotify import Notifier
 from ..urls import redact
-from . import overdue, verdict
+from . import overdue, trial, verdict
 from .brokerlink import BrokerLink
 from .control import JobControl
 from .dispatch import Dispatcher
@@ -288,7 +288,8 @@ class Arbiter:
             for section, key in RESTART_ONLY:
                 if getattr(getattr(cfg, section), key) != getattr(getattr(self.cfg, section), key):
                     raise ConfigError(f"{section}.{key}: changing it needs a restart, not a reload")
-            handlers, dropped = registry.reload_handlers(cfg.supervisor.handlers, self.generation + 1, self.handlers)
+            handlers, dropped = trial.load(cfg.supervisor.handlers, self.generation + 1, self.handlers,
+                                           self.heartbeat, cfg.supervisor.import_timeout)
         except Exception as exc:  # noqa: BLE001 - whatever a reload meets, the running generation goes on
             self.reload_error = registry.reload_error_text(exc)
             self.status.count("reload", "failed")
@@ -297,8 +298,7 @@ class Arbiter:
             return
         self.cfg, self.handlers = cfg, handlers
         self.generation += 1
-        self.settings_cache = {}
-        self.reload_error = None
+        self.settings_cache, self.reload_error = {}, None
         self.dispatcher.configure(cfg, handlers)
         self.periodic.configure(cfg, handlers)
         registry.forget_generation(self.generation - 1)  # once nothing here holds its handlers
