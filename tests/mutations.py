@@ -630,6 +630,14 @@ MUTATIONS = [
              "    problem = trial(folder, generation, heartbeat, timeout)", "    problem = None",
              ("tests/test_daemon.py", "-k", "broken_config_or_handler and at_import"),
              "a handler module that ends or freezes the process importing it fails the reload, not the master"),
+    Mutation("sqlite-claim-walks-scheduled-jobs", "supervisor/backends/sqlite/ready.py",
+             "PRIORITY_PROBES = 16", "PRIORITY_PROBES = 0",
+             ("tests/test_sqlite_broker.py", "-k", "scheduled_for_later"),
+             "a SQLite claim reads none of the jobs scheduled for later"),
+    Mutation("postgres-claim-walks-scheduled-jobs", "supervisor/backends/postgres/control_schema.py",
+             "PRIORITY_PROBES = 16  #", "PRIORITY_PROBES = 0  #",
+             ("tests/test_postgres_broker.py", "-k", "scheduled_for_later"),
+             "a PostgreSQL claim reads none of the jobs scheduled for later"),
 ]
 
 

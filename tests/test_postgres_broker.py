@@ -717,3 +717,26 @@ def test_one_claim_ends_a_bounded_number_of_expired_jobs_and_the_next_ones_the_r
 
     assert pg.claim(Q, 1, 30, "w") == [] and expired() == EXPIRE_BATCH
     assert pg.claim(Q, 1, 30, "w") == [] and expired() == EXPIRE_BATCH + 200
+
+
+def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(pg, postgres_url):
+    """In one ordered scan of jobs_ready (queue, priority DESC, run_at, id), the jobs
+    scheduled for later, behind their priority's due ones but in front of every lower
+    priority's, were read by every claim (100,000 jobs due tomorrow: 9 ms a claim, idle
+    polls too). The claim function's work is counted in buffers (EXPLAIN ANALYZE BUFFERS
+    counts those of the statements inside it), not in time."""
+    def blocks_of_a_claim():
+        with psycopg.connect(postgres_url.split("?")[0], autocommit=True) as conn:
+            [[plan]] = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM"
+                                    f' "{pg.schema}".claim(ARRAY[\'default\'], 8, 30, \'me\')').fetchone()
+        return plan["Plan"]["Shared Hit Blocks"] + plan["Plan"]["Shared Read Blocks"]
+
+    pg.enqueue_many([new(delay=86400, priority=5) for _ in range(100)])
+    few = blocks_of_a_claim()
+    pg.enqueue_many([new(delay=86400, priority=5) for _ in range(20_000)])
+    many = blocks_of_a_claim()
+    assert many - few <= 30, (few, many)  # walking them: 240 blocks more
+    # Due jobs behind them at lower priorities, and past the probes (more priorities than
+    # PRIORITY_PROBES: the rest in one ordered scan), in claim order.
+    pg.enqueue_many([new({"n": i}, priority=-i) for i in range(40)])
+    assert [job.payload["n"] for job in pg.claim(["default"], 40, 30, "me")] == list(range(40))

@@ -148,3 +148,41 @@ def test_prune_deletes_a_backlog_in_short_write_transactions(tmp_path, monkeypat
         assert [b.get(i) for i in ids] == [None] * 11 and b.get(kept).state == "queued"
     finally:
         b.close()
+
+
+def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(tmp_path):
+    """A job scheduled for later sorts in the ready index behind its priority's due jobs but
+    in front of every lower priority's: one ordered scan walked them all (300,000 jobs due
+    tomorrow made each claim, idle polls too, take 40 ms). The work is counted in SQLite's
+    own steps (its progress handler), not in time."""
+    broker = open_broker(f"sqlite:///{tmp_path}/b.db")
+    broker.migrate()
+
+    def claim(n=8):
+        steps = [0]
+
+        def tick():
+            steps[0] += 1
+            return 0
+        broker.db.set_progress_handler(tick, 100)
+        try:
+            jobs = broker.claim(["default"], n, 30, "me")
+        finally:
+            broker.db.set_progress_handler(None, 100)
+        return steps[0], [job.payload["n"] for job in jobs]
+
+    broker.enqueue_many([NewJob("t", {"n": -1}, delay=86400, priority=5) for _ in range(100)])
+    few, claimed = claim()
+    assert claimed == []
+    broker.enqueue_many([NewJob("t", {"n": -1}, delay=86400, priority=5) for _ in range(20_000)])
+    many, claimed = claim()
+    assert claimed == [] and many <= few + 2, (few, many)
+    # Due jobs behind them, at lower priorities, in claim order.
+    priorities = [0, 1, 0, 1, 3]
+    broker.enqueue_many([NewJob("t", {"n": i}, priority=p) for i, p in enumerate(priorities)])
+    steps, claimed = claim()
+    assert [priorities[n] for n in claimed] == [3, 1, 1, 0, 0] and steps < 60, (steps, claimed)  # walking: 1,000+
+    # Past the probes, more priorities than PRIORITY_PROBES: the rest in one ordered scan, still in order.
+    broker.enqueue_many([NewJob("t", {"n": i}, priority=-i) for i in range(40)])
+    assert claim(40)[1] == list(range(40))
+    broker.close()

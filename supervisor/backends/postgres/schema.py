@@ -143,6 +143,8 @@ def migrations(s):
         (7, workflows.reopen_migration(s)),
         # 8: a claim ends at most EXPIRE_BATCH jobs expired (control_schema.claim_function).
         (8, [claim_function(s)]),
+        # 9: a claim reads one priority at a time (control_schema.claim_function).
+        (9, [claim_function(s)]),
     ]
 
 

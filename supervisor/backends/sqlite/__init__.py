@@ -23,6 +23,7 @@ from ..limits import Admission, active, refill
 from . import schema, wakeup, workflows
 from .control import ControlMixin
 from .producing import ProducingMixin
+from .ready import due_ids
 from .database import Transaction, busy, connect, errors, read_url
 from .search import SearchMixin
 
@@ -109,16 +110,16 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
             for queue in queues:
                 if len(claimed) >= n:
                     break
+                ids = due_ids(self.db, queue, now, n - len(claimed))
+                if not ids:
+                    continue
                 rows = self.db.execute(
                     "UPDATE jobs SET state = 'running', attempt = attempt + 1, token = token + 1,"
                     " lease_until = :lease_until, owner = :owner,"
                     " history = json_insert(history, '$[#]', json_object("
                     "   'attempt', attempt + 1, 'started_at', :now, 'owner', :owner))"
-                    " WHERE id IN (SELECT id FROM jobs WHERE queue = :queue AND state IN ('queued', 'retrying')"
-                    "   AND run_at <= :now ORDER BY priority DESC, run_at, id LIMIT :limit)"
-                    " RETURNING *",
-                    {"lease_until": now + lease_seconds, "owner": owner, "now": now, "queue": queue,
-                     "limit": n - len(claimed)},
+                    " WHERE id IN (SELECT value FROM json_each(:ids)) RETURNING *",
+                    {"lease_until": now + lease_seconds, "owner": owner, "now": now, "ids": json.dumps(ids)},
                 ).fetchall()
                 claimed.extend(sorted((_job(r) for r in rows), key=lambda j: (-j.priority, j.run_at, j.id)))
         return claimed
