@@ -618,6 +618,16 @@ MUTATIONS = [
              "    if not dropped:\n        return \"\"", "    if True:\n        return \"\"",
              ("tests/test_daemon.py", "-k", "drops_job_types"),
              "a reload names the job types it no longer serves"),
+    Mutation("sqlite-fork-uses-inherited", "supervisor/backends/sqlite/__init__.py",
+             "        if self._pid != os.getpid():\n            self._forget_inherited()\n            with errors",
+             "        if False:\n            self._forget_inherited()\n            with errors",
+             ("tests/test_sqlite_broker.py", "-k", "fork"),
+             "a broker used in a forked child opens its own connection (SQLite)"),
+    Mutation("sqlite-fork-keeps-inherited-open", "supervisor/backends/sqlite/database.py",
+             "    if db.in_transaction:\n        _INHERITED.append(db)",
+             "    if True:\n        _INHERITED.append(db)",
+             ("tests/test_sqlite_broker.py", "-k", "fork"),
+             "a forked child's own SQLite connection takes real locks (the inherited one closed first)"),
 ]
 
 

@@ -1,6 +1,8 @@
 """SQLite-only behaviour (the shared contract is in test_broker_conformance.py)."""
+import os
 import select
 import sqlite3
+import subprocess
 import sys
 
 import pytest
@@ -148,3 +150,41 @@ def test_prune_deletes_a_backlog_in_short_write_transactions(tmp_path, monkeypat
         assert [b.get(i) for i in ids] == [None] * 11 and b.get(kept).state == "queued"
     finally:
         b.close()
+
+
+
+def test_a_client_used_before_a_fork_keeps_every_job_the_child_enqueues(tmp_path):
+    """A Client opened and used before os.fork() (gunicorn --preload, a daemonizing app),
+    used on in the child while the parent closes its own: SQLite forbids a connection
+    crossing a fork. The parent's close, finding no other process's lock on the file,
+    checkpointed and deleted the WAL the child went on committing to: those jobs were lost."""
+    url = f"sqlite:///{tmp_path}/broker.db"
+    client = Client.from_url(url)
+    client.enqueue_many([{"type": "parent", "payload": {"i": i}} for i in range(3)])
+    to_child, to_parent = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for i in range(10):
+                client.enqueue("before_close", {"i": i})
+            os.write(to_parent[1], b"x")
+            os.read(to_child[0], 1)  # the parent has closed its client
+            for i in range(10):
+                client.enqueue("after_close", {"i": i})
+            code = 0  # leaves without closing, as a worker process does
+        finally:
+            os._exit(code)
+    assert os.read(to_parent[0], 1) == b"x"
+    client.close()
+    os.write(to_child[1], b"x")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    for fd in (*to_child, *to_parent):
+        os.close(fd)
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import sys; from supervisor.client import Client; c = Client.from_url(sys.argv[1]);"
+         " print(*(c.count(type=t).n for t in ('parent', 'before_close', 'after_close')))", url],
+        capture_output=True, text=True, timeout=60)
+    assert fresh.returncode == 0, fresh.stderr
+    assert fresh.stdout.split() == ["3", "10", "10"]

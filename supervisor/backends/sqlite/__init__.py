@@ -23,7 +23,7 @@ from ..limits import Admission, active, refill
 from . import schema, wakeup, workflows
 from .control import ControlMixin
 from .producing import ProducingMixin
-from .database import Transaction, busy, connect, errors, read_url
+from .database import Transaction, busy, connect, errors, let_go_inherited, read_url
 from .search import SearchMixin
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
@@ -40,8 +40,9 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
     def __init__(self, url):
         self.url = url
         path, synchronous, busy_timeout = read_url(url)
-        self.path = path
+        self.path, self._options = path, (synchronous, busy_timeout)
         self._inotify = None  # wake-up fd, opened on first wakeup_fd()
+        self._pid = os.getpid()  # the process self.db belongs to (_connection)
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise BrokerError(f"sqlite database folder {folder} does not exist")
@@ -69,12 +70,31 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
             workflows.migrate(self.db)
 
     def _write(self):
-        return Transaction(self.db, "BEGIN IMMEDIATE", self.path)
+        return Transaction(self._connection(), "BEGIN IMMEDIATE", self.path)
 
     def _read(self):
-        return Transaction(self.db, "BEGIN", self.path)
+        return Transaction(self._connection(), "BEGIN", self.path)
+
+    def _connection(self):
+        """This process's connection: every operation starts here (one getpid per call)."""
+        if self._pid != os.getpid():
+            self._forget_inherited()
+            with errors(self.path):
+                self.db = connect(self.path, *self._options)
+            self._pid = os.getpid()
+        return self.db
+
+    def _forget_inherited(self):
+        if self.db is not None:
+            let_go_inherited(self.db)
+        # The parent's inotify watch: reading it here would take the parent's wake-ups, and closing
+        # it could close whatever a child that closed its inherited fds opened since.
+        self.db = self._inotify = None
 
     def close(self):
+        if self._pid != os.getpid():
+            self._forget_inherited()
+            return
         if self._inotify is not None:
             os.close(self._inotify)
             self._inotify = None
@@ -85,6 +105,7 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
 
     def wakeup_fd(self):
         """An inotify descriptor on the database's WAL file (Linux), or None (see ``wakeup``)."""
+        self._connection()  # not the parent's watch
         if self._inotify is None:
             self._inotify = wakeup.watch_modifications([os.path.abspath(self.path) + "-wal"])
         return self._inotify
@@ -249,8 +270,9 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
 
     # -- reading ----------------------------------------------------------
     def get(self, job_id):
+        db = self._connection()
         with errors(self.path):
-            row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
             return self._with_parents([_job(row)])[0] if row else None
 
     def stats(self, queues):
@@ -296,8 +318,9 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
         if limit is not None:
             sql += " LIMIT ?"
             params.append(int(limit))
+        db = self._connection()
         with errors(self.path):
-            return [_job(r) for r in self.db.execute(sql, params).fetchall()]
+            return [_job(r) for r in db.execute(sql, params).fetchall()]
 
     def dlq_replay(self, job_ids):
         now = self.now()

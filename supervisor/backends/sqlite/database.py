@@ -50,6 +50,31 @@ def connect(path, synchronous, busy_timeout=BUSY_TIMEOUT):
     return db
 
 
+_INHERITED = []  # connections inherited inside a transaction: never used, closed nor collected
+
+
+def let_go_inherited(db):
+    """Let go of a connection this process inherited through fork(), once, before opening its own.
+
+    SQLite forbids using a connection across fork(), and a fresh one is not enough while the
+    inherited one stays open: SQLite keeps one record of locks per file and process, the child's
+    copy says the parent's locks are held, so the child's connection took none. The parent's
+    close, seeing no other process's lock, then checkpointed and deleted the WAL the child went on
+    committing to (tests/test_sqlite_broker.py, "fork"). Closing the inherited connection drops
+    that record. What a close writes to the file (a checkpoint, deleting the WAL) needs the
+    exclusive lock, which no process gets while another has the file open. Closing one caught
+    inside a transaction (another thread was using it at the fork) would roll its frames out of
+    the shared WAL index: it stays open instead, referenced and unused.
+    """
+    if db.in_transaction:
+        _INHERITED.append(db)
+        return
+    try:
+        db.close()
+    except sqlite3.Error:
+        pass
+
+
 class Transaction:
     """BEGIN ... COMMIT, or ROLLBACK when the block raises.
 
