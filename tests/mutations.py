@@ -628,6 +628,14 @@ MUTATIONS = [
              "    if True:\n        _INHERITED.append(db)",
              ("tests/test_sqlite_broker.py", "-k", "fork"),
              "a forked child's own SQLite connection takes real locks (the inherited one closed first)"),
+    Mutation("sqlite-expiry-unbounded", "supervisor/backends/sqlite/control.py",
+             '{"now": now, "queue": queue, "left": left}', '{"now": now, "queue": queue, "left": -1}',
+             ("tests/test_sqlite_broker.py", "-k", "expired"),
+             "one claim ends at most EXPIRE_BATCH expired jobs (SQLite)"),
+    Mutation("sqlite-claim-leases-expired-backlog", "supervisor/backends/sqlite/__init__.py",
+             '"   AND run_at <= :now AND (expires_at IS NULL OR expires_at > :now)"', '"   AND run_at <= :now"',
+             ("tests/test_sqlite_broker.py", CONTROL, "-k", "sqlite_broker or (sqlite and backlog)"),
+             "a claim leases no job past its expiry that the bounded expiry left (SQLite)"),
 ]
 
 

@@ -10,7 +10,7 @@ import pytest
 from supervisor.backends import open_broker
 from supervisor.client import Client
 from supervisor.errors import BrokerError, ConfigError
-from supervisor.model import NewJob
+from supervisor.model import NewJob, TypeLimits
 
 from .util import wait_for
 
@@ -188,3 +188,28 @@ def test_a_client_used_before_a_fork_keeps_every_job_the_child_enqueues(tmp_path
         capture_output=True, text=True, timeout=60)
     assert fresh.returncode == 0, fresh.stderr
     assert fresh.stdout.split() == ["3", "10", "10"]
+
+
+@pytest.mark.parametrize("limited", [False, True], ids=["plain", "limited"])
+def test_a_claim_ends_a_bounded_number_of_expired_jobs_and_leases_none_of_the_rest(tmp_path, monkeypatch, limited):
+    """A backlog of jobs past their expiry: one claim ended all of them under the write lock
+    (unbounded, unlike Redis and PostgreSQL). Each claim ends at most EXPIRE_BATCH now and
+    leases none of those it left for the next claims."""
+    from supervisor.backends.sqlite import control as sqlite_control
+
+    monkeypatch.setattr(sqlite_control, "EXPIRE_BATCH", 4)
+    limits = {"t": TypeLimits(max_concurrency=10)} if limited else None
+    b = open_broker(f"sqlite:///{tmp_path}/b.db")
+    try:
+        stale = b.enqueue_many([NewJob("t", {}, expires_in=0.2, priority=5) for _ in range(10)])
+        keep = b.enqueue_many([NewJob("t", {}, expires_in=3600) for _ in range(2)])
+        wait_for(lambda: b.now() > b.get(stale[-1]).expires_at, message="the broker clock past the expiry")
+        ended = []
+        for want in (4, 8, 10, 10):
+            assert sorted(j.id for j in b.claim(["default"], 5, 30, "w", limits=limits)) == (sorted(keep) if want == 4 else [])
+            assert b.stats(["default"])["default"].expired == want
+            ended += b.take_expired()
+        assert sorted(ended) == sorted((job_id, "t") for job_id in stale)
+        assert {b.get(job_id).state for job_id in stale} == {"expired"}
+    finally:
+        b.close()

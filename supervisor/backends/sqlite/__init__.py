@@ -136,7 +136,8 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
                     " history = json_insert(history, '$[#]', json_object("
                     "   'attempt', attempt + 1, 'started_at', :now, 'owner', :owner))"
                     " WHERE id IN (SELECT id FROM jobs WHERE queue = :queue AND state IN ('queued', 'retrying')"
-                    "   AND run_at <= :now ORDER BY priority DESC, run_at, id LIMIT :limit)"
+                    "   AND run_at <= :now AND (expires_at IS NULL OR expires_at > :now)"
+                    "   ORDER BY priority DESC, run_at, id LIMIT :limit)"
                     " RETURNING *",
                     {"lease_until": now + lease_seconds, "owner": owner, "now": now, "queue": queue,
                      "limit": n - len(claimed)},
@@ -162,8 +163,8 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
                 want = n - len(claimed)
                 blocked = admission.blocked()
                 sql = ("SELECT id, type, resource_id FROM jobs WHERE queue = ? AND state IN ('queued', 'retrying')"
-                       " AND run_at <= ?")
-                params = [queue, now]
+                       " AND run_at <= ? AND (expires_at IS NULL OR expires_at > ?)")
+                params = [queue, now, now]
                 if blocked:
                     sql += f" AND type NOT IN ({','.join('?' * len(blocked))})"
                     params += blocked
