@@ -636,6 +636,14 @@ MUTATIONS = [
              '"   AND run_at <= :now AND (expires_at IS NULL OR expires_at > :now)"', '"   AND run_at <= :now"',
              ("tests/test_sqlite_broker.py", CONTROL, "-k", "sqlite_broker or (sqlite and backlog)"),
              "a claim leases no job past its expiry that the bounded expiry left (SQLite)"),
+    Mutation("sqlite-wal-no-size-limit", "supervisor/backends/sqlite/database.py",
+             '    db.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")', "    pass",
+             ("tests/test_sqlite_broker.py", "-k", "wal_file"),
+             "the WAL file shrinks back to its limit once checkpointed (SQLite)"),
+    Mutation("sqlite-prune-no-wal-truncate", "supervisor/backends/sqlite/__init__.py",
+             "            truncate_wal(self.db, self._options[1])", "            pass",
+             ("tests/test_sqlite_broker.py", "-k", "wal_file"),
+             "prune empties the WAL when nobody is using it (SQLite)"),
 ]
 
 

@@ -213,3 +213,29 @@ def test_a_claim_ends_a_bounded_number_of_expired_jobs_and_leases_none_of_the_re
         assert {b.get(job_id).state for job_id in stale} == {"expired"}
     finally:
         b.close()
+
+
+def test_the_wal_file_shrinks_back_to_its_limit_after_a_burst(tmp_path, monkeypatch):
+    """The WAL grew with every burst and never shrank (hundreds of MiB kept for good): SQLite
+    cuts it back to journal_size_limit once checkpointed, and prune empties it."""
+    from supervisor.backends.sqlite import database
+
+    limit = 64 * 1024
+    monkeypatch.setattr(database, "JOURNAL_SIZE_LIMIT", limit)
+    wal = tmp_path / "b.db-wal"
+    b = open_broker(f"sqlite:///{tmp_path}/b.db")
+    try:
+        b.enqueue_many([NewJob("t", {"pad": "x" * 1000}) for _ in range(500)])
+        assert wal.stat().st_size > limit
+        with sqlite3.connect(tmp_path / "b.db") as other:  # what a commit past 1,000 pages does
+            assert other.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[0] == 0
+        other.close()
+        b.enqueue(NewJob("t", {}))  # the first write after a whole checkpoint starts the WAL over
+        assert wal.stat().st_size <= limit
+        b.enqueue_many([NewJob("t", {"pad": "x" * 1000}) for _ in range(500)])
+        assert wal.stat().st_size > limit
+        assert b.prune(3600) == 0
+        assert wal.stat().st_size <= limit
+        assert b.stats(["default"])["default"].ready == 1001
+    finally:
+        b.close()

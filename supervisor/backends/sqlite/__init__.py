@@ -23,7 +23,7 @@ from ..limits import Admission, active, refill
 from . import schema, wakeup, workflows
 from .control import ControlMixin
 from .producing import ProducingMixin
-from .database import Transaction, busy, connect, errors, let_go_inherited, read_url
+from .database import Transaction, busy, connect, errors, let_go_inherited, read_url, truncate_wal
 from .search import SearchMixin
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
@@ -368,6 +368,8 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
                     break
         with self._write():
             self.db.execute("DELETE FROM once_keys WHERE created_at < ?", (cutoff,))
+        with errors(self.path):
+            truncate_wal(self.db, self._options[1])
         return total
 
 
