@@ -332,8 +332,8 @@ def test_a_job_due_past_its_expiry_ends_expired_without_an_attempt(broker):
 
 @pytest.mark.parametrize("limited", [False, True], ids=["plain", "limited"])
 def test_a_backlog_of_expired_jobs_is_never_leased_past_its_expiry(broker, limited):
-    # More jobs past their expiry than one claim ends at its start (1,000 on Redis and
-    # PostgreSQL): the claim that leases must still end the rest expired, or leave them to the
+    # More jobs past their expiry than one claim ends at its start (1,000 on every
+    # broker): the claim that leases must still end the rest expired, or leave them to the
     # next claims, and never lease one. The stale jobs go first in claim order (priority).
     limits = {"t": TypeLimits(max_concurrency=10)} if limited else None
     stale = broker.enqueue_many([new(expires_in=0.3, priority=5) for _ in range(1001)])

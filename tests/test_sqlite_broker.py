@@ -1,6 +1,8 @@
 """SQLite-only behaviour (the shared contract is in test_broker_conformance.py)."""
+import os
 import select
 import sqlite3
+import subprocess
 import sys
 
 import pytest
@@ -8,7 +10,7 @@ import pytest
 from supervisor.backends import open_broker
 from supervisor.client import Client
 from supervisor.errors import BrokerError, ConfigError
-from supervisor.model import NewJob
+from supervisor.model import NewJob, TypeLimits
 
 from .util import wait_for
 
@@ -186,3 +188,91 @@ def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(tmp_path):
     broker.enqueue_many([NewJob("t", {"n": i}, priority=-i) for i in range(40)])
     assert claim(40)[1] == list(range(40))
     broker.close()
+
+
+def test_a_client_used_before_a_fork_keeps_every_job_the_child_enqueues(tmp_path):
+    """A Client opened and used before os.fork() (gunicorn --preload, a daemonizing app),
+    used on in the child while the parent closes its own: SQLite forbids a connection
+    crossing a fork. The parent's close, finding no other process's lock on the file,
+    checkpointed and deleted the WAL the child went on committing to: those jobs were lost."""
+    url = f"sqlite:///{tmp_path}/broker.db"
+    client = Client.from_url(url)
+    client.enqueue_many([{"type": "parent", "payload": {"i": i}} for i in range(3)])
+    to_child, to_parent = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for i in range(10):
+                client.enqueue("before_close", {"i": i})
+            os.write(to_parent[1], b"x")
+            os.read(to_child[0], 1)  # the parent has closed its client
+            for i in range(10):
+                client.enqueue("after_close", {"i": i})
+            code = 0  # leaves without closing, as a worker process does
+        finally:
+            os._exit(code)
+    assert os.read(to_parent[0], 1) == b"x"
+    client.close()
+    os.write(to_child[1], b"x")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    for fd in (*to_child, *to_parent):
+        os.close(fd)
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import sys; from supervisor.client import Client; c = Client.from_url(sys.argv[1]);"
+         " print(*(c.count(type=t).n for t in ('parent', 'before_close', 'after_close')))", url],
+        capture_output=True, text=True, timeout=60)
+    assert fresh.returncode == 0, fresh.stderr
+    assert fresh.stdout.split() == ["3", "10", "10"]
+
+
+@pytest.mark.parametrize("limited", [False, True], ids=["plain", "limited"])
+def test_a_claim_ends_a_bounded_number_of_expired_jobs_and_leases_none_of_the_rest(tmp_path, monkeypatch, limited):
+    """A backlog of jobs past their expiry: one claim ended all of them under the write lock
+    (unbounded, unlike Redis and PostgreSQL). Each claim ends at most EXPIRE_BATCH now and
+    leases none of those it left for the next claims."""
+    from supervisor.backends.sqlite import control as sqlite_control
+
+    monkeypatch.setattr(sqlite_control, "EXPIRE_BATCH", 4)
+    limits = {"t": TypeLimits(max_concurrency=10)} if limited else None
+    b = open_broker(f"sqlite:///{tmp_path}/b.db")
+    try:
+        stale = b.enqueue_many([NewJob("t", {}, expires_in=0.2, priority=5) for _ in range(10)])
+        keep = b.enqueue_many([NewJob("t", {}, expires_in=3600) for _ in range(2)])
+        wait_for(lambda: b.now() > b.get(stale[-1]).expires_at, message="the broker clock past the expiry")
+        ended = []
+        for want in (4, 8, 10, 10):
+            assert sorted(j.id for j in b.claim(["default"], 5, 30, "w", limits=limits)) == (sorted(keep) if want == 4 else [])
+            assert b.stats(["default"])["default"].expired == want
+            ended += b.take_expired()
+        assert sorted(ended) == sorted((job_id, "t") for job_id in stale)
+        assert {b.get(job_id).state for job_id in stale} == {"expired"}
+    finally:
+        b.close()
+
+
+def test_the_wal_file_shrinks_back_to_its_limit_after_a_burst(tmp_path, monkeypatch):
+    """The WAL grew with every burst and never shrank (hundreds of MiB kept for good): SQLite
+    cuts it back to journal_size_limit once checkpointed, and prune empties it."""
+    from supervisor.backends.sqlite import database
+
+    limit = 64 * 1024
+    monkeypatch.setattr(database, "JOURNAL_SIZE_LIMIT", limit)
+    wal = tmp_path / "b.db-wal"
+    b = open_broker(f"sqlite:///{tmp_path}/b.db")
+    try:
+        b.enqueue_many([NewJob("t", {"pad": "x" * 1000}) for _ in range(500)])
+        assert wal.stat().st_size > limit
+        with sqlite3.connect(tmp_path / "b.db") as other:  # what a commit past 1,000 pages does
+            assert other.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[0] == 0
+        other.close()
+        b.enqueue(NewJob("t", {}))  # the first write after a whole checkpoint starts the WAL over
+        assert wal.stat().st_size <= limit
+        b.enqueue_many([NewJob("t", {"pad": "x" * 1000}) for _ in range(500)])
+        assert wal.stat().st_size > limit
+        assert b.prune(3600) == 0
+        assert wal.stat().st_size <= limit
+        assert b.stats(["default"])["default"].ready == 1001
+    finally:
+        b.close()

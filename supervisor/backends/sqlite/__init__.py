@@ -23,8 +23,8 @@ from ..limits import Admission, active, refill
 from . import schema, wakeup, workflows
 from .control import ControlMixin
 from .producing import ProducingMixin
+from .database import Transaction, busy, connect, errors, let_go_inherited, read_url, truncate_wal
 from .ready import due_ids
-from .database import Transaction, busy, connect, errors, read_url
 from .search import SearchMixin
 
 # Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
@@ -41,8 +41,9 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
     def __init__(self, url):
         self.url = url
         path, synchronous, busy_timeout = read_url(url)
-        self.path = path
+        self.path, self._options = path, (synchronous, busy_timeout)
         self._inotify = None  # wake-up fd, opened on first wakeup_fd()
+        self._pid = os.getpid()  # the process self.db belongs to (_connection)
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise BrokerError(f"sqlite database folder {folder} does not exist")
@@ -70,12 +71,31 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
             workflows.migrate(self.db)
 
     def _write(self):
-        return Transaction(self.db, "BEGIN IMMEDIATE", self.path)
+        return Transaction(self._connection(), "BEGIN IMMEDIATE", self.path)
 
     def _read(self):
-        return Transaction(self.db, "BEGIN", self.path)
+        return Transaction(self._connection(), "BEGIN", self.path)
+
+    def _connection(self):
+        """This process's connection: every operation starts here (one getpid per call)."""
+        if self._pid != os.getpid():
+            self._forget_inherited()
+            with errors(self.path):
+                self.db = connect(self.path, *self._options)
+            self._pid = os.getpid()
+        return self.db
+
+    def _forget_inherited(self):
+        if self.db is not None:
+            let_go_inherited(self.db)
+        # The parent's inotify watch: reading it here would take the parent's wake-ups, and closing
+        # it could close whatever a child that closed its inherited fds opened since.
+        self.db = self._inotify = None
 
     def close(self):
+        if self._pid != os.getpid():
+            self._forget_inherited()
+            return
         if self._inotify is not None:
             os.close(self._inotify)
             self._inotify = None
@@ -86,6 +106,7 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
 
     def wakeup_fd(self):
         """An inotify descriptor on the database's WAL file (Linux), or None (see ``wakeup``)."""
+        self._connection()  # not the parent's watch
         if self._inotify is None:
             self._inotify = wakeup.watch_modifications([os.path.abspath(self.path) + "-wal"])
         return self._inotify
@@ -142,8 +163,8 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
                 want = n - len(claimed)
                 blocked = admission.blocked()
                 sql = ("SELECT id, type, resource_id FROM jobs WHERE queue = ? AND state IN ('queued', 'retrying')"
-                       " AND run_at <= ?")
-                params = [queue, now]
+                       " AND run_at <= ? AND (expires_at IS NULL OR expires_at > ?)")
+                params = [queue, now, now]
                 if blocked:
                     sql += f" AND type NOT IN ({','.join('?' * len(blocked))})"
                     params += blocked
@@ -250,8 +271,9 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
 
     # -- reading ----------------------------------------------------------
     def get(self, job_id):
+        db = self._connection()
         with errors(self.path):
-            row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
             return self._with_parents([_job(row)])[0] if row else None
 
     def stats(self, queues):
@@ -297,8 +319,9 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
         if limit is not None:
             sql += " LIMIT ?"
             params.append(int(limit))
+        db = self._connection()
         with errors(self.path):
-            return [_job(r) for r in self.db.execute(sql, params).fetchall()]
+            return [_job(r) for r in db.execute(sql, params).fetchall()]
 
     def dlq_replay(self, job_ids):
         now = self.now()
@@ -345,6 +368,8 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
                     break
         with self._write():
             self.db.execute("DELETE FROM once_keys WHERE created_at < ?", (cutoff,))
+        with errors(self.path):
+            truncate_wal(self.db, self._options[1])
         return total
 
 

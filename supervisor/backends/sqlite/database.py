@@ -7,6 +7,9 @@ from ...errors import BrokerError
 
 
 BUSY_TIMEOUT = 30.0  # seconds a call waits for another process's write lock (URL option busy_timeout)
+# The WAL file never shrank after a burst: SQLite reuses it from the start once checkpointed, and
+# cuts it back to this size only when told to.
+JOURNAL_SIZE_LIMIT = 64 * 2**20
 
 
 def read_url(url):
@@ -47,7 +50,43 @@ def connect(path, synchronous, busy_timeout=BUSY_TIMEOUT):
     db.execute(f"PRAGMA synchronous={synchronous}")
     db.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
     db.execute("PRAGMA recursive_triggers=ON")  # a workflow's cancellation cascades down the tree
+    db.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")
     return db
+
+
+def truncate_wal(db, busy_timeout):
+    """Checkpoint and empty the WAL if nobody is using it now; never waits for anybody (the
+    master's loop calls it): a reader or a writer in the way makes it a no-op until next time."""
+    db.execute("PRAGMA busy_timeout=0")
+    try:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    finally:
+        db.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
+
+
+_INHERITED = []  # connections inherited inside a transaction: never used, closed nor collected
+
+
+def let_go_inherited(db):
+    """Let go of a connection this process inherited through fork(), once, before opening its own.
+
+    SQLite forbids using a connection across fork(), and a fresh one is not enough while the
+    inherited one stays open: SQLite keeps one record of locks per file and process, the child's
+    copy says the parent's locks are held, so the child's connection took none. The parent's
+    close, seeing no other process's lock, then checkpointed and deleted the WAL the child went on
+    committing to (tests/test_sqlite_broker.py, "fork"). Closing the inherited connection drops
+    that record. What a close writes to the file (a checkpoint, deleting the WAL) needs the
+    exclusive lock, which no process gets while another has the file open. Closing one caught
+    inside a transaction (another thread was using it at the fork) would roll its frames out of
+    the shared WAL index: it stays open instead, referenced and unused.
+    """
+    if db.in_transaction:
+        _INHERITED.append(db)
+        return
+    try:
+        db.close()
+    except sqlite3.Error:
+        pass
 
 
 class Transaction:

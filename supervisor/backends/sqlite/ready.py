@@ -13,6 +13,8 @@ at a time, each an index range, and finds the next priority with one seek.
 PRIORITY_PROBES = 16
 
 _WAITING = "FROM jobs WHERE queue = ? AND state IN ('queued', 'retrying')"
+# A job past its expires_at that the claim's bounded expiry has not ended yet: never leased.
+_UNEXPIRED = "AND (expires_at IS NULL OR expires_at > ?)"
 
 
 def due_ids(db, queue, now, limit):
@@ -23,11 +25,11 @@ def due_ids(db, queue, now, limit):
         if priority is None or len(ids) >= limit:
             return ids
         ids += [row[0] for row in db.execute(
-            f"SELECT id {_WAITING} AND priority = ? AND run_at <= ? ORDER BY run_at, id LIMIT ?",
-            (queue, priority, now, limit - len(ids)))]
+            f"SELECT id {_WAITING} AND priority = ? AND run_at <= ? {_UNEXPIRED} ORDER BY run_at, id LIMIT ?",
+            (queue, priority, now, now, limit - len(ids)))]
         priority = db.execute(f"SELECT max(priority) {_WAITING} AND priority < ?", (queue, priority)).fetchone()[0]
     if priority is not None and len(ids) < limit:
         ids += [row[0] for row in db.execute(
-            f"SELECT id {_WAITING} AND priority <= ? AND run_at <= ? ORDER BY priority DESC, run_at, id LIMIT ?",
-            (queue, priority, now, limit - len(ids)))]
+            f"SELECT id {_WAITING} AND priority <= ? AND run_at <= ? {_UNEXPIRED}"
+            " ORDER BY priority DESC, run_at, id LIMIT ?", (queue, priority, now, now, limit - len(ids)))]
     return ids

@@ -34,7 +34,7 @@ from ...model import FINISHED, first_token
 _FINISHED = "('done', 'dead', 'cancelled', 'expired')"
 _NOW = "(julianday('now') - 2440587.5) * 86400.0"
 
-SCHEMA = [f"""CREATE TABLE IF NOT EXISTS job_edges (
+SCHEMA = ["""CREATE TABLE IF NOT EXISTS job_edges (
     parent TEXT NOT NULL,
     child TEXT NOT NULL,
     on_ TEXT NOT NULL,
