@@ -664,6 +664,14 @@ MUTATIONS = [
              "            truncate_wal(self.db, self._options[1])", "            pass",
              ("tests/test_sqlite_broker.py", "-k", "wal_file"),
              "prune empties the WAL when nobody is using it (SQLite)"),
+    Mutation("prune-chore-whole-backlog", "supervisor/master/periodic.py",
+             "        if deleted >= PRUNE_BUDGET:\n            self.next_prune_at = now", "        if False:\n            pass",
+             ("tests/test_master_robustness.py", "-k", "prune_chore"),
+             "the prune chore comes back the next turn while a backlog remains"),
+    Mutation("prune-ignores-budget", "supervisor/backends/sqlite/__init__.py",
+             "            while budget is None or total < budget:", "            while True:",
+             (CONFORMANCE, "-k", "sqlite and prune_with_a_budget"),
+             "one prune call deletes at most about its budget (SQLite)"),
 ]
 
 

@@ -463,6 +463,27 @@ def test_prune_deletes_only_old_done_jobs(broker):
     assert broker.get(done) is None and broker.get(keep) is not None
 
 
+def test_prune_with_a_budget_stops_once_it_is_spent_and_the_rest_goes_on_later_calls(broker, monkeypatch):
+    """The master prunes one budget per loop turn (``periodic.PRUNE_BUDGET``): a backlog of
+    millions deleted in one call left the health socket unanswered for seconds."""
+    import supervisor.backends.redis as redis_broker
+    import supervisor.backends.sqlite as sqlite_broker
+
+    monkeypatch.setattr(sqlite_broker, "PRUNE_BATCH", 2)
+    monkeypatch.setattr(redis_broker, "BATCH", 2)
+    broker.prune_batch = 2  # PostgreSQL's
+    ids = broker.enqueue_many([new() for _ in range(9)])
+    for job in broker.claim(Q, 9, 30, "w"):
+        broker.ack(job.lease)
+    wait_past(broker, max(broker.get(i).finished_at for i in ids) + 0.05)
+    rounds = []
+    while not rounds or rounds[-1] >= 3:
+        rounds.append(broker.prune(0, budget=3))
+        assert len(rounds) <= 9
+    assert sum(rounds) == 9 and all(3 <= n <= 4 for n in rounds[:-1]), rounds
+    assert all(broker.get(i) is None for i in ids)
+
+
 # -- concurrency ---------------------------------------------------------------
 
 def _claimer(url, out, start):

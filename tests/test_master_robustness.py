@@ -489,3 +489,30 @@ def test_a_non_daemon_thread_a_handler_module_started_neither_hides_nor_keeps_th
         assert record["msg"] == "not waiting for 2 thread(s) a handler module started: poller, poller"
     finally:
         d.stop()
+
+
+def test_the_prune_chore_deletes_a_backlog_one_budget_per_loop_turn(tmp_path, monkeypatch):
+    """One prune call deleted the whole backlog (12 us a job on SQLite: 800,000 old jobs left
+    the health socket unanswered for 9.6 s). Now each loop turn deletes one budget and the
+    next turn goes on, until a call comes back under budget."""
+    import supervisor.backends.sqlite as sqlite_broker
+    from supervisor import config
+    from supervisor.master import periodic
+
+    broker = sqlite_broker.SQLiteBroker(f"sqlite:///{tmp_path}/broker.db")
+    broker.migrate()
+    broker.enqueue_many([NewJob("t", {}) for _ in range(25)])
+    for job in broker.claim(["default"], 25, 30, "w"):
+        broker.ack(job.lease)
+    calls = []
+    link = type("Link", (), {"down": False, "call": lambda self, fn, what=None: calls.append(fn(broker)) or calls[-1]})()
+    monkeypatch.setattr(periodic, "PRUNE_BUDGET", 10)
+    monkeypatch.setattr(sqlite_broker, "PRUNE_BATCH", 5)
+    chores = periodic.Periodic(config.from_dict({"broker": {"retention": 0.001}}), {}, link, None, 3600)
+    chores.next_prune_at = 0.0  # due now (the first waits a minute after start)
+    first = broker.now()
+    wait_for(lambda: broker.now() > first + 0.01, message="the jobs past the retention")
+    for _ in range(4):  # four loop turns
+        chores.prune()
+    assert calls == [10, 10, 5] and broker.stats(["default"])["default"].done == 0
+    broker.close()

@@ -168,9 +168,11 @@ class Broker(abc.ABC):
     def dlq_purge(self, job_ids) -> int: ...
 
     @abc.abstractmethod
-    def prune(self, done_older_than) -> int:
+    def prune(self, done_older_than, budget=None) -> int:
         """Delete ``done``, ``cancelled`` and ``expired`` jobs finished more than ``done_older_than``
-        seconds ago (and ``enqueue_once`` records older than that). Dead jobs stay."""
+        seconds ago (and ``enqueue_once`` records older than that). Dead jobs stay. Returns how
+        many jobs went. With ``budget``, stop once at least that many went (a batch may overshoot
+        it): a caller that gets ``budget`` or more back calls again for the rest."""
 
     # -- job control ----------------------------------------------------------
 

@@ -11,6 +11,9 @@ from .. import scheduler
 from ..errors import BrokerError
 
 PRUNE_SECONDS = 300  # how often finished jobs past the retention are deleted (jittered: many supervisors)
+# Jobs one loop turn deletes at most (SQLite: ~12 us each): a backlog of millions is deleted over
+# many turns, each coming back at once, instead of in one turn that leaves the socket unanswered.
+PRUNE_BUDGET = 5000
 # The longest wait before the broker's clock is read again for the schedules: the wait until
 # the next tick is counted on the monotonic clock, which a wall-clock step (NTP, a VM resumed)
 # does not move, so a daily tick could otherwise come a day late.
@@ -62,9 +65,11 @@ class Periodic:
             return
         self.next_prune_at = now + PRUNE_SECONDS * random.uniform(0.9, 1.1)
         try:
-            self.link.call(lambda br: br.prune(self.cfg.broker.retention), "prune")
+            deleted = self.link.call(lambda br: br.prune(self.cfg.broker.retention, PRUNE_BUDGET), "prune")
         except BrokerError:
-            pass
+            return
+        if deleted >= PRUNE_BUDGET:
+            self.next_prune_at = now  # more of a backlog: the next turn goes on
 
     def sample(self):
         now = time.monotonic()

@@ -382,17 +382,18 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
                 db.execute(f"DELETE FROM {self._jobs} WHERE id = ANY(%s::text[])", (job_ids,))
         return len(job_ids)
 
-    def prune(self, done_older_than):
+    def prune(self, done_older_than, budget=None):
         cutoff = self.now() - done_older_than
         batch = int(self.prune_batch)
         sql = (f"DELETE FROM {self._jobs} WHERE id IN (SELECT id FROM {self._jobs}"
                " WHERE state = 'done' AND finished_at < %s LIMIT %s)")
         total = 0
         self._execute(f"DELETE FROM {self._s}.once_keys WHERE created_at < %s", (cutoff,))
-        total += self._prune_ended(cutoff, batch)  # cancelled and expired jobs: kept like done ones
-        while True:
+        total += self._prune_ended(cutoff, batch, budget)  # cancelled and expired jobs: kept like done ones
+        while budget is None or total < budget:
             deleted = self._execute(sql, (cutoff, batch)).rowcount
             total += deleted
             if deleted < batch:
-                return total
+                break
+        return total
 

@@ -129,16 +129,18 @@ class ControlMixin(control.ExpiredLog):
                 jobs.append(job)
         return jobs
 
-    def _prune_ended(self, cutoff, batch):
-        """Delete cancelled and expired jobs finished before ``cutoff``, ``batch`` rows per statement."""
+    def _prune_ended(self, cutoff, batch, budget=None):
+        """Delete cancelled and expired jobs finished before ``cutoff``, ``batch`` rows per statement
+        (until ``budget`` went, if given)."""
         sql = (f"DELETE FROM {self._jobs} WHERE id IN (SELECT id FROM {self._jobs}"
                " WHERE state IN ('cancelled', 'expired') AND finished_at < %s LIMIT %s)")
         total = 0
-        while True:
+        while budget is None or total < budget:
             deleted = self._execute(sql, (cutoff, batch)).rowcount
             total += deleted
             if deleted < batch:
-                return total
+                break
+        return total
 
     def _unpaused(self, db, queues):
         paused = {r[0] for r in db.execute(f"SELECT queue FROM {self._s}.paused_queues WHERE queue = ANY(%s)",

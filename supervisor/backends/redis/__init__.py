@@ -317,7 +317,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         return out
 
     @guard
-    def prune(self, done_older_than):
+    def prune(self, done_older_than, budget=None):
         age_us = max(0, int(done_older_than * 1e6))
         deleted = 0
         queues = sorted(self.r.smembers(self.keys.queues))
@@ -331,6 +331,8 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
             while True:
                 jobs, entries = self._run("prune", queue, [age_us, BATCH])
                 deleted += jobs
+                if budget is not None and deleted >= budget:
+                    return deleted
                 if entries < BATCH:
                     break
         return deleted

@@ -352,14 +352,14 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
             if row is None or row["state"] != DEAD:
                 raise NotDead(f"job {job_id} is {'unknown' if row is None else row['state']}, not dead")
 
-    def prune(self, done_older_than):
+    def prune(self, done_older_than, budget=None):
         """Done, cancelled and expired jobs finished before the cutoff, ``PRUNE_BATCH`` rows per
         write transaction: another process's claim waits for one batch, never for a backlog
         (millions of rows in one transaction held the write lock past the busy timeout)."""
         cutoff = self.now() - done_older_than
         total = 0
         for states in ("'done'", "'cancelled', 'expired'"):
-            while True:
+            while budget is None or total < budget:
                 with self._write():
                     n = self.db.execute(f"DELETE FROM jobs WHERE rowid IN (SELECT rowid FROM jobs WHERE state IN"
                                         f" ({states}) AND finished_at < ? LIMIT {PRUNE_BATCH})", (cutoff,)).rowcount
