@@ -618,6 +618,11 @@ MUTATIONS = [
              "    if not dropped:\n        return \"\"", "    if True:\n        return \"\"",
              ("tests/test_daemon.py", "-k", "drops_job_types"),
              "a reload names the job types it no longer serves"),
+    Mutation("client-calls-unguarded", "supervisor/client.py",
+             "        with self._lock:\n            method = getattr(self.broker, method_name)",
+             "        if True:\n            method = getattr(self.broker, method_name)",
+             ("tests/test_client_threads.py", "-k", "exactly_once"),
+             "threads sharing one Client never join each other's transaction: every id returned is stored"),
 ]
 
 
