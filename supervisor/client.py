@@ -17,9 +17,21 @@ queue, else the first of ``broker.queues``), ``max_attempts`` from
 ``[jobs.types.<type>]`` then ``[jobs]``, ``timeout`` from
 ``[jobs.types.<type>]`` only (left unset otherwise, so the supervisor applies
 the handler decorator's timeout, then ``[jobs].timeout``).
+
+A client may be shared by threads (a module-level client in a threaded web
+app, or the default client ``supervisor.configure(client=...)`` hands to every
+thread): its calls take turns on its one broker connection, each holding the
+client's lock for its whole broker call, so a workflow's transaction is never
+joined by another thread's statements. ``wait`` blocks, so it runs on a broker
+of its own and holds no lock. ``client.broker``, the raw broker, is not
+guarded: use it from one thread at a time. After a fork the PostgreSQL and
+Redis brokers open connections of their own in the child.
 """
 import inspect
 import logging
+import os
+import threading
+import weakref
 
 from . import config as config_module
 from . import tracing
@@ -40,8 +52,12 @@ JOB_OPTIONS = ("queue", "resource_id", "idempotency_key", "delay", "max_attempts
                "expires_in", "depends_on")
 
 
+# Every client of this process, so that a fork can give each a fresh lock.
+_clients = weakref.WeakSet()
+
+
 class Client:
-    """Enqueue jobs and read their state. Not thread-safe: one client per thread."""
+    """Enqueue jobs and read their state. Thread-safe: calls from several threads take turns."""
 
     def __init__(self, url, *, queues=None, config=None):
         scheme_of(url)  # fail now on a URL no broker can open (BrokerError)
@@ -51,6 +67,9 @@ class Client:
         # Only a client made from a config knows the set of queues the supervisors serve.
         self.strict_queues = config is not None or queues is not None
         self._broker = None
+        # Re-entrant: a signal handler that enqueues in a thread already inside a call must not hang it.
+        self._lock = threading.RLock()
+        _clients.add(self)
 
     @classmethod
     def from_url(cls, url, queues=None):
@@ -69,13 +88,20 @@ class Client:
     @property
     def broker(self):
         if self._broker is None:
-            self._broker = open_broker(self.url)
+            with self._lock:  # two threads' first calls must not open two brokers
+                if self._broker is None:
+                    self._broker = open_broker(self.url)
         return self._broker
 
     def close(self):
-        if self._broker is not None:
-            broker, self._broker = self._broker, None
-            broker.close()
+        with self._lock:  # not under another thread's call
+            if self._broker is not None:
+                broker, self._broker = self._broker, None
+                broker.close()
+
+    def _run(self, method_name, *args, **kwargs):
+        with self._lock:
+            return getattr(self.broker, method_name)(*args, **kwargs)
 
     def __enter__(self):
         return self
@@ -189,29 +215,32 @@ class Client:
         return ids
 
     def _call(self, method_name, arg, broker_kwargs):
-        method = getattr(self.broker, method_name)
-        if broker_kwargs:
-            try:
-                inspect.signature(method).bind(arg, **broker_kwargs)
-            except TypeError:
-                raise BadInput(f"the {type(self.broker).__name__} does not accept "
-                               f"{', '.join(sorted(broker_kwargs))}= in {method_name}") from None
-        return method(arg, **broker_kwargs)
+        with self._lock:
+            method = getattr(self.broker, method_name)
+            if broker_kwargs:
+                try:
+                    inspect.signature(method).bind(arg, **broker_kwargs)
+                except TypeError:
+                    raise BadInput(f"the {type(self.broker).__name__} does not accept "
+                                   f"{', '.join(sorted(broker_kwargs))}= in {method_name}") from None
+            return method(arg, **broker_kwargs)
 
     # -- reading ------------------------------------------------------------
     def get(self, job_id):
         """The ``Job`` with that id, or None."""
-        return self.broker.get(job_id)
+        return self._run("get", job_id)
 
     def stats(self, queues=None):
         """``{queue: QueueStats}`` for ``queues`` (default: the client's queues)."""
-        return self.broker.stats(list(queues or self.queues))
+        return self._run("stats", list(queues or self.queues))
 
     def wait(self, job_id, timeout):
         """The job once it is finished (done, dead, cancelled or expired), or None after ``timeout`` seconds.
 
         Woken by the broker's own notification, not a poll. BadInput for an unknown id."""
-        return self.broker.wait(job_id, timeout)
+        # On a broker of its own: holding the lock for up to ``timeout`` would stall every other thread.
+        with open_broker(self.url) as broker:
+            return broker.wait(job_id, timeout)
 
     # -- control ------------------------------------------------------------
     def cancel(self, job_ids, by=None, reason=None):
@@ -219,18 +248,18 @@ class Client:
 
         A waiting job ends ``cancelled`` now; a running one is asked to stop (its
         supervisor learns of it at its next heartbeat)."""
-        return self.broker.cancel([job_ids] if isinstance(job_ids, str) else list(job_ids), by, reason)
+        return self._run("cancel", [job_ids] if isinstance(job_ids, str) else list(job_ids), by, reason)
 
     def pause(self, queue, by=None):
         """Stop every supervisor sharing the broker from claiming from ``queue`` (running jobs finish)."""
-        self.broker.pause(queue, by)
+        self._run("pause", queue, by)
 
     def resume(self, queue):
-        self.broker.resume(queue)
+        self._run("resume", queue)
 
     def paused(self):
         """``{queue: {"by", "at"}}`` for every paused queue."""
-        return self.broker.paused()
+        return self._run("paused")
 
     # -- job control --------------------------------------------------------
     def search(self, filter=None, *, cursor=None, limit=50, order="newest", **fields):
@@ -244,19 +273,28 @@ class Client:
         check_page(limit, order)
         if cursor is not None:
             decode_cursor(cursor, order)
-        return self.broker.search(f, cursor=cursor, limit=limit, order=order)
+        return self._run("search", f, cursor=cursor, limit=limit, order=order)
 
     def count(self, filter=None, *, exact_up_to=10_000, **fields):
         """A ``jobfilter.Count``: exact up to ``exact_up_to``, an estimate (``exact=False``) past it."""
-        return self.broker.count(_filter(filter, fields), exact_up_to=exact_up_to)
+        return self._run("count", _filter(filter, fields), exact_up_to=exact_up_to)
 
     def requeue(self, job_ids):
         """Put dead, cancelled or expired jobs back on their queue; ``{id: outcome}``."""
-        return self.broker.requeue(_ids(job_ids))
+        return self._run("requeue", _ids(job_ids))
 
     def discard(self, job_ids):
         """Delete jobs that are not running; ``{id: outcome}``."""
-        return self.broker.discard(_ids(job_ids))
+        return self._run("discard", _ids(job_ids))
+
+
+def _after_fork_in_child():
+    # A lock another thread held at the fork stays held in the child, where that thread is gone.
+    for client in list(_clients):
+        client._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _filter(filter, fields):

@@ -8,9 +8,11 @@ without the function.
 The client is the one passed as ``client=``, else the default client of this
 process: ``supervisor.configure(url=...)`` or ``configure(config=...)``, else
 the ``TANGGUH_CONFIG`` (a config file) or ``TANGGUH_BROKER_URL`` environment
-variable. Clients are not thread-safe, so the default client is one per
-thread, and one per process: a forked child never writes through its parent's
-connection.
+variable. One made from a URL or config is one per thread and one per process
+(a forked child never writes through its parent's connection), so threads
+never take turns on a connection; a client given to ``configure(client=...)``
+is that one client in every thread (``Client`` is thread-safe: calls take
+turns) and process.
 """
 import functools
 import os

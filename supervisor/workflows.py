@@ -131,7 +131,7 @@ def cancel_batch(client, batch, by=None):
     members are asked to stop; finished ones are left as they are.
     """
     batch_id = batch.id if isinstance(batch, Batch) else batch
-    record = client.broker.get(batch_id)
+    record = client.get(batch_id)
     if record is None or record.parents is None:
         raise BadInput(f"no batch {batch_id} (its id is the id of its first callback)")
     callbacks = [batch.on_success, batch.on_complete] if isinstance(batch, Batch) else [batch_id]

@@ -672,6 +672,11 @@ MUTATIONS = [
              "            while budget is None or total < budget:", "            while True:",
              (CONFORMANCE, "-k", "sqlite and prune_with_a_budget"),
              "one prune call deletes at most about its budget (SQLite)"),
+    Mutation("client-calls-unguarded", "supervisor/client.py",
+             "        with self._lock:\n            method = getattr(self.broker, method_name)",
+             "        if True:\n            method = getattr(self.broker, method_name)",
+             ("tests/test_client_threads.py", "-k", "exactly_once"),
+             "threads sharing one Client never join each other's transaction: every id returned is stored"),
 ]
 
 

@@ -1,0 +1,95 @@
+"""One ``Client`` shared by many threads: a module-level client in a threaded web app, or the
+default client set with ``supervisor.configure(client=...)``, which every thread gets."""
+import threading
+
+import pytest
+
+import supervisor
+from supervisor import jobref
+from supervisor.backends import open_broker
+from supervisor.client import Client
+from supervisor.jobfilter import JobFilter
+
+THREADS = 16
+ROUNDS = 10  # per thread: alternately a plain enqueue and a two-step chain
+
+
+@pytest.fixture
+def shared(broker_url):
+    with open_broker(broker_url) as broker:
+        broker.migrate()
+    client = Client.from_url(broker_url)
+    saved = jobref.save()
+    supervisor.configure(client=client)
+    yield client
+    jobref.restore(saved)
+    client.close()
+
+
+def _run_threads(work):
+    start = threading.Barrier(THREADS)  # all threads reach the client together
+    errors = []
+
+    def run(t):
+        start.wait()
+        try:
+            work(t)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported by the assertion below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    return errors
+
+
+def test_threads_sharing_one_client_store_every_job_they_were_told_of_exactly_once(shared, broker_url):
+    plain = supervisor.JobRef("plain")
+    expected = {}  # id -> (type, payload, state, parent ids) as a fresh connection must read them
+    defaults = []
+    lock = threading.Lock()
+
+    def work(t):
+        client = jobref.default_client()
+        with lock:
+            defaults.append(client)
+        for i in range(ROUNDS):
+            if i % 2:
+                first, second = client.chain([("step", {"t": t, "i": i, "n": 0}), ("step", {"t": t, "i": i, "n": 1})])
+                stored = {first: ("step", {"t": t, "i": i, "n": 0}, "queued", []),
+                          second: ("step", {"t": t, "i": i, "n": 1}, "waiting", [first])}
+            else:
+                stored = {plain.enqueue({"t": t, "i": i}): ("plain", {"t": t, "i": i}, "queued", [])}
+            with lock:
+                assert not set(stored) & set(expected), "an id was returned twice"
+                expected.update(stored)
+
+    assert _run_threads(work) == []
+    assert all(client is shared for client in defaults)
+    assert len(expected) == THREADS * (ROUNDS // 2) * 3
+    # Read while the shared client is still open: a transaction it left open would hide its jobs.
+    with open_broker(broker_url) as fresh:
+        assert fresh.count(JobFilter()).n == len(expected)
+        for job_id, (type_, payload, state, parents) in expected.items():
+            job = fresh.get(job_id)
+            assert job is not None, f"{job_id} was returned but never stored"
+            assert (job.type, job.payload, job.state, sorted(job.parents or {})) == (type_, payload, state, parents)
+    # The shared client still works afterwards (no transaction left half open on it).
+    job_id = shared.enqueue("after", {})
+    with open_broker(broker_url) as fresh:
+        assert fresh.get(job_id).state == "queued"
+
+
+def test_a_wait_does_not_hold_up_the_other_threads_calls(shared):
+    job_id = shared.enqueue("plain", {})
+    assert shared.cancel(job_id) == {job_id: "cancelled"}
+    outcome = []
+    with shared._lock:  # another thread is inside a broker call for as long as this block lasts
+        waiter = threading.Thread(target=lambda: outcome.append(shared.wait(job_id, 30)))
+        waiter.start()
+        waiter.join(20)
+        assert not waiter.is_alive(), "wait queued behind another thread's call"
+    assert [job.state for job in outcome] == ["cancelled"]
