@@ -638,6 +638,11 @@ MUTATIONS = [
              "json.loads(child.reply_frame(reply)[4:])", "json.loads(protocol.encode(reply)[4:])",
              ("tests/test_testing.py", "-k", "cannot_store"),
              "run_jobs fails a result over the message limit (result_too_large), as the daemon does"),
+    Mutation("postgres-flow-key-race-refused", "supervisor/backends/postgres/workflows.py",
+             "            for _ in range(5):\n                try:\n                    with db.transaction():",
+             "            for _ in range(1):\n                try:\n                    with db.transaction():",
+             ("tests/test_postgres_broker.py", "-k", "racing_another"),
+             "a workflow racing another producer for its idempotency key gets the holder's id (PostgreSQL)"),
 ]
 
 
