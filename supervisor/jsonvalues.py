@@ -26,6 +26,12 @@ def check_json(value, what):
     """
     if json_depth(value) > MAX_DEPTH:
         raise BadInput(f"{what} is nested more than {MAX_DEPTH} levels deep")
+    bad = _non_string_key(value)  # after the depth: a cyclic value never gets here
+    if bad is not None:
+        where, key = bad
+        # Refused, not converted: JSON would store 1 as "1" (beside a "1" already there: one key, data lost).
+        raise BadInput(f"{what}{where}: the key {_short(key)} is {type(key).__name__}, not a string"
+                       f" (JSON object keys are strings)")
     try:
         text = _ENCODER.encode(value)
     except (TypeError, ValueError, RecursionError) as exc:
@@ -34,6 +40,42 @@ def check_json(value, what):
     if ("\\u0000" in text or "\\ud" in text) and _holds_unstorable(value):
         raise BadInput(f"{what} contains a NUL character or a lone surrogate, which no broker stores")
     return text
+
+
+def _non_string_key(value):
+    """(path, key) of the first dict key in ``value`` that is not a string, or None."""
+    if type(value) is dict and all(type(k) is str and not isinstance(v, (dict, list, tuple))
+                                   for k, v in value.items()):
+        return None  # the usual payload, a flat object with string keys: no walk
+    stack = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            for k, v in item.items():
+                if not isinstance(k, str):
+                    return _path(path), k
+                if isinstance(v, (dict, list, tuple)):
+                    stack.append((v, (path, k)))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, (path, i)) for i, v in enumerate(item) if isinstance(v, (dict, list, tuple)))
+    return None
+
+
+def _path(chain):
+    """``.a[0].b`` from the walk's (parent, step) chain: how schema errors name a place too."""
+    steps = []
+    while chain:
+        chain, step = chain
+        steps.append(f"[{step}]" if isinstance(step, int) else f".{_short(step, quote=False)}")
+    return "".join(reversed(steps))
+
+
+def _short(key, quote=True):
+    try:
+        text = repr(key) if quote else str(key)
+    except Exception:  # noqa: BLE001 - a key type whose repr fails
+        text = f"<{type(key).__name__}>"
+    return clip_start(text, 80)
 
 
 def _holds_unstorable(value):

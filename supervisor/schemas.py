@@ -12,13 +12,17 @@ Dataclasses and TypedDicts are checked here against their annotations: the
 JSON types (str, int, float, bool, None), ``list[...]``, ``dict[str, ...]``,
 ``tuple[X, ...]`` and ``tuple[X, Y]`` (a JSON list; the handler gets a tuple),
 ``X | None``, ``Literal[...]``, ``Any``, and nested dataclasses or TypedDicts.
-An annotation outside that set is accepted as it comes.
+An annotation outside that set is accepted as it comes. A dataclass's
+``field(init=False)`` is not part of its payload (the class computes it), and a
+ValueError or TypeError the schema's own code raises as it builds the object
+(``__post_init__``, a validator) is a payload that does not match, like any other.
 """
 import dataclasses
 import types
 import typing
 
 from .errors import BadInput
+from .jsonvalues import MAX_ERROR_MESSAGE, clip_start
 
 
 class SchemaError(ValueError):
@@ -44,13 +48,13 @@ def dump(schema, value):
     """The JSON payload to store for ``value`` (an instance of ``schema`` or a dict); raises ``BadInput``."""
     kind = kind_of(schema)
     if kind == "dataclass" and isinstance(value, schema):
-        value = _as_json(dataclasses.asdict(value))
+        value = _as_json(value)
     elif kind == "pydantic" and isinstance(value, schema):
         value = value.model_dump(mode="json")
     elif kind == "msgspec" and isinstance(value, schema):
         import msgspec
 
-        value = msgspec.to_builtins(value)
+        value = msgspec.to_builtins(value, str_keys=True)  # dict[int, ...] as JSON keys, as pydantic does
     if not isinstance(value, dict):
         raise BadInput(f"payload must be a {schema.__name__} or a JSON object, got {type(value).__name__}")
     try:
@@ -79,15 +83,19 @@ def _load_pydantic(schema, payload):
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "payload"
         raise SchemaError(f"{where}: {first['msg']}") from None
+    except (ValueError, TypeError) as exc:  # pydantic passes a validator's TypeError through
+        raise SchemaError(_refused(schema, exc)) from None
 
 
 def _load_msgspec(schema, payload):
     import msgspec
 
     try:
-        return msgspec.convert(payload, schema)
+        return msgspec.convert(payload, schema, str_keys=True)  # and back
     except msgspec.ValidationError as exc:
         raise SchemaError(str(exc).replace("$.", "", 1)) from None  # "Expected `int`, got `str` - at `order_id`"
+    except (ValueError, TypeError) as exc:
+        raise SchemaError(_refused(schema, exc)) from None
 
 
 def _name(tp):
@@ -110,7 +118,8 @@ def _check(tp, value, path):
                 continue
         raise SchemaError(f"{where}: expected {' | '.join(_name(a) for a in args)}, got {_json_name(value)}")
     if origin is typing.Literal:
-        if value not in args:
+        # By type too: True == 1 == 1.0 in Python, but a payload's true is no Literal[1].
+        if not any(value == a and (type(value) is type(a) or type(a) not in _SCALARS) for a in args):
             raise SchemaError(f"{where}: expected one of {', '.join(repr(a) for a in args)}, got {value!r}")
         return value
     if isinstance(tp, type) and (dataclasses.is_dataclass(tp) or typing.is_typeddict(tp)):
@@ -154,20 +163,43 @@ def _check_record(tp, value, path):
         required = {f.name for f in fields if f.default is dataclasses.MISSING
                     and f.default_factory is dataclasses.MISSING}
         names = {f.name for f in fields}
+        computed = {f.name for f in dataclasses.fields(tp) if not f.init}
     else:
-        required, names = set(tp.__required_keys__), set(hints)
+        required, names, computed = set(tp.__required_keys__), set(hints), set()
     prefix = f"{path}." if path else ""
     for key in value:
+        if key in computed:
+            raise SchemaError(f"{prefix}{key}: not an init field of {tp.__name__} (field(init=False)),"
+                              f" so no payload sets it")
         if key not in names:
             raise SchemaError(f"{prefix}{key}: unknown field of {tp.__name__}")
     for key in sorted(required - set(value)):
         raise SchemaError(f"{prefix}{key}: missing (expected {_name(hints.get(key, typing.Any))})")
     checked = {key: _check(hints.get(key, typing.Any), v, prefix + key) for key, v in value.items()}
-    return tp(**checked) if dataclasses.is_dataclass(tp) else checked
+    if not dataclasses.is_dataclass(tp):
+        return checked
+    try:
+        return tp(**checked)
+    except (ValueError, TypeError) as exc:  # its __post_init__ refused the values: the payload's fault
+        raise SchemaError(f"{path + ': ' if path else ''}{_refused(tp, exc)}") from None
+
+
+def _refused(schema, exc):
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - the exception's own __str__
+        text = "<unprintable>"
+    return clip_start(f"{schema.__name__} refused it: {type(exc).__name__}: {text}", MAX_ERROR_MESSAGE)
+
+
+_SCALARS = (str, int, float, bool, type(None))
 
 
 def _as_json(value):
-    """A dataclass's ``asdict`` as JSON will store it: tuples become lists."""
+    """A dataclass instance as its payload: its init fields only (the ones ``load`` passes back
+    to the class; an ``init=False`` field is the class's to compute), tuples as lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _as_json(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
     if isinstance(value, (list, tuple)):
         return [_as_json(v) for v in value]
     if isinstance(value, dict):

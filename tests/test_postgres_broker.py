@@ -740,3 +740,31 @@ def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(pg, postgres_url):
     # PRIORITY_PROBES: the rest in one ordered scan), in claim order.
     pg.enqueue_many([new({"n": i}, priority=-i) for i in range(40)])
     assert [job.payload["n"] for job in pg.claim(["default"], 40, 30, "me")] == list(range(40))
+
+
+# -- workflows and idempotency keys under concurrency -------------------------------------
+
+@pytest.mark.parametrize("holder", ["chain", "plain"])
+def test_a_workflow_racing_another_producer_for_its_key_gets_the_holders_id(pg, other, producer, concurrent,
+                                                                             holder):
+    """A workflow read the key's holders before another producer's job holding that key
+    committed: its insert waited for that commit and then broke the unique index, and the
+    caller got "stored concurrently; try again". Now it reads the holders again and gets
+    the holder's id, as a plain enqueue does (and SQLite and Redis)."""
+    first = new(idempotency_key="order:9").validate()
+    theirs = [first, new(depends_on=[first.id])] if holder == "chain" else [first]
+    producer.execute("SELECT 1")  # the producer's transaction is open: the workflow's block is a savepoint in it
+    held = pg.enqueue_many(theirs, conn=producer)[0]  # not committed yet
+    mine = new(idempotency_key="order:9").validate()
+    concurrent.start("flow", lambda: other.enqueue_many([mine, new(depends_on=[mine.id])]))
+    concurrent.wait_until_waiting(other, "the workflow's insert to wait for the producer's commit")
+    producer.commit()
+    concurrent.join()
+    got = concurrent.results["flow"]
+    assert isinstance(got, list) and got[0] == held, got
+    assert pg.get(got[1]).state == "waiting" and list(pg.get(got[1]).parents) == [held]
+    assert pg.get(mine.id) is None  # the workflow's own first step was never stored
+    keyed = pg._execute(f"SELECT count(*) FROM {pg._jobs} WHERE idempotency_key = 'order:9'").fetchone()[0]
+    assert keyed == 1
+    (job,) = pg.claim(Q, 5, 30, "w")
+    assert job.id == held

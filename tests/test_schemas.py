@@ -184,3 +184,150 @@ def test_tangguh_enqueue_checks_the_handler_schema(tmp_path, importable):
         assert ready == 1
     else:  # the producer cannot see the handler: stored, the child checks it
         assert bad.returncode == 0 and ready == 2
+
+
+@dataclasses.dataclass
+class Order:
+    order_id: int
+    lines: list[Line] = dataclasses.field(default_factory=list)
+    total: int = dataclasses.field(init=False, default=0)  # the class computes it
+
+    def __post_init__(self):
+        if self.order_id < 0:
+            raise ValueError("order_id must be >= 0")
+        self.total = sum(line.quantity for line in self.lines)
+
+
+@supervisor.job("place_order", payload=Order)
+def place_order(ctx, order):
+    return {"total": order.total}
+
+
+def test_a_dataclass_with_an_init_false_field_is_stored_without_it_and_rebuilt(client):
+    job_id = place_order.enqueue(Order(7, [Line("x", 2), Line("y", 3)]), client=client)
+    stored = client.get(job_id).payload
+    assert stored == {"order_id": 7, "lines": [{"sku": "x", "quantity": 2}, {"sku": "y", "quantity": 3}]}
+    assert run(place_order, stored)["result"] == {"total": 5}
+    with pytest.raises(BadInput, match=r"^payload: total: not an init field of Order"):
+        place_order.enqueue({"order_id": 7, "total": 9}, client=client)
+    assert client.stats(["default"])["default"].ready == 1
+
+
+@dataclasses.dataclass
+class Positive:
+    amount: int
+
+    def __post_init__(self):
+        if self.amount < 0:
+            raise ValueError("amount must be >= 0")
+        if self.amount > 1000:
+            raise TypeError("amount over 1000")
+
+
+@dataclasses.dataclass
+class Transfer:
+    parts: list[Positive]
+
+
+@pytest.mark.parametrize("schema, payload, message", [
+    (Order, {"order_id": -1}, "Order refused it: ValueError: order_id must be >= 0"),
+    (Positive, {"amount": 1001}, "Positive refused it: TypeError: amount over 1000"),
+    (Transfer, {"parts": [{"amount": 1}, {"amount": -1}]},
+     "parts[1]: Positive refused it: ValueError: amount must be >= 0"),
+])
+def test_a_schema_that_refuses_its_values_is_bad_input_at_enqueue_and_bad_payload_in_the_child(
+        client, schema, payload, message):
+    with pytest.raises(BadInput) as err:
+        supervisor.JobRef("checked", payload=schema).enqueue(payload, client=client)
+    assert str(err.value) == f"payload: {message}"
+    assert client.stats(["default"])["default"].ready == 0
+    handler = supervisor.job("checked", payload=schema)(lambda ctx, p: None)
+    bad = run(handler, payload)
+    assert (bad["ok"], bad["kind"], bad["error_class"]) == (False, protocol.BAD_PAYLOAD, "BadPayload")
+    assert bad["message"] == f"payload: {message}"
+
+
+def test_pydantic_and_msgspec_code_that_refuses_its_values_is_bad_input():
+    pydantic = pytest.importorskip("pydantic")
+    msgspec = pytest.importorskip("msgspec")
+
+    class Invoice(pydantic.BaseModel):
+        invoice_id: int
+
+        @pydantic.field_validator("invoice_id")
+        @classmethod
+        def known(cls, value):
+            if value == 0:
+                raise TypeError("invoice 0 does not exist")  # pydantic passes a TypeError through
+            return value
+
+    class Ping(msgspec.Struct):
+        count: int
+
+        def __post_init__(self):
+            if self.count < 1:
+                raise ValueError("count must be >= 1")
+
+    with pytest.raises(BadInput, match="^payload: Invoice refused it: TypeError: invoice 0 does not exist$"):
+        schemas.dump(Invoice, {"invoice_id": 0})
+    with pytest.raises(BadInput, match="^payload: count must be >= 1$"):
+        schemas.dump(Ping, {"count": 0})
+
+
+def test_pydantic_and_msgspec_store_int_keys_as_json_strings_and_load_them_back():
+    pydantic = pytest.importorskip("pydantic")
+    msgspec = pytest.importorskip("msgspec")
+
+    class Model(pydantic.BaseModel):
+        by_id: dict[int, str]
+
+    class Struct(msgspec.Struct):
+        by_id: dict[int, str]
+
+    for schema in (Model, Struct):
+        stored = schemas.dump(schema, schema(by_id={1: "a"}))
+        assert stored == {"by_id": {"1": "a"}}
+        assert schemas.load(schema, stored).by_id == {1: "a"}
+
+
+@dataclasses.dataclass
+class Level:
+    level: Literal[1, 2]
+
+
+@pytest.mark.parametrize("value", [True, 1.0, "1"])
+def test_a_literal_compares_types_too(value):
+    assert schemas.dump(Level, {"level": 1}) == {"level": 1}
+    with pytest.raises(BadInput, match=f"^payload: level: expected one of 1, 2, got {value!r}$"):
+        schemas.dump(Level, {"level": value})
+
+
+@dataclasses.dataclass
+class Names:
+    by_id: dict[int, str]
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({1: "a", "1": "b"}, "payload: the key 1 is int, not a string"),
+    ({"m": {"1": "b", 1: "a"}}, "payload.m: the key 1 is int, not a string"),
+    ({"m": [{"ok": 1}, {None: 2}]}, "payload.m[1]: the key None is NoneType, not a string"),
+    ({"m": {(1, 2): 3}}, "payload.m: the key (1, 2) is tuple, not a string"),
+])
+def test_a_non_string_key_is_refused_naming_its_path_not_converted(client, payload, message):
+    with pytest.raises(BadInput) as err:
+        client.enqueue("t", payload)
+    assert str(err.value) == f"{message} (JSON object keys are strings)"
+    with pytest.raises(BadInput, match=r"^payload\.by_id: the key 1 is int, not a string"):
+        supervisor.JobRef("names", payload=Names).enqueue(Names({1: "a"}), client=client)
+    assert client.stats(["default"])["default"].ready == 0
+
+
+@supervisor.job("int_keys")
+def int_keys(ctx, payload):
+    return {"by_id": {1: "a", "1": "b"}}
+
+
+def test_a_result_with_a_non_string_key_fails_its_attempt_saying_where():
+    reply = run(int_keys, {})
+    assert (reply["ok"], reply["kind"], reply["error_class"]) == (False, protocol.EXCEPTION, "BadInput")
+    assert reply["message"] == "handler result.by_id: the key 1 is int, not a string (JSON object keys are strings)"

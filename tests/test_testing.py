@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import supervisor
-from supervisor import testing
+from supervisor import protocol, testing
 from supervisor.errors import ConfigError
 from supervisor.model import NewJob
 
@@ -24,12 +24,14 @@ def tangguh_handlers(tmp_path):
 
 
 def enqueue_the_four(client, broker):
-    """Success, retry-then-success, permanent failure, and a bad payload stored behind the producer's back."""
+    """Success, retry-then-success, permanent failure, and bad payloads stored behind the producer's back
+    (one of the wrong type, one the schema's own __post_init__ refuses)."""
     return {
         "success": outcomes.greet.enqueue({"name": "ada", "times": 2}),
         "retry_then_success": client.enqueue("flaky", {"succeed_on": 2}),
         "permanent": client.enqueue("broken", {}),
         "bad_payload": broker.enqueue(NewJob("greet", {"name": 7})),
+        "refused_by_schema": broker.enqueue(NewJob("greet", {"name": "ada", "times": 0})),
     }
 
 
@@ -42,6 +44,7 @@ EXPECTED = {
     "retry_then_success": ("done", None, 2, {"attempt": 2}),
     "permanent": ("dead", "permanent", 1, None),
     "bad_payload": ("dead", "bad_payload", 1, None),
+    "refused_by_schema": ("dead", "bad_payload", 1, None),
 }
 
 
@@ -106,6 +109,31 @@ def test_handlers_given_as_functions(tangguh_client):
     outcomes.greet.enqueue({"name": "x"})
     (ran,) = testing.run_jobs(tangguh_client, handlers=[outcomes.greet])
     assert ran.result == {"hello": "x"}
+
+
+@supervisor.job("big_result", max_attempts=3)
+def big_result(ctx, payload):
+    return {"blob": "x" * protocol.MAX_MESSAGE}
+
+
+@supervisor.job("int_key_result", max_attempts=2)
+def int_key_result(ctx, payload):
+    return {1: "a"}
+
+
+def test_a_result_the_daemon_cannot_store_fails_in_process_too(tangguh_client):
+    big = tangguh_client.enqueue("big_result", {})
+    keyed = tangguh_client.enqueue("int_key_result", {})
+    ran = testing.run_jobs(tangguh_client, handlers=[big_result, int_key_result])
+    assert [(r.type, r.outcome, r.reason) for r in ran if r.job_id == big] == [
+        ("big_result", "dead", "result_too_large")]  # dead at once, as the child's reply makes it
+    assert [(r.type, r.outcome, r.reason) for r in ran if r.job_id == keyed] == [
+        ("int_key_result", "retry", "exception"), ("int_key_result", "dead", "exception")]
+    job = tangguh_client.get(big)
+    assert (job.state, job.reason, job.attempt, job.result) == ("dead", "result_too_large", 1, None)
+    assert job.error["message"].startswith("result: message of ")
+    assert tangguh_client.get(keyed).error["message"] == (
+        "handler result: the key 1 is int, not a string (JSON object keys are strings)")
 
 
 BILLING = """

@@ -179,8 +179,14 @@ def send_frame(sock, frame):
 
 
 def send_reply(sock, reply):
-    """Send a job's reply; one over the protocol's limit fails the job instead (``result_too_large``),
-    and so does one that does not encode (``exception``, class ``UnencodableReply``)."""
+    """Send a job's reply (``reply_frame``)."""
+    send_frame(sock, reply_frame(reply))
+
+
+def reply_frame(reply):
+    """The frame of a job's reply; one over the protocol's limit fails the job instead (``result_too_large``),
+    and so does one that does not encode (``exception``, class ``UnencodableReply``). ``testing.run_jobs``
+    judges its replies through this too, so a test sees what the daemon would store."""
     try:
         frame = protocol.encode(reply, limit=protocol.MAX_MESSAGE)
     except JobTimeout:
@@ -198,7 +204,7 @@ def send_reply(sock, reply):
             "op": protocol.RESULT, "job_id": reply["job_id"], "token": reply["token"], "ok": False,
             "kind": kind, "error_class": error_class, "message": message,
             "traceback": "", "duration": reply.get("duration"), "metrics": reply.get("metrics", {})})
-    send_frame(sock, frame)
+    return frame
 
 
 def run_job(job, handlers, soft_timeout=None):

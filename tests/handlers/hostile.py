@@ -89,7 +89,8 @@ class Shifty(dict):
 
     def items(self):
         self.seen = getattr(self, "seen", 0) + 1
-        return super().items() if self.seen == 1 else [("n", 10 ** 5000)]
+        # The child's check reads it twice (its keys, then its encoding); the send, a third time.
+        return super().items() if self.seen <= 2 else [("n", 10 ** 5000)]
 
 
 @supervisor.job("shifty_result")

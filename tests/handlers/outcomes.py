@@ -10,6 +10,10 @@ class Greeting:
     name: str
     times: int = 1
 
+    def __post_init__(self):
+        if self.times < 1:
+            raise ValueError("times must be at least 1")
+
 
 @supervisor.job("greet", payload=Greeting)
 def greet(ctx, payload):

@@ -173,12 +173,17 @@ class Workflows:
         t = self._jobs
         with self._guard("enqueue"):
             db = conn if conn is not None else self._conn()
-            try:
-                with db.transaction():
-                    return self._store_flow(db, t, jobs)
-            except pgerrors.UniqueViolation:
-                raise BrokerError("enqueue: a job of this workflow was stored concurrently"
-                                  " (same id or idempotency key); try again") from None
+            for _ in range(5):
+                try:
+                    with db.transaction():  # a savepoint inside the caller's transaction (conn=)
+                        return self._store_flow(db, t, jobs)
+                except pgerrors.UniqueViolation:
+                    # Another producer's job took one of these keys (or ids) after we read the holders:
+                    # its insert made ours wait until it committed, so reading again finds it and
+                    # this workflow gets its id, as a plain enqueue does (and SQLite, Redis).
+                    continue
+            raise BrokerError("enqueue: a job of this workflow was stored concurrently"
+                              " (same id or idempotency key) again and again; try again")
 
     def _store_flow(self, db, t, jobs):
         cur = db.cursor(row_factory=tuple_row)
