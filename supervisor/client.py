@@ -27,6 +27,7 @@ of its own and holds no lock. ``client.broker``, the raw broker, is not
 guarded: use it from one thread at a time. After a fork the PostgreSQL and
 Redis brokers open connections of their own in the child.
 """
+import contextlib
 import inspect
 import logging
 import os
@@ -39,7 +40,7 @@ from .backends.base import open_broker, scheme_of
 from .errors import BadInput, BrokerError
 from .jobfilter import JobFilter, check_page, decode_cursor
 from .logs import job_fields
-from .model import NewJob
+from .model import FINISHED, NewJob
 
 # One DEBUG record per stored job, with its ids: the first line of a job's
 # trail, which the supervisor's claim/start/done/acked records continue.
@@ -67,8 +68,10 @@ class Client:
         # Only a client made from a config knows the set of queues the supervisors serve.
         self.strict_queues = config is not None or queues is not None
         self._broker = None
-        # Re-entrant: a signal handler that enqueues in a thread already inside a call must not hang it.
+        # Re-entrant, with _busy: a signal handler that calls the client while its own thread is in
+        # a call is refused at once (a call inside a call would share a transaction or a reply).
         self._lock = threading.RLock()
+        self._busy = False
         _clients.add(self)
 
     @classmethod
@@ -99,9 +102,22 @@ class Client:
                 broker, self._broker = self._broker, None
                 broker.close()
 
-    def _run(self, method_name, *args, **kwargs):
+    @contextlib.contextmanager
+    def _guard(self):
+        """The broker, for one call: threads take turns."""
         with self._lock:
-            return getattr(self.broker, method_name)(*args, **kwargs)
+            if self._busy:
+                raise RuntimeError("this Client is in a call on this same thread already (a signal handler"
+                                   " interrupted it?): use another Client there")
+            self._busy = True
+            try:
+                yield self.broker
+            finally:
+                self._busy = False
+
+    def _run(self, method_name, *args, **kwargs):
+        with self._guard() as broker:
+            return getattr(broker, method_name)(*args, **kwargs)
 
     def __enter__(self):
         return self
@@ -215,13 +231,13 @@ class Client:
         return ids
 
     def _call(self, method_name, arg, broker_kwargs):
-        with self._lock:
-            method = getattr(self.broker, method_name)
+        with self._guard() as broker:
+            method = getattr(broker, method_name)
             if broker_kwargs:
                 try:
                     inspect.signature(method).bind(arg, **broker_kwargs)
                 except TypeError:
-                    raise BadInput(f"the {type(self.broker).__name__} does not accept "
+                    raise BadInput(f"the {type(broker).__name__} does not accept "
                                    f"{', '.join(sorted(broker_kwargs))}= in {method_name}") from None
             return method(arg, **broker_kwargs)
 
@@ -238,6 +254,13 @@ class Client:
         """The job once it is finished (done, dead, cancelled or expired), or None after ``timeout`` seconds.
 
         Woken by the broker's own notification, not a poll. BadInput for an unknown id."""
+        if self._lock.acquire(blocking=False):  # never queued behind another thread's call
+            try:
+                job = None if self._busy else self.broker.get(job_id)
+            finally:
+                self._lock.release()
+            if job is not None and job.state in FINISHED:
+                return job  # finished already: no broker of its own to open
         # On a broker of its own: holding the lock for up to ``timeout`` would stall every other thread.
         with open_broker(self.url) as broker:
             return broker.wait(job_id, timeout)
@@ -291,7 +314,7 @@ class Client:
 def _after_fork_in_child():
     # A lock another thread held at the fork stays held in the child, where that thread is gone.
     for client in list(_clients):
-        client._lock = threading.RLock()
+        client._lock, client._busy = threading.RLock(), False
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

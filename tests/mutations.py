@@ -673,8 +673,8 @@ MUTATIONS = [
              (CONFORMANCE, "-k", "sqlite and prune_with_a_budget"),
              "one prune call deletes at most about its budget (SQLite)"),
     Mutation("client-calls-unguarded", "supervisor/client.py",
-             "        with self._lock:\n            method = getattr(self.broker, method_name)",
-             "        if True:\n            method = getattr(self.broker, method_name)",
+             "        with self._lock:\n            if self._busy:",
+             "        if True:\n            if False:",
              ("tests/test_client_threads.py", "-k", "exactly_once"),
              "threads sharing one Client never join each other's transaction: every id returned is stored"),
     Mutation("schema-dumps-init-false-fields", "supervisor/schemas.py",
@@ -702,6 +702,10 @@ MUTATIONS = [
              "            for _ in range(1):\n                try:\n                    with db.transaction():",
              ("tests/test_postgres_broker.py", "-k", "racing_another"),
              "a workflow racing another producer for its idempotency key gets the holder's id (PostgreSQL)"),
+    Mutation("client-call-inside-own-call", "supervisor/client.py",
+             "            if self._busy:\n                raise RuntimeError", "            if False:\n                raise RuntimeError",
+             ("tests/test_client_threads.py", "-k", "refused"),
+             "a call from a thread already in a call of the same client is refused, not run inside it"),
 ]
 
 

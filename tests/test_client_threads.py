@@ -93,3 +93,15 @@ def test_a_wait_does_not_hold_up_the_other_threads_calls(shared):
         waiter.join(20)
         assert not waiter.is_alive(), "wait queued behind another thread's call"
     assert [job.state for job in outcome] == ["cancelled"]
+
+
+def test_a_call_from_a_thread_already_in_a_call_of_the_same_client_is_refused(broker, broker_url):
+    """A signal handler that enqueues while its thread is inside a call of the same client
+    ran inside that call: on PostgreSQL it hung in the driver, on SQLite it failed inside
+    the open transaction, on Redis it met a half-imported module. It is refused at once."""
+    client = Client.from_url(broker_url)
+    with client._guard():  # what a signal handler interrupting a call finds
+        with pytest.raises(RuntimeError, match="in a call on this same thread already"):
+            client.enqueue("t", {})
+    assert client.get(client.enqueue("t", {})).state == "queued"
+    client.close()
