@@ -364,22 +364,37 @@ def test_a_reload_that_drops_job_types_names_them(daemon):
 def test_a_sighup_while_the_handlers_import_at_start_is_a_reload_afterwards(daemon):
     """Before its signal handlers were set, a SIGHUP (logrotate, a deploy script) ended the
     daemon at start-up: for systemd a clean exit, so no restart either."""
-    importing = os.path.join(daemon.dir, "importing")
+    importing, helper = os.path.join(daemon.dir, "importing"), os.path.join(daemon.dir, "helper")
     with open(os.path.join(daemon.handlers, "slow.py"), "w") as f:
-        f.write(f"import time\n\nopen({importing!r}, 'a').close()\ntime.sleep(1.5)\n")
+        f.write(f"import os, subprocess, time\n\nif not os.path.exists({helper!r}):  # a helper program, once\n"
+                f"    open({helper!r}, 'w').write(str(subprocess.Popen(['sleep', '60']).pid))\n"
+                f"open({importing!r}, 'a').close()\ntime.sleep(1.5)\n")
     daemon.start(wait=False)
     wait_for(lambda: os.path.exists(importing), message="the handlers to import")
     daemon.signal(signal.SIGHUP)
     wait_for(daemon.ready, timeout=30, message="the daemon up despite the SIGHUP")
     wait_for(lambda: daemon.status()["generation"] == 2, message="the SIGHUP applied as a reload")
     assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    # The program a module started at import has every signal as a program should: none blocked.
+    pid = int(open(helper).read())
+    with open(f"/proc/{pid}/status") as f:
+        masks = dict(line.split(":\t") for line in f if line.startswith(("SigBlk", "SigIgn")))
+    os.kill(pid, signal.SIGKILL)
+    assert int(masks["SigBlk"], 16) == 0 and int(masks["SigIgn"], 16) & 1 == 0, masks
     daemon.assert_clean()
 
 
 def test_a_sighup_to_the_whole_group_reloads_without_ending_running_jobs(daemon):
     """``systemctl kill -s HUP`` (every process of the unit) or a hangup: the children took
     its default action and died mid-job, each job spending an attempt."""
+    with open(os.path.join(daemon.handlers, "spawner.py"), "w") as f:
+        f.write("import subprocess\n\nimport supervisor\n\n@supervisor.job('spawn')\ndef spawn(ctx, payload):\n"
+                "    p = subprocess.Popen(['sleep', '60'])\n"
+                "    masks = dict(l.split(':\\t') for l in open(f'/proc/{p.pid}/status') if l.startswith('SigIgn'))\n"
+                "    p.kill()\n    p.wait()\n    return int(masks['SigIgn'], 16)\n")
     daemon.start()
+    # Caught in the children, not ignored: a program a job starts would inherit an ignored one.
+    assert daemon.wait_job(daemon.enqueue("spawn")).result & 0b11 == 0  # SIGHUP, SIGINT
     release, marker = os.path.join(daemon.dir, "release"), daemon.marker("naps")
     jobs = [daemon.enqueue("nap", {"seconds": 30, "release": release, "marker": marker}) for _ in range(2)]
     wait_for(lambda: len(read_lines(marker)) == 2, message="both jobs running")

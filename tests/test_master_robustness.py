@@ -516,3 +516,19 @@ def test_the_prune_chore_deletes_a_backlog_one_budget_per_loop_turn(tmp_path, mo
         chores.prune()
     assert calls == [10, 10, 5] and broker.stats(["default"])["default"].done == 0
     broker.close()
+
+
+def test_a_start_that_fails_after_a_handler_module_started_a_thread_still_exits(tmp_path):
+    """A handler file that fails to import after another started a non-daemon thread: the
+    error was printed, then the process waited for that thread for ever (to systemd, running)."""
+    d = Daemon(tmp_path, handler_files=("testjobs.py",))
+    with open(os.path.join(d.handlers, "a_poller.py"), "w") as f:
+        f.write("import threading\n\nthreading.Thread(target=threading.Event().wait, name='poller').start()\n")
+    with open(os.path.join(d.handlers, "b_broken.py"), "w") as f:
+        f.write("raise ValueError('broken at import')\n")
+    try:
+        d.start(wait=False)
+        assert d.proc.wait(timeout=30) == 2
+        assert "b_broken.py:1: ValueError: broken at import" in d.logs()
+    finally:
+        d.stop()

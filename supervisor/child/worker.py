@@ -73,15 +73,20 @@ def batch_scheduling():
                                                  extra={"event": "sched_batch_refused"})
 
 
+def _not_ours(signum, frame):
+    pass
+
+
 def reset_signals():
     """Undo the master's handlers; Ctrl-C on the terminal is for the master only."""
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGQUIT, signal.SIGTTIN, signal.SIGTTOU, signal.SIGCHLD, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
     # A reload is the master's: a SIGHUP to the whole group (`systemctl kill -s HUP`, a hangup)
-    # must not end the jobs running here.
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # must not end the jobs running here; Ctrl-C is the master's too. Caught, not ignored: an
+    # ignored signal stays ignored in every program a job starts.
+    signal.signal(signal.SIGHUP, _not_ours)
+    signal.signal(signal.SIGINT, _not_ours)
     timeouts.install()
 
 

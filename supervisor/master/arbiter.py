@@ -62,7 +62,7 @@ RESTART_ONLY = (("broker", "url"), ("toolkit", "redis_url"), ("supervisor", "soc
 SETTINGS_CACHE = 1024  # (type, timeout, max_attempts) -> JobSettings of the current generation
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU,
            signal.SIGCHLD)
-HELD_AT_START = {signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU}  # their default ends us: kept until start()
+held = []  # SIGHUP, TTIN, TTOU that came while the handlers imported (master.run): acted on in start()
 
 
 class Arbiter:
@@ -141,7 +141,7 @@ class Arbiter:
         for sig in SIGNALS:
             signal.signal(sig, lambda *_: None)  # the byte on the self-pipe is all we need
         signal.set_wakeup_fd(self.sig_w)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_START)  # one sent during start-up is handled now
+        self.signals.extend(held)  # a SIGHUP during start-up: a reload now
         if self.cfg.metrics.listen:
             try:
                 self.exporter = HttpExporter(self.cfg.metrics.listen, self.selector, self.metrics.render)
