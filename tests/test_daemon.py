@@ -349,6 +349,49 @@ def test_a_handler_module_that_forks_at_import_leaves_one_master(daemon):
     daemon.assert_clean()
 
 
+def test_a_stop_signal_during_a_reloads_trial_import_is_not_kept_waiting(daemon):
+    """The trial import held the master's loop until it ended: a SIGTERM waited for it (and
+    then for the master's own import)."""
+    slow, importing = os.path.join(daemon.dir, "slow"), os.path.join(daemon.dir, "importing")
+    with open(os.path.join(daemon.handlers, "sleepy.py"), "w") as f:
+        f.write(f"import os, time\n\nif os.path.exists({slow!r}):\n    open({importing!r}, 'a').close()\n"
+                "    time.sleep(60)\n")
+    daemon.config["supervisor"]["import_timeout"] = 120.0
+    daemon.write_config()
+    daemon.start()
+    open(slow, "w").close()
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: os.path.exists(importing), message="the trial import under way")
+    daemon.signal(signal.SIGTERM)
+    assert daemon.proc.wait(timeout=20) == 0
+    [failed] = daemon.records(event="reload_failed")
+    assert "the reload gave way to a stop signal" in failed["msg"]
+
+
+def test_a_helper_process_a_module_forks_at_import_neither_fails_the_reload_nor_outlives_the_trial(daemon):
+    """The trial waited for its pipe's end, which a forked helper held: every reload timed
+    out, and the trial's helper was left running."""
+    helpers = os.path.join(daemon.dir, "helpers")
+    with open(os.path.join(daemon.handlers, "helper.py"), "w") as f:
+        f.write(f"import os, time\n\nif os.fork() == 0:\n    with open({helpers!r}, 'a') as f:\n"
+                "        f.write(f'{os.getpid()} {os.getppid()}\\n')\n    time.sleep(60)\n    os._exit(0)\n")
+    daemon.config["supervisor"]["import_timeout"] = 30.0
+    daemon.write_config()
+    daemon.start()
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: daemon.status()["generation"] == 2, timeout=20, message="the reload, well before the timeout")
+    assert daemon.status()["reload_error"] is None
+
+    def trial_helpers_alive():
+        return [int(pid) for pid, parent in read_lines(helpers) if int(parent) != daemon.proc.pid and psutil.pid_exists(int(pid))
+                and psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE]
+    wait_for(lambda: len(read_lines(helpers)) == 3, message="a helper from the start, the trial, the reload")
+    wait_for(lambda: not trial_helpers_alive(), message="the trial's helper gone with it")
+    for pid, parent in read_lines(helpers):
+        if int(parent) == daemon.proc.pid and psutil.pid_exists(int(pid)):
+            os.kill(int(pid), signal.SIGKILL)  # the master's own: the module's business, not the test's
+
+
 def test_a_reload_that_drops_job_types_names_them(daemon):
     with open(os.path.join(daemon.handlers, "extra.py"), "w") as f:
         f.write("import supervisor\n\n@supervisor.job('extra')\ndef extra(ctx, payload):\n    pass\n")

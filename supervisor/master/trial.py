@@ -15,16 +15,19 @@ from .. import registry
 from ..child import worker
 
 
-def load(folder, generation, current, heartbeat, timeout):
+def load(folder, generation, current, heartbeat, timeout, signals=None):
     """The next generation's ``(handlers, dropped types)`` (``registry.reload_handlers``), once a
-    trial import of ``folder`` in a child process passed within ``timeout`` seconds."""
-    problem = trial(folder, generation, heartbeat, timeout)
+    trial import of ``folder`` in a child process passed within ``timeout`` seconds.
+
+    ``signals``: the master's (self-pipe, pending deque): a stop signal that arrives during the
+    trial ends it and fails the reload, so the stop is not kept waiting."""
+    problem = trial(folder, generation, heartbeat, timeout, signals)
     if problem:
         raise registry.HandlerLoadError(problem)
     return registry.reload_handlers(folder, generation, current)
 
 
-def trial(folder, generation, heartbeat, timeout):
+def trial(folder, generation, heartbeat, timeout, signals=None):
     """What went wrong importing ``folder`` in a forked process, or None when it imported."""
     r, w = os.pipe()
     master_pid = os.getpid()
@@ -40,15 +43,21 @@ def trial(folder, generation, heartbeat, timeout):
         heartbeat.start()
     os.close(w)
     try:
-        return None if pid is None else _verdict(pid, r, timeout)
+        return None if pid is None else _verdict(pid, r, timeout, signals)
     finally:
         os.close(r)
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # what a module started there (a helper process) goes too
+            except OSError:
+                pass
 
 
 def _import_and_leave(r, w, folder, generation, master_pid):
     code = 1
     try:
         os.close(r)
+        os.setpgid(0, 0)  # a group of its own: the master ends whatever the import started with it
         worker.set_parent_death_signal(master_pid)  # a master killed meanwhile leaves no import behind
         signal.set_wakeup_fd(-1)  # the master's self-pipe: a signal here is not the master's
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
@@ -64,24 +73,59 @@ def _import_and_leave(r, w, folder, generation, master_pid):
         os._exit(code)  # never back into the master's code, no finalizer on what it inherited
 
 
-def _verdict(pid, r, timeout):
+def _verdict(pid, r, timeout, signals):
+    """Waits for the trial process itself (not for its pipe's end: a helper process a module
+    forked may hold that open), for a stop signal, or for ``timeout``."""
     deadline = time.monotonic() + timeout
+    watch = [r] + ([signals[0]] if signals else [])
+    try:
+        exited = os.pidfd_open(pid)
+        watch.append(exited)
+    except (AttributeError, OSError):  # not Linux 5.3+: look at the process every 50 ms
+        exited = None
     out = b""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return (f"supervisor.handlers: importing the handler files took over {timeout:g}s"
-                    " (supervisor.import_timeout); a module waiting at import?")
-        if select.select([r], [], [], left)[0]:
-            chunk = os.read(r, 4096)
-            if not chunk:
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return (f"supervisor.handlers: importing the handler files took over {timeout:g}s"
+                        " (supervisor.import_timeout); a module waiting at import?")
+            ready = select.select(watch, [], [], left if exited is not None else min(left, 0.05))[0]
+            if r in ready:
+                chunk = os.read(r, 4096)
+                out += chunk
+                if not chunk:
+                    watch.remove(r)  # its end: the process itself says when it is over
+            if signals and signals[0] in ready and _stop_among(signals):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return "supervisor.handlers: the reload gave way to a stop signal"
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
                 break
-            out += chunk
-    _, status = os.waitpid(pid, 0)
+    finally:
+        if exited is not None:
+            os.close(exited)
+    os.set_blocking(r, False)
+    try:
+        out += os.read(r, 4096)  # what it wrote just before it left
+    except BlockingIOError:
+        pass
     if out.startswith(b"imported\n"):
         return None  # imported, or failed as the master's own import will say in full
     how = f"signal {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status) else \
         f"exit code {os.WEXITSTATUS(status)}"
     return f"supervisor.handlers: a handler module ended the process importing it ({how})"
+
+
+def _stop_among(signals):
+    """Read the master's self-pipe (its bytes stay for the loop) and say whether a stop came."""
+    fd, pending = signals
+    try:
+        data = os.read(fd, 4096)
+    except BlockingIOError:
+        return False
+    pending.extend(data)
+    return any(sig in data for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT))

@@ -384,7 +384,7 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
 
     def prune(self, done_older_than, budget=None):
         cutoff = self.now() - done_older_than
-        batch = int(self.prune_batch)
+        batch = int(self.prune_batch) if budget is None else max(1, min(int(self.prune_batch), int(budget)))
         sql = (f"DELETE FROM {self._jobs} WHERE id IN (SELECT id FROM {self._jobs}"
                " WHERE state = 'done' AND finished_at < %s LIMIT %s)")
         total = 0
