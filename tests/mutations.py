@@ -606,8 +606,10 @@ MUTATIONS = [
              ("tests/test_daemon.py", "-k", "lets_go"),
              "generation 1's handler modules are freed by the first reload"),
     Mutation("reload-forgets-before-configure", "supervisor/master/arbiter.py",
-             "        self.periodic.configure(cfg, handlers)\n        registry.forget_generation(self.generation - 1)",
-             "        registry.forget_generation(self.generation - 1)\n        self.periodic.configure(cfg, handlers)",
+             "        self.dispatcher.configure(cfg, handlers)\n        self.periodic.configure(cfg, handlers)\n"
+             "        registry.forget_generation(self.generation - 1)",
+             "        registry.forget_generation(self.generation - 1)\n        self.dispatcher.configure(cfg, handlers)\n"
+             "        self.periodic.configure(cfg, handlers)",
              ("tests/test_daemon.py", "-k", "lets_go"),
              "a reload frees the old generation's modules at once, not at some later gc"),
     Mutation("child-dies-of-group-sighup", "supervisor/child/worker.py",
