@@ -346,7 +346,9 @@ def test_a_handler_module_that_forks_at_import_leaves_one_master(daemon):
     reloads = daemon.records(event="reload")
     assert [(r["process"], r["generation"]) for r in reloads] == [(daemon.proc.pid, g) for g in (2, 3, 4)]
     assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
-    daemon.assert_clean()
+    # Not assert_clean: the module's own fork, beside the heartbeat thread, gets Python 3.12+'s
+    # fork warning, and that fork is what this test is about. Nothing is left leased:
+    assert all(s.in_flight == 0 for s in daemon.broker.stats(["default"]).values())
 
 
 def test_a_stop_signal_during_a_reloads_trial_import_is_not_kept_waiting(daemon):
