@@ -507,7 +507,7 @@ def test_forks_the_system_refuses_leave_the_master_serving_with_the_children_it_
     wait_for(lambda: last_backoff()[0] >= 6, timeout=60, message="forks refused long enough for a 6 s backoff")
     delay, failed_at = last_backoff()
     before = daemon.worker_pids()
-    for pid in before[-4:]:  # their descriptors are room for a fork again
+    for pid in before[2:]:  # their descriptors are room for a fork again, whatever else comes and goes
         os.kill(pid, signal.SIGKILL)
     wait_for(lambda: set(daemon.worker_pids()) - set(before), timeout=failed_at + delay - time.time() - 1,
              message="a replacement, forked before the backoff ends")
