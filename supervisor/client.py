@@ -23,7 +23,9 @@ app, or the default client ``supervisor.configure(client=...)`` hands to every
 thread): its calls take turns on its one broker connection, each holding the
 client's lock for its whole broker call, so a workflow's transaction is never
 joined by another thread's statements. ``wait`` blocks, so it runs on a broker
-of its own and holds no lock. ``client.broker``, the raw broker, is not
+of its own and holds no lock; the client keeps up to ``WAIT_BROKERS_KEPT`` of
+those open between waits (a web app waiting in every request must not open
+connections per request). ``client.broker``, the raw broker, is not
 guarded: use it from one thread at a time. After a fork the PostgreSQL and
 Redis brokers open connections of their own in the child.
 """
@@ -47,6 +49,9 @@ from .model import FINISHED, NewJob
 log = logging.getLogger("tangguh.client")
 
 DEFAULT_QUEUE = "default"
+# Brokers kept open for ``wait`` between calls: as many threads as this wait at once without
+# opening a connection; more open their own and close it after.
+WAIT_BROKERS_KEPT = 4
 
 # Keyword arguments of ``Client.enqueue`` that describe the job (the rest go to the broker).
 JOB_OPTIONS = ("queue", "resource_id", "idempotency_key", "delay", "max_attempts", "timeout", "trace_id", "priority",
@@ -68,6 +73,7 @@ class Client:
         # Only a client made from a config knows the set of queues the supervisors serve.
         self.strict_queues = config is not None or queues is not None
         self._broker = None
+        self._wait_brokers = []  # idle brokers for wait (list.pop and append need no lock)
         # Re-entrant, with _busy: a signal handler that calls the client while its own thread is in
         # a call is refused at once (a call inside a call would share a transaction or a reply).
         self._lock = threading.RLock()
@@ -101,6 +107,8 @@ class Client:
             if self._broker is not None:
                 broker, self._broker = self._broker, None
                 broker.close()
+        while self._wait_brokers:
+            _close_quietly(self._wait_brokers.pop())
 
     @contextlib.contextmanager
     def _guard(self):
@@ -262,8 +270,26 @@ class Client:
             if job is not None and job.state in FINISHED:
                 return job  # finished already: no broker of its own to open
         # On a broker of its own: holding the lock for up to ``timeout`` would stall every other thread.
-        with open_broker(self.url) as broker:
-            return broker.wait(job_id, timeout)
+        try:
+            broker = self._wait_brokers.pop()
+        except IndexError:
+            broker = open_broker(self.url)
+        try:
+            job = broker.wait(job_id, timeout)
+        except BadInput:
+            self._keep_wait_broker(broker)  # an answer (an unknown id): the broker is fine
+            raise
+        except BaseException:
+            _close_quietly(broker)
+            raise
+        self._keep_wait_broker(broker)
+        return job
+
+    def _keep_wait_broker(self, broker):
+        if len(self._wait_brokers) < WAIT_BROKERS_KEPT:
+            self._wait_brokers.append(broker)
+        else:
+            _close_quietly(broker)
 
     # -- control ------------------------------------------------------------
     def cancel(self, job_ids, by=None, reason=None):
@@ -318,6 +344,13 @@ def _after_fork_in_child():
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _close_quietly(broker):
+    try:
+        broker.close()
+    except Exception:  # noqa: BLE001 - closing a broker already broken must not hide the caller's error
+        log.debug("closing a wait broker failed", exc_info=True)
 
 
 def _filter(filter, fields):

@@ -737,6 +737,16 @@ MUTATIONS = [
              "        batch = int(self.prune_batch)",
              ("tests/test_postgres_broker.py", "-k", "prune_deletes_in_batches"),
              "one PostgreSQL prune call deletes about its budget, not a whole batch of 10,000"),
+    Mutation("client-wait-broker-per-call", "supervisor/client.py",
+             "        try:\n            broker = self._wait_brokers.pop()\n        except IndexError:\n            broker = open_broker(self.url)",
+             "        broker = open_broker(self.url)",
+             ("tests/test_client_threads.py", "-k", "reuse_their_broker"),
+             "a Client opens a new broker (two server connections on PostgreSQL) for every wait"),
+    Mutation("postgres-kept-waiter-trusted", "supervisor/backends/postgres/connection.py",
+             "            try:\n                conn.execute(f\"LISTEN {quote(channel)}\")\n                return conn\n            except psycopg.Error:",
+             "            try:\n                conn.execute(f\"LISTEN {quote(channel)}\")\n                return conn\n            except ZeroDivisionError:",
+             ("tests/test_postgres_broker.py", "-k", "one_after_another"),
+             "a wait fails when the connection the last wait kept was closed by the server meanwhile"),
 ]
 
 

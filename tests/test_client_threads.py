@@ -7,7 +7,9 @@ import pytest
 import supervisor
 from supervisor import jobref
 from supervisor.backends import open_broker
+from supervisor import client as client_module
 from supervisor.client import Client
+from supervisor.errors import BadInput
 from supervisor.jobfilter import JobFilter
 
 THREADS = 16
@@ -105,3 +107,34 @@ def test_a_call_from_a_thread_already_in_a_call_of_the_same_client_is_refused(br
             client.enqueue("t", {})
     assert client.get(client.enqueue("t", {})).state == "queued"
     client.close()
+
+
+def test_waits_one_after_another_reuse_their_broker_and_many_at_once_keep_a_few(broker_url, monkeypatch):
+    """A web app waiting in every request must not open a broker (on PostgreSQL two server
+    connections) per request: a client keeps its wait brokers, up to WAIT_BROKERS_KEPT."""
+    opened, closed = [], []
+
+    def counted(url):
+        broker = open_broker(url)
+        broker.close = lambda close=broker.close: (closed.append(broker), close())[1]
+        opened.append(broker)
+        return broker
+
+    monkeypatch.setattr(client_module, "open_broker", counted)
+    with open_broker(broker_url) as broker:
+        broker.migrate()
+    client = Client.from_url(broker_url)
+    job_id = client.enqueue("t", {})
+    for _ in range(5):
+        assert client.wait(job_id, 0.01) is None
+    assert len(opened) == 2  # the client's own, and one for every wait
+    with pytest.raises(BadInput, match="unknown job"):
+        client.wait("job_nope", 0.01)  # an answer, not a broken broker: it is kept
+    assert len(opened) == 2
+
+    # Many threads at once each need a broker; afterwards only WAIT_BROKERS_KEPT stay open.
+    _run_threads(lambda t: client.wait(job_id, 1.0))
+    assert len(client._wait_brokers) == client_module.WAIT_BROKERS_KEPT
+    assert len(closed) == len(opened) - 1 - client_module.WAIT_BROKERS_KEPT
+    client.close()
+    assert client._wait_brokers == [] and sorted(map(id, closed)) == sorted(map(id, opened))

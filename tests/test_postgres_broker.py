@@ -376,6 +376,23 @@ def pg_done(pg):
     return [pg.get(r[0]) for r in rows]
 
 
+def test_waits_one_after_another_listen_on_one_connection_and_a_lost_one_is_replaced(pg, producer):
+    job_id = pg.enqueue(new())
+    assert pg.wait(job_id, 0.01) is None
+    kept = pg._connections.waiter
+    assert kept is not None and not kept.closed
+    assert pg.wait(job_id, 0.01) is None
+    assert pg._connections.waiter is kept, "the second wait opened a connection of its own"
+    # The server ends the kept connection meanwhile (a restart, idle_session_timeout): the
+    # next wait listens on a new one instead of failing.
+    pid = kept.info.backend_pid
+    producer.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    producer.commit()
+    wait_for(lambda: backend_gone(producer, pid), timeout=10, message="the kept connection's end")
+    assert pg.wait(job_id, 0.01) is None
+    assert pg._connections.waiter is not kept and pg._connections.waiter.info.backend_pid != pid
+
+
 def test_lost_listener_is_a_broker_error_then_listens_again(pg, other, producer):
     fd = pg.wakeup_fd()
     pid = pg._listener.info.backend_pid

@@ -256,6 +256,20 @@ def test_a_lost_wakeup_connection_is_reported_and_replaced(rb, redis_url, raw):
     wait_for(lambda: readable(fd), timeout=5, message="wake-up on the new connection")
 
 
+def test_waits_one_after_another_subscribe_on_one_connection_and_a_lost_one_is_replaced(rb, raw):
+    job_id = rb.enqueue(new())
+    assert rb.wait(job_id, 0.01) is None
+    pid, kept = rb._kept_pubsub
+    assert pid == os.getpid()
+    assert rb.wait(job_id, 0.01) is None
+    assert rb._kept_pubsub[1] is kept, "the second wait opened a connection of its own"
+    here = "%s:%d" % kept.connection._sock.getsockname()[:2]
+    (client_id,) = [c["id"] for c in raw.client_list() if c["addr"] == here]
+    raw.client_kill_filter(_id=client_id)  # a restart, an idle timeout
+    assert rb.wait(job_id, 0.01) is None
+    assert all(c["addr"] != here for c in raw.client_list())
+
+
 # -- claim's compact rows ----------------------------------------------------------------
 
 def test_claim_rows_name_the_fields_the_decoder_expects_in_its_order():

@@ -161,6 +161,7 @@ class Connections:
         self.url, self.conninfo, self.schema = url, conninfo, schema
         self.db = None
         self.listener = None
+        self.waiter = None  # the connection the last wait LISTENed on, kept for the next
         self._pid = os.getpid()
         self._offset = 0.0
         self._synced = float("-inf")
@@ -184,7 +185,7 @@ class Connections:
         # After a fork the sockets are the parent's sessions: never talk on them, never close
         # them (closing sends the server a Terminate that would end the parent's session).
         # psycopg skips that goodbye when a connection is garbage-collected in another process.
-        self.db = self.listener = None
+        self.db = self.listener = self.waiter = None
         self._pid = os.getpid()
 
     def _sync_clock(self, db):
@@ -232,7 +233,7 @@ class Connections:
         if self._pid != os.getpid():
             self._forget_inherited()
             return
-        for name in ("listener", "db"):
+        for name in ("waiter", "listener", "db"):
             conn = getattr(self, name)
             setattr(self, name, None)
             if conn is not None:
@@ -242,6 +243,38 @@ class Connections:
                     pass
 
     # -- wake-ups (LISTEN/NOTIFY) -------------------------------------------
+    def take_waiter(self, channel):
+        """A connection LISTENing on ``channel`` for ``wait``: the one the last wait kept, else a
+        new one (a caller waiting on job after job opens one connection, not one per wait)."""
+        if self._pid != os.getpid():
+            self._forget_inherited()
+        conn, self.waiter = self.waiter, None
+        if conn is not None and not conn.closed:
+            try:
+                conn.execute(f"LISTEN {quote(channel)}")
+                return conn
+            except psycopg.Error:  # it broke while kept (a server restart, an idle timeout)
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
+        conn = self._connect()
+        try:
+            conn.execute(f"LISTEN {quote(channel)}")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def keep_waiter(self, conn):
+        """Keep a wait's connection for the next one, listening to nothing; False: close it."""
+        if self.waiter is not None or self._pid != os.getpid() or conn.closed:
+            return False
+        try:
+            conn.execute("UNLISTEN *")
+        except psycopg.Error:
+            return False
+        self.waiter = conn
+        return True
+
     def listen(self, channel):
         """The socket of a connection LISTENing on ``channel``, opened unless it is open."""
         if self._pid != os.getpid():

@@ -9,6 +9,7 @@ queues. ``wait`` marks the job ``waited`` and LISTENs on
 finishes; it re-reads the job at least every ``WAIT_FALLBACK`` seconds (a
 notification is lost if the listening connection drops).
 """
+import contextlib
 import json
 
 import psycopg
@@ -17,7 +18,7 @@ from psycopg.rows import dict_row
 from ...errors import LeaseLost
 from ...model import CANCELLED, EXPIRED, Job, Renewal, check_queue
 from .. import control
-from .connection import deadlock_retried, quote
+from .connection import deadlock_retried
 from .control_schema import done_channel
 from .statements import NOW, leased_batch
 
@@ -151,10 +152,9 @@ class ControlMixin(control.ExpiredLog):
     def wait(self, job_id, timeout):
         control.check_timeout(timeout)
         with self._guard("wait"):
-            listener = self._connections._connect()
+            listener = self._connections.take_waiter(done_channel(self.schema))
+        kept = False
         try:
-            with self._guard("wait"):
-                listener.execute(f"LISTEN {quote(done_channel(self.schema))}")
             # Listening first, then marked: a finish after the mark is always notified.
             self._execute(f"UPDATE {self._jobs} SET waited = true WHERE id = %s AND NOT waited", (job_id,))
 
@@ -165,9 +165,13 @@ class ControlMixin(control.ExpiredLog):
                             return
                 except psycopg.Error:
                     pass  # the listening connection broke: the fallback re-read carries on
-            return control.wait_finished(job_id, lambda: self.get(job_id), block, timeout, WAIT_FALLBACK)
+            job = control.wait_finished(job_id, lambda: self.get(job_id), block, timeout, WAIT_FALLBACK)
+            kept = self._connections.keep_waiter(listener)
+            return job
         finally:
-            listener.close()
+            if not kept:
+                with contextlib.suppress(psycopg.Error):
+                    listener.close()
 
     # -- supervisor records --------------------------------------------------------
     def write_supervisor(self, record, ttl):

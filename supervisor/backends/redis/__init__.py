@@ -100,6 +100,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
     def close(self):
         if self._pubsub is not None:
             self._drop_pubsub()
+        self._close_wait_subscription()
         try:
             self.r.close()
         except RedisError:

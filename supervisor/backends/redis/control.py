@@ -12,6 +12,7 @@ re-reads the job on each message and at least every ``WAIT_FALLBACK`` seconds
 (a pub/sub message is lost if the subscription's connection drops).
 """
 import json
+import os
 import time
 
 from redis.exceptions import RedisError
@@ -134,11 +135,11 @@ class ControlMixin(control.ExpiredLog):
     @guard
     def wait(self, job_id, timeout):
         control.check_timeout(timeout)
-        pubsub = self.r.pubsub()
+        channel = self._done_channel()
+        pubsub, kept = self._wait_subscription(channel), False
         try:
             # Subscribed (confirmed) first, then marked: no finish is missed.
-            pubsub.subscribe(self._done_channel())
-            pubsub.get_message(timeout=5.0)
+            _until_subscribed(pubsub, channel, time.monotonic() + 5.0)
             queue = self._locator.queues_of([job_id]).get(job_id)
             if queue is not None:
                 self._run("mark_waited", queue, [job_id])
@@ -152,12 +153,41 @@ class ControlMixin(control.ExpiredLog):
                             return
                 except RedisError:
                     pass  # the subscription broke: the fallback re-read carries on
-            return control.wait_finished(job_id, lambda: self.get(job_id), block, timeout, WAIT_FALLBACK)
+            job = control.wait_finished(job_id, lambda: self.get(job_id), block, timeout, WAIT_FALLBACK)
+            kept = self._keep_wait_subscription(pubsub, channel)
+            return job
         finally:
-            try:
-                pubsub.close()
-            except (RedisError, OSError):
-                pass
+            if not kept:
+                _close_quietly(pubsub)
+
+    def _wait_subscription(self, channel):
+        """A pub/sub connection subscribing to ``channel``: the one the last wait kept, else a new
+        one (a caller waiting on job after job opens one connection, not one per wait). A kept one
+        the server closed meanwhile is reconnected by the client's one immediate retry."""
+        kept = self.__dict__.pop("_kept_pubsub", None)
+        # An inherited one is the parent's socket: dropped, never used.
+        pubsub = kept[1] if kept is not None and kept[0] == os.getpid() else self.r.pubsub()
+        try:
+            pubsub.subscribe(channel)
+        except BaseException:
+            _close_quietly(pubsub)
+            raise
+        return pubsub
+
+    def _keep_wait_subscription(self, pubsub, channel):
+        if "_kept_pubsub" in self.__dict__:
+            return False
+        try:
+            pubsub.unsubscribe(channel)
+        except (RedisError, OSError):
+            return False
+        self._kept_pubsub = (os.getpid(), pubsub)
+        return True
+
+    def _close_wait_subscription(self):
+        kept = self.__dict__.pop("_kept_pubsub", None)
+        if kept is not None and kept[0] == os.getpid():
+            _close_quietly(kept[1])
 
     # -- supervisor records --------------------------------------------------------
     @property
@@ -194,3 +224,19 @@ class ControlMixin(control.ExpiredLog):
     @guard
     def remove_supervisor(self, supervisor_id):
         self.r.hdel(self._records_key, supervisor_id)
+
+
+def _until_subscribed(pubsub, channel, deadline):
+    """Read up to the confirmation of this subscription: what a kept connection's earlier
+    wait left unread (its unsubscribe's reply, a late message) is skipped."""
+    while time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=deadline - time.monotonic())
+        if message is not None and message["type"] == "subscribe" and message["channel"] == channel:
+            return
+
+
+def _close_quietly(pubsub):
+    try:
+        pubsub.close()
+    except (RedisError, OSError):
+        pass
