@@ -747,6 +747,16 @@ MUTATIONS = [
              "            try:\n                conn.execute(f\"LISTEN {quote(channel)}\")\n                return conn\n            except ZeroDivisionError:",
              ("tests/test_postgres_broker.py", "-k", "one_after_another"),
              "a wait fails when the connection the last wait kept was closed by the server meanwhile"),
+    Mutation("sqlite-limited-leased-full-scan", "supervisor/backends/sqlite/__init__.py",
+             "FROM jobs INDEXED BY jobs_leased WHERE state = 'running'",
+             "FROM jobs WHERE state = 'running'",
+             ("tests/test_sqlite_broker.py", "-k", "scheduled_for_later"),
+             "a SQLite claim under type limits reads every job to count the running ones"),
+    Mutation("postgres-limited-claim-one-scan", "supervisor/backends/postgres/ready.py",
+             "    for _ in range(PRIORITY_PROBES):",
+             "    for _ in range(0):",
+             ("tests/test_postgres_broker.py", "-k", "under_type_limits_reads_none"),
+             "a PostgreSQL claim under type limits walks every job scheduled for later"),
 ]
 
 

@@ -12,7 +12,7 @@ from supervisor import toolkit
 from supervisor.backends import open_broker
 from supervisor.backends.postgres import schema as pg_schema
 from supervisor.errors import BrokerError, ConfigError
-from supervisor.model import NewJob
+from supervisor.model import NewJob, TypeLimits
 
 from .daemon import Daemon, tangguh
 from .util import wait_for
@@ -760,6 +760,39 @@ def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(pg, postgres_url):
     # PRIORITY_PROBES: the rest in one ordered scan), in claim order.
     pg.enqueue_many([new({"n": i}, priority=-i) for i in range(40)])
     assert [job.payload["n"] for job in pg.claim(["default"], 40, 30, "me")] == list(range(40))
+
+
+def test_a_claim_under_type_limits_reads_none_of_the_jobs_scheduled_for_later(pg, postgres_url):
+    """The claim under per-type limits runs its statements from Python and read jobs_ready in
+    one ordered scan: every job scheduled for later in front of the due ones was read by every
+    such claim. Counted in the jobs table's blocks (pg_statio, flushed on demand), not in time."""
+    limits = {"t": TypeLimits(max_concurrency=100, exclusive=True)}
+    with psycopg.connect(postgres_url.split("?")[0], autocommit=True) as admin:
+        def blocks_of_a_claim():
+            def blocks():
+                pg._conn().execute("SELECT pg_stat_force_next_flush()")
+                pg._conn().execute("SELECT 1")  # idle after this: its statistics are flushed
+                admin.execute("SELECT pg_stat_clear_snapshot()")
+                return admin.execute(
+                    "SELECT heap_blks_hit + heap_blks_read + coalesce(idx_blks_hit, 0) + coalesce(idx_blks_read, 0)"
+                    " FROM pg_statio_user_tables WHERE schemaname = %s AND relname = 'jobs'",
+                    (pg.schema,)).fetchone()[0]
+            before = blocks()
+            jobs = pg.claim(["default"], 8, 30, "me", limits)
+            return blocks() - before, [job.payload["n"] for job in jobs]
+
+        pg.enqueue_many([new({"n": -1}, delay=86400, priority=5) for _ in range(100)])
+        few, claimed = blocks_of_a_claim()
+        assert claimed == []
+        pg.enqueue_many([new({"n": -1}, delay=86400, priority=5) for _ in range(20_000)])
+        many, claimed = blocks_of_a_claim()
+        assert claimed == [] and many - few <= 40, (few, many)  # walking them: 240 blocks more
+        priorities = [0, 1, 0, 1, 3]
+        pg.enqueue_many([new({"n": i}, priority=p) for i, p in enumerate(priorities)])
+        assert [priorities[n] for n in blocks_of_a_claim()[1]] == [3, 1, 1, 0, 0]
+        # Past the probes, more priorities than PRIORITY_PROBES: the rest in one ordered scan, in order.
+        pg.enqueue_many([new({"n": i}, priority=-i) for i in range(40)])
+        assert [job.payload["n"] for job in pg.claim(["default"], 40, 30, "me", limits)] == list(range(40))
 
 
 # -- workflows and idempotency keys under concurrency -------------------------------------

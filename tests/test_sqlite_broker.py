@@ -152,11 +152,13 @@ def test_prune_deletes_a_backlog_in_short_write_transactions(tmp_path, monkeypat
         b.close()
 
 
-def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(tmp_path):
+@pytest.mark.parametrize("limits", [None, {"t": TypeLimits(max_concurrency=100, exclusive=True)}],
+                         ids=["plain", "under-type-limits"])
+def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(tmp_path, limits):
     """A job scheduled for later sorts in the ready index behind its priority's due jobs but
     in front of every lower priority's: one ordered scan walked them all (300,000 jobs due
-    tomorrow made each claim, idle polls too, take 40 ms). The work is counted in SQLite's
-    own steps (its progress handler), not in time."""
+    tomorrow made each claim, idle polls too, take 40 ms; the claim under per-type limits
+    too). The work is counted in SQLite's own steps (its progress handler), not in time."""
     broker = open_broker(f"sqlite:///{tmp_path}/b.db")
     broker.migrate()
 
@@ -168,7 +170,7 @@ def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(tmp_path):
             return 0
         broker.db.set_progress_handler(tick, 100)
         try:
-            jobs = broker.claim(["default"], n, 30, "me")
+            jobs = broker.claim(["default"], n, 30, "me", limits)
         finally:
             broker.db.set_progress_handler(None, 100)
         return steps[0], [job.payload["n"] for job in jobs]

@@ -37,6 +37,7 @@ from ..limits import Admission, active, refill
 from . import schema, workflows
 from .connection import Connections, deadlock_retried, libpq_conninfo, quote, read_url
 from .control import ControlMixin
+from .ready import due_rows
 from .schema import migrations as _migrations  # looked up at each migrate: a test stands in older versions
 from .search import SearchMixin
 from .statements import NOW, Statements, stats_query
@@ -240,17 +241,12 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
                 while len(rows) < n:
                     want = n - len(rows)
                     busy = sorted(admission.busy)
-                    candidates = db.execute(
-                        f"SELECT d.id, d.type, d.resource_id FROM {t} d WHERE d.queue = %s"
-                        " AND d.state IN ('queued', 'retrying') AND d.run_at <= %s AND d.type <> ALL(%s::text[])"
-                        # Past its expiry: never leased (the claim function ends 1,000 a call, the next the rest).
-                        " AND (d.expires_at IS NULL OR d.expires_at > %s)"
-                        " AND NOT (d.resource_id IS NOT NULL AND EXISTS ("
-                        "  SELECT 1 FROM unnest(%s::text[], %s::text[]) AS b(type, resource_id)"
-                        "  WHERE b.type = d.type AND b.resource_id = d.resource_id))"
-                        " ORDER BY d.priority DESC, d.run_at, d.id LIMIT %s FOR UPDATE SKIP LOCKED",
-                        (queue, now, admission.blocked(), now, [b[0] for b in busy], [b[1] for b in busy],
-                         want)).fetchall()
+                    candidates = due_rows(
+                        db, t, queue, now, want, "d.id, d.type, d.resource_id",
+                        "AND d.type <> ALL(%s::text[]) AND NOT (d.resource_id IS NOT NULL AND EXISTS ("
+                        " SELECT 1 FROM unnest(%s::text[], %s::text[]) AS b(type, resource_id)"
+                        " WHERE b.type = d.type AND b.resource_id = d.resource_id))",
+                        (admission.blocked(), [b[0] for b in busy], [b[1] for b in busy]))
                     ids = [row[0] for row in candidates if admission.admit(row[1], row[2])]
                     if ids:
                         cur = db.cursor(row_factory=dict_row)

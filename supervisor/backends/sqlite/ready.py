@@ -19,17 +19,24 @@ _UNEXPIRED = "AND (expires_at IS NULL OR expires_at > ?)"
 
 def due_ids(db, queue, now, limit):
     """Ids of ``queue``'s due jobs in claim order, at most ``limit``."""
-    ids = []
+    return [row[0] for row in due_rows(db, queue, now, limit)]
+
+
+def due_rows(db, queue, now, limit, columns="id", where="", params=()):
+    """``columns`` of ``queue``'s due jobs in claim order, at most ``limit``; ``where`` (an
+    ``AND ...`` with ``params``) narrows them (the claim under per-type limits)."""
+    rows = []
     priority = db.execute(f"SELECT max(priority) {_WAITING}", (queue,)).fetchone()[0]
     for _ in range(PRIORITY_PROBES):
-        if priority is None or len(ids) >= limit:
-            return ids
-        ids += [row[0] for row in db.execute(
-            f"SELECT id {_WAITING} AND priority = ? AND run_at <= ? {_UNEXPIRED} ORDER BY run_at, id LIMIT ?",
-            (queue, priority, now, now, limit - len(ids)))]
+        if priority is None or len(rows) >= limit:
+            return rows
+        rows += db.execute(
+            f"SELECT {columns} {_WAITING} AND priority = ? AND run_at <= ? {_UNEXPIRED} {where}"
+            " ORDER BY run_at, id LIMIT ?", (queue, priority, now, now, *params, limit - len(rows))).fetchall()
         priority = db.execute(f"SELECT max(priority) {_WAITING} AND priority < ?", (queue, priority)).fetchone()[0]
-    if priority is not None and len(ids) < limit:
-        ids += [row[0] for row in db.execute(
-            f"SELECT id {_WAITING} AND priority <= ? AND run_at <= ? {_UNEXPIRED}"
-            " ORDER BY priority DESC, run_at, id LIMIT ?", (queue, priority, now, now, limit - len(ids)))]
-    return ids
+    if priority is not None and len(rows) < limit:
+        rows += db.execute(
+            f"SELECT {columns} {_WAITING} AND priority <= ? AND run_at <= ? {_UNEXPIRED} {where}"
+            " ORDER BY priority DESC, run_at, id LIMIT ?", (queue, priority, now, now, *params, limit - len(rows))
+        ).fetchall()
+    return rows
