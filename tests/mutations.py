@@ -747,6 +747,15 @@ MUTATIONS = [
              "            try:\n                conn.execute(f\"LISTEN {quote(channel)}\")\n                return conn\n            except ZeroDivisionError:",
              ("tests/test_postgres_broker.py", "-k", "one_after_another"),
              "a wait fails when the connection the last wait kept was closed by the server meanwhile"),
+    Mutation("redis-flow-parent-twice-by-key", "supervisor/backends/redis_lua/enqueue_flow.lua",
+             "    if not seen[parent] then", "    if true then",
+             ("tests/test_conformance_workflows.py", "-k", "redis and idempotency_key_maps"),
+             "a callback whose members one idempotency key maps to one job fires after it (Redis waited for ever)"),
+    Mutation("postgres-resend-returns-key-holder", "supervisor/backends/postgres/__init__.py",
+             "                if job.id in existing_ids:  # before the key",
+             "                if job.id in existing_ids and job.idempotency_key not in by_key:  # before the key",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and resend_of_a_job"),
+             "a resend of a job it named returns its id, not the job that took its key since (PostgreSQL)"),
 ]
 
 
