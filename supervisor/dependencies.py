@@ -50,7 +50,7 @@ def normalise(depends_on, job_id=None):
         raise BadInput(f"depends_on must be a list of job ids or (id, on) pairs, got {type(depends_on).__name__}")
     if len(depends_on) > MAX_PARENTS:
         raise BadInput(f"depends_on names {len(depends_on)} parents, more than {MAX_PARENTS}")
-    edges = {}
+    edges = []
     for edge in depends_on:
         if isinstance(edge, str):
             parent, on = edge, ON_SUCCESS
@@ -64,9 +64,24 @@ def normalise(depends_on, job_id=None):
             raise BadInput(f"depends_on: {parent!r} is not a job id")
         if parent == job_id:
             raise BadInput(f"job {job_id} depends on itself")
+        edges.append((parent, on))
+    return merged(edges)
+
+
+def merged(edges):
+    """``(parent, on)`` edges with each parent once, in first-seen order.
+
+    A broker calls it again once idempotency keys have mapped parents to the
+    jobs they are stored as: two members holding one key (or a member whose key
+    an already-stored parent holds) are one parent, and a second edge to it
+    would count it twice in ``pending`` (a callback that never fires) or break
+    the edge table's key.
+    """
+    out = {}
+    for parent, on in edges:
         # The same parent twice: "success" is the stricter wish and wins.
-        edges[parent] = ON_SUCCESS if edges.get(parent) == ON_SUCCESS else on
-    return list(edges.items())
+        out[parent] = ON_SUCCESS if out.get(parent) == ON_SUCCESS else on
+    return list(out.items())
 
 
 def order(jobs):

@@ -757,6 +757,15 @@ MUTATIONS = [
              "    for _ in range(0):",
              ("tests/test_postgres_broker.py", "-k", "under_type_limits_reads_none"),
              "a PostgreSQL claim under type limits walks every job scheduled for later"),
+    Mutation("redis-flow-parent-twice-by-key", "supervisor/backends/redis_lua/enqueue_flow.lua",
+             "    if not seen[parent] then", "    if true then",
+             ("tests/test_conformance_workflows.py", "-k", "redis and idempotency_key_maps"),
+             "a callback whose members one idempotency key maps to one job fires after it (Redis waited for ever)"),
+    Mutation("postgres-resend-returns-key-holder", "supervisor/backends/postgres/__init__.py",
+             "                if job.id in existing_ids:  # before the key",
+             "                if job.id in existing_ids and job.idempotency_key not in by_key:  # before the key",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and resend_of_a_job"),
+             "a resend of a job it named returns its id, not the job that took its key since (PostgreSQL)"),
 ]
 
 

@@ -500,3 +500,40 @@ def test_a_purged_or_pruned_child_leaves_no_edge_for_a_new_job_of_its_id(broker)
     for kid in kids:
         child = broker.get(kid)
         assert (child.state, child.pending, child.parents) == ("waiting", 1, {own_parent: (None, None)}), kid
+
+
+def test_members_an_idempotency_key_maps_to_one_stored_job_make_one_edge_of_the_callback(client, broker):
+    """Two members with one key are one job, so the callback has one parent and fires once after
+    it (Redis waited for ever, SQLite refused with a duplicate edge, PostgreSQL said "try again")."""
+    flow = client.group([("render", {"i": 1}, {"idempotency_key": "inv-1"}),
+                         ("render", {"i": 2}, {"idempotency_key": "inv-1"})], then=("summary", {}))
+    assert flow.ids[0] == flow.ids[1]
+    summary = broker.get(flow.then)
+    assert (summary.state, summary.pending, summary.parents) == ("waiting", 1, {flow.ids[0]: (None, None)})
+    assert run_all(broker, lambda job: job.payload.get("i")) == ["render", "summary"]
+    assert broker.get(flow.then).parents == {flow.ids[0]: ("done", 1)}
+    # A key naming a stored unfinished job the child also names: one edge, "success" winning.
+    held = broker.enqueue(new("render", idempotency_key="inv-2"))
+    member = new("render", idempotency_key="inv-2").validate()
+    child = broker.enqueue_many([member, new("summary", depends_on=[(held, "complete"), member.id])])[1]
+    assert (broker.get(child).pending, broker.get(child).parents) == (1, {held: (None, None)})
+    die(broker, claim_ids(broker)[held])
+    assert (broker.get(child).state, broker.get(child).reason) == ("cancelled", "parent_failed")
+
+
+@pytest.mark.parametrize("flow", [False, True], ids=["plain", "workflow"])
+def test_a_resend_of_a_job_it_named_returns_its_id_though_another_job_now_holds_its_key(broker, flow):
+    """The id the caller chose is looked up before the key (docs/brokers.md "Job ids"): a client
+    retrying an enqueue that landed, finished, and whose key a newer job took, gets its own job
+    back, not that stranger (the brokers answered differently, and PostgreSQL per path)."""
+    parent = broker.enqueue(new("parent"))
+    resend = lambda: new("x", id="job_resent", idempotency_key="k-resent",  # noqa: E731
+                         depends_on=[parent] if flow else None)
+    assert broker.enqueue(resend()) == "job_resent"
+    run_all(broker, lambda job: None)
+    assert broker.get("job_resent").state == "done"
+    holder = broker.enqueue(new("y", idempotency_key="k-resent"))
+    assert broker.enqueue_many([resend()]) == ["job_resent"]
+    assert broker.enqueue(resend()) == "job_resent"
+    assert broker.enqueue(new("z", idempotency_key="k-resent")) == holder  # the key is still the holder's
+    assert list(claim_ids(broker)) == [holder]

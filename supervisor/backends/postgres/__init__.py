@@ -141,12 +141,12 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
             pending = []
             for i in missing:
                 job = jobs[i]
-                if job.idempotency_key is not None and job.idempotency_key in by_key:
-                    ids[i] = by_key[job.idempotency_key]
-                elif job.id in existing_ids:
+                if job.id in existing_ids:  # before the key: a resend gets its own job, whoever took its key
                     if existing_ids[job.id] != job.queue:  # stored meanwhile by another producer
                         raise id_taken(job.id, existing_ids[job.id])
-                    ids[i] = job.id  # a resend of a job it named
+                    ids[i] = job.id
+                elif job.idempotency_key is not None and job.idempotency_key in by_key:
+                    ids[i] = by_key[job.idempotency_key]
                 else:
                     pending.append(i)  # the holder finished meanwhile: insert again
             if not pending:

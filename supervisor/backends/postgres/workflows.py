@@ -30,7 +30,7 @@ import json
 from psycopg import errors as pgerrors
 from psycopg.rows import tuple_row
 
-from ...dependencies import ON_SUCCESS, PARENT_FAILED, order, plan
+from ...dependencies import ON_SUCCESS, PARENT_FAILED, merged, order, plan
 from ...errors import BrokerError
 from ...model import chosen_ids, first_token, id_taken
 from .connection import deadlock_retried
@@ -210,7 +210,7 @@ class Workflows:
                 holders[key] = job.id
             stored[job.id] = job.id
             fresh.append(dataclasses.replace(
-                job, depends_on=[(stored.get(parent, parent), on) for parent, on in job.depends_on]))
+                job, depends_on=merged((stored.get(parent, parent), on) for parent, on in job.depends_on)))
         if not fresh:  # every job's idempotency key is held: nothing to store
             return [stored[job.id] for job in jobs]
         inside = {job.id for job in fresh}

@@ -19,10 +19,12 @@ for n, job in ipairs(jobs) do
       end
     end
   end
-  if holder then
+  -- The id first: a resent call (client retry) gets its own job back, even when another job took
+  -- its key after it finished (docs/brokers.md "Job ids"; every broker, every path).
+  if redis.call('EXISTS', key) == 1 then
+    ids[n] = id
+  elseif holder then
     ids[n] = holder
-  elseif redis.call('EXISTS', key) == 1 then
-    ids[n] = id  -- a resent call (client retry): stored already
   else
     local run = NOW + delay
     redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'history', '[]',

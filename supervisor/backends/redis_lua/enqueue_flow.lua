@@ -20,10 +20,11 @@ for n, job in ipairs(jobs) do
     end
     if not holder and made[ikey] then holder = made[ikey] end
   end
-  if holder then
+  -- The id first, as in enqueue.lua: a resent call gets its own job back, whoever holds its key now.
+  if redis.call('EXISTS', JOB .. id) == 1 then
+    stored[id] = id
+  elseif holder then
     stored[id] = holder
-  elseif redis.call('EXISTS', JOB .. id) == 1 then
-    stored[id] = id  -- a resent call (client retry): stored already
   else
     stored[id] = id
     if ikey then made[ikey] = id end
@@ -51,8 +52,20 @@ for _, job in ipairs(fresh) do
   local key = JOB .. id
   local run = NOW + delay
   local pending, failed, extra = 0, false, {}
+  -- Parents as stored: two that idempotency keys map to one job are one edge ("success" wins, as in
+  -- dependencies.merged); counted twice in pending, the job would wait for ever.
+  local edges, seen = {}, {}
   for _, dep in ipairs(deps) do
-    local parent, on = stored[dep[1]] or dep[1], dep[2]
+    local parent = stored[dep[1]] or dep[1]
+    if not seen[parent] then
+      edges[#edges + 1] = {parent, dep[2]}
+      seen[parent] = #edges
+    elseif dep[2] == 'success' then
+      edges[seen[parent]][2] = 'success'
+    end
+  end
+  for _, edge in ipairs(edges) do
+    local parent, on = edge[1], edge[2]
     local pkey = JOB .. parent
     local f = redis.call('HMGET', pkey, 'state', 'result')
     extra[#extra + 1] = 'd:' .. parent

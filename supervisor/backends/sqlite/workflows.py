@@ -27,7 +27,7 @@ cannot both see ``pending = 0``.
 """
 import json
 
-from ...dependencies import ON_SUCCESS, PARENT_FAILED, cancelled_by_workflow, level_of
+from ...dependencies import ON_SUCCESS, PARENT_FAILED, cancelled_by_workflow, level_of, merged
 from ...errors import BadInput
 from ...model import FINISHED, first_token
 
@@ -128,7 +128,7 @@ class Workflows:
         finished, ``cancelled`` when an ``on='success'`` parent failed,
         ``waiting`` otherwise. BadInput (the caller rolls back) on an unknown parent.
         """
-        edges = [(stored.get(parent, parent), on) for parent, on in job.depends_on]
+        edges = merged((stored.get(parent, parent), on) for parent, on in job.depends_on)
         found = {row["id"]: row for row in self.db.execute(
             "SELECT id, state, result, level FROM jobs WHERE id IN (SELECT value FROM json_each(?))",
             (json.dumps([parent for parent, _ in edges]),))}
