@@ -248,8 +248,10 @@ MUTATIONS = [
              (CONFORMANCE, "-k", "sqlite and gives_its_rate_token"),
              "a released lease gives its rate-limit token back (SQLite)"),
     Mutation("sqlite-prune-one-transaction", "supervisor/backends/sqlite/__init__.py",
-             "WHERE state IN\"\n                                        f\" ({states}) AND finished_at < ? LIMIT {PRUNE_BATCH})\"",
-             "WHERE state IN\"\n                                        f\" ({states}) AND finished_at < ? LIMIT -1)\"",
+             "WHERE state IN\"\n                                        f\" ({states}) AND finished_at < ? AND NOT ({keep})"
+             " LIMIT {PRUNE_BATCH})\",",
+             "WHERE state IN\"\n                                        f\" ({states}) AND finished_at < ? AND NOT ({keep})"
+             " LIMIT -1)\",",
              ("tests/test_sqlite_broker.py", "-k", "backlog"),
              "SQLite prunes a backlog in short write transactions"),
     Mutation("heartbeat-restart-waits-an-interval", "supervisor/heartbeat.py",
@@ -766,6 +768,15 @@ MUTATIONS = [
              "                if job.id in existing_ids and job.idempotency_key not in by_key:  # before the key",
              ("tests/test_conformance_workflows.py", "-k", "postgres and resend_of_a_job"),
              "a resend of a job it named returns its id, not the job that took its key since (PostgreSQL)"),
+    Mutation("sqlite-deleted-parent-edges-live", "supervisor/backends/sqlite/workflows.py",
+             "    UPDATE job_edges SET parent_gone = 1 WHERE parent = OLD.id AND OLD.state IN {_FINISHED};\n", "",
+             ("tests/test_conformance_workflows.py", "-k", "sqlite and deleted_parent"),
+             "a new job given a pruned or purged parent's id settles that parent's edges: its child is released"
+             " (or cancelled) though another parent never ran, and reads the new job's result"),
+    Mutation("redis-prune-replayable-child", "supervisor/backends/redis_lua/prune.lua",
+             "    if z == CANCELLED_Z and replayable(JOB .. id, id) then", "    if false then",
+             ("tests/test_conformance_workflows.py", "-k", "redis and parent_still_dead"),
+             "prune deletes a child cancelled by a parent still dead: replaying the parent never runs it"),
 ]
 
 

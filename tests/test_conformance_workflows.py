@@ -537,3 +537,82 @@ def test_a_resend_of_a_job_it_named_returns_its_id_though_another_job_now_holds_
     assert broker.enqueue(resend()) == "job_resent"
     assert broker.enqueue(new("z", idempotency_key="k-resent")) == holder  # the key is still the holder's
     assert list(claim_ids(broker)) == [holder]
+
+
+def test_a_deleted_parent_leaves_its_end_and_no_edge_for_a_new_job_of_its_id(broker):
+    # A child keeps what its pruned or purged parent ended with while it waits for another; a new
+    # job given that id (the caller chose it) is not that parent: its end and its replay must not
+    # count for the child (SQLite and PostgreSQL matched the new job to the deleted parent's edges).
+    done_p = broker.enqueue(new("parent", id="job_gone_done"))
+    dead_p = broker.enqueue(new("parent", id="job_gone_dead"))
+    other = broker.enqueue(new("other", id="job_gone_other", delay=3600))
+    child = broker.enqueue(new("child", depends_on=[done_p, (dead_p, "complete"), other]))
+    jobs = claim_ids(broker)
+    broker.ack(jobs[done_p].lease, "old result")
+    die(broker, jobs[dead_p])
+    assert broker.dlq_purge([dead_p]) == 1
+    wait_for(lambda: broker.prune(0) >= 0 and broker.get(done_p) is None, message="the done parent pruned")
+    ends = {done_p: ("done", "old result"), dead_p: ("dead", None), other: (None, None)}
+
+    def waits():
+        got = broker.get(child)
+        assert (got.state, got.pending, got.parents) == ("waiting", 1, ends)
+
+    _, own_child = broker.enqueue_many([new("parent", id=done_p), new("own child", depends_on=[done_p])])
+    broker.enqueue(new("plain", id=dead_p))
+    jobs = claim_ids(broker)
+    die(broker, jobs[done_p])
+    die(broker, jobs[dead_p])
+    waits()
+    assert broker.dlq_replay([done_p, dead_p]) == [done_p, dead_p]
+    waits()
+    jobs = claim_ids(broker)
+    broker.ack(jobs[done_p].lease, "new result")
+    broker.ack(jobs[dead_p].lease, "new result")
+    waits()
+    assert broker.get(own_child).state == "queued"  # the new job's own child is released
+
+
+def test_a_done_child_gone_by_retention_leaves_no_edge_for_a_new_job_of_its_id(broker_url):
+    # Redis lets a done job's hash expire (done_ttl) without prune: the edge on its parent stayed.
+    b = open_broker(broker_url + ("&done_ttl=1" if broker_url.startswith("redis") else ""))
+    try:
+        b.migrate()
+        parent = b.enqueue(new("parent", id="job_ttl_parent"))
+        b.enqueue(new("child", id="job_ttl_child", depends_on=[(parent, "complete")]))
+        die(b, claim_ids(b)[parent])
+        b.ack(claim_ids(b)["job_ttl_child"].lease)
+        gone = (lambda: b.get("job_ttl_child") is None) if broker_url.startswith("redis") else (
+            lambda: b.prune(0) >= 0 and b.get("job_ttl_child") is None)
+        wait_for(gone, timeout=5, message="the done child gone")
+        own_parent = b.enqueue(new("parent", id="job_ttl_own_parent", delay=3600))
+        b.enqueue(new("child", id="job_ttl_child", depends_on=[own_parent]))
+        assert b.dlq_replay([parent]) == [parent]
+        b.ack(claim_ids(b)[parent].lease)
+        child = b.get("job_ttl_child")
+        assert (child.state, child.pending, child.parents) == ("waiting", 1, {own_parent: (None, None)})
+    finally:
+        b.close()
+
+
+def test_prune_keeps_a_child_cancelled_by_a_parent_still_dead_until_that_parent_is_gone(broker):
+    # The daemon prunes on its own: a callback cancelled by a dead member went before the member
+    # was replayed, and the replay then never ran it. Kept while its parent can be replayed.
+    ok, bad, purged = broker.enqueue_many([new("member"), new("member"), new("member")])
+    callback = broker.enqueue(new("callback", depends_on=[ok, bad]))
+    orphan = broker.enqueue(new("callback", depends_on=[purged]))
+    jobs = claim_ids(broker)
+    broker.ack(jobs[ok].lease, "ok result")
+    die(broker, jobs[bad])
+    die(broker, jobs[purged])
+    wait_for(lambda: broker.prune(0) >= 0 and broker.get(ok) is None, message="the done member pruned")
+    broker.prune(0)
+    assert (broker.get(callback).state, broker.get(callback).reason) == ("cancelled", "parent_failed")
+    assert broker.get(orphan).state == "cancelled"
+    assert broker.dlq_purge([purged]) == 1  # its parent gone: the cancelled child follows retention
+    wait_for(lambda: broker.prune(0) >= 0 and broker.get(orphan) is None, message="the orphan pruned")
+    assert broker.dlq_replay([bad]) == [bad]
+    assert broker.get(callback).state == "waiting"
+    broker.ack(claim_ids(broker)[bad].lease, "bad result")
+    (got,) = claim_all(broker)
+    assert got.id == callback and got.parents == {ok: ("done", "ok result"), bad: ("done", "bad result")}

@@ -15,6 +15,7 @@ import json
 import psycopg
 from psycopg.rows import dict_row
 
+from ...dependencies import ON_SUCCESS, PARENT_FAILED
 from ...errors import LeaseLost
 from ...model import CANCELLED, EXPIRED, Job, Renewal, check_queue
 from .. import control
@@ -133,8 +134,13 @@ class ControlMixin(control.ExpiredLog):
     def _prune_ended(self, cutoff, batch, budget=None):
         """Delete cancelled and expired jobs finished before ``cutoff``, ``batch`` rows per statement
         (until ``budget`` went, if given)."""
-        sql = (f"DELETE FROM {self._jobs} WHERE id IN (SELECT id FROM {self._jobs}"
-               " WHERE state IN ('cancelled', 'expired') AND finished_at < %s LIMIT %s)")
+        # A workflow child cancelled by an on="success" parent that lies dead stays: replaying that
+        # parent reopens it (README "Workflows"). Read through its own edges (job_edges_child).
+        sql = (f"DELETE FROM {self._jobs} WHERE id IN (SELECT id FROM {self._jobs} j"
+               " WHERE state IN ('cancelled', 'expired') AND finished_at < %s"
+               f" AND NOT (j.reason = '{PARENT_FAILED}' AND j.pending IS NOT NULL AND EXISTS ("
+               f"SELECT 1 FROM {self._s}.job_edges e JOIN {self._jobs} p ON p.id = e.parent WHERE e.child = j.id"
+               f" AND e.on_ = '{ON_SUCCESS}' AND NOT e.parent_gone AND p.state = 'dead')) LIMIT %s)")
         total = 0
         while budget is None or total < budget:
             deleted = self._execute(sql, (cutoff, batch)).rowcount

@@ -145,6 +145,8 @@ def migrations(s):
         (8, [claim_function(s)]),
         # 9: a claim reads one priority at a time (control_schema.claim_function).
         (9, [claim_function(s)]),
+        # 10: a deleted parent's edges are no longer matched by a new job of its id (workflows.py).
+        (10, workflows.detach_migration(s)),
     ]
 
 

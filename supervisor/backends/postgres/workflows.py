@@ -19,6 +19,9 @@ A parent that runs again (replay, requeue) reopens its children: the trigger
 locks those children's edges before it counts their open parents, so a parent
 ending at that moment is counted once it commits (schema version 7).
 
+A deleted parent's edges stay for its children to read, marked ``parent_gone``: a new
+job given its id (the caller chose it) neither settles nor reopens them (schema version 10).
+
 An enqueue with dependencies takes the row lock of each stored parent (it sets
 ``kids``) before reading its state: a parent ending at the same moment either
 ends first (the enqueue then sees it finished) or waits for the enqueue to
@@ -57,35 +60,7 @@ def migration(s):
         f"DROP INDEX {s}.jobs_idempotency",
         f"CREATE UNIQUE INDEX jobs_idempotency ON {s}.jobs (idempotency_key)"
         f" WHERE idempotency_key IS NOT NULL AND state IN {UNFINISHED}",
-        # One parent's end, for each of its waiting children: the edge records it, the child's
-        # count drops under its row lock (RETURNING), and the child is cancelled (its parent
-        # failed an on="success" edge) or released (its last parent). Both triggers below end a parent.
-        f"""CREATE FUNCTION {s}.flow_settle(p_parent text, p_state text, p_result json, p_now double precision,
-                                           p_schema text) RETURNS void LANGUAGE plpgsql AS $body$
-        DECLARE
-            v_pending integer;
-            v_queue text;
-            e record;
-        BEGIN
-            FOR e IN WITH u AS (UPDATE {s}.job_edges SET state = p_state, result = p_result
-                                WHERE parent = p_parent RETURNING child, on_)
-                     SELECT child, on_ FROM u ORDER BY child LOOP
-                UPDATE {s}.jobs SET pending = pending - 1 WHERE id = e.child AND state = 'waiting'
-                    RETURNING pending INTO v_pending;
-                CONTINUE WHEN NOT FOUND;
-                IF p_state <> 'done' AND e.on_ = '{ON_SUCCESS}' THEN
-                    UPDATE {s}.jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = p_now,
-                            cancel_request = jsonb_build_object('by', 'workflow', 'reason', '{PARENT_FAILED}',
-                                                                'at', p_now)
-                        WHERE id = e.child;
-                ELSIF v_pending = 0 THEN
-                    UPDATE {s}.jobs SET state = 'queued', run_at = greatest(run_at, p_now) WHERE id = e.child
-                        RETURNING queue INTO v_queue;
-                    PERFORM pg_notify(left('tangguh_' || p_schema, 63), v_queue);
-                END IF;
-            END LOOP;
-        END
-        $body$""",
+        settle_function(s, "CREATE FUNCTION", detached=False),
         f"""CREATE FUNCTION {s}.flow_finish() RETURNS trigger LANGUAGE plpgsql AS $body$
         DECLARE
             v_now double precision := coalesce(NEW.finished_at, date_part('epoch', now()));
@@ -95,21 +70,7 @@ def migration(s):
         END
         $body$""",
         reopen_function(s, "CREATE FUNCTION", lock_edges=False),
-        # A deleted child takes its edges with it; a parent deleted unfinished (discard) ends for its
-        # children as if cancelled (its edges' rows stay until those children go).
-        f"""CREATE FUNCTION {s}.flow_forget() RETURNS trigger LANGUAGE plpgsql AS $body$
-        DECLARE
-            v_now double precision := date_part('epoch', now());
-        BEGIN
-            IF OLD.pending IS NOT NULL THEN
-                DELETE FROM {s}.job_edges WHERE child = OLD.id;
-            END IF;
-            IF OLD.kids AND OLD.state NOT IN {_FINISHED} THEN
-                PERFORM {s}.flow_settle(OLD.id, 'cancelled', NULL, v_now, TG_TABLE_SCHEMA);
-            END IF;
-            RETURN NULL;
-        END
-        $body$""",
+        forget_function(s, "CREATE FUNCTION", detached=False),
         f"CREATE TRIGGER flow_finish AFTER UPDATE OF state ON {s}.jobs FOR EACH ROW"
         f" WHEN (NEW.kids AND NEW.state IN {_FINISHED} AND OLD.state NOT IN {_FINISHED})"
         f" EXECUTE FUNCTION {s}.flow_finish()",
@@ -133,26 +94,102 @@ def reopen_migration(s):
     return [reopen_function(s, "CREATE OR REPLACE FUNCTION", lock_edges=True)]
 
 
-def reopen_function(s, create, lock_edges):
+def reopen_function(s, create, lock_edges, detached=False):
     """The trigger function run when a parent runs again (replay, requeue): its children's
     edges reopen, a waiting child waits for it again, a child cancelled for it waits again."""
+    live, e_live = (" AND NOT parent_gone", " AND NOT e.parent_gone") if detached else ("", "")
     lock = (f"""
             PERFORM 1 FROM {s}.job_edges
-                WHERE child IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id)
+                WHERE child IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id{live})
                 ORDER BY child, parent FOR UPDATE;""" if lock_edges else "")
     return f"""{create} {s}.flow_reopen() RETURNS trigger LANGUAGE plpgsql AS $body$
         BEGIN{lock}
             UPDATE {s}.job_edges e SET state = NULL, result = NULL FROM {s}.jobs c
-                WHERE e.parent = NEW.id AND c.id = e.child
+                WHERE e.parent = NEW.id{e_live} AND c.id = e.child
                     AND (c.state = 'waiting' OR (c.state = 'cancelled' AND c.reason = '{PARENT_FAILED}'));
             UPDATE {s}.jobs SET pending = pending + 1
-                WHERE state = 'waiting' AND id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id);
+                WHERE state = 'waiting' AND id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id{live});
             UPDATE {s}.jobs j SET state = 'waiting', reason = NULL, finished_at = NULL, cancel_request = NULL,
                     pending = (SELECT count(*) FROM {s}.job_edges e WHERE e.child = j.id AND e.state IS NULL)
                 WHERE j.state = 'cancelled' AND j.reason = '{PARENT_FAILED}'
-                    AND j.id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id)
+                    AND j.id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id{live})
                     AND NOT EXISTS (SELECT 1 FROM {s}.job_edges e WHERE e.child = j.id AND e.on_ = '{ON_SUCCESS}'
                                     AND e.state IS NOT NULL AND e.state <> 'done');
+            RETURN NULL;
+        END
+        $body$"""
+
+
+def detach_migration(s):
+    """Version 10: a deleted parent's edges stay for its children to read, marked ``parent_gone``.
+
+    The edges of a parent pruned, purged or discarded outlived it, and an id the caller
+    chose may name a new job later: that job's end settled them (a child released
+    though another parent never ran, reading the new job's result) and its replay
+    reopened them. Marked, they are no longer any job's: ``flow_settle`` and
+    ``flow_reopen`` skip them. Edges of parents already gone are marked here.
+    """
+    return [
+        f"ALTER TABLE {s}.job_edges ADD COLUMN parent_gone boolean NOT NULL DEFAULT false",
+        f"UPDATE {s}.job_edges e SET parent_gone = true"
+        f" WHERE NOT EXISTS (SELECT 1 FROM {s}.jobs j WHERE j.id = e.parent)",
+        settle_function(s, "CREATE OR REPLACE FUNCTION", detached=True),
+        reopen_function(s, "CREATE OR REPLACE FUNCTION", lock_edges=True, detached=True),
+        forget_function(s, "CREATE OR REPLACE FUNCTION", detached=True),
+    ]
+
+
+def settle_function(s, create, detached):
+    """One parent's end, for each of its waiting children: the edge records it, the child's
+    count drops under its row lock (RETURNING), and the child is cancelled (its parent
+    failed an on="success" edge) or released (its last parent). ``flow_finish`` and ``flow_forget`` call it."""
+    live = " AND NOT parent_gone" if detached else ""
+    return f"""{create} {s}.flow_settle(p_parent text, p_state text, p_result json, p_now double precision,
+                                           p_schema text) RETURNS void LANGUAGE plpgsql AS $body$
+        DECLARE
+            v_pending integer;
+            v_queue text;
+            e record;
+        BEGIN
+            FOR e IN WITH u AS (UPDATE {s}.job_edges SET state = p_state, result = p_result
+                                WHERE parent = p_parent{live} RETURNING child, on_)
+                     SELECT child, on_ FROM u ORDER BY child LOOP
+                UPDATE {s}.jobs SET pending = pending - 1 WHERE id = e.child AND state = 'waiting'
+                    RETURNING pending INTO v_pending;
+                CONTINUE WHEN NOT FOUND;
+                IF p_state <> 'done' AND e.on_ = '{ON_SUCCESS}' THEN
+                    UPDATE {s}.jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = p_now,
+                            cancel_request = jsonb_build_object('by', 'workflow', 'reason', '{PARENT_FAILED}',
+                                                                'at', p_now)
+                        WHERE id = e.child;
+                ELSIF v_pending = 0 THEN
+                    UPDATE {s}.jobs SET state = 'queued', run_at = greatest(run_at, p_now) WHERE id = e.child
+                        RETURNING queue INTO v_queue;
+                    PERFORM pg_notify(left('tangguh_' || p_schema, 63), v_queue);
+                END IF;
+            END LOOP;
+        END
+        $body$"""
+
+
+def forget_function(s, create, detached):
+    """A deleted child takes its edges with it; a parent deleted unfinished (discard) ends for its
+    children as if cancelled. A deleted parent's edges stay until those children go (they read
+    its end there); from version 10 (``detached``) marked ``parent_gone``."""
+    detach = f"""
+            IF OLD.kids THEN
+                UPDATE {s}.job_edges SET parent_gone = true WHERE parent = OLD.id;
+            END IF;""" if detached else ""
+    return f"""{create} {s}.flow_forget() RETURNS trigger LANGUAGE plpgsql AS $body$
+        DECLARE
+            v_now double precision := date_part('epoch', now());
+        BEGIN
+            IF OLD.pending IS NOT NULL THEN
+                DELETE FROM {s}.job_edges WHERE child = OLD.id;
+            END IF;
+            IF OLD.kids AND OLD.state NOT IN {_FINISHED} THEN
+                PERFORM {s}.flow_settle(OLD.id, 'cancelled', NULL, v_now, TG_TABLE_SCHEMA);
+            END IF;{detach}
             RETURN NULL;
         END
         $body$"""

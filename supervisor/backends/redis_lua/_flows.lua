@@ -8,6 +8,15 @@
 -- and in the queue's slot, QBASE..'waiting', a set of the queue's waiting jobs (for stats).
 local WAITING_S = QBASE .. 'waiting'
 
+-- Is the parent's k:<child> an edge of the job now stored under that id? A done child's hash
+-- expires (done_ttl) without unlink, and an id the caller chose may name a new job later:
+-- its parent's end must not settle that job, nor its replay reopen it. A stale edge goes.
+local function is_edge(parent, child)
+  if redis.call('HEXISTS', JOB .. child, 'd:' .. parent) == 1 then return true end
+  redis.call('HDEL', JOB .. parent, 'k:' .. child)
+  return false
+end
+
 -- A job reached a finished state: record it on each waiting child, cancel
 -- the on="success" children of a failed parent (and theirs, a worklist, not
 -- recursion), release the children with nothing left pending. Called in the
@@ -24,7 +33,7 @@ settle = function(id, state, result)
     if redis.call('HGET', JOB .. pid, 'kids') then
       local fields = redis.call('HGETALL', JOB .. pid)
       for i = 1, #fields, 2 do
-        if string.sub(fields[i], 1, 2) == 'k:' then
+        if string.sub(fields[i], 1, 2) == 'k:' and is_edge(pid, string.sub(fields[i], 3)) then
           local child, on = string.sub(fields[i], 3), fields[i + 1]
           local ckey = JOB .. child
           local cstate = redis.call('HGET', ckey, 'state')
@@ -75,7 +84,7 @@ reopen = function(id)
     if redis.call('HGET', JOB .. pid, 'kids') then
       local fields = redis.call('HGETALL', JOB .. pid)
       for i = 1, #fields, 2 do
-        if string.sub(fields[i], 1, 2) == 'k:' then
+        if string.sub(fields[i], 1, 2) == 'k:' and is_edge(pid, string.sub(fields[i], 3)) then
           local child = string.sub(fields[i], 3)
           local ckey = JOB .. child
           local f = redis.call('HMGET', ckey, 'state', 'reason')
@@ -116,6 +125,22 @@ reopen = function(id)
       end
     end
   end
+end
+
+-- Prune keeps a child cancelled by an on="success" parent that lies dead: replaying that parent
+-- reopens it (README "Workflows"). Read through the child's own d: fields.
+local function replayable(key, id)
+  if redis.call('HGET', key, 'reason') ~= 'parent_failed' then return false end
+  local fields = redis.call('HGETALL', key)
+  for i = 1, #fields, 2 do
+    if string.sub(fields[i], 1, 2) == 'd:' and fields[i + 1] == 'success' then
+      local pkey = JOB .. string.sub(fields[i], 3)
+      if redis.call('HGET', pkey, 'state') == 'dead' and redis.call('HEXISTS', pkey, 'k:' .. id) == 1 then
+        return true
+      end
+    end
+  end
+  return false
 end
 
 -- A job about to be deleted (discard, purge, prune) takes its edges off its parents: an id

@@ -16,10 +16,15 @@ end
 for _, z in ipairs({CANCELLED_Z, EXPIRED_Z}) do
   local ended = redis.call('ZRANGEBYSCORE', z, '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
   for _, id in ipairs(ended) do
-    unindex_job(id, redis.call('HMGET', JOB .. id, 'queued_at', 'type'))
-    unlink(JOB .. id, id)
-    deleted = deleted + redis.call('DEL', JOB .. id)
-    redis.call('ZREM', z, id)
+    if z == CANCELLED_Z and replayable(JOB .. id, id) then
+      -- Kept: its retention counts again from now, so the prunes until then do not read it again.
+      redis.call('ZADD', z, NOW, id)
+    else
+      unindex_job(id, redis.call('HMGET', JOB .. id, 'queued_at', 'type'))
+      unlink(JOB .. id, id)
+      deleted = deleted + redis.call('DEL', JOB .. id)
+      redis.call('ZREM', z, id)
+    end
   end
   if #ended > #ids then ids = ended end  -- a full batch anywhere: prune calls again
 end

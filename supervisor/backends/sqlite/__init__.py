@@ -354,14 +354,16 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
     def prune(self, done_older_than, budget=None):
         """Done, cancelled and expired jobs finished before the cutoff, ``PRUNE_BATCH`` rows per
         write transaction: another process's claim waits for one batch, never for a backlog
-        (millions of rows in one transaction held the write lock past the busy timeout)."""
+        (millions of rows in one transaction held the write lock past the busy timeout).
+        A workflow child cancelled by a parent still dead stays (``workflows.REPLAYABLE``)."""
         cutoff = self.now() - done_older_than
         total = 0
-        for states in ("'done'", "'cancelled', 'expired'"):
+        for states, keep in (("'done'", "0"), ("'cancelled', 'expired'", workflows.REPLAYABLE)):
             while budget is None or total < budget:
                 with self._write():
                     n = self.db.execute(f"DELETE FROM jobs WHERE rowid IN (SELECT rowid FROM jobs WHERE state IN"
-                                        f" ({states}) AND finished_at < ? LIMIT {PRUNE_BATCH})", (cutoff,)).rowcount
+                                        f" ({states}) AND finished_at < ? AND NOT ({keep}) LIMIT {PRUNE_BATCH})",
+                                        (cutoff,)).rowcount
                 total += n
                 if n < PRUNE_BATCH:
                     break

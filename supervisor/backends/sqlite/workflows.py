@@ -22,8 +22,11 @@ cannot both see ``pending = 0``.
   forget the end they recorded; waiting children wait on it again; children
   it cancelled come back ``waiting`` unless another parent's failure still
   cancels them, and so on down the tree.
-* ``flow_forget``: a deleted child takes its edges with it; ``flow_discard``:
-  a parent deleted unfinished (``discard``) ends for its children as if cancelled.
+* ``flow_forget``: a deleted child takes its edges with it; a deleted parent's
+  edges stay (its children read its end from them) marked ``parent_gone``, which
+  no trigger reads: an id the caller chose may name a new job later, whose end or
+  replay is not that parent's. ``flow_discard``: a parent deleted unfinished
+  (``discard``) ends for its children as if cancelled.
 """
 import json
 
@@ -40,59 +43,70 @@ SCHEMA = ["""CREATE TABLE IF NOT EXISTS job_edges (
     on_ TEXT NOT NULL,
     state TEXT,
     result TEXT,
+    parent_gone INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (parent, child)
 ) WITHOUT ROWID""",
     "CREATE INDEX IF NOT EXISTS job_edges_child ON job_edges (child)",
     f"""CREATE TRIGGER IF NOT EXISTS flow_finish AFTER UPDATE OF state ON jobs
 WHEN NEW.state IN {_FINISHED} AND OLD.state NOT IN {_FINISHED}
-    AND EXISTS (SELECT 1 FROM job_edges WHERE parent = NEW.id)
+    AND EXISTS (SELECT 1 FROM job_edges WHERE parent = NEW.id AND NOT parent_gone)
 BEGIN
-    UPDATE job_edges SET state = NEW.state, result = NEW.result WHERE parent = NEW.id;
+    UPDATE job_edges SET state = NEW.state, result = NEW.result WHERE parent = NEW.id AND NOT parent_gone;
     UPDATE jobs SET pending = pending - 1
-        WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id);
+        WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND NOT parent_gone);
     UPDATE jobs SET state = 'cancelled', reason = '{PARENT_FAILED}',
             finished_at = coalesce(NEW.finished_at, {_NOW}),
             cancel_request = json_object('by', 'workflow', 'reason', '{PARENT_FAILED}',
                                          'at', coalesce(NEW.finished_at, {_NOW}))
         WHERE NEW.state <> 'done' AND state = 'waiting'
-            AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND on_ = '{ON_SUCCESS}');
+            AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND NOT parent_gone AND on_ = '{ON_SUCCESS}');
     UPDATE jobs SET state = 'queued', run_at = max(run_at, coalesce(NEW.finished_at, {_NOW}))
-        WHERE state = 'waiting' AND pending = 0 AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id);
+        WHERE state = 'waiting' AND pending = 0
+            AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND NOT parent_gone);
 END""",
     f"""CREATE TRIGGER IF NOT EXISTS flow_reopen AFTER UPDATE OF state ON jobs
 WHEN OLD.state IN {_FINISHED} AND NEW.state NOT IN {_FINISHED}
-    AND EXISTS (SELECT 1 FROM job_edges WHERE parent = NEW.id)
+    AND EXISTS (SELECT 1 FROM job_edges WHERE parent = NEW.id AND NOT parent_gone)
 BEGIN
-    UPDATE job_edges SET state = NULL, result = NULL WHERE parent = NEW.id AND child IN (
+    UPDATE job_edges SET state = NULL, result = NULL WHERE parent = NEW.id AND NOT parent_gone AND child IN (
         SELECT id FROM jobs WHERE state = 'waiting' OR (state = 'cancelled' AND reason = '{PARENT_FAILED}'));
     UPDATE jobs SET pending = pending + 1
-        WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id);
+        WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND NOT parent_gone);
     UPDATE jobs SET state = 'waiting', reason = NULL, finished_at = NULL, cancel_request = NULL,
             pending = (SELECT count(*) FROM job_edges e WHERE e.child = jobs.id AND e.state IS NULL)
         WHERE state = 'cancelled' AND reason = '{PARENT_FAILED}'
-            AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id)
+            AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND NOT parent_gone)
             AND NOT EXISTS (SELECT 1 FROM job_edges e WHERE e.child = jobs.id AND e.on_ = '{ON_SUCCESS}'
                             AND e.state IS NOT NULL AND e.state <> 'done');
 END""",
-    """CREATE TRIGGER IF NOT EXISTS flow_forget AFTER DELETE ON jobs
+    f"""CREATE TRIGGER IF NOT EXISTS flow_forget AFTER DELETE ON jobs
 BEGIN
     DELETE FROM job_edges WHERE child = OLD.id;
+    UPDATE job_edges SET parent_gone = 1 WHERE parent = OLD.id AND OLD.state IN {_FINISHED};
 END""",
     # A parent deleted unfinished (discard) ends for its children as if cancelled.
     f"""CREATE TRIGGER IF NOT EXISTS flow_discard AFTER DELETE ON jobs
-WHEN OLD.state NOT IN {_FINISHED} AND EXISTS (SELECT 1 FROM job_edges WHERE parent = OLD.id)
+WHEN OLD.state NOT IN {_FINISHED} AND EXISTS (SELECT 1 FROM job_edges WHERE parent = OLD.id AND NOT parent_gone)
 BEGIN
-    UPDATE job_edges SET state = 'cancelled', result = NULL WHERE parent = OLD.id;
+    UPDATE job_edges SET state = 'cancelled', result = NULL WHERE parent = OLD.id AND NOT parent_gone;
     UPDATE jobs SET pending = pending - 1
-        WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = OLD.id);
+        WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = OLD.id AND NOT parent_gone);
     UPDATE jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = {_NOW},
             cancel_request = json_object('by', 'workflow', 'reason', '{PARENT_FAILED}', 'at', {_NOW})
         WHERE state = 'waiting'
-            AND id IN (SELECT child FROM job_edges WHERE parent = OLD.id AND on_ = '{ON_SUCCESS}');
+            AND id IN (SELECT child FROM job_edges WHERE parent = OLD.id AND NOT parent_gone AND on_ = '{ON_SUCCESS}');
     UPDATE jobs SET state = 'queued', run_at = max(run_at, {_NOW})
-        WHERE state = 'waiting' AND pending = 0 AND id IN (SELECT child FROM job_edges WHERE parent = OLD.id);
+        WHERE state = 'waiting' AND pending = 0
+            AND id IN (SELECT child FROM job_edges WHERE parent = OLD.id AND NOT parent_gone);
+    UPDATE job_edges SET parent_gone = 1 WHERE parent = OLD.id;
 END""",
 ]
+
+
+# A child cancelled by an on="success" parent that lies dead is kept by prune: replaying that parent
+# reopens it (README "Workflows"). Read through the child's own edges (``job_edges_child``).
+REPLAYABLE = (f"reason = '{PARENT_FAILED}' AND EXISTS (SELECT 1 FROM job_edges e JOIN jobs p ON p.id = e.parent"
+              f" WHERE e.child = jobs.id AND e.on_ = '{ON_SUCCESS}' AND NOT e.parent_gone AND p.state = 'dead')")
 
 
 # A waiting job holds its idempotency key like any unfinished one: were it free, another job could
@@ -103,6 +117,14 @@ IDEMPOTENCY_INDEX = ("CREATE UNIQUE INDEX jobs_idempotency ON jobs (idempotency_
 
 def migrate(db):
     """Add the workflow columns, table, triggers and index; inside the caller's write transaction."""
+    edge_columns = {row["name"] for row in db.execute("PRAGMA table_info(job_edges)")}
+    if edge_columns and "parent_gone" not in edge_columns:
+        # The triggers read the new column: the old ones go, SCHEMA creates them again. Parents
+        # already deleted are marked; one whose id a new job took since cannot be told apart.
+        db.execute("ALTER TABLE job_edges ADD COLUMN parent_gone INTEGER NOT NULL DEFAULT 0")
+        db.execute("UPDATE job_edges SET parent_gone = 1 WHERE parent NOT IN (SELECT id FROM jobs)")
+        for trigger in ("flow_finish", "flow_reopen", "flow_forget", "flow_discard"):
+            db.execute(f"DROP TRIGGER IF EXISTS {trigger}")
     columns = {row["name"] for row in db.execute("PRAGMA table_info(jobs)")}
     if "pending" not in columns:
         db.execute("ALTER TABLE jobs ADD COLUMN pending INTEGER")
