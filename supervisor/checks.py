@@ -128,14 +128,27 @@ def rate(v):
     return v
 
 
+# croniter's H (hashed) and R (random) values, in a field or one item of a list: R picks anew in
+# every croniter built (a new minute each check, another on each supervisor), H needs a hash id.
+_HASHED = re.compile(r"[hr](\(\d+-\d+\))?(/\d+)?", re.IGNORECASE)
+
+
 def cron(v):
     import croniter
 
+    if isinstance(v, str) and any(_HASHED.fullmatch(item) for field in v.split() for item in field.split(",")):
+        raise ValueError("H and R (hashed and random values) are not supported: every supervisor must"
+                         " compute the same ticks; write the values themselves")
     if isinstance(v, str) and croniter.croniter.is_valid(v):
         try:  # valid syntax that matches no date (Feb 31) failed every tick, read as a broker outage
             croniter.croniter(v).get_next()
         except croniter.CroniterBadDateError:
             raise ValueError(f'"{v}" matches no date') from None
+        try:  # every check looks back for the latest tick: one with none before now (a year to come) cannot run
+            croniter.croniter(v).get_prev()
+        except croniter.CroniterBadDateError:
+            raise ValueError("no tick before now (a year still to come?): a schedule needs a past tick to"
+                             " look back to") from None
         return v
     raise ValueError('expected a cron expression ("*/5 * * * *"; a 6th field, last, is seconds)')
 

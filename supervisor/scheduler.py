@@ -23,7 +23,7 @@ import datetime
 import logging
 import zoneinfo
 
-from .errors import BadInput
+from .errors import BadInput, ConfigError
 
 log = logging.getLogger("tangguh.scheduler")
 
@@ -67,11 +67,13 @@ def tick_key(name, tick):
 
 
 def schedules_from(cfg, handlers):
-    """``[schedules.<name>]`` plus every handler's ``cron=`` (named for its type), by name."""
+    """``[schedules.<name>]`` plus every handler's ``cron=`` (named for its type), by name. A handler's
+    schedule goes to its type's queue as ``.enqueue()`` does: ``[jobs.types.<type>].queue`` over the
+    decorator's ``queue=``."""
     out = {}
     for type_name, spec in sorted(handlers.items()):
         if spec.cron:
-            out[type_name] = Schedule(type_name, spec.cron, type_name, {}, spec.queue)
+            out[type_name] = Schedule(type_name, spec.cron, type_name, {}, cfg.job_type(type_name).queue or spec.queue)
     for name, sc in cfg.schedules.items():
         out[name] = Schedule(name, sc.cron, sc.type, dict(sc.payload), sc.queue, sc.timezone, sc.catch_up)
     return out
@@ -91,6 +93,7 @@ class Scheduler:
         self.horizon = horizon
         self.checked = {}  # name -> broker time of the last check
         self.next_at = {}  # name -> the next tick after that check
+        self.failing = {}  # name -> what its cron last failed with (logged once)
 
     def due_at(self):
         """Broker time of the soonest tick to check, or None without schedules; -inf before the first check."""
@@ -113,7 +116,7 @@ class Scheduler:
             after = last
             if self.horizon is not None:
                 after = max(after if after is not None else float("-inf"), now - self.horizon)
-            for tick in sched.latest(now, count, after):
+            for tick in self._cron(name, sched.latest, [], now, count, after):
                 key = tick_key(name, tick)
                 try:
                     job = self.new_job(sched, key)
@@ -127,14 +130,44 @@ class Scheduler:
                     log.info("periodic job %s enqueued for %s", name, key,
                              extra={"event": "schedule", "schedule": name, "job_id": job_id, "key": key})
             self.checked[name] = now
-            self.next_at[name] = sched.next_after(now)
+            self.next_at[name] = self._cron(name, sched.next_after, float("inf"), now)
         return done
+
+    def _cron(self, name, compute, failed, *args):
+        """``compute(*args)``, or ``failed`` when the schedule's own cron fails (croniter): that is
+        logged once and stays this schedule's, never the broker link's (it would pause every claim)."""
+        try:
+            return compute(*args)
+        except Exception as exc:  # noqa: BLE001 - croniter's errors, not the broker's: it is not called here
+            text = f"{type(exc).__name__}: {exc}"
+            if self.failing.get(name) != text:
+                log.error("schedule %s cannot compute its ticks: %s", name, text,
+                          extra={"event": "schedule_failed", "schedule": name})
+            self.failing[name] = text
+            return failed
 
     def listing(self, now):
         """Each schedule with its next run (broker time), for ``tangguh schedules``."""
         return [{"name": name, "cron": s.cron, "timezone": s.timezone, "type": s.type, "queue": s.queue,
                  "payload": s.payload, "catch_up": s.catch_up, "next_run": s.next_after(now)}
                 for name, s in sorted(self.schedules.items())]
+
+
+def check_payloads(cfg, handlers):
+    """ConfigError for a schedule whose payload its handler's schema refuses (every tick would be
+    dead-lettered bad_payload); start, reload and ``config check`` call it."""
+    from . import schemas
+
+    for name, sched in sorted(schedules_from(cfg, handlers).items()):
+        spec = handlers.get(sched.type)
+        if spec is None or spec.payload is None:
+            continue
+        try:
+            schemas.load(spec.payload, sched.payload)
+        except schemas.SchemaError as exc:
+            where = f"schedules.{name}.payload" if name in cfg.schedules else \
+                f"{spec.source}: job {name!r}: cron= enqueues payload {{}}, which its payload schema refuses"
+            raise ConfigError(f"{where}: {exc}") from None
 
 
 def from_config(cfg, handlers):

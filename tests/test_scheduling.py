@@ -4,6 +4,7 @@ The broker side of each control (limits at claim time, ``enqueue_once``) is in
 the conformance suite; here: the scheduler's exactly-once ticks with two
 schedulers racing on every backend, catch-up, and real supervisors.
 """
+import datetime
 import json
 import multiprocessing
 import os
@@ -272,3 +273,115 @@ def test_a_wall_clock_step_forward_is_seen_at_the_next_clock_check(tmp_path, mon
     wait_for(lambda: chores.run_schedules() or broker.stats(["default"])["default"].ready == 1, timeout=10,
              message="the tick of the hour enqueued after the step")
     broker.close()
+
+
+# -- schedules the config gets wrong ------------------------------------------------
+
+def test_a_decorator_schedule_goes_to_the_queue_the_config_gives_its_type(tmp_path):
+    """``@job("report", queue="slow", cron=...)`` with ``[jobs.types.report] queue = "reports"``:
+    the schedule enqueued to "slow" (or, "slow" not served, failed every tick) while
+    ``report.enqueue()`` used "reports". The config overrides the decorator for both."""
+    from supervisor import scheduler
+
+    spec = registry.HandlerSpec(type="report", fn=print, queue="slow", cron="* * * * * *")
+    broker = open_broker(f"sqlite:///{tmp_path}/broker.db")
+    broker.migrate()
+    try:
+        for queues in (["default", "reports"], ["default", "reports", "slow"]):
+            cfg = config.from_dict({"broker": {"queues": queues}, "jobs": {"types": {"report": {"queue": "reports"}}}})
+            sched = scheduler.from_config(cfg, {"report": spec})
+            got = sched.tick(broker, now=T0 + len(queues) + 0.5)
+            assert [broker.get(job_id).queue for _, _, job_id in got] == ["reports"], queues
+            assert [s["queue"] for s in sched.listing(T0)] == ["reports"]
+        # Without an override the decorator's queue still applies.
+        cfg = config.from_dict({"broker": {"queues": ["default", "slow"]}})
+        got = scheduler.from_config(cfg, {"report": spec}).tick(broker, now=T0 + 9.5)
+        assert [broker.get(job_id).queue for _, _, job_id in got] == ["slow"]
+    finally:
+        broker.close()
+
+
+def test_a_schedule_whose_cron_fails_is_skipped_alone_and_logged_once(broker, caplog):
+    """A cron with no past tick (a year still to come) made croniter raise inside the master's
+    periodic chore; the broker link read that as an outage and paused every claim, every
+    second. Its error is now the schedule's: logged once, the other schedules go on."""
+    schedules = dict(every_second(), future=Schedule("future", "0 9 1 1 * 0 2030", "t", {}))  # T0: 2027
+    sched = Scheduler(schedules, new_job)
+    with caplog.at_level("ERROR", logger="tangguh.scheduler"):
+        got = sched.tick(broker, now=T0 + 0.5) + sched.tick(broker, now=T0 + 1.5)
+    assert [(name, tick) for name, tick, job_id in got if job_id] == [("beat", T0), ("beat", T0 + 1)]
+    failed = [r for r in caplog.records if getattr(r, "event", None) == "schedule_failed"]
+    assert [r.schedule for r in failed] == ["future"], caplog.text
+    assert sched.due_at() == T0 + 2  # the next beat; "future" waits for its 2030 tick
+
+
+SCHEMA_HANDLER = '''import dataclasses
+
+import supervisor
+
+
+@dataclasses.dataclass
+class Report:
+    region: str
+
+
+@supervisor.job("report", payload=Report{cron})
+def report(ctx, payload):
+    pass
+'''
+
+
+def _bad_schedule(d, case):
+    """Make ``d``'s config or handlers hold a schedule of ``case``; the error expected."""
+    next_year = datetime.date.today().year + 1
+    schedules = {"year": {"cron": f"0 9 1 1 * 0 {next_year}", "type": "noop"},
+                 "random": {"cron": "R * * * *", "type": "noop"},
+                 "payload": {"cron": "0 0 1 1 *", "type": "report", "payload": {"kind": "daily"}}}
+    (d.handlers_path / "report.py").write_text(SCHEMA_HANDLER.format(
+        cron=', cron="0 0 1 1 *"' if case == "decorator_payload" else ""))
+    if case in schedules:
+        d.config["schedules"] = {"bad": schedules[case]}
+        d.write_config()
+    return {"year": "schedules.bad.cron: no tick before now",
+            "random": "schedules.bad.cron: H and R (hashed and random values) are not supported",
+            "payload": "schedules.bad.payload: kind: unknown field of Report",
+            "decorator_payload": "job 'report': cron= enqueues payload {}, which its payload schema refuses:"
+                                 " region: missing (expected str)"}[case]
+
+
+@pytest.mark.parametrize("case", ["year", "random", "payload", "decorator_payload"])
+def test_run_and_config_check_refuse_a_schedule_that_cannot_run(tmp_path, case):
+    """Each passed `config check` and started: a cron with no past tick paused every claim, an R
+    (random) minute moved on every check and on every supervisor, and a payload the handler's
+    schema refuses dead-lettered every tick. A one-line error naming the schedule, exit 2."""
+    d = Daemon(tmp_path)
+    d.handlers_path = tmp_path / "handlers"
+    said = _bad_schedule(d, case)
+    check = tangguh("config", "check", "-c", d.config_path)
+    assert check.returncode == 2 and check.stdout == "", check.stdout
+    assert said in check.stderr and check.stderr.count("\n") == 1, check.stderr
+    try:
+        d.start(wait=False)
+        code = wait_for(lambda: d.proc.poll() is not None and str(d.proc.returncode), timeout=30,
+                        message="run to refuse the config")
+        assert code == "2" and said in d.logs(), d.logs()
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("case", ["year", "random", "payload"])
+def test_a_reload_to_a_schedule_that_cannot_run_keeps_the_running_generation(tmp_path, case):
+    d = Daemon(tmp_path)
+    d.handlers_path = tmp_path / "handlers"
+    try:
+        d.start()
+        said = _bad_schedule(d, case)
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: d.status()["reload_error"], timeout=30, message="reload_error to be reported")
+        status = d.status()
+        assert said in status["reload_error"] and status["generation"] == 1, status["reload_error"]
+        assert d.wait_job(d.enqueue("noop")).state == "done"  # still serving
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+    finally:
+        d.stop()

@@ -3,7 +3,7 @@ import os
 import shutil
 import sys
 
-from .. import config as config_module
+from .. import config as config_module, registry, scheduler
 from ..backends import open_broker
 from ..errors import BrokerError, BrokerUnusable, ConfigError
 from ..urls import MASK, redact
@@ -17,6 +17,8 @@ EXAMPLE_HANDLERS = os.path.join(DATA, "handlers", "examples.py")
 def cmd_config_check(args):
     cfg = load_config(args)
     config_module.check_host(cfg)
+    # The handlers as `run` imports them: their schedules' payloads must pass their payload schemas.
+    scheduler.check_payloads(cfg, registry.load_handlers(cfg.supervisor.handlers))
     check_broker(cfg.broker.url)
     print(f"ok: {cfg.path or 'no config file found, built-in defaults'}")
 

@@ -2,7 +2,7 @@
 import signal
 import sys
 
-from .. import childlimits, config, logs, registry
+from .. import childlimits, config, logs, registry, scheduler
 from ..errors import BrokerError, ConfigError
 from .arbiter import EXIT_BOOT, EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_RUNNING, Arbiter, held  # noqa: F401
 
@@ -29,6 +29,7 @@ def _supervise(cfg):
     try:
         config.check_host(cfg)
         handlers = registry.load_handlers(cfg.supervisor.handlers, generation=1)
+        scheduler.check_payloads(cfg, handlers)  # a payload its handler refuses: every tick dead
     except ConfigError as exc:
         print(f"tangguh: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

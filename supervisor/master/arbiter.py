@@ -288,8 +288,8 @@ class Arbiter:
             for section, key in RESTART_ONLY:
                 if getattr(getattr(cfg, section), key) != getattr(getattr(self.cfg, section), key):
                     raise ConfigError(f"{section}.{key}: changing it needs a restart, not a reload")
-            handlers, dropped = trial.load(cfg.supervisor.handlers, self.generation + 1, self.handlers,
-                                           self.heartbeat, cfg.supervisor.import_timeout, (self.sig_r, self.signals))
+            handlers, dropped = trial.load(cfg, self.generation + 1, self.handlers, self.heartbeat,
+                                           (self.sig_r, self.signals))
         except Exception as exc:  # noqa: BLE001 - whatever a reload meets, the running generation goes on
             self.reload_error = registry.reload_error_text(exc)
             self.status.count("reload", "failed")

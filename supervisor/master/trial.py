@@ -11,20 +11,24 @@ import select
 import signal
 import time
 
-from .. import registry
+from .. import registry, scheduler
 from ..child import worker
 
 
-def load(folder, generation, current, heartbeat, timeout, signals=None):
+def load(cfg, generation, current, heartbeat, signals=None):
     """The next generation's ``(handlers, dropped types)`` (``registry.reload_handlers``), once a
-    trial import of ``folder`` in a child process passed within ``timeout`` seconds.
+    trial import of ``cfg``'s handlers folder in a child process passed within its
+    ``supervisor.import_timeout``, and its schedules' payloads pass their handlers' schemas.
 
     ``signals``: the master's (self-pipe, pending deque): a stop signal that arrives during the
     trial ends it and fails the reload, so the stop is not kept waiting."""
-    problem = trial(folder, generation, heartbeat, timeout, signals)
+    folder = cfg.supervisor.handlers
+    problem = trial(folder, generation, heartbeat, cfg.supervisor.import_timeout, signals)
     if problem:
         raise registry.HandlerLoadError(problem)
-    return registry.reload_handlers(folder, generation, current)
+    handlers, dropped = registry.reload_handlers(folder, generation, current)
+    scheduler.check_payloads(cfg, handlers)
+    return handlers, dropped
 
 
 def trial(folder, generation, heartbeat, timeout, signals=None):
