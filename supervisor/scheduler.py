@@ -15,8 +15,11 @@ Catch-up: a check enqueues the ticks due since the previous check, at most
 ``catch_up`` of them (the latest; at least one while running). A supervisor
 that just started looks back too, so a tick missed while every supervisor was
 down still runs (``catch_up = 0``: it does not). Ticks older than the
-retention horizon are skipped: their records may be pruned already.
-Times are the broker's clock (``broker.now()``), so supervisors agree on it.
+retention horizon are skipped: their records may be pruned already. A
+reload that keeps a schedule's ticks (its cron and time zone) keeps its last
+check (``carry_over``), so a tick due during the reload is caught up like any
+other late tick, whatever ``catch_up`` says. Times are the broker's clock
+(``broker.now()``), so supervisors agree on it.
 """
 import dataclasses
 import datetime
@@ -37,6 +40,10 @@ class Schedule:
     queue: str | None = None
     timezone: str = "UTC"
     catch_up: int = 1
+
+    def ticks_like(self, other):
+        """Whether ``other`` ticks at the same instants under the same keys."""
+        return (self.name, self.cron, self.timezone) == (other.name, other.cron, other.timezone)
 
     def _iter(self, t):
         # Imported on first use: a daemon without schedules never loads croniter and
@@ -129,6 +136,15 @@ class Scheduler:
             self.checked[name] = now
             self.next_at[name] = sched.next_after(now)
         return done
+
+    def carry_over(self, old):
+        """Keep ``old``'s last check of each schedule whose ticks are unchanged (same name, cron and
+        time zone): a reload is not a start, and a tick due while it ran is still enqueued."""
+        for name, sched in self.schedules.items():
+            before = old.schedules.get(name)
+            if before is not None and name in old.checked and before.ticks_like(sched):
+                self.checked[name] = old.checked[name]
+                self.next_at[name] = old.next_at[name]
 
     def listing(self, now):
         """Each schedule with its next run (broker time), for ``tangguh schedules``."""

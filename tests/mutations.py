@@ -747,6 +747,10 @@ MUTATIONS = [
              "            try:\n                conn.execute(f\"LISTEN {quote(channel)}\")\n                return conn\n            except ZeroDivisionError:",
              ("tests/test_postgres_broker.py", "-k", "one_after_another"),
              "a wait fails when the connection the last wait kept was closed by the server meanwhile"),
+    Mutation("reload-forgets-schedule-checks", "supervisor/master/periodic.py",
+             "            new.carry_over(self.scheduler)", "            pass",
+             ("tests/test_scheduling.py", "-k", "reload_keeps_the_last_check"),
+             "a reload forgets each schedule's last check: with catch_up = 0 a tick due during it is lost"),
 ]
 
 

@@ -272,3 +272,43 @@ def test_a_wall_clock_step_forward_is_seen_at_the_next_clock_check(tmp_path, mon
     wait_for(lambda: chores.run_schedules() or broker.stats(["default"])["default"].ready == 1, timeout=10,
              message="the tick of the hour enqueued after the step")
     broker.close()
+
+
+def _clocked_chores(tmp_path, monkeypatch, schedules):
+    """A ``Periodic`` on a SQLite broker whose clock the test sets (``broker.t``), checked every call."""
+    from supervisor.backends.sqlite import SQLiteBroker
+    from supervisor.master import periodic
+
+    class SetClock(SQLiteBroker):
+        t = T0
+
+        def now(self):
+            return self.t
+
+    broker = SetClock(f"sqlite:///{tmp_path}/broker.db")
+    broker.migrate()
+    cfg = config.from_dict({"schedules": schedules})
+    link = type("Link", (), {"down": False, "call": lambda self, fn, what=None: fn(broker)})()
+    monkeypatch.setattr(periodic, "CLOCK_CHECK_SECONDS", 0.0)  # every run_schedules() checks
+    return broker, cfg, periodic.Periodic(cfg, {}, link, metrics=None, sample_seconds=3600)
+
+
+def _once_keys(broker):
+    return sorted(k for (k,) in broker.db.execute("SELECT key FROM once_keys"))
+
+
+def test_a_reload_keeps_the_last_check_of_an_unchanged_schedule(tmp_path, monkeypatch):
+    """A reload built a new scheduler that forgot its last check: with ``catch_up = 0`` the tick
+    due while the reload ran (handlers importing) was never enqueued."""
+    broker, cfg, chores = _clocked_chores(tmp_path, monkeypatch, {
+        "beat": {"cron": "* * * * * */5", "type": "t", "catch_up": 0}})
+    broker.t = T0 + 0.5
+    chores.run_schedules()  # the first check: the tick at T0 is before the schedule's time
+    broker.t = T0 + 5.5
+    chores.run_schedules()
+    assert _once_keys(broker) == [tick_key("beat", T0 + 5)]
+    broker.t = T0 + 10.5  # the tick at T0 + 10 falls while the handlers are imported
+    chores.configure(cfg, {})  # the reload, same config
+    chores.run_schedules()
+    assert _once_keys(broker) == [tick_key("beat", T0 + 5), tick_key("beat", T0 + 10)]
+    broker.close()
