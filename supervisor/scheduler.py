@@ -12,10 +12,16 @@ enqueue: exactly one job per tick, however many supervisors, however fast
 the job.
 
 Catch-up: a check enqueues the ticks due since the previous check, at most
-``catch_up`` of them (the latest; at least one while running). A supervisor
-that just started looks back too, so a tick missed while every supervisor was
-down still runs (``catch_up = 0``: it does not). Ticks older than the
-retention horizon are skipped: their records may be pruned already. A
+``catch_up`` of them (the latest; at least one while running). A scheduler's
+first check of a schedule (a start, a reload that changed its cron or time
+zone) looks back to the schedule's newest ``enqueue_once`` record
+(``broker.last_once_key``): the ticks after it were missed while every
+supervisor was down, and the latest ``catch_up`` of them run (``catch_up = 0``:
+none). A schedule without a record is new and starts from now: no tick from
+before it existed runs. Ticks older than the retention horizon are skipped:
+their records may be pruned already. One ``tick`` call enqueues at most
+``TICKS_PER_CALL`` jobs; the rest stay due for the next loop turn, so a long
+catch-up never holds the master's loop for long. A
 reload that keeps a schedule's ticks (its cron and time zone) keeps its last
 check (``carry_over``), so a tick due during the reload is caught up like any
 other late tick, whatever ``catch_up`` says. Times are the broker's clock
@@ -29,6 +35,17 @@ import zoneinfo
 from .errors import BadInput
 
 log = logging.getLogger("tangguh.scheduler")
+
+TICKS_PER_CALL = 100  # jobs one tick() call (one turn of the master's loop) enqueues at most
+MAX_CATCH_UP = 1000  # the largest catch_up the config accepts
+STAMP = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def catch_up_count(v):
+    """The config's check of ``catch_up``: an integer from 0 to ``MAX_CATCH_UP``."""
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_CATCH_UP:
+        return v
+    raise ValueError(f"expected an integer from 0 to {MAX_CATCH_UP}")
 
 
 @dataclasses.dataclass
@@ -68,9 +85,19 @@ class Schedule:
         return out[::-1]
 
 
+def tick_prefix(name):
+    return f"cron:{name}:"
+
+
 def tick_key(name, tick):
-    stamp = datetime.datetime.fromtimestamp(tick, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return f"cron:{name}:{stamp}"
+    stamp = datetime.datetime.fromtimestamp(tick, datetime.timezone.utc).strftime(STAMP)
+    return tick_prefix(name) + stamp  # fixed width: key order is tick order
+
+
+def key_tick(key):
+    """The tick (epoch seconds) of a ``tick_key``."""
+    stamp = datetime.datetime.strptime(key[-len("2026-01-01T00:00:00Z"):], STAMP)
+    return stamp.replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
 def schedules_from(cfg, handlers):
@@ -112,15 +139,27 @@ class Scheduler:
         what was not enqueued stays due and is retried on the next call."""
         now = broker.now() if now is None else now
         done = []
+        budget = TICKS_PER_CALL
         for name, sched in self.schedules.items():
             if self.next_at.get(name, float("-inf")) > now:
                 continue
-            last = self.checked.get(name)
-            count = sched.catch_up if last is None else max(1, sched.catch_up)
-            after = last
+            if budget <= 0:
+                break  # the schedules left are still due: the next loop turn goes on
+            after = self.checked.get(name)
+            count = max(1, sched.catch_up)
+            if after is None:  # look back to this schedule's newest tick, if it ever had one
+                newest = broker.last_once_key(tick_prefix(name))
+                after, count = (now, 0) if newest is None else (key_tick(newest), sched.catch_up)
             if self.horizon is not None:
-                after = max(after if after is not None else float("-inf"), now - self.horizon)
-            for tick in sched.latest(now, count, after):
+                after = max(after, now - self.horizon)
+            ticks = sched.latest(now, count, after)
+            if len(ticks) > budget:  # the oldest first; from the last one enqueued on, the next turn
+                ticks = ticks[:budget]
+                now_for = ticks[-1]
+            else:
+                now_for = now
+            budget -= len(ticks)
+            for tick in ticks:
                 key = tick_key(name, tick)
                 try:
                     job = self.new_job(sched, key)
@@ -133,8 +172,8 @@ class Scheduler:
                 if job_id is not None:
                     log.info("periodic job %s enqueued for %s", name, key,
                              extra={"event": "schedule", "schedule": name, "job_id": job_id, "key": key})
-            self.checked[name] = now
-            self.next_at[name] = sched.next_after(now)
+            self.checked[name] = now_for
+            self.next_at[name] = sched.next_after(now) if now_for == now else now_for
         return done
 
     def carry_over(self, old):

@@ -751,6 +751,14 @@ MUTATIONS = [
              "            new.carry_over(self.scheduler)", "            pass",
              ("tests/test_scheduling.py", "-k", "reload_keeps_the_last_check"),
              "a reload forgets each schedule's last check: with catch_up = 0 a tick due during it is lost"),
+    Mutation("new-schedule-catches-up-its-past", "supervisor/scheduler.py",
+             "after, count = (now, 0) if newest is None", "after, count = (float('-inf'), sched.catch_up) if newest is None",
+             ("tests/test_scheduling.py", "-k", "new_schedule_starts_from_now"),
+             "a new schedule enqueues its latest catch_up ticks from before it existed, at once"),
+    Mutation("schedule-tick-unbounded", "supervisor/scheduler.py",
+             "            if len(ticks) > budget:", "            if False:",
+             ("tests/test_scheduling.py", "-k", "at_most_its_budget"),
+             "one tick() call (one turn of the master's loop) enqueues every missed tick of a catch-up"),
 ]
 
 

@@ -52,6 +52,7 @@ from .deadletters import DeadLetters
 from .fields import body, enqueue_args, to_job
 from .keys import Keys
 from .locate import Locator
+from .once import OnceRecords
 from .search import SearchMixin
 
 log = logging.getLogger("tangguh.broker")
@@ -64,7 +65,7 @@ PARTIAL_WARN_EVERY = 60.0  # seconds between warnings of a queue failing its par
 _BATCH = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
-class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, DeadLetters, Broker):
+class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, DeadLetters, OnceRecords, Broker):
     def __init__(self, url):
         self.url = url
         conn = connect(url)
