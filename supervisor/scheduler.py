@@ -57,6 +57,7 @@ class Schedule:
     queue: str | None = None
     timezone: str = "UTC"
     catch_up: int = 1
+    _fixed: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def ticks_like(self, other):
         """Whether ``other`` ticks at the same instants under the same keys."""
@@ -69,9 +70,23 @@ class Schedule:
 
         return croniter.croniter(self.cron, datetime.datetime.fromtimestamp(t, zoneinfo.ZoneInfo(self.timezone)))
 
+    def _repeated(self, tick):
+        """Whether ``tick`` is a fixed-time schedule's second run at one local time (the hour a
+        DST fall-back repeats): like vixie cron, a schedule whose minute and hour fields are
+        not wildcards runs once per wall-clock time; ``*`` and ``*/N`` ones run by the clock."""
+        if self._fixed is None:
+            fields = self.cron.split()
+            self._fixed = (fields[0] != "@hourly" if len(fields) == 1
+                           else not (fields[0].startswith("*") or fields[1].startswith("*")))
+        return self._fixed and datetime.datetime.fromtimestamp(tick, zoneinfo.ZoneInfo(self.timezone)).fold == 1
+
     def next_after(self, t):
         """The first tick strictly after epoch ``t``."""
-        return self._iter(t).get_next(float)
+        it = self._iter(t)
+        tick = it.get_next(float)
+        while self._repeated(tick):
+            tick = it.get_next(float)
+        return tick
 
     def latest(self, t, count, after=None):
         """Up to ``count`` ticks ``<= t`` (and ``> after``), oldest first."""
@@ -81,7 +96,8 @@ class Schedule:
             tick = it.get_prev(float)
             if after is not None and tick <= after:
                 break
-            out.append(tick)
+            if not self._repeated(tick):
+                out.append(tick)
         return out[::-1]
 
 

@@ -356,3 +356,38 @@ def test_one_tick_call_enqueues_at_most_its_budget_and_the_rest_stays_due(broker
         calls += 1
     assert sorted(tick for _, tick, job_id in got if job_id) == [T0 + k for k in range(1, 1001)]
     assert calls == 1000 // TICKS_PER_CALL
+
+
+def test_a_fixed_time_schedule_runs_once_on_the_night_the_clocks_go_back(broker):
+    """On the DST fall-back night 02:00 comes twice; ``0 2 * * *`` ran at both (two UTC instants,
+    two tick keys). A fixed-time schedule runs once per wall-clock time, as vixie cron does;
+    wildcard-hour and wildcard-minute schedules follow the clock and run in both hours."""
+    import datetime
+    import zoneinfo
+
+    berlin = zoneinfo.ZoneInfo("Europe/Berlin")
+
+    def local(tick):
+        return datetime.datetime.fromtimestamp(tick, berlin).isoformat()
+
+    def run(cron, start, hours):
+        name = f"x{start.month}{cron}"  # tick keys of its own
+        sched = Scheduler({name: Schedule(name, cron, "t", {}, timezone="Europe/Berlin")}, new_job)
+        t = start.timestamp()
+        sched.tick(broker, now=t)
+        out = []
+        while sched.due_at() < start.timestamp() + hours * 3600:
+            t = sched.due_at() + 0.5
+            out += [local(tick) for _, tick, job_id in sched.tick(broker, now=t) if job_id]
+        return out
+
+    fall = datetime.datetime(2026, 10, 24, 12, tzinfo=berlin)
+    assert run("0 2 * * *", fall, 48) == ["2026-10-25T02:00:00+02:00", "2026-10-26T02:00:00+01:00"]
+    assert run("30 2 * * * 15", fall, 48) == ["2026-10-25T02:30:15+02:00", "2026-10-26T02:30:15+01:00"]
+    assert run("0 3 * * *", fall, 48) == ["2026-10-25T03:00:00+01:00", "2026-10-26T03:00:00+01:00"]
+    hourly = [x for x in run("0 * * * *", fall, 16) if "T02:" in x]
+    assert hourly == ["2026-10-25T02:00:00+02:00", "2026-10-25T02:00:00+01:00"]  # by the clock: both hours
+    assert run("*/30 2 * * *", fall, 24) == ["2026-10-25T02:00:00+02:00", "2026-10-25T02:30:00+02:00",
+                                             "2026-10-25T02:00:00+01:00", "2026-10-25T02:30:00+01:00"]
+    spring = datetime.datetime(2026, 3, 28, 12, tzinfo=berlin)  # 02:00 does not exist: 03:00 instead
+    assert run("0 2 * * *", spring, 48) == ["2026-03-29T03:00:00+02:00", "2026-03-30T02:00:00+02:00"]
