@@ -763,6 +763,10 @@ MUTATIONS = [
              "zoneinfo.ZoneInfo(self.timezone)).fold == 1", "zoneinfo.ZoneInfo(self.timezone)).fold == 2",
              ("tests/test_scheduling.py", "-k", "clocks_go_back"),
              "a fixed-time schedule (0 2 * * *) runs twice on the night the clocks go back"),
+    Mutation("redis-once-per-queue", "supervisor/backends/redis/__init__.py",
+             "        job = self._once_queue(job)", "        pass",
+             (CONFORMANCE, "-k", "redis and once_across_queues"),
+             "Redis enqueues a tick again when its type moved to another queue (the record was per queue)"),
 ]
 
 

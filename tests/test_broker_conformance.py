@@ -645,6 +645,20 @@ def test_enqueue_once_enqueues_a_key_only_once_even_after_the_job_is_done(broker
         broker.enqueue_once(new())  # without a key there is nothing to remember
 
 
+def test_enqueue_once_stores_a_key_once_across_queues(broker):
+    """Redis kept the record per queue: a schedule's type moved to another queue (a reload, a
+    rolling deploy) enqueued the same tick again there."""
+    key = "cron:report:2026-01-01T00:00:00Z"
+    first = broker.enqueue_once(new(idempotency_key=key, queue="default"))
+    assert first is not None
+    assert broker.enqueue_once(new(idempotency_key=key, queue="b")) is None
+    stats = broker.stats(["default", "b"])
+    assert (stats["default"].ready, stats["b"].ready) == (1, 0)
+    assert broker.last_once_key("cron:report:") == key
+    broker.prune(0)  # the records go with the horizon: the key may be used again
+    assert broker.enqueue_once(new(idempotency_key=key, queue="b")) is not None
+
+
 def test_last_once_key_is_the_newest_record_of_a_prefix(broker):
     assert broker.last_once_key("cron:report:") is None
     for key, queue in [("cron:report:2026-01-01T00:00:00Z", "default"), ("cron:report:2026-03-01T00:00:00Z", "b"),

@@ -35,7 +35,7 @@ backend):
   each queue's slot, so there a type served from two queues is limited per
   queue (see its module docstring).
 * ``enqueue_once(job)`` enqueues like ``enqueue`` unless any job was ever
-  enqueued through it with the same ``idempotency_key`` (done ones included,
+  enqueued through it with the same ``idempotency_key``, on any queue (done ones included,
   until ``prune`` forgets records older than its horizon): it returns the new
   job's id, or None. Atomic across processes; the scheduler's exactly-once
   periodic ticks rest on it. ``last_once_key(prefix)`` is the greatest such

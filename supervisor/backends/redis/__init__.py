@@ -154,6 +154,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
             raise BadInput("enqueue_once needs an idempotency_key")
         self._check_chosen_ids([job])
         self.keys.for_scripts(job.queue)
+        job = self._once_queue(job)  # the key's record across queues (once.py)
         batch = _BATCH.encode([enqueue_args(job)])
         got = self._run_many([("enqueue_once", job.queue, [batch])], before=[("sadd", self.keys.queues, job.queue)],
                              confirm=True)
@@ -329,6 +330,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
             for queue in queues:
                 pipe.zremrangebyscore(self.keys.once(queue), "-inf", f"({cutoff}")
             pipe.execute()
+            self._forget_once(cutoff)
         for queue in queues:
             while True:
                 jobs, entries = self._run("prune", queue, [age_us, BATCH])
