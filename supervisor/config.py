@@ -18,6 +18,7 @@ from .checks import (Unshown, boolean, cron, field_names, fraction, group_name, 
                      worker_count)
 from . import urls
 from .errors import BadInput, ConfigError
+from .scheduler import catch_up_count
 from .model import check_json
 
 DEFAULT_PATHS = ("./tangguh.toml", "/etc/tangguh/config.toml")
@@ -95,7 +96,7 @@ class ScheduleConfig:
     payload: dict = option(table, "the job's payload", default_factory=dict)
     queue: str | None = option(queue_name, "queue (default: the type's)", default=None)
     timezone: str = option(timezone, "time zone the cron fields are read in", default="UTC")
-    catch_up: int = option(non_negative_int, "missed ticks enqueued after downtime (latest first)", default=1)
+    catch_up: int = option(catch_up_count, "missed ticks enqueued after downtime (latest first)", default=1)
 
 
 @dataclasses.dataclass

@@ -12,11 +12,20 @@ enqueue: exactly one job per tick, however many supervisors, however fast
 the job.
 
 Catch-up: a check enqueues the ticks due since the previous check, at most
-``catch_up`` of them (the latest; at least one while running). A supervisor
-that just started looks back too, so a tick missed while every supervisor was
-down still runs (``catch_up = 0``: it does not). Ticks older than the
-retention horizon are skipped: their records may be pruned already.
-Times are the broker's clock (``broker.now()``), so supervisors agree on it.
+``catch_up`` of them (the latest; at least one while running). A scheduler's
+first check of a schedule (a start, a reload that changed its cron or time
+zone) looks back to the schedule's newest ``enqueue_once`` record
+(``broker.last_once_key``): the ticks after it were missed while every
+supervisor was down, and the latest ``catch_up`` of them run (``catch_up = 0``:
+none). A schedule without a record is new and starts from now: no tick from
+before it existed runs. Ticks older than the retention horizon are skipped:
+their records may be pruned already. One ``tick`` call enqueues at most
+``TICKS_PER_CALL`` jobs; the rest stay due for the next loop turn, so a long
+catch-up never holds the master's loop for long. A
+reload that keeps a schedule's ticks (its cron and time zone) keeps its last
+check (``carry_over``), so a tick due during the reload is caught up like any
+other late tick, whatever ``catch_up`` says. Times are the broker's clock
+(``broker.now()``), so supervisors agree on it.
 """
 import dataclasses
 import datetime
@@ -26,6 +35,17 @@ import zoneinfo
 from .errors import BadInput, ConfigError
 
 log = logging.getLogger("tangguh.scheduler")
+
+TICKS_PER_CALL = 100  # jobs one tick() call (one turn of the master's loop) enqueues at most
+MAX_CATCH_UP = 1000  # the largest catch_up the config accepts
+STAMP = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def catch_up_count(v):
+    """The config's check of ``catch_up``: an integer from 0 to ``MAX_CATCH_UP``."""
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_CATCH_UP:
+        return v
+    raise ValueError(f"expected an integer from 0 to {MAX_CATCH_UP}")
 
 
 @dataclasses.dataclass
@@ -37,6 +57,11 @@ class Schedule:
     queue: str | None = None
     timezone: str = "UTC"
     catch_up: int = 1
+    _fixed: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def ticks_like(self, other):
+        """Whether ``other`` ticks at the same instants under the same keys."""
+        return (self.name, self.cron, self.timezone) == (other.name, other.cron, other.timezone)
 
     def _iter(self, t):
         # Imported on first use: a daemon without schedules never loads croniter and
@@ -45,9 +70,23 @@ class Schedule:
 
         return croniter.croniter(self.cron, datetime.datetime.fromtimestamp(t, zoneinfo.ZoneInfo(self.timezone)))
 
+    def _repeated(self, tick):
+        """Whether ``tick`` is a fixed-time schedule's second run at one local time (the hour a
+        DST fall-back repeats): like vixie cron, a schedule whose minute and hour fields are
+        not wildcards runs once per wall-clock time; ``*`` and ``*/N`` ones run by the clock."""
+        if self._fixed is None:
+            fields = self.cron.split()
+            self._fixed = (fields[0] != "@hourly" if len(fields) == 1
+                           else not (fields[0].startswith("*") or fields[1].startswith("*")))
+        return self._fixed and datetime.datetime.fromtimestamp(tick, zoneinfo.ZoneInfo(self.timezone)).fold == 1
+
     def next_after(self, t):
         """The first tick strictly after epoch ``t``."""
-        return self._iter(t).get_next(float)
+        it = self._iter(t)
+        tick = it.get_next(float)
+        while self._repeated(tick):
+            tick = it.get_next(float)
+        return tick
 
     def latest(self, t, count, after=None):
         """Up to ``count`` ticks ``<= t`` (and ``> after``), oldest first."""
@@ -57,13 +96,24 @@ class Schedule:
             tick = it.get_prev(float)
             if after is not None and tick <= after:
                 break
-            out.append(tick)
+            if not self._repeated(tick):
+                out.append(tick)
         return out[::-1]
 
 
+def tick_prefix(name):
+    return f"cron:{name}:"
+
+
 def tick_key(name, tick):
-    stamp = datetime.datetime.fromtimestamp(tick, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return f"cron:{name}:{stamp}"
+    stamp = datetime.datetime.fromtimestamp(tick, datetime.timezone.utc).strftime(STAMP)
+    return tick_prefix(name) + stamp  # fixed width: key order is tick order
+
+
+def key_tick(key):
+    """The tick (epoch seconds) of a ``tick_key``."""
+    stamp = datetime.datetime.strptime(key[-len("2026-01-01T00:00:00Z"):], STAMP)
+    return stamp.replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
 def schedules_from(cfg, handlers):
@@ -108,15 +158,27 @@ class Scheduler:
         what was not enqueued stays due and is retried on the next call."""
         now = broker.now() if now is None else now
         done = []
+        budget = TICKS_PER_CALL
         for name, sched in self.schedules.items():
             if self.next_at.get(name, float("-inf")) > now:
                 continue
-            last = self.checked.get(name)
-            count = sched.catch_up if last is None else max(1, sched.catch_up)
-            after = last
+            if budget <= 0:
+                break  # the schedules left are still due: the next loop turn goes on
+            after = self.checked.get(name)
+            count = max(1, sched.catch_up)
+            if after is None:  # look back to this schedule's newest tick, if it ever had one
+                newest = broker.last_once_key(tick_prefix(name))
+                after, count = (now, 0) if newest is None else (key_tick(newest), sched.catch_up)
             if self.horizon is not None:
-                after = max(after if after is not None else float("-inf"), now - self.horizon)
-            for tick in self._cron(name, sched.latest, [], now, count, after):
+                after = max(after, now - self.horizon)
+            ticks = self._cron(name, sched.latest, [], now, count, after)
+            if len(ticks) > budget:  # the oldest first; from the last one enqueued on, the next turn
+                ticks = ticks[:budget]
+                now_for = ticks[-1]
+            else:
+                now_for = now
+            budget -= len(ticks)
+            for tick in ticks:
                 key = tick_key(name, tick)
                 try:
                     job = self.new_job(sched, key)
@@ -129,8 +191,8 @@ class Scheduler:
                 if job_id is not None:
                     log.info("periodic job %s enqueued for %s", name, key,
                              extra={"event": "schedule", "schedule": name, "job_id": job_id, "key": key})
-            self.checked[name] = now
-            self.next_at[name] = self._cron(name, sched.next_after, float("inf"), now)
+            self.checked[name] = now_for
+            self.next_at[name] = self._cron(name, sched.next_after, float("inf"), now) if now_for == now else now_for
         return done
 
     def _cron(self, name, compute, failed, *args):
@@ -145,6 +207,15 @@ class Scheduler:
                           extra={"event": "schedule_failed", "schedule": name})
             self.failing[name] = text
             return failed
+
+    def carry_over(self, old):
+        """Keep ``old``'s last check of each schedule whose ticks are unchanged (same name, cron and
+        time zone): a reload is not a start, and a tick due while it ran is still enqueued."""
+        for name, sched in self.schedules.items():
+            before = old.schedules.get(name)
+            if before is not None and name in old.checked and before.ticks_like(sched):
+                self.checked[name] = old.checked[name]
+                self.next_at[name] = old.next_at[name]
 
     def listing(self, now):
         """Each schedule with its next run (broker time), for ``tangguh schedules``."""

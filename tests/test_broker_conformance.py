@@ -645,6 +645,32 @@ def test_enqueue_once_enqueues_a_key_only_once_even_after_the_job_is_done(broker
         broker.enqueue_once(new())  # without a key there is nothing to remember
 
 
+def test_enqueue_once_stores_a_key_once_across_queues(broker):
+    """Redis kept the record per queue: a schedule's type moved to another queue (a reload, a
+    rolling deploy) enqueued the same tick again there."""
+    key = "cron:report:2026-01-01T00:00:00Z"
+    first = broker.enqueue_once(new(idempotency_key=key, queue="default"))
+    assert first is not None
+    assert broker.enqueue_once(new(idempotency_key=key, queue="b")) is None
+    stats = broker.stats(["default", "b"])
+    assert (stats["default"].ready, stats["b"].ready) == (1, 0)
+    assert broker.last_once_key("cron:report:") == key
+    broker.prune(0)  # the records go with the horizon: the key may be used again
+    assert broker.enqueue_once(new(idempotency_key=key, queue="b")) is not None
+
+
+def test_last_once_key_is_the_newest_record_of_a_prefix(broker):
+    assert broker.last_once_key("cron:report:") is None
+    for key, queue in [("cron:report:2026-01-01T00:00:00Z", "default"), ("cron:report:2026-03-01T00:00:00Z", "b"),
+                       ("cron:report:2026-02-01T00:00:00Z", "default"), ("cron:report2:2027-01-01T00:00:00Z", "b"),
+                       ("cron:repo*:2028-01-01T00:00:00Z", "default"), ("x:cron:report:2029-01-01T00:00:00Z", "b")]:
+        assert broker.enqueue_once(new(idempotency_key=key, queue=queue)) is not None
+    assert broker.last_once_key("cron:report:") == "cron:report:2026-03-01T00:00:00Z"  # across queues
+    assert broker.last_once_key("cron:repo*:") == "cron:repo*:2028-01-01T00:00:00Z"
+    assert broker.last_once_key("cron:rep") == "cron:report:2026-03-01T00:00:00Z"  # code point order
+    assert broker.last_once_key("cron:nightly:") is None
+
+
 LIMITS = {"c": TypeLimits(max_concurrency=3), "e": TypeLimits(exclusive=True), "r": TypeLimits(rate=(10, 1.0))}
 
 

@@ -407,3 +407,14 @@ def test_the_heartbeats_instance_keeps_queue_entries_only_for_the_leases_it_hold
         assert 6 <= len(beat._locator.known) <= 8 and "job_x19" in beat._locator.known  # trimmed, never emptied
     finally:
         beat.close()
+
+
+def test_enqueue_once_stopped_between_its_two_slots_is_finished_by_the_next_caller(rb):
+    """The key's record (its own slot) is written before the job (the queue's slot): a caller that
+    stops in between leaves the queue recorded, and the next caller enqueues there, once."""
+    key = "cron:report:2026-01-01T00:00:00Z"
+    rb._once_queue(NewJob("t", {}, queue="default", idempotency_key=key).validate())  # then it stopped
+    assert rb.enqueue_once(NewJob("t", {}, queue="b", idempotency_key=key)) is not None
+    assert rb.enqueue_once(NewJob("t", {}, queue="default", idempotency_key=key)) is None
+    stats = rb.stats(["default", "b"])
+    assert (stats["default"].ready, stats["b"].ready) == (1, 0)

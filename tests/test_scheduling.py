@@ -38,7 +38,7 @@ def every_second(catch_up=1):
 def _racing_scheduler(url, barrier, out):
     broker = open_broker(url)
     sched = Scheduler(every_second(), new_job)
-    got = []
+    got = sched.tick(broker, now=T0 - 0.5)  # a new schedule's first check: it starts from now
     for k in range(3):
         barrier.wait(20)
         got += sched.tick(broker, now=T0 + k)  # both schedulers, the same tick, at once
@@ -76,15 +76,16 @@ def test_two_schedulers_enqueue_exactly_one_job_per_tick(broker, broker_url):
 
 def test_catch_up_enqueues_only_the_latest_missed_ticks(broker):
     keys = lambda got: [tick_key("beat", tick) for _, tick, job_id in got if job_id]  # noqa: E731
+    assert broker.enqueue_once(new_job(every_second()["beat"], tick_key("beat", T0)))  # ran at T0
     # Started after ten missed ticks: the latest one only (the default).
     sched = Scheduler(every_second(), new_job)
     assert keys(sched.tick(broker, now=T0 + 10.5)) == [tick_key("beat", T0 + 10)]
     assert sched.tick(broker, now=T0 + 10.9) == []  # nothing new is due
     # The loop was held up for three ticks: still the latest one only.
     assert keys(sched.tick(broker, now=T0 + 13.5)) == [tick_key("beat", T0 + 13)]
-    # catch_up = 3: the three latest, oldest first; ticks already enqueued are not again.
+    # catch_up = 3: the three latest after the newest tick enqueued, oldest first.
     sched = Scheduler(every_second(catch_up=3), new_job)
-    assert keys(sched.tick(broker, now=T0 + 13.5)) == [tick_key("beat", T0 + 11), tick_key("beat", T0 + 12)]
+    assert keys(sched.tick(broker, now=T0 + 17.5)) == [tick_key("beat", T0 + k) for k in (15, 16, 17)]
     # catch_up = 0: a fresh start skips what it missed, then follows the schedule.
     sched = Scheduler(every_second(catch_up=0), new_job)
     assert sched.tick(broker, now=T0 + 20.5) == []
@@ -115,6 +116,8 @@ def test_schedule_in_a_time_zone_ticks_on_local_time():
     ({"schedules": {"r": {"cron": "* * * * *", "type": "t", "queue": "nope"}}},
      "schedules.r.queue: 'nope' is not in broker.queues"),
     ({"schedules": {"r": {"cron": "* * * * *", "type": "t", "every": 5}}}, "schedules.r.every: unknown key"),
+    ({"schedules": {"r": {"cron": "* * * * *", "type": "t", "catch_up": 20000}}},
+     "schedules.r.catch_up: expected an integer from 0 to 1000, got 20000"),
 ])
 def test_config_errors_name_the_key_path(data, error):
     with pytest.raises(ConfigError) as info:
@@ -241,7 +244,9 @@ def test_a_schedule_that_cannot_build_its_job_is_skipped_not_fatal(broker):
         return new_job(sched, key)
 
     schedules = dict(every_second(), bad=Schedule("bad", "* * * * * *", "t", {}))
-    got = Scheduler(schedules, refuse).tick(broker, now=T0 + 0.5)
+    sched = Scheduler(schedules, refuse)
+    assert sched.tick(broker, now=T0 - 0.5) == []  # new schedules start from now
+    got = sched.tick(broker, now=T0 + 0.5)
     assert [(name, job_id is not None) for name, _, job_id in got] == [("beat", True)]
 
 
@@ -385,3 +390,117 @@ def test_a_reload_to_a_schedule_that_cannot_run_keeps_the_running_generation(tmp
         assert d.wait_exit() == 0
     finally:
         d.stop()
+
+
+def _clocked_chores(tmp_path, monkeypatch, schedules):
+    """A ``Periodic`` on a SQLite broker whose clock the test sets (``broker.t``), checked every call."""
+    from supervisor.backends.sqlite import SQLiteBroker
+    from supervisor.master import periodic
+
+    class SetClock(SQLiteBroker):
+        t = T0
+
+        def now(self):
+            return self.t
+
+    broker = SetClock(f"sqlite:///{tmp_path}/broker.db")
+    broker.migrate()
+    cfg = config.from_dict({"schedules": schedules})
+    link = type("Link", (), {"down": False, "call": lambda self, fn, what=None: fn(broker)})()
+    monkeypatch.setattr(periodic, "CLOCK_CHECK_SECONDS", 0.0)  # every run_schedules() checks
+    return broker, cfg, periodic.Periodic(cfg, {}, link, metrics=None, sample_seconds=3600)
+
+
+def _once_keys(broker):
+    return sorted(k for (k,) in broker.db.execute("SELECT key FROM once_keys"))
+
+
+def test_a_reload_keeps_the_last_check_of_an_unchanged_schedule(tmp_path, monkeypatch):
+    """A reload built a new scheduler that forgot its last check: with ``catch_up = 0`` the tick
+    due while the reload ran (handlers importing) was never enqueued."""
+    broker, cfg, chores = _clocked_chores(tmp_path, monkeypatch, {
+        "beat": {"cron": "* * * * * */5", "type": "t", "catch_up": 0}})
+    broker.t = T0 + 0.5
+    chores.run_schedules()  # the first check: the tick at T0 is before the schedule's time
+    broker.t = T0 + 5.5
+    chores.run_schedules()
+    assert _once_keys(broker) == [tick_key("beat", T0 + 5)]
+    broker.t = T0 + 10.5  # the tick at T0 + 10 falls while the handlers are imported
+    chores.configure(cfg, {})  # the reload, same config
+    chores.run_schedules()
+    assert _once_keys(broker) == [tick_key("beat", T0 + 5), tick_key("beat", T0 + 10)]
+    broker.close()
+
+
+def test_a_new_schedule_starts_from_now_and_a_changed_one_from_its_newest_tick(broker):
+    """A schedule never seen before enqueued its latest ``catch_up`` ticks at once, all from
+    before it existed (5 at the first start of an hourly schedule with catch_up = 5), and a
+    reload moving it from :00 to :30 as many again."""
+    hour = 3600.0
+    keys = lambda got: [tick_key("report", tick) for _, tick, job_id in got if job_id]  # noqa: E731
+    hourly = {"report": Schedule("report", "0 * * * *", "report", {}, catch_up=5)}
+    sched = Scheduler(hourly, new_job)
+    assert sched.tick(broker, now=T0 + 10 * hour + 600) == []  # new: nothing from before it existed
+    assert keys(sched.tick(broker, now=T0 + 11 * hour + 1)) == [tick_key("report", T0 + 11 * hour)]
+    # A reload moves it to minute 30: only ticks after its newest one (11:00) may be caught up.
+    moved = {"report": Schedule("report", "30 * * * *", "report", {}, catch_up=5)}
+    assert keys(Scheduler(moved, new_job).tick(broker, now=T0 + 11 * hour + 2400)) == \
+        [tick_key("report", T0 + 11 * hour + 1800)]
+    # Every supervisor down over three ticks: the first one back catches up all three.
+    assert keys(Scheduler(moved, new_job).tick(broker, now=T0 + 14 * hour + 2400)) == \
+        [tick_key("report", T0 + h * hour + 1800) for h in (12, 13, 14)]
+
+
+def test_one_tick_call_enqueues_at_most_its_budget_and_the_rest_stays_due(broker):
+    """A per-second schedule with a large catch_up enqueued every missed tick in one call (20,000
+    jobs blocked the master's loop 24 s)."""
+    from supervisor.scheduler import TICKS_PER_CALL
+
+    broker.enqueue_once(new_job(every_second()["beat"], tick_key("beat", T0)))
+    sched = Scheduler(every_second(catch_up=1000), new_job)
+    now = T0 + 1000.5
+    got = sched.tick(broker, now=now)
+    assert len(got) == TICKS_PER_CALL < 1000
+    assert [tick for _, tick, _ in got] == [T0 + k for k in range(1, TICKS_PER_CALL + 1)]  # the oldest first
+    assert sched.due_at() <= now  # the rest: due at once
+    calls = 1
+    while sched.due_at() <= now:
+        got += sched.tick(broker, now=now)
+        calls += 1
+    assert sorted(tick for _, tick, job_id in got if job_id) == [T0 + k for k in range(1, 1001)]
+    assert calls == 1000 // TICKS_PER_CALL
+
+
+def test_a_fixed_time_schedule_runs_once_on_the_night_the_clocks_go_back(broker):
+    """On the DST fall-back night 02:00 comes twice; ``0 2 * * *`` ran at both (two UTC instants,
+    two tick keys). A fixed-time schedule runs once per wall-clock time, as vixie cron does;
+    wildcard-hour and wildcard-minute schedules follow the clock and run in both hours."""
+    import datetime
+    import zoneinfo
+
+    berlin = zoneinfo.ZoneInfo("Europe/Berlin")
+
+    def local(tick):
+        return datetime.datetime.fromtimestamp(tick, berlin).isoformat()
+
+    def run(cron, start, hours):
+        name = f"x{start.month}{cron}"  # tick keys of its own
+        sched = Scheduler({name: Schedule(name, cron, "t", {}, timezone="Europe/Berlin")}, new_job)
+        t = start.timestamp()
+        sched.tick(broker, now=t)
+        out = []
+        while sched.due_at() < start.timestamp() + hours * 3600:
+            t = sched.due_at() + 0.5
+            out += [local(tick) for _, tick, job_id in sched.tick(broker, now=t) if job_id]
+        return out
+
+    fall = datetime.datetime(2026, 10, 24, 12, tzinfo=berlin)
+    assert run("0 2 * * *", fall, 48) == ["2026-10-25T02:00:00+02:00", "2026-10-26T02:00:00+01:00"]
+    assert run("30 2 * * * 15", fall, 48) == ["2026-10-25T02:30:15+02:00", "2026-10-26T02:30:15+01:00"]
+    assert run("0 3 * * *", fall, 48) == ["2026-10-25T03:00:00+01:00", "2026-10-26T03:00:00+01:00"]
+    hourly = [x for x in run("0 * * * *", fall, 16) if "T02:" in x]
+    assert hourly == ["2026-10-25T02:00:00+02:00", "2026-10-25T02:00:00+01:00"]  # by the clock: both hours
+    assert run("*/30 2 * * *", fall, 24) == ["2026-10-25T02:00:00+02:00", "2026-10-25T02:30:00+02:00",
+                                             "2026-10-25T02:00:00+01:00", "2026-10-25T02:30:00+01:00"]
+    spring = datetime.datetime(2026, 3, 28, 12, tzinfo=berlin)  # 02:00 does not exist: 03:00 instead
+    assert run("0 2 * * *", spring, 48) == ["2026-03-29T03:00:00+02:00", "2026-03-30T02:00:00+02:00"]

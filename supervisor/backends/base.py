@@ -35,10 +35,12 @@ backend):
   each queue's slot, so there a type served from two queues is limited per
   queue (see its module docstring).
 * ``enqueue_once(job)`` enqueues like ``enqueue`` unless any job was ever
-  enqueued through it with the same ``idempotency_key`` (done ones included,
+  enqueued through it with the same ``idempotency_key``, on any queue (done ones included,
   until ``prune`` forgets records older than its horizon): it returns the new
   job's id, or None. Atomic across processes; the scheduler's exactly-once
-  periodic ticks rest on it.
+  periodic ticks rest on it. ``last_once_key(prefix)`` is the greatest such
+  record's key (in code point order) starting with ``prefix``, or None: the
+  scheduler's newest tick of a schedule (``cron:<name>:<UTC time>``).
 * ``ack``/``retry``/``dead``/``release`` take the ``Lease`` (job id, token)
   and raise ``LeaseLost`` unless the job is ``running`` with that token. They
   close the last history entry with ``ended_at``, ``outcome`` (``done``,
@@ -115,6 +117,9 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     def enqueue_once(self, job: NewJob) -> str | None: ...
+
+    @abc.abstractmethod
+    def last_once_key(self, prefix: str) -> str | None: ...
 
     @abc.abstractmethod
     def extend(self, leases, lease_seconds) -> list: ...

@@ -31,7 +31,10 @@ class Periodic:
     def configure(self, cfg, handlers):
         """The periodic jobs of the current config and handlers."""
         self.cfg = cfg
-        self.scheduler = scheduler.from_config(cfg, handlers)
+        new = scheduler.from_config(cfg, handlers)
+        if getattr(self, "scheduler", None) is not None:
+            new.carry_over(self.scheduler)  # a reload: the ticks since the last check are still due
+        self.scheduler = new
         self.schedule_at = 0.0  # monotonic instant of the next check
         self.next_sample_at = 0.0  # the queues served may have changed: their gauges follow at once
 

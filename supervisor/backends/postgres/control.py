@@ -120,6 +120,14 @@ class ControlMixin(control.ExpiredLog):
         return sorted({r[0] for r in rows} | control.record_queues(self.supervisors()))
 
     # -- expiry (what claim returned) ----------------------------------------------
+    def last_once_key(self, prefix):
+        """(Not job control: the scheduler's look-back, here for the size of ``__init__``.) Read at a
+        scheduler's first check of a schedule only, so a scan of the retained records is fine; "C"
+        orders by code point whatever the database's collation."""
+        row = self._execute(f'SELECT max(key COLLATE "C") FROM {self._s}.once_keys WHERE starts_with(key, %s)',
+                            (prefix,)).fetchone()
+        return row[0]
+
     def _leasable(self, rows):
         """The claim function's rows as jobs, minus the ones it ended ``expired`` (recorded here)."""
         jobs = []

@@ -52,6 +52,7 @@ from .deadletters import DeadLetters
 from .fields import body, enqueue_args, to_job
 from .keys import Keys
 from .locate import Locator
+from .once import OnceRecords
 from .search import SearchMixin
 
 log = logging.getLogger("tangguh.broker")
@@ -64,7 +65,7 @@ PARTIAL_WARN_EVERY = 60.0  # seconds between warnings of a queue failing its par
 _BATCH = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
-class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, DeadLetters, Broker):
+class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, DeadLetters, OnceRecords, Broker):
     def __init__(self, url):
         self.url = url
         conn = connect(url)
@@ -153,6 +154,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
             raise BadInput("enqueue_once needs an idempotency_key")
         self._check_chosen_ids([job])
         self.keys.for_scripts(job.queue)
+        job = self._once_queue(job)  # the key's record across queues (once.py)
         batch = _BATCH.encode([enqueue_args(job)])
         got = self._run_many([("enqueue_once", job.queue, [batch])], before=[("sadd", self.keys.queues, job.queue)],
                              confirm=True)
@@ -328,6 +330,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
             for queue in queues:
                 pipe.zremrangebyscore(self.keys.once(queue), "-inf", f"({cutoff}")
             pipe.execute()
+            self._forget_once(cutoff)
         for queue in queues:
             while True:
                 jobs, entries = self._run("prune", queue, [age_us, BATCH])

@@ -82,3 +82,9 @@ class ProducingMixin:
             if not inserted:
                 return None
             return self.enqueue_many([job], _in_tx=True)[0]
+
+    def last_once_key(self, prefix):
+        # A range of the primary key (BINARY collation: code point order for UTF-8): one index probe.
+        row = self.db.execute("SELECT max(key) FROM once_keys WHERE key >= ? AND key < ?",
+                              (prefix, prefix + "\U0010ffff")).fetchone()
+        return row[0]
