@@ -295,13 +295,17 @@ def test_a_decorator_schedule_goes_to_the_queue_the_config_gives_its_type(tmp_pa
         for queues in (["default", "reports"], ["default", "reports", "slow"]):
             cfg = config.from_dict({"broker": {"queues": queues}, "jobs": {"types": {"report": {"queue": "reports"}}}})
             sched = scheduler.from_config(cfg, {"report": spec})
-            got = sched.tick(broker, now=T0 + len(queues) + 0.5)
-            assert [broker.get(job_id).queue for _, _, job_id in got] == ["reports"], queues
+            # A schedule's first check only starts it (nothing to catch up): the tick after it enqueues.
+            got = sched.tick(broker, now=T0 + 10 * len(queues) + 0.5)
+            got += sched.tick(broker, now=T0 + 10 * len(queues) + 1.5)
+            queued = {broker.get(job_id).queue for _, _, job_id in got if job_id}
+            assert queued == {"reports"}, queues
             assert [s["queue"] for s in sched.listing(T0)] == ["reports"]
         # Without an override the decorator's queue still applies.
         cfg = config.from_dict({"broker": {"queues": ["default", "slow"]}})
-        got = scheduler.from_config(cfg, {"report": spec}).tick(broker, now=T0 + 9.5)
-        assert [broker.get(job_id).queue for _, _, job_id in got] == ["slow"]
+        sched = scheduler.from_config(cfg, {"report": spec})
+        got = sched.tick(broker, now=T0 + 90.5) + sched.tick(broker, now=T0 + 91.5)
+        assert {broker.get(job_id).queue for _, _, job_id in got if job_id} == {"slow"}
     finally:
         broker.close()
 
@@ -312,9 +316,12 @@ def test_a_schedule_whose_cron_fails_is_skipped_alone_and_logged_once(broker, ca
     second. Its error is now the schedule's: logged once, the other schedules go on."""
     schedules = dict(every_second(), future=Schedule("future", "0 9 1 1 * 0 2030", "t", {}))  # T0: 2027
     sched = Scheduler(schedules, new_job)
+    # Checked before (not a new schedule): this check looks back for ticks, which this cron has none of.
+    sched.checked["future"] = T0 - 10
     with caplog.at_level("ERROR", logger="tangguh.scheduler"):
         got = sched.tick(broker, now=T0 + 0.5) + sched.tick(broker, now=T0 + 1.5)
-    assert [(name, tick) for name, tick, job_id in got if job_id] == [("beat", T0), ("beat", T0 + 1)]
+    # The first check starts "beat" (a new schedule catches nothing up); the next tick enqueues.
+    assert [(name, tick) for name, tick, job_id in got if job_id] == [("beat", T0 + 1)]
     failed = [r for r in caplog.records if getattr(r, "event", None) == "schedule_failed"]
     assert [r.schedule for r in failed] == ["future"], caplog.text
     assert sched.due_at() == T0 + 2  # the next beat; "future" waits for its 2030 tick
