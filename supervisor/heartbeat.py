@@ -5,7 +5,8 @@ before every batch of forks (see docs/design.md, process-model rules). It owns i
 own broker connection, opened when it starts. Each beat is one ``renew``
 (leases, plus the progress the children reported since the last beat: the
 latest value per job), one ``paused()`` and one ``write_supervisor`` (the
-record the main loop last handed over). What it learns (lost leases, cancel
+record the main loop last handed over), and every ``SAMPLE_SECONDS`` or so the
+queue gauges' ``stats`` sample. What it learns (lost leases, cancel
 requests, a change in the paused queues) goes to the main loop through deques
 and a byte on a wake-up pipe; the thread itself never touches children, and
 the main loop never waits on these writes.
@@ -18,13 +19,19 @@ import time
 
 from .backends import open_broker
 from .errors import BrokerError
+from .metrics import SAMPLE_SECONDS
 from .model import Renewal
 
 log = logging.getLogger("tangguh.heartbeat")
 
+# The queue sample counts every job of each state (dead letters stay until purged): 3 million
+# finished jobs took 1.5 s, which the main loop spent deaf when it took the sample itself. Here
+# it costs no main-loop time, and a slow one comes less often: at most this share of the time.
+SAMPLE_SHARE = 0.05
+
 
 class Heartbeat:
-    def __init__(self, url, lease_seconds, interval, wake_fd, queues=None):
+    def __init__(self, url, lease_seconds, interval, wake_fd, queues=None, on_sample=None):
         self.url = url
         self.queues = queues  # the served queues (replaced on reload): the only ones whose pause matters here
         self.lease_seconds = lease_seconds
@@ -46,6 +53,10 @@ class Heartbeat:
         self.lag = 0.0  # how late the last beat ran, seconds
         self.due = None  # monotonic: when the next beat is due (kept across a stop and start)
         self.last_beat = time.monotonic()
+        self.on_sample = on_sample  # on_sample({queue: QueueStats}): the queue gauges
+        self.queue_stats = {}  # the last stats() sample, for status
+        self.sampled = None  # the queues it was taken of: a reload that changes them samples at once
+        self.next_sample_at = 0.0
 
     def hold(self, lease):
         with self.lock:
@@ -160,6 +171,19 @@ class Heartbeat:
                 os.write(self.wake_fd, b"!")
             except BlockingIOError:
                 pass  # the pipe is full: the main loop is awake anyway
+        self.sample()
+
+    def sample(self, clock=time.monotonic):
+        """The queue sample, when due; the time it took sets the next one's (SAMPLE_SHARE)."""
+        queues = self.queues
+        started = clock()
+        if self.on_sample is None or (started < self.next_sample_at and queues == self.sampled):
+            return
+        stats = self._call(lambda br: br.stats(queues))
+        self.next_sample_at = started + max(SAMPLE_SECONDS, (clock() - started) / SAMPLE_SHARE)
+        if stats is not None:
+            self.queue_stats, self.sampled = stats, queues
+            self.on_sample(stats)
 
     def _call(self, fn):
         """``fn(broker)`` on the thread's own connection; None (counted, connection reset) on a failure."""

@@ -820,6 +820,15 @@ MUTATIONS = [
              "        job = self._once_queue(job)", "        pass",
              (CONFORMANCE, "-k", "redis and once_across_queues"),
              "Redis enqueues a tick again when its type moved to another queue (the record was per queue)"),
+    Mutation("queue-sample-in-main-loop", "supervisor/master/periodic.py",
+             "        self.prune()\n",
+             "        self.prune()\n        self.link.call(lambda br: br.stats(self.cfg.broker.queues), \"stats\")\n",
+             ("tests/test_metrics.py", "-k", "every_counter"),
+             "the main loop counts every job kept in each state (1.5 s at 3 million dead letters), deaf meanwhile"),
+    Mutation("queue-sample-pace-fixed", "supervisor/heartbeat.py",
+             "max(SAMPLE_SECONDS, (clock() - started) / SAMPLE_SHARE)", "SAMPLE_SECONDS",
+             ("tests/test_metrics.py", "-k", "slow_queue_sample"),
+             "a queue sample that takes seconds is taken again every 5 s: the broker counts all the time"),
 ]
 
 

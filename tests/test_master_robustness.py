@@ -508,7 +508,7 @@ def test_the_prune_chore_deletes_a_backlog_one_budget_per_loop_turn(tmp_path, mo
     link = type("Link", (), {"down": False, "call": lambda self, fn, what=None: calls.append(fn(broker)) or calls[-1]})()
     monkeypatch.setattr(periodic, "PRUNE_BUDGET", 10)
     monkeypatch.setattr(sqlite_broker, "PRUNE_BATCH", 5)
-    chores = periodic.Periodic(config.from_dict({"broker": {"retention": 0.001}}), {}, link, None, 3600)
+    chores = periodic.Periodic(config.from_dict({"broker": {"retention": 0.001}}), {}, link)
     chores.next_prune_at = 0.0  # due now (the first waits a minute after start)
     first = broker.now()
     wait_for(lambda: broker.now() > first + 0.01, message="the jobs past the retention")

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor import toolkit
+from supervisor import heartbeat, metrics, toolkit
 from supervisor.backends import open_broker
 from supervisor.health import request
 from supervisor.metrics import HttpExporter, Metrics
@@ -177,7 +177,9 @@ def test_every_counter_over_http_and_the_socket(ran):
     assert 0 < value(http, "tangguh_broker_round_trip_seconds_count", op="dead") <= 5
     assert value(http, "tangguh_broker_errors_total", source="main") == 0
     assert value(http, "tangguh_lease_extensions_total") > 0
-    # queue gauges from the broker sample
+    # queue gauges from the broker sample, which the heartbeat thread takes: never the main loop,
+    # whose stats call counted every dead letter kept (1.5 s at 3 million) while it answered nothing
+    assert value(http, "tangguh_broker_round_trip_seconds_count", op="stats") == 0
     assert m("tangguh_queue_dead_jobs") == 5
     assert m("tangguh_queue_scheduled_jobs") == 1
     assert m("tangguh_queue_ready_jobs") == 0 and m("tangguh_queue_in_flight_jobs") == 0
@@ -421,6 +423,28 @@ def test_queue_sample_sets_the_gauges(tmp_path):
     assert value(s, "tangguh_queue_oldest_ready_age_seconds", queue="other") == 0
     assert value(s, "tangguh_queue_sample_timestamp_seconds") > 0
     broker.close()
+
+
+def test_a_slow_queue_sample_comes_less_often_and_a_change_of_queues_at_once(tmp_path):
+    """The heartbeat's queue sample costs the broker the count of every job kept in each state:
+    one that took 2 s waits 2 / SAMPLE_SHARE s for the next, not SAMPLE_SECONDS."""
+    url = f"sqlite:///{tmp_path}/broker.db"
+    with open_broker(url) as broker:
+        broker.migrate()
+    taken = []
+    beat = heartbeat.Heartbeat(url, 30, 1, None, ["default"], on_sample=taken.append)
+    readings = iter([1000.0, 1002.0])  # the clock before and after the call: it took 2 s
+    beat.sample(clock=lambda: next(readings))
+    assert len(taken) == 1 and set(beat.queue_stats) == {"default"}
+    assert beat.next_sample_at == 1000.0 + 2.0 / heartbeat.SAMPLE_SHARE
+    beat.sample(clock=lambda: 1000.0 + metrics.SAMPLE_SECONDS + 1)  # past SAMPLE_SECONDS, not yet due
+    assert len(taken) == 1
+    beat.queues = ["default", "other"]  # a reload serves other queues: their gauges follow at once
+    readings = iter([1010.0, 1010.01])
+    beat.sample(clock=lambda: next(readings))
+    assert len(taken) == 2 and set(beat.queue_stats) == {"default", "other"}
+    assert beat.next_sample_at == 1010.0 + metrics.SAMPLE_SECONDS
+    beat.close()
 
 
 def test_child_deltas_ignore_unknown_keys_and_bad_values():

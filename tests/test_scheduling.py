@@ -269,7 +269,7 @@ def test_a_wall_clock_step_forward_is_seen_at_the_next_clock_check(tmp_path, mon
     cfg = config.from_dict({"schedules": {"hourly": {"cron": "0 * * * *", "type": "t", "catch_up": 0}}})
     link = type("Link", (), {"down": False, "call": lambda self, fn, what=None: fn(broker)})()
     monkeypatch.setattr(periodic, "CLOCK_CHECK_SECONDS", 0.05)
-    chores = periodic.Periodic(cfg, {}, link, metrics=None, sample_seconds=3600)
+    chores = periodic.Periodic(cfg, {}, link)
     now = broker.now()
     broker.step = 3600 - now % 3600 - 30  # half a minute before the hour
     chores.run_schedules()
@@ -415,7 +415,7 @@ def _clocked_chores(tmp_path, monkeypatch, schedules):
     cfg = config.from_dict({"schedules": schedules})
     link = type("Link", (), {"down": False, "call": lambda self, fn, what=None: fn(broker)})()
     monkeypatch.setattr(periodic, "CLOCK_CHECK_SECONDS", 0.0)  # every run_schedules() checks
-    return broker, cfg, periodic.Periodic(cfg, {}, link, metrics=None, sample_seconds=3600)
+    return broker, cfg, periodic.Periodic(cfg, {}, link)
 
 
 def _once_keys(broker):

@@ -36,7 +36,7 @@ from ..child import worker as child  # imported before the forks: the children s
 from ..errors import BrokerBusy, BrokerError, BrokerUnusable, ConfigError
 from ..health import AlreadyRunning, HealthServer
 from ..heartbeat import Heartbeat
-from ..metrics import SAMPLE_SECONDS, HttpExporter, Metrics
+from ..metrics import HttpExporter, Metrics
 from ..protocol import KILLED_SHUTDOWN, UNKNOWN_TYPE
 from ..retry import next_delay
 from ..sdnotify import Notifier
@@ -88,7 +88,8 @@ class Arbiter:
         self.link = BrokerLink(b.url, b.migrate, self.selector, self.metrics, on_wakeup=self.on_broker_wakeup,
                                on_down=self.on_broker_down, pid=self.pid)
         # The wake-up pipe is made in start(); the heartbeat only writes to it once started.
-        self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, None, list(b.queues))
+        self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, None, list(b.queues),
+                                   self.metrics.sample_queues)
         self.endings = Endings(self)
         self.pool = Pool(cfg.supervisor, self.selector, self.heartbeat, run_child=self.run_child,
                          on_reply=self.endings.on_reply, on_lock=self.on_lock, on_exit=self.endings.on_child_exit,
@@ -100,7 +101,7 @@ class Arbiter:
                                      settings_for=self.settings_for, on_claimed=self.status.claimed,
                                      on_unknown=self.on_unknown_type, on_expired=self.status.expired,
                                      give_back=self.writer.release)
-        self.periodic = Periodic(cfg, handlers, self.link, self.metrics, SAMPLE_SECONDS)
+        self.periodic = Periodic(cfg, handlers, self.link)
         self.control = JobControl(self.heartbeat, self.pool, self.dispatcher, self.writer, self.metrics, count,
                                   lambda job, s: self.settle(job, s, verdict.Ending(cancel_sent=True)),
                                   record=self.status.record, withdraw=self.endings.withdraw)
@@ -149,10 +150,9 @@ class Arbiter:
                 # Jobs matter more than their metrics: run on, loudly, without the endpoint.
                 log.error("metrics endpoint %s not started: %s", self.cfg.metrics.listen, exc,
                           extra={"event": "metrics_failed"})
-        self.heartbeat.wake_fd = self.wake_w
         # Redis locks the children hold: extended by the heartbeat, released when a child dies.
         self.locks = MasterLocks(self.cfg.toolkit.redis_url) if self.cfg.toolkit.redis_url else None
-        self.heartbeat.locks = self.locks
+        self.heartbeat.wake_fd, self.heartbeat.locks = self.wake_w, self.locks
         try:
             # One round trip (Redis connects lazily): a URL the server refuses shows now.
             self.link.call(lambda br: br.now())

@@ -1,8 +1,10 @@
-"""The main loop's timed chores: due schedules, pruning old jobs, sampling queue gauges.
+"""The main loop's timed chores: due schedules and pruning old jobs.
 
 Each chore keeps its own next instant; the loop calls ``run()`` every turn and
 ``due_at()`` tells it when a schedule next needs it. Nothing here blocks
 beyond one bounded broker call, and a failed call just waits for its next turn.
+The queue gauges' sample is not one of them: its counts grow with the jobs kept
+(dead letters stay until purged), so the heartbeat thread takes it (heartbeat.py).
 """
 import random
 import time
@@ -21,12 +23,10 @@ CLOCK_CHECK_SECONDS = 30.0
 
 
 class Periodic:
-    def __init__(self, cfg, handlers, link, metrics, sample_seconds):
-        self.link, self.metrics, self.sample_seconds = link, metrics, sample_seconds
+    def __init__(self, cfg, handlers, link):
+        self.link = link
         self.configure(cfg, handlers)
         self.next_prune_at = time.monotonic() + 60
-        self.next_sample_at = 0.0
-        self.queue_stats = {}  # the last broker.stats() sample: {queue: QueueStats}
 
     def configure(self, cfg, handlers):
         """The periodic jobs of the current config and handlers."""
@@ -36,7 +36,6 @@ class Periodic:
             new.carry_over(self.scheduler)  # a reload: the ticks since the last check are still due
         self.scheduler = new
         self.schedule_at = 0.0  # monotonic instant of the next check
-        self.next_sample_at = 0.0  # the queues served may have changed: their gauges follow at once
 
     def due_at(self):
         return self.schedule_at if self.scheduler.schedules else None
@@ -45,7 +44,6 @@ class Periodic:
         if schedules:
             self.run_schedules()
         self.prune()
-        self.sample()
 
     def run_schedules(self):
         if not self.scheduler.schedules or time.monotonic() < self.schedule_at:
@@ -73,14 +71,3 @@ class Periodic:
             return
         if deleted >= PRUNE_BUDGET:
             self.next_prune_at = now  # more of a backlog: the next turn goes on
-
-    def sample(self):
-        now = time.monotonic()
-        if now < self.next_sample_at or self.link.down:
-            return
-        self.next_sample_at = now + self.sample_seconds
-        try:
-            self.queue_stats = self.link.call(lambda br: br.stats(self.cfg.broker.queues), "stats")
-        except BrokerError:
-            return
-        self.metrics.sample_queues(self.queue_stats)

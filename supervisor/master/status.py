@@ -212,7 +212,7 @@ class Status:
             "workers": [child_view(c) for c in sorted(m.pool.children.values(), key=lambda c: c.slot)],
             "restarts": m.pool.restarts, "counters": dict(self.counters), "empty_polls": m.dispatcher.empty_polls,
             "handlers": sorted(m.handlers),
-            "queues": {q: s.to_dict() for q, s in m.periodic.queue_stats.items()},
+            "queues": {q: s.to_dict() for q, s in m.heartbeat.queue_stats.items()},
             "paused_queues": sorted(m.control.paused or ()),
             "metrics_listen": m.exporter.address if m.exporter is not None else None,
         }
