@@ -174,12 +174,21 @@ class Heartbeat:
         self.sample()
 
     def sample(self, clock=time.monotonic):
-        """The queue sample, when due; the time it took sets the next one's (SAMPLE_SHARE)."""
+        """The queue sample, when due; the time it took sets the next one's (SAMPLE_SHARE).
+
+        Its counts may take half of what a lease has left past a beat, then the broker gives
+        up on them: the next beat's renewals come in time whatever the broker holds."""
         queues = self.queues
         started = clock()
         if self.on_sample is None or (started < self.next_sample_at and queues == self.sampled):
             return
-        stats = self._call(lambda br: br.stats(queues))
+        try:
+            if self.broker is None:
+                self.broker = open_broker(self.url)
+            stats = self.broker.stats(queues, within=max(0.1, (self.lease_seconds - self.interval) / 2))
+        except BrokerError as exc:  # cut off, or the broker failed (the next beat's renewal says which)
+            log.warning("queue sample not taken: %s", exc, extra={"event": "sample_failed"})
+            stats = None
         self.next_sample_at = started + max(SAMPLE_SECONDS, (clock() - started) / SAMPLE_SHARE)
         if stats is not None:
             self.queue_stats, self.sampled = stats, queues

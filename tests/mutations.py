@@ -829,6 +829,20 @@ MUTATIONS = [
              "max(SAMPLE_SECONDS, (clock() - started) / SAMPLE_SHARE)", "SAMPLE_SECONDS",
              ("tests/test_metrics.py", "-k", "slow_queue_sample"),
              "a queue sample that takes seconds is taken again every 5 s: the broker counts all the time"),
+    Mutation("sqlite-stats-unbounded", "supervisor/backends/sqlite/__init__.py",
+             "interrupted_after(self.db, within)", "interrupted_after(self.db, None)",
+             (CONFORMANCE, "-k", "sqlite and stats_within"),
+             "SQLite's queue counts ignore their bound: the heartbeat's sample can hold up the renewals"),
+    Mutation("postgres-stats-unbounded", "supervisor/backends/postgres/__init__.py",
+             "            if within is not None:  # the server cancels the counts past it",
+             "            if False:",
+             (CONFORMANCE, "-k", "postgres and stats_within"),
+             "PostgreSQL's queue counts ignore their bound: the heartbeat's sample can hold up the renewals"),
+    Mutation("heartbeat-sample-failure-raises", "supervisor/heartbeat.py",
+             "        except BrokerError as exc:  # cut off, or the broker failed",
+             "        except ZeroDivisionError as exc:  # cut off, or the broker failed",
+             ("tests/test_postgres_broker.py", "-k", "cannot_count_in_time"),
+             "a queue sample the broker gives up on ends the heartbeat thread: no lease is renewed again"),
 ]
 
 

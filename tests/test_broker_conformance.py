@@ -11,7 +11,7 @@ import time
 import pytest
 
 from supervisor.backends import open_broker
-from supervisor.errors import BadInput, LeaseLost, NotDead
+from supervisor.errors import BadInput, BrokerError, LeaseLost, NotDead
 from supervisor.model import NewJob, TypeLimits, error_info
 
 from .util import wait_for
@@ -449,6 +449,21 @@ def test_stats_counts_every_state(broker):
     age = broker.stats(["ready"])["ready"].oldest_ready_age
     assert 0.3 <= age < broker.now() - ready_at + 0.01
     assert broker.stats(["empty"])["empty"].oldest_ready_age == 0
+
+
+def test_stats_within_a_bound_counts_the_same_and_past_it_is_a_broker_error(broker):
+    """The heartbeat's queue sample bounds its counts (they read every job of each state, dead
+    letters included, kept until purged): past the bound the broker gives up, its connection
+    still good. Redis counts with ZCARD, bounded already."""
+    broker.enqueue_many([new() for _ in range(30_000)])
+    broker.enqueue(new(delay=60))
+    full = broker.stats(["default"])["default"]
+    bounded = broker.stats(["default"], within=60)["default"]
+    assert (bounded.ready, bounded.scheduled) == (full.ready, full.scheduled) == (30_000, 1)
+    if type(broker).__name__ != "RedisBroker":
+        with pytest.raises(BrokerError):
+            broker.stats(["default"], within=0.0005)
+    assert broker.stats(["default"])["default"].ready == 30_000  # and the broker goes on
 
 
 def test_prune_deletes_only_old_done_jobs(broker):

@@ -762,6 +762,26 @@ def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(pg, postgres_url):
     assert [job.payload["n"] for job in pg.claim(["default"], 40, 30, "me")] == list(range(40))
 
 
+def test_a_queue_sample_the_server_cannot_count_in_time_is_given_up_and_the_heartbeat_goes_on(pg, postgres_url,
+                                                                                                caplog):
+    """The heartbeat's queue sample is bounded (half of what a lease has left past a beat): a
+    count held up (here by a lock; in production by millions of dead letters) is cancelled by
+    the server, logged, and the next beat's renewals come in time."""
+    from supervisor import heartbeat
+
+    taken = []
+    beat = heartbeat.Heartbeat(postgres_url, 1.2, 1.0, None, ["default"], on_sample=taken.append)
+    with psycopg.connect(postgres_url.split("?")[0]) as locker:
+        locker.execute(f"LOCK TABLE {pg._jobs} IN ACCESS EXCLUSIVE MODE")
+        with caplog.at_level("WARNING", logger="tangguh.heartbeat"):
+            beat.sample()  # within max(0.1, (1.2 - 1.0) / 2) = 0.1 s: cancelled, not raised
+        assert taken == [] and "queue sample not taken" in caplog.text
+    beat.next_sample_at = 0.0
+    beat.sample()
+    assert [set(stats) for stats in taken] == [{"default"}]
+    beat.close()
+
+
 def test_a_claim_under_type_limits_reads_none_of_the_jobs_scheduled_for_later(pg, postgres_url):
     """The claim under per-type limits runs its statements from Python and read jobs_ready in
     one ordered scan: every job scheduled for later in front of the due ones was read by every

@@ -156,7 +156,9 @@ class Broker(abc.ABC):
     def get(self, job_id) -> Job | None: ...
 
     @abc.abstractmethod
-    def stats(self, queues) -> dict: ...
+    def stats(self, queues, within=None) -> dict:
+        """``{queue: QueueStats}``. ``within``: seconds the counts may take, BrokerError past them
+        (they read every job of each state; the heartbeat's sample must not hold up the renewals)."""
 
     @abc.abstractmethod
     def dlq_list(self, type=None, limit=100) -> list:

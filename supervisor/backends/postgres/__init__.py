@@ -319,10 +319,13 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
         row = self._execute(f"SELECT * FROM {self._jobs} WHERE id = %s", (job_id,), row_factory=dict_row).fetchone()
         return self._with_parents([Job.from_dict(row)])[0] if row else None
 
-    def stats(self, queues):
+    def stats(self, queues, within=None):
         queues = list(queues)
         out = {q: QueueStats(q) for q in queues}
-        rows = self._execute(stats_query(self._jobs, self._s), {"q": queues}).fetchall()
+        with self._guard("stats"), (db := self._conn()).transaction():
+            if within is not None:  # the server cancels the counts past it
+                db.execute("SELECT set_config('statement_timeout', %s, true)", (str(max(1, int(within * 1000))),))
+            rows = db.execute(stats_query(self._jobs, self._s), {"q": queues}).fetchall()
         for queue, kind, count, age in rows:
             setattr(out[queue], {"running": "in_flight"}.get(kind, kind), count if kind != "paused" else True)
             if kind == "ready":

@@ -23,7 +23,7 @@ from ..limits import Admission, active, refill
 from . import schema, wakeup, workflows
 from .control import ControlMixin
 from .producing import ProducingMixin
-from .database import Transaction, busy, connect, errors, let_go_inherited, read_url, truncate_wal
+from .database import Transaction, busy, connect, errors, interrupted_after, let_go_inherited, read_url, truncate_wal
 from .ready import due_ids, due_rows
 from .search import SearchMixin
 
@@ -275,14 +275,14 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
             row = db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
             return self._with_parents([_job(row)])[0] if row else None
 
-    def stats(self, queues):
+    def stats(self, queues, within=None):
         now = self.now()
         out = {q: QueueStats(q) for q in queues}
         marks = ",".join("?" * len(queues))
         # Each count is a range of jobs_stats (queue, state, run_at) read without the table
         # (schema.STATS_INDEX; tests/test_stats_plans.py holds the planner to it). Without it,
         # SQLite walked another index that starts with queue and looked up every row's state.
-        with self._read():
+        with self._read(), interrupted_after(self.db, within):
             for row in self.db.execute(
                 "SELECT queue, count(*) AS n, min(run_at) AS oldest FROM jobs"
                 f" WHERE queue IN ({marks}) AND state IN ('queued', 'retrying') AND run_at <= ? GROUP BY queue",

@@ -1,6 +1,7 @@
 """The SQLite file: opening it, transactions, and SQLite's errors as BrokerError."""
 import contextlib
 import sqlite3
+import time
 import urllib.parse
 
 from ...errors import BrokerError
@@ -87,6 +88,21 @@ def let_go_inherited(db):
         db.close()
     except sqlite3.Error:
         pass
+
+
+@contextlib.contextmanager
+def interrupted_after(db, seconds):
+    """SQLite abandons the statements of the block past ``seconds`` (``sqlite3.OperationalError:
+    interrupted``); None: no bound."""
+    if seconds is None:
+        yield
+        return
+    deadline = time.monotonic() + seconds
+    db.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
+    try:
+        yield
+    finally:
+        db.set_progress_handler(None, 10_000)
 
 
 class Transaction:
