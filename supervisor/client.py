@@ -24,7 +24,7 @@ thread): its calls take turns on its one broker connection, each holding the
 client's lock for its whole broker call, so a workflow's transaction is never
 joined by another thread's statements. ``wait`` blocks, so it runs on a broker
 of its own and holds no lock; the client keeps up to ``WAIT_BROKERS_KEPT`` of
-those open between waits (a web app waiting in every request must not open
+those open between waits (on PostgreSQL two connections each) (a web app waiting in every request must not open
 connections per request). ``client.broker``, the raw broker, is not
 guarded: use it from one thread at a time. After a fork the PostgreSQL and
 Redis brokers open connections of their own in the child.
@@ -74,6 +74,7 @@ class Client:
         self.strict_queues = config is not None or queues is not None
         self._broker = None
         self._wait_brokers = []  # idle brokers for wait (list.pop and append need no lock)
+        self._closes = 0  # close() calls: a wait that began before one does not keep its broker
         # Re-entrant, with _busy: a signal handler that calls the client while its own thread is in
         # a call is refused at once (a call inside a call would share a transaction or a reply).
         self._lock = threading.RLock()
@@ -107,6 +108,7 @@ class Client:
             if self._broker is not None:
                 broker, self._broker = self._broker, None
                 broker.close()
+        self._closes += 1
         while self._wait_brokers:
             _close_quietly(self._wait_brokers.pop())
 
@@ -270,6 +272,7 @@ class Client:
             if job is not None and job.state in FINISHED:
                 return job  # finished already: no broker of its own to open
         # On a broker of its own: holding the lock for up to ``timeout`` would stall every other thread.
+        closes = self._closes
         try:
             broker = self._wait_brokers.pop()
         except IndexError:
@@ -277,16 +280,16 @@ class Client:
         try:
             job = broker.wait(job_id, timeout)
         except BadInput:
-            self._keep_wait_broker(broker)  # an answer (an unknown id): the broker is fine
+            self._keep_wait_broker(broker, closes)  # an answer (an unknown id): the broker is fine
             raise
         except BaseException:
             _close_quietly(broker)
             raise
-        self._keep_wait_broker(broker)
+        self._keep_wait_broker(broker, closes)
         return job
 
-    def _keep_wait_broker(self, broker):
-        if len(self._wait_brokers) < WAIT_BROKERS_KEPT:
+    def _keep_wait_broker(self, broker, closes):
+        if closes == self._closes and len(self._wait_brokers) < WAIT_BROKERS_KEPT:
             self._wait_brokers.append(broker)
         else:
             _close_quietly(broker)
@@ -341,6 +344,13 @@ def _after_fork_in_child():
     # A lock another thread held at the fork stays held in the child, where that thread is gone.
     for client in list(_clients):
         client._lock, client._busy = threading.RLock(), False
+        # The kept wait brokers are the parent's connections: each broker's close, in a child,
+        # lets go of them without touching the parent's sessions. Kept open, an inherited SQLite
+        # connection left the child's own taking no locks, and the parent's close deleted the WAL
+        # the child committed to (backends/sqlite/database.py, let_go_inherited).
+        kept, client._wait_brokers = client._wait_brokers, []
+        for broker in kept:
+            _close_quietly(broker)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -843,6 +843,16 @@ MUTATIONS = [
              "        except ZeroDivisionError as exc:  # cut off, or the broker failed",
              ("tests/test_postgres_broker.py", "-k", "cannot_count_in_time"),
              "a queue sample the broker gives up on ends the heartbeat thread: no lease is renewed again"),
+    Mutation("client-fork-keeps-wait-brokers", "supervisor/client.py",
+             "        kept, client._wait_brokers = client._wait_brokers, []\n        for broker in kept:\n            _close_quietly(broker)\n",
+             "",
+             ("tests/test_sqlite_broker.py", "-k", "before_a_fork"),
+             "a SQLite client that waited before a fork keeps the parent's connection in the child: the child's commits are lost"),
+    Mutation("client-keeps-wait-broker-after-close", "supervisor/client.py",
+             "        if closes == self._closes and len(self._wait_brokers) < WAIT_BROKERS_KEPT:",
+             "        if len(self._wait_brokers) < WAIT_BROKERS_KEPT:",
+             ("tests/test_client_threads.py", "-k", "reuse_their_broker"),
+             "a wait running through close() keeps its broker open after the client was closed"),
 ]
 
 

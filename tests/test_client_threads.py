@@ -12,6 +12,8 @@ from supervisor.client import Client
 from supervisor.errors import BadInput
 from supervisor.jobfilter import JobFilter
 
+from .util import wait_for
+
 THREADS = 16
 ROUNDS = 10  # per thread: alternately a plain enqueue and a two-step chain
 
@@ -137,4 +139,13 @@ def test_waits_one_after_another_reuse_their_broker_and_many_at_once_keep_a_few(
     assert len(client._wait_brokers) == client_module.WAIT_BROKERS_KEPT
     assert len(closed) == len(opened) - 1 - client_module.WAIT_BROKERS_KEPT
     client.close()
+    assert client._wait_brokers == [] and sorted(map(id, closed)) == sorted(map(id, opened))
+
+    # A close() while a wait runs: that wait's broker is closed when it ends, not kept.
+    before = len(opened)
+    waiting = threading.Thread(target=client.wait, args=(job_id, 2.0))
+    waiting.start()
+    wait_for(lambda: len(opened) == before + 2, message="the wait's brokers (the client's own, reopened, and its own)")
+    client.close()
+    waiting.join(30)
     assert client._wait_brokers == [] and sorted(map(id, closed)) == sorted(map(id, opened))

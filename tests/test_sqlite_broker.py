@@ -192,14 +192,19 @@ def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(tmp_path, limits):
     broker.close()
 
 
-def test_a_client_used_before_a_fork_keeps_every_job_the_child_enqueues(tmp_path):
+@pytest.mark.parametrize("waited", [False, True], ids=["used", "used-and-waited"])
+def test_a_client_used_before_a_fork_keeps_every_job_the_child_enqueues(tmp_path, waited):
     """A Client opened and used before os.fork() (gunicorn --preload, a daemonizing app),
     used on in the child while the parent closes its own: SQLite forbids a connection
     crossing a fork. The parent's close, finding no other process's lock on the file,
-    checkpointed and deleted the WAL the child went on committing to: those jobs were lost."""
+    checkpointed and deleted the WAL the child went on committing to: those jobs were lost.
+    A wait before the fork leaves a wait broker the client keeps: the child lets go of it too."""
     url = f"sqlite:///{tmp_path}/broker.db"
     client = Client.from_url(url)
     client.enqueue_many([{"type": "parent", "payload": {"i": i}} for i in range(3)])
+    if waited:
+        assert client.wait(client.enqueue("waited", {}), 0.01) is None
+        assert len(client._wait_brokers) == 1
     to_child, to_parent = os.pipe(), os.pipe()
     pid = os.fork()
     if pid == 0:
