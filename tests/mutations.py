@@ -829,6 +829,11 @@ MUTATIONS = [
              "max(SAMPLE_SECONDS, (clock() - started) / SAMPLE_SHARE)", "SAMPLE_SECONDS",
              ("tests/test_metrics.py", "-k", "slow_queue_sample"),
              "a queue sample that takes seconds is taken again every 5 s: the broker counts all the time"),
+    Mutation("redis-reopen-takes-held-key", "supervisor/backends/redis_lua/_flows.lua",
+             "          if holder and holder ~= child and unfinished(redis.call('HGET', JOB .. holder, 'state')) then",
+             "          if false then",
+             ("tests/test_conformance_workflows.py", "-k", "redis and key_another_job_took"),
+             "a replay leaves cancelled a child whose idempotency key another unfinished job took (Redis)"),
 ]
 
 

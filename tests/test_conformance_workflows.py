@@ -149,6 +149,37 @@ def test_replay_keeps_a_child_cancelled_while_another_parent_still_failed(broker
     assert broker.get(child).state == "cancelled"
 
 
+def test_replay_leaves_cancelled_a_child_whose_idempotency_key_another_job_took(broker):
+    """A child cancelled by its failed parent gave up its key; a job that took the key since will
+    carry that effect. Replaying (or requeueing) the parent succeeds and leaves the child
+    cancelled, naming the holder, so no key ever has two unfinished holders."""
+    parent = broker.enqueue(new("parent"))
+    child = broker.enqueue(new("child", idempotency_key="invoice-7", depends_on=[parent]))
+    grandchild = broker.enqueue(new("grandchild", depends_on=[child]))
+    die(broker, claim_ids(broker)[parent])
+    # Stored cancelled at once (its parent is dead): it took no key either.
+    late = broker.enqueue(new("child", idempotency_key="invoice-7", depends_on=[parent]))
+    holder = broker.enqueue(new("other", idempotency_key="invoice-7"))
+    assert holder not in (child, late)
+    assert broker.dlq_replay([parent]) == [parent]
+    for kid in (child, late):
+        got = broker.get(kid)
+        assert (got.state, got.reason, got.cancel_request["key_held_by"]) == ("cancelled", "parent_failed", holder)
+    assert broker.get(grandchild).state == "cancelled"
+    assert broker.enqueue(new("third", idempotency_key="invoice-7")) == holder
+    jobs = claim_ids(broker)
+    assert set(jobs) == {parent, holder}
+    die(broker, jobs[parent])
+    broker.ack(jobs[holder].lease)
+    # The key is free again: a requeue reopens the first child, which then holds it alone.
+    assert broker.requeue([parent]) == {parent: "queued"}
+    got = broker.get(child)
+    assert (got.state, got.cancel_request) == ("waiting", None)
+    assert (broker.get(late).state, broker.get(late).cancel_request["key_held_by"]) == ("cancelled", child)
+    assert broker.get(grandchild).state == "waiting"
+    assert broker.enqueue(new("fourth", idempotency_key="invoice-7")) == child
+
+
 # -- atomic enqueue, refusals ------------------------------------------------------
 
 def test_a_workflow_is_stored_whole_or_not_at_all(broker):

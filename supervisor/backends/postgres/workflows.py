@@ -33,7 +33,7 @@ import json
 from psycopg import errors as pgerrors
 from psycopg.rows import tuple_row
 
-from ...dependencies import ON_SUCCESS, PARENT_FAILED, merged, order, plan
+from ...dependencies import KEY_HELD_BY, ON_SUCCESS, PARENT_FAILED, merged, order, plan
 from ...errors import BrokerError
 from ...model import chosen_ids, first_token, id_taken
 from .connection import deadlock_retried
@@ -94,14 +94,34 @@ def reopen_migration(s):
     return [reopen_function(s, "CREATE OR REPLACE FUNCTION", lock_edges=True)]
 
 
-def reopen_function(s, create, lock_edges, detached=False):
+def reopen_function(s, create, lock_edges, detached=False, keys=False):
     """The trigger function run when a parent runs again (replay, requeue): its children's
-    edges reopen, a waiting child waits for it again, a child cancelled for it waits again."""
+    edges reopen, a waiting child waits for it again, a child cancelled for it waits again
+    (with ``keys``: unless another unfinished job took its idempotency key meanwhile)."""
     live, e_live = (" AND NOT parent_gone", " AND NOT e.parent_gone") if detached else ("", "")
     lock = (f"""
             PERFORM 1 FROM {s}.job_edges
                 WHERE child IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id{live})
                 ORDER BY child, parent FOR UPDATE;""" if lock_edges else "")
+
+    def reopenable(j):
+        return (f"{j}.state = 'cancelled' AND {j}.reason = '{PARENT_FAILED}'"
+                f" AND {j}.id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id{live})"
+                f" AND NOT EXISTS (SELECT 1 FROM {s}.job_edges e WHERE e.child = {j}.id AND e.on_ = '{ON_SUCCESS}'"
+                " AND e.state IS NOT NULL AND e.state <> 'done')")
+    # Cancelled, the child gave up its key: a job that took it since carries that effect, so the
+    # child stays cancelled and names the holder. Of two cancelled siblings with one key, the first.
+    held = (f"""
+                    AND NOT EXISTS (SELECT 1 FROM {s}.jobs h WHERE h.idempotency_key = j.idempotency_key
+                                        AND h.state IN {UNFINISHED}
+                                    UNION ALL
+                                    SELECT 1 FROM {s}.jobs x WHERE x.idempotency_key = j.idempotency_key
+                                        AND x.id < j.id AND {reopenable('x')})""" if keys else "")
+    note = (f"""
+            UPDATE {s}.jobs j SET cancel_request = j.cancel_request || jsonb_build_object('{KEY_HELD_BY}',
+                    (SELECT h.id FROM {s}.jobs h WHERE h.idempotency_key = j.idempotency_key
+                        AND h.state IN {UNFINISHED}))
+                WHERE {reopenable('j')} AND j.idempotency_key IS NOT NULL;""" if keys else "")
     return f"""{create} {s}.flow_reopen() RETURNS trigger LANGUAGE plpgsql AS $body$
         BEGIN{lock}
             UPDATE {s}.job_edges e SET state = NULL, result = NULL FROM {s}.jobs c
@@ -111,10 +131,7 @@ def reopen_function(s, create, lock_edges, detached=False):
                 WHERE state = 'waiting' AND id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id{live});
             UPDATE {s}.jobs j SET state = 'waiting', reason = NULL, finished_at = NULL, cancel_request = NULL,
                     pending = (SELECT count(*) FROM {s}.job_edges e WHERE e.child = j.id AND e.state IS NULL)
-                WHERE j.state = 'cancelled' AND j.reason = '{PARENT_FAILED}'
-                    AND j.id IN (SELECT child FROM {s}.job_edges WHERE parent = NEW.id{live})
-                    AND NOT EXISTS (SELECT 1 FROM {s}.job_edges e WHERE e.child = j.id AND e.on_ = '{ON_SUCCESS}'
-                                    AND e.state IS NOT NULL AND e.state <> 'done');
+                WHERE {reopenable('j')}{held};{note}
             RETURN NULL;
         END
         $body$"""
@@ -193,6 +210,15 @@ def forget_function(s, create, detached):
             RETURN NULL;
         END
         $body$"""
+
+
+def keys_migration(s):
+    """Version 11: a reopened child whose idempotency key another unfinished job took stays cancelled.
+
+    Reopened, it held the key a second time: the unique index aborted the whole replay
+    (its parent stuck dead) where Redis let two jobs run one key's effect.
+    """
+    return [reopen_function(s, "CREATE OR REPLACE FUNCTION", lock_edges=True, detached=True, keys=True)]
 
 
 class Workflows:

@@ -17,6 +17,10 @@ local function is_edge(parent, child)
   return false
 end
 
+local function unfinished(state)
+  return state == 'queued' or state == 'running' or state == 'retrying' or state == 'waiting'
+end
+
 -- A job reached a finished state: record it on each waiting child, cancel
 -- the on="success" children of a failed parent (and theirs, a worklist, not
 -- recursion), release the children with nothing left pending. Called in the
@@ -83,43 +87,50 @@ reopen = function(id)
     n = n + 1
     if redis.call('HGET', JOB .. pid, 'kids') then
       local fields = redis.call('HGETALL', JOB .. pid)
+      local children = {}
       for i = 1, #fields, 2 do
         if string.sub(fields[i], 1, 2) == 'k:' and is_edge(pid, string.sub(fields[i], 3)) then
-          local child = string.sub(fields[i], 3)
-          local ckey = JOB .. child
-          local f = redis.call('HMGET', ckey, 'state', 'reason')
-          if f[1] == 'waiting' then
-            if redis.call('HDEL', ckey, 'p:' .. pid) == 1 then redis.call('HINCRBY', ckey, 'pending', 1) end
-          elseif f[1] == 'cancelled' and f[2] == 'parent_failed' then
-            redis.call('HDEL', ckey, 'p:' .. pid)
-            local cf = redis.call('HGETALL', ckey)
-            local seen, deps, blocked = {}, {}, false
-            for j = 1, #cf, 2 do
-              local name = string.sub(cf[j], 1, 2)
-              if name == 'd:' then deps[string.sub(cf[j], 3)] = cf[j + 1]
-              elseif name == 'p:' then seen[string.sub(cf[j], 3)] = cf[j + 1] end
-            end
-            local pending = 0
-            for parent, on in pairs(deps) do
-              local ended = seen[parent]
-              if not ended then pending = pending + 1
-              elseif on == 'success' and string.sub(ended, 1, 7) ~= '["done"' then blocked = true end
-            end
-            if not blocked then
-              redis.call('HSET', ckey, 'state', 'waiting', 'pending', pending)
-              redis.call('HDEL', ckey, 'reason', 'finished_at', 'cancel_request')
-              redis.call('ZREM', CANCELLED_Z, child)
-              redis.call('SADD', WAITING_S, child)
-              local ikey = redis.call('HGET', ckey, 'idempotency_key')  -- waiting again: it holds its key again
-              if ikey then
-                local holder = redis.call('HGET', IDEM, ikey)
-                local hstate = holder and redis.call('HGET', JOB .. holder, 'state')
-                if hstate ~= 'queued' and hstate ~= 'running' and hstate ~= 'retrying' and hstate ~= 'waiting' then
-                  redis.call('HSET', IDEM, ikey, child)
-                end
-              end
-              work[#work + 1] = child
-            end
+          children[#children + 1] = string.sub(fields[i], 3)
+        end
+      end
+      -- In id order, as the SQL brokers: of two cancelled siblings with one key, the first reopens.
+      table.sort(children)
+      for _, child in ipairs(children) do
+        local ckey = JOB .. child
+        local f = redis.call('HMGET', ckey, 'state', 'reason')
+        if f[1] == 'waiting' then
+          if redis.call('HDEL', ckey, 'p:' .. pid) == 1 then redis.call('HINCRBY', ckey, 'pending', 1) end
+        elseif f[1] == 'cancelled' and f[2] == 'parent_failed' then
+          redis.call('HDEL', ckey, 'p:' .. pid)
+          local cf = redis.call('HGETALL', ckey)
+          local seen, deps, blocked = {}, {}, false
+          for j = 1, #cf, 2 do
+            local name = string.sub(cf[j], 1, 2)
+            if name == 'd:' then deps[string.sub(cf[j], 3)] = cf[j + 1]
+            elseif name == 'p:' then seen[string.sub(cf[j], 3)] = cf[j + 1] end
+          end
+          local pending = 0
+          for parent, on in pairs(deps) do
+            local ended = seen[parent]
+            if not ended then pending = pending + 1
+            elseif on == 'success' and string.sub(ended, 1, 7) ~= '["done"' then blocked = true end
+          end
+          -- Cancelled, it gave up its key: a job that took the key since carries that effect,
+          -- so the child stays cancelled (naming the holder) rather than make a second holder.
+          local ikey = not blocked and redis.call('HGET', ckey, 'idempotency_key')
+          local holder = ikey and redis.call('HGET', IDEM, ikey)
+          if holder and holder ~= child and unfinished(redis.call('HGET', JOB .. holder, 'state')) then
+            blocked = true
+            redis.call('HSET', ckey, 'cancel_request', '{"by":"workflow","reason":"parent_failed","at":'
+              .. (redis.call('HGET', ckey, 'finished_at') or 'null') .. ',"key_held_by":' .. cjson.encode(holder) .. '}')
+          end
+          if not blocked then
+            redis.call('HSET', ckey, 'state', 'waiting', 'pending', pending)
+            redis.call('HDEL', ckey, 'reason', 'finished_at', 'cancel_request')
+            redis.call('ZREM', CANCELLED_Z, child)
+            redis.call('SADD', WAITING_S, child)
+            if ikey then redis.call('HSET', IDEM, ikey, child) end  -- waiting again: it holds its key again
+            work[#work + 1] = child
           end
         end
       end

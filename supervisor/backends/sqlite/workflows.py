@@ -30,12 +30,21 @@ cannot both see ``pending = 0``.
 """
 import json
 
-from ...dependencies import ON_SUCCESS, PARENT_FAILED, cancelled_by_workflow, level_of, merged
+from ...dependencies import KEY_HELD_BY, ON_SUCCESS, PARENT_FAILED, cancelled_by_workflow, level_of, merged
 from ...errors import BadInput
 from ...model import FINISHED, first_token
 
 _FINISHED = "('done', 'dead', 'cancelled', 'expired')"
+_UNFINISHED = "('queued', 'running', 'retrying', 'waiting')"
 _NOW = "(julianday('now') - 2440587.5) * 86400.0"
+
+
+def _reopenable(j):
+    """``j`` is a child the reopening parent cancelled and no other on='success' parent still fails."""
+    return (f"{j}.state = 'cancelled' AND {j}.reason = '{PARENT_FAILED}'"
+            f" AND {j}.id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND NOT parent_gone)"
+            f" AND NOT EXISTS (SELECT 1 FROM job_edges e WHERE e.child = {j}.id AND e.on_ = '{ON_SUCCESS}'"
+            " AND e.state IS NOT NULL AND e.state <> 'done')")
 
 SCHEMA = ["""CREATE TABLE IF NOT EXISTS job_edges (
     parent TEXT NOT NULL,
@@ -74,10 +83,14 @@ BEGIN
         WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND NOT parent_gone);
     UPDATE jobs SET state = 'waiting', reason = NULL, finished_at = NULL, cancel_request = NULL,
             pending = (SELECT count(*) FROM job_edges e WHERE e.child = jobs.id AND e.state IS NULL)
-        WHERE state = 'cancelled' AND reason = '{PARENT_FAILED}'
-            AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND NOT parent_gone)
-            AND NOT EXISTS (SELECT 1 FROM job_edges e WHERE e.child = jobs.id AND e.on_ = '{ON_SUCCESS}'
-                            AND e.state IS NOT NULL AND e.state <> 'done');
+        WHERE {_reopenable('jobs')} AND NOT EXISTS (
+            SELECT 1 FROM jobs h WHERE h.idempotency_key = jobs.idempotency_key AND h.state IN {_UNFINISHED}
+            UNION ALL
+            SELECT 1 FROM jobs s WHERE s.idempotency_key = jobs.idempotency_key AND s.id < jobs.id
+                AND {_reopenable('s')});
+    UPDATE jobs SET cancel_request = json_set(cancel_request, '$.{KEY_HELD_BY}', (SELECT h.id FROM jobs h
+            WHERE h.idempotency_key = jobs.idempotency_key AND h.state IN {_UNFINISHED}))
+        WHERE {_reopenable('jobs')} AND idempotency_key IS NOT NULL;
 END""",
     f"""CREATE TRIGGER IF NOT EXISTS flow_forget AFTER DELETE ON jobs
 BEGIN
@@ -130,6 +143,9 @@ def migrate(db):
         db.execute("ALTER TABLE jobs ADD COLUMN pending INTEGER")
     if "level" not in columns:
         db.execute("ALTER TABLE jobs ADD COLUMN level INTEGER")
+    row = db.execute("SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = 'flow_reopen'").fetchone()
+    if row is not None and KEY_HELD_BY not in row["sql"]:
+        db.execute("DROP TRIGGER flow_reopen")  # an older version's: it reopened a child whose key was taken
     for statement in SCHEMA:
         db.execute(statement)
     row = db.execute("SELECT sql FROM sqlite_master WHERE type = 'index' AND name = 'jobs_idempotency'").fetchone()
