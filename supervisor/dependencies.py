@@ -21,6 +21,9 @@ ON_SUCCESS, ON_COMPLETE = "success", "complete"
 ONS = (ON_SUCCESS, ON_COMPLETE)
 MAX_PARENTS = 100_000  # a group's callback waits on each member: bounded, but generous
 PARENT_FAILED = "parent_failed"  # the reason a waiting child is cancelled with
+# Added to that cancel_request when a replay leaves the child cancelled: the job named holds its
+# idempotency key now (the child gave it up when cancelled), and that effect is already on its way.
+KEY_HELD_BY = "key_held_by"
 # Levels of a workflow: a job's level is 1 + its deepest parent's (0 without parents). A cancel
 # cascades (and a replay reopens) one level per nested trigger on SQLite and PostgreSQL, whose
 # nesting is bounded (SQLite: 1000 trigger levels; PostgreSQL: its stack): a bound here keeps

@@ -191,7 +191,7 @@ MUTATIONS = [
              ("tests/test_postgres_broker.py", "-k", "aborts_to_break and cancel"),
              "a transaction PostgreSQL aborted to break a deadlock runs again"),
     Mutation("postgres-reopen-unlocked", "supervisor/backends/postgres/workflows.py",
-             "                ORDER BY child, parent FOR UPDATE;", "                ORDER BY child, parent;",
+             '                ORDER BY id FOR UPDATE;"""}[lock]', '                ORDER BY id;"""}[lock]',
              ("tests/test_postgres_broker.py", "-k", "reopened_while"),
              "a reopened workflow child counts a parent ending at the same moment (PostgreSQL)"),
     Mutation("child-one-frame-per-job", "supervisor/child/worker.py",
@@ -853,6 +853,15 @@ MUTATIONS = [
              "        if len(self._wait_brokers) < WAIT_BROKERS_KEPT:",
              ("tests/test_client_threads.py", "-k", "reuse_their_broker"),
              "a wait running through close() keeps its broker open after the client was closed"),
+    Mutation("redis-reopen-takes-held-key", "supervisor/backends/redis_lua/_flows.lua",
+             "          if holder and holder ~= child and unfinished(redis.call('HGET', JOB .. holder, 'state')) then",
+             "          if false then",
+             ("tests/test_conformance_workflows.py", "-k", "redis and key_another_job_took"),
+             "a replay leaves cancelled a child whose idempotency key another unfinished job took (Redis)"),
+    Mutation("redis-reopen-rereads-callback", "supervisor/backends/redis_lua/_flows.lua",
+             "          local failing = tonumber(f[4])", "          local failing = nil",
+             ("tests/test_conformance_workflows.py", "-k", "redis and big_fan_in"),
+             "replaying the N dead members of a fan-in reads the callback once, not once per member (Redis)"),
 ]
 
 

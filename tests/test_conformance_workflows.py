@@ -149,6 +149,37 @@ def test_replay_keeps_a_child_cancelled_while_another_parent_still_failed(broker
     assert broker.get(child).state == "cancelled"
 
 
+def test_replay_leaves_cancelled_a_child_whose_idempotency_key_another_job_took(broker):
+    """A child cancelled by its failed parent gave up its key; a job that took the key since will
+    carry that effect. Replaying (or requeueing) the parent succeeds and leaves the child
+    cancelled, naming the holder, so no key ever has two unfinished holders."""
+    parent = broker.enqueue(new("parent"))
+    child = broker.enqueue(new("child", idempotency_key="invoice-7", depends_on=[parent]))
+    grandchild = broker.enqueue(new("grandchild", depends_on=[child]))
+    die(broker, claim_ids(broker)[parent])
+    # Stored cancelled at once (its parent is dead): it took no key either.
+    late = broker.enqueue(new("child", idempotency_key="invoice-7", depends_on=[parent]))
+    holder = broker.enqueue(new("other", idempotency_key="invoice-7"))
+    assert holder not in (child, late)
+    assert broker.dlq_replay([parent]) == [parent]
+    for kid in (child, late):
+        got = broker.get(kid)
+        assert (got.state, got.reason, got.cancel_request["key_held_by"]) == ("cancelled", "parent_failed", holder)
+    assert broker.get(grandchild).state == "cancelled"
+    assert broker.enqueue(new("third", idempotency_key="invoice-7")) == holder
+    jobs = claim_ids(broker)
+    assert set(jobs) == {parent, holder}
+    die(broker, jobs[parent])
+    broker.ack(jobs[holder].lease)
+    # The key is free again: a requeue reopens the first child, which then holds it alone.
+    assert broker.requeue([parent]) == {parent: "queued"}
+    got = broker.get(child)
+    assert (got.state, got.cancel_request) == ("waiting", None)
+    assert (broker.get(late).state, broker.get(late).cancel_request["key_held_by"]) == ("cancelled", child)
+    assert broker.get(grandchild).state == "waiting"
+    assert broker.enqueue(new("fourth", idempotency_key="invoice-7")) == child
+
+
 # -- atomic enqueue, refusals ------------------------------------------------------
 
 def test_a_workflow_is_stored_whole_or_not_at_all(broker):
@@ -616,3 +647,72 @@ def test_prune_keeps_a_child_cancelled_by_a_parent_still_dead_until_that_parent_
     broker.ack(claim_ids(broker)[bad].lease, "bad result")
     (got,) = claim_all(broker)
     assert got.id == callback and got.parents == {ok: ("done", "ok result"), bad: ("done", "bad result")}
+
+
+# -- the cost of reopening -----------------------------------------------------------
+
+def _work(broker_url, broker, key, action):
+    """What ``action`` costs the broker, in a unit that grows with the rows or fields it reads:
+    SQLite's VM steps, PostgreSQL's tuples read in the transaction, Redis's whole reads of
+    the hash ``key`` (its scripts' commands, seen by MONITOR)."""
+    if broker_url.startswith("sqlite"):
+        steps = [0]
+        broker.db.set_progress_handler(lambda: steps.__setitem__(0, steps[0] + 1), 100)
+        try:
+            action()
+        finally:
+            broker.db.set_progress_handler(None, 100)
+        return steps[0]
+    if broker_url.startswith("redis"):
+        import threading
+
+        import redis
+        seen, ready, mark = [], threading.Event(), f"ECHO end-of-{key}"
+
+        def monitor():
+            with redis.Redis.from_url(broker_url.split("?")[0]).monitor() as m:
+                ready.set()
+                for command in m.listen():
+                    seen.append(command["command"])
+                    if command["command"] == mark:
+                        return
+        watcher = threading.Thread(target=monitor, daemon=True)
+        watcher.start()
+        ready.wait(5)
+        action()
+        redis.Redis.from_url(broker_url.split("?")[0]).echo(f"end-of-{key}")
+        watcher.join(10)
+        return sum(1 for command in seen if command.startswith("HGETALL ") and command.endswith(f":j:{key}"))
+    db = broker._conn()
+    with db.transaction():
+        db.execute("SELECT pg_stat_force_next_flush()")  # the counts below start from this transaction
+    with db.transaction():
+        # Every read by index, planned at each call: tables this small are otherwise scanned whole
+        # (each statement reading every row stored), or not, as the planner's estimates go.
+        db.execute("SET LOCAL enable_seqscan = off")
+        db.execute("SET LOCAL plan_cache_mode = force_custom_plan")
+        action()  # a savepoint in this transaction, whose table statistics are read before it ends
+        (read,) = db.execute("SELECT sum(coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))"
+                             " FROM pg_stat_xact_user_tables WHERE schemaname = %s", (broker.schema,)).fetchone()
+    return int(read)
+
+
+def test_replaying_the_dead_members_of_a_big_fan_in_reads_the_callback_once_not_per_member(broker, broker_url):
+    """Each replayed member's reopen read the whole callback (its edges or hash fields) to learn
+    whether another member still failed it: a fan-in of 3,000 took 12-18 s in one script or
+    transaction (Redis answered other clients BUSY). The work must grow linearly."""
+    work = {}
+    for n in (30, 240):
+        members = broker.enqueue_many([new("member", {"i": i}) for i in range(n)])
+        callback = broker.enqueue(new("callback", depends_on=members))
+        for job in claim_all(broker, n):
+            die(broker, job)
+        work[n] = _work(broker_url, broker, callback, lambda: broker.dlq_replay(members))
+        got = broker.get(callback)
+        assert (got.state, got.pending) == ("waiting", n)
+        broker.ack_many([(job.lease, None, None) for job in claim_all(broker, n)])
+        assert [job.id for job in claim_all(broker)] == [callback]
+    if broker_url.startswith("redis"):
+        assert work == {30: 1, 240: 1}  # once, when the last member's replay reopens it
+    else:
+        assert work[240] < 12 * work[30], work  # 8 times the members; reading the callback each time: 20-40 times

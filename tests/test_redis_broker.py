@@ -418,3 +418,24 @@ def test_enqueue_once_stopped_between_its_two_slots_is_finished_by_the_next_call
     assert rb.enqueue_once(NewJob("t", {}, queue="default", idempotency_key=key)) is None
     stats = rb.stats(["default", "b"])
     assert (stats["default"].ready, stats["b"].ready) == (1, 0)
+
+
+def test_a_workflow_child_stored_before_its_failing_count_is_counted_at_its_first_reopen(rb, raw, redis_url):
+    """A child's 'failing' count (its on="success" parents that failed) lets a reopen skip
+    reading its other parents. A child stored by an older version has none: the parents'
+    ends must not count from nothing, and its first reopen counts them from its parents."""
+    members = rb.enqueue_many([NewJob("m", {"i": i}) for i in range(3)])
+    callback = rb.enqueue(NewJob("cb", {}, depends_on=members))
+    key = f"{prefix_of(redis_url)}:{{default}}:j:{callback}"
+    assert raw.hdel(key, "failing") == 1
+    jobs = {job.id: job for job in rb.claim(["default"], 3, 30, "w")}
+    for member in members[:2]:
+        rb.dead(jobs[member].lease, "permanent", error_info("permanent"))
+    assert (rb.get(callback).state, raw.hget(key, "failing")) == ("cancelled", None)
+    rb.dlq_replay(members[:1])
+    assert (rb.get(callback).state, raw.hget(key, "failing")) == ("cancelled", "1")  # the other dead member
+    rb.dlq_replay(members[1:2])
+    assert (rb.get(callback).state, rb.get(callback).pending, raw.hget(key, "failing")) == ("waiting", 3, "0")
+    again = rb.claim(["default"], 3, 30, "w")
+    rb.ack_many([(job.lease, None, None) for job in again + [jobs[members[2]]]])
+    assert [job.id for job in rb.claim(["default"], 3, 30, "w")] == [callback]

@@ -147,6 +147,9 @@ def migrations(s):
         (9, [claim_function(s)]),
         # 10: a deleted parent's edges are no longer matched by a new job of its id (workflows.py).
         (10, workflows.detach_migration(s)),
+        # 11: a reopened workflow child never makes a second holder of its idempotency key, and its
+        # reopen reads none of its other parents while one still failed it (workflows.py).
+        (11, workflows.keys_migration(s)),
     ]
 
 

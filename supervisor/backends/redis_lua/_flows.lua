@@ -5,6 +5,8 @@
 --   d:<parent>  the edge's "on", on the child
 --   p:<parent>  '["<state>",<result JSON>]' once that parent has finished
 --   pending     parents not finished yet (children only)
+--   failing     on="success" parents that ended other than done (what keeps it cancelled):
+--               a reopen reads it, not every parent's end (absent on a child stored before it existed)
 -- and in the queue's slot, QBASE..'waiting', a set of the queue's waiting jobs (for stats).
 local WAITING_S = QBASE .. 'waiting'
 
@@ -15,6 +17,23 @@ local function is_edge(parent, child)
   if redis.call('HEXISTS', JOB .. child, 'd:' .. parent) == 1 then return true end
   redis.call('HDEL', JOB .. parent, 'k:' .. child)
   return false
+end
+
+local function unfinished(state)
+  return state == 'queued' or state == 'running' or state == 'retrying' or state == 'waiting'
+end
+
+-- Whether a recorded end ('p:' field) of a parent over an edge 'on' keeps its child cancelled.
+local function fails(ended, on)
+  return on == 'success' and ended ~= false and ended ~= nil and string.sub(ended, 1, 7) ~= '["done"'
+end
+
+-- A parent's end recorded on (or taken off) a child changes its 'failing' count. A child
+-- stored before the count existed has none: its first reopen counts it (reopen, below).
+local function count_failing(ckey, was, now)
+  if was ~= now and redis.call('HEXISTS', ckey, 'failing') == 1 then
+    redis.call('HINCRBY', ckey, 'failing', now and 1 or -1)
+  end
 end
 
 -- A job reached a finished state: record it on each waiting child, cancel
@@ -38,7 +57,11 @@ settle = function(id, state, result)
           local ckey = JOB .. child
           local cstate = redis.call('HGET', ckey, 'state')
           -- Recorded on every child still stored: a reopened child needs to know which parents failed.
-          if cstate then redis.call('HSET', ckey, 'p:' .. pid, '["' .. pstate .. '",' .. (presult or 'null') .. ']') end
+          if cstate then
+            local ended = '["' .. pstate .. '",' .. (presult or 'null') .. ']'
+            if on == 'success' then count_failing(ckey, fails(redis.call('HGET', ckey, 'p:' .. pid), on), fails(ended, on)) end
+            redis.call('HSET', ckey, 'p:' .. pid, ended)
+          end
           if cstate == 'waiting' then
             local left = redis.call('HINCRBY', ckey, 'pending', -1)
             if (pstate ~= 'done' and on == 'success') or left == 0 then redis.call('SREM', WAITING_S, child) end
@@ -72,9 +95,29 @@ settle = function(id, state, result)
   if released then redis.call('PUBLISH', CHANNEL, '1') end
 end
 
+-- The parents of a child not finished yet, and (for a child stored before 'failing' existed)
+-- how many failed it: one read of its whole hash, done when it is about to wait again.
+local function open_parents(ckey)
+  local cf = redis.call('HGETALL', ckey)
+  local seen, deps = {}, {}
+  for j = 1, #cf, 2 do
+    local name = string.sub(cf[j], 1, 2)
+    if name == 'd:' then deps[string.sub(cf[j], 3)] = cf[j + 1]
+    elseif name == 'p:' then seen[string.sub(cf[j], 3)] = cf[j + 1] end
+  end
+  local pending, failing = 0, 0
+  for parent, on in pairs(deps) do
+    if not seen[parent] then pending = pending + 1
+    elseif fails(seen[parent], on) then failing = failing + 1 end
+  end
+  return pending, failing
+end
+
 -- A finished job goes back (dlq replay): its waiting children wait on it
 -- again; the children it cancelled wait again unless another on="success"
--- parent still failed them, and so on down the tree.
+-- parent still failed them, and so on down the tree. A child's 'failing'
+-- count says so without reading its other parents' ends: replaying the N
+-- dead members of a fan-in reads the callback's N parents once, not N times.
 reopen = function(id)
   local work = {id}
   local n = 1
@@ -83,43 +126,50 @@ reopen = function(id)
     n = n + 1
     if redis.call('HGET', JOB .. pid, 'kids') then
       local fields = redis.call('HGETALL', JOB .. pid)
+      local children, edge = {}, {}
       for i = 1, #fields, 2 do
         if string.sub(fields[i], 1, 2) == 'k:' and is_edge(pid, string.sub(fields[i], 3)) then
           local child = string.sub(fields[i], 3)
-          local ckey = JOB .. child
-          local f = redis.call('HMGET', ckey, 'state', 'reason')
-          if f[1] == 'waiting' then
-            if redis.call('HDEL', ckey, 'p:' .. pid) == 1 then redis.call('HINCRBY', ckey, 'pending', 1) end
-          elseif f[1] == 'cancelled' and f[2] == 'parent_failed' then
-            redis.call('HDEL', ckey, 'p:' .. pid)
-            local cf = redis.call('HGETALL', ckey)
-            local seen, deps, blocked = {}, {}, false
-            for j = 1, #cf, 2 do
-              local name = string.sub(cf[j], 1, 2)
-              if name == 'd:' then deps[string.sub(cf[j], 3)] = cf[j + 1]
-              elseif name == 'p:' then seen[string.sub(cf[j], 3)] = cf[j + 1] end
-            end
-            local pending = 0
-            for parent, on in pairs(deps) do
-              local ended = seen[parent]
-              if not ended then pending = pending + 1
-              elseif on == 'success' and string.sub(ended, 1, 7) ~= '["done"' then blocked = true end
-            end
-            if not blocked then
-              redis.call('HSET', ckey, 'state', 'waiting', 'pending', pending)
-              redis.call('HDEL', ckey, 'reason', 'finished_at', 'cancel_request')
-              redis.call('ZREM', CANCELLED_Z, child)
-              redis.call('SADD', WAITING_S, child)
-              local ikey = redis.call('HGET', ckey, 'idempotency_key')  -- waiting again: it holds its key again
-              if ikey then
-                local holder = redis.call('HGET', IDEM, ikey)
-                local hstate = holder and redis.call('HGET', JOB .. holder, 'state')
-                if hstate ~= 'queued' and hstate ~= 'running' and hstate ~= 'retrying' and hstate ~= 'waiting' then
-                  redis.call('HSET', IDEM, ikey, child)
-                end
-              end
-              work[#work + 1] = child
-            end
+          children[#children + 1] = child
+          edge[child] = fields[i + 1]
+        end
+      end
+      -- In id order, as the SQL brokers: of two cancelled siblings with one key, the first reopens.
+      table.sort(children)
+      for _, child in ipairs(children) do
+        local ckey = JOB .. child
+        local f = redis.call('HMGET', ckey, 'state', 'reason', 'p:' .. pid, 'failing')
+        if f[1] == 'waiting' then
+          if redis.call('HDEL', ckey, 'p:' .. pid) == 1 then
+            redis.call('HINCRBY', ckey, 'pending', 1)
+            count_failing(ckey, fails(f[3], edge[child]), false)
+          end
+        elseif f[1] == 'cancelled' and f[2] == 'parent_failed' then
+          redis.call('HDEL', ckey, 'p:' .. pid)
+          local failing = tonumber(f[4])
+          if failing == nil then
+            failing = select(2, open_parents(ckey))
+            redis.call('HSET', ckey, 'failing', failing)
+          elseif fails(f[3], edge[child]) then
+            failing = redis.call('HINCRBY', ckey, 'failing', -1)
+          end
+          local blocked = failing > 0
+          -- Cancelled, it gave up its key: a job that took the key since carries that effect,
+          -- so the child stays cancelled (naming the holder) rather than make a second holder.
+          local ikey = not blocked and redis.call('HGET', ckey, 'idempotency_key')
+          local holder = ikey and redis.call('HGET', IDEM, ikey)
+          if holder and holder ~= child and unfinished(redis.call('HGET', JOB .. holder, 'state')) then
+            blocked = true
+            redis.call('HSET', ckey, 'cancel_request', '{"by":"workflow","reason":"parent_failed","at":'
+              .. (redis.call('HGET', ckey, 'finished_at') or 'null') .. ',"key_held_by":' .. cjson.encode(holder) .. '}')
+          end
+          if not blocked then
+            redis.call('HSET', ckey, 'state', 'waiting', 'pending', (open_parents(ckey)))
+            redis.call('HDEL', ckey, 'reason', 'finished_at', 'cancel_request')
+            redis.call('ZREM', CANCELLED_Z, child)
+            redis.call('SADD', WAITING_S, child)
+            if ikey then redis.call('HSET', IDEM, ikey, child) end  -- waiting again: it holds its key again
+            work[#work + 1] = child
           end
         end
       end

@@ -51,7 +51,7 @@ for _, job in ipairs(fresh) do
   local id, priority, delay, fields, ikey, deps = job[1], job[2], job[3], job[4], job[5], job[7]
   local key = JOB .. id
   local run = NOW + delay
-  local pending, failed, extra = 0, false, {}
+  local pending, failing, extra = 0, 0, {}
   -- Parents as stored: two that idempotency keys map to one job are one edge ("success" wins, as in
   -- dependencies.merged); counted twice in pending, the job would wait for ever.
   local edges, seen = {}, {}
@@ -71,7 +71,7 @@ for _, job in ipairs(fresh) do
     extra[#extra + 1] = 'd:' .. parent
     extra[#extra + 1] = on
     if f[1] == 'done' or f[1] == 'dead' or f[1] == 'cancelled' or f[1] == 'expired' then
-      if on == 'success' and f[1] ~= 'done' then failed = true end
+      if on == 'success' and f[1] ~= 'done' then failing = failing + 1 end
       extra[#extra + 1] = 'p:' .. parent
       extra[#extra + 1] = '["' .. f[1] .. '",' .. (f[2] or 'null') .. ']'
     else
@@ -80,12 +80,12 @@ for _, job in ipairs(fresh) do
     redis.call('HSET', pkey, 'kids', '1', 'k:' .. id, on)
   end
   local state = 'queued'
-  if failed then state = 'cancelled' elseif pending > 0 then state = 'waiting' end
+  if failing > 0 then state = 'cancelled' elseif pending > 0 then state = 'waiting' end
   redis.call('HSET', key, 'state', state, 'attempt', 0, 'history', '[]',
     'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
   index_job(id, field_of(fields, 'type'), NOW, typed)
   if #deps > 0 then
-    redis.call('HSET', key, 'pending', pending, 'level', levels[id])
+    redis.call('HSET', key, 'pending', pending, 'failing', failing, 'level', levels[id])
     for i = 1, #extra, 1000 do
       redis.call('HSET', key, unpack(extra, i, math.min(i + 999, #extra)))
     end

@@ -21,7 +21,9 @@ cannot both see ``pending = 0``.
 * ``flow_reopen``: a finished job goes back (dlq replay, requeue). Its edges
   forget the end they recorded; waiting children wait on it again; children
   it cancelled come back ``waiting`` unless another parent's failure still
-  cancels them, and so on down the tree.
+  cancels them (one probe of ``job_edges_failed``), or another unfinished job
+  took their idempotency key meanwhile (they stay cancelled, naming it), and
+  so on down the tree.
 * ``flow_forget``: a deleted child takes its edges with it; a deleted parent's
   edges stay (its children read its end from them) marked ``parent_gone``, which
   no trigger reads: an id the caller chose may name a new job later, whose end or
@@ -30,12 +32,23 @@ cannot both see ``pending = 0``.
 """
 import json
 
-from ...dependencies import ON_SUCCESS, PARENT_FAILED, cancelled_by_workflow, level_of, merged
+from ...dependencies import KEY_HELD_BY, ON_SUCCESS, PARENT_FAILED, cancelled_by_workflow, level_of, merged
 from ...errors import BadInput
 from ...model import FINISHED, first_token
 
 _FINISHED = "('done', 'dead', 'cancelled', 'expired')"
+_UNFINISHED = "('queued', 'running', 'retrying', 'waiting')"
 _NOW = "(julianday('now') - 2440587.5) * 86400.0"
+
+
+_FAILED_EDGE = f"on_ = '{ON_SUCCESS}' AND state IS NOT NULL AND state <> 'done'"
+
+
+def _reopenable(j):
+    """``j`` is a child the reopening parent cancelled and no other on='success' parent still fails."""
+    return (f"{j}.state = 'cancelled' AND {j}.reason = '{PARENT_FAILED}'"
+            f" AND {j}.id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND NOT parent_gone)"
+            f" AND NOT EXISTS (SELECT 1 FROM job_edges WHERE child = {j}.id AND {_FAILED_EDGE})")
 
 SCHEMA = ["""CREATE TABLE IF NOT EXISTS job_edges (
     parent TEXT NOT NULL,
@@ -47,6 +60,9 @@ SCHEMA = ["""CREATE TABLE IF NOT EXISTS job_edges (
     PRIMARY KEY (parent, child)
 ) WITHOUT ROWID""",
     "CREATE INDEX IF NOT EXISTS job_edges_child ON job_edges (child)",
+    # A reopen asks whether a child still has a failed on='success' parent: one probe here, not a
+    # walk of the child's edges (each member of a big fan-in replayed walked the callback's).
+    f"CREATE INDEX IF NOT EXISTS job_edges_failed ON job_edges (child) WHERE {_FAILED_EDGE}",
     f"""CREATE TRIGGER IF NOT EXISTS flow_finish AFTER UPDATE OF state ON jobs
 WHEN NEW.state IN {_FINISHED} AND OLD.state NOT IN {_FINISHED}
     AND EXISTS (SELECT 1 FROM job_edges WHERE parent = NEW.id AND NOT parent_gone)
@@ -68,16 +84,21 @@ END""",
 WHEN OLD.state IN {_FINISHED} AND NEW.state NOT IN {_FINISHED}
     AND EXISTS (SELECT 1 FROM job_edges WHERE parent = NEW.id AND NOT parent_gone)
 BEGIN
-    UPDATE job_edges SET state = NULL, result = NULL WHERE parent = NEW.id AND NOT parent_gone AND child IN (
-        SELECT id FROM jobs WHERE state = 'waiting' OR (state = 'cancelled' AND reason = '{PARENT_FAILED}'));
+    UPDATE job_edges SET state = NULL, result = NULL WHERE parent = NEW.id AND NOT parent_gone AND EXISTS (
+        SELECT 1 FROM jobs c WHERE c.id = job_edges.child
+            AND (c.state = 'waiting' OR (c.state = 'cancelled' AND c.reason = '{PARENT_FAILED}')));
     UPDATE jobs SET pending = pending + 1
         WHERE state = 'waiting' AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND NOT parent_gone);
     UPDATE jobs SET state = 'waiting', reason = NULL, finished_at = NULL, cancel_request = NULL,
             pending = (SELECT count(*) FROM job_edges e WHERE e.child = jobs.id AND e.state IS NULL)
-        WHERE state = 'cancelled' AND reason = '{PARENT_FAILED}'
-            AND id IN (SELECT child FROM job_edges WHERE parent = NEW.id AND NOT parent_gone)
-            AND NOT EXISTS (SELECT 1 FROM job_edges e WHERE e.child = jobs.id AND e.on_ = '{ON_SUCCESS}'
-                            AND e.state IS NOT NULL AND e.state <> 'done');
+        WHERE {_reopenable('jobs')} AND NOT EXISTS (
+            SELECT 1 FROM jobs h WHERE h.idempotency_key = jobs.idempotency_key AND h.state IN {_UNFINISHED}
+            UNION ALL
+            SELECT 1 FROM jobs s WHERE s.idempotency_key = jobs.idempotency_key AND s.id < jobs.id
+                AND {_reopenable('s')});
+    UPDATE jobs SET cancel_request = json_set(cancel_request, '$.{KEY_HELD_BY}', (SELECT h.id FROM jobs h
+            WHERE h.idempotency_key = jobs.idempotency_key AND h.state IN {_UNFINISHED}))
+        WHERE {_reopenable('jobs')} AND idempotency_key IS NOT NULL;
 END""",
     f"""CREATE TRIGGER IF NOT EXISTS flow_forget AFTER DELETE ON jobs
 BEGIN
@@ -102,6 +123,7 @@ BEGIN
 END""",
 ]
 
+_REOPEN = next(statement for statement in SCHEMA if "TRIGGER IF NOT EXISTS flow_reopen" in statement)
 
 # A child cancelled by an on="success" parent that lies dead is kept by prune: replaying that parent
 # reopens it (README "Workflows"). Read through the child's own edges (``job_edges_child``).
@@ -130,6 +152,11 @@ def migrate(db):
         db.execute("ALTER TABLE jobs ADD COLUMN pending INTEGER")
     if "level" not in columns:
         db.execute("ALTER TABLE jobs ADD COLUMN level INTEGER")
+    row = db.execute("SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = 'flow_reopen'").fetchone()
+    if row is not None and row["sql"] != _REOPEN.replace(" IF NOT EXISTS", "", 1):
+        # An older version's: it reopened a child whose key another job took, and walked the
+        # child's edges for each reopening parent.
+        db.execute("DROP TRIGGER flow_reopen")
     for statement in SCHEMA:
         db.execute(statement)
     row = db.execute("SELECT sql FROM sqlite_master WHERE type = 'index' AND name = 'jobs_idempotency'").fetchone()
