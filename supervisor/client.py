@@ -23,8 +23,8 @@ app, or the default client ``supervisor.configure(client=...)`` hands to every
 thread): its calls take turns on its one broker connection, each holding the
 client's lock for its whole broker call, so a workflow's transaction is never
 joined by another thread's statements. ``wait`` blocks, so it runs on a broker
-of its own and holds no lock; the client keeps up to ``WAIT_BROKERS_KEPT`` of
-those open between waits (on PostgreSQL two connections each) (a web app waiting in every request must not open
+of its own and holds no lock; the client keeps up to four of those open
+between waits (``waitbrokers.py``) (a web app waiting in every request must not open
 connections per request). ``client.broker``, the raw broker, is not
 guarded: use it from one thread at a time. After a fork the PostgreSQL and
 Redis brokers open connections of their own in the child.
@@ -43,15 +43,13 @@ from .errors import BadInput, BrokerError
 from .jobfilter import JobFilter, check_page, decode_cursor
 from .logs import job_fields
 from .model import FINISHED, NewJob
+from .waitbrokers import WaitBrokers
 
 # One DEBUG record per stored job, with its ids: the first line of a job's
 # trail, which the supervisor's claim/start/done/acked records continue.
 log = logging.getLogger("tangguh.client")
 
 DEFAULT_QUEUE = "default"
-# Brokers kept open for ``wait`` between calls: as many threads as this wait at once without
-# opening a connection; more open their own and close it after.
-WAIT_BROKERS_KEPT = 4
 
 # Keyword arguments of ``Client.enqueue`` that describe the job (the rest go to the broker).
 JOB_OPTIONS = ("queue", "resource_id", "idempotency_key", "delay", "max_attempts", "timeout", "trace_id", "priority",
@@ -73,8 +71,7 @@ class Client:
         # Only a client made from a config knows the set of queues the supervisors serve.
         self.strict_queues = config is not None or queues is not None
         self._broker = None
-        self._wait_brokers = []  # idle brokers for wait (list.pop and append need no lock)
-        self._closes = 0  # close() calls: a wait that began before one does not keep its broker
+        self._waits = WaitBrokers(url)
         # Re-entrant, with _busy: a signal handler that calls the client while its own thread is in
         # a call is refused at once (a call inside a call would share a transaction or a reply).
         self._lock = threading.RLock()
@@ -108,9 +105,7 @@ class Client:
             if self._broker is not None:
                 broker, self._broker = self._broker, None
                 broker.close()
-        self._closes += 1
-        while self._wait_brokers:
-            _close_quietly(self._wait_brokers.pop())
+        self._waits.close()
 
     @contextlib.contextmanager
     def _guard(self):
@@ -272,27 +267,7 @@ class Client:
             if job is not None and job.state in FINISHED:
                 return job  # finished already: no broker of its own to open
         # On a broker of its own: holding the lock for up to ``timeout`` would stall every other thread.
-        closes = self._closes
-        try:
-            broker = self._wait_brokers.pop()
-        except IndexError:
-            broker = open_broker(self.url)
-        try:
-            job = broker.wait(job_id, timeout)
-        except BadInput:
-            self._keep_wait_broker(broker, closes)  # an answer (an unknown id): the broker is fine
-            raise
-        except BaseException:
-            _close_quietly(broker)
-            raise
-        self._keep_wait_broker(broker, closes)
-        return job
-
-    def _keep_wait_broker(self, broker, closes):
-        if closes == self._closes and len(self._wait_brokers) < WAIT_BROKERS_KEPT:
-            self._wait_brokers.append(broker)
-        else:
-            _close_quietly(broker)
+        return self._waits.wait(job_id, timeout)
 
     # -- control ------------------------------------------------------------
     def cancel(self, job_ids, by=None, reason=None):
@@ -344,23 +319,10 @@ def _after_fork_in_child():
     # A lock another thread held at the fork stays held in the child, where that thread is gone.
     for client in list(_clients):
         client._lock, client._busy = threading.RLock(), False
-        # The kept wait brokers are the parent's connections: each broker's close, in a child,
-        # lets go of them without touching the parent's sessions. Kept open, an inherited SQLite
-        # connection left the child's own taking no locks, and the parent's close deleted the WAL
-        # the child committed to (backends/sqlite/database.py, let_go_inherited).
-        kept, client._wait_brokers = client._wait_brokers, []
-        for broker in kept:
-            _close_quietly(broker)
+        client._waits.after_fork_in_child()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _close_quietly(broker):
-    try:
-        broker.close()
-    except Exception:  # noqa: BLE001 - closing a broker already broken must not hide the caller's error
-        log.debug("closing a wait broker failed", exc_info=True)
 
 
 def _filter(filter, fields):

@@ -8,6 +8,7 @@ import supervisor
 from supervisor import jobref
 from supervisor.backends import open_broker
 from supervisor import client as client_module
+from supervisor import waitbrokers
 from supervisor.client import Client
 from supervisor.errors import BadInput
 from supervisor.jobfilter import JobFilter
@@ -113,7 +114,7 @@ def test_a_call_from_a_thread_already_in_a_call_of_the_same_client_is_refused(br
 
 def test_waits_one_after_another_reuse_their_broker_and_many_at_once_keep_a_few(broker_url, monkeypatch):
     """A web app waiting in every request must not open a broker (on PostgreSQL two server
-    connections) per request: a client keeps its wait brokers, up to WAIT_BROKERS_KEPT."""
+    connections) per request: a client keeps its wait brokers, up to waitbrokers.KEPT."""
     opened, closed = [], []
 
     def counted(url):
@@ -123,6 +124,7 @@ def test_waits_one_after_another_reuse_their_broker_and_many_at_once_keep_a_few(
         return broker
 
     monkeypatch.setattr(client_module, "open_broker", counted)
+    monkeypatch.setattr(waitbrokers, "open_broker", counted)
     with open_broker(broker_url) as broker:
         broker.migrate()
     client = Client.from_url(broker_url)
@@ -136,10 +138,10 @@ def test_waits_one_after_another_reuse_their_broker_and_many_at_once_keep_a_few(
 
     # Many threads at once each need a broker; afterwards only WAIT_BROKERS_KEPT stay open.
     _run_threads(lambda t: client.wait(job_id, 1.0))
-    assert len(client._wait_brokers) == client_module.WAIT_BROKERS_KEPT
-    assert len(closed) == len(opened) - 1 - client_module.WAIT_BROKERS_KEPT
+    assert len(client._waits.idle) == waitbrokers.KEPT
+    assert len(closed) == len(opened) - 1 - waitbrokers.KEPT
     client.close()
-    assert client._wait_brokers == [] and sorted(map(id, closed)) == sorted(map(id, opened))
+    assert client._waits.idle == [] and sorted(map(id, closed)) == sorted(map(id, opened))
 
     # A close() while a wait runs: that wait's broker is closed when it ends, not kept.
     before = len(opened)
@@ -148,4 +150,4 @@ def test_waits_one_after_another_reuse_their_broker_and_many_at_once_keep_a_few(
     wait_for(lambda: len(opened) == before + 2, message="the wait's brokers (the client's own, reopened, and its own)")
     client.close()
     waiting.join(30)
-    assert client._wait_brokers == [] and sorted(map(id, closed)) == sorted(map(id, opened))
+    assert client._waits.idle == [] and sorted(map(id, closed)) == sorted(map(id, opened))

@@ -204,7 +204,7 @@ def test_a_client_used_before_a_fork_keeps_every_job_the_child_enqueues(tmp_path
     client.enqueue_many([{"type": "parent", "payload": {"i": i}} for i in range(3)])
     if waited:
         assert client.wait(client.enqueue("waited", {}), 0.01) is None
-        assert len(client._wait_brokers) == 1
+        assert len(client._waits.idle) == 1
     to_child, to_parent = os.pipe(), os.pipe()
     pid = os.fork()
     if pid == 0:
