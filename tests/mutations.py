@@ -843,6 +843,10 @@ MUTATIONS = [
              "        except ZeroDivisionError as exc:  # cut off, or the broker failed",
              ("tests/test_postgres_broker.py", "-k", "cannot_count_in_time"),
              "a queue sample the broker gives up on ends the heartbeat thread: no lease is renewed again"),
+    Mutation("prune-subtree-under-dead-dropped", "supervisor/backends/sqlite/workflows.py",
+             """f" OR (p.state = 'cancelled' AND p.reason = '{PARENT_FAILED}')))")""", """f"))")""",
+             ("tests/test_conformance_workflows.py", "-k", "sqlite and subtree_cancelled_under"),
+             "prune keeps a child cancelled by a dead parent but not its own children: the replay loses them"),
 ]
 
 
