@@ -865,6 +865,10 @@ MUTATIONS = [
              "          local failing = tonumber(f[4])", "          local failing = nil",
              ("tests/test_conformance_workflows.py", "-k", "redis and big_fan_in"),
              "replaying the N dead members of a fan-in reads the callback once, not once per member (Redis)"),
+    Mutation("prune-subtree-under-dead-dropped", "supervisor/backends/sqlite/workflows.py",
+             """f" OR (p.state = 'cancelled' AND p.reason = '{PARENT_FAILED}')))")""", """f"))")""",
+             ("tests/test_conformance_workflows.py", "-k", "sqlite and subtree_cancelled_under"),
+             "prune keeps a child cancelled by a dead parent but not its own children: the replay loses them"),
 ]
 
 

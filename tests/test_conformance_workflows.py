@@ -716,3 +716,34 @@ def test_replaying_the_dead_members_of_a_big_fan_in_reads_the_callback_once_not_
         assert work == {30: 1, 240: 1}  # once, when the last member's replay reopens it
     else:
         assert work[240] < 12 * work[30], work  # 8 times the members; reading the callback each time: 20-40 times
+
+
+def test_prune_keeps_the_whole_subtree_cancelled_under_a_parent_still_dead(broker):
+    # P -> C -> G: C was kept (its parent lies dead) but G went (its parent is cancelled, not
+    # dead), so the replay of P reopened C and not G. Kept down the tree; gone once P is.
+    root, other = broker.enqueue_many([new("root"), new("root")])
+    child = broker.enqueue(new("child", depends_on=[root]))
+    grandchild = broker.enqueue(new("grandchild", depends_on=[child]))
+    leaf = broker.enqueue(new("leaf", depends_on=[grandchild]))
+    purged_child = broker.enqueue(new("child", depends_on=[other]))
+    purged_grandchild = broker.enqueue(new("grandchild", depends_on=[purged_child]))
+    jobs = claim_ids(broker)
+    die(broker, jobs[root])
+    die(broker, jobs[other])
+    for job_id in (child, grandchild, leaf, purged_child, purged_grandchild):
+        assert (broker.get(job_id).state, broker.get(job_id).reason) == ("cancelled", "parent_failed")
+    broker.prune(0)
+    broker.prune(0)
+    for job_id in (child, grandchild, leaf, purged_child, purged_grandchild):
+        assert broker.get(job_id) is not None, job_id
+    assert broker.dlq_purge([other]) == 1  # the dead job gone: its subtree follows retention
+    wait_for(lambda: broker.prune(0) >= 0 and broker.get(purged_grandchild) is None,
+             message="the subtree of a purged job pruned")
+    assert broker.get(purged_child) is None
+    assert broker.dlq_replay([root]) == [root]
+    assert [broker.get(j).state for j in (child, grandchild, leaf)] == ["waiting"] * 3
+    for job_id, parent in ((root, None), (child, root), (grandchild, child), (leaf, grandchild)):
+        (got,) = claim_all(broker)
+        assert got.id == job_id and (parent is None or got.parents == {parent: ("done", parent)})
+        broker.ack(got.lease, job_id)
+    assert broker.get(leaf).state == "done"

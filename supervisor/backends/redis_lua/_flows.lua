@@ -178,14 +178,18 @@ reopen = function(id)
 end
 
 -- Prune keeps a child cancelled by an on="success" parent that lies dead: replaying that parent
--- reopens it (README "Workflows"). Read through the child's own d: fields.
+-- reopens it, and so on down the tree (README "Workflows"). So is one whose parent is itself
+-- cancelled parent_failed: the subtree under a dead job stays, each child decided by one look at
+-- its parents (no walk up the tree). Read through the child's own d: fields.
 local function replayable(key, id)
   if redis.call('HGET', key, 'reason') ~= 'parent_failed' then return false end
   local fields = redis.call('HGETALL', key)
   for i = 1, #fields, 2 do
     if string.sub(fields[i], 1, 2) == 'd:' and fields[i + 1] == 'success' then
       local pkey = JOB .. string.sub(fields[i], 3)
-      if redis.call('HGET', pkey, 'state') == 'dead' and redis.call('HEXISTS', pkey, 'k:' .. id) == 1 then
+      local p = redis.call('HMGET', pkey, 'state', 'reason')
+      if (p[1] == 'dead' or (p[1] == 'cancelled' and p[2] == 'parent_failed'))
+          and redis.call('HEXISTS', pkey, 'k:' .. id) == 1 then
         return true
       end
     end

@@ -12,6 +12,22 @@ for _, id in ipairs(ids) do
   redis.call('ZREM', DONE, id)
   redis.call('ZREM', EXPIRING, id)  -- an entry a claim of an older version left behind
 end
+-- A cancelled parent_failed parent going: the children it kept (``replayable``) count their
+-- retention from their own end again, not from the prune that last kept them (a level a prune).
+local function release_kept(key)
+  local own = redis.call('HMGET', key, 'reason', 'kids')
+  if own[1] ~= 'parent_failed' or not own[2] then return end
+  local fields = redis.call('HGETALL', key)
+  for i = 1, #fields, 2 do
+    if string.sub(fields[i], 1, 2) == 'k:' then
+      local child = string.sub(fields[i], 3)
+      local c = redis.call('HMGET', JOB .. child, 'state', 'reason', 'finished_at')
+      if c[1] == 'cancelled' and c[2] == 'parent_failed' and c[3] then
+        redis.call('ZADD', CANCELLED_Z, 'XX', num(tonumber(c[3]) * 1000000), child)
+      end
+    end
+  end
+end
 -- Cancelled and expired jobs are kept like done ones (their hashes have no TTL).
 for _, z in ipairs({CANCELLED_Z, EXPIRED_Z}) do
   local ended = redis.call('ZRANGEBYSCORE', z, '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
@@ -20,6 +36,7 @@ for _, z in ipairs({CANCELLED_Z, EXPIRED_Z}) do
       -- Kept: its retention counts again from now, so the prunes until then do not read it again.
       redis.call('ZADD', z, NOW, id)
     else
+      if z == CANCELLED_Z then release_kept(JOB .. id) end
       unindex_job(id, redis.call('HMGET', JOB .. id, 'queued_at', 'type'))
       unlink(JOB .. id, id)
       deleted = deleted + redis.call('DEL', JOB .. id)

@@ -355,7 +355,8 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
         """Done, cancelled and expired jobs finished before the cutoff, ``PRUNE_BATCH`` rows per
         write transaction: another process's claim waits for one batch, never for a backlog
         (millions of rows in one transaction held the write lock past the busy timeout).
-        A workflow child cancelled by a parent still dead stays (``workflows.REPLAYABLE``)."""
+        A workflow child cancelled by a parent still dead stays, and its cancelled subtree
+        (``workflows.REPLAYABLE``)."""
         cutoff = self.now() - done_older_than
         total = 0
         for states, keep in (("'done'", "0"), ("'cancelled', 'expired'", workflows.REPLAYABLE)):

@@ -126,9 +126,13 @@ END""",
 _REOPEN = next(statement for statement in SCHEMA if "TRIGGER IF NOT EXISTS flow_reopen" in statement)
 
 # A child cancelled by an on="success" parent that lies dead is kept by prune: replaying that parent
-# reopens it (README "Workflows"). Read through the child's own edges (``job_edges_child``).
+# reopens it, and so on down the tree (README "Workflows"). So is one whose on="success" parent is
+# itself cancelled ``parent_failed``: the whole cancelled subtree under a dead job stays, each child
+# decided by one look at its parents (no walk up the tree); once the dead job is gone the subtree
+# goes a level per prune. Read through the child's own edges (``job_edges_child``).
 REPLAYABLE = (f"reason = '{PARENT_FAILED}' AND EXISTS (SELECT 1 FROM job_edges e JOIN jobs p ON p.id = e.parent"
-              f" WHERE e.child = jobs.id AND e.on_ = '{ON_SUCCESS}' AND NOT e.parent_gone AND p.state = 'dead')")
+              f" WHERE e.child = jobs.id AND e.on_ = '{ON_SUCCESS}' AND NOT e.parent_gone AND (p.state = 'dead'"
+              f" OR (p.state = 'cancelled' AND p.reason = '{PARENT_FAILED}')))")
 
 
 # A waiting job holds its idempotency key like any unfinished one: were it free, another job could
