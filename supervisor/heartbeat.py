@@ -55,8 +55,9 @@ class Heartbeat:
         self.last_beat = time.monotonic()
         self.on_sample = on_sample  # on_sample({queue: QueueStats}): the queue gauges
         self.queue_stats = {}  # the last stats() sample, for status
-        self.sampled = None  # the queues it was taken of: a reload that changes them samples at once
+        self.sampled = None  # the queues it was last tried for: a reload that changes them samples at once
         self.next_sample_at = 0.0
+        self.sampling = False  # in the broker's count now: stop() interrupts it (a fork waits for stop)
 
     def hold(self, lease):
         with self.lock:
@@ -104,6 +105,8 @@ class Heartbeat:
         if self.thread is None:
             return
         self.stopping.set()
+        if self.sampling and self.broker is not None:
+            self.broker.interrupt()  # a count of millions of jobs must not hold up the fork
         self.thread.join()
         self.thread = None
 
@@ -182,16 +185,22 @@ class Heartbeat:
         started = clock()
         if self.on_sample is None or (started < self.next_sample_at and queues == self.sampled):
             return
+        self.sampled, self.sampling = queues, True
         try:
+            if self.stopping.is_set():
+                return  # stop() may have looked before ``sampling`` was set: it would not interrupt
             if self.broker is None:
                 self.broker = open_broker(self.url)
             stats = self.broker.stats(queues, within=max(0.1, (self.lease_seconds - self.interval) / 2))
-        except BrokerError as exc:  # cut off, or the broker failed (the next beat's renewal says which)
-            log.warning("queue sample not taken: %s", exc, extra={"event": "sample_failed"})
+        except Exception as exc:  # noqa: BLE001 - cut off, interrupted, or the broker failed: never the thread's end
+            if not self.stopping.is_set():
+                log.warning("queue sample not taken: %s", exc, extra={"event": "sample_failed"})
             stats = None
-        self.next_sample_at = started + max(SAMPLE_SECONDS, (clock() - started) / SAMPLE_SHARE)
+        finally:
+            self.sampling = False
+            self.next_sample_at = started + max(SAMPLE_SECONDS, (clock() - started) / SAMPLE_SHARE)
         if stats is not None:
-            self.queue_stats, self.sampled = stats, queues
+            self.queue_stats = stats
             self.on_sample(stats)
 
     def _call(self, fn):

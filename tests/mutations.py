@@ -842,8 +842,8 @@ MUTATIONS = [
              (CONFORMANCE, "-k", "postgres and stats_within"),
              "PostgreSQL's queue counts ignore their bound: the heartbeat's sample can hold up the renewals"),
     Mutation("heartbeat-sample-failure-raises", "supervisor/heartbeat.py",
-             "        except BrokerError as exc:  # cut off, or the broker failed",
-             "        except ZeroDivisionError as exc:  # cut off, or the broker failed",
+             "        except Exception as exc:  # noqa: BLE001 - cut off, interrupted,",
+             "        except ZeroDivisionError as exc:  # noqa: BLE001 - cut off, interrupted,",
              ("tests/test_postgres_broker.py", "-k", "cannot_count_in_time"),
              "a queue sample the broker gives up on ends the heartbeat thread: no lease is renewed again"),
     Mutation("client-fork-keeps-wait-brokers", "supervisor/waitbrokers.py",
@@ -869,6 +869,16 @@ MUTATIONS = [
              """f" OR (p.state = 'cancelled' AND p.reason = '{PARENT_FAILED}')))")""", """f"))")""",
              ("tests/test_conformance_workflows.py", "-k", "sqlite and subtree_cancelled_under"),
              "prune keeps a child cancelled by a dead parent but not its own children: the replay loses them"),
+    Mutation("heartbeat-failed-sample-every-beat", "supervisor/heartbeat.py",
+             "        self.sampled, self.sampling = queues, True",
+             "        self.sampled, self.sampling = None, True",
+             ("tests/test_postgres_broker.py", "-k", "cannot_count_in_time"),
+             "a queue sample the broker always gives up on is tried again at every beat"),
+    Mutation("heartbeat-stop-waits-for-sample", "supervisor/heartbeat.py",
+             "            self.broker.interrupt()  # a count",
+             "            pass  # a count",
+             ("tests/test_postgres_broker.py", "-k", "interrupts_its_queue_sample"),
+             "a fork waits for the heartbeat's queue sample to count millions of jobs"),
 ]
 
 

@@ -466,6 +466,14 @@ def test_stats_within_a_bound_counts_the_same_and_past_it_is_a_broker_error(brok
     assert broker.stats(["default"])["default"].ready == 30_000  # and the broker goes on
 
 
+def test_an_interrupt_with_nothing_running_leaves_the_next_calls_alone(broker):
+    # The heartbeat interrupts its queue sample when the master must fork; one that comes after
+    # the sample ended must not abort the next statement.
+    broker.interrupt()
+    job_id = broker.enqueue(new())
+    assert broker.stats(["default"])["default"].ready == 1 and broker.get(job_id).state == "queued"
+
+
 def test_prune_deletes_only_old_done_jobs(broker):
     keep = broker.enqueue(new())
     done = broker.enqueue(new())

@@ -775,10 +775,31 @@ def test_a_queue_sample_the_server_cannot_count_in_time_is_given_up_and_the_hear
         locker.execute(f"LOCK TABLE {pg._jobs} IN ACCESS EXCLUSIVE MODE")
         with caplog.at_level("WARNING", logger="tangguh.heartbeat"):
             beat.sample()  # within max(0.1, (1.2 - 1.0) / 2) = 0.1 s: cancelled, not raised
-        assert taken == [] and "queue sample not taken" in caplog.text
+            beat.sample()  # a failed sample waits its turn too: not one count after another every beat
+        assert taken == [] and caplog.text.count("queue sample not taken") == 1
     beat.next_sample_at = 0.0
     beat.sample()
     assert [set(stats) for stats in taken] == [{"default"}]
+    beat.close()
+
+
+def test_stopping_the_heartbeat_for_a_fork_interrupts_its_queue_sample(pg, postgres_url):
+    """The master stops and joins the heartbeat before every fork: a queue sample counting
+    millions of jobs (here held up by a lock) would hold the fork, and the main loop, for up to
+    its bound (12.5 s with the defaults). stop() interrupts it."""
+    from supervisor import heartbeat
+
+    beat = heartbeat.Heartbeat(postgres_url, 60.0, 0.05, None, ["default"], on_sample=lambda stats: None)
+    with psycopg.connect(postgres_url.split("?")[0]) as locker:
+        locker.execute(f"LOCK TABLE {pg._jobs} IN ACCESS EXCLUSIVE MODE")
+        beat.start()
+        wait_for(lambda: beat.sampling, timeout=30, message="the sample to wait for the lock")
+        stopper = threading.Thread(target=beat.stop)
+        stopper.start()
+        stopper.join(10)  # uninterrupted, the count waits for the lock up to its bound: 29.97 s
+        stopped = not stopper.is_alive()
+    stopper.join(60)
+    assert stopped, "stop() waited for the queue sample"
     beat.close()
 
 

@@ -296,6 +296,11 @@ class Broker(abc.ABC):
     def drain_wakeups(self):
         """Consume whatever made ``wakeup_fd`` readable."""
 
+    def interrupt(self):
+        """From another thread: make the statement this broker runs now give up (BrokerError in
+        its thread), e.g. the heartbeat's queue sample when the master must fork. Best effort; a
+        no-op when nothing runs (Redis: its calls are short)."""
+
     def close(self):
         pass
 

@@ -242,6 +242,13 @@ class Connections:
                 except psycopg.Error:
                     pass
 
+    def cancel(self):
+        """From another thread: ask the server to cancel what the main connection runs now."""
+        db = self.db
+        if db is not None and not db.closed and self._pid == os.getpid():
+            with contextlib.suppress(psycopg.Error):
+                db.cancel()
+
     # -- wake-ups (LISTEN/NOTIFY) -------------------------------------------
     def take_waiter(self, channel):
         """A connection LISTENing on ``channel`` for ``wait``: the one the last wait kept, else a

@@ -190,6 +190,9 @@ class ControlMixin(control.ExpiredLog):
                 with contextlib.suppress(psycopg.Error):
                     listener.close()
 
+    def interrupt(self):
+        self._connections.cancel()
+
     # -- supervisor records --------------------------------------------------------
     def write_supervisor(self, record, ttl):
         sid, text = control.check_record(record, ttl)

@@ -111,6 +111,11 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
             self._inotify = wakeup.watch_modifications([os.path.abspath(self.path) + "-wal"])
         return self._inotify
 
+    def interrupt(self):
+        db = self.db
+        if db is not None and self._pid == os.getpid():
+            db.interrupt()  # SQLite's own, made to be called from another thread
+
     def drain_wakeups(self):
         if self._inotify is not None:
             wakeup.drain(self._inotify)
