@@ -147,6 +147,11 @@ def migrations(s):
         (9, [claim_function(s)]),
         # 10: a deleted parent's edges are no longer matched by a new job of its id (workflows.py).
         (10, workflows.detach_migration(s)),
+        # 11: each schedule's newest tick, by exact name (enqueue_once(job, schedule=...)); prune
+        # leaves it: the scheduler's look-back after its once_keys were pruned.
+        (11, [f"""CREATE TABLE {s}.schedule_ticks (
+                name text PRIMARY KEY,
+                key text NOT NULL)"""]),
     ]
 
 
@@ -197,7 +202,7 @@ def _adopt(db, schema, tables):
     """Before its first migration here: a fresh schema, or one Tangguh made under the
     old version table name (renamed now). Anything else is someone else's schema."""
     ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys", "paused_queues", "supervisors",
-                            "job_edges"})
+                            "job_edges", "schedule_ticks"})
     if not ours:
         return
     if "schema_version" in tables and "jobs" in tables:
