@@ -14,12 +14,15 @@ the job.
 Catch-up: a check enqueues the ticks due since the previous check, at most
 ``catch_up`` of them (the latest; at least one while running). A scheduler's
 first check of a schedule (a start, a reload that changed its cron or time
-zone) looks back to the schedule's newest ``enqueue_once`` record
-(``broker.last_once_key``): the ticks after it were missed while every
-supervisor was down, and the latest ``catch_up`` of them run (``catch_up = 0``:
-none). A schedule without a record is new and starts from now: no tick from
-before it existed runs. Ticks older than the retention horizon are skipped:
-their records may be pruned already. One ``tick`` call enqueues at most
+zone) looks back to the schedule's newest tick: ``enqueue_once(job,
+schedule=name)`` records it by the schedule's exact name, a record ``prune``
+never removes, and ``broker.last_tick_key(name)`` reads it (one lookup). The
+ticks after it were missed while every supervisor was down, and the latest
+``catch_up`` of them run (``catch_up = 0``: none). A schedule without a record
+is new and starts from now: no tick from before it existed runs. A record
+that is not a tick key of that name (not the scheduler's) is logged and read
+as none. Ticks older than the retention horizon are skipped: their
+``enqueue_once`` records may be pruned already. One ``tick`` call enqueues at most
 ``TICKS_PER_CALL`` jobs; the rest stay due for the next loop turn, so a long
 catch-up never holds the master's loop for long. A
 reload that keeps a schedule's ticks (its cron and time zone) keeps its last
@@ -110,9 +113,16 @@ def tick_key(name, tick):
     return tick_prefix(name) + stamp  # fixed width: key order is tick order
 
 
-def key_tick(key):
-    """The tick (epoch seconds) of a ``tick_key``."""
-    stamp = datetime.datetime.strptime(key[-len("2026-01-01T00:00:00Z"):], STAMP)
+def key_tick(name, key):
+    """The tick (epoch seconds) of ``name``'s ``tick_key``; None for any other key (another
+    schedule's, one with no stamp, such as ``cron:<name>:manual``)."""
+    prefix = tick_prefix(name)
+    if not key.startswith(prefix) or len(key) != len(prefix) + len("2026-01-01T00:00:00Z"):
+        return None
+    try:
+        stamp = datetime.datetime.strptime(key[len(prefix):], STAMP)
+    except ValueError:
+        return None
     return stamp.replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
@@ -167,8 +177,8 @@ class Scheduler:
             after = self.checked.get(name)
             count = max(1, sched.catch_up)
             if after is None:  # look back to this schedule's newest tick, if it ever had one
-                newest = broker.last_once_key(tick_prefix(name))
-                after, count = (now, 0) if newest is None else (key_tick(newest), sched.catch_up)
+                newest = self._newest_tick(broker, name)
+                after, count = (now, 0) if newest is None else (newest, sched.catch_up)
             if self.horizon is not None:
                 after = max(after, now - self.horizon)
             ticks = self._cron(name, sched.latest, [], now, count, after)
@@ -186,7 +196,7 @@ class Scheduler:
                     log.error("schedule %s cannot enqueue: %s", name, exc, extra={"event": "schedule_failed",
                                                                                  "schedule": name})
                     break
-                job_id = broker.enqueue_once(job)
+                job_id = broker.enqueue_once(job, schedule=name)
                 done.append((name, tick, job_id))
                 if job_id is not None:
                     log.info("periodic job %s enqueued for %s", name, key,
@@ -194,6 +204,17 @@ class Scheduler:
             self.checked[name] = now_for
             self.next_at[name] = self._cron(name, sched.next_after, float("inf"), now) if now_for == now else now_for
         return done
+
+    def _newest_tick(self, broker, name):
+        """The tick of ``name``'s record, or None: new, or a record that is no tick key of
+        its own (logged). Never a parse error: tick() must raise nothing but the broker's
+        errors, or the broker link pauses every claim."""
+        key = broker.last_tick_key(name)
+        tick = None if key is None else key_tick(name, key)
+        if key is not None and tick is None:
+            log.error("schedule %s: its newest tick record %r is no tick of it; it starts from now", name, key,
+                      extra={"event": "schedule_failed", "schedule": name})
+        return tick
 
     def _cron(self, name, compute, failed, *args):
         """``compute(*args)``, or ``failed`` when the schedule's own cron fails (croniter): that is

@@ -677,21 +677,33 @@ def test_enqueue_once_stores_a_key_once_across_queues(broker):
     assert broker.enqueue_once(new(idempotency_key=key, queue="b")) is None
     stats = broker.stats(["default", "b"])
     assert (stats["default"].ready, stats["b"].ready) == (1, 0)
-    assert broker.last_once_key("cron:report:") == key
     broker.prune(0)  # the records go with the horizon: the key may be used again
     assert broker.enqueue_once(new(idempotency_key=key, queue="b")) is not None
 
 
-def test_last_once_key_is_the_newest_record_of_a_prefix(broker):
-    assert broker.last_once_key("cron:report:") is None
-    for key, queue in [("cron:report:2026-01-01T00:00:00Z", "default"), ("cron:report:2026-03-01T00:00:00Z", "b"),
-                       ("cron:report:2026-02-01T00:00:00Z", "default"), ("cron:report2:2027-01-01T00:00:00Z", "b"),
-                       ("cron:repo*:2028-01-01T00:00:00Z", "default"), ("x:cron:report:2029-01-01T00:00:00Z", "b")]:
-        assert broker.enqueue_once(new(idempotency_key=key, queue=queue)) is not None
-    assert broker.last_once_key("cron:report:") == "cron:report:2026-03-01T00:00:00Z"  # across queues
-    assert broker.last_once_key("cron:repo*:") == "cron:repo*:2028-01-01T00:00:00Z"
-    assert broker.last_once_key("cron:rep") == "cron:report:2026-03-01T00:00:00Z"  # code point order
-    assert broker.last_once_key("cron:nightly:") is None
+def test_enqueue_once_records_a_schedules_newest_tick_by_exact_name_and_prune_keeps_it(broker):
+    """The scheduler's look-back read the newest once-record under ``cron:<name>:``: gone once
+    prune passed it (a monthly schedule looked new), another schedule's (``report:eu`` under
+    ``report``'s prefix), or a key that is no tick (``cron:report:manual``)."""
+    assert broker.last_tick_key("report") is None
+    older, newer = "cron:report:2026-01-01T00:00:00Z", "cron:report:2026-03-01T00:00:00Z"
+    assert broker.enqueue_once(new(idempotency_key=newer, queue="b"), schedule="report") is not None
+    assert broker.enqueue_once(new(idempotency_key=older), schedule="report") is not None
+    assert broker.last_tick_key("report") == newer  # only forward
+    assert broker.enqueue_once(new(idempotency_key="cron:report:eu:2027-01-01T00:00:00Z"), schedule="report:eu")
+    assert broker.enqueue_once(new(idempotency_key="cron:report:manual")) is not None  # no schedule: no record
+    assert (broker.last_tick_key("report"), broker.last_tick_key("report:eu")) == \
+        (newer, "cron:report:eu:2027-01-01T00:00:00Z")
+    assert broker.last_tick_key("repo") is None and broker.last_tick_key("report:") is None
+    # A key enqueued already (by a supervisor before this record existed) still moves it forward.
+    latest = "cron:report:2026-04-01T00:00:00Z"
+    assert broker.enqueue_once(new(idempotency_key=latest)) is not None
+    assert broker.enqueue_once(new(idempotency_key=latest), schedule="report") is None
+    assert broker.last_tick_key("report") == latest
+    broker.prune(-1)  # every once-record goes; the schedules' records stay
+    assert broker.enqueue_once(new(idempotency_key=older)) is not None
+    assert (broker.last_tick_key("report"), broker.last_tick_key("report:eu")) == \
+        (latest, "cron:report:eu:2027-01-01T00:00:00Z")
 
 
 LIMITS = {"c": TypeLimits(max_concurrency=3), "e": TypeLimits(exclusive=True), "r": TypeLimits(rate=(10, 1.0))}

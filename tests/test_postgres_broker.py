@@ -242,7 +242,7 @@ def test_a_schema_tangguh_made_under_the_old_version_table_name_is_adopted(pg, p
     producer.commit()
     pg.migrate()
     assert _tables(producer, pg.schema) == ["job_edges", "jobs", "once_keys", "paused_queues", "rate_buckets",
-                                            "supervisors", "tangguh_schema_version"]
+                                            "schedule_ticks", "supervisors", "tangguh_schema_version"]
     assert producer.execute(f'SELECT version FROM "{pg.schema}".tangguh_schema_version ORDER BY version'
                             ).fetchall() == VERSIONS
     assert [j.id for j in pg.claim(Q, 5, 30, "w")] == [kept]

@@ -38,9 +38,13 @@ backend):
   enqueued through it with the same ``idempotency_key``, on any queue (done ones included,
   until ``prune`` forgets records older than its horizon): it returns the new
   job's id, or None. Atomic across processes; the scheduler's exactly-once
-  periodic ticks rest on it. ``last_once_key(prefix)`` is the greatest such
-  record's key (in code point order) starting with ``prefix``, or None: the
-  scheduler's newest tick of a schedule (``cron:<name>:<UTC time>``).
+  periodic ticks rest on it. ``enqueue_once(job, schedule=name)`` also records
+  ``name -> job.idempotency_key`` in the same atomic step, whether or not the
+  key was new, unless the name's record is greater already (code point order:
+  it only moves forward; the scheduler's keys of one schedule,
+  ``cron:<name>:<UTC time>``, are fixed-width). ``prune`` never removes these
+  records. ``last_tick_key(name)`` reads that record by exact name (one lookup,
+  no scan), or None: the scheduler's newest tick of a schedule.
 * ``ack``/``retry``/``dead``/``release`` take the ``Lease`` (job id, token)
   and raise ``LeaseLost`` unless the job is ``running`` with that token. They
   close the last history entry with ``ended_at``, ``outcome`` (``done``,
@@ -116,10 +120,10 @@ class Broker(abc.ABC):
         return runnable
 
     @abc.abstractmethod
-    def enqueue_once(self, job: NewJob) -> str | None: ...
+    def enqueue_once(self, job: NewJob, schedule: str | None = None) -> str | None: ...
 
     @abc.abstractmethod
-    def last_once_key(self, prefix: str) -> str | None: ...
+    def last_tick_key(self, schedule: str) -> str | None: ...
 
     @abc.abstractmethod
     def extend(self, leases, lease_seconds) -> list: ...

@@ -176,13 +176,14 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
             cur.execute(query, params)
             return cur.fetchall()
 
-    def enqueue_once(self, job):
+    def enqueue_once(self, job, schedule=None):
         job.validate()
         if job.idempotency_key is None:
             raise BadInput("enqueue_once needs an idempotency_key")
         with self._guard("enqueue once"):
             db = self._conn()
             with db.transaction():
+                self._record_tick(db, schedule, job.idempotency_key)  # the schedule's newest tick, if one
                 # A second caller waits here on the first one's uncommitted key, then inserts nothing.
                 if db.execute(f"INSERT INTO {self._s}.once_keys (key, created_at) VALUES (%s, {NOW})"
                               " ON CONFLICT DO NOTHING RETURNING key", (job.idempotency_key,)).fetchone() is None:

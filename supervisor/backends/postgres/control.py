@@ -120,13 +120,19 @@ class ControlMixin(control.ExpiredLog):
         return sorted({r[0] for r in rows} | control.record_queues(self.supervisors()))
 
     # -- expiry (what claim returned) ----------------------------------------------
-    def last_once_key(self, prefix):
-        """(Not job control: the scheduler's look-back, here for the size of ``__init__``.) Read at a
-        scheduler's first check of a schedule only, so a scan of the retained records is fine; "C"
-        orders by code point whatever the database's collation."""
-        row = self._execute(f'SELECT max(key COLLATE "C") FROM {self._s}.once_keys WHERE starts_with(key, %s)',
-                            (prefix,)).fetchone()
-        return row[0]
+    def _record_tick(self, db, schedule, key):
+        """``enqueue_once(job, schedule=...)``'s record, in its transaction: only forward ("C": code
+        point order whatever the database's collation); prune leaves it."""
+        if schedule is not None:
+            db.execute(f"INSERT INTO {self._s}.schedule_ticks AS t (name, key) VALUES (%s, %s) ON CONFLICT (name)"
+                       ' DO UPDATE SET key = excluded.key WHERE excluded.key COLLATE "C" > t.key COLLATE "C"',
+                       (schedule, key))
+
+    def last_tick_key(self, schedule):
+        """(Not job control: the scheduler's look-back, here for the size of ``__init__``.) One
+        primary-key lookup by the schedule's exact name."""
+        row = self._execute(f"SELECT key FROM {self._s}.schedule_ticks WHERE name = %s", (schedule,)).fetchone()
+        return None if row is None else row[0]
 
     def _leasable(self, rows):
         """The claim function's rows as jobs, minus the ones it ended ``expired`` (recorded here)."""

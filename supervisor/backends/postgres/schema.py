@@ -150,6 +150,11 @@ def migrations(s):
         # 11: a reopened workflow child never makes a second holder of its idempotency key, and its
         # reopen reads none of its other parents while one still failed it (workflows.py).
         (11, workflows.keys_migration(s)),
+        # 12: each schedule's newest tick, by exact name (enqueue_once(job, schedule=...)); prune
+        # leaves it: the scheduler's look-back after its once_keys were pruned.
+        (12, [f"""CREATE TABLE {s}.schedule_ticks (
+                name text PRIMARY KEY,
+                key text NOT NULL)"""]),
     ]
 
 
@@ -200,7 +205,7 @@ def _adopt(db, schema, tables):
     """Before its first migration here: a fresh schema, or one Tangguh made under the
     old version table name (renamed now). Anything else is someone else's schema."""
     ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys", "paused_queues", "supervisors",
-                            "job_edges"})
+                            "job_edges", "schedule_ticks"})
     if not ours:
         return
     if "schema_version" in tables and "jobs" in tables:

@@ -148,13 +148,13 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         return ids
 
     @guard
-    def enqueue_once(self, job):
+    def enqueue_once(self, job, schedule=None):
         job.validate()
         if job.idempotency_key is None:
             raise BadInput("enqueue_once needs an idempotency_key")
         self._check_chosen_ids([job])
         self.keys.for_scripts(job.queue)
-        job = self._once_queue(job)  # the key's record across queues (once.py)
+        job = self._once_queue(job, schedule)  # the key's record across queues (once.py)
         batch = _BATCH.encode([enqueue_args(job)])
         got = self._run_many([("enqueue_once", job.queue, [batch])], before=[("sadd", self.keys.queues, job.queue)],
                              confirm=True)

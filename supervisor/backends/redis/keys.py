@@ -15,7 +15,8 @@ queue's keys share one Redis Cluster slot::
                            carry an EXPIRE of done_ttl, stale entries are trimmed
     P:{Q}:idem     hash    idempotency key -> id of the unfinished job holding it
     P:{Q}:once     zset    enqueue_once keys by first use (us); prune trims them
-                           (and P:{~once}:queue/at: each key's queue, across queues: once.py)
+                           (and P:{~once}:queue/at: each key's queue, across queues, and
+                           P:{~once}:ticks: each schedule's newest tick: once.py)
     P:{Q}:search   zset    every job at score 0, member "<queued_at us:016><id>":
                            search's (queued_at, id) order (see search.py)
     P:{Q}:search:type:T    zset  the same members for the jobs of type T

@@ -4,10 +4,12 @@ A key's record is two entries in a slot of its own (hash tag ``{~once}``; a
 queue name cannot hold ``~``, so no queue's keys are there)::
 
     P:{~once}:queue   hash   key -> the queue its job went to (the first caller's)
-    P:{~once}:at      zset   key -> first use (us): prune, last_once_key
+    P:{~once}:at      zset   key -> first use (us): prune
+    P:{~once}:ticks   hash   schedule name -> its newest tick key (never pruned)
 
 ``enqueue_once`` first claims the key there (``OWNER``: the queue already
-recorded, or the caller's, recorded now), then runs the queue's
+recorded, or the caller's, recorded now; with ``schedule=name`` it also moves
+that name's tick record forward to the key), then runs the queue's
 ``enqueue_once`` script in *that* queue's slot, which keeps its own record
 (``P:{Q}:once``) atomically with the job. So a key is enqueued once across
 queues (a type moved to another queue by a reload, or two supervisors with
@@ -18,11 +20,14 @@ enqueues there, once. Records written before this layout (``P:{Q}:once``
 only) are still honoured within their queue.
 """
 import dataclasses
-import re
 
 from .connection import guard
 
 OWNER = """
+if ARGV[3] then
+  local newest = redis.call('HGET', KEYS[3], ARGV[3])
+  if not newest or newest < ARGV[1] then redis.call('HSET', KEYS[3], ARGV[3], ARGV[1]) end
+end
 local q = redis.call('HGET', KEYS[1], ARGV[1])
 if q then return q end
 local t = redis.call('TIME')
@@ -41,13 +46,9 @@ return #old
 FORGET_BATCH = 1000
 
 
-def _glob_literal(text):
-    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
-
-
 class OnceRecords:
     def _once_keys(self):
-        return [f"{self.keys.prefix}:{{~once}}:queue", f"{self.keys.prefix}:{{~once}}:at"]
+        return [f"{self.keys.prefix}:{{~once}}:{part}" for part in ("queue", "at", "ticks")]
 
     def _once_script(self, name, source):
         cache = self.__dict__.setdefault("_once_scripts", {})
@@ -55,10 +56,10 @@ class OnceRecords:
             cache[name] = self.r.register_script(source)  # redis-py resends it if the server lost it
         return cache[name]
 
-    def _once_queue(self, job):
+    def _once_queue(self, job, schedule=None):
         """The job to enqueue: ``job``, or the same job on the queue its key was first recorded for."""
-        queue = self._once_script("owner", OWNER)(keys=self._once_keys(), args=[job.idempotency_key, job.queue],
-                                                  client=self.r)
+        args = [job.idempotency_key, job.queue] + ([] if schedule is None else [schedule])
+        queue = self._once_script("owner", OWNER)(keys=self._once_keys(), args=args, client=self.r)
         return job if queue == job.queue else dataclasses.replace(job, queue=queue)
 
     def _forget_once(self, cutoff_us):
@@ -67,12 +68,5 @@ class OnceRecords:
             pass
 
     @guard
-    def last_once_key(self, prefix):
-        match = _glob_literal(prefix) + "*"
-        names = [self._once_keys()[1]] + [self.keys.once(q) for q in sorted(self.r.smembers(self.keys.queues))]
-        best = None
-        for name in names:
-            for key, _ in self.r.zscan_iter(name, match=match, count=1000):
-                if key.startswith(prefix) and (best is None or key > best):
-                    best = key
-        return best
+    def last_tick_key(self, schedule):
+        return self.r.hget(self._once_keys()[2], schedule)  # by exact name: one HGET, no scan

@@ -72,19 +72,21 @@ class ProducingMixin:
                 " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at, token)"
                 " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
-    def enqueue_once(self, job):
+    def enqueue_once(self, job, schedule=None):
         job.validate()
         if job.idempotency_key is None:
             raise BadInput("enqueue_once needs an idempotency_key")
         with self._write():
+            if schedule is not None:  # the schedule's newest tick, only forward; prune never deletes it
+                self.db.execute("INSERT INTO schedule_ticks (name, key) VALUES (?, ?) ON CONFLICT (name)"
+                                " DO UPDATE SET key = excluded.key WHERE excluded.key > schedule_ticks.key",
+                                (schedule, job.idempotency_key))
             inserted = self.db.execute("INSERT OR IGNORE INTO once_keys (key, created_at) VALUES (?, ?)",
                                        (job.idempotency_key, self.now())).rowcount
             if not inserted:
                 return None
             return self.enqueue_many([job], _in_tx=True)[0]
 
-    def last_once_key(self, prefix):
-        # A range of the primary key (BINARY collation: code point order for UTF-8): one index probe.
-        row = self.db.execute("SELECT max(key) FROM once_keys WHERE key >= ? AND key < ?",
-                              (prefix, prefix + "\U0010ffff")).fetchone()
-        return row[0]
+    def last_tick_key(self, schedule):
+        row = self._connection().execute("SELECT key FROM schedule_ticks WHERE name = ?", (schedule,)).fetchone()
+        return None if row is None else row[0]

@@ -41,6 +41,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (idempotency_key)
     WHERE idempotency_key IS NOT NULL AND state IN ('queued', 'running', 'retrying');
 CREATE TABLE IF NOT EXISTS rate_buckets (type TEXT PRIMARY KEY, tokens REAL NOT NULL, updated_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS once_keys (key TEXT PRIMARY KEY, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS schedule_ticks (name TEXT PRIMARY KEY, key TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS paused_queues (queue TEXT PRIMARY KEY, paused_by TEXT, paused_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS supervisors (
     id TEXT PRIMARY KEY, record TEXT NOT NULL, last_heartbeat REAL NOT NULL, ttl REAL NOT NULL);
