@@ -900,6 +900,11 @@ MUTATIONS = [
              "        return next((v for k, v in self.r.hscan_iter(self._once_keys()[2]) if k == schedule), None)",
              ("tests/test_scheduling.py", "-k", "without_a_scan and redis"),
              "Redis's look-back scans records on the master's main loop (358 ms a schedule at 200,000 once-records)"),
+    Mutation("postgres-newer-schema-refused", "supervisor/backends/postgres/schema.py",
+             "            log.warning(\"postgres broker schema %r is at version %d, newer",
+             "            raise ConfigError(schema) or log.warning(\"postgres broker schema %r is at version %d, newer",
+             ("tests/test_postgres_broker.py", "-k", "newer_release_migrated"),
+             "a supervisor of the previous release stops claiming at its next reconnect in a rolling upgrade"),
 ]
 
 

@@ -8,14 +8,17 @@ holding tables of the same names that are not Tangguh's is refused
 (``ConfigError``), never written into.
 """
 import hashlib
+import logging
 
 from psycopg import errors as pgerrors
 
-from ...errors import BrokerError, ConfigError
+from ...errors import ConfigError
 from .connection import quote
 from . import workflows
 from .control_schema import claim_function, control_migration
 from .statements import UNFINISHED
+
+log = logging.getLogger("tangguh.broker")
 
 VERSIONS = "tangguh_schema_version"  # a name of our own: "schema_version" is common in applications' schemas
 # The columns that make a jobs table Tangguh's.
@@ -175,8 +178,11 @@ def migrate(db, schema, versions):
                               f" role may not ({str(exc).splitlines()[0]}): run `tangguh db migrate` as the"
                               " schema's owner") from None
         if current > latest:
-            raise BrokerError(f"postgres broker schema {schema!r} is at version {current}, newer than"
-                              f" this tangguh knows ({latest}): upgrade tangguh")
+            # A newer release migrated it (a rolling upgrade). Versions only add to a schema, so this
+            # one goes on; refusing made every supervisor not upgraded yet stop at its next reconnect.
+            log.warning("postgres broker schema %r is at version %d, newer than this tangguh knows (%d):"
+                        " going on with it; upgrade this supervisor too", schema, current, latest,
+                        extra={"event": "schema_newer"})
 
 
 def _migrate(db, schema, s, versions):
@@ -191,7 +197,7 @@ def _migrate(db, schema, s, versions):
                    " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())")
     current = db.execute(f"SELECT coalesce(max(version), 0) FROM {s}.{VERSIONS}").fetchone()[0]
     if current > versions[-1][0]:
-        return current  # newer than this code: the caller refuses it
+        return current  # newer than this code: the caller warns and goes on
     for version, statements in versions:
         if version <= current:
             continue
