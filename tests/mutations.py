@@ -905,6 +905,10 @@ MUTATIONS = [
              "            raise ConfigError(schema) or log.warning(\"postgres broker schema %r is at version %d, newer",
              ("tests/test_postgres_broker.py", "-k", "newer_release_migrated"),
              "a supervisor of the previous release stops claiming at its next reconnect in a rolling upgrade"),
+    Mutation("postgres-wait-spins-on-lost-listener", "supervisor/backends/postgres/control.py",
+             "                    time.sleep(seconds)", "                    pass",
+             ("tests/test_postgres_broker.py", "-k", "listening_session_is_ended"),
+             "a wait whose LISTEN session was ended re-reads the job thousands of times a second"),
 ]
 
 

@@ -790,6 +790,29 @@ def test_a_queue_sample_the_server_cannot_count_in_time_is_given_up_and_the_hear
     beat.close()
 
 
+def test_a_wait_whose_listening_session_is_ended_reads_at_the_fallback_pace(pg, producer):
+    """An idle reaper or a pooler ends the LISTEN session of a wait: it re-read the job as
+    fast as the queries came back (4,000 a second, for the whole timeout)."""
+    from supervisor.backends.postgres import control as pg_control
+
+    job_id = pg.enqueue(new())
+    reads = []
+    pg.get = lambda job_id, get=pg.get: (reads.append(1), get(job_id))[1]
+    waiting = threading.Thread(target=pg.wait, args=(job_id, 3.0))
+    waiting.start()
+
+    def listener_pid():
+        row = producer.execute("SELECT pid FROM pg_stat_activity WHERE query LIKE %s",
+                               (f'LISTEN "{pg_control.done_channel(pg.schema)}"%',)).fetchone()
+        producer.commit()
+        return row and row[0]
+    pid = wait_for(listener_pid, timeout=10, message="the wait's LISTEN session")
+    producer.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    producer.commit()
+    waiting.join(30)
+    assert not waiting.is_alive() and len(reads) <= 3 / pg_control.WAIT_FALLBACK + 3, len(reads)
+
+
 def test_stopping_the_heartbeat_for_a_fork_interrupts_its_queue_sample(pg, postgres_url):
     """The master stops and joins the heartbeat before every fork: a queue sample counting
     millions of jobs (here held up by a lock) would hold the fork, and the main loop, for up to

@@ -11,6 +11,7 @@ notification is lost if the listening connection drops).
 """
 import contextlib
 import json
+import time
 
 import psycopg
 from psycopg.rows import dict_row
@@ -187,7 +188,9 @@ class ControlMixin(control.ExpiredLog):
                         if note.payload == job_id:
                             return
                 except psycopg.Error:
-                    pass  # the listening connection broke: the fallback re-read carries on
+                    # The listening connection broke (a server restart, an idle reaper): the fallback
+                    # re-read carries on at its pace, not in a loop of queries as fast as they return.
+                    time.sleep(seconds)
             job = control.wait_finished(job_id, lambda: self.get(job_id), block, timeout, WAIT_FALLBACK)
             kept = self._connections.keep_waiter(listener)
             return job
