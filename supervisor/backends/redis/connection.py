@@ -42,8 +42,10 @@ def _defaults():
         decode_responses=True,
         socket_connect_timeout=5.0,
         socket_timeout=30.0,
-        # One immediate retry heals a pooled connection the server closed (and, under
-        # Sentinel, asks for the primary again); anything longer is the daemon's backoff.
+        # One immediate retry heals a pooled connection the server closed; anything longer is
+        # the daemon's backoff. Under Sentinel the retry reconnects to the address it had
+        # (redis-py 8): a primary gone silent costs this timeout twice before the supervisor's
+        # reconnect asks the Sentinels (docs/brokers.md, Sentinel).
         retry=Retry(NoBackoff(), 1),
     )
 # Options handed through to redis-py (parsed by redis.connection.parse_url).
