@@ -130,6 +130,7 @@ class Heartbeat:
         # lease at all while children were forked more often than that.
         if self.due is None:
             self.due = time.monotonic() + self.interval
+        self.sample()  # the first at start (status and the gauges), not a beat later; then when due
         while not self.stopping.wait(max(0.0, self.due - time.monotonic())):
             self.lag = max(0.0, time.monotonic() - self.due)
             self.due = time.monotonic() + self.interval

@@ -669,8 +669,14 @@ def _work(broker_url, broker, key, action):
         import redis
         seen, ready, mark = [], threading.Event(), f"ECHO end-of-{key}"
 
+        def node():  # the server holding the queue's slot: a cluster's other nodes see none of it
+            if broker_url.startswith("redis+cluster"):
+                at = broker.r.get_node_from_key("{default}")
+                return redis.Redis(host=at.host, port=at.port)
+            return redis.Redis.from_url(broker_url.split("?")[0])
+
         def monitor():
-            with redis.Redis.from_url(broker_url.split("?")[0]).monitor() as m:
+            with node().monitor() as m:
                 ready.set()
                 for command in m.listen():
                     seen.append(command["command"])
@@ -680,7 +686,7 @@ def _work(broker_url, broker, key, action):
         watcher.start()
         ready.wait(5)
         action()
-        redis.Redis.from_url(broker_url.split("?")[0]).echo(f"end-of-{key}")
+        node().echo(f"end-of-{key}")
         watcher.join(10)
         return sum(1 for command in seen if command.startswith("HGETALL ") and command.endswith(f":j:{key}"))
     db = broker._conn()

@@ -323,10 +323,7 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
     def stats(self, queues, within=None):
         queues = list(queues)
         out = {q: QueueStats(q) for q in queues}
-        with self._guard("stats"), (db := self._conn()).transaction():
-            if within is not None:  # the server cancels the counts past it
-                db.execute("SELECT set_config('statement_timeout', %s, true)", (str(max(1, int(within * 1000))),))
-            rows = db.execute(stats_query(self._jobs, self._s), {"q": queues}).fetchall()
+        rows = self._stats_rows(stats_query(self._jobs, self._s), {"q": queues}, within)
         for queue, kind, count, age in rows:
             setattr(out[queue], {"running": "in_flight"}.get(kind, kind), count if kind != "paused" else True)
             if kind == "ready":

@@ -202,6 +202,15 @@ class ControlMixin(control.ExpiredLog):
     def interrupt(self):
         self._connections.cancel()
 
+    def _stats_rows(self, query, params, within):
+        """``stats``' rows (here for the size of ``__init__``); past ``within`` seconds the server
+        cancels the counts (BrokerError)."""
+        if within is None:
+            return self._execute(query, params).fetchall()
+        with self._guard("stats"), (db := self._conn()).transaction():
+            db.execute("SELECT set_config('statement_timeout', %s, true)", (str(max(1, int(within * 1000))),))
+            return db.execute(query, params).fetchall()
+
     # -- supervisor records --------------------------------------------------------
     def write_supervisor(self, record, ttl):
         sid, text = control.check_record(record, ttl)
