@@ -28,6 +28,7 @@ log = logging.getLogger("tangguh.heartbeat")
 # finished jobs took 1.5 s, which the main loop spent deaf when it took the sample itself. Here
 # it costs no main-loop time, and a slow one comes less often: at most this share of the time.
 SAMPLE_SHARE = 0.05
+INTERRUPT_AFTER = 1.0  # seconds stop() lets the sample under way run before it interrupts it
 
 
 class Heartbeat:
@@ -105,8 +106,11 @@ class Heartbeat:
         if self.thread is None:
             return
         self.stopping.set()
-        if self.sampling and self.broker is not None:
-            self.broker.interrupt()  # a count of millions of jobs must not hold up the fork
+        # A count of millions of jobs must not hold up the fork: interrupted past a second (a short
+        # one finishes; interrupting every one, frequent forks left the gauges never sampled).
+        self.thread.join(INTERRUPT_AFTER)
+        if self.thread.is_alive() and self.sampling and self.broker is not None:
+            self.broker.interrupt()
         self.thread.join()
         self.thread = None
 
@@ -189,17 +193,21 @@ class Heartbeat:
         self.sampled, self.sampling = queues, True
         try:
             if self.stopping.is_set():
+                self.sampling = False  # not a sample taken
                 return  # stop() may have looked before ``sampling`` was set: it would not interrupt
             if self.broker is None:
                 self.broker = open_broker(self.url)
             stats = self.broker.stats(queues, within=max(0.1, (self.lease_seconds - self.interval) / 2))
         except Exception as exc:  # noqa: BLE001 - cut off, interrupted, or the broker failed: never the thread's end
-            if not self.stopping.is_set():
-                log.warning("queue sample not taken: %s", exc, extra={"event": "sample_failed"})
+            if self.stopping.is_set():
+                self.sampling = False
+                return  # interrupted for a fork: not a sample taken, due again once restarted
+            log.warning("queue sample not taken: %s", exc, extra={"event": "sample_failed"})
             stats = None
         finally:
-            self.sampling = False
-            self.next_sample_at = started + max(SAMPLE_SECONDS, (clock() - started) / SAMPLE_SHARE)
+            if self.sampling:
+                self.sampling = False
+                self.next_sample_at = started + max(SAMPLE_SECONDS, (clock() - started) / SAMPLE_SHARE)
         if stats is not None:
             self.queue_stats = stats
             self.on_sample(stats)

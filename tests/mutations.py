@@ -875,8 +875,8 @@ MUTATIONS = [
              ("tests/test_postgres_broker.py", "-k", "cannot_count_in_time"),
              "a queue sample the broker always gives up on is tried again at every beat"),
     Mutation("heartbeat-stop-waits-for-sample", "supervisor/heartbeat.py",
-             "            self.broker.interrupt()  # a count",
-             "            pass  # a count",
+             "        if self.thread.is_alive() and self.sampling and self.broker is not None:\n            self.broker.interrupt()",
+             "        if self.thread.is_alive() and self.sampling and self.broker is not None:\n            pass",
              ("tests/test_postgres_broker.py", "-k", "interrupts_its_queue_sample"),
              "a fork waits for the heartbeat's queue sample to count millions of jobs"),
     Mutation("sqlite-prune-forgets-schedule-ticks", "supervisor/backends/sqlite/__init__.py",
@@ -909,6 +909,16 @@ MUTATIONS = [
              "                    time.sleep(seconds)", "                    pass",
              ("tests/test_postgres_broker.py", "-k", "listening_session_is_ended"),
              "a wait whose LISTEN session was ended re-reads the job thousands of times a second"),
+    Mutation("redis-reopen-trusts-drifted-count", "supervisor/backends/redis_lua/_flows.lua",
+             "              redis.call('HSET', ckey, 'failing', still)\n              blocked = true\n",
+             "              redis.call('HSET', ckey, 'failing', still)\n",
+             ("tests/test_redis_broker.py", "-k", "earlier_release_left_wrong"),
+             "a child runs with a dead on=success parent when an earlier release left its failing count low"),
+    Mutation("heartbeat-interrupted-sample-counted", "supervisor/heartbeat.py",
+             "            if self.stopping.is_set():\n                self.sampling = False\n                return  # interrupted for a fork",
+             "            if False:\n                return  # interrupted for a fork",
+             ("tests/test_postgres_broker.py", "-k", "interrupts_its_queue_sample"),
+             "a sample interrupted by a fork counts as taken: frequent forks leave the gauges never sampled"),
 ]
 
 

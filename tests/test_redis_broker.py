@@ -420,6 +420,23 @@ def test_enqueue_once_stopped_between_its_two_slots_is_finished_by_the_next_call
     assert (stats["default"].ready, stats["b"].ready) == (1, 0)
 
 
+def test_a_failing_count_an_earlier_release_left_wrong_never_reopens_a_child_a_parent_still_fails(rb, raw, redis_url):
+    """Supervisors of an earlier release sharing the broker in a rolling upgrade change a child's
+    parent fields without its 'failing' count. A count that says "none failing" is checked
+    against the parents before the child reopens: it ran with a dead on="success" parent."""
+    a, b = rb.enqueue_many([NewJob("m", {"i": i}) for i in range(2)])
+    child = rb.enqueue(NewJob("cb", {}, depends_on=[a, b]))
+    key = f"{prefix_of(redis_url)}:{{default}}:j:{child}"
+    jobs = {job.id: job for job in rb.claim(["default"], 2, 30, "w")}
+    for member in (a, b):
+        rb.dead(jobs[member].lease, "permanent", error_info("permanent"))
+    raw.hset(key, "failing", 1)  # what an earlier release's end of b leaves: it counted a only
+    rb.dlq_replay([a])
+    assert (rb.get(child).state, raw.hget(key, "failing")) == ("cancelled", "1")  # b is still dead
+    rb.ack(rb.claim(["default"], 1, 30, "w")[0].lease)
+    assert rb.claim(["default"], 5, 30, "w") == []
+
+
 def test_a_workflow_child_stored_before_its_failing_count_is_counted_at_its_first_reopen(rb, raw, redis_url):
     """A child's 'failing' count (its on="success" parents that failed) lets a reopen skip
     reading its other parents. A child stored by an older version has none: the parents'

@@ -153,7 +153,17 @@ reopen = function(id)
           elseif fails(f[3], edge[child]) then
             failing = redis.call('HINCRBY', ckey, 'failing', -1)
           end
-          local blocked = failing > 0
+          local blocked, pending = failing > 0, nil
+          if not blocked then
+            -- The one whole read, when the count says it may reopen: the count drifts while
+            -- supervisors of an earlier release (whose scripts change p: fields only) share the broker.
+            local still
+            pending, still = open_parents(ckey)
+            if still > 0 then
+              redis.call('HSET', ckey, 'failing', still)
+              blocked = true
+            end
+          end
           -- Cancelled, it gave up its key: a job that took the key since carries that effect,
           -- so the child stays cancelled (naming the holder) rather than make a second holder.
           local ikey = not blocked and redis.call('HGET', ckey, 'idempotency_key')
@@ -164,7 +174,7 @@ reopen = function(id)
               .. (redis.call('HGET', ckey, 'finished_at') or 'null') .. ',"key_held_by":' .. cjson.encode(holder) .. '}')
           end
           if not blocked then
-            redis.call('HSET', ckey, 'state', 'waiting', 'pending', (open_parents(ckey)))
+            redis.call('HSET', ckey, 'state', 'waiting', 'pending', pending)
             redis.call('HDEL', ckey, 'reason', 'finished_at', 'cancel_request')
             redis.call('ZREM', CANCELLED_Z, child)
             redis.call('SADD', WAITING_S, child)
