@@ -176,8 +176,10 @@ def test_pause_is_seen_by_two_supervisors_sharing_a_broker(tmp_path, url):
         waiting = [a.enqueue("noop", {"marker": marker}) for _ in range(6)]
         wait_for(lambda: a.status()["prefetched"] + b.status()["prefetched"] == 6, timeout=30,
                  message="the default jobs prefetched")
-        assert tangguh("queue", "pause", "default", "-c", a.config_path).returncode == 0
+        # only_b first: a beat of a that sees "default" paused then sees "only_b" paused too, if
+        # it asks for it (in the other order, a beat between the two commands passed the check).
         assert tangguh("queue", "pause", "only_b", "-c", a.config_path).returncode == 0
+        assert tangguh("queue", "pause", "default", "-c", a.config_path).returncode == 0
         # Each sees the pauses of the queues it serves, and asks the broker for no others.
         for d, mine in ((a, ["default"]), (b, ["default", "only_b"])):
             wait_for(lambda d=d, mine=mine: d.status()["paused_queues"] == mine and d.status()["prefetched"] == 0,
