@@ -85,8 +85,19 @@ class OneShotServer:
         A bounded batch per wake-up means the loop reads every held connection
         before ``max_clients`` newer ones can push it out.
         """
-        waiting = [c for c in self.clients.values() if c is not newcomer and not c.outbox]
-        self._drop(min(waiting, key=lambda c: (len(c.inbox) > 0, c.accepted)) if waiting else newcomer)
+        read = set()
+        while len(self.clients) > self.max_clients:
+            waiting = [c for c in self.clients.values() if c is not newcomer and not c.outbox]
+            if not waiting:
+                return self._drop(newcomer)
+            oldest = min(waiting, key=lambda c: (len(c.inbox) > 0, c.accepted))
+            if oldest.fd in read:
+                self._drop(oldest)
+            else:
+                # Its request may have come since its last read (it is ready in this very
+                # turn, or was slow to write): answered now, not dropped.
+                read.add(oldest.fd)
+                self._io(oldest, selectors.EVENT_READ)
 
     def _io(self, client, mask):
         if self.clients.get(client.fd) is not client:

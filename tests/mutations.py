@@ -919,6 +919,11 @@ MUTATIONS = [
              "            if False:\n                return  # interrupted for a fork",
              ("tests/test_postgres_broker.py", "-k", "interrupts_its_queue_sample"),
              "a sample interrupted by a fork counts as taken: frequent forks leave the gauges never sampled"),
+    Mutation("oneshot-room-drops-unread", "supervisor/oneshot.py",
+             "            if oldest.fd in read:",
+             "            if True:",
+             ("tests/test_master_robustness.py", "-k", "oldest_silent_connection_makes_room"),
+             "at the limit the oldest connection is dropped unread: a request it wrote since its last read gets a reset"),
 ]
 
 

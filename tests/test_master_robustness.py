@@ -4,13 +4,14 @@ socket, oversize results, unbounded label sets, a socket path that is a file.
 Process tests run the real ``tangguh run`` (tests/daemon.py) and end with the
 daemon still serving: a job runs after the hostile part.
 """
-import collections
 import os
 import selectors
 import signal
 import socket
+import select
 import stat
-import threading
+import subprocess
+import sys
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -138,39 +139,72 @@ def test_idle_connections_cannot_lock_out_status_and_are_closed(daemon):
     daemon.assert_clean()
 
 
-class SilentFlood:
-    """Threads that open connections as fast as the server takes them, never send a byte,
-    and each keep ``hold`` of them open (the oldest closed as new ones open)."""
+FLOOD = r"""
+import collections, socket, sys, threading
 
-    def __init__(self, opener, threads=3, hold=300):
-        self.opener, self.hold, self.stop = opener, hold, threading.Event()
-        self.opened = [0] * threads
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+address = sys.argv[1]
+family = socket.AF_UNIX if address.startswith("/") else socket.AF_INET
+if family == socket.AF_INET:
+    host, port = address.rsplit(":", 1)
+    address = (host, int(port))
+limit, hold = int(sys.argv[2]), 300
+opened, stop, under_way = [0, 0, 0], threading.Event(), threading.Lock()
 
-    def _run(self, i):
-        held = collections.deque()
-        while not self.stop.is_set():
-            try:
-                held.append(self.opener())
-                self.opened[i] += 1
-            except OSError:
-                continue
-            if len(held) > self.hold:
-                held.popleft().close()
-        for s in held:
+def run(i):
+    held = collections.deque()
+    while not stop.is_set():
+        s = socket.socket(family)
+        try:
+            s.settimeout(10)
+            s.connect(address)
+        except OSError:
             s.close()
+            continue
+        held.append(s)
+        opened[i] += 1
+        if len(held) > hold:
+            held.popleft().close()
+        if sum(opened) > limit and under_way.acquire(blocking=False):
+            print("flooding", flush=True)
+    for s in held:
+        s.close()
+
+threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+for t in threads:
+    t.start()
+sys.stdin.read()  # until the test closes our stdin
+stop.set()
+for t in threads:
+    t.join()
+print(*opened, flush=True)
+"""
+
+
+class SilentFlood:
+    """Another process whose threads open connections as fast as the server takes them,
+    never send a byte, and each keep 300 of them open (the oldest closed as new ones open).
+
+    Not threads of the test: the GIL would starve the test's own client between its
+    connect and its request, which no real client (a Prometheus scrape, the CLI) does.
+    """
+
+    def __init__(self, address):
+        self.address = address
+        self.opened = None
 
     def __enter__(self):
-        for t in self.threads:
-            t.start()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", FLOOD, self.address, str(2 * OneShotServer.max_clients)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         # Past the server's limit before the first real client comes.
-        wait_for(lambda: sum(self.opened) > 2 * OneShotServer.max_clients, message="the flood under way")
+        wait_for(lambda: select.select([self.proc.stdout], [], [], 0.1)[0], timeout=60,
+                 message="the flood under way")
+        assert self.proc.stdout.readline() == "flooding\n"
         return self
 
     def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(30)
+        out, _ = self.proc.communicate(timeout=60)
+        self.opened = [int(n) for n in out.split()]
 
 
 def test_a_flood_of_silent_connections_cannot_lock_out_status_or_metrics(tmp_path):
@@ -181,17 +215,18 @@ def test_a_flood_of_silent_connections_cannot_lock_out_status_or_metrics(tmp_pat
     try:
         d.start()
         host, port = d.status()["metrics_listen"].rsplit(":", 1)
-        with SilentFlood(lambda: connect(d.socket)) as flood:
+        with SilentFlood(d.socket) as flood:
             for _ in range(20):
                 assert request(d.socket, {"cmd": "status"}, timeout=10)["ok"] is True
             result = tangguh("status", "-c", d.config_path)
             assert result.returncode == 0, result.stderr
-            assert all(flood.opened), flood.opened
-        with SilentFlood(lambda: socket.create_connection((host, int(port)), timeout=10)) as flood:
+        assert all(flood.opened), flood.opened
+        with SilentFlood(f"{host}:{port}") as flood:
             for _ in range(20):
                 with socket.create_connection((host, int(port)), timeout=10) as s:
                     s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
                     assert reply_or_eof(s).startswith(b"HTTP/1.0 200"), "a scrape went unanswered"
+        assert all(flood.opened), flood.opened
         serves_a_job(d)
         d.signal(signal.SIGTERM)
         assert d.wait_exit() == 0
@@ -246,6 +281,18 @@ def test_at_the_limit_the_oldest_silent_connection_makes_room(tmp_path):
         assert len(server.clients) == server.max_clients and not any(closed_by_peer(s) for s in idle[1:])
         assert b'"pong": true' in pumped_reply(sel, late)
         late.close()
+        # The oldest one wrote its request since its last read, and a newcomer is accepted
+        # before the loop reads it (both ready in one turn, the listener first): answered, not
+        # pushed out.
+        idle[1].sendall(b'{"cmd": "ping"}\n')
+        assert len(server.clients) == server.max_clients - 1  # ``late`` answered and gone
+        newcomers = [connect(path) for _ in range(2)]  # a UNIX connect returns with its connection queued
+        server._accept(selectors.EVENT_READ)
+        idle[1].settimeout(10)
+        assert b'"pong": true' in idle[1].recv(4096)
+        assert len(server.clients) == server.max_clients and not any(closed_by_peer(s) for s in idle[2:])
+        for s in newcomers:
+            s.close()
     finally:
         for s in idle:
             s.close()
