@@ -60,8 +60,8 @@ MUTATIONS = [
              "  if v[1] == 'running' and v[2] == token then", "  if v[1] == 'running' then",
              (CONFORMANCE, "-k", "redis and (stale or ack_many)"), "ack_many refuses a stale lease (Redis)"),
     Mutation("postgres-ack-many-fencing", "supervisor/backends/postgres/statements.py",
-             '" WHERE j.id = l.id AND j.token = l.token AND j.state = \'running\'"',
-             '" WHERE j.id = l.id AND j.state = \'running\'"',
+             '" WHERE j.id = l.id AND j.token = l.token AND j.state = \'running\'{gate}"',
+             '" WHERE j.id = l.id AND j.state = \'running\'{gate}"',
              (CONFORMANCE, "-k", "postgres and (stale or ack_many)"), "ack_many refuses a stale lease (PostgreSQL)"),
     Mutation("lease-renewal-off", "supervisor/heartbeat.py",
              "br.renew(leases, self.lease_seconds, progress)",
@@ -924,6 +924,10 @@ MUTATIONS = [
              "            if True:",
              ("tests/test_master_robustness.py", "-k", "oldest_silent_connection_makes_room"),
              "at the limit the oldest connection is dropped unread: a request it wrote since its last read gets a reset"),
+    Mutation("postgres-ack-many-children-unlocked", "supervisor/backends/postgres/statements.py",
+             'gate = " AND (SELECT count(*) FROM c) >= 0"', 'gate = ""',
+             ("tests/test_postgres_broker.py", "-k", "crosswise"),
+             "two ack_many batches ending parents of the same workflow children crosswise deadlock (PostgreSQL)"),
 ]
 
 

@@ -726,6 +726,54 @@ def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgr
     assert pg.get(j).state == "queued"
 
 
+
+@pytest.mark.parametrize("children", ["waiting", "cancelled"])
+def test_two_ack_batches_ending_parents_of_the_same_children_crosswise_never_deadlock(pg, postgres_url, concurrent,
+                                                                                     children, caplog):
+    """Children A and B each wait on two parents. One supervisor's ack_many ends p_A and p_B,
+    another's q_B and q_A (their ids in that order: a batch updates in id order). Each
+    parent's end locks its children (waiting or cancelled, schema version 11), one parent
+    after another: batch 1 took A then wanted B, batch 2 took B then wanted A, and
+    PostgreSQL aborted one after deadlock_timeout (run again, unseen but for the warning).
+    Each batch now locks all its children first, in id order. A gate holding A makes
+    both batches reach A before either goes on: the crosswise order, every run."""
+    a, b = "job_A", "job_B"
+    p_a, p_b, q_b, q_a = "job_1p", "job_2p", "job_3q", "job_4q"
+    failed = children == "cancelled"  # a third parent of each (on success) dead-lettered: A and B cancelled
+    third = {x: [(f"job_0{x}", "success")] if failed else [] for x in "ab"}
+    extra = [new({"n": 0}, id=f"job_0{x}", max_attempts=1) for x in "ab"] if failed else []
+    pg.enqueue_many(extra + [new({"n": n}, id=job_id) for n, job_id in enumerate((p_a, p_b, q_b, q_a))] + [
+        new({"n": 5}, id=a, depends_on=[(p_a, "complete"), (q_a, "complete")] + third["a"]),
+        new({"n": 6}, id=b, depends_on=[(p_b, "complete"), (q_b, "complete")] + third["b"])])
+    leases = {job.id: job.lease for job in pg.claim(Q, 10, 300, "w")}
+    for x in "ab" if failed else "":
+        pg.dead(leases[f"job_0{x}"], "failed", {"class": "E", "message": "m", "traceback": ""})
+    assert {pg.get(a).state, pg.get(b).state} == {children}
+    first, second = open_broker(postgres_url), open_broker(postgres_url)
+    # The deadlock, were there one, is found at once by the second batch, and it is the one run again.
+    first._conn().execute("SET deadlock_timeout = '20s'")
+    second._conn().execute("SET deadlock_timeout = '100ms'")
+    gate = psycopg.connect(pg.conninfo)
+    try:
+        gate.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (a,))
+        with caplog.at_level("WARNING", logger="tangguh.broker"):
+            concurrent.start("first", lambda: first.ack_many([(leases[p_a], None, {}), (leases[p_b], None, {})]))
+            concurrent.wait_until_waiting(first, "the first batch to wait for A")
+            concurrent.start("second", lambda: second.ack_many([(leases[q_a], None, {}), (leases[q_b], None, {})]))
+            concurrent.wait_until_waiting(second, "the second batch to wait for A")
+            gate.commit()
+            concurrent.join()
+    finally:
+        gate.close()
+        first.close()
+        second.close()
+    assert concurrent.results == {"first": [], "second": []}, concurrent.results
+    assert [r.getMessage() for r in caplog.records if getattr(r, "event", None) == "deadlock_retry"] == []
+    assert {job_id: pg.get(job_id).state for job_id in (p_a, p_b, q_b, q_a)} == dict.fromkeys(
+        (p_a, p_b, q_b, q_a), "done")
+    released = "cancelled" if failed else "queued"  # the last parent of each ended: released, or still cancelled
+    assert (pg.get(a).state, pg.get(b).state) == (released, released)
+
 def test_one_claim_ends_a_bounded_number_of_expired_jobs_and_the_next_ones_the_rest(pg, producer, monkeypatch):
     """A backlog of jobs past their ``expires_at`` (a long outage) was ended, and returned
     whole (payload, history), by the first claim alone: its time and memory grew with the

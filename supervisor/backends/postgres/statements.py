@@ -37,7 +37,7 @@ def stats_query(t, s):
         f" UNION ALL SELECT queue, 'paused', 1, NULL FROM {s}.paused_queues WHERE queue = ANY(%(q)s::text[])")
 
 
-def leased_batch(t, rows, assignments, returning):
+def leased_batch(t, rows, assignments, returning, edges=None):
     """An UPDATE of a batch of leased jobs: ``rows`` an ``unnest(...) AS b(id, token, ...)`` (its
     parameters come first), ``assignments`` the SET list (``j`` the job, ``l`` its row of the batch).
 
@@ -47,10 +47,30 @@ def leased_batch(t, rows, assignments, returning):
     while it waited for A deadlocked a cancel holding A while it waited for B. The
     update then finds each job by id again (not by the locked row's ctid: a renewal
     committed while we waited moved the row, and the fence must read its new version).
+
+    With ``edges`` (the quoted ``job_edges``: a write that ends the jobs, ``ack_many``), the
+    children of the batch's workflow parents (``kids``) are locked next, all at once, in id
+    order, before any row is updated. Each parent's end locks its children (``flow_settle``,
+    schema version 11), one parent after another in the order the update met them: two
+    batches ending parents of the same children crosswise (p_A then p_B, q_B then q_A)
+    each held a child the other wanted, and PostgreSQL aborted one after deadlock_timeout.
+    Locked here first, in one order, the children are the trigger's already. The lock is
+    a one-time filter (an unreferenced CTE never runs), evaluated before the join reads a
+    row; its ``ARRAY(...)`` reads the whole batch (every job locked) before any child is
+    locked, and on a batch without ``kids`` it probes the edges' index with an empty array.
+    (An edge an enqueue committed while the batch waited for its parent is not in the
+    statement's snapshot: the trigger still locks that child, outside the order.)
     """
-    return (f"WITH l AS MATERIALIZED (SELECT b.* FROM {t} j, {rows} WHERE j.id = b.id ORDER BY j.id FOR UPDATE OF j)"
+    lock, gate = "", ""
+    if edges is not None:
+        lock = (f", c AS MATERIALIZED (SELECT c.id FROM {t} c WHERE c.id IN (SELECT e.child FROM {edges} e"
+                " WHERE e.parent = ANY(ARRAY(SELECT l.id FROM l WHERE l.kids)) AND NOT e.parent_gone)"
+                " ORDER BY c.id FOR UPDATE OF c)")
+        gate = " AND (SELECT count(*) FROM c) >= 0"
+    return (f"WITH l AS MATERIALIZED (SELECT b.*{', j.kids' if edges is not None else ''} FROM {t} j, {rows}"
+            f" WHERE j.id = b.id ORDER BY j.id FOR UPDATE OF j){lock}"
             f" UPDATE {t} j SET {assignments} FROM l"
-            " WHERE j.id = l.id AND j.token = l.token AND j.state = 'running'"
+            f" WHERE j.id = l.id AND j.token = l.token AND j.state = 'running'{gate}"
             f" RETURNING {returning}")
 
 
@@ -93,7 +113,7 @@ class Statements:
             t, "unnest(%s::text[], %s::bigint[], %s::text[], %s::text[]) AS b(id, token, result, info)",
             f"state = 'done', result = l.result::json, finished_at = {NOW}, lease_until = NULL,"
             " history = jsonb_set(j.history, '{-1}', (j.history -> -1) || l.info::jsonb || jsonb_build_object("
-            f"'ended_at', {NOW}, 'outcome', 'done'))", "j.id, j.token")
+            f"'ended_at', {NOW}, 'outcome', 'done'))", "j.id, j.token", edges=f"{s}.job_edges")
         self.retry = (
             f"UPDATE {t} SET {retrying}, run_at = %(run_at)s::float8,"
             " error = %(error)s::jsonb,"

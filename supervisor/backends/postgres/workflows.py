@@ -13,7 +13,11 @@ reclaim, cancel, expiry) and commits with it. Exactly once under concurrency:
 each parent's end decrements the child's ``pending`` with an ``UPDATE ...
 RETURNING``, which takes the child's row lock, so of two transactions
 finishing the last two parents at once the second waits for the first and
-sees ``pending`` drop to 0, the first sees 1. Children are locked in id order.
+sees ``pending`` drop to 0, the first sees 1. Children are locked in id order:
+one parent's in ``flow_settle``, and a whole batch of acks' before it ends any
+of them (``statements.leased_batch``): two batches ending parents of the same
+children in opposite orders deadlocked, each parent's end locking its children
+as the update met it.
 
 A parent that runs again (replay, requeue) reopens its children: the trigger
 locks those children's rows before it reads their edges, and every parent's
