@@ -140,7 +140,7 @@ MUTATIONS = [
              "retry delays grow with the attempt"),
     # Job control (tests/test_conformance_control.py).
     Mutation("cancel-without-row-locks", "supervisor/backends/postgres/control.py",
-             '" FOR UPDATE", (job_ids,)).fetchall())', '"", (job_ids,)).fetchall())',
+             '" FOR UPDATE", (job_ids,)).fetchall()', '"", (job_ids,)).fetchall()',
              (CONTROL, "-k", "postgres and racing_four"), "a job cancelled while queued is never started"),
     Mutation("pause-ignored", "supervisor/backends/sqlite/control.py",
              "return [q for q in queues if q not in paused]", "return list(queues)",
@@ -928,6 +928,20 @@ MUTATIONS = [
              'gate = " AND (SELECT count(*) FROM c) >= 0"', 'gate = ""',
              ("tests/test_postgres_broker.py", "-k", "crosswise"),
              "two ack_many batches ending parents of the same workflow children crosswise deadlock (PostgreSQL)"),
+    Mutation("postgres-cancel-children-unlocked", "supervisor/backends/postgres/control.py",
+             "self._lock_children(db, [i for i, state, kids in rows if kids and state in NOT_STARTED])",
+             "self._lock_children(db, [])",
+             ("tests/test_postgres_broker.py", "-k", "crosswise and operator and cancel"),
+             "two cancels ending parents of the same workflow children crosswise deadlock (PostgreSQL)"),
+    Mutation("postgres-discard-children-unlocked", "supervisor/backends/postgres/search.py",
+             "self._lock_children(db, [i for i, state, kids in rows if kids and state in NOT_STARTED])",
+             "self._lock_children(db, [])",
+             ("tests/test_postgres_broker.py", "-k", "crosswise and operator and discard"),
+             "two discards deleting unfinished parents of the same workflow children crosswise deadlock (PostgreSQL)"),
+    Mutation("postgres-dlq-replay-children-unlocked", "supervisor/backends/postgres/__init__.py",
+             "self._lock_children(db, self._require_dead(db, job_ids))", "self._require_dead(db, job_ids)",
+             ("tests/test_postgres_broker.py", "-k", "crosswise and operator and dlq_replay"),
+             "two replays reopening parents of the same workflow children crosswise deadlock (PostgreSQL)"),
 ]
 
 

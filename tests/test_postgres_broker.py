@@ -690,11 +690,14 @@ def test_a_write_postgresql_aborts_to_break_a_deadlock_runs_again(pg, postgres_u
     assert (pg.get(member).state, pg.get(callback).state) == ("done", "cancelled")
 
 
-def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgres_url, concurrent):
+@pytest.mark.parametrize("reopen", ["dlq_replay", "requeue"])
+def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgres_url, concurrent, reopen):
     """J waits on P1 (success) and P2 (complete); P1 dead-lettered, so J was cancelled.
     P2's ack has written its edges (J skipped: cancelled then) and not committed yet,
-    while a replay of P1 reopens J: the reopen must wait for P2's end and count it, or J
-    waits for P2 forever once P1 is done."""
+    while a replay (or requeue) of P1 reopens J: the reopen must wait for P2's end and
+    count it, or J waits for P2 forever once P1 is done. (A replay locks its parents'
+    children before it reopens them, _lock_children; a requeue, one job per transaction,
+    relies on the trigger's own lock.)"""
     p1, p2, j, k = "job_P1", "job_P2", "job_J", "job_K"
     pg.enqueue_many([new({"n": 1}, id=p1, max_attempts=1), new({"n": 2}, id=p2),
                      new({"n": 3}, id=j, depends_on=[(p1, "success"), (p2, "complete")]),
@@ -709,7 +712,7 @@ def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgr
         gate.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (k,))
         concurrent.start("ack", lambda: acking.ack(leases[p2]))
         concurrent.wait_until_waiting(acking, "P2's ack to wait for K, its edges written")
-        concurrent.start("replay", lambda: replaying.dlq_replay([p1]))
+        concurrent.start("replay", lambda: getattr(replaying, reopen)([p1]))
         # The fixed reopen waits for P2's edge; the broken one commits at once.
         wait_for(lambda: concurrent.waits(replaying) or "replay" in concurrent.results, timeout=10,
                  message="the replay to wait or end")
@@ -719,7 +722,8 @@ def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgr
         gate.close()
         acking.close()
         replaying.close()
-    assert concurrent.results == {"ack": None, "replay": [p1]}, concurrent.results
+    answer = [p1] if reopen == "dlq_replay" else {p1: "queued"}
+    assert concurrent.results == {"ack": None, "replay": answer}, concurrent.results
     again = {job.id: job.lease for job in pg.claim(Q, 5, 300, "w")}
     assert set(again) == {p1, k}  # K was released by P2's end; J waits for P1
     pg.ack(again[p1])  # P1 runs again and succeeds: J's last parent
@@ -773,6 +777,69 @@ def test_two_ack_batches_ending_parents_of_the_same_children_crosswise_never_dea
         (p_a, p_b, q_b, q_a), "done")
     released = "cancelled" if failed else "queued"  # the last parent of each ended: released, or still cancelled
     assert (pg.get(a).state, pg.get(b).state) == (released, released)
+
+# An operator's write of several parents: what it does to them, what it answers, and the state
+# of each child once both writes committed (released, or reopened to wait for both parents).
+CROSSWISE_OPERATOR_WRITES = {
+    "cancel": (lambda broker, ids: broker.cancel(ids, "ops", "crosswise"), "cancelled", "queued"),
+    "discard": (lambda broker, ids: broker.discard(ids), "discarded", "queued"),
+    "dlq_replay": (lambda broker, ids: broker.dlq_replay(ids), None, "waiting"),
+}
+
+
+@pytest.mark.parametrize("write", sorted(CROSSWISE_OPERATOR_WRITES))
+def test_two_operator_writes_ending_or_reopening_parents_of_the_same_children_crosswise_never_deadlock(
+        pg, postgres_url, concurrent, write, caplog):
+    """Children A and B each have two parents. One operator's cancel (discard, replay) names
+    p_A and p_B, another's q_B and q_A (locked, then written, in id order). Each parent's end
+    (flow_settle: a cancel, a discard of an unfinished job) or reopen (flow_reopen: a replay)
+    locks its children, one parent after another: write 1 took A then wanted B, write 2 took
+    B then wanted A, and PostgreSQL aborted one after deadlock_timeout (run again, unseen but
+    for the warning). Each write now locks all its parents' children first, in id order
+    (_lock_children). A gate holding A makes both writes reach A before either goes on."""
+    run, answer, child_state = CROSSWISE_OPERATOR_WRITES[write]
+    a, b = "job_A", "job_B"
+    p_a, p_b, q_b, q_a = "job_1p", "job_2p", "job_3q", "job_4q"
+    parents = (p_a, p_b, q_b, q_a)
+    replay = write == "dlq_replay"
+    on = "success" if replay else "complete"  # replayed: dead parents, children cancelled parent_failed
+    pg.enqueue_many([new({"n": n}, id=job_id, max_attempts=1) for n, job_id in enumerate(parents)] + [
+        new({"n": 5}, id=a, depends_on=[(p_a, on), (q_a, on)]),
+        new({"n": 6}, id=b, depends_on=[(p_b, on), (q_b, on)])])
+    if replay:
+        for job in pg.claim(Q, 10, 300, "w"):
+            pg.dead(job.lease, "failed", {"class": "E", "message": "m", "traceback": ""})
+    assert {pg.get(a).state, pg.get(b).state} == {"cancelled" if replay else "waiting"}
+    first, second = open_broker(postgres_url), open_broker(postgres_url)
+    # The deadlock, were there one, is found at once by the second write, and it is the one run again.
+    first._conn().execute("SET deadlock_timeout = '20s'")
+    second._conn().execute("SET deadlock_timeout = '100ms'")
+    gate = psycopg.connect(pg.conninfo)
+    try:
+        gate.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (a,))
+        with caplog.at_level("WARNING", logger="tangguh.broker"):
+            concurrent.start("first", lambda: run(first, [p_a, p_b]))
+            concurrent.wait_until_waiting(first, "the first write to wait for A")
+            concurrent.start("second", lambda: run(second, [q_b, q_a]))
+            concurrent.wait_until_waiting(second, "the second write to wait for A")
+            gate.commit()
+            concurrent.join()
+    finally:
+        gate.close()
+        first.close()
+        second.close()
+    if answer is None:
+        assert concurrent.results == {"first": [p_a, p_b], "second": [q_b, q_a]}, concurrent.results
+    else:
+        assert concurrent.results == {"first": dict.fromkeys((p_a, p_b), answer),
+                                      "second": dict.fromkeys((q_b, q_a), answer)}, concurrent.results
+    assert [r.getMessage() for r in caplog.records if getattr(r, "event", None) == "deadlock_retry"] == []
+    stored = {"cancel": "cancelled", "discard": None, "dlq_replay": "queued"}[write]
+    assert {job_id: getattr(pg.get(job_id), "state", None) for job_id in parents} == dict.fromkeys(parents, stored)
+    assert (pg.get(a).state, pg.get(b).state) == (child_state, child_state)
+    if replay:  # reopened once by each parent: waiting for both again
+        assert (pg.get(a).pending, pg.get(b).pending) == (2, 2)
+
 
 def test_one_claim_ends_a_bounded_number_of_expired_jobs_and_the_next_ones_the_rest(pg, producer, monkeypatch):
     """A backlog of jobs past their ``expires_at`` (a long outage) was ended, and returned

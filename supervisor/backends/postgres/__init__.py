@@ -342,13 +342,15 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
         return [Job.from_dict(r) for r in self._execute(sql, params, row_factory=dict_row).fetchall()]
 
     def _require_dead(self, db, job_ids):
-        states = dict(db.execute(f"SELECT id, state FROM {self._jobs} WHERE id = ANY(%s::text[])"
-                                 " ORDER BY id FOR UPDATE",
-                                 (list(job_ids),)).fetchall())
+        """Lock the jobs in id order; NotDead unless every one is dead. Returns those with workflow children."""
+        rows = db.execute(f"SELECT id, state, kids FROM {self._jobs} WHERE id = ANY(%s::text[]) ORDER BY id"
+                          " FOR UPDATE", (list(job_ids),)).fetchall()
+        states = {job_id: state for job_id, state, _ in rows}
         for job_id in job_ids:
             state = states.get(job_id)
             if state != "dead":
                 raise NotDead(f"job {job_id} is {'unknown' if state is None else state}, not dead")
+        return [job_id for job_id, _, kids in rows if kids]
 
     @deadlock_retried
     def dlq_replay(self, job_ids):
@@ -357,7 +359,7 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
             db = self._conn()
             try:
                 with db.transaction():
-                    self._require_dead(db, job_ids)
+                    self._lock_children(db, self._require_dead(db, job_ids))  # reopened: before any of them
                     db.execute(
                         f"UPDATE {self._jobs} SET state = 'queued', attempt = 0, run_at = {NOW}, reason = NULL,"
                         " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL,"

@@ -22,7 +22,7 @@ from ...model import CANCELLED, EXPIRED, Job, Renewal, check_queue
 from .. import control
 from .connection import deadlock_retried
 from .control_schema import done_channel
-from .statements import NOW, leased_batch
+from .statements import NOT_STARTED, NOW, leased_batch
 
 WAIT_FALLBACK = 1.0
 
@@ -46,9 +46,12 @@ class ControlMixin(control.ExpiredLog):
             db = self._conn()
             with db.transaction():
                 # Locked in id order (SKIP LOCKED claimers pass them by): the answer is what was stored.
-                states = dict(db.execute(f"SELECT id, state FROM {t} WHERE id = ANY(%s::text[]) ORDER BY id"
-                                         " FOR UPDATE", (job_ids,)).fetchall())
-                ending = [i for i in job_ids if states.get(i) in ("queued", "retrying", "waiting")]
+                rows = db.execute(f"SELECT id, state, kids FROM {t} WHERE id = ANY(%s::text[]) ORDER BY id"
+                                  " FOR UPDATE", (job_ids,)).fetchall()
+                states = {job_id: state for job_id, state, _ in rows}
+                ending = [i for i in job_ids if states.get(i) in NOT_STARTED]
+                # Their children next, all at once, in id order, before any of them ends (_lock_children).
+                self._lock_children(db, [i for i, state, kids in rows if kids and state in NOT_STARTED])
                 running = [i for i in job_ids if states.get(i) == "running"]
                 req = f"jsonb_build_object('by', %(by)s::text, 'reason', %(reason)s::text, 'at', {NOW})"
                 params = {"by": request["by"], "reason": request["reason"]}

@@ -45,7 +45,7 @@ from psycopg.rows import dict_row
 from ...model import Job
 from .. import scan, sqlsearch
 from .connection import deadlock_retried
-from .statements import NOW
+from .statements import NOT_STARTED, NOW
 
 SERVED = sqlsearch.SERVED + ("payload",)
 GIN_BOUND = scan.SCAN_BOUND  # matches past a page's key a payload search sorts itself
@@ -233,9 +233,13 @@ class SearchMixin:
         with self._guard("discard"):
             db = self._conn()
             with db.transaction():
-                states = dict(db.execute(f"SELECT id, state FROM {self._jobs} WHERE id = ANY(%s::text[])"
-                                         " ORDER BY id FOR UPDATE", (job_ids,)).fetchall())
+                rows = db.execute(f"SELECT id, state, kids FROM {self._jobs} WHERE id = ANY(%s::text[])"
+                                  " ORDER BY id FOR UPDATE", (job_ids,)).fetchall()
+                states = {job_id: state for job_id, state, _ in rows}
                 gone = [i for i in job_ids if states.get(i) not in (None, "running")]
+                # An unfinished parent deleted ends for its children (flow_forget): all of them locked
+                # first, at once, in id order (_lock_children).
+                self._lock_children(db, [i for i, state, kids in rows if kids and state in NOT_STARTED])
                 db.execute(f"DELETE FROM {self._jobs} WHERE id = ANY(%s::text[])", (gone,))
         return {i: "unknown" if i not in states else "running" if states[i] == "running" else "discarded"
                 for i in job_ids}

@@ -9,6 +9,7 @@ due at once send ``NOTIFY`` on the broker's channel (payload: the queue).
 
 NOW = "date_part('epoch', now())"  # the server's clock, epoch seconds (double precision)
 UNFINISHED = "('queued', 'running', 'retrying', 'waiting')"  # what holds an idempotency key
+NOT_STARTED = ("queued", "retrying", "waiting")  # unfinished, not running: what a cancel or discard ends
 # A job asked to cancel while it ran ends cancelled where it would run again (retry, release).
 UNLESS_CANCELLED = ("state = CASE WHEN cancel_request IS NULL THEN {state} ELSE 'cancelled' END,"
                     f" finished_at = CASE WHEN cancel_request IS NULL THEN finished_at ELSE {NOW} END")

@@ -14,10 +14,14 @@ each parent's end decrements the child's ``pending`` with an ``UPDATE ...
 RETURNING``, which takes the child's row lock, so of two transactions
 finishing the last two parents at once the second waits for the first and
 sees ``pending`` drop to 0, the first sees 1. Children are locked in id order:
-one parent's in ``flow_settle``, and a whole batch of acks' before it ends any
-of them (``statements.leased_batch``): two batches ending parents of the same
-children in opposite orders deadlocked, each parent's end locking its children
-as the update met it.
+one parent's in ``flow_settle`` (and ``flow_reopen``), and all the children of
+a write's parents before it ends, deletes or reopens any of them: a batch of
+acks' in its statement (``statements.leased_batch``), a cancel's, a discard's
+and a replay's in a statement of their own (``Workflows._lock_children``).
+Two such writes over parents of the same children in opposite orders
+deadlocked, each parent's end locking its children as the update met it. The
+claim's lease reclaim and expiry (inside the claim function) still lock them
+parent by parent, as does a cascade (a child cancelled, its own children).
 
 A parent that runs again (replay, requeue) reopens its children: the trigger
 locks those children's rows before it reads their edges, and every parent's
@@ -351,6 +355,21 @@ class Workflows:
                 " AS e(parent, child, on_, state, result)",
                 [list(c) for c in zip(*edges)])
         return [stored[job.id] for job in jobs]
+
+    def _lock_children(self, db, parents):
+        """Lock the workflow children of ``parents`` (jobs with ``kids`` whose rows this transaction
+        locked, in id order, and is about to end, reopen or delete) all at once, in id order.
+
+        Each parent's end (``flow_settle``) and reopen (``flow_reopen``) locks its children, one
+        parent after another as the statement meets them: two writes ending or reopening
+        parents of the same children crosswise (p_A then p_B, q_B then q_A) each held a child
+        the other wanted, and PostgreSQL aborted one after deadlock_timeout. Locked here first,
+        the children are the trigger's already. (``ack_many`` does the same inside its
+        statement: ``statements.leased_batch``.)
+        """
+        if parents:
+            db.execute(f"SELECT id FROM {self._jobs} WHERE id IN (SELECT child FROM {self._s}.job_edges"
+                       " WHERE parent = ANY(%s::text[]) AND NOT parent_gone) ORDER BY id FOR UPDATE", (list(parents),))
 
     def _with_parents(self, jobs):
         """Fill ``parents`` of the jobs that have dependencies (state None: not finished): one query for all."""
