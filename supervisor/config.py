@@ -360,7 +360,8 @@ def socket_path(path=None):
 
 
 def load(path=None):
-    """Read, validate and resolve a config file. No file at all means all defaults here."""
+    """Read, validate and resolve a config file. No file at all means all defaults here (the
+    command line refuses that for every command but ``config show``/``check``: cli.common)."""
     found = find_config(path)
     if found is None:
         cfg = from_dict({}, os.getcwd())

@@ -942,6 +942,11 @@ MUTATIONS = [
              "self._lock_children(db, self._require_dead(db, job_ids))", "self._require_dead(db, job_ids)",
              ("tests/test_postgres_broker.py", "-k", "crosswise and operator and dlq_replay"),
              "two replays reopening parents of the same workflow children crosswise deadlock (PostgreSQL)"),
+    Mutation("cli-no-config-uses-defaults", "supervisor/cli/common.py",
+             "    if found is None:\n        raise ConfigError(",
+             "    if False:\n        raise ConfigError(",
+             ("tests/test_cli.py", "-k", "without_any_config_file"),
+             "a command run where no config file is found acts on a new ./tangguh.db: an empty queue shown, jobs lost"),
 ]
 
 

@@ -284,6 +284,26 @@ def test_unreadable_config_is_exit_2(tmp_path):
     assert os.listdir(tmp_path) == ["conf.toml"]
 
 
+def test_a_command_that_acts_without_any_config_file_refuses_and_creates_nothing(tmp_path):
+    # Built-in defaults here meant a new ./tangguh.db wherever the operator stood: at 3 a.m. in
+    # the wrong folder, an empty dead-letter queue shown and jobs enqueued that nothing reads.
+    assert not os.path.exists("/etc/tangguh/config.toml"), "this test needs no system-wide config"
+    for args in (["enqueue", "email", "--payload", "{}"], ["dlq", "list"], ["stats"], ["jobs"], ["run"],
+                 ["db", "migrate"], ["web"]):
+        result = tangguh_process(*args, cwd=tmp_path)
+        assert result.returncode == 2, (args, result.stderr)
+        assert result.stderr == ("tangguh: error: no config file (./tangguh.toml or /etc/tangguh/config.toml):"
+                                 " pass -c PATH (`tangguh config init` writes one)\n"), (args, result.stderr)
+    assert os.listdir(tmp_path) == []
+    # Status still asks the default socket (a broken config must not hide a running supervisor).
+    result = tangguh_process("status", cwd=tmp_path)
+    assert result.returncode == 1 and "warning: no config file" in result.stderr, result.stderr
+    # And the config commands say what the defaults are.
+    result = tangguh_process("config", "show", cwd=tmp_path)
+    assert result.returncode == 0 and "[broker]" in result.stdout, result.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_unknown_broker_scheme_is_exit_2(tmp_path):
     path = _config(tmp_path, '[broker]\nurl = "ftp://example.com/jobs"\n')
     result = tangguh_process("enqueue", "email", "--payload", "{}", "-c", path)

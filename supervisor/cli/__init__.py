@@ -1,7 +1,8 @@
 """The ``tangguh`` command line.
 
 Every command takes ``-c/--config PATH`` (default ``./tangguh.toml``, else
-``/etc/tangguh/config.toml``, else built-in defaults); commands that print data
+``/etc/tangguh/config.toml``; with neither, only ``config show``/``check`` go on, on
+the built-in defaults, and every other command refuses); commands that print data
 take ``--json``. Exit codes: 0 ok, 1 runtime error (broker unreachable, job not
 found, no supervisor answering, a bulk action stopped partway), 2 bad input,
 usage or config error (nothing written), 141 stdout closed by its reader

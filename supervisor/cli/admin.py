@@ -15,7 +15,7 @@ EXAMPLE_HANDLERS = os.path.join(DATA, "handlers", "examples.py")
 
 
 def cmd_config_check(args):
-    cfg = load_config(args)
+    cfg = config_module.load(args.config)  # no file: the defaults, and it says so
     config_module.check_host(cfg)
     # The handlers as `run` imports them: their schedules' payloads must pass their payload schemas.
     scheduler.check_payloads(cfg, registry.load_handlers(cfg.supervisor.handlers))
@@ -66,7 +66,7 @@ def masked(data):
 
 
 def cmd_config_show(args):
-    cfg = load_config(args)
+    cfg = config_module.load(args.config)  # no file: the defaults
     data = cfg.to_dict() if args.show_secrets else masked(cfg.to_dict())
     if args.json:
         print_json(data)

@@ -3,6 +3,7 @@ import importlib
 import os
 
 from .. import config as config_module
+from ..errors import ConfigError
 
 PROG = "tangguh"
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # shipped in the package
@@ -16,8 +17,19 @@ class Failure(Exception):
     """A runtime failure already phrased for the operator: exit 1."""
 
 
+def config_path(args):
+    """The config file of a command that acts; without one (none given, none at the default
+    paths) it refuses. Built-in defaults there meant a new ./tangguh.db in whatever folder
+    the operator stood in: an empty queue shown, jobs enqueued that no supervisor reads."""
+    found = config_module.find_config(args.config)
+    if found is None:
+        raise ConfigError(f"no config file ({' or '.join(config_module.DEFAULT_PATHS)}): pass -c PATH"
+                          f" (`{PROG} config init` writes one)")
+    return found
+
+
 def load_config(args):
-    return config_module.load(args.config)
+    return config_module.load(config_path(args))
 
 
 def open_client(args, cfg=None):

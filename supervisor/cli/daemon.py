@@ -7,12 +7,12 @@ import time
 from .. import config as config_module
 from ..errors import ConfigError, TangguhError
 from ..urls import redact
-from .common import PROG, Failure, UsageError, daemon_module, load_config
+from .common import PROG, Failure, UsageError, config_path, daemon_module, load_config
 from .output import duration, print_json, printable, say, size, table, when
 
 
 def cmd_run(args):
-    return daemon_module("master").run(config_module.find_config(args.config))
+    return daemon_module("master").run(config_path(args))
 
 
 def supervisor_socket(args):
