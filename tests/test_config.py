@@ -316,10 +316,23 @@ def test_example_lists_every_key_with_its_default(tmp_path):
     with open(EXAMPLE, "rb") as f:
         example = tomllib.load(f)
     for section, cls in config.SECTIONS.items():
-        keys = {f.name for f in dataclasses.fields(cls)} - {"types"}
+        # Tables of names (users, tokens) are shown commented: an empty ``users = {}`` made the
+        # README's [web.users.NAME] blocks appended to a starter config a TOML error.
+        keys = {f.name for f in dataclasses.fields(cls)} - {"types", "users", "tokens"}
         assert set(example[section]) == keys, section
     # Every value shown is the default, so the example means exactly "all defaults".
     assert config.from_dict(example, str(tmp_path)).to_dict() == config.from_dict({}, str(tmp_path)).to_dict()
+
+
+def test_the_readmes_web_users_and_tokens_appended_to_a_starter_config_parse():
+    with open(EXAMPLE) as f:
+        starter = f.read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    block = readme[readme.index("[web.users.ada]"):]
+    block = block[:block.index("```")]
+    web = tomllib.loads(starter + "\n" + block)["web"]  # was: "Cannot declare ('web', 'users', 'ada') twice"
+    assert set(web["users"]) == {"ada", "vic"} and set(web["tokens"]) == {"deploy-script"}
 
 
 def test_example_documents_every_key_and_a_job_type_block():

@@ -5,9 +5,11 @@ talks HTTP to it through Starlette's TestClient; the browser tests
 (tests/test_web_browser.py) drive a real console process.
 """
 import base64
+import hashlib
 import json
 import logging
 import re
+import tomllib
 
 import pytest
 
@@ -470,3 +472,14 @@ def test_a_password_check_never_holds_up_the_other_requests(tmp_path, broker, mo
             release.set()
             worker.join(30)
         assert answers[0].status_code == 303
+
+
+def test_new_token_prints_a_block_that_pasted_into_the_config_admits_the_token(tmp_path):
+    result = tangguh("web", "new-token")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    token = lines[0].rsplit(" ", 1)[1]
+    block = "\n".join(lines[2:]).replace("NAME", "deploy-script")
+    cfg = config.from_dict(tomllib.loads('[web]\nlisten = "127.0.0.1:9465"\n' + block), str(tmp_path))
+    assert cfg.web.tokens["deploy-script"]["role"] == "viewer"
+    assert cfg.web.tokens["deploy-script"]["sha256"] == hashlib.sha256(token.encode()).hexdigest()

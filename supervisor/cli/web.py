@@ -59,7 +59,8 @@ def cmd_new_token(args):
     _, auth = _web_modules()
     token, digest = auth.new_token()
     print(f"token (give it to the script; it is not stored): {token}")
-    print(f'config: [web.tokens.NAME] sha256 = "{digest}"  role = "viewer" (or "admin")')
+    print("for the config (name it; role \"viewer\" or \"admin\"):")
+    print(f'[web.tokens.NAME]\nsha256 = "{digest}"\nrole = "viewer"')
 
 
 def add_commands(commands, command):
