@@ -129,7 +129,7 @@ class HealthServer(OneShotServer):
         super().__init__(claim_path(path, mode, group), selector, client_timeout)
 
     def complete(self, inbox):
-        return b"\n" in inbox
+        return inbox.find(b"\n")
 
     def answer(self, inbox):
         return self._line(self._reply(inbox.split(b"\n", 1)[0]))

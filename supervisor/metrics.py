@@ -266,7 +266,8 @@ class HttpExporter(OneShotServer):
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def complete(self, inbox):
-        return b"\r\n\r\n" in inbox or b"\n\n" in inbox
+        ends = [i for i in (inbox.find(b"\r\n\r\n"), inbox.find(b"\n\n")) if i >= 0]
+        return min(ends, default=-1)
 
     def answer(self, request):
         line = request.split(b"\n", 1)[0].decode("latin-1").strip()

@@ -47,7 +47,7 @@ class OneShotServer:
 
     # -- what a subclass provides ---------------------------------------------------
     def complete(self, inbox):
-        """Whether ``inbox`` holds a whole request."""
+        """Where the request in ``inbox`` ends (the offset of its terminator), or -1 when it has not yet."""
         raise NotImplementedError
 
     def answer(self, inbox):
@@ -121,10 +121,12 @@ class OneShotServer:
             if not client.inbox:  # the first bytes: now the whole request gets its time
                 client.deadline = client.accepted + self.client_timeout
             client.inbox += data
-            if self.complete(client.inbox):
-                self._send(client, self.answer(bytes(client.inbox)))
-            elif len(client.inbox) > self.max_request:
+            end = self.complete(client.inbox)
+            # The limit is the request's, not a read's: one that ended within the read past it is refused too.
+            if end > self.max_request or (end < 0 and len(client.inbox) > self.max_request):
                 self._send(client, self.too_large())
+            elif end >= 0:
+                self._send(client, self.answer(bytes(client.inbox)))
         if mask & selectors.EVENT_WRITE:
             self._flush(client)
 

@@ -947,6 +947,11 @@ MUTATIONS = [
              "    if False:\n        raise ConfigError(",
              ("tests/test_cli.py", "-k", "without_any_config_file"),
              "a command run where no config file is found acts on a new ./tangguh.db: an empty queue shown, jobs lost"),
+    Mutation("oneshot-limit-per-read", "supervisor/oneshot.py",
+             "            if end > self.max_request or (end < 0 and len(client.inbox) > self.max_request):",
+             "            if end < 0 and len(client.inbox) > self.max_request:",
+             ("tests/test_master_robustness.py", "-k", "over_the_limit_is_refused"),
+             "a request over the limit that ends within one read is answered: the documented 64 KiB is 128"),
 ]
 
 

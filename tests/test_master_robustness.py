@@ -4,6 +4,7 @@ socket, oversize results, unbounded label sets, a socket path that is a file.
 Process tests run the real ``tangguh run`` (tests/daemon.py) and end with the
 daemon still serving: a job runs after the hostile part.
 """
+import json
 import os
 import selectors
 import signal
@@ -90,7 +91,7 @@ def reply_or_eof(s):
 
 def test_deeply_nested_json_on_the_health_socket_gets_an_error(daemon):
     daemon.start()
-    for line, error in ((b"[" * 60_000 + b"\n", b"nests too deep"), (b"{\"a\": " * 12_000 + b"\n", b"nests too deep"),
+    for line, error in ((b"[" * 60_000 + b"\n", b"nests too deep"), (b"{\"a\": " * 10_000 + b"\n", b"nests too deep"),
                         (b'{"cmd": ' + b"[" * 900 + b"]" * 900 + b"}\n", b'"cmd\\" string')):
         s = connect(daemon.socket)
         s.sendall(line)
@@ -296,6 +297,33 @@ def test_at_the_limit_the_oldest_silent_connection_makes_room(tmp_path):
     finally:
         for s in idle:
             s.close()
+        server.close()
+        sel.close()
+
+
+def test_a_request_line_over_the_limit_is_refused_even_when_it_ends_within_one_read(tmp_path):
+    sel = selectors.DefaultSelector()
+    path = str(tmp_path / "s.sock")
+    server = HealthServer(path, 0o600, sel, lambda req: {"ok": True, "pong": True})
+    try:
+        for pad, answer in ((65_000, b'"pong": true'), (66_000, b"request line over 65536 bytes")):
+            s = connect(path)
+            line = json.dumps({"cmd": "ping", "pad": "x" * pad}).encode()
+            assert (len(line) > 65_536) == (pad > 65_536)
+            s.sendall(line + b"\n")
+            s.setblocking(False)
+            got = bytearray()
+
+            def answered():
+                try:
+                    got.extend(s.recv(4096))
+                except BlockingIOError:
+                    pass
+                return got.endswith(b"\n")
+            pump(sel, answered, "the reply")
+            assert answer in got, got
+            s.close()
+    finally:
         server.close()
         sel.close()
 
