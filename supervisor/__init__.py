@@ -13,6 +13,7 @@ Producers enqueue through the handler (``send_email.enqueue({...})``, with
 a ``supervisor.Client``.
 """
 from .errors import BadInput, BrokerError, ConfigError, LeaseLost, TangguhError  # noqa: F401
+from .jobfilter import JobFilter  # noqa: F401
 from .jobref import JobRef, configure  # noqa: F401
 from .registry import job  # noqa: F401
 from .retry import BadPayload, Permanent, RetryLater, Transient  # noqa: F401
