@@ -546,12 +546,33 @@ def test_config_init_systemd_dry_run_prints_the_plan_and_touches_nothing(tmp_pat
     result = tangguh_cli("config", "init", "--systemd", "--dry-run", "--root", str(root),
                          "--user", "tangguh-test-nobody", "--group", "tangguh-test-nogroup")
     assert result.returncode == 0, result.stderr
-    assert "would run: groupadd --system tangguh-test-nogroup" in result.stdout
-    assert ("would run: useradd --system --gid tangguh-test-nogroup --home-dir /var/lib/tangguh --no-create-home"
-            " --shell /usr/sbin/nologin") in result.stdout
+    # Under --root no account is made, dry run or not: the plan says so.
+    assert "skipped under --root (accounts belong to the running system): groupadd --system tangguh-test-nogroup" \
+        in result.stdout and "would run" not in result.stdout
     assert f"would write {root}/etc/tangguh/config.toml (mode 0640)" in result.stdout
     assert f"would write {root}/etc/systemd/system/tangguh.service (mode 0644)" in result.stdout
     assert not root.exists()
+    # On the running system it would make them.
+    result = tangguh_cli("config", "init", "--systemd", "--dry-run",
+                         "--user", "tangguh-test-nobody", "--group", "tangguh-test-nogroup")
+    assert result.returncode == 0, result.stderr
+    assert "would run: groupadd --system tangguh-test-nogroup" in result.stdout
+    assert ("would run: useradd --system --gid tangguh-test-nogroup --home-dir /var/lib/tangguh --no-create-home"
+            " --shell /usr/sbin/nologin") in result.stdout
+    assert "would write /etc/tangguh/config.toml (mode 0640)" in result.stdout
+
+
+def test_config_init_systemd_into_a_root_without_the_group_writes_the_files_for_the_target_system(tmp_path):
+    # For a package: the group is the target system's, made by its installation. This one
+    # failed after making half the tree, while its --dry-run had predicted success.
+    root = tmp_path / "root"
+    result = tangguh_cli("config", "init", "--systemd", "--root", str(root),
+                         "--user", "tangguh-test-nobody", "--group", "tangguh-test-nogroup")
+    assert result.returncode == 0, result.stderr
+    assert "group left as is: no group tangguh-test-nogroup here" in result.stdout
+    for path in ("etc/tangguh/config.toml", "etc/systemd/system/tangguh.service"):
+        assert (root / path).is_file()
+    assert os.stat(root / "etc/tangguh/config.toml").st_gid == os.getegid()
 
 
 @pytest.mark.parametrize("args, error", [

@@ -126,10 +126,10 @@ class Installer:
                              "Tangguh worker-queue supervisor", self.user])
         for command in commands:
             shown = shlex.join(command)
-            if self.dry_run:
-                self.out(f"would run: {shown}")
-            elif not self.system:
+            if not self.system:
                 self.out(f"skipped under --root (accounts belong to the running system): {shown}")
+            elif self.dry_run:
+                self.out(f"would run: {shown}")
             else:
                 self.out(f"running: {shown}")
                 result = subprocess.run(command, capture_output=True, text=True)
@@ -139,10 +139,14 @@ class Installer:
             self.out(f"user {self.user} and group {self.group} exist")
 
     def gid(self):
+        """The group's id; -1 (no change) under --root when this system has no such group: the
+        files are for another system (a package), whose installation sets their group."""
         try:
             return grp.getgrnam(self.group).gr_gid
         except KeyError:
-            raise InstallError(f"group {self.group!r} does not exist (with --root, pass an existing --group)") from None
+            if self.system:
+                raise InstallError(f"group {self.group!r} does not exist") from None
+            return -1
 
     def make_dir(self, path, mode):
         target = self.path(path)
@@ -152,7 +156,7 @@ class Installer:
         os.makedirs(target, mode=mode, exist_ok=True)
         os.chmod(target, mode)
         os.chown(target, -1, self.gid())
-        self.out(f"directory {target} (mode {mode:04o}, group {self.group})")
+        self.out(f"directory {target} (mode {mode:04o}, {self.group_note()})")
 
     def write_file(self, path, text, mode, replace, group_owned=True):
         target = self.path(path)
@@ -173,7 +177,13 @@ class Installer:
         if group_owned:
             os.chown(tmp, -1, self.gid())
         os.replace(tmp, target)  # never a half-written config or unit
-        self.out(f"{'replaced' if exists else 'wrote'} {target} (mode {mode:04o})")
+        owner = f", {self.group_note()}" if group_owned else ""
+        self.out(f"{'replaced' if exists else 'wrote'} {target} (mode {mode:04o}{owner})")
+
+    def group_note(self):
+        if self.gid() == -1:
+            return f"group left as is: no group {self.group} here; the target system's installation sets it"
+        return f"group {self.group}"
 
     def daemon_reload(self):
         if not self.system or self.dry_run or not os.path.isdir("/run/systemd/system"):
