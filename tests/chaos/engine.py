@@ -993,8 +993,14 @@ class Soak(ControlFaults):
         if faults["stall_child"]:
             kept = [e for pid, job_id, _ in self.child_stalls if (e := entry(job_id, pid)) and "ended_at" in e
                     and e.get("outcome") != "lease_expired" and e["ended_at"] - e["started_at"] > lease]
+            # What each stalled attempt became, so that a failure explains itself.
+            seen = [f"{job_id} pid {pid} stopped {stall}s: "
+                    + (", ".join(f"{k}={e[k]}" for k in ("started_at", "ended_at", "outcome") if k in e)
+                       + (f", error={(e.get('error') or {}).get('reason')}" if e.get("error") else "")
+                       if (e := entry(job_id, pid)) else "no attempt of that pid")
+                    for pid, job_id, stall in self.child_stalls]
             check("a stopped child kept its lease past lease_seconds (renewed by its master)", kept,
-                  f"{len(self.child_stalls)} stalls, none outlived the lease while keeping it")
+                  f"{len(self.child_stalls)} stalls, none outlived the lease while keeping it: " + "; ".join(seen))
         self.stale_taken = 0
         if faults["stall_supervisor"]:
             per_stall = []
