@@ -247,6 +247,7 @@ class HttpExporter(OneShotServer):
     """A tiny HTTP/1.0 responder for ``GET /metrics`` inside the master's selector."""
 
     max_request = MAX_REQUEST
+    terminator_slack = 3  # the first three bytes of "\r\n\r\n"
     max_clients = MAX_CLIENTS
     read_size = 4096
 

@@ -39,6 +39,9 @@ class OneShotServer:
     # Per wake-up: under a connection storm the loop still gets back to reading
     # the clients it holds, instead of accepting (and shedding) without end.
     accept_batch = 32
+    # Bytes of a terminator that may have arrived in part: a request within the limit whose
+    # terminator is split across reads must not be refused while it completes.
+    terminator_slack = 0
 
     def __init__(self, listener, selector, client_timeout):
         self.listener, self.selector, self.client_timeout = listener, selector, client_timeout
@@ -85,19 +88,25 @@ class OneShotServer:
         A bounded batch per wake-up means the loop reads every held connection
         before ``max_clients`` newer ones can push it out.
         """
-        read = set()
-        while len(self.clients) > self.max_clients:
-            waiting = [c for c in self.clients.values() if c is not newcomer and not c.outbox]
-            if not waiting:
-                return self._drop(newcomer)
-            oldest = min(waiting, key=lambda c: (len(c.inbox) > 0, c.accepted))
-            if oldest.fd in read:
-                self._drop(oldest)
-            else:
+        waiting = sorted((c for c in self.clients.values() if c is not newcomer and not c.outbox),
+                         key=lambda c: (len(c.inbox) > 0, c.accepted))
+        for oldest in waiting:  # sorted once: a flood's turn stays linear in the clients held
+            if len(self.clients) <= self.max_clients:
+                return
+            if not oldest.inbox:
                 # Its request may have come since its last read (it is ready in this very
                 # turn, or was slow to write): answered now, not dropped.
-                read.add(oldest.fd)
                 self._io(oldest, selectors.EVENT_READ)
+                if self.clients.get(oldest.fd) is not oldest or oldest.outbox or oldest.inbox:
+                    continue
+            self._drop(oldest)
+        for oldest in waiting:  # every one of them had begun a request: the oldest of those goes
+            if len(self.clients) <= self.max_clients:
+                return
+            if self.clients.get(oldest.fd) is oldest and not oldest.outbox:
+                self._drop(oldest)
+        if len(self.clients) > self.max_clients:
+            self._drop(newcomer)
 
     def _io(self, client, mask):
         if self.clients.get(client.fd) is not client:
@@ -123,7 +132,7 @@ class OneShotServer:
             client.inbox += data
             end = self.complete(client.inbox)
             # The limit is the request's, not a read's: one that ended within the read past it is refused too.
-            if end > self.max_request or (end < 0 and len(client.inbox) > self.max_request):
+            if end > self.max_request or (end < 0 and len(client.inbox) > self.max_request + self.terminator_slack):
                 self._send(client, self.too_large())
             elif end >= 0:
                 self._send(client, self.answer(bytes(client.inbox)))

@@ -301,6 +301,33 @@ def test_at_the_limit_the_oldest_silent_connection_makes_room(tmp_path):
         sel.close()
 
 
+def test_at_the_limit_with_every_slot_holding_half_a_request_the_oldest_goes_not_the_newcomer(tmp_path):
+    # Slowloris: each held connection wrote the start of a request and stalls. The loop has not
+    # read them yet when a real client is accepted: they are read, none is done, and the oldest
+    # makes room, so the newcomer (whose request is on its way) is served.
+    sel = selectors.DefaultSelector()
+    path = str(tmp_path / "s.sock")
+    server = HealthServer(path, 0o600, sel, lambda req: {"ok": True, "pong": True})
+    held = []
+    try:
+        for _ in range(server.max_clients):
+            held.append(connect(path))
+            held[-1].setblocking(False)
+            pump(sel, lambda: len(server.clients) == len(held), "the connection accepted")
+        for s in held:
+            s.sendall(b'{"cmd": ')
+        newcomer = connect(path)  # a UNIX connect returns with its connection queued
+        server._accept(selectors.EVENT_READ)
+        assert closed_by_peer(held[0]) and not any(closed_by_peer(s) for s in held[1:])
+        assert b'"pong": true' in pumped_reply(sel, newcomer)
+        newcomer.close()
+    finally:
+        for s in held:
+            s.close()
+        server.close()
+        sel.close()
+
+
 def test_a_request_line_over_the_limit_is_refused_even_when_it_ends_within_one_read(tmp_path):
     sel = selectors.DefaultSelector()
     path = str(tmp_path / "s.sock")

@@ -488,3 +488,36 @@ def test_exporter_times_out_a_silent_client():
     client.close()
     exporter.close()
     sel.close()
+
+
+@pytest.mark.parametrize("split", [0, 1, 2, 3])
+def test_a_request_at_the_exporters_limit_is_answered_however_its_terminator_is_split(split):
+    # The request ends exactly at the 8 KiB limit; the first ``split`` bytes of its "\r\n\r\n"
+    # arrive with it, the rest in a later read. Counting them as request bytes refused it (431).
+    sel = selectors.DefaultSelector()
+    exporter = HttpExporter("127.0.0.1:0", sel, lambda: "x 1\n")
+    host, port = exporter.address.rsplit(":", 1)
+    head = b"GET /metrics HTTP/1.0\r\nX: "
+    head += b"a" * (exporter.max_request - len(head))
+    client = socket.create_connection((host, int(port)), timeout=10)
+    client.sendall(head + b"\r\n\r\n"[:split])
+    wait_for(lambda: [key.data(mask) for key, mask in sel.select(0.05)] and exporter.clients
+             and len(next(iter(exporter.clients.values())).inbox) == len(head) + split,
+             message="the first part read")
+    client.sendall(b"\r\n\r\n"[split:])
+    client.setblocking(False)
+    got = bytearray()
+
+    def answered():
+        for key, mask in sel.select(0.05):
+            key.data(mask)
+        try:
+            got.extend(client.recv(4096))
+        except BlockingIOError:
+            pass
+        return b"\r\n\r\n" in got
+    wait_for(answered, message="the answer")
+    assert got.startswith(b"HTTP/1.0 200"), bytes(got[:40])
+    client.close()
+    exporter.close()
+    sel.close()

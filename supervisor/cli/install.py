@@ -151,7 +151,7 @@ class Installer:
     def make_dir(self, path, mode):
         target = self.path(path)
         if self.dry_run:
-            self.out(f"would create {target} (mode {mode:04o}, group {self.group})")
+            self.out(f"would create {target} (mode {mode:04o}, {self.group_note()})")
             return
         os.makedirs(target, mode=mode, exist_ok=True)
         os.chmod(target, mode)
@@ -165,8 +165,9 @@ class Installer:
             self.out(f"kept the existing {target}")
             return
         verb = "replace" if exists else "write"
+        owner = f", {self.group_note()}" if group_owned else ""
         if self.dry_run:
-            self.out(f"would {verb} {target} (mode {mode:04o})")
+            self.out(f"would {verb} {target} (mode {mode:04o}{owner})")
             return
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = f"{target}.tangguh-new"
@@ -177,11 +178,10 @@ class Installer:
         if group_owned:
             os.chown(tmp, -1, self.gid())
         os.replace(tmp, target)  # never a half-written config or unit
-        owner = f", {self.group_note()}" if group_owned else ""
         self.out(f"{'replaced' if exists else 'wrote'} {target} (mode {mode:04o}{owner})")
 
     def group_note(self):
-        if self.gid() == -1:
+        if not self.system and not _group_exists(self.group):
             return f"group left as is: no group {self.group} here; the target system's installation sets it"
         return f"group {self.group}"
 
