@@ -148,8 +148,8 @@ family = socket.AF_UNIX if address.startswith("/") else socket.AF_INET
 if family == socket.AF_INET:
     host, port = address.rsplit(":", 1)
     address = (host, int(port))
-limit, hold = int(sys.argv[2]), 300
-opened, stop, under_way = [0, 0, 0], threading.Event(), threading.Lock()
+limit, threads, hold = int(sys.argv[2]), 8, 100
+opened, stop, under_way = [0] * threads, threading.Event(), threading.Lock()
 
 def run(i):
     held = collections.deque()
@@ -170,7 +170,7 @@ def run(i):
     for s in held:
         s.close()
 
-threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+threads = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
 for t in threads:
     t.start()
 sys.stdin.read()  # until the test closes our stdin
@@ -182,8 +182,9 @@ print(*opened, flush=True)
 
 
 class SilentFlood:
-    """Another process whose threads open connections as fast as the server takes them,
-    never send a byte, and each keep 300 of them open (the oldest closed as new ones open).
+    """Another process whose 8 threads open connections as fast as the server takes them (its
+    accept queue full), never send a byte, and each keep 100 of them open (the oldest closed
+    as new ones open).
 
     Not threads of the test: the GIL would starve the test's own client between its
     connect and its request, which no real client (a Prometheus scrape, the CLI) does.
