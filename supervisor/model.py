@@ -170,14 +170,19 @@ def first_token(job):
 
     An id the caller chose can name a job again once the first was deleted
     (discarded, purged, pruned). Starting from the time of the enqueue in
-    milliseconds times 1024, the new job's tokens lie above every lease of the
-    old one (unless it was claimed 1,024 times per millisecond between the
-    two), so such a lease can never renew, ack or fail the new attempt, and a
-    handler that fences its own writes with ``ctx.job.token`` still sees them
-    rise. Below 2**53 until the year 2248: exact in Lua's doubles (Redis). An
-    id ``validate`` made names nothing before it: 0.
+    units of 2**-20 s (about a microsecond), the new job's tokens lie above
+    every lease of the old one: the old job's token rose by one per claim, and
+    every claim and the delete took a broker round trip (far more than a
+    microsecond) between the two enqueues. So such a lease can never renew,
+    ack or fail the new attempt, and a handler that fences its own writes with
+    ``ctx.job.token`` still sees them rise. (Milliseconds times 1,024, the first
+    scheme, gave the old lease's token again when the delete and the new
+    enqueue fell in the millisecond of the first enqueue; 2**20 a second lies
+    above that scheme's 1,024,000, so tokens stored under it stay below.)
+    Below 2**53 until the year 2242: exact in Lua's doubles (Redis). An id
+    ``validate`` made names nothing before it: 0.
     """
-    return 0 if job.__dict__.get("_id_made") else int(time.time() * 1000) << 10
+    return 0 if job.__dict__.get("_id_made") else int(time.time() * 1_048_576)
 
 
 def id_taken(job_id, queue):

@@ -10,12 +10,19 @@ as soon as it connects, so a new connection is read at once and answered in
 the same turn when its request is there; the loop accepts a bounded batch per
 wake-up, so it reads every connection it holds before ``max_clients`` newer
 ones arrive; and at ``max_clients`` the oldest connection still waiting for
-its request makes room. A failure while answering one client closes that
+its request makes room, taken from the peer holding the most connections (a
+UNIX socket's peer is a process, a TCP one's a host): a flood from one
+process or host pushes out its own connections first, never the one of the
+operator's CLI or of a scraper, however long the scheduler keeps that one
+from writing its request. A failure while answering one client closes that
 client, never the loop. Subclasses say when a request is complete and what to
 answer.
 """
+import collections
 import logging
 import selectors
+import socket
+import struct
 import time
 
 log = logging.getLogger("tangguh.socket")
@@ -23,9 +30,22 @@ log = logging.getLogger("tangguh.socket")
 IDLE_SECONDS = 2.0  # before the first byte; a real client writes its request at once
 
 
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _peer(conn, address):
+    """Who is at the other end: a host (TCP: its address) or a process (UNIX socket: its pid)."""
+    if isinstance(address, tuple):
+        return address[0]
+    try:
+        return _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0]
+    except (OSError, AttributeError):  # AttributeError: a system without SO_PEERCRED
+        return None
+
+
 class _Client:
-    def __init__(self, sock, deadline):
-        self.sock, self.deadline = sock, deadline
+    def __init__(self, sock, deadline, peer=None):
+        self.sock, self.deadline, self.peer = sock, deadline, peer
         self.fd = sock.fileno()
         self.accepted = time.monotonic()
         self.inbox = bytearray()
@@ -69,11 +89,11 @@ class OneShotServer:
     def _accept(self, _mask):
         for _ in range(self.accept_batch):
             try:
-                conn, _ = self.listener.accept()
+                conn, address = self.listener.accept()
             except OSError:  # BlockingIOError: none left; anything else: try on the next wake-up
                 return
             conn.setblocking(False)
-            client = _Client(conn, time.monotonic() + min(IDLE_SECONDS, self.client_timeout))
+            client = _Client(conn, time.monotonic() + min(IDLE_SECONDS, self.client_timeout), _peer(conn, address))
             self.clients[client.fd] = client
             self.selector.register(conn, selectors.EVENT_READ, lambda mask, c=client: self._io(c, mask))
             self._io(client, selectors.EVENT_READ)  # usually the whole request is here: answered now
@@ -81,15 +101,18 @@ class OneShotServer:
                 self._make_room(client)
 
     def _make_room(self, newcomer):
-        """Back to ``max_clients``: the oldest client still waiting for its request goes, silent ones first.
+        """Back to ``max_clients``: a client still waiting for its request goes, silent ones first,
+        those of the peer holding the most connections first, the oldest first.
 
         Not the newcomer: the kernel wakes the loop as a client connects, so a
         real client is usually accepted a moment before its request arrives.
         A bounded batch per wake-up means the loop reads every held connection
-        before ``max_clients`` newer ones can push it out.
+        before ``max_clients`` newer ones can push it out; the peer's count
+        protects a client whose request the scheduler delays longer than that.
         """
+        held = collections.Counter(c.peer for c in self.clients.values())
         waiting = sorted((c for c in self.clients.values() if c is not newcomer and not c.outbox),
-                         key=lambda c: (len(c.inbox) > 0, c.accepted))
+                         key=lambda c: (len(c.inbox) > 0, -held[c.peer], c.accepted))
         for oldest in waiting:  # sorted once: a flood's turn stays linear in the clients held
             if len(self.clients) <= self.max_clients:
                 return

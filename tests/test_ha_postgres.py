@@ -15,7 +15,8 @@ from .failover_flow import run_through_failover
 from .ha_servers import PostgresPair
 from .util import wait_for
 
-pytestmark = pytest.mark.services
+# One worker runs the whole module under pytest-xdist: its servers (a module fixture) start once.
+pytestmark = [pytest.mark.services, pytest.mark.xdist_group(__name__)]
 
 
 @pytest.fixture(scope="module")

@@ -225,7 +225,8 @@ def test_a_flood_of_silent_connections_cannot_lock_out_status_or_metrics(tmp_pat
         assert all(flood.opened), flood.opened
         with SilentFlood(f"{host}:{port}") as flood:
             for _ in range(20):
-                with socket.create_connection((host, int(port)), timeout=10) as s:
+                # Prometheus scrapes from a host of its own; the flood comes from 127.0.0.1.
+                with socket.create_connection((host, int(port)), timeout=10, source_address=("127.0.0.2", 0)) as s:
                     s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
                     assert reply_or_eof(s).startswith(b"HTTP/1.0 200"), "a scrape went unanswered"
         assert all(flood.opened), flood.opened
@@ -262,71 +263,102 @@ def pumped_reply(sel, s):
     return bytes(got)
 
 
-def test_at_the_limit_the_oldest_silent_connection_makes_room(tmp_path):
-    sel = selectors.DefaultSelector()
-    path = str(tmp_path / "s.sock")
-    server = HealthServer(path, 0o600, sel, lambda req: {"ok": True, "pong": True})
-    idle = []
-    try:
-        for _ in range(server.max_clients):
-            idle.append(connect(path))  # one at a time: the listen backlog is shorter than the table
-            idle[-1].setblocking(False)
-            pump(sel, lambda: len(server.clients) == len(idle), "the connection accepted")
-        # A request there when its connection is accepted is answered at once: nobody is pushed out.
-        asker = connect(path)
-        assert b'"pong": true' in pumped_reply(sel, asker)
-        asker.close()
-        assert len(server.clients) == server.max_clients and not any(closed_by_peer(s) for s in idle)
-        # One accepted before its request arrives pushes out the oldest silent one, not itself.
-        late = connect(path)
-        pump(sel, lambda: closed_by_peer(idle[0]), "the oldest silent connection closed")
-        assert len(server.clients) == server.max_clients and not any(closed_by_peer(s) for s in idle[1:])
-        assert b'"pong": true' in pumped_reply(sel, late)
-        late.close()
-        # The oldest one wrote its request since its last read, and a newcomer is accepted
-        # before the loop reads it (both ready in one turn, the listener first): answered, not
-        # pushed out.
-        idle[1].sendall(b'{"cmd": "ping"}\n')
-        assert len(server.clients) == server.max_clients - 1  # ``late`` answered and gone
-        newcomers = [connect(path) for _ in range(2)]  # a UNIX connect returns with its connection queued
-        server._accept(selectors.EVENT_READ)
-        idle[1].settimeout(10)
-        assert b'"pong": true' in idle[1].recv(4096)
-        assert len(server.clients) == server.max_clients and not any(closed_by_peer(s) for s in idle[2:])
-        for s in newcomers:
+class FullHealthServer:
+    """A health server driven by the test (``pump``), its table filled to ``max_clients`` with
+    silent connections of this process (``held``), or of another process first (``hold_elsewhere``)."""
+
+    def __init__(self, tmp_path):
+        self.sel = selectors.DefaultSelector()
+        self.path = str(tmp_path / "s.sock")
+        self.server = HealthServer(self.path, 0o600, self.sel, lambda req: {"ok": True, "pong": True})
+        self.held, self.holder = [], None
+
+    def fill(self, count=None):
+        for _ in range(self.server.max_clients if count is None else count):
+            self.held.append(connect(self.path))  # one at a time: the listen backlog is shorter than the table
+            self.held[-1].setblocking(False)
+            pump(self.sel, lambda: len(self.server.clients) == len(self.held), "the connection accepted")
+        return self.held
+
+    def hold_elsewhere(self, count):
+        """Another process opens ``count`` silent connections, one after another (a connect
+        waits while the backlog is full), and says so when the last one is accepted."""
+        self.holder = subprocess.Popen(
+            [sys.executable, "-c", "import socket, sys\nheld = [socket.socket(socket.AF_UNIX) for _ in range(int(sys.argv[2]))]\n"
+             "for s in held: s.connect(sys.argv[1])\nprint('held', flush=True)\nsys.stdin.read()", self.path, str(count)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        pump(self.sel, lambda: select.select([self.holder.stdout], [], [], 0)[0], "the other process's connections made")
+        pump(self.sel, lambda: not select.select([self.server.listener], [], [], 0)[0], "the last one accepted")
+
+    def close(self):
+        if self.holder is not None:
+            self.holder.kill()
+            self.holder.wait()
+        for s in self.held:
             s.close()
-    finally:
-        for s in idle:
-            s.close()
-        server.close()
-        sel.close()
+        self.server.close()
+        self.sel.close()
 
 
-def test_at_the_limit_with_every_slot_holding_half_a_request_the_oldest_goes_not_the_newcomer(tmp_path):
+@pytest.fixture
+def full(tmp_path):
+    f = FullHealthServer(tmp_path)
+    yield f
+    f.close()
+
+
+def test_at_the_limit_the_oldest_silent_connection_makes_room(full):
+    sel, path, server = full.sel, full.path, full.server
+    idle = full.fill()
+    # A request there when its connection is accepted is answered at once: nobody is pushed out.
+    asker = connect(path)
+    assert b'"pong": true' in pumped_reply(sel, asker)
+    asker.close()
+    assert len(server.clients) == server.max_clients and not any(closed_by_peer(s) for s in idle)
+    # One accepted before its request arrives pushes out the oldest silent one, not itself.
+    late = connect(path)
+    pump(sel, lambda: closed_by_peer(idle[0]), "the oldest silent connection closed")
+    assert len(server.clients) == server.max_clients and not any(closed_by_peer(s) for s in idle[1:])
+    assert b'"pong": true' in pumped_reply(sel, late)
+    late.close()
+    # The oldest one wrote its request since its last read, and a newcomer is accepted
+    # before the loop reads it (both ready in one turn, the listener first): answered, not
+    # pushed out.
+    idle[1].sendall(b'{"cmd": "ping"}\n')
+    assert len(server.clients) == server.max_clients - 1  # ``late`` answered and gone
+    newcomers = [connect(path) for _ in range(2)]  # a UNIX connect returns with its connection queued
+    server._accept(selectors.EVENT_READ)
+    idle[1].settimeout(10)
+    assert b'"pong": true' in idle[1].recv(4096)
+    assert len(server.clients) == server.max_clients and not any(closed_by_peer(s) for s in idle[2:])
+    for s in newcomers:
+        s.close()
+
+
+def test_at_the_limit_with_every_slot_holding_half_a_request_the_oldest_goes_not_the_newcomer(full):
     # Slowloris: each held connection wrote the start of a request and stalls. The loop has not
     # read them yet when a real client is accepted: they are read, none is done, and the oldest
     # makes room, so the newcomer (whose request is on its way) is served.
-    sel = selectors.DefaultSelector()
-    path = str(tmp_path / "s.sock")
-    server = HealthServer(path, 0o600, sel, lambda req: {"ok": True, "pong": True})
-    held = []
-    try:
-        for _ in range(server.max_clients):
-            held.append(connect(path))
-            held[-1].setblocking(False)
-            pump(sel, lambda: len(server.clients) == len(held), "the connection accepted")
-        for s in held:
-            s.sendall(b'{"cmd": ')
-        newcomer = connect(path)  # a UNIX connect returns with its connection queued
-        server._accept(selectors.EVENT_READ)
-        assert closed_by_peer(held[0]) and not any(closed_by_peer(s) for s in held[1:])
-        assert b'"pong": true' in pumped_reply(sel, newcomer)
-        newcomer.close()
-    finally:
-        for s in held:
-            s.close()
-        server.close()
-        sel.close()
+    held = full.fill()
+    for s in held:
+        s.sendall(b'{"cmd": ')
+    newcomer = connect(full.path)  # a UNIX connect returns with its connection queued
+    full.server._accept(selectors.EVENT_READ)
+    assert closed_by_peer(held[0]) and not any(closed_by_peer(s) for s in held[1:])
+    assert b'"pong": true' in pumped_reply(full.sel, newcomer)
+    newcomer.close()
+
+
+def test_at_the_limit_the_peer_holding_the_most_connections_loses_one_before_an_older_one_of_another(full):
+    # The operator's CLI connected first and the scheduler has not let it write yet (a loaded
+    # machine) while another process floods: the oldest silent connection is the operator's,
+    # but the flood's own go first.
+    server = full.server
+    mine = full.fill(1)[0]
+    full.hold_elsewhere(server.max_clients + 20)
+    assert {c.peer for c in server.clients.values()} == {os.getpid(), full.holder.pid}
+    assert len(server.clients) == server.max_clients and not closed_by_peer(mine)
+    assert b'"pong": true' in pumped_reply(full.sel, mine)
 
 
 def test_a_request_line_over_the_limit_is_refused_even_when_it_ends_within_one_read(tmp_path):
