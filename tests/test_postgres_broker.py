@@ -730,6 +730,32 @@ def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgr
     assert pg.get(j).state == "queued"
 
 
+def crosswise(pg, postgres_url, concurrent, caplog, held, first_write, second_write):
+    """Run ``first_write(broker)``, then ``second_write(broker)``, each on a session of its own,
+    both queued behind a third session holding job ``held`` until both wait for it: the
+    crosswise order, every run. Returns their results; a deadlock PostgreSQL broke (the write
+    run again, seen only as the ``deadlock_retry`` warning) fails the test."""
+    first, second = open_broker(postgres_url), open_broker(postgres_url)
+    # The deadlock, were there one, is found at once by the second write, and it is the one run again.
+    first._conn().execute("SET deadlock_timeout = '20s'")
+    second._conn().execute("SET deadlock_timeout = '100ms'")
+    gate = psycopg.connect(pg.conninfo)
+    try:
+        gate.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (held,))
+        with caplog.at_level("WARNING", logger="tangguh.broker"):
+            concurrent.start("first", lambda: first_write(first))
+            concurrent.wait_until_waiting(first, f"the first write to wait for {held}")
+            concurrent.start("second", lambda: second_write(second))
+            concurrent.wait_until_waiting(second, f"the second write to wait for {held}")
+            gate.commit()
+            concurrent.join()
+    finally:
+        gate.close()
+        first.close()
+        second.close()
+    assert [r.getMessage() for r in caplog.records if getattr(r, "event", None) == "deadlock_retry"] == []
+    return concurrent.results
+
 
 @pytest.mark.parametrize("children", ["waiting", "cancelled"])
 def test_two_ack_batches_ending_parents_of_the_same_children_crosswise_never_deadlock(pg, postgres_url, concurrent,
@@ -753,26 +779,10 @@ def test_two_ack_batches_ending_parents_of_the_same_children_crosswise_never_dea
     for x in "ab" if failed else "":
         pg.dead(leases[f"job_0{x}"], "failed", {"class": "E", "message": "m", "traceback": ""})
     assert {pg.get(a).state, pg.get(b).state} == {children}
-    first, second = open_broker(postgres_url), open_broker(postgres_url)
-    # The deadlock, were there one, is found at once by the second batch, and it is the one run again.
-    first._conn().execute("SET deadlock_timeout = '20s'")
-    second._conn().execute("SET deadlock_timeout = '100ms'")
-    gate = psycopg.connect(pg.conninfo)
-    try:
-        gate.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (a,))
-        with caplog.at_level("WARNING", logger="tangguh.broker"):
-            concurrent.start("first", lambda: first.ack_many([(leases[p_a], None, {}), (leases[p_b], None, {})]))
-            concurrent.wait_until_waiting(first, "the first batch to wait for A")
-            concurrent.start("second", lambda: second.ack_many([(leases[q_a], None, {}), (leases[q_b], None, {})]))
-            concurrent.wait_until_waiting(second, "the second batch to wait for A")
-            gate.commit()
-            concurrent.join()
-    finally:
-        gate.close()
-        first.close()
-        second.close()
-    assert concurrent.results == {"first": [], "second": []}, concurrent.results
-    assert [r.getMessage() for r in caplog.records if getattr(r, "event", None) == "deadlock_retry"] == []
+    results = crosswise(pg, postgres_url, concurrent, caplog, a,
+                        lambda broker: broker.ack_many([(leases[p_a], None, {}), (leases[p_b], None, {})]),
+                        lambda broker: broker.ack_many([(leases[q_a], None, {}), (leases[q_b], None, {})]))
+    assert results == {"first": [], "second": []}, results
     assert {job_id: pg.get(job_id).state for job_id in (p_a, p_b, q_b, q_a)} == dict.fromkeys(
         (p_a, p_b, q_b, q_a), "done")
     released = "cancelled" if failed else "queued"  # the last parent of each ended: released, or still cancelled
@@ -810,30 +820,13 @@ def test_two_operator_writes_ending_or_reopening_parents_of_the_same_children_cr
         for job in pg.claim(Q, 10, 300, "w"):
             pg.dead(job.lease, "failed", {"class": "E", "message": "m", "traceback": ""})
     assert {pg.get(a).state, pg.get(b).state} == {"cancelled" if replay else "waiting"}
-    first, second = open_broker(postgres_url), open_broker(postgres_url)
-    # The deadlock, were there one, is found at once by the second write, and it is the one run again.
-    first._conn().execute("SET deadlock_timeout = '20s'")
-    second._conn().execute("SET deadlock_timeout = '100ms'")
-    gate = psycopg.connect(pg.conninfo)
-    try:
-        gate.execute(f"SELECT id FROM {pg._jobs} WHERE id = %s FOR UPDATE", (a,))
-        with caplog.at_level("WARNING", logger="tangguh.broker"):
-            concurrent.start("first", lambda: run(first, [p_a, p_b]))
-            concurrent.wait_until_waiting(first, "the first write to wait for A")
-            concurrent.start("second", lambda: run(second, [q_b, q_a]))
-            concurrent.wait_until_waiting(second, "the second write to wait for A")
-            gate.commit()
-            concurrent.join()
-    finally:
-        gate.close()
-        first.close()
-        second.close()
+    results = crosswise(pg, postgres_url, concurrent, caplog, a,
+                        lambda broker: run(broker, [p_a, p_b]), lambda broker: run(broker, [q_b, q_a]))
     if answer is None:
-        assert concurrent.results == {"first": [p_a, p_b], "second": [q_b, q_a]}, concurrent.results
+        assert results == {"first": [p_a, p_b], "second": [q_b, q_a]}, results
     else:
-        assert concurrent.results == {"first": dict.fromkeys((p_a, p_b), answer),
-                                      "second": dict.fromkeys((q_b, q_a), answer)}, concurrent.results
-    assert [r.getMessage() for r in caplog.records if getattr(r, "event", None) == "deadlock_retry"] == []
+        assert results == {"first": dict.fromkeys((p_a, p_b), answer),
+                           "second": dict.fromkeys((q_b, q_a), answer)}, results
     stored = {"cancel": "cancelled", "discard": None, "dlq_replay": "queued"}[write]
     assert {job_id: getattr(pg.get(job_id), "state", None) for job_id in parents} == dict.fromkeys(parents, stored)
     assert (pg.get(a).state, pg.get(b).state) == (child_state, child_state)
