@@ -960,6 +960,15 @@ MUTATIONS = [
              'int(time.time() * 1_048_576)', 'int(time.time() * 1000) << 10',
              (CONFORMANCE, "-k", "reused_job_id"),
              "a job id deleted and enqueued again within one millisecond gets the old lease's token back"),
+    Mutation("redis-socket-timeout-30s", "supervisor/backends/redis/connection.py",
+             "        socket_timeout=5.0,\n", "        socket_timeout=30.0,\n",
+             ("tests/test_outages.py", "-k", "stops_answering"),
+             "a Redis server that stops answering holds the master's loop 30 s a call: status unanswered"),
+    Mutation("brokerlink-tries-while-down", "supervisor/master/brokerlink.py",
+             "        if self.down_since is not None and now < self.retry_at:\n",
+             "        if False:\n",
+             ("tests/test_outages.py", "-k", "stops_answering"),
+             "while the broker is down every loop call tries it: each waits out the timeout, status unanswered"),
 ]
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from supervisor.backends import open_broker
 from supervisor.errors import BrokerError
+from supervisor.health import request
 from supervisor.model import NewJob
 
 from .daemon import Daemon
@@ -129,6 +130,38 @@ def test_broker_restart_while_jobs_flow_loses_nothing_and_keeps_the_children(any
         assert sorted(d.worker_pids()) == pids and status["restarts"] == 0  # the children lived on
         assert not status["broker_down"] and status["pending_writes"] == 0
         assert len(events(d, "broker_down")) == 1 and len(events(d, "broker_up")) == 1  # once per change
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+def test_a_redis_server_that_stops_answering_leaves_status_answering_and_loses_nothing(redis_broker, tmp_path):
+    """A server that stops answering without closing its connections (SIGSTOP here; a frozen VM,
+    a partition) held the master's loop for 30 s a call and as long again on redis-py's retry:
+    `tangguh status` went unanswered for minutes, and systemd's watchdog (60 s) would have
+    killed the supervisor. A call now gives up after 5 s, and status answers between tries."""
+    db = str(tmp_path / "effects.db")
+    d = daemon(tmp_path, redis_broker, supervisor={"workers": 2}, broker={"prefetch": 4})
+    server = redis_broker.server.proc.pid
+    try:
+        d.start()
+        ids = redis_broker.client.enqueue_many([NewJob("effect", {"db": db}) for _ in range(300)])
+        wait_for(lambda: count(db) >= 20, timeout=60, message="20 jobs to run")
+        os.kill(server, signal.SIGSTOP)
+        try:
+            # Every status request is answered within its 10 s while the loop's calls time out.
+            wait_for(lambda: request(d.socket, {"cmd": "status"}, timeout=10)["broker_down"], timeout=60,
+                     message="the supervisor to report the silent broker")
+            assert request(d.socket, {"cmd": "status"}, timeout=10)["ok"] is True
+        finally:
+            os.kill(server, signal.SIGCONT)
+        wait_for(lambda: (s := stats(redis_broker.client)) and s.done == len(ids), timeout=120,
+                 message="every job done")
+        got = effects(db)
+        assert len(got) == len(ids) and {row[0] for row in got} == set(ids)  # each effect once, none lost
+        wait_for(lambda: not d.status()["broker_down"], timeout=30, message="the broker seen back")
         d.signal(signal.SIGTERM)
         assert d.wait_exit() == 0
         d.assert_clean()

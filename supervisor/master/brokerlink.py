@@ -6,6 +6,12 @@ drops the connection; the next call reconnects. The link logs once when the
 broker goes away and once when it is back, not once per try, and tells the
 claimer when to try again (``on_down``) with a capped, jittered backoff.
 
+While the broker is down, every call before that instant fails at once,
+without touching the network: a server that stops answering makes each try
+wait out the driver's timeout, and the loop's claims, outcome writes and
+schedules each trying in turn would hold the loop (its status socket, its
+children's replies, the watchdog) for all of them. One try per backoff step.
+
 The heartbeat thread has a connection of its own; this one is the main loop's.
 """
 import logging
@@ -36,6 +42,7 @@ class BrokerLink:
         self.fd = None  # our dup of the broker's wake-up descriptor
         self.down_since = None  # monotonic instant of the first failure of this outage
         self.failures = 0  # failed calls in a row (the reconnect backoff's exponent)
+        self.retry_at = 0.0  # while down: the monotonic instant of the next try
         self.rtt = {}  # op -> its labelled histogram (a handful of ops; labels() per call costs)
 
     @property
@@ -70,6 +77,8 @@ class BrokerLink:
         ``op`` labels the round-trip time metric.
         """
         now = time.monotonic()
+        if self.down_since is not None and now < self.retry_at:
+            raise BrokerError("broker down, the next try is due later")
         try:
             result = fn(self.connect())
         except LeaseLost:
@@ -81,7 +90,7 @@ class BrokerLink:
         except Exception as exc:  # noqa: BLE001 - every driver error means the same: try later
             self.metrics.broker_errors.labels("main").inc()
             self.drop()
-            if op in WRITE_OPS:
+            if op in WRITE_OPS and self.down_since is None:
                 # A refused outcome write retries on its own backoff. Pausing claims for
                 # it could starve the very claim that reclaims its expired lease, which is
                 # what finally ends that write (LeaseLost). A real outage fails the claims.
@@ -91,7 +100,9 @@ class BrokerLink:
                 log.error("broker unreachable, pausing claims: %s: %s", type(exc).__name__, exc,
                           extra={"event": "broker_down", "pid": self.pid})
             self.failures += 1
-            self.on_down(now + backoff(self.failures + 1, 0.2, 10.0, jitter=0.5))
+            # From the failure's end: the try itself may have waited out a timeout.
+            self.retry_at = time.monotonic() + backoff(self.failures + 1, 0.2, 10.0, jitter=0.5)
+            self.on_down(self.retry_at)
             raise BrokerError(str(exc)) from None
         self.observe(op, now)
         if self.down_since is not None:

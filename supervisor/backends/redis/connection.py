@@ -41,12 +41,16 @@ def _defaults():
     return dict(
         decode_responses=True,
         socket_connect_timeout=5.0,
-        socket_timeout=30.0,
+        # The master's loop waits on its broker calls: a server that stops answering without
+        # closing (SIGSTOP, a frozen VM, a partition) holds the loop, its status socket and the
+        # systemd watchdog for this long a call. Every script is bounded (claims, acks, prune
+        # and search work in batches), so a call that takes 5 s is an outage, not work.
+        socket_timeout=5.0,
         # One immediate retry heals a pooled connection the server closed; anything longer is
-        # the daemon's backoff. Under Sentinel the retry reconnects to the address it had
-        # (redis-py 8): a primary gone silent costs this timeout twice before the supervisor's
-        # reconnect asks the Sentinels (docs/brokers.md, Sentinel).
-        retry=Retry(NoBackoff(), 1),
+        # the daemon's backoff. Not after a timeout: the retry reconnected to the address it had
+        # (redis-py 8), a silent server's second wait; the supervisor's reconnect asks the
+        # Sentinels (docs/brokers.md, Sentinel).
+        retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
     )
 # Options handed through to redis-py (parsed by redis.connection.parse_url).
 REDIS_OPTIONS = {
