@@ -170,19 +170,30 @@ def first_token(job):
 
     An id the caller chose can name a job again once the first was deleted
     (discarded, purged, pruned). Starting from the time of the enqueue in
-    units of 2**-20 s (about a microsecond), the new job's tokens lie above
-    every lease of the old one: the old job's token rose by one per claim, and
-    every claim and the delete took a broker round trip (far more than a
+    units of 2**-20 s (about a microsecond), the later of the producer's clock
+    and the broker's (``first_token_at``; the Redis scripts and PostgreSQL
+    statements take it on the server), the new job's tokens lie above every
+    lease of the old one: the old job's token rose by one per claim, and every
+    claim and the delete took a broker round trip (far more than a
     microsecond) between the two enqueues. So such a lease can never renew,
     ack or fail the new attempt, and a handler that fences its own writes with
-    ``ctx.job.token`` still sees them rise. (Milliseconds times 1,024, the first
-    scheme, gave the old lease's token again when the delete and the new
-    enqueue fell in the millisecond of the first enqueue; 2**20 a second lies
-    above that scheme's 1,024,000, so tokens stored under it stay below.)
+    ``ctx.job.token`` still sees them rise. (Milliseconds times 1,024 on the
+    producer's clock, the first scheme, gave the old lease's token again when
+    the story fell within one millisecond, or when the second producer's clock
+    was behind; 2**20 a second lies above that scheme's 1,024,000, so tokens
+    stored under it stay below.)
     Below 2**53 until the year 2242: exact in Lua's doubles (Redis). An id
     ``validate`` made names nothing before it: 0.
     """
     return 0 if job.__dict__.get("_id_made") else int(time.time() * 1_048_576)
+
+
+def first_token_at(job, now):
+    """``first_token`` no lower than the broker's clock ``now`` says (Redis and PostgreSQL take
+    the later of the two in their scripts and statements): a producer whose clock lags (another
+    host, a clock stepped back) cannot give the new job a deleted one's lease tokens."""
+    token = first_token(job)
+    return token and max(token, int(now * 1_048_576))
 
 
 def id_taken(job_id, queue):

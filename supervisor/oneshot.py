@@ -10,11 +10,13 @@ as soon as it connects, so a new connection is read at once and answered in
 the same turn when its request is there; the loop accepts a bounded batch per
 wake-up, so it reads every connection it holds before ``max_clients`` newer
 ones arrive; and at ``max_clients`` the oldest connection still waiting for
-its request makes room, taken from the peer holding the most connections (a
-UNIX socket's peer is a process, a TCP one's a host): a flood from one
-process or host pushes out its own connections first, never the one of the
-operator's CLI or of a scraper, however long the scheduler keeps that one
-from writing its request. A failure while answering one client closes that
+its request makes room. A peer holding more than its share of the table (an
+eighth; a UNIX socket's peer is a process, a TCP one's a host) loses its own
+connections first, silent or half-written: a flood from one process or host
+cannot push out the operator's CLI or a scraper from elsewhere, however long
+the scheduler keeps that one from writing its request. (A flood spread over
+many processes or addresses still can, as can one that shares the scraper's
+host.) A failure while answering one client closes that
 client, never the loop. Subclasses say when a request is complete and what to
 answer.
 """
@@ -101,18 +103,19 @@ class OneShotServer:
                 self._make_room(client)
 
     def _make_room(self, newcomer):
-        """Back to ``max_clients``: a client still waiting for its request goes, silent ones first,
-        those of the peer holding the most connections first, the oldest first.
+        """Back to ``max_clients``: a client still waiting for its request goes: a flooding
+        peer's first, then silent ones, then the oldest.
 
         Not the newcomer: the kernel wakes the loop as a client connects, so a
         real client is usually accepted a moment before its request arrives.
         A bounded batch per wake-up means the loop reads every held connection
-        before ``max_clients`` newer ones can push it out; the peer's count
-        protects a client whose request the scheduler delays longer than that.
+        before ``max_clients`` newer ones can push it out; the peers' counts
+        protect a client whose request the scheduler delays longer than that.
         """
         held = collections.Counter(c.peer for c in self.clients.values())
+        share = max(8, self.max_clients // 8)  # below it a peer is a client, not a flood: age alone decides
         waiting = sorted((c for c in self.clients.values() if c is not newcomer and not c.outbox),
-                         key=lambda c: (len(c.inbox) > 0, -held[c.peer], c.accepted))
+                         key=lambda c: (held[c.peer] <= share, len(c.inbox) > 0, c.accepted))
         for oldest in waiting:  # sorted once: a flood's turn stays linear in the clients held
             if len(self.clients) <= self.max_clients:
                 return

@@ -307,15 +307,18 @@ def test_ack_many_with_live_stale_and_current_leases_stores_only_the_current(bro
 
 @pytest.mark.parametrize("delete", ["discard", "dlq_purge"])
 @pytest.mark.parametrize("path", ["plain", "flow"])
-def test_a_reused_job_id_never_meets_a_lease_of_the_deleted_job(broker, delete, path, monkeypatch):
+@pytest.mark.parametrize("clock", ["fast", "behind"])
+def test_a_reused_job_id_never_meets_a_lease_of_the_deleted_job(broker, delete, path, clock, monkeypatch):
     """A chosen id deleted and enqueued again is a new job: a lease still held on the
     old one (a frozen supervisor's) must not renew, ack or fail the new one's attempt.
     Its token used to restart at 0, so the first claim got the old lease's token again.
     Then it started from the enqueue's millisecond: a fast broker ran this whole story in
-    one millisecond and the old lease's token came back. The producer's clock here moves
-    2 us a reading, a broker round trip's floor."""
-    start, reads = time.time(), iter(range(1, 10**9))
-    monkeypatch.setattr(model, "time", types.SimpleNamespace(time=lambda: start + 2e-6 * next(reads)))
+    one millisecond and the old lease's token came back (``fast``: the producer's clock
+    moves 2 us a reading, a broker round trip's floor). And from the producer's clock
+    alone: a producer whose clock is behind the first one's (``behind``: another host, 1 s
+    behind) gave the new job tokens below the old lease's; the broker's clock is a floor."""
+    start, reads, lag = time.time(), iter(range(1, 10**9)), [0.0]
+    monkeypatch.setattr(model, "time", types.SimpleNamespace(time=lambda: start + 2e-6 * next(reads) - lag[0]))
     after = {}
     if path == "flow":  # the workflow insert: a job with a parent (done, so the job is due at once)
         parent = broker.enqueue(new(payload={"parent": True}))
@@ -330,6 +333,7 @@ def test_a_reused_job_id_never_meets_a_lease_of_the_deleted_job(broker, delete, 
         broker.dead(stale, "permanent", error_info("permanent"))
         assert broker.dlq_purge(["order-7"]) == 1
     assert broker.get("order-7") is None
+    lag[0] = 1.0 if clock == "behind" else 0.0
     assert broker.enqueue(new(id="order-7", payload={"v": "new"}, **after)) == "order-7"
     fresh = claim_one(broker, owner="owner")
     assert (fresh.id, fresh.payload, fresh.attempt) == ("order-7", {"v": "new"}, 1)

@@ -25,8 +25,7 @@ from .test_conformance_search import *  # noqa: F401,F403
 from .test_conformance_workflows import *  # noqa: F401,F403
 from .util import wait_for
 
-# One worker runs the whole module under pytest-xdist: its servers (a module fixture) start once.
-pytestmark = [pytest.mark.services, pytest.mark.xdist_group(__name__)]
+pytestmark = pytest.mark.services
 
 
 @pytest.fixture(scope="module")

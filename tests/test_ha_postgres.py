@@ -15,8 +15,7 @@ from .failover_flow import run_through_failover
 from .ha_servers import PostgresPair
 from .util import wait_for
 
-# One worker runs the whole module under pytest-xdist: its servers (a module fixture) start once.
-pytestmark = [pytest.mark.services, pytest.mark.xdist_group(__name__)]
+pytestmark = pytest.mark.services
 
 
 @pytest.fixture(scope="module")

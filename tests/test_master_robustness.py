@@ -4,6 +4,7 @@ socket, oversize results, unbounded label sets, a socket path that is a file.
 Process tests run the real ``tangguh run`` (tests/daemon.py) and end with the
 daemon still serving: a job runs after the hostile part.
 """
+import contextlib
 import json
 import os
 import selectors
@@ -280,12 +281,13 @@ class FullHealthServer:
             pump(self.sel, lambda: len(self.server.clients) == len(self.held), "the connection accepted")
         return self.held
 
-    def hold_elsewhere(self, count):
-        """Another process opens ``count`` silent connections, one after another (a connect
-        waits while the backlog is full), and says so when the last one is accepted."""
+    def hold_elsewhere(self, count, write=b""):
+        """Another process opens ``count`` connections, one after another (a connect waits while
+        the backlog is full), writes ``write`` on each, and says so when the last one is made."""
         self.holder = subprocess.Popen(
             [sys.executable, "-c", "import socket, sys\nheld = [socket.socket(socket.AF_UNIX) for _ in range(int(sys.argv[2]))]\n"
-             "for s in held: s.connect(sys.argv[1])\nprint('held', flush=True)\nsys.stdin.read()", self.path, str(count)],
+             "for s in held:\n    s.connect(sys.argv[1])\n    s.sendall(sys.argv[3].encode())\n"
+             "print('held', flush=True)\nsys.stdin.read()", self.path, str(count), write.decode()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         pump(self.sel, lambda: select.select([self.holder.stdout], [], [], 0)[0], "the other process's connections made")
         pump(self.sel, lambda: not select.select([self.server.listener], [], [], 0)[0], "the last one accepted")
@@ -349,16 +351,60 @@ def test_at_the_limit_with_every_slot_holding_half_a_request_the_oldest_goes_not
     newcomer.close()
 
 
-def test_at_the_limit_the_peer_holding_the_most_connections_loses_one_before_an_older_one_of_another(full):
+@pytest.mark.parametrize("flood", ["silent", "half-written"])
+def test_at_the_limit_the_peer_holding_the_most_connections_loses_one_before_an_older_one_of_another(full, flood):
     # The operator's CLI connected first and the scheduler has not let it write yet (a loaded
-    # machine) while another process floods: the oldest silent connection is the operator's,
-    # but the flood's own go first.
+    # machine) while another process floods, silent or each connection with a request begun:
+    # the oldest silent connection is the operator's, but the flood's own go first.
     server = full.server
     mine = full.fill(1)[0]
-    full.hold_elsewhere(server.max_clients + 20)
+    full.hold_elsewhere(server.max_clients + 20, write=b'{"cmd": ' if flood == "half-written" else b"")
     assert {c.peer for c in server.clients.values()} == {os.getpid(), full.holder.pid}
     assert len(server.clients) == server.max_clients and not closed_by_peer(mine)
     assert b'"pong": true' in pumped_reply(full.sel, mine)
+
+
+def test_at_the_limit_a_scraper_whose_host_holds_a_few_connections_is_not_taken_for_a_flood():
+    # Many hosts hold one connection each; the scraper's host holds three, the scraper's the
+    # newest of them. Newcomers from other hosts push out the oldest connections, as they
+    # would with no peer rule: three is no flood, so the scraper is not the first to go.
+    from supervisor.metrics import HttpExporter
+
+    sel = selectors.DefaultSelector()
+    server = HttpExporter("127.0.0.1:0", sel, lambda: "")
+    host, port = server.listener.getsockname()
+    held, others = [], iter(f"127.0.{1 + i // 250}.{1 + i % 250}" for i in range(1000))
+
+    def open_from(source):
+        s = socket.create_connection((host, port), source_address=(source, 0))
+        s.setblocking(False)
+        held.append(s)
+        pump(sel, lambda: len(server.clients) == min(len(held), server.max_clients), "the connection accepted")
+        return s
+
+    try:
+        for _ in range(server.max_clients - 3):
+            open_from(next(others))
+        open_from("127.0.0.2"), open_from("127.0.0.2")
+        scraper = open_from("127.0.0.2")
+        for _ in range(3):
+            open_from(next(others))
+        assert [closed_by_peer(s) for s in held[:3]] == [True] * 3
+        assert not any(closed_by_peer(s) for s in held[3:])
+        scraper.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        got = bytearray()
+
+        def answered():
+            with contextlib.suppress(BlockingIOError):
+                got.extend(scraper.recv(4096))
+            return got.endswith(b"\r\n\r\n") or b"\r\n\r\n" in got
+        pump(sel, answered, "the scrape answered")
+        assert got.startswith(b"HTTP/1.0 200"), bytes(got)
+    finally:
+        for s in held:
+            s.close()
+        server.close()
+        sel.close()
 
 
 def test_a_request_line_over_the_limit_is_refused_even_when_it_ends_within_one_read(tmp_path):

@@ -57,10 +57,6 @@ def http_get(url, data=None):
         return resp.status, resp.headers.get("Content-Type"), resp.read().decode()
 
 
-# One worker runs the whole module under pytest-xdist: its module fixtures start once.
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
     """Run the whole scenario once; yield (daemon, job ids)."""

@@ -144,10 +144,6 @@ class Stack:
         return [e for e in self.driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
-# One worker runs the whole module under pytest-xdist: its module fixtures start once.
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
 @pytest.fixture(scope="module")
 def driver():
     options = webdriver.ChromeOptions()

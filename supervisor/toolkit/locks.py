@@ -58,8 +58,8 @@ FENCE = ":fence"  # lock ``name``'s fence counter is its key plus this
 # stepped back by more than this could then hand out a fence below an earlier one.
 FENCE_MARGIN = 3600
 
-# The counter never lies below the server's clock in ms x 1024 (as the broker's job tokens,
-# model.first_token): a counter lost (a restart without persistence, an eviction, its TTL) or
+# The counter never lies below the server's clock in ms x 1024 (the broker's job tokens started
+# so; model.first_token counts 2**-20 s now, a separate sequence): a counter lost (a restart without persistence, an eviction, its TTL) or
 # rewound (a failover to a replica that missed the last INCRs) goes on above every fence handed
 # out before, as long as one name got fewer than 1,024 fences per ms, which its lock rules out.
 # Below 2**53 until the year 2248: exact in Lua's doubles. Formatted by hand: tostring keeps

@@ -668,7 +668,10 @@ class Soak(ControlFaults):
         if not holding:
             return None
         sup, busy = self.rng_faults.choice(holding)
-        stall = round(self.rng_faults.uniform(self.s.lease_seconds * 1.5, self.s.lease_seconds * 3), 2)
+        # At least a whole lease past the expiry: another supervisor takes the leases over only when
+        # it claims, and a busy one (every child running, its prefetch full) may not within half a
+        # lease (a loaded machine once saw no takeover in a stall of 1.5 leases).
+        stall = round(self.rng_faults.uniform(self.s.lease_seconds * 2, self.s.lease_seconds * 3.5), 2)
         os.kill(sup.life.pid, signal.SIGSTOP)
         sup.state = "stopped"
         sup.life.hits["stall_supervisor"] += 1

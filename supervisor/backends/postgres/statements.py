@@ -8,6 +8,10 @@ due at once send ``NOTIFY`` on the broker's channel (payload: the queue).
 """
 
 NOW = "date_part('epoch', now())"  # the server's clock, epoch seconds (double precision)
+# model.first_token for ``i.token``: a job whose id the caller chose starts from the later of the
+# producer's clock and the server's (2**-20 s units): a lagging producer (another host, a clock
+# stepped back) cannot give it the tokens of a deleted job's leases. ``n.now``: NOW.
+FIRST_TOKEN = "CASE WHEN i.token = 0 THEN 0 ELSE GREATEST(i.token, floor(n.now * 1048576)::bigint) END"
 UNFINISHED = "('queued', 'running', 'retrying', 'waiting')"  # what holds an idempotency key
 NOT_STARTED = ("queued", "retrying", "waiting")  # unfinished, not running: what a cancel or discard ends
 # A job asked to cancel while it ran ends cancelled where it would run again (retry, release).
@@ -84,7 +88,7 @@ class Statements:
             " max_attempts, timeout, priority, run_at, queued_at, trace_id, expires_at, token)"
             " SELECT i.id, i.queue, i.type, i.payload::json, 'queued', i.resource_id, i.idempotency_key,"
             "  i.max_attempts, i.timeout, i.priority, n.now + i.delay, n.now, i.trace_id, n.now + i.expires_in,"
-            "  i.token"
+            f"  {FIRST_TOKEN}"
             " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
             "  %s::integer[], %s::float8[], %s::integer[], %s::float8[], %s::text[], %s::float8[], %s::bigint[])"
             "  WITH ORDINALITY"

@@ -51,7 +51,7 @@ from ...dependencies import KEY_HELD_BY, ON_SUCCESS, PARENT_FAILED, merged, orde
 from ...errors import BrokerError
 from ...model import chosen_ids, first_token, id_taken
 from .connection import deadlock_retried
-from .statements import UNFINISHED
+from .statements import FIRST_TOKEN, UNFINISHED
 
 _FINISHED = "('done', 'dead', 'cancelled', 'expired')"
 _FAILED_EDGE = f"on_ = '{ON_SUCCESS}' AND state IS NOT NULL AND state <> 'done'"  # what keeps a child cancelled
@@ -336,7 +336,7 @@ class Workflows:
             f"  i.pending, i.level, i.kids, CASE WHEN i.state = 'cancelled' THEN '{PARENT_FAILED}' END,"
             "  CASE WHEN i.state = 'cancelled' THEN n.now END,"
             "  CASE WHEN i.state = 'cancelled' THEN jsonb_build_object('by', 'workflow', 'reason',"
-            f"   '{PARENT_FAILED}', 'at', n.now) END, i.token"
+            f"   '{PARENT_FAILED}', 'at', n.now) END, {FIRST_TOKEN}"
             " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
             "  %s::integer[], %s::float8[], %s::integer[], %s::float8[], %s::text[], %s::float8[], %s::integer[],"
             "  %s::integer[], %s::boolean[], %s::bigint[])"

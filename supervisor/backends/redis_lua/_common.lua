@@ -19,6 +19,21 @@ local function secs(us)
   return string.format('%d.%06d', math.floor(us / 1000000), us % 1000000)
 end
 
+-- model.first_token: a job whose id the caller chose (a token other than 0 in its fields)
+-- starts from the later of the producer's clock and this server's, in units of 2^-20 s: a
+-- producer whose clock lags (another host, a clock stepped back) cannot give the new job the
+-- tokens of a deleted one's leases.
+local function chosen_id_token(fields)
+  for k = 1, #fields - 1, 2 do
+    if fields[k] == 'token' then
+      if fields[k + 1] ~= '0' then
+        fields[k + 1] = num(math.max(tonumber(fields[k + 1]), math.floor(NOW * 1.048576)))
+      end
+      return
+    end
+  end
+end
+
 -- Ready jobs: score -priority; members "<16-digit run_at us><id>", so ZPOPMIN
 -- yields highest priority first, then oldest run_at, then id.
 local function make_ready(id, priority, run_us)

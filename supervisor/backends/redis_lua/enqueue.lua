@@ -27,6 +27,7 @@ for n, job in ipairs(jobs) do
     ids[n] = holder
   else
     local run = NOW + delay
+    chosen_id_token(fields)
     redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'history', '[]',
       'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
     index_job(id, field_of(fields, 'type'), NOW, typed)

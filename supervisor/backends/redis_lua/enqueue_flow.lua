@@ -81,6 +81,7 @@ for _, job in ipairs(fresh) do
   end
   local state = 'queued'
   if failing > 0 then state = 'cancelled' elseif pending > 0 then state = 'waiting' end
+  chosen_id_token(fields)
   redis.call('HSET', key, 'state', state, 'attempt', 0, 'history', '[]',
     'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
   index_job(id, field_of(fields, 'type'), NOW, typed)

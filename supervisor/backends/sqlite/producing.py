@@ -8,7 +8,7 @@ import contextlib
 
 from ...dependencies import order
 from ...errors import BadInput
-from ...model import chosen_ids, first_token, id_taken
+from ...model import chosen_ids, first_token_at, id_taken
 
 
 class ProducingMixin:
@@ -48,7 +48,7 @@ class ProducingMixin:
                 rows.append((job.id, job.queue, job.type, job.payload_json, job.resource_id,
                              job.idempotency_key, job.max_attempts, job.timeout, job.priority, now + job.delay, now,
                              job.trace_id, None if job.expires_in is None else now + job.expires_in,
-                             first_token(job)))
+                             first_token_at(job, now)))
                 stored[job.id] = job.id
                 if job.idempotency_key is not None:
                     self._insert(rows)  # now: a later job of this batch with the same key must see it

@@ -34,7 +34,7 @@ import json
 
 from ...dependencies import KEY_HELD_BY, ON_SUCCESS, PARENT_FAILED, cancelled_by_workflow, level_of, merged
 from ...errors import BadInput
-from ...model import FINISHED, first_token
+from ...model import FINISHED, first_token_at
 
 _FINISHED = "('done', 'dead', 'cancelled', 'expired')"
 _UNFINISHED = "('queued', 'running', 'retrying', 'waiting')"
@@ -206,7 +206,7 @@ class Workflows:
              job.max_attempts, job.timeout, job.priority, now + job.delay, now, job.trace_id,
              None if job.expires_in is None else now + job.expires_in, pending,
              PARENT_FAILED if failed else None, now if failed else None,
-             json.dumps(cancelled_by_workflow(now)) if failed else None, level, first_token(job)),
+             json.dumps(cancelled_by_workflow(now)) if failed else None, level, first_token_at(job, now)),
         )
         self.db.executemany("INSERT INTO job_edges (parent, child, on_, state, result) VALUES (?, ?, ?, ?, ?)",
                             rows)
