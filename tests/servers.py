@@ -17,6 +17,7 @@ until the server answers (or is gone), never with a bare sleep.
 import glob
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -29,9 +30,19 @@ from .util import wait_for
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on, from this pytest-xdist worker's own thousand in 20000-27999,
+    below the kernel's ephemeral ports. A port the kernel picks (``bind(0)``) came back to
+    the next caller often, and two workers starting servers at once could get the same one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    low = 20000 + (int(worker[2:] or 0) % 8) * 1000
+    for port in random.sample(range(low, low + 1000), 1000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{low + 999}")
 
 
 def _answers(port):

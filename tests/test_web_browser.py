@@ -11,7 +11,6 @@ them the module is skipped (a failure under ``TANGGUH_REQUIRE_SERVICES=1``).
 """
 import os
 import pathlib
-import shutil
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from supervisor.web import auth
 
 from .conftest import POSTGRES_URL, REDIS_URL, REQUIRE_SERVICES, _unavailable, _with_query
 from .daemon import Daemon, daemon_env
+from .servers import free_port
 from .util import wait_for
 
 CHROMEDRIVER, CHROMIUM = "/usr/bin/chromedriver", "/usr/bin/chromium"
@@ -42,12 +42,6 @@ if not (os.path.exists(CHROMEDRIVER) and os.path.exists(CHROMIUM)):
     if REQUIRE_SERVICES:
         raise RuntimeError("TANGGUH_REQUIRE_SERVICES=1 but chromium/chromium-driver are not installed")
     pytest.skip("needs Debian's chromium and chromium-driver", allow_module_level=True)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Console:
