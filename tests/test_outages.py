@@ -20,7 +20,7 @@ from supervisor.errors import BrokerError
 from supervisor.health import request
 from supervisor.model import NewJob
 
-from .daemon import Daemon
+from .daemon import Daemon, tangguh
 from .servers import private_postgres, private_redis  # noqa: F401 - fixtures
 from .util import wait_for
 
@@ -155,6 +155,8 @@ def test_a_redis_server_that_stops_answering_leaves_status_answering_and_loses_n
             wait_for(lambda: request(d.socket, {"cmd": "status"}, timeout=10)["broker_down"], timeout=60,
                      message="the supervisor to report the silent broker")
             assert request(d.socket, {"cmd": "status"}, timeout=10)["ok"] is True
+            shown = tangguh("status", "-c", d.config_path)  # what the operator types, with its own timeout
+            assert shown.returncode == 0 and "BROKER DOWN" in shown.stdout, (shown.stdout, shown.stderr)
         finally:
             os.kill(server, signal.SIGCONT)
         wait_for(lambda: (s := stats(redis_broker.client)) and s.done == len(ids), timeout=120,

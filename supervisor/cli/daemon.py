@@ -31,11 +31,16 @@ def supervisor_socket(args):
         return path
 
 
+# Longer than one broker try: a broker that stops answering holds the master's loop for its
+# driver's timeout (5 s on Redis) at most once per backoff step; status answers after it.
+ANSWER_SECONDS = 12.0
+
+
 def ask_supervisor(socket_path, request):
     """Send one request to the health socket; a Failure naming the socket when nobody answers."""
     health = daemon_module("health")
     try:
-        reply = health.request(socket_path, request)
+        reply = health.request(socket_path, request, timeout=ANSWER_SECONDS)
     except ValueError as exc:  # not JSON
         raise Failure(f"supervisor on {socket_path} sent an invalid reply ({exc})") from None
     except (OSError, TangguhError) as exc:
