@@ -29,13 +29,21 @@ import pytest
 from .util import wait_for
 
 
+_HANDED_OUT = set()  # a port given but not bound yet (a cluster node's port and its bus port) is not given again
+
+
 def free_port():
     """A port nobody listens on, from this pytest-xdist worker's own thousand in 20000-27999,
     below the kernel's ephemeral ports. A port the kernel picks (``bind(0)``) came back to
     the next caller often, and two workers starting servers at once could get the same one."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     low = 20000 + (int(worker[2:] or 0) % 8) * 1000
+    if len(_HANDED_OUT) > 500:
+        _HANDED_OUT.clear()  # long bound or gone by now
     for port in random.sample(range(low, low + 1000), 1000):
+        if port in _HANDED_OUT:
+            continue
+        _HANDED_OUT.add(port)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

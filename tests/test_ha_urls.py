@@ -34,6 +34,9 @@ def test_a_sentinel_url_names_the_service_the_db_and_the_sentinels_password():
     ("redis://h1/0?sentinel_password=x", "unknown option(s) sentinel_password"),
     ("redis+sentinel://h1/svc?wait_replicas=-1", "wait_replicas must be a whole number"),
     ("redis+sentinel://h1/svc?wait_timeout=0", "wait_timeout must be a positive number of milliseconds"),
+    ("redis://h1/0?wait_replicas=1&wait_timeout=5000", "wait_timeout (5000 ms) must be below socket_timeout (5 s)"),
+    ("redis://h1/0?wait_replicas=1&wait_timeout=3000&socket_timeout=2.5",
+     "wait_timeout (3000 ms) must be below socket_timeout (2.5 s)"),
     ("redis+sentinel://h1:port/svc", "invalid literal for int() with base 10: 'port'"),
 ])
 def test_bad_ha_urls_are_one_line_errors(url, says):
@@ -43,6 +46,10 @@ def test_bad_ha_urls_are_one_line_errors(url, says):
         open_broker(url)
     message = str(info.value)
     assert says in message and "\n" not in message and SECRET not in message
+
+
+def test_a_wait_timeout_below_the_read_limit_is_taken():
+    open_broker("redis://h1/0?wait_replicas=1&wait_timeout=7000&socket_timeout=8").close()
 
 
 def test_a_postgres_host_list_asks_for_the_read_write_host_unless_told_otherwise():

@@ -121,7 +121,7 @@ class Arbiter:
             self.control.run(self.cfg.broker.queues, stopping=self.stopping is not None)
             overdue.kill_overdue(self.pool)
             self.check_stop_deadline()
-            self.writer.flush()
+            self.writer.flush(stopping=self.stopping is not None)
             self.pool.manage()
             self.withdraw_from_retiring()
             self.claim_and_dispatch()

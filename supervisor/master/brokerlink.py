@@ -49,6 +49,10 @@ class BrokerLink:
     def down(self):
         return self.down_since is not None
 
+    def deferring(self, now):
+        """Whether a call now would fail without trying (the broker is down, its next try ahead)."""
+        return self.down_since is not None and now < self.retry_at
+
     def connect(self):
         if self.broker is None:
             broker = open_broker(self.url)
@@ -77,7 +81,7 @@ class BrokerLink:
         ``op`` labels the round-trip time metric.
         """
         now = time.monotonic()
-        if self.down_since is not None and now < self.retry_at:
+        if self.deferring(now):
             raise BrokerError("broker down, the next try is due later")
         try:
             result = fn(self.connect())

@@ -5,6 +5,12 @@ Acks linger a few milliseconds so that the acks of one loop turn share one
 refuses is retried on its own backoff; a write that meets ``LeaseLost`` is
 dropped (someone else holds the job now). A job's lease leaves the
 heartbeat's care in exactly one place, ``stop_renewing``.
+
+While the broker is down the writes wait, untried and still renewed: the
+claimer's next try finds out whether it is back (a try can wait out a
+driver's timeout; a write refused while the broker was fine would hold the
+claims). A stopping master has no claims: its writes try the broker
+themselves, each time the link's backoff allows.
 """
 import collections
 import dataclasses
@@ -78,6 +84,7 @@ class OutcomeWriter:
         self.acks = collections.deque()
         self.writes = collections.deque()
         self.give_up_at = None
+        self.stopping = False  # no more claims: the writes probe a broker that is down themselves
 
     def __len__(self):
         return len(self.acks) + len(self.writes)
@@ -118,23 +125,26 @@ class OutcomeWriter:
         instants = [w.next_at for w in self.writes]  # few: releases, failures, retried writes
         if self.acks:
             instants.append(self.acks[0].next_at)  # the first ack is due first
-        return min(instants, default=None)
+        due = min(instants, default=None)
+        if due is None or not self.link.down:
+            return due
+        return max(due, self.link.retry_at) if self.stopping else None  # else the claimer's try comes first
+
+    def waiting_for_broker(self, now):
+        return self.link.down and (not self.stopping or self.link.deferring(now))
 
     def stop_renewing(self, job):
         self.unhold(job.lease)
 
-    def flush(self):
+    def flush(self, stopping=False):
         now = time.monotonic()
-        # One due ack takes every first-try ack along (they are only lingering for
-        # company). An ack that failed once is retried alone below, so one ack the
-        # broker refuses cannot keep failing the others until their leases expire.
-        acks = []
-        if self.acks and self.acks[0].next_at <= now:
-            acks = list(self.acks)
-            self.acks.clear()
+        self.stopping = stopping
+        # One refused write per turn: a broker that stopped answering costs each try a
+        # timeout, and the rest wait for the claimer's try to tell an outage from a refusal.
+        refused = False
         for _ in range(len(self.writes)):
             write = self.writes.popleft()
-            if write.next_at > now:
+            if write.next_at > now or refused or self.waiting_for_broker(now):
                 self.writes.append(write)
                 continue
             # Stop renewing before the write: a renewal racing a stored outcome would find
@@ -146,10 +156,16 @@ class OutcomeWriter:
                 self.lost(write)
             except BrokerError as exc:
                 self.failed(write, exc, now)
+                refused = True
                 continue
             else:
                 self.stored(write)
-        if acks:
+        # One due ack takes every first-try ack along (they are only lingering for
+        # company). An ack that failed once is retried alone above, so one ack the
+        # broker refuses cannot keep failing the others until their leases expire.
+        if self.acks and self.acks[0].next_at <= now and not refused and not self.waiting_for_broker(now):
+            acks = list(self.acks)
+            self.acks.clear()
             self.flush_acks(acks, now)
 
     def flush_acks(self, acks, now):
@@ -206,7 +222,8 @@ class OutcomeWriter:
             return True
         now = time.monotonic()
         if self.give_up_at is None:
-            self.give_up_at = now + STOP_WRITES_SECONDS
+            # From the broker's next try when it is down: every write gets its tries.
+            self.give_up_at = max(now, self.link.retry_at if self.link.down else now) + STOP_WRITES_SECONDS
         if now < self.give_up_at:
             return False
         log.error("stopping with %d outcomes not stored; those jobs will run again after their lease",

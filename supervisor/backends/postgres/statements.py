@@ -10,8 +10,10 @@ due at once send ``NOTIFY`` on the broker's channel (payload: the queue).
 NOW = "date_part('epoch', now())"  # the server's clock, epoch seconds (double precision)
 # model.first_token for ``i.token``: a job whose id the caller chose starts from the later of the
 # producer's clock and the server's (2**-20 s units): a lagging producer (another host, a clock
-# stepped back) cannot give it the tokens of a deleted job's leases. ``n.now``: NOW.
-FIRST_TOKEN = "CASE WHEN i.token = 0 THEN 0 ELSE GREATEST(i.token, floor(n.now * 1048576)::bigint) END"
+# stepped back) cannot give it the tokens of a deleted job's leases. The statement's own clock,
+# not now(): a producer's transaction may have begun before the delete.
+FIRST_TOKEN = ("CASE WHEN i.token = 0 THEN 0"
+               " ELSE GREATEST(i.token, floor(date_part('epoch', clock_timestamp()) * 1048576)::bigint) END")
 UNFINISHED = "('queued', 'running', 'retrying', 'waiting')"  # what holds an idempotency key
 NOT_STARTED = ("queued", "retrying", "waiting")  # unfinished, not running: what a cancel or discard ends
 # A job asked to cancel while it ran ends cancelled where it would run again (retry, release).

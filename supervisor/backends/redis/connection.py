@@ -93,6 +93,16 @@ def connect(url):
         raise BrokerUnusable(f"redis url {redact(url)!r}: wait_replicas is not supported on a cluster"
                              " (WAIT must follow the write on the same node's connection)")
     rest = [(k, v) for k, v in options if k in REDIS_OPTIONS]
+    if wait:
+        # WAIT's reply comes after wait_timeout: a read limit below it cuts every unconfirmed
+        # write off as an outage (the connection dropped, the claims held) instead of saying so.
+        try:
+            limit = float(dict(rest).get("socket_timeout", _defaults()["socket_timeout"]))
+        except ValueError:
+            limit = None  # redis-py names the bad value below
+        if limit is not None and timeout >= limit * 1000:
+            raise BrokerUnusable(f"redis url {redact(url)!r}: wait_timeout ({timeout} ms) must be below"
+                                 f" socket_timeout ({limit:g} s)")
     userinfo, _, hostlist = parts.netloc.rpartition("@")
     try:
         default_port = 26379 if topology == "sentinel" else 6379
