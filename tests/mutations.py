@@ -960,6 +960,12 @@ MUTATIONS = [
              'int(time.time() * 1_048_576)', 'int(time.time() * 1000) << 10',
              (CONFORMANCE, "-k", "reused_job_id"),
              "a job id deleted and enqueued again within one millisecond gets the old lease's token back"),
+    # A frozen PostgreSQL (SIGSTOP, a paused VM): every call bounded by socket_timeout.
+    Mutation("postgres-frozen-server-unbounded", "supervisor/backends/postgres/connection.py",
+             "        if self.socket_timeout is None:\n            return super().wait(gen, *args, **kwargs)",
+             "        if True:\n            return super().wait(gen, *args, **kwargs)",
+             ("tests/test_outages.py", "-k", "frozen"),
+             "a frozen PostgreSQL leaves the supervisor answering status and obeying SIGTERM"),
 ]
 
 

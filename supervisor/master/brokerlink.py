@@ -6,6 +6,12 @@ drops the connection; the next call reconnects. The link logs once when the
 broker goes away and once when it is back, not once per try, and tells the
 claimer when to try again (``on_down``) with a capped, jittered backoff.
 
+After a failed connect the next one waits for its own backoff, and every call
+meanwhile fails at once: a server that accepts TCP connections but never
+answers (a frozen PostgreSQL) costs ``connect_timeout`` per try, and trying
+again for each pending outcome write held the loop (the status socket, SIGTERM)
+that long each time.
+
 The heartbeat thread has a connection of its own; this one is the main loop's.
 """
 import logging
@@ -36,18 +42,30 @@ class BrokerLink:
         self.fd = None  # our dup of the broker's wake-up descriptor
         self.down_since = None  # monotonic instant of the first failure of this outage
         self.failures = 0  # failed calls in a row (the reconnect backoff's exponent)
+        self.connect_failures = 0  # failed connects in a row
+        self.connect_at = 0.0  # monotonic: no connect before this instant (calls fail at once)
+        self.connect_error = None  # why the last connect failed
         self.rtt = {}  # op -> its labelled histogram (a handful of ops; labels() per call costs)
 
     @property
     def down(self):
         return self.down_since is not None
 
-    def connect(self):
+    def connect(self, now=None):
         if self.broker is None:
-            broker = open_broker(self.url)
-            if self.migrate:
-                broker.migrate()
-            fd = broker.wakeup_fd()
+            if now is not None and now < self.connect_at:
+                raise BrokerError(f"{self.connect_error} (next connect in {self.connect_at - now:.1f}s)")
+            try:
+                broker = open_broker(self.url)
+                if self.migrate:
+                    broker.migrate()
+                fd = broker.wakeup_fd()
+            except Exception as exc:
+                self.connect_failures += 1
+                self.connect_at = time.monotonic() + backoff(self.connect_failures, 0.2, 10.0, jitter=0.5)
+                self.connect_error = str(exc)
+                raise
+            self.connect_failures = 0
             if fd is not None:
                 # Our own duplicate: the driver may close its socket behind our back (a
                 # Redis restart), and a bare number in the selector could then come to
@@ -71,7 +89,7 @@ class BrokerLink:
         """
         now = time.monotonic()
         try:
-            result = fn(self.connect())
+            result = fn(self.connect(now))
         except LeaseLost:
             self.observe(op, now)
             raise
@@ -91,7 +109,10 @@ class BrokerLink:
                 log.error("broker unreachable, pausing claims: %s: %s", type(exc).__name__, exc,
                           extra={"event": "broker_down", "pid": self.pid})
             self.failures += 1
-            self.on_down(now + backoff(self.failures + 1, 0.2, 10.0, jitter=0.5))
+            # Claims wait for the link's next connect when one failed (no sooner: the call would
+            # fail at once; no later: the broker may be back then), else for their own backoff.
+            connect_at = self.connect_at if self.connect_at > now else None
+            self.on_down(connect_at or now + backoff(self.failures + 1, 0.2, 10.0, jitter=0.5))
             raise BrokerError(str(exc)) from None
         self.observe(op, now)
         if self.down_since is not None:
