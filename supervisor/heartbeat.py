@@ -117,10 +117,10 @@ class Heartbeat:
     def close(self):
         """Stop, and forget this supervisor's record (a clean stop: it is not 'gone', it is done)."""
         self.stop()
-        if self.record is not None:
+        # No connection: the last call failed (it is reset then), and connecting again to a broker
+        # that is down (or frozen: connect_timeout) would only hold up the exit.
+        if self.record is not None and self.broker is not None:
             try:
-                if self.broker is None:
-                    self.broker = open_broker(self.url)
                 self.broker.remove_supervisor(self.record["id"])
             except Exception as exc:  # noqa: BLE001 - the record then shows as gone after its ttl
                 log.warning("supervisor record not removed: %s: %s", type(exc).__name__, exc)
@@ -214,6 +214,8 @@ class Heartbeat:
 
     def _call(self, fn):
         """``fn(broker)`` on the thread's own connection; None (counted, connection reset) on a failure."""
+        if self.stopping.is_set():
+            return None  # stop() waits for the call under way only (each is bounded: a frozen broker's too)
         try:
             if self.broker is None:
                 self.broker = open_broker(self.url)

@@ -1002,6 +1002,12 @@ MUTATIONS = [
              "                refused = True\n", "",
              ("tests/test_outcomes.py", "-k", "one_refused_write"),
              "every due write is tried in a turn when the broker stopped answering: a timeout each, the loop held"),
+    # A frozen PostgreSQL (SIGSTOP, a paused VM): every call bounded by socket_timeout.
+    Mutation("postgres-frozen-server-unbounded", "supervisor/backends/postgres/connection.py",
+             "        if self.socket_timeout is None:\n            return super().wait(gen, *args, **kwargs)",
+             "        if True:\n            return super().wait(gen, *args, **kwargs)",
+             ("tests/test_outages.py", "-k", "frozen"),
+             "a frozen PostgreSQL leaves the supervisor answering status and obeying SIGTERM"),
 ]
 
 

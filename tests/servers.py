@@ -24,6 +24,7 @@ import socket
 import subprocess
 import tempfile
 
+import psutil
 import pytest
 
 from .util import wait_for
@@ -125,6 +126,7 @@ class PostgresCluster:
         self.data = os.path.join(self.root, "data")
         self.socket_dir = self.root
         self.as_user = []
+        self.frozen = []  # the processes freeze() stopped
         if os.geteuid() == 0:
             user = pwd.getpwnam("postgres")
             os.chown(self.root, user.pw_uid, user.pw_gid)
@@ -169,7 +171,26 @@ class PostgresCluster:
         self.stop()
         return self.start()
 
+    def freeze(self):
+        """SIGSTOP the postmaster, then every process it started: a server that hangs instead of dying
+        (its sockets stay open and the kernel acks what clients send). ``thaw`` undoes it."""
+        with open(os.path.join(self.data, "postmaster.pid")) as f:
+            postmaster = psutil.Process(int(f.readline()))
+        postmaster.suspend()  # first: it forks no backend after the list below is taken
+        self.frozen = [postmaster, *postmaster.children(recursive=True)]
+        for p in self.frozen[1:]:
+            p.suspend()
+
+    def thaw(self):
+        for p in reversed(self.frozen):
+            try:
+                p.resume()
+            except psutil.NoSuchProcess:
+                pass
+        self.frozen = []
+
     def destroy(self):
+        self.thaw()
         self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 

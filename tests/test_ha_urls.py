@@ -58,6 +58,19 @@ def test_a_postgres_host_list_asks_for_the_read_write_host_unless_told_otherwise
     assert "target_session_attrs" not in read_url("postgresql://u@h1/db")[0]
 
 
+def test_a_postgres_socket_timeout_is_tangguhs_own_option():
+    conninfo, schema, socket_timeout = read_url("postgresql://u@h/db?schema=s&socket_timeout=2.5&connect_timeout=3")
+    assert (schema, socket_timeout) == ("s", 2.5)
+    assert "socket_timeout" not in conninfo and "connect_timeout=3" in conninfo  # libpq would refuse it
+    assert read_url("postgresql://u@h/db")[2] == 10.0
+
+
+@pytest.mark.parametrize("value", ["", "abc", "0", "-1", "nan", "inf"])
+def test_a_bad_postgres_socket_timeout_is_refused_naming_it(value):
+    with pytest.raises(BrokerUnusable, match="socket_timeout must be a positive number of seconds"):
+        read_url(f"postgresql://u@h/db?socket_timeout={value}")
+
+
 def test_redis_wait_replicas_is_folded_into_the_broker_url(tmp_path):
     cfg = config.from_dict({"broker": {"url": "redis+sentinel://h/svc/0?prefix=p", "redis_wait_replicas": 1}})
     assert cfg.broker.url == "redis+sentinel://h/svc/0?prefix=p&wait_replicas=1"

@@ -11,13 +11,14 @@ import os
 import signal
 import socket
 import sqlite3
+import time
 import uuid
 
 import pytest
 
 from supervisor.backends import open_broker
 from supervisor.errors import BrokerError
-from supervisor.health import request
+from supervisor.health import NoSupervisor, request
 from supervisor.model import NewJob
 
 from .daemon import Daemon, tangguh
@@ -422,3 +423,115 @@ def test_a_sqlite_file_locked_at_start_is_an_outage_the_supervisor_waits_out(tmp
 def test_a_bad_sqlite_busy_timeout_is_refused_naming_it(tmp_path, value):
     with pytest.raises(BrokerError, match="busy_timeout must be seconds"):
         open_broker(f"sqlite:///{tmp_path}/b.db?busy_timeout={value}")
+
+
+# -- a frozen PostgreSQL primary (SIGSTOP: the server hangs instead of dying) -------------------------------------
+# socket_timeout=1: a call fails after 1 s without a byte from the server; connect_timeout=2 (libpq's least)
+# bounds the reconnects. Without the bound the master waited on the frozen server for as long as it was
+# frozen: status unanswered, SIGTERM unheard, the heartbeat thread stuck in its renewal.
+FROZEN_URL_OPTIONS = "&socket_timeout=1&connect_timeout=2"
+
+
+def ran(db, job_id):
+    """How many times job ``job_id`` started (0 before the effects file has its tables)."""
+    try:
+        return len(executions(db, job_id))
+    except sqlite3.OperationalError:
+        return 0
+
+
+def status_or_none(d):
+    """The daemon's status, None while it does not answer within the request's 5 s."""
+    try:
+        return d.status()
+    except (NoSupervisor, OSError, ValueError):
+        return None
+
+
+def test_a_frozen_postgres_leaves_the_supervisor_answering_and_loses_no_job(postgres_broker, tmp_path):
+    """Every process of the cluster SIGSTOPped while two jobs run and more are queued: status goes on
+    answering and shows the broker down; after SIGCONT every job ends done, each run exactly once.
+
+    A call given up on still sits in the frozen server's socket and runs when it thaws: a claim then
+    leases jobs this supervisor never saw, which another claim takes over once that lease expires
+    (hence a lease shorter than the wait below, and longer than the freeze)."""
+    b = postgres_broker
+    db, gate = str(tmp_path / "effects.db"), str(tmp_path / "gate")
+    d = Daemon(tmp_path, broker_url=b.url + FROZEN_URL_OPTIONS, handler_files=("effects.py",),
+               supervisor={"workers": 2}, broker={"prefetch": 2, "lease_seconds": 15.0, "heartbeat_seconds": 0.5})
+    d._broker = b.client  # the test's own client: never used while the server is frozen
+    try:
+        d.start()
+        pids = sorted(d.worker_pids())
+        running = b.client.enqueue_many([NewJob("effect", {"db": db, "gate": gate}, priority=1) for _ in range(2)])
+        ids = running + b.client.enqueue_many([NewJob("effect", {"db": db}) for _ in range(20)])
+        wait_for(lambda: all(ran(db, i) for i in running), timeout=30, message="the gated jobs to start")
+        b.server.freeze()
+        try:
+            open(gate, "w").close()  # the running jobs end now: their outcomes meet the frozen server
+            wait_for(lambda: (s := status_or_none(d)) and s["broker_down"] and s["pending_writes"] >= 2,
+                     timeout=30, message="status to show the broker down and the outcomes waiting")
+            for _ in range(10):  # and it keeps answering while the server stays frozen
+                s = d.status()
+                assert s["broker_down"] and s["stopping"] is None
+        finally:
+            b.server.thaw()
+        wait_for(lambda: (s := stats(b.client)) and s.done == len(ids), timeout=60,
+                 message=f"all {len(ids)} jobs to be done")
+        wait_for(lambda: not (s := d.status())["broker_down"] and s["pending_writes"] == 0, timeout=30,
+                 message="the supervisor to see the broker back with every outcome stored")
+        assert sorted(row[0] for row in effects(db)) == sorted(ids)  # each effect once
+        assert all(ran(db, i) == 1 for i in ids)  # and each job ran once: no lease expired under a run
+        assert sorted(d.worker_pids()) == pids and d.status()["restarts"] == 0
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        b.server.thaw()
+        d.stop()
+
+
+def test_sigterm_stops_a_supervisor_whose_postgres_is_frozen_in_bounded_time(postgres_broker, tmp_path):
+    """SIGTERM while the cluster is frozen and a job runs: the daemon exits 0 within its graceful timeout
+    plus the time it gives unstored outcomes, and the job, still leased, is another supervisor's later."""
+    b = postgres_broker
+    db, gate = str(tmp_path / "effects.db"), str(tmp_path / "gate")
+    # Two children: the idle one keeps the master claiming, so its loop meets the freeze too.
+    sections = dict(supervisor={"workers": 2, "graceful_timeout": 3.0},
+                    broker={"lease_seconds": 5.0, "heartbeat_seconds": 0.5})
+    d = Daemon(tmp_path / "a", broker_url=b.url + FROZEN_URL_OPTIONS, handler_files=("effects.py",), **sections)
+    d._broker = b.client
+    c = daemon(tmp_path / "c", b, **sections)
+    try:
+        d.start()
+        job_id = b.client.enqueue(NewJob("effect", {"db": db, "gate": gate}))
+        wait_for(lambda: ran(db, job_id), timeout=30, message="the job to start")
+        b.server.freeze()
+        try:
+            wait_for(lambda: (s := status_or_none(d)) and s["broker_down"], timeout=30,
+                     message="status to show the broker down")
+            d.signal(signal.SIGTERM)
+            sent = time.monotonic()
+            # The call under way (2 s), graceful_timeout (3 s), one try of the release (2 s), 10 s more
+            # for it (STOP_WRITES_SECONDS), the heartbeat's call under way (its sample: 3.25 s): 20 s.
+            # (Measured: 17 s. Unbounded, the master waited on the server as long as it stayed frozen.)
+            assert d.wait_exit(timeout=45) == 0
+            took = time.monotonic() - sent
+        finally:
+            b.server.thaw()
+        assert took < 30, f"exit took {took:.1f}s"
+        assert '"writes_abandoned"' in d.logs()
+        open(gate, "w").close()
+        c.start()  # the job was never lost: its lease expires, and another supervisor runs it to done
+        job = c.wait_job(job_id, states=("done",), timeout=30)
+        # A claim of a's given up on may have run at the thaw and leased the job again (to a, gone).
+        outcomes = [h["outcome"] for h in job.history]
+        assert outcomes[-1] == "done" and set(outcomes[:-1]) == {"lease_expired"}
+        assert count(db) == 1
+        c.signal(signal.SIGTERM)
+        assert c.wait_exit() == 0
+        c.assert_clean()
+    finally:
+        b.server.thaw()
+        d.stop()
+        c.stop()

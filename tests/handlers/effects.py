@@ -21,6 +21,8 @@ master's ack / retry / dead-letter write meets the fault:
 
 With ``wait_running`` (job ids), it first waits until those jobs are leased
 (read through ``admin_broker_url``), so they sit prefetched in the master.
+With ``gate`` (a path), it waits after recording its effect until that file
+exists (bounded), so the job is in flight until the test opens the gate.
 
 ``outcome`` chooses what the handler then does: ``ok`` (default), ``retry``
 (raises, so the job is retried) or ``dead`` (raises ``Permanent``).
@@ -79,6 +81,15 @@ def wait_running(payload):
     raise RuntimeError(f"jobs {ids} were never claimed")
 
 
+def wait_gate(payload):
+    gate = payload.get("gate")
+    deadline = time.monotonic() + 120
+    while gate and not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gate {gate} never opened")
+        time.sleep(0.01)
+
+
 def inject(ctx, payload, fault):
     if fault == "redis_acl_off":
         import redis
@@ -108,6 +119,7 @@ def inject(ctx, payload, fault):
 @supervisor.job("effect")
 def effect(ctx, payload):
     record(payload["db"], ctx.job.id, ctx.job.attempt)
+    wait_gate(payload)
     faults = payload.get("faults", {})  # attempt number (as text) -> fault name
     fault = faults.get(str(ctx.job.attempt))
     if fault:

@@ -50,12 +50,12 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
 
     def __init__(self, url):
         self.url = url
-        self.conninfo, self.schema = read_url(url)
+        self.conninfo, self.schema, socket_timeout = read_url(url)
         self.channel = f"tangguh_{self.schema}"[:63]
         self._s = quote(self.schema)
         self._jobs = f"{self._s}.jobs"
         self._sql = Statements(self._s)
-        self._connections = Connections(url, self.conninfo, self.schema)
+        self._connections = Connections(url, self.conninfo, self.schema, socket_timeout)
         with self._guard("connect"):
             self._conn()
 
@@ -78,8 +78,9 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
         return self._connections.now()
 
     def migrate(self):
-        with self._guard("migrate"):
-            schema.migrate(self._conn(), self.schema, _migrations(self._s))
+        # Not bounded by socket_timeout: a version may build an index on a big table.
+        with self._guard("migrate"), self._connections.patient() as db:
+            schema.migrate(db, self.schema, _migrations(self._s))
 
     def close(self):
         self._connections.close()

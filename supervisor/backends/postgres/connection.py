@@ -1,13 +1,25 @@
 """The PostgreSQL broker's connections: the URL, the sessions, the server's clock, errors.
 
 URL: ``postgresql://user@host:5432/dbname?schema=tangguh`` (``postgres://``
-works too). ``schema`` (default ``tangguh``) names the PostgreSQL schema that
-holds the broker's tables; it is Tangguh's only option and is stripped before
-connecting. Every other query parameter must be a libpq connection parameter
-(``sslmode``, ``connect_timeout``, ``application_name``...) and is passed
-through; anything else is a ``BrokerError``. Unless the URL says otherwise,
-connections use ``connect_timeout=10``, TCP keepalives (30 s idle, 10 s x 3)
-and ``fallback_application_name=tangguh``.
+works too). Tangguh's own options, stripped before connecting: ``schema``
+(default ``tangguh``) names the PostgreSQL schema that holds the broker's
+tables; ``socket_timeout`` (seconds, default 10) is how long a call waits with
+no byte from the server. Every other query parameter must be a libpq
+connection parameter (``sslmode``, ``connect_timeout``, ``application_name``...)
+and is passed through; anything else is a ``BrokerError``. Unless the URL says
+otherwise, connections use ``connect_timeout=10``, TCP keepalives (30 s idle,
+10 s x 3) and ``fallback_application_name=tangguh``.
+
+A frozen server (SIGSTOP, a paused VM, a storage stall) keeps its connections
+open and its kernel acks what we send: keepalives and ``tcp_user_timeout`` never
+fire, and neither libpq nor psycopg bounds the wait for a reply, so a call (and
+the supervisor) waited as long as the freeze lasted. Now a call fails once the
+server has sent nothing for ``socket_timeout`` seconds (``ServerSilent``, a
+``BrokerError`` to the caller: "broker down"; its connection is closed), and
+connecting is bounded by ``connect_timeout``. A migration waits as long as the
+server takes (an index built on a big table), ``stats(within=)`` waits
+``within`` more (the server cancels the counts first). A statement silent
+longer for a good reason (a lock someone holds long) fails the same way.
 
 High availability: a URL may list several hosts (``postgresql://h1,h2:5433/db``,
 libpq's multi-host form); unless it says otherwise it gets
@@ -81,6 +93,8 @@ def _log_retry(what, exc):
 
 
 DEFAULT_SCHEMA = "tangguh"
+DEFAULT_SOCKET_TIMEOUT = 10.0  # like connect_timeout's default: a server silent that long is down
+OWN_OPTIONS = ("schema", "socket_timeout")
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _LIBPQ_PARAMS = frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults())
 _CLOCK_RESYNC = 60.0
@@ -116,20 +130,27 @@ def libpq_conninfo(url, own=(), **defaults):
 
 
 def read_url(url):
-    """``(conninfo, schema)`` of a broker URL, or BrokerUnusable naming what is wrong with it."""
+    """``(conninfo, schema, socket_timeout)`` of a broker URL, or BrokerUnusable naming what is wrong with it."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme.lower() not in ("postgresql", "postgres"):
         raise BrokerUnusable(f"postgres url {redact(url)}: expected postgresql://...")
     options = urllib.parse.parse_qsl(url.partition("?")[2], keep_blank_values=True)
     schema = dict(options).get("schema", DEFAULT_SCHEMA)
-    names = {key for key, _ in options if key != "schema"}
+    names = {key for key, _ in options if key not in OWN_OPTIONS}
     unknown = names - _LIBPQ_PARAMS
     if unknown:
         raise BrokerUnusable(f"postgres url {redact(url)}: unknown option(s) {', '.join(sorted(set(unknown)))}"
-                             " (tangguh knows schema=; the rest must be libpq connection parameters)")
+                             " (tangguh knows schema= and socket_timeout=; the rest must be libpq connection"
+                             " parameters)")
     if not _SCHEMA_NAME.match(schema):
         raise BrokerUnusable(f"postgres url {redact(url)}: schema {schema!r} must be a plain identifier"
                              " (letters, digits, underscore; at most 63 characters)")
+    try:
+        socket_timeout = float(dict(options).get("socket_timeout", DEFAULT_SOCKET_TIMEOUT))
+    except ValueError:
+        socket_timeout = 0.0
+    if not 0 < socket_timeout < float("inf"):
+        raise BrokerUnusable(f"postgres url {redact(url)}: socket_timeout must be a positive number of seconds")
     defaults = {"connect_timeout": "10", "fallback_application_name": "tangguh"}
     if _several_hosts(parts.netloc, options):
         # A host list is a primary and its standbys: only the primary takes writes. Without this libpq
@@ -139,10 +160,52 @@ def read_url(url):
         # Notice a silently dropped TCP connection (the idle LISTEN one above all) within ~a minute.
         defaults.update(keepalives_idle="30", keepalives_interval="10", keepalives_count="3")
     try:
-        conninfo, _ = libpq_conninfo(url, ("schema",), **defaults)
+        conninfo, _ = libpq_conninfo(url, OWN_OPTIONS, **defaults)
     except psycopg.Error:
         raise BrokerUnusable(f"postgres url {redact(url)}: not a connection URL libpq can read") from None
-    return conninfo, schema
+    return conninfo, schema, socket_timeout
+
+
+class ServerSilent(psycopg.OperationalError):
+    """The server sent nothing for ``socket_timeout`` seconds in the middle of a call."""
+
+
+class BoundedConnection(psycopg.Connection):
+    """A psycopg connection whose every call fails once the server has been silent ``socket_timeout``
+    seconds (the module's docstring says why); its session is closed then, since a reply may still come."""
+
+    socket_timeout = None  # seconds; None: wait as long as the server takes
+
+    def wait(self, gen, *args, **kwargs):
+        # Every round trip (execute, fetch, commit, a transaction's BEGIN, notifies) comes through here.
+        if self.socket_timeout is None:
+            return super().wait(gen, *args, **kwargs)
+        try:
+            return super().wait(_until_silent(gen, self.socket_timeout), *args, **kwargs)
+        except ServerSilent:
+            self.close()
+            raise
+
+
+def _until_silent(gen, seconds):
+    """psycopg's wait generator ``gen``, failing with ServerSilent once its socket was quiet ``seconds``.
+
+    psycopg's wait functions resume the generator with ``Ready.NONE`` every 0.1 s while the socket
+    stays quiet (psycopg 3.2 on), so the silence is measured on those wake-ups; any readiness
+    (a byte to read, room to write) starts it again, so a long answer that keeps coming is not cut.
+    """
+    quiet_since = time.monotonic()
+    try:
+        state = next(gen)
+        while True:
+            ready = yield state
+            if ready:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= seconds:
+                raise ServerSilent(f"no answer from the server in {seconds:g} s (socket_timeout): connection closed")
+            state = gen.send(ready)
+    except StopIteration as stop:
+        return stop.value
 
 
 def _several_hosts(netloc, options):
@@ -157,8 +220,9 @@ class Connections:
     the process this one was forked from).
     """
 
-    def __init__(self, url, conninfo, schema):
+    def __init__(self, url, conninfo, schema, socket_timeout=DEFAULT_SOCKET_TIMEOUT):
         self.url, self.conninfo, self.schema = url, conninfo, schema
+        self.socket_timeout = socket_timeout
         self.db = None
         self.listener = None
         self.waiter = None  # the connection the last wait LISTENed on, kept for the next
@@ -167,7 +231,8 @@ class Connections:
         self._synced = float("-inf")
 
     def _connect(self):
-        conn = psycopg.connect(self.conninfo, autocommit=True)
+        conn = BoundedConnection.connect(self.conninfo, autocommit=True)  # connect_timeout bounds this
+        conn.socket_timeout = self.socket_timeout
         set_json_loads(load_json, conn)  # a value that does not decode must not fail the whole fetch
         return conn
 
@@ -180,6 +245,17 @@ class Connections:
             self.db = db = self._connect()
             self._sync_clock(db)
         return db
+
+    @contextlib.contextmanager
+    def patient(self, seconds=None):
+        """The main connection, its calls in the block waiting ``seconds`` of silence (None: as long
+        as the server takes) instead of ``socket_timeout``."""
+        db = self.main()
+        db.socket_timeout = seconds
+        try:
+            yield db
+        finally:
+            db.socket_timeout = self.socket_timeout
 
     def _forget_inherited(self):
         # After a fork the sockets are the parent's sessions: never talk on them, never close
@@ -247,7 +323,8 @@ class Connections:
         db = self.db
         if db is not None and not db.closed and self._pid == os.getpid():
             with contextlib.suppress(psycopg.Error):
-                db.cancel()
+                # Bounded: the blocking cancel() waited forever for a frozen server to hang up.
+                db.cancel_safe(timeout=min(self.socket_timeout, 2.0))
 
     # -- wake-ups (LISTEN/NOTIFY) -------------------------------------------
     def take_waiter(self, channel):

@@ -210,7 +210,9 @@ class ControlMixin(control.ExpiredLog):
         cancels the counts (BrokerError)."""
         if within is None:
             return self._execute(query, params).fetchall()
-        with self._guard("stats"), (db := self._conn()).transaction():
+        # The server cancels the counts past ``within``: only a frozen one is silent longer than that.
+        patience = within + self._connections.socket_timeout
+        with self._guard("stats"), self._connections.patient(patience) as db, db.transaction():
             db.execute("SELECT set_config('statement_timeout', %s, true)", (str(max(1, int(within * 1000))),))
             return db.execute(query, params).fetchall()
 
