@@ -1008,6 +1008,10 @@ MUTATIONS = [
              "        if True:\n            return super().wait(gen, *args, **kwargs)",
              ("tests/test_outages.py", "-k", "frozen"),
              "a frozen PostgreSQL leaves the supervisor answering status and obeying SIGTERM"),
+    Mutation("brokerlink-every-try-in-a-turn", "supervisor/master/brokerlink.py",
+             "        if self.refused_this_turn:\n", "        if False:\n",
+             ("tests/test_outcomes.py", "-k", "one_failed_broker_try"),
+             "a failed write and then the claim each wait out a silent broker's timeout in one turn of the loop"),
 ]
 
 

@@ -1,6 +1,8 @@
 """The outcome writer against a real SQLite broker: what it stores, and what it drops."""
 import time
 
+import pytest
+
 from supervisor.backends import open_broker
 from supervisor.errors import BrokerError
 from supervisor.master.brokerlink import BrokerLink
@@ -135,4 +137,24 @@ def test_one_refused_write_per_turn_and_the_acks_wait_for_the_next(sqlite_url, m
     writer.add(jobs[3], Outcome(ACK, result=3), {})
     writer.flush()
     assert len(tried) == 1 and len(writer.acks) == 1 and len(writer) == 4
+    link.drop()
+
+
+def test_one_failed_broker_try_per_loop_turn(sqlite_url):
+    # A write that timed out (not an outage yet: writes alone never mark one) and then the claim
+    # in the same turn each waited out the driver's timeout: 10 s of the loop on Redis.
+    writer, link, unheld, stored, lost = writer_on(sqlite_url)
+    calls = []
+
+    def times_out(broker):
+        calls.append("write")
+        raise OSError("Timeout reading from socket")
+    with pytest.raises(BrokerError):
+        link.call(times_out, "ack")
+    with pytest.raises(BrokerError):
+        link.call(lambda broker: calls.append("claim"), "claim")
+    assert calls == ["write"] and not link.down
+    link.new_turn()
+    link.call(lambda broker: calls.append("claim"), "claim")
+    assert calls == ["write", "claim"]
     link.drop()

@@ -115,6 +115,7 @@ class Arbiter:
             return EXIT_RUNNING
         log.info("supervisor started", extra={"event": "start", "pid": self.pid, "generation": self.generation})
         while not self.finished():
+            self.link.new_turn()
             self.wait_and_read()
             self.handle_signals()
             self.pool.reap()
