@@ -6,8 +6,8 @@ the broker's wake-up fd), then in order handle signals, reap children, act on
 what the heartbeat found (lost leases, cancels, pauses), kill overdue
 children, write outcomes to the broker, bring the pool to size, claim work and
 hand it out, run the periodic chores (schedules, pruning, queue samples) and
-report. Nothing blocks except broker calls, bounded by the broker's own
-timeouts. docs/design.md draws the parts and the rules.
+report. Nothing blocks but broker calls, bounded by the broker's timeouts,
+one failed try a turn (``link.new_turn``). docs/design.md draws the parts.
 
 This is the only module of ``supervisor.master`` that knows the others:
 
@@ -15,8 +15,7 @@ This is the only module of ``supervisor.master`` that knows the others:
 * ``dispatch``: claiming, prefetch, handing jobs (batches of short ones) to free children;
 * ``prefetch``: how many jobs of each type may wait here, and which may share a batch;
 * ``endings``: a child's replies and death, and the jobs queued behind its running one;
-* ``verdict``: what becomes of a job when its attempt ends (pure);
-* ``outcomes``: storing those verdicts in the broker;
+* ``verdict``: what becomes of a job when its attempt ends (pure); ``outcomes``: storing those verdicts;
 * ``brokerlink``: the main loop's broker connection and outage state;
 * ``status``: counters, status JSON, systemd, the process title;
 * ``periodic``: schedules, pruning, queue samples;
