@@ -981,7 +981,7 @@ MUTATIONS = [
     Mutation("brokerlink-tries-while-down", "supervisor/master/brokerlink.py",
              "        if self.deferring(now):\n            raise BrokerError(",
              "        if False:\n            raise BrokerError(",
-             ("tests/test_outages.py", "-k", "stops_answering"),
+             ("tests/test_outcomes.py", "-k", "no_call_tries_it"),
              "while the broker is down every loop call tries it: each waits out the timeout, status unanswered"),
     Mutation("oneshot-room-most-held-is-flood", "supervisor/oneshot.py",
              "key=lambda c: (held[c.peer] <= share, len(c.inbox) > 0, c.accepted))",

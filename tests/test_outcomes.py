@@ -158,3 +158,18 @@ def test_one_failed_broker_try_per_loop_turn(sqlite_url):
     link.call(lambda broker: calls.append("claim"), "claim")
     assert calls == ["write", "claim"]
     link.drop()
+
+
+def test_while_the_broker_is_down_no_call_tries_it_before_its_next_try(sqlite_url):
+    # A schedule's tick (every second), a prune, the start's clock check: each would wait out a
+    # silent broker's timeout. One try per backoff step, whoever makes it.
+    writer, link, unheld, stored, lost = writer_on(sqlite_url)
+    down_until(link, 60)
+    calls = []
+    with pytest.raises(BrokerError):
+        link.call(lambda broker: calls.append("schedule"), "schedule")
+    assert calls == [] and link.down
+    link.retry_at = 0.0  # the next try is due
+    link.call(lambda broker: calls.append("claim"), "claim")
+    assert calls == ["claim"] and not link.down
+    link.drop()
