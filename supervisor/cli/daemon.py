@@ -31,9 +31,9 @@ def supervisor_socket(args):
         return path
 
 
-# Longer than one broker try: a broker that stops answering holds the master's loop for its
-# driver's timeout (5 s on Redis) at most once per backoff step; status answers after it.
-ANSWER_SECONDS = 12.0
+# Longer than the loop's longest wait on a broker that stops answering: two tries in the turn the
+# outage begins (a write's, then the claim's: 5 s each on Redis), then one per backoff step.
+ANSWER_SECONDS = 15.0
 
 
 def ask_supervisor(socket_path, request):

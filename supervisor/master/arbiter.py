@@ -6,8 +6,8 @@ the broker's wake-up fd), then in order handle signals, reap children, act on
 what the heartbeat found (lost leases, cancels, pauses), kill overdue
 children, write outcomes to the broker, bring the pool to size, claim work and
 hand it out, run the periodic chores (schedules, pruning, queue samples) and
-report. Nothing blocks but broker calls, bounded by the broker's timeouts,
-one failed try a turn (``link.new_turn``). docs/design.md draws the parts.
+report. Nothing blocks but broker calls, bounded by the broker's own
+timeouts. docs/design.md draws the parts and the rules.
 
 This is the only module of ``supervisor.master`` that knows the others:
 
@@ -114,7 +114,6 @@ class Arbiter:
             return EXIT_RUNNING
         log.info("supervisor started", extra={"event": "start", "pid": self.pid, "generation": self.generation})
         while not self.finished():
-            self.link.new_turn()
             self.wait_and_read()
             self.handle_signals()
             self.pool.reap()

@@ -43,15 +43,15 @@ class BrokerLink:
         self.down_since = None  # monotonic instant of the first failure of this outage
         self.failures = 0  # failed calls in a row (the reconnect backoff's exponent)
         self.retry_at = 0.0  # while down: the monotonic instant of the next try
-        self.refused_this_turn = False  # a call failed in this turn of the loop: the others wait for the next
+        # An outcome write failed while the broker was up: a refusal, or the start of an outage. Writes
+        # wait until another call (the claimer's) tells which; each write tried meanwhile could wait
+        # out a silent broker's timeout, and could take every turn's try from the claim.
+        self.suspect = False
         self.rtt = {}  # op -> its labelled histogram (a handful of ops; labels() per call costs)
 
     @property
     def down(self):
         return self.down_since is not None
-
-    def new_turn(self):
-        self.refused_this_turn = False
 
     def deferring(self, now):
         """Whether a call now would fail without trying (the broker is down, its next try ahead)."""
@@ -87,10 +87,6 @@ class BrokerLink:
         now = time.monotonic()
         if self.deferring(now):
             raise BrokerError("broker down, the next try is due later")
-        if self.refused_this_turn:
-            # One failed try per turn: each may have waited out a timeout, and the status socket,
-            # the children's replies and the watchdog wait for the loop meanwhile.
-            raise BrokerError("a broker call failed in this turn; the next turn tries again")
         try:
             result = fn(self.connect())
         except LeaseLost:
@@ -101,12 +97,12 @@ class BrokerLink:
             raise  # e.g. the broker's schema is not Tangguh's: no retry can fix that
         except Exception as exc:  # noqa: BLE001 - every driver error means the same: try later
             self.metrics.broker_errors.labels("main").inc()
-            self.refused_this_turn = True
             self.drop()
             if op in WRITE_OPS and self.down_since is None:
                 # A refused outcome write retries on its own backoff. Pausing claims for
                 # it could starve the very claim that reclaims its expired lease, which is
                 # what finally ends that write (LeaseLost). A real outage fails the claims.
+                self.suspect = True
                 raise BrokerError(f"{type(exc).__name__}: {exc}") from None
             if self.down_since is None:
                 self.down_since = now
@@ -123,6 +119,7 @@ class BrokerLink:
                      extra={"event": "broker_up", "pid": self.pid})
             self.down_since = None
         self.failures = 0
+        self.suspect = False
         return result
 
     def observe(self, op, since):

@@ -6,11 +6,12 @@ refuses is retried on its own backoff; a write that meets ``LeaseLost`` is
 dropped (someone else holds the job now). A job's lease leaves the
 heartbeat's care in exactly one place, ``stop_renewing``.
 
-While the broker is down the writes wait, untried and still renewed: the
-claimer's next try finds out whether it is back (a try can wait out a
-driver's timeout; a write refused while the broker was fine would hold the
-claims). A stopping master has no claims: its writes try the broker
-themselves, each time the link's backoff allows.
+While the broker is down, or after a write failed while it was up (a
+refusal, or the start of an outage), the writes wait, untried and still
+renewed: the claimer's next try finds out (a try can wait out a driver's
+timeout; a write refused while the broker was fine would hold the claims).
+A stopping master has no claims: its writes try the broker themselves, each
+time the link's backoff allows.
 """
 import collections
 import dataclasses
@@ -126,12 +127,13 @@ class OutcomeWriter:
         if self.acks:
             instants.append(self.acks[0].next_at)  # the first ack is due first
         due = min(instants, default=None)
-        if due is None or not self.link.down:
+        if due is None or not (self.link.down or self.link.suspect):
             return due
         return max(due, self.link.retry_at) if self.stopping else None  # else the claimer's try comes first
 
     def waiting_for_broker(self, now):
-        return self.link.down and (not self.stopping or self.link.deferring(now))
+        """While the broker is down, or a write just failed and no other call has told why yet."""
+        return (self.link.down or self.link.suspect) and (not self.stopping or self.link.deferring(now))
 
     def stop_renewing(self, job):
         self.unhold(job.lease)
@@ -139,12 +141,9 @@ class OutcomeWriter:
     def flush(self, stopping=False):
         now = time.monotonic()
         self.stopping = stopping
-        # One refused write per turn: a broker that stopped answering costs each try a
-        # timeout, and the rest wait for the claimer's try to tell an outage from a refusal.
-        refused = False
         for _ in range(len(self.writes)):
             write = self.writes.popleft()
-            if write.next_at > now or refused or self.waiting_for_broker(now):
+            if write.next_at > now or self.waiting_for_broker(now):  # a failure below makes the rest wait
                 self.writes.append(write)
                 continue
             # Stop renewing before the write: a renewal racing a stored outcome would find
@@ -156,14 +155,15 @@ class OutcomeWriter:
                 self.lost(write)
             except BrokerError as exc:
                 self.failed(write, exc, now)
-                refused = True
+                if self.stopping:
+                    break  # its tries are the only probes: one a turn (a silent broker costs each a timeout)
                 continue
             else:
                 self.stored(write)
         # One due ack takes every first-try ack along (they are only lingering for
         # company). An ack that failed once is retried alone above, so one ack the
         # broker refuses cannot keep failing the others until their leases expire.
-        if self.acks and self.acks[0].next_at <= now and not refused and not self.waiting_for_broker(now):
+        if self.acks and self.acks[0].next_at <= now and not self.waiting_for_broker(now):
             acks = list(self.acks)
             self.acks.clear()
             self.flush_acks(acks, now)
