@@ -383,6 +383,23 @@ def test_ack_many_acks_current_leases_and_returns_stale_ones(broker):
     assert broker.stats(Q)["default"].done == 3
 
 
+def test_ack_many_stores_every_result_and_info_exactly_whatever_they_hold(broker):
+    # Redis packs a batch into one argument, its values ended by NUL bytes: whatever an id, a
+    # result or an info holds (control characters, escapes, non-ASCII text) must not shift the
+    # fields of the jobs after it. (None holds a NUL: ids and results are refused with one.)
+    odd = ["a b", "é\u2603", "tab\tnew\nline", "\x01\x1f", "quote\"back\\slash", "{\"k\":1}"]
+    ids = [broker.enqueue(new(id=f"{text}-{i}", payload={"i": i})) for i, text in enumerate(odd)]
+    jobs = sorted(broker.claim(Q, len(ids), 30, "w1"), key=lambda j: j.payload["i"])
+    assert [j.id for j in jobs] == ids
+    results = [{"text": text, "n": 2 ** 62 + i, "f": 0.1 * i} for i, text in enumerate(odd)]
+    infos = [{"pid": i, "note": text} if i % 2 else None for i, text in enumerate(odd)]
+    assert broker.ack_many([(job.lease, result, info) for job, result, info in zip(jobs, results, infos)]) == []
+    for job_id, result, info in zip(ids, results, infos):
+        stored = broker.get(job_id)
+        assert (stored.state, stored.result, stored.history[-1]["outcome"]) == ("done", result, "done")
+        assert info is None or (stored.history[-1]["pid"], stored.history[-1]["note"]) == (info["pid"], info["note"])
+
+
 def test_retry_waits_for_run_at_and_keeps_the_error(broker):
     job_id = broker.enqueue(new())
     job = claim_one(broker)

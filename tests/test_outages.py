@@ -98,8 +98,8 @@ def stats(broker, queue="default"):
         return None
 
 
-def daemon(tmp_path, b, **sections):
-    d = Daemon(tmp_path, broker_url=b.url, handler_files=("effects.py",), **sections)
+def daemon(tmp_path, b, url_options="", **sections):
+    d = Daemon(tmp_path, broker_url=b.url + url_options, handler_files=("effects.py",), **sections)
     d._broker = b.client  # the test's client, never cut off by the faults the test injects
     return d
 
@@ -458,9 +458,8 @@ def test_a_frozen_postgres_leaves_the_supervisor_answering_and_loses_no_job(post
     (hence a lease shorter than the wait below, and longer than the freeze)."""
     b = postgres_broker
     db, gate = str(tmp_path / "effects.db"), str(tmp_path / "gate")
-    d = Daemon(tmp_path, broker_url=b.url + FROZEN_URL_OPTIONS, handler_files=("effects.py",),
-               supervisor={"workers": 2}, broker={"prefetch": 2, "lease_seconds": 15.0, "heartbeat_seconds": 0.5})
-    d._broker = b.client  # the test's own client: never used while the server is frozen
+    d = daemon(tmp_path, b, FROZEN_URL_OPTIONS, supervisor={"workers": 2},
+               broker={"prefetch": 2, "lease_seconds": 15.0, "heartbeat_seconds": 0.5})
     try:
         d.start()
         pids = sorted(d.worker_pids())
@@ -500,8 +499,7 @@ def test_sigterm_stops_a_supervisor_whose_postgres_is_frozen_in_bounded_time(pos
     # Two children: the idle one keeps the master claiming, so its loop meets the freeze too.
     sections = dict(supervisor={"workers": 2, "graceful_timeout": 3.0},
                     broker={"lease_seconds": 5.0, "heartbeat_seconds": 0.5})
-    d = Daemon(tmp_path / "a", broker_url=b.url + FROZEN_URL_OPTIONS, handler_files=("effects.py",), **sections)
-    d._broker = b.client
+    d = daemon(tmp_path / "a", b, FROZEN_URL_OPTIONS, **sections)
     c = daemon(tmp_path / "c", b, **sections)
     try:
         d.start()

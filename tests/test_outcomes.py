@@ -1,10 +1,13 @@
 """The outcome writer against a real SQLite broker: what it stores, and what it drops."""
+import selectors
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from supervisor.backends import open_broker
 from supervisor.errors import BrokerError
+from supervisor.master import outcomes
 from supervisor.master.brokerlink import BrokerLink
 from supervisor.master.outcomes import OutcomeWriter
 from supervisor.metrics import Metrics
@@ -13,48 +16,53 @@ from supervisor.model import ACK, Lease, NewJob, Outcome
 from .util import wait_for
 
 
-def writer_on(url):
-    import selectors
-
-    link = BrokerLink(url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda: None,
+@pytest.fixture
+def w(sqlite_url):
+    """A writer and its link on a fresh SQLite broker, with what it reports: the leases it unheld,
+    the writes it stored, the leases it lost."""
+    link = BrokerLink(sqlite_url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda: None,
                       on_down=lambda t: None, pid=0)
     unheld, stored, lost = [], [], []
     writer = OutcomeWriter(link, unhold=unheld.append, on_stored=stored.append, on_lost=lost.append)
-    return writer, link, unheld, stored, lost
-
-
-def test_a_lease_found_lost_before_its_ack_is_counted_once_and_not_written(sqlite_url):
-    writer, link, unheld, stored, lost = writer_on(sqlite_url)
     with open_broker(sqlite_url) as broker:
         broker.migrate()
-        job_id = broker.enqueue(NewJob("t", {}))
-        job = broker.claim(["default"], 1, 0.01, "a")[0]
+    yield SimpleNamespace(writer=writer, link=link, unheld=unheld, stored=stored, lost=lost, url=sqlite_url)
+    link.drop()
+
+
+def claimed(url, n, lease=30.0):
+    """``n`` new jobs, claimed by owner "a": their payloads are {"n": 0}, {"n": 1}, ..."""
+    with open_broker(url) as broker:
+        broker.enqueue_many([NewJob("t", {"n": i}) for i in range(n)])
+        return broker.claim(["default"], n, lease, "a")
+
+
+def state_of(url, job_id):
+    with open_broker(url) as broker:
+        return broker.get(job_id)
+
+
+def test_a_lease_found_lost_before_its_ack_is_counted_once_and_not_written(w):
+    job = claimed(w.url, 1, lease=0.01)[0]
+    with open_broker(w.url) as broker:
         # Once the lease has expired, a second owner reclaims the job under a new token.
         again = wait_for(lambda: broker.claim(["default"], 1, 30, "b"), timeout=10, message="the reclaim")
-    writer.add(job, Outcome(ACK, result=1), {})
-    writer.forget(Lease(job.id, job.token))  # what the heartbeat's lost lease does
-    writer.flush()
-    assert len(writer) == 0 and stored == [] and lost == []  # nothing written, nothing counted again
-    with open_broker(sqlite_url) as broker:
-        current = broker.get(job_id)
+    w.writer.add(job, Outcome(ACK, result=1), {})
+    w.writer.forget(Lease(job.id, job.token))  # what the heartbeat's lost lease does
+    w.writer.flush()
+    assert len(w.writer) == 0 and w.stored == [] and w.lost == []  # nothing written, nothing counted again
+    current = state_of(w.url, job.id)
     assert (current.state, current.token, current.owner) == ("running", again[0].token, "b")
-    link.drop()
 
 
-def test_other_outcomes_are_kept_when_one_lease_is_lost(sqlite_url):
-    writer, link, unheld, stored, lost = writer_on(sqlite_url)
-    with open_broker(sqlite_url) as broker:
-        broker.migrate()
-        ids = [broker.enqueue(NewJob("t", {"n": n})) for n in range(2)]
-        jobs = broker.claim(["default"], 2, 30, "a")
+def test_other_outcomes_are_kept_when_one_lease_is_lost(w):
+    jobs = claimed(w.url, 2)
     for job in jobs:
-        writer.add(job, Outcome(ACK, result=job.payload["n"]), {})
-    writer.forget(jobs[0].lease)
-    wait_for(lambda: writer.flush() or not len(writer), timeout=10, message="the ack's linger to pass")
-    with open_broker(sqlite_url) as broker:
-        states = {i: broker.get(i).state for i in ids}
-    assert states == {jobs[0].id: "running", jobs[1].id: "done"} and len(stored) == 1
-    link.drop()
+        w.writer.add(job, Outcome(ACK, result=job.payload["n"]), {})
+    w.writer.forget(jobs[0].lease)
+    wait_for(lambda: w.writer.flush() or not len(w.writer), timeout=10, message="the ack's linger to pass")
+    states = {job.id: state_of(w.url, job.id).state for job in jobs}
+    assert states == {jobs[0].id: "running", jobs[1].id: "done"} and len(w.stored) == 1
 
 
 def down_until(link, seconds):
@@ -65,67 +73,44 @@ def down_until(link, seconds):
     link.retry_at = time.monotonic() + seconds
 
 
-def test_an_outcome_while_the_broker_is_marked_down_waits_untried_with_its_lease_renewed(sqlite_url, monkeypatch):
+def test_an_outcome_while_the_broker_is_marked_down_waits_untried_with_its_lease_renewed(w, monkeypatch):
     # It was tried at once and refused without a try (the link's backoff): counted a failure, its
     # lease no longer renewed, backed off on its own as well; the lease expired meanwhile and
     # the job ran twice though the broker had been back for seconds.
-    writer, link, unheld, stored, lost = writer_on(sqlite_url)
-    with open_broker(sqlite_url) as broker:
-        broker.migrate()
-        job_id = broker.enqueue(NewJob("t", {}))
-        job = broker.claim(["default"], 1, 30, "a")[0]
-    from supervisor.master import outcomes
-
+    job = claimed(w.url, 1)[0]
     monkeypatch.setattr(outcomes, "ACK_LINGER", 0.0)  # due at once
-    down_until(link, 60)
-    writer.add(job, Outcome(ACK, result=1), {})
-    writer.flush()
-    assert (unheld, stored, lost, len(writer), writer.due_at()) == ([], [], [], 1, None)
-    link.retry_at = 0.0  # the claimer's next try is due, and finds the broker back
-    link.call(lambda br: br.now(), "claim")
-    writer.flush()
-    assert (unheld, len(stored), lost, len(writer)) == ([job.lease], 1, [], 0)
-    with open_broker(sqlite_url) as broker:
-        assert broker.get(job_id).state == "done"
-    link.drop()
+    down_until(w.link, 60)
+    w.writer.add(job, Outcome(ACK, result=1), {})
+    w.writer.flush()
+    assert (w.unheld, w.stored, w.lost, len(w.writer), w.writer.due_at()) == ([], [], [], 1, None)
+    w.link.retry_at = 0.0  # the claimer's next try is due, and finds the broker back
+    w.link.call(lambda br: br.now(), "claim")
+    w.writer.flush()
+    assert (w.unheld, len(w.stored), w.lost, len(w.writer)) == ([job.lease], 1, [], 0)
+    assert state_of(w.url, job.id).state == "done"
 
 
-def test_a_stop_gives_its_outcomes_their_tries_after_the_links_next_try(sqlite_url, monkeypatch):
+def test_a_stop_gives_its_outcomes_their_tries_after_the_links_next_try(w, monkeypatch):
     # A stopping master claims nothing: its writes try the broker themselves, once the link's
     # backoff allows. Its give-up countdown used to start at once, and ended before that try.
-    from supervisor.master import outcomes
-
     monkeypatch.setattr(outcomes, "STOP_WRITES_SECONDS", 0.5)
-    writer, link, unheld, stored, lost = writer_on(sqlite_url)
-    with open_broker(sqlite_url) as broker:
-        broker.migrate()
-        job_id = broker.enqueue(NewJob("t", {}))
-        job = broker.claim(["default"], 1, 30, "a")[0]
-    down_until(link, 1.0)
-    writer.add(job, Outcome(ACK, result=1), {})
+    job = claimed(w.url, 1)[0]
+    down_until(w.link, 1.0)
+    w.writer.add(job, Outcome(ACK, result=1), {})
 
     def settled():
-        writer.flush(stopping=True)
-        return writer.settled()
+        w.writer.flush(stopping=True)
+        return w.writer.settled()
     wait_for(settled, timeout=10, message="the stopping writer to settle")
-    assert (len(stored), lost, len(writer), link.down) == (1, [], 0, False)
-    with open_broker(sqlite_url) as broker:
-        assert broker.get(job_id).state == "done"
-    link.drop()
+    assert (len(w.stored), w.lost, len(w.writer), w.link.down) == (1, [], 0, False)
+    assert state_of(w.url, job.id).state == "done"
 
 
-def test_one_refused_write_per_turn_and_the_acks_wait_for_the_next(sqlite_url, monkeypatch):
+def test_one_refused_write_per_turn_and_the_acks_wait_for_the_next(w, monkeypatch):
     # A broker that stops answering costs each try a timeout (5 s on Redis): every due write
     # tried in one turn held the loop for all of them before the claimer's try marked it down.
-    from supervisor.master import outcomes
-
     monkeypatch.setattr(outcomes, "ACK_LINGER", 0.0)
-    writer, link, unheld, stored, lost = writer_on(sqlite_url)
-    with open_broker(sqlite_url) as broker:
-        broker.migrate()
-        for n in range(4):
-            broker.enqueue(NewJob("t", {"n": n}))
-        jobs = broker.claim(["default"], 4, 30, "a")
+    jobs = claimed(w.url, 4)
     tried = []
 
     def refused(write, broker):
@@ -133,24 +118,17 @@ def test_one_refused_write_per_turn_and_the_acks_wait_for_the_next(sqlite_url, m
         raise BrokerError("Timeout reading from socket")
     monkeypatch.setattr(outcomes.Write, "apply", refused)
     for job in jobs[:3]:
-        writer.release(job)  # releases are single writes
-    writer.add(jobs[3], Outcome(ACK, result=3), {})
-    writer.flush()
-    assert len(tried) == 1 and len(writer.acks) == 1 and len(writer) == 4
-    link.drop()
+        w.writer.release(job)  # releases are single writes
+    w.writer.add(jobs[3], Outcome(ACK, result=3), {})
+    w.writer.flush()
+    assert len(tried) == 1 and len(w.writer.acks) == 1 and len(w.writer) == 4
 
 
-def test_after_a_write_fails_the_writes_wait_for_the_claimers_try(sqlite_url, monkeypatch):
+def test_after_a_write_fails_the_writes_wait_for_the_claimers_try(w, monkeypatch):
     # A write that timed out is not an outage yet (a write alone never marks one): the next turns'
     # writes each waited out the timeout in turn, and took the claim's place, so the outage was
     # never noticed (status showed the broker up for a minute while nothing was stored).
-    from supervisor.master import outcomes
-
-    writer, link, unheld, stored, lost = writer_on(sqlite_url)
-    with open_broker(sqlite_url) as broker:
-        broker.migrate()
-        broker.enqueue_many([NewJob("t", {"n": n}) for n in range(2)])
-        jobs = broker.claim(["default"], 2, 30, "a")
+    jobs = claimed(w.url, 2)
     tried = []
 
     def times_out(write, broker):
@@ -158,30 +136,27 @@ def test_after_a_write_fails_the_writes_wait_for_the_claimers_try(sqlite_url, mo
         raise OSError("Timeout reading from socket")
     monkeypatch.setattr(outcomes.Write, "apply", times_out)
     for job in jobs:
-        writer.release(job)
-    writer.flush()
-    assert len(tried) == 1 and not link.down and link.suspect
-    wait_for(lambda: writer.flush() or all(w.next_at < time.monotonic() for w in writer.writes), timeout=30,
+        w.writer.release(job)
+    w.writer.flush()
+    assert len(tried) == 1 and not w.link.down and w.link.suspect
+    wait_for(lambda: w.writer.flush() or all(x.next_at < time.monotonic() for x in w.writer.writes), timeout=30,
              message="both writes due")
-    writer.flush()
-    assert len(tried) == 1 and writer.due_at() is None  # waiting for the claimer, not retried
-    link.call(lambda broker: broker.now(), "claim")  # the claimer's try: the broker answers
-    assert not link.suspect
-    writer.flush()
+    w.writer.flush()
+    assert len(tried) == 1 and w.writer.due_at() is None  # waiting for the claimer, not retried
+    w.link.call(lambda broker: broker.now(), "claim")  # the claimer's try: the broker answers
+    assert not w.link.suspect
+    w.writer.flush()
     assert len(tried) == 2
-    link.drop()
 
 
-def test_while_the_broker_is_down_no_call_tries_it_before_its_next_try(sqlite_url):
+def test_while_the_broker_is_down_no_call_tries_it_before_its_next_try(w):
     # A schedule's tick (every second), a prune, the start's clock check: each would wait out a
     # silent broker's timeout. One try per backoff step, whoever makes it.
-    writer, link, unheld, stored, lost = writer_on(sqlite_url)
-    down_until(link, 60)
+    down_until(w.link, 60)
     calls = []
     with pytest.raises(BrokerError):
-        link.call(lambda broker: calls.append("schedule"), "schedule")
-    assert calls == [] and link.down
-    link.retry_at = 0.0  # the next try is due
-    link.call(lambda broker: calls.append("claim"), "claim")
-    assert calls == ["claim"] and not link.down
-    link.drop()
+        w.link.call(lambda broker: calls.append("schedule"), "schedule")
+    assert calls == [] and w.link.down
+    w.link.retry_at = 0.0  # the next try is due
+    w.link.call(lambda broker: calls.append("claim"), "claim")
+    assert calls == ["claim"] and not w.link.down

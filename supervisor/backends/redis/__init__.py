@@ -271,14 +271,13 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         for queue, items in groups.items():
             for i in range(0, len(items), BATCH):
                 chunk = items[i:i + BATCH]
-                args = [self.done_ttl]
-                for lease, result, info in chunk:
-                    args += [lease.job_id, lease.token, json.dumps(result), body(info)]
-                calls.append(("ack_many", queue, args))
+                calls.append(("ack_many", queue, [self.done_ttl, "".join(
+                    f"{lease.job_id}\0{lease.token}\0{json.dumps(result)}\0{body(info)}\0"
+                    for lease, result, info in chunk)]))
                 chunks.append(chunk)
         for chunk, flags in zip(chunks, self._run_many(calls, confirm=True) if calls else ()):
-            for (lease, _, _), ok in zip(chunk, flags):
-                if ok:
+            for (lease, _, _), flag in zip(chunk, flags):
+                if flag == "1":
                     self._locator.forget(lease.job_id)
                 else:
                     lost.append(lease)

@@ -119,11 +119,12 @@ class ControlMixin(control.ExpiredLog):
         return sorted(set(self.r.smembers(self.keys.queues)) | control.record_queues(self.supervisors()))
 
     # -- expiry (what claim returned) ----------------------------------------------
-    def _leased(self, queue, rows):
-        """The claim script's rows as jobs, minus the ones it ended ``expired`` (recorded here)."""
+    def _leased(self, queue, reply):
+        """The claim script's reply (a JSON array of rows) as jobs, minus the ones it ended
+        ``expired`` (recorded here)."""
         jobs = []
-        for fields in rows:
-            job = from_claim(fields)
+        for row in json.loads(reply):
+            job = from_claim(row)
             if job.state == EXPIRED:
                 self._expired_log.append((job.id, job.type))
             else:

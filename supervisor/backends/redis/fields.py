@@ -23,10 +23,9 @@ _HISTORY = ROW_FIELDS.index("history")
 _loads = json.loads
 
 
-def from_claim(text):
-    """A ``Job`` from one JSON string of a claim's reply: a ``claimed_row`` ([0, value, ...]),
-    or a whole hash's [field, value, ...] (a workflow child, an expired job)."""
-    row = _loads(text)
+def from_claim(row):
+    """A ``Job`` from one element of a claim's reply (a JSON array): a ``claimed_row``
+    ([0, value, ...]), or a whole hash's [field, value, ...] (a workflow child, an expired job)."""
     if row[0] != 0:
         return to_job(row)
     # Positional: the row holds the Job's fields in their order (false: not set).

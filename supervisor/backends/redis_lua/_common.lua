@@ -56,6 +56,12 @@ local function claimed_row(key)
   return '[0,' .. string.sub(cjson.encode(v), 2)
 end
 
+-- A claim's reply: its rows (JSON texts) as one JSON array, one bulk reply for the client
+-- to read instead of one per job.
+local function json_array(rows)
+  return '[' .. table.concat(rows, ',') .. ']'
+end
+
 local function is_leased(key, token)
   local v = redis.call('HMGET', key, 'state', 'token')
   return v[1] == 'running' and v[2] == token

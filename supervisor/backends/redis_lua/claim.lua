@@ -1,8 +1,8 @@
 -- claim: ARGV[3] = n, ARGV[4] = lease (us), ARGV[5] = owner, ARGV[6] = owner as JSON.
 -- Reclaims this queue's expired leases, promotes due delayed jobs, ends the due
 -- jobs past their expiry, then (unless the queue is paused) leases up to n ready jobs. Returns
--- one JSON string per job (one bulk reply per job is far cheaper to parse than ~25): an
--- expired job's hash (HGETALL), a leased job's claimed_row.
+-- one JSON array, an element per job (one reply to parse, not a bulk reply per job, let alone
+-- ~25): an expired job's hash (HGETALL), a leased job's claimed_row.
 local n, lease, owner, owner_json = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6]
 
 local expired = redis.call('ZRANGEBYSCORE', LEASED, '-inf', '(' .. num(NOW), 'LIMIT', 0, 1000)
@@ -45,7 +45,7 @@ end
 -- popped job turns out past its expiry.
 local out = {}
 expire_due(out)
-if n < 1 or redis.call('EXISTS', PAUSED) == 1 then return out end
+if n < 1 or redis.call('EXISTS', PAUSED) == 1 then return json_array(out) end
 local popped = redis.call('ZPOPMIN', READY, n)
 local until_us = NOW + lease
 for k = 1, #popped, 2 do
@@ -67,4 +67,4 @@ for k = 1, #popped, 2 do
     out[#out + 1] = claimed_row(key)
   end
 end
-return out
+return json_array(out)

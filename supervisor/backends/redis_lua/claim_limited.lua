@@ -14,7 +14,7 @@ local n, lease, owner, owner_json = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5
 local limits, scan_max = cjson.decode(ARGV[7]), tonumber(ARGV[8])
 local BASE = string.sub(JOB, 1, -3)
 local PAGE = 100
-if redis.call('EXISTS', PAUSED) == 1 then return {} end
+if redis.call('EXISTS', PAUSED) == 1 then return '[]' end
 local until_us = NOW + lease
 
 local state = {}
@@ -102,4 +102,4 @@ if #drop > 0 then redis.call('ZREM', READY, unpack(drop)) end
 for t, s in pairs(state) do
   if s.tokens then redis.call('HSET', BASE .. 'rate:' .. t, 'tokens', tostring(s.tokens), 'ts', num(NOW)) end
 end
-return out
+return json_array(out)
