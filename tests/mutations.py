@@ -1009,6 +1009,17 @@ MUTATIONS = [
              "        return self.link.down and (not self.stopping or self.link.deferring(now))",
              ("tests/test_outcomes.py", "-k", "wait_for_the_claimers_try"),
              "after a write timed out the next turns' writes each wait out the timeout and take the claim's try"),
+    # Redis ack_many: the batch is one argument of NUL-ended values.
+    Mutation("redis-ack-many-packs-a-nul-id", "supervisor/backends/redis/__init__.py",
+             '            for lease, result, info in [item for item in items if "\\0" in item[0].job_id]:',
+             "            for lease, result, info in []:",
+             ("tests/test_redis_broker.py", "-k", "older_release"),
+             "an id holding NUL (an older release's) does not shift the other jobs of its ack batch"),
+    Mutation("redis-ack-many-argument-unbounded", "supervisor/backends/redis/fields.py",
+             "        if len(leases) == most or length >= size:",
+             "        if len(leases) == most:",
+             ("tests/test_redis_broker.py", "-k", "argument_limit"),
+             "an ack batch of large results is split below Redis's limit on one argument"),
 ]
 
 

@@ -456,3 +456,40 @@ def test_a_workflow_child_stored_before_its_failing_count_is_counted_at_its_firs
     again = rb.claim(["default"], 3, 30, "w")
     rb.ack_many([(job.lease, None, None) for job in again + [jobs[members[2]]]])
     assert [job.id for job in rb.claim(["default"], 3, 30, "w")] == [callback]
+
+
+def test_a_job_id_holding_nul_from_an_older_release_is_acked_in_a_batch_without_shifting_the_others(
+        rb, monkeypatch):
+    # ack_many sends its batch as one argument of NUL-ended values: such an id, stored by a
+    # producer from before ids were checked for NUL, cut the batch in the wrong places, and the
+    # jobs after it were reported lost (run again) while it never could be acked.
+    import re
+
+    from supervisor import model
+
+    with monkeypatch.context() as older:
+        older.setattr(model, "UNSTORABLE", re.compile("(?!)"))  # the older release's check: none
+        ids = [rb.enqueue(NewJob("t", {"i": i}, id=x)) for i, x in enumerate(["first", "legacy\0id", "third"])]
+    jobs = sorted(rb.claim(["default"], 3, 30, "w"), key=lambda j: j.payload["i"])
+    assert [j.id for j in jobs] == ids
+    assert rb.ack_many([(j.lease, {"i": j.payload["i"]}, {"pid": 7}) for j in jobs]) == []
+    for i, job_id in enumerate(ids):
+        stored = rb.get(job_id)
+        assert (stored.state, stored.result, stored.history[-1]["pid"]) == ("done", {"i": i}, 7)
+
+
+def test_ack_many_splits_a_batch_of_large_results_into_calls_below_the_argument_limit(rb, monkeypatch):
+    # One argument per call: results of up to 64 MiB each could add up past Redis's 512 MB per
+    # argument (the call failed as if the broker were unreachable, every ack of the batch kept).
+    from supervisor.backends import redis as redis_backend
+
+    monkeypatch.setattr(redis_backend, "ACK_ARGUMENT_BYTES", 2000)
+    ids = [rb.enqueue(NewJob("t", {"i": i})) for i in range(5)]
+    jobs = sorted(rb.claim(["default"], 5, 30, "w"), key=lambda j: j.payload["i"])
+    sent = []
+    run_many = rb._run_many
+    monkeypatch.setattr(rb, "_run_many", lambda calls, **kw: sent.extend(calls) or run_many(calls, **kw))
+    assert rb.ack_many([(j.lease, "x" * 900 + str(j.payload["i"]), None) for j in jobs]) == []
+    # A call closes at the first job past the limit: 3 + 2 jobs of ~960 characters.
+    assert len(sent) == 2 and all(len(args[1]) < 2000 + 1000 for _, _, args in sent)
+    assert [rb.get(i).result for i in ids] == ["x" * 900 + str(i) for i in range(5)]

@@ -49,7 +49,7 @@ from .calls import ScriptCalls
 from .connection import connect, guard
 from .control import ControlMixin
 from .deadletters import DeadLetters
-from .fields import body, enqueue_args, to_job
+from .fields import ack_batches, body, enqueue_args, to_job
 from .keys import Keys
 from .locate import Locator
 from .once import OnceRecords
@@ -59,6 +59,7 @@ log = logging.getLogger("tangguh.broker")
 
 LIMITED_SCAN = 1000  # ready entries one limited claim looks at per queue (held-back jobs included)
 BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one script's run time
+ACK_ARGUMENT_BYTES = 32 * 1024 * 1024  # an ack_many call's one argument: far below Redis's 512 MB
 CLOCK_REFRESH = 30.0
 PARTIAL_WARN_EVERY = 60.0  # seconds between warnings of a queue failing its part of claims
 # The enqueue scripts' job list: one encoder for every call (json.dumps with options builds one each time).
@@ -269,14 +270,18 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
                 groups.setdefault(queue, []).append((lease, result, info))
         calls, chunks = [], []
         for queue, items in groups.items():
-            for i in range(0, len(items), BATCH):
-                chunk = items[i:i + BATCH]
-                calls.append(("ack_many", queue, [self.done_ttl, "".join(
-                    f"{lease.job_id}\0{lease.token}\0{json.dumps(result)}\0{body(info)}\0"
-                    for lease, result, info in chunk)]))
+            for lease, result, info in [item for item in items if "\0" in item[0].job_id]:
+                try:  # an id stored before ids were checked for NUL: the single ack's arguments
+                    self._finish("ack", lease, [json.dumps(result), body(info), self.done_ttl])
+                    self._locator.forget(lease.job_id)
+                except LeaseLost:
+                    lost.append(lease)
+            for chunk, argument in ack_batches([item for item in items if "\0" not in item[0].job_id], BATCH,
+                                               ACK_ARGUMENT_BYTES):
+                calls.append(("ack_many", queue, [self.done_ttl, argument]))
                 chunks.append(chunk)
         for chunk, flags in zip(chunks, self._run_many(calls, confirm=True) if calls else ()):
-            for (lease, _, _), flag in zip(chunk, flags):
+            for lease, flag in zip(chunk, flags):
                 if flag == "1":
                     self._locator.forget(lease.job_id)
                 else:

@@ -59,6 +59,24 @@ def enqueue_args(job):
     return args
 
 
+def ack_batches(acks, most, size):
+    """(leases, argument) for each ack_many.lua call of one queue's ``acks`` ((lease, result,
+    info) ...): at most ``most`` jobs a call, a call closing at its first job past ``size``
+    characters. The argument holds each job's id, token, result JSON and info body, every value
+    ended by a NUL byte (the ids must hold none)."""
+    leases, texts, length = [], [], 0
+    for lease, result, info in acks:
+        text = f"{lease.job_id}\0{lease.token}\0{json.dumps(result)}\0{body(info)}\0"
+        leases.append(lease)
+        texts.append(text)
+        length += len(text)
+        if len(leases) == most or length >= size:
+            yield leases, "".join(texts)
+            leases, texts, length = [], [], 0
+    if leases:
+        yield leases, "".join(texts)
+
+
 def body(info):
     """The caller's info dict as the inside of a JSON object ('' when empty)."""
     return _ENCODE(info)[1:-1] if info else ""

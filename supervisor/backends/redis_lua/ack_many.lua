@@ -1,6 +1,7 @@
 -- ack_many: ARGV[3] = done TTL (s), ARGV[4] = the jobs, 4 values each: id, token, result JSON,
--- info body, every value followed by a NUL byte (none can hold one: a job id is checked for
--- it, the rest is ASCII JSON; one argument, not four a job, is most of the client's packing).
+-- info body, every value followed by a NUL byte (none holds one: the rest is ASCII JSON, and
+-- the client acks an id with one, stored by a release that did not refuse it, through ack.lua;
+-- one argument, not four a job, is most of the client's packing).
 -- Returns one '1' (acked) or '0' (the lease is not current) per job, in order, as one string:
 -- ack.lua for a batch, so the supervisor stores every result of a loop turn in one call.
 -- Per job, what ack.lua's helpers read one field at a time (is_leased, close_entry,
