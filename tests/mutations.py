@@ -1020,6 +1020,10 @@ MUTATIONS = [
              "        if len(leases) == most:",
              ("tests/test_redis_broker.py", "-k", "argument_limit"),
              "an ack batch of large results is split below Redis's limit on one argument"),
+    Mutation("cli-answer-window-15s", "supervisor/cli/daemon.py",
+             "ANSWER_SECONDS = 25.0", "ANSWER_SECONDS = 15.0",
+             ("tests/test_cli.py", "-k", "two_default_broker"),
+             "the CLI outwaits the two broker timeouts of the turn an outage begins (PostgreSQL: 20 s)"),
 ]
 
 

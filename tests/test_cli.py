@@ -608,3 +608,14 @@ def test_render_status_shows_a_failed_reload_and_tolerates_missing_fields():
     assert render_status({"pid": 1}).startswith("supervisor pid 1  generation -")
     text = render_status(dict(STATUS_REPLY, paused_queues=["bulk", "email"]), now=1_000_000.0)
     assert "paused:  bulk, email (not claimed from)" in text.splitlines()
+
+
+def test_the_cli_waits_longer_than_two_default_broker_timeouts_for_an_answer():
+    # In the turn a broker outage begins the master's loop may wait out two calls (an outcome
+    # write's, then the claim's) before it reads the status request: 2 x 10 s on PostgreSQL's
+    # default. The CLI waited 15 s and reported no supervisor answering.
+    from supervisor.backends.postgres.connection import DEFAULT_SOCKET_TIMEOUT
+    from supervisor.backends.redis.connection import _defaults
+    from supervisor.cli.daemon import ANSWER_SECONDS
+
+    assert ANSWER_SECONDS > 2 * max(float(DEFAULT_SOCKET_TIMEOUT), _defaults()["socket_timeout"])

@@ -32,8 +32,9 @@ def supervisor_socket(args):
 
 
 # Longer than the loop's longest wait on a broker that stops answering: two tries in the turn the
-# outage begins (a write's, then the claim's: 5 s each on Redis), then one per backoff step.
-ANSWER_SECONDS = 15.0
+# outage begins (a write's, then the claim's: 5 s each on Redis, 10 s on PostgreSQL by default),
+# then one per backoff step. A supervisor that answers at all answers in milliseconds.
+ANSWER_SECONDS = 25.0
 
 
 def ask_supervisor(socket_path, request):
