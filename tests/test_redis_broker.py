@@ -493,3 +493,33 @@ def test_ack_many_splits_a_batch_of_large_results_into_calls_below_the_argument_
     # A call closes at the first job past the limit: 3 + 2 jobs of ~960 characters.
     assert len(sent) == 2 and all(len(args[1]) < 2000 + 1000 for _, _, args in sent)
     assert [rb.get(i).result for i in ids] == ["x" * 900 + str(i) for i in range(5)]
+
+
+def test_every_script_defines_every_prelude_name_it_uses():
+    # A script carries only the prelude statements it uses (each costs the server time on every
+    # call): a name dropped wrongly would fail only when its path runs ("attempt to access
+    # nonexistent global"). Checked here for every script and name, by a reading of its own.
+    import re
+
+    from supervisor.backends.redis import scripts
+
+    def defined(text):
+        names = set(re.findall(r"^local function (\w+)", text, re.M))
+        for group in re.findall(r"^local ([\w, ]+?)\s*(?:=|$)", text, re.M):
+            names |= {n.strip() for n in group.split(",")}
+        return names
+
+    everything = ""
+    for prelude in scripts.PRELUDE:
+        with open(os.path.join(scripts.LUA_DIR, prelude), encoding="utf-8") as f:
+            everything += f.read()
+    shared = defined(everything)
+    assert {"NOW", "secs", "settle", "reopen", "EXPIRING", "index_job"} <= shared
+    assigned = set(re.findall(r"^(\w+) = function", everything, re.M))  # declared first, defined later
+    assert assigned == {"settle", "reopen"}
+    for name, source in scripts.sources().items():
+        used = set(re.findall(r"[A-Za-z_]\w*", source)) & shared
+        assert used <= defined(source), (name, sorted(used - defined(source)))
+        assert all(f"\n{n} = function" in source for n in used & assigned), name
+        assert len(source) < len(everything) + 30000  # no prelude twice
+    assert len(scripts.sources()["enqueue"]) < len(everything) / 2  # and a lean enqueue
