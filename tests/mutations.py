@@ -1024,6 +1024,10 @@ MUTATIONS = [
              "ANSWER_SECONDS = 25.0", "ANSWER_SECONDS = 15.0",
              ("tests/test_cli.py", "-k", "two_default_broker"),
              "the CLI outwaits the two broker timeouts of the turn an outage begins (PostgreSQL: 20 s)"),
+    Mutation("redis-script-prelude-not-transitive", "supervisor/backends/redis/scripts.py",
+             "            needed |= set(_WORD.findall(preludes[i][1]))", "            pass",
+             ("tests/test_redis_broker.py", "-k", "every_script_defines"),
+             "a script carries the prelude statements its prelude statements use, not only its own"),
 ]
 
 
