@@ -1028,6 +1028,10 @@ MUTATIONS = [
              "            needed |= set(_WORD.findall(preludes[i][1]))", "            pass",
              ("tests/test_redis_broker.py", "-k", "every_script_defines"),
              "a script carries the prelude statements its prelude statements use, not only its own"),
+    Mutation("redis-script-prelude-effect-line-kept", "supervisor/backends/redis/scripts.py",
+             "        elif out and not _UNKNOWN.match(line):", "        elif out:",
+             ("tests/test_redis_broker.py", "-k", "defines_nothing"),
+             "a top-level prelude line that defines nothing is refused, not tucked into the statement before it"),
 ]
 
 

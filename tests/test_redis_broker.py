@@ -523,3 +523,18 @@ def test_every_script_defines_every_prelude_name_it_uses():
         assert all(f"\n{n} = function" in source for n in used & assigned), name
         assert len(source) < len(everything) + 30000  # no prelude twice
     assert len(scripts.sources()["enqueue"]) < len(everything) / 2  # and a lean enqueue
+
+
+@pytest.mark.parametrize("line", ["redis.replicate_commands()", "if FLAG then", "  indented_before_any()"])
+def test_a_prelude_line_that_defines_nothing_is_refused_not_dropped(line):
+    # A call at the top of a prelude, run for its effect, names nothing a script could use:
+    # the reader would keep it only with the statement before it, or drop it.
+    from supervisor.backends.redis import scripts
+
+    text = f"{line}\nlocal function f()\n  return 1\nend\n" if line.startswith(" ") else \
+        f"local A = 1\n{line}\nlocal function f()\n  return A\nend\n"
+    with pytest.raises(ValueError, match="no statement this reader knows"):
+        scripts.statements(text)
+    ok = scripts.statements("-- a comment\nlocal A = {\n  1,\n}\n\nlocal function f()\n  return A\nend\n")
+    assert [names for names, _ in ok] == [{"A"}, {"f"}]
+    assert scripts.used(ok, "return f()").count("local A") == 1

@@ -32,6 +32,8 @@ LUA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 _STATEMENT = re.compile(r"local |\w+ = function")
 _DEFINED = re.compile(r"local function (\w+)|local ([\w, ]+?)\s*(?:=|$)|(\w+) = function")
 _WORD = re.compile(r"[A-Za-z_]\w*")
+# What may start a line at column 0 inside a statement: its "end", a closing bracket.
+_UNKNOWN = re.compile(r"(?!end\b|[})\]]|\s|$)")
 
 
 def statements(text):
@@ -44,8 +46,12 @@ def statements(text):
             names = next(n for n in _DEFINED.match(line).groups() if n)
             out.append([{n.strip() for n in names.split(",")}, [*comments, line]])
             comments = []
-        elif out:
+        elif out and not _UNKNOWN.match(line):
             out[-1][1].append(line)
+        elif line.strip():
+            # A top-level line that defines nothing (a call run for its effect) would be kept
+            # only with the statement before it: refuse to guess.
+            raise ValueError(f"a prelude line that is no statement this reader knows: {line.strip()!r}")
     return [(names, "".join(lines)) for names, lines in out]
 
 
