@@ -662,6 +662,10 @@ class Soak(ControlFaults):
             return None
         if self.s.broker == "sqlite" and self.stalled:
             return None  # a master stopped inside a write holds SQLite's lock: an outage for every master
+        if self.paused_now:
+            # On SQLite the resume waits for the stopped master (it may hold the write lock): the
+            # queue would stay paused through the stall and nobody could claim its expired leases.
+            return None
         holding = []
         for sup in self.hittable(live):
             st = sup.status()
