@@ -996,8 +996,11 @@ class Soak(ControlFaults):
             return next((h for h in (j.history if j else ()) if h.get("pid") == pid), None)
 
         if faults["kill_child"]:
-            crashed = [e for pid, job_id in self.child_kills if (e := entry(job_id, pid))
-                       and (e.get("error") or {}).get("reason") == "crashed"]
+            # Whichever job the child was running when the signal landed: the status it was picked
+            # by may be a moment old, and a child given a batch goes on to the next job at once.
+            # A child dies once, so an attempt of its pid recorded crashed is the kill's victim.
+            crashed_pids = {h.get("pid") for _, h in attempts if (h.get("error") or {}).get("reason") == "crashed"}
+            crashed = [pid for pid, _ in self.child_kills if pid in crashed_pids]
             check("a SIGKILLed child's job was recorded crashed (and ran again)", crashed,
                   f"{len(self.child_kills)} kills, none landed mid-job")
         if faults["stall_child"]:
