@@ -32,7 +32,7 @@ LUA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 _STATEMENT = re.compile(r"local |\w+ = function")
 _DEFINED = re.compile(r"local function (\w+)|local ([\w, ]+?)\s*(?:=|$)|(\w+) = function")
 _WORD = re.compile(r"[A-Za-z_]\w*")
-# What may start a line at column 0 inside a statement: its "end", a closing bracket.
+# A line at column 0 inside a statement is its "end" or a closing bracket: anything else matches here.
 _UNKNOWN = re.compile(r"(?!end\b|[})\]]|\s|$)")
 
 
