@@ -80,6 +80,11 @@ class Heartbeat:
         with self.lock:
             return list(self.held.values())
 
+    def job_ids(self):
+        """The ids of the jobs held, and of those a beat found lost that the main loop has not acted on."""
+        with self.lock:
+            return {*self.held, *(lease.job_id for lease in self.lost)}
+
     def report_progress(self, job_id, fraction, note):
         """A child's progress: kept until the next beat carries it (a later report replaces it)."""
         with self.lock:

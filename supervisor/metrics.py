@@ -100,6 +100,8 @@ class Metrics:
                              "Leases found taken over (renewal or outcome refused); the result is dropped")
         self.lease_expiries = c("tangguh_lease_expiries_total",
                                 "Jobs claimed again after an earlier lease ran out (visibility timeout)", JOB)
+        self.orphans_released = c("tangguh_orphans_released_total", "Jobs a claim given up on had leased to this"
+                                  " supervisor, found and released (never run here, no attempt spent)", JOB)
         self.timeouts = c("tangguh_timeouts_total", "Attempts over their timeout: soft (JobTimeout raised) or"
                           " hard (child killed)", JOB + ("kind",))
         self.crashed = c("tangguh_children_crashed_total",

@@ -1032,6 +1032,23 @@ MUTATIONS = [
              "        elif out and not _UNKNOWN.match(line):", "        elif out:",
              ("tests/test_redis_broker.py", "-k", "defines_nothing"),
              "a top-level prelude line that defines nothing is refused, not tucked into the statement before it"),
+    Mutation("orphans-never-looked-for", "supervisor/master/dispatch.py",
+             "                self.on_unanswered(queues)", "                pass",
+             ("tests/test_orphans.py", "tests/test_outages.py", "-k", "orphans or frozen_postgres_leaves"),
+             "the jobs a claim given up on leased to this supervisor are found and released, no attempt spent"),
+    Mutation("orphans-pending-outcomes-not-known", "supervisor/master/orphans.py",
+             "    ids.update(lease.job_id for lease in writer.leases())", "    pass",
+             ("tests/test_orphans.py", "-k", "whatever_holds_it"),
+             "a job whose outcome is waiting to be stored is not taken for an orphan (released and run again)"),
+    Mutation("orphans-look-due-while-down", "supervisor/master/orphans.py",
+             "        return max(self.next_at, self.link.retry_at) if self.link.down else self.next_at",
+             "        return self.next_at",
+             ("tests/test_orphans.py", "-k", "waits_for_the_links_next_try"),
+             "while the broker is down the master's loop sleeps until the link's next try, not spins"),
+    Mutation("orphans-known-job-released", "supervisor/master/orphans.py",
+             "            if job.id in known:", "            if job.lease in known:",
+             ("tests/test_orphans.py", "-k", "knows_nothing_of"),
+             "a job this master knows of (held, in a child, its outcome pending) is never released as an orphan"),
 ]
 
 

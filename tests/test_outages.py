@@ -441,6 +441,10 @@ def ran(db, job_id):
         return 0
 
 
+def outcomes(job):
+    return [h["outcome"] for h in job.history]
+
+
 def status_or_none(d):
     """The daemon's status, None while it does not answer within the request's 5 s."""
     try:
@@ -454,8 +458,8 @@ def test_a_frozen_postgres_leaves_the_supervisor_answering_and_loses_no_job(post
     answering and shows the broker down; after SIGCONT every job ends done, each run exactly once.
 
     A call given up on still sits in the frozen server's socket and runs when it thaws: a claim then
-    leases jobs this supervisor never saw, which another claim takes over once that lease expires
-    (hence a lease shorter than the wait below, and longer than the freeze)."""
+    leases jobs this supervisor never saw. It looks for them once the server answers and releases them
+    (orphans.py); before, they waited out their 15 s lease and ran with an attempt spent."""
     b = postgres_broker
     db, gate = str(tmp_path / "effects.db"), str(tmp_path / "gate")
     d = daemon(tmp_path, b, FROZEN_URL_OPTIONS, supervisor={"workers": 2},
@@ -482,6 +486,10 @@ def test_a_frozen_postgres_leaves_the_supervisor_answering_and_loses_no_job(post
                  message="the supervisor to see the broker back with every outcome stored")
         assert sorted(row[0] for row in effects(db)) == sorted(ids)  # each effect once
         assert all(ran(db, i) == 1 for i in ids)  # and each job ran once: no lease expired under a run
+        # The claim given up on when the gated jobs ended ran at the thaw and leased jobs to this supervisor,
+        # which found them and released them: they ran at once, and no attempt was spent on them.
+        assert d.status()["orphans_released"] >= 1 and events(d, "orphan_released")
+        assert [o for i in ids for o in outcomes(b.client.get(i))] == ["done"] * len(ids)
         assert sorted(d.worker_pids()) == pids and d.status()["restarts"] == 0
         d.signal(signal.SIGTERM)
         assert d.wait_exit() == 0

@@ -20,7 +20,8 @@ This is the only module of ``supervisor.master`` that knows the others:
 * ``status``: counters, status JSON, systemd, the process title;
 * ``periodic``: schedules, pruning, queue samples;
 * ``locks``: the children's Redis locks, from the master's side;
-* ``control``: lost leases, cancel requests and paused queues, from the heartbeat.
+* ``control``: lost leases, cancel requests and paused queues, from the heartbeat;
+* ``orphans``: the jobs a claim given up on leased to us anyway, found and released.
 """
 import collections
 import logging
@@ -46,6 +47,7 @@ from .control import JobControl
 from .dispatch import Dispatcher
 from .endings import Endings
 from .locks import MasterLocks
+from .orphans import Orphans, known_job_ids
 from .outcomes import OutcomeWriter, attempt_info
 from .periodic import Periodic
 from .pool import Pool
@@ -84,8 +86,9 @@ class Arbiter:
         self.metrics = Metrics(self)
         self.status = Status(self, self.metrics, Notifier())
         count = self.status.count
-        self.link = BrokerLink(b.url, b.migrate, self.selector, self.metrics, on_wakeup=self.on_broker_wakeup,
-                               on_down=self.on_broker_down, pid=self.pid)
+        # The dispatcher, made below, is told of a wake-up (claim now) and of an outage (claim after its retry).
+        self.link = BrokerLink(b.url, b.migrate, self.selector, self.metrics, on_wakeup=lambda: self.dispatcher.wake(),
+                               on_down=lambda retry_at: self.dispatcher.hold_claims_until(retry_at), pid=self.pid)
         # The wake-up pipe is made in start(); the heartbeat only writes to it once started.
         self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, None, list(b.queues),
                                    self.metrics.sample_queues)
@@ -100,6 +103,9 @@ class Arbiter:
                                      settings_for=self.settings_for, on_claimed=self.status.claimed,
                                      on_unknown=self.on_unknown_type, on_expired=self.status.expired,
                                      give_back=self.writer.release)
+        self.orphans = Orphans(self.link, self.owner, lambda: known_job_ids(self.heartbeat, self.writer,
+                                                                            self.dispatcher, self.pool), count)
+        self.dispatcher.on_unanswered = self.orphans.claim_unanswered
         self.periodic = Periodic(cfg, handlers, self.link)
         self.control = JobControl(self.heartbeat, self.pool, self.dispatcher, self.writer, self.metrics, count,
                                   lambda job, s: self.settle(job, s, verdict.Ending(cancel_sent=True)),
@@ -124,7 +130,7 @@ class Arbiter:
             self.pool.manage()
             self.withdraw_from_retiring()
             self.claim_and_dispatch()
-            self.run_periodic()
+            self.periodic.run(schedules=self.stopping is None)  # a stopping master enqueues nothing new
             self.status.report()
         self.shutdown()
         return self.exit_code
@@ -189,7 +195,8 @@ class Arbiter:
         instants.extend(overdue.deadlines(self.pool))
         if self.stopping is None:
             # A WatchdogSec= under 2 s must not expire while we sleep: the ping is in the list.
-            instants += [self.dispatcher.due_at(), self.pool.spawn_due_at(), self.periodic.due_at()]
+            instants += [self.dispatcher.due_at(), self.pool.spawn_due_at(), self.periodic.due_at(),
+                         self.orphans.due_at()]
         return max(0.0, min(i for i in instants if i is not None) - now)
 
     def shutdown(self):
@@ -222,7 +229,7 @@ class Arbiter:
             handler = {
                 signal.SIGTERM: self.handle_term, signal.SIGINT: self.handle_term,
                 signal.SIGQUIT: self.stop_fast, signal.SIGHUP: self.reload,
-                signal.SIGTTIN: self.handle_ttin, signal.SIGTTOU: self.handle_ttou,
+                signal.SIGTTIN: lambda: self.resize(+1), signal.SIGTTOU: lambda: self.resize(-1),
             }.get(sig)
             if handler is not None:
                 handler()
@@ -233,11 +240,9 @@ class Arbiter:
         else:
             self.stop_fast()  # a second TERM/INT: the operator means it
 
-    def handle_ttin(self):
-        log.info("worker count raised to %d", self.pool.resize(+1), extra={"event": "ttin"})
-
-    def handle_ttou(self):
-        log.info("worker count lowered to %d", self.pool.resize(-1), extra={"event": "ttou"})
+    def resize(self, by):
+        log.info("worker count %s to %d", "raised" if by > 0 else "lowered", self.pool.resize(by),
+                 extra={"event": "ttin" if by > 0 else "ttou"})
 
     # -- stopping ------------------------------------------------------------------------
     def stop_gracefully(self):
@@ -380,18 +385,10 @@ class Arbiter:
         if self.stopping is not None:
             return
         self.dispatcher.dispatch()
+        self.orphans.run(self.cfg.broker)  # before a claim could lease them again
         self.dispatcher.claim()
         self.control.handle_lost_leases()  # a claim may retake a job of ours: its old attempt goes first
         self.dispatcher.dispatch()
-
-    def run_periodic(self):
-        self.periodic.run(schedules=self.stopping is None)  # a stopping master enqueues nothing new
-
-    def on_broker_wakeup(self):
-        self.dispatcher.wake()
-
-    def on_broker_down(self, retry_at):
-        self.dispatcher.hold_claims_until(retry_at)
 
     @property
     def broker_shown(self):

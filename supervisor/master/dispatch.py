@@ -46,6 +46,7 @@ class Dispatcher:
         self.next_claim_at = 0.0
         self.empty_claims = 0  # empty claims in a row: the idle backoff
         self.empty_polls = 0  # empty claims since start, for status
+        self.on_unanswered = lambda queues: None  # a claim failed after reaching for the broker (orphans.py)
 
     def configure(self, cfg, handlers):
         """The config, handlers and claim limits of the current generation."""
@@ -86,12 +87,15 @@ class Dispatcher:
             return
         b = self.cfg.broker
         queues = [q for q in b.queues if q not in self.paused]
+        tried = not self.link.deferring(now)  # else the call fails without a word to the broker
         try:
             # take_expired reads what this claim ended ``expired``: no round trip of its own.
             jobs, expired = self.link.call(lambda br: (
                 br.claim(queues, want, b.lease_seconds, self.owner, self.limits) if queues else [],
                 br.take_expired()), "claim")
         except BrokerError:
+            if tried and queues:
+                self.on_unanswered(queues)
             return
         for _job_id, job_type in expired:
             self.on_expired(job_type)

@@ -90,6 +90,10 @@ class OutcomeWriter:
     def __len__(self):
         return len(self.acks) + len(self.writes)
 
+    def leases(self):
+        """The leases of the outcomes not stored yet (still the broker's running jobs of ours)."""
+        return [w.job.lease for queue in (self.acks, self.writes) for w in queue]
+
     def add(self, job, outcome, info):
         """Queue the store of a verdict (see ``verdict.Outcome``)."""
         if outcome.op == DROP:

@@ -26,6 +26,7 @@ COUNTERS = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "le
 EVENTS = {
     "claimed": (None, "claimed", ()),
     "lease_expired": (None, "lease_expiries", ()),
+    "orphan_released": (None, "orphans_released", ()),
     "succeeded": ("succeeded", "succeeded", ()),
     "failed": ("failed", "failed", ()),
     "timeout": ("timeouts", "timeouts", ()),
@@ -211,6 +212,7 @@ class Status:
             "pending_writes": len(m.writer),
             "workers": [child_view(c) for c in sorted(m.pool.children.values(), key=lambda c: c.slot)],
             "restarts": m.pool.restarts, "counters": dict(self.counters), "empty_polls": m.dispatcher.empty_polls,
+            "orphans_released": m.orphans.released,
             "handlers": sorted(m.handlers),
             "queues": {q: s.to_dict() for q, s in m.heartbeat.queue_stats.items()},
             "paused_queues": sorted(m.control.paused or ()),

@@ -1,0 +1,133 @@
+"""A claim the supervisor gave up on leases jobs all the same: the supervisor finds them and hands them back.
+
+A frozen Redis (SIGSTOP: it keeps its connections and answers nothing) runs the
+commands left in its sockets when it thaws, the supervisor's claim among them:
+the jobs it leases belong to a supervisor that never saw them. The supervisor
+looks for such jobs once the server answers again and releases them
+(``supervisor/master/orphans.py``), so they run at once and spend no attempt.
+Left alone, they would wait out the lease (60 s here, longer than every wait
+below) and run with an attempt spent, ``lease_expired`` in their history. The
+same on a frozen PostgreSQL: ``test_outages.py``.
+"""
+import collections
+import os
+import selectors
+import signal
+import time
+import types
+
+import pytest
+
+from supervisor.backends import open_broker
+from supervisor.errors import BrokerError
+from supervisor.heartbeat import Heartbeat
+from supervisor.master.brokerlink import BrokerLink
+from supervisor.master.orphans import Orphans, known_job_ids
+from supervisor.master.outcomes import OutcomeWriter, Write
+from supervisor.metrics import Metrics
+from supervisor.model import ACK, Lease, NewJob
+
+from .servers import private_redis  # noqa: F401 - a fixture
+from .test_outages import daemon, outcomes, ran, redis_broker, stats, status_or_none  # noqa: F401 - a fixture
+from .util import wait_for
+
+@pytest.mark.services
+def test_a_claim_a_frozen_redis_runs_at_its_thaw_leases_jobs_the_supervisor_releases(redis_broker, tmp_path):
+    b = redis_broker
+    db, gate = str(tmp_path / "effects.db"), str(tmp_path / "gate")
+    # One child and two jobs prefetched behind its gated one: when the gate opens, the child takes a
+    # prefetched job and the master claims one more on its live connection, to the frozen server.
+    d = daemon(tmp_path, b, "&socket_timeout=1&socket_connect_timeout=1", supervisor={"workers": 1},
+               broker={"prefetch": 2, "lease_seconds": 60.0, "heartbeat_seconds": 0.5})
+    server = b.server.proc.pid
+    try:
+        d.start()
+        gated = b.client.enqueue(NewJob("effect", {"db": db, "gate": gate}, priority=1))
+        ids = [gated] + b.client.enqueue_many([NewJob("effect", {"db": db}) for _ in range(10)])
+        wait_for(lambda: ran(db, gated) and d.status()["prefetched"] == 2, timeout=30,
+                 message="the gated job to run and two more to wait behind it")
+        os.kill(server, signal.SIGSTOP)
+        try:
+            open(gate, "w").close()
+            wait_for(lambda: (s := status_or_none(d)) and s["broker_down"], timeout=30,
+                     message="the claim to time out and the supervisor to report the broker down")
+        finally:
+            os.kill(server, signal.SIGCONT)
+        wait_for(lambda: (s := stats(b.client)) and s.done == len(ids), timeout=45,
+                 message=f"all {len(ids)} jobs done within the 60 s lease: the orphaned ones released, not expired")
+        released = [r["job_id"] for r in d.records(event="orphan_released")]
+        assert released and set(released) <= set(ids) and d.status()["orphans_released"] == len(released)
+        assert all(ran(db, i) == 1 for i in ids)  # each job ran once
+        assert [o for i in ids for o in outcomes(b.client.get(i))] == ["done"] * len(ids)  # no attempt spent
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        os.kill(server, signal.SIGCONT)
+        d.stop()
+
+
+# -- the look itself, on a real broker and a real link -----------------------------------------------------------
+class Counted(list):
+    def __call__(self, event, *labels, job=None):
+        self.append((event, job.id))
+
+
+def orphans_on(url, known=frozenset()):
+    link = BrokerLink(url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda: None,
+                      on_down=lambda _: None, pid=os.getpid())
+    return Orphans(link, "me:1", lambda: set(known), Counted())
+
+
+BROKER = types.SimpleNamespace(queues=("default",), heartbeat_seconds=0.5, lease_seconds=5.0)
+
+
+def test_a_look_releases_only_the_jobs_leased_to_this_owner_that_it_knows_nothing_of(tmp_path):
+    url = f"sqlite:///{tmp_path}/b.db"
+    with open_broker(url) as b:
+        b.migrate()
+        ids = b.enqueue_many([NewJob("t", {"n": n}) for n in range(4)])
+        mine = b.claim(["default"], 3, 30.0, "me:1")  # as the late claim would have
+        theirs = b.claim(["default"], 1, 30.0, "other:2")
+        known = {mine[0].id}  # held here (under this lease, or under an older one: the id decides)
+        o = orphans_on(url, known)
+        o.run(BROKER)
+        assert o.released == 0 and o.count == []  # no claim went unanswered: no look
+        o.claim_unanswered(["default"])
+        o.run(BROKER)
+        assert sorted(j for _, j in o.count) == sorted(j.id for j in mine[1:]) and o.released == 2
+        for job in mine[1:]:
+            back = b.get(job.id)
+            assert (back.state, back.attempt, back.owner, back.history) == ("queued", 0, None, [])  # no attempt spent
+        assert b.get(mine[0].id).state == "running" and b.get(theirs[0].id).owner == "other:2"
+        assert set(ids) == {j.id for j in mine + theirs}
+        o.link.drop()
+
+
+def test_while_the_broker_is_down_a_look_waits_for_the_links_next_try():
+    """A look due while the link waits out its backoff would make the loop's select() return at once, a spin."""
+    o = orphans_on("redis://127.0.0.1:1/0?socket_connect_timeout=0.5")  # nothing listens on port 1
+    o.claim_unanswered(["default"])
+    with pytest.raises(BrokerError):
+        o.link.call(lambda br: br.now())
+    assert o.link.down and o.due_at() >= o.link.retry_at > time.monotonic()
+    o.run(BROKER)  # deferred: no try before the link's
+    assert o.due_at() >= o.link.retry_at and o.released == 0
+
+
+def test_every_job_this_master_knows_of_is_known_whatever_holds_it():
+    """Held, just found lost, running or queued in a child, prefetched, or its outcome not stored yet:
+    each a job a look must never release (a job run twice, an outcome lost)."""
+    jobs = {name: types.SimpleNamespace(id=name, lease=Lease(name, 7))
+            for name in ("held", "lost", "running", "queued", "prefetched", "write", "ack")}
+    heartbeat = Heartbeat("sqlite:///unused.db", 5.0, 1.0, None)
+    heartbeat.hold(jobs["held"].lease)
+    heartbeat.lost.append(jobs["lost"].lease)
+    writer = OutcomeWriter(link=None, unhold=lambda lease: None, on_stored=None, on_lost=None)
+    writer.release(jobs["write"])
+    writer.acks.append(Write(jobs["ack"], ACK))
+    child = types.SimpleNamespace(job=jobs["running"], queued=collections.deque([(jobs["queued"], None)]))
+    idle = types.SimpleNamespace(job=None, queued=collections.deque())
+    pool = types.SimpleNamespace(children={1: child, 2: idle})
+    dispatcher = types.SimpleNamespace(prefetched=collections.deque([(jobs["prefetched"], None)]))
+    assert known_job_ids(heartbeat, writer, dispatcher, pool) == set(jobs)
