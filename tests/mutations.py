@@ -1049,6 +1049,11 @@ MUTATIONS = [
              "            if job.id in known:", "            if job.lease in known:",
              ("tests/test_orphans.py", "-k", "knows_nothing_of"),
              "a job this master knows of (held, in a child, its outcome pending) is never released as an orphan"),
+    Mutation("owner-id-without-start-suffix", "supervisor/master/arbiter.py",
+             'self.owner = f"{socket.gethostname()}:{self.pid}:{os.urandom(2).hex()}"',
+             'self.owner = f"{socket.gethostname()}:{self.pid}"',
+             ("tests/test_outages.py", "-k", "never_lands"),
+             "two masters with one host name and one pid still have distinct owner ids (orphans name only ours)"),
 ]
 
 

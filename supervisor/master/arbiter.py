@@ -73,7 +73,9 @@ class Arbiter:
         self.generation = 1
         self.settings_cache = {}
         self.pid = os.getpid()
-        self.owner = f"{socket.gethostname()}:{self.pid}"
+        # Unique even between two masters with one host name and one pid (containers on the host's
+        # network, each master PID 1): a look for orphans (orphans.py) trusts it to name only us.
+        self.owner = f"{socket.gethostname()}:{self.pid}:{os.urandom(2).hex()}"
         self.started_at = time.time()
         self.reload_error = None
         self.stopping = None  # None, "graceful", "fast"

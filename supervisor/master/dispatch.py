@@ -31,7 +31,7 @@ class Dispatcher:
                  on_expired, give_back):
         self.prefetch = prefetch
         self.configure(cfg, handlers)
-        self.owner = owner  # "host:pid", stored with every lease this supervisor takes
+        self.owner = owner  # "host:pid:suffix", stored with every lease this supervisor takes
         self.link, self.pool = link, pool
         self.hold, self.settings_for = hold, settings_for
         self.on_claimed, self.on_unknown, self.on_expired = on_claimed, on_unknown, on_expired

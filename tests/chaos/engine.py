@@ -113,13 +113,18 @@ class Settings:
     workflows: int | None = None  # random chains, groups, diamonds (flows.py); default: one per 40 jobs
 
 
+def life_of(owner):
+    """A lease owner id (host:pid:suffix) as ``Incarnation.owner`` names it (host:pid)."""
+    return owner.rsplit(":", 1)[0] if isinstance(owner, str) and owner.count(":") == 2 else owner
+
+
 class Incarnation:
     """One life of one supervisor process."""
 
     def __init__(self, pid):
         self.pid = pid
         self.pgid = pid  # Daemon starts it in a session (process group) of its own
-        self.owner = f"{socket.gethostname()}:{pid}"
+        self.owner = f"{socket.gethostname()}:{pid}"  # its leases' owner id without the suffix drawn at start
         self.last = None  # last status seen
         self.killed = False  # ended by the soak: SIGKILL, or a graceful restart (SIGTERM)
         self.fate = "survived"  # or "killed", "terminated"
@@ -898,7 +903,7 @@ class Soak(ControlFaults):
             for h in j.history if j else ():
                 if "started_at" not in h:
                     continue  # cancelled or expired before it ran: not an attempt of anyone's
-                owner = by_owner[h.get("owner")]
+                owner = by_owner[life_of(h.get("owner"))]
                 owner[h.get("outcome")] += 1
                 if h.get("outcome") == "lease_expired" and any(
                         called - CLAIM_CUT_MARGIN <= h["started_at"] <= gone for called, gone in self.cut_windows):
@@ -1019,7 +1024,7 @@ class Soak(ControlFaults):
             per_stall = []
             for life, job_ids, _ in self.sup_stalls:
                 n = sum(1 for job_id in job_ids for h in (by_id[job_id].history if job_id in by_id else ())
-                        if h.get("owner") == life.owner and h.get("outcome") == "lease_expired")
+                        if life_of(h.get("owner")) == life.owner and h.get("outcome") == "lease_expired")
                 per_stall.append(n)
             self.stale_taken = sum(per_stall)
             # A master stopped inside a SQLite write holds the lock (the probe saw it): an outage for
