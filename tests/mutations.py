@@ -1054,6 +1054,14 @@ MUTATIONS = [
              'self.owner = f"{socket.gethostname()}:{self.pid}"',
              ("tests/test_outages.py", "-k", "never_lands"),
              "two masters with one host name and one pid still have distinct owner ids (orphans name only ours)"),
+    Mutation("orphans-resent-claim-not-looked-for", "supervisor/master/dispatch.py",
+             "        if resent:  # its first sending", "        if False:  # its first sending",
+             ("tests/test_orphans.py", "-k", "lost_leaves_no_orphan"),
+             "a claim redis-py sent again after its reply was lost: the first run's jobs are found and released"),
+    Mutation("redis-resent-call-not-counted", "supervisor/backends/redis/calls.py",
+             "                self.calls_resent += 1", "                pass",
+             ("tests/test_orphans.py", "-k", "lost_leaves_no_orphan or sent_again"),
+             "the Redis broker counts the calls redis-py sent a second time (their first sending may have run)"),
 ]
 
 

@@ -7,26 +7,33 @@ looks for such jobs once the server answers again and releases them
 (``supervisor/master/orphans.py``), so they run at once and spend no attempt.
 Left alone, they would wait out the lease (60 s here, longer than every wait
 below) and run with an attempt spent, ``lease_expired`` in their history. The
-same on a frozen PostgreSQL: ``test_outages.py``.
+same on a frozen PostgreSQL: ``test_outages.py``. And when a cut connection loses
+a claim's answer after the server ran it, redis-py sends the claim again: the
+first run's jobs are orphans too (a relay in the test cuts the answer).
 """
 import collections
+import hashlib
 import os
 import selectors
 import signal
 import time
 import types
+import urllib.parse
 
 import pytest
 
 from supervisor.backends import open_broker
 from supervisor.errors import BrokerError
 from supervisor.heartbeat import Heartbeat
+from supervisor.jobfilter import JobFilter
 from supervisor.master.brokerlink import BrokerLink
 from supervisor.master.orphans import Orphans, known_job_ids
 from supervisor.master.outcomes import OutcomeWriter, Write
 from supervisor.metrics import Metrics
 from supervisor.model import ACK, Lease, NewJob
 
+from .daemon import Daemon
+from .replycut import ReplyCut
 from .servers import private_redis  # noqa: F401 - a fixture
 from .test_outages import daemon, outcomes, ran, redis_broker, stats, status_or_none  # noqa: F401 - a fixture
 from .util import wait_for
@@ -64,6 +71,74 @@ def test_a_claim_a_frozen_redis_runs_at_its_thaw_leases_jobs_the_supervisor_rele
         d.assert_clean()
     finally:
         os.kill(server, signal.SIGCONT)
+        d.stop()
+
+
+# -- a claim whose reply was lost and which redis-py sent again --------------------------------------------------
+def claim_source():
+    from supervisor.backends.redis import scripts
+
+    return scripts.sources()["claim"]
+
+
+def claim_sha():
+    return hashlib.sha1(claim_source().encode()).hexdigest()
+
+
+@pytest.fixture
+def reply_cut(redis_url):
+    """(the relay, the broker URL through it, a client straight to the server)."""
+    parts = urllib.parse.urlsplit(redis_url)
+    cut = ReplyCut(parts.hostname, parts.port or 6379)
+    userinfo = parts.netloc.rpartition("@")[0]
+    through = parts._replace(netloc=f"{userinfo + '@' if userinfo else ''}127.0.0.1:{cut.port}").geturl()
+    client = open_broker(redis_url)
+    client.r.script_load(claim_source())
+    yield cut, through, client
+    client.close()
+    cut.close()
+
+
+@pytest.mark.services
+def test_a_claim_sent_again_after_its_reply_was_lost_is_counted_and_its_first_jobs_stay_leased(reply_cut):
+    """What the supervisor must look for: the broker ran the claim twice and returned the second's jobs."""
+    cut, through, client = reply_cut
+    client.enqueue_many([NewJob("t", {"n": n}) for n in range(8)])
+    with open_broker(through) as b:
+        assert b.calls_resent == 0
+        cut.cut_next(claim_sha())
+        got = b.claim(["default"], 3, 30.0, "me:1")
+        assert cut.cut.is_set() and len(got) == 3 and b.calls_resent == 1
+        mine = [j for j in b.search(JobFilter(state="running")).jobs if j.owner == "me:1"]
+        assert len(mine) == 6 and {j.id for j in got} < {j.id for j in mine}  # 3 leased by the lost reply's run
+
+
+@pytest.mark.services
+def test_a_claim_whose_reply_was_lost_leaves_no_orphan_behind(reply_cut, tmp_path):
+    """A connection cut between a claim and its answer: redis-py sends the claim again, and the
+    first run's jobs are leased to this supervisor, which never saw them. They are looked for and
+    released as after a claim given up on: each runs once, at once, no attempt spent (the lease
+    is 60 s: left alone they would wait it out)."""
+    cut, through, client = reply_cut
+    db = str(tmp_path / "effects.db")
+    ids = client.enqueue_many([NewJob("effect", {"db": db}) for _ in range(20)])
+    d = Daemon(tmp_path, broker_url=through, handler_files=("effects.py",), supervisor={"workers": 1},
+               broker={"prefetch": 4, "lease_seconds": 60.0, "heartbeat_seconds": 0.5})
+    d._broker = client
+    try:
+        cut.cut_next(claim_sha())
+        d.start()
+        wait_for(cut.cut.is_set, timeout=30, message="a claim's reply to be lost")
+        wait_for(lambda: (s := stats(client)) and s.done == len(ids), timeout=30,
+                 message=f"all {len(ids)} jobs done within the 60 s lease: the first run's jobs released, not expired")
+        released = [r["job_id"] for r in d.records(event="orphan_released")]
+        assert released and set(released) <= set(ids) and d.status()["orphans_released"] == len(released)
+        assert all(ran(db, i) == 1 for i in ids)
+        assert [o for i in ids for o in outcomes(client.get(i))] == ["done"] * len(ids)  # no attempt spent
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
         d.stop()
 
 

@@ -82,6 +82,10 @@ class Broker(abc.ABC):
     """A durable job store with leases. Not thread-safe: one instance per thread."""
 
     url: str
+    # Calls the driver sent a second time after a connection error took the first one's answer
+    # (Redis: redis-py's one retry). The first sending may have run on the server: a claim among
+    # them may have leased jobs its caller never saw (the supervisor looks for them: orphans).
+    calls_resent = 0
 
     def now(self):
         """The clock leases are measured against (backends with a server use its clock)."""

@@ -89,14 +89,13 @@ class Dispatcher:
         queues = [q for q in b.queues if q not in self.paused]
         tried = not self.link.deferring(now)  # else the call fails without a word to the broker
         try:
-            # take_expired reads what this claim ended ``expired``: no round trip of its own.
-            jobs, expired = self.link.call(lambda br: (
-                br.claim(queues, want, b.lease_seconds, self.owner, self.limits) if queues else [],
-                br.take_expired()), "claim")
+            jobs, expired, resent = self.link.call(lambda br: self._claim_on(br, queues, want), "claim")
         except BrokerError:
             if tried and queues:
                 self.on_unanswered(queues)
             return
+        if resent:  # its first sending may have leased jobs too, which we never saw
+            self.on_unanswered(queues)
         for _job_id, job_type in expired:
             self.on_expired(job_type)
         for job in jobs:
@@ -118,6 +117,16 @@ class Dispatcher:
             self.empty_polls += 1
             self.next_claim_at = now + backoff(self.empty_claims + 1, 0.005, self.cfg.supervisor.poll_interval,
                                                jitter=0.25)
+
+    def _claim_on(self, broker, queues, want):
+        """(jobs, what the claim ended ``expired``, whether the driver sent the claim twice)."""
+        if not queues:
+            return [], broker.take_expired(), False
+        resent = broker.calls_resent
+        b = self.cfg.broker
+        jobs = broker.claim(queues, want, b.lease_seconds, self.owner, self.limits)
+        # take_expired reads what this claim ended ``expired``: no round trip of its own.
+        return jobs, broker.take_expired(), broker.calls_resent != resent
 
     def dispatch(self):
         """Hand prefetched jobs to free children, oldest first; give back what may not wait here.

@@ -3,11 +3,14 @@
 A claim the master gave up on (the broker did not answer within its timeout)
 may still run: a frozen Redis runs the commands left in its socket when it
 thaws, and a PostgreSQL backend finishes a statement whose client has gone.
-Its jobs are then leased to this supervisor, which never saw them. Nothing
+Its jobs are then leased to this supervisor, which never saw them. The same
+when a cut connection lost a claim's answer after the server ran it and the
+driver sent it again (redis-py's one retry; the broker's ``calls_resent``):
+the master saw the second run's jobs, not the first's. Nothing
 renews those leases; left alone they would run only once the lease expired,
 an attempt spent (a job on its last attempt dead-lettered without running).
 
-So after such a claim, once the broker answers again, the master searches the
+So after such a claim, once the broker answers, the master searches the
 queues that claim asked for, for running jobs leased to its owner id whose
 job it knows nothing of (not held, not lost a moment ago, not in a child, not
 prefetched, no outcome pending), and releases them: fenced by their token,

@@ -72,8 +72,16 @@ class ScriptCalls:
         (the client's ``Retry``: once, on a connection error, after reconnecting)."""
         pool = self.r.connection_pool
         conn = pool.get_connection()
+        sent = []
+
+        def send():
+            if sent:  # the server may have run the first sending: its answer was lost, not its effects
+                self.calls_resent += 1
+            sent.append(True)
+            return _send_and_read(conn, commands)
+
         try:
-            return conn.retry.call_with_retry(lambda: _send_and_read(conn, commands), lambda _: conn.disconnect())
+            return conn.retry.call_with_retry(send, lambda _: conn.disconnect())
         except BaseException:
             conn.disconnect()  # a reply may be left unread: the socket is out of step
             raise

@@ -1,0 +1,95 @@
+"""A TCP relay to a Redis server that can lose one reply after the server ran the request.
+
+What a connection reset, a NAT table flush or a load balancer's idle cut does to
+a client between its request and the answer: the server has run the command,
+the client never hears of it, and redis-py sends it again on a new connection.
+``cut_next(marker)`` arms the relay: the next request holding ``marker`` (a
+script's SHA1, say) reaches the server; its reply is read, thrown away, and the
+client's connection closed. Every other byte is relayed unchanged.
+"""
+import socket
+import threading
+
+
+class ReplyCut:
+    def __init__(self, host, port):
+        self.upstream = (host, port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.lock = threading.Lock()
+        self.marker = None  # armed: the request that holds it loses its reply
+        self.cut = threading.Event()  # set once a reply was lost
+        self.closed = False
+        self.sockets = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut_next(self, marker):
+        with self.lock:
+            self.marker = marker.encode() if isinstance(marker, str) else marker
+            self.cut.clear()
+
+    def close(self):
+        self.closed = True
+        self.listener.close()
+        for s in list(self.sockets):
+            _close(s)
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self.sockets += [client, server]
+            doomed = threading.Event()  # this connection's next reply is to be lost
+            threading.Thread(target=self._requests, args=(client, server, doomed), daemon=True).start()
+            threading.Thread(target=self._replies, args=(server, client, doomed), daemon=True).start()
+
+    def _requests(self, client, server, doomed):
+        while True:
+            try:
+                data = client.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                _close(server)
+                return
+            with self.lock:
+                if self.marker is not None and self.marker in data:
+                    self.marker = None
+                    doomed.set()  # before the server can answer: the reply pump sees it
+            try:
+                server.sendall(data)
+            except OSError:
+                _close(client)
+                return
+
+    def _replies(self, server, client, doomed):
+        while True:
+            try:
+                data = server.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                _close(client)
+                return
+            if doomed.is_set():
+                # The server ran the request (this is its answer): the client never hears of it.
+                _close(client)
+                _close(server)
+                self.cut.set()
+                return
+            try:
+                client.sendall(data)
+            except OSError:
+                _close(server)
+                return
+
+
+def _close(s):
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    s.close()
