@@ -1062,6 +1062,16 @@ MUTATIONS = [
              "                self.calls_resent += 1", "                pass",
              ("tests/test_orphans.py", "-k", "lost_leaves_no_orphan or sent_again"),
              "the Redis broker counts the calls redis-py sent a second time (their first sending may have run)"),
+    Mutation("outcome-refused-never-checked", "supervisor/master/outcomes.py",
+             "        closed_as = CLOSED_AS.get(write.op)", "        closed_as = None",
+             ("tests/test_outcomes.py", "tests/test_orphans.py", "-k", "refused_write_that or answer_was_lost"),
+             "a write refused because its own earlier sending landed is stored, not counted a lost lease"),
+    Mutation("outcome-refused-any-attempt", "supervisor/master/outcomes.py",
+             "            if (entry.get(\"attempt\") == write.job.attempt and entry.get(\"owner\") == write.job.owner\n"
+             "                    and entry.get(\"outcome\") == closed_as):",
+             "            if entry.get(\"outcome\") == closed_as:",
+             ("tests/test_outcomes.py", "-k", "refused_write_that"),
+             "a write refused after another owner stored the same outcome for its own attempt is a lost lease"),
 ]
 
 

@@ -75,14 +75,14 @@ def test_a_claim_a_frozen_redis_runs_at_its_thaw_leases_jobs_the_supervisor_rele
 
 
 # -- a claim whose reply was lost and which redis-py sent again --------------------------------------------------
-def claim_source():
+def script_source(name):
     from supervisor.backends.redis import scripts
 
-    return scripts.sources()["claim"]
+    return scripts.sources()[name]
 
 
-def claim_sha():
-    return hashlib.sha1(claim_source().encode()).hexdigest()
+def claim_sha(name="claim"):
+    return hashlib.sha1(script_source(name).encode()).hexdigest()
 
 
 @pytest.fixture
@@ -93,7 +93,8 @@ def reply_cut(redis_url):
     userinfo = parts.netloc.rpartition("@")[0]
     through = parts._replace(netloc=f"{userinfo + '@' if userinfo else ''}127.0.0.1:{cut.port}").geturl()
     client = open_broker(redis_url)
-    client.r.script_load(claim_source())
+    for name in ("claim", "ack_many", "dead"):  # loaded: the cut request runs, not a NOSCRIPT answer
+        client.r.script_load(script_source(name))
     yield cut, through, client
     client.close()
     cut.close()
@@ -138,6 +139,34 @@ def test_a_claim_whose_reply_was_lost_leaves_no_orphan_behind(reply_cut, tmp_pat
         d.signal(signal.SIGTERM)
         assert d.wait_exit() == 0
         d.assert_clean()
+    finally:
+        d.stop()
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("script, outcome, state", [("ack_many", "ok", "done"), ("dead", "dead", "dead")])
+def test_an_outcome_write_sent_again_after_its_answer_was_lost_is_stored_not_a_lost_lease(
+        reply_cut, tmp_path, script, outcome, state):
+    """The first sending stored the outcome; the second finds the job finished and is refused as
+    stale. That is this write's own outcome, not a lease someone took over: no ``lease_lost``, no
+    "the job will run again" (it will not)."""
+    cut, through, client = reply_cut
+    db = str(tmp_path / "effects.db")
+    d = Daemon(tmp_path, broker_url=through, handler_files=("effects.py",), supervisor={"workers": 1})
+    d._broker = client
+    try:
+        d.start()
+        cut.cut_next(claim_sha(script))
+        ids = client.enqueue_many([NewJob("effect", {"db": db, "outcome": outcome}) for _ in range(3)])
+        wait_for(cut.cut.is_set, timeout=30, message=f"the answer of a {script} call to be lost")
+        wait_for(lambda: all(client.get(i).state == state for i in ids), timeout=30, message=f"every job {state}")
+        wait_for(lambda: d.records(event="outcome_confirmed") or d.records(event="lease_lost"), timeout=10,
+                 message="the second sending's answer handled")
+        assert d.status()["counters"]["lease_lost"] == 0 and not d.records(event="lease_lost")
+        assert {r["job_id"] for r in d.records(event="outcome_confirmed")} <= set(ids)
+        assert all(ran(db, i) == 1 for i in ids)
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
     finally:
         d.stop()
 

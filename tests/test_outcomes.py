@@ -11,7 +11,7 @@ from supervisor.master import outcomes
 from supervisor.master.brokerlink import BrokerLink
 from supervisor.master.outcomes import OutcomeWriter
 from supervisor.metrics import Metrics
-from supervisor.model import ACK, Lease, NewJob, Outcome
+from supervisor.model import ACK, DEAD, RETRY, Lease, NewJob, Outcome
 
 from .util import wait_for
 
@@ -160,3 +160,35 @@ def test_while_the_broker_is_down_no_call_tries_it_before_its_next_try(w):
     w.link.retry_at = 0.0  # the next try is due
     w.link.call(lambda broker: calls.append("claim"), "claim")
     assert calls == ["claim"] and not w.link.down
+
+
+# -- a write the broker refuses because an earlier sending of it landed ------------------------------------------
+@pytest.mark.parametrize("op", [ACK, RETRY, DEAD])
+def test_a_refused_write_that_an_earlier_sending_stored_counts_as_stored_and_a_taken_over_one_as_lost(
+        broker_url, op):
+    """The broker refuses both as stale. The first job holds this very write's outcome (its answer
+    was lost, the write sent again): stored. The second was taken over by owner "b" after its lease
+    expired, and b stored the same outcome for its own attempt: ours is lost. Every broker's history
+    names each attempt's number and owner, which tell the two apart."""
+    link = BrokerLink(broker_url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda: None,
+                      on_down=lambda t: None, pid=0)
+    stored, lost = [], []
+    writer = OutcomeWriter(link, unhold=lambda lease: None, on_stored=stored.append, on_lost=lost.append)
+    outcome = Outcome(op, result=7) if op == ACK else Outcome(op, reason="exception", error_class="E", delay=60.0)
+    try:
+        with open_broker(broker_url) as broker:
+            broker.migrate()
+            broker.enqueue_many([NewJob("t", {"n": i}) for i in range(2)])
+            landed = broker.claim(["default"], 1, 30.0, "a")[0]
+            taken = broker.claim(["default"], 1, 0.05, "a")[0]
+            again = wait_for(lambda: broker.claim(["default"], 1, 30.0, "b"), timeout=10,
+                             message="the expired lease retaken")[0]
+            for job in (landed, again):  # what the first sending stored (its answer lost); and b's own outcome
+                outcomes.Write(job, op, result=outcome.result, info={"pid": 1}, reason=outcome.reason,
+                               error={"reason": "exception"}, delay=60.0).apply(broker)
+        for job in (landed, taken):
+            writer.add(job, outcome, {"pid": 1})
+        wait_for(lambda: writer.flush() or not len(writer), timeout=10, message="both writes answered")
+        assert [w.job.id for w in stored] == [landed.id] and [job.id for job in lost] == [taken.id]
+    finally:
+        link.drop()

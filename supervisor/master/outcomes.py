@@ -3,7 +3,8 @@
 Acks linger a few milliseconds so that the acks of one loop turn share one
 ``ack_many`` round trip (and, on SQLite, one commit). A write the broker
 refuses is retried on its own backoff; a write that meets ``LeaseLost`` is
-dropped (someone else holds the job now). A job's lease leaves the
+dropped (someone else holds the job now), unless the job shows that an earlier
+sending of the same write landed (``refused``). A job's lease leaves the
 heartbeat's care in exactly one place, ``stop_renewing``.
 
 While the broker is down, or after a write failed while it was up (a
@@ -21,7 +22,7 @@ import time
 
 from .. import logs
 from ..errors import BrokerError, LeaseLost
-from ..model import ACK, CANCELLED, DEAD, DROP, RELEASE, RETRY, error_info
+from ..model import ACK, CANCELLED, DEAD, DONE, DROP, RELEASE, RETRY, error_info
 from ..retry import backoff
 
 log = logging.getLogger("tangguh.arbiter")
@@ -33,6 +34,8 @@ STOP_WRITES_SECONDS = 10.0  # how long a stopping master keeps retrying unstored
 HOST = socket.gethostname()  # once: a syscall per job otherwise
 STORED_EVENTS = {ACK: "acked", RETRY: "retry_stored", DEAD: "dead_stored", RELEASE: "released",
                  CANCELLED: "cancelled_stored"}
+# The history outcome each write closes its attempt with (a release drops the attempt instead).
+CLOSED_AS = {ACK: DONE, RETRY: "retry", DEAD: DEAD, CANCELLED: CANCELLED}
 
 
 @dataclasses.dataclass(eq=False)
@@ -156,7 +159,7 @@ class OutcomeWriter:
             try:
                 self.link.call(write.apply, write.op)
             except LeaseLost:
-                self.lost(write)
+                self.refused(write)
             except BrokerError as exc:
                 self.failed(write, exc, now)
                 if self.stopping:
@@ -185,7 +188,7 @@ class OutcomeWriter:
         lost = {(lease.job_id, lease.token) for lease in lost}
         for write in acks:
             if (write.job.id, write.job.token) in lost:
-                self.lost(write)
+                self.refused(write)
             else:
                 self.stored(write)
 
@@ -204,6 +207,30 @@ class OutcomeWriter:
         write.tries += 1
         write.next_at = now + backoff(write.tries + 1, 0.1, 10.0, jitter=0.5)
         self.writes.append(write)
+
+    def refused(self, write):
+        """The broker refused ``write``: the job is not running under its lease any more.
+
+        Most often someone else holds it now. But an earlier sending of this very write may
+        have landed, its answer lost: a driver's resend after a cut connection (redis-py's
+        one retry), a try that timed out after the server ran it. Then the job's last attempt
+        is this one (its number and owner) closed with this write's outcome: stored, not lost,
+        and nothing runs again. A lease that expired has that attempt closed ``lease_expired``.
+        """
+        closed_as = CLOSED_AS.get(write.op)
+        if closed_as is not None:
+            try:
+                job = self.link.call(lambda br: br.get(write.job.id), "get")
+            except BrokerError:
+                job = None
+            entry = job.history[-1] if job is not None and job.history else {}
+            if (entry.get("attempt") == write.job.attempt and entry.get("owner") == write.job.owner
+                    and entry.get("outcome") == closed_as):
+                log.info("outcome found stored by an earlier sending of the same write (its answer was lost)",
+                         extra=logs.job_fields(write.job, event="outcome_confirmed"))
+                self.stored(write)
+                return
+        self.lost(write)
 
     def lost(self, write):
         self.on_lost(write.job)
