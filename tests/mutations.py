@@ -1060,11 +1060,11 @@ MUTATIONS = [
              "a claim redis-py sent again after its reply was lost: the first run's jobs are found and released"),
     Mutation("redis-resent-call-not-counted", "supervisor/backends/redis/calls.py",
              "                self.calls_resent += 1", "                pass",
-             ("tests/test_orphans.py", "-k", "lost_leaves_no_orphan or sent_again"),
+             ("tests/test_orphans.py", "tests/test_lost_answers.py", "-k", "lost_leaves_no_orphan or sent_again"),
              "the Redis broker counts the calls redis-py sent a second time (their first sending may have run)"),
     Mutation("outcome-refused-never-checked", "supervisor/master/outcomes.py",
              "        closed_as = CLOSED_AS.get(write.op)", "        closed_as = None",
-             ("tests/test_outcomes.py", "tests/test_orphans.py", "-k", "refused_write_that or answer_was_lost"),
+             ("tests/test_outcomes.py", "tests/test_lost_answers.py", "-k", "refused_write_that or answer_was_lost"),
              "a write refused because its own earlier sending landed is stored, not counted a lost lease"),
     Mutation("outcome-refused-any-attempt", "supervisor/master/outcomes.py",
              "            if (entry.get(\"attempt\") == write.job.attempt and entry.get(\"owner\") == write.job.owner\n"
@@ -1072,6 +1072,10 @@ MUTATIONS = [
              "            if entry.get(\"outcome\") == closed_as:",
              ("tests/test_outcomes.py", "-k", "refused_write_that"),
              "a write refused after another owner stored the same outcome for its own attempt is a lost lease"),
+    Mutation("redis-enqueue-once-resent-unchecked", "supervisor/backends/redis/__init__.py",
+             "        if self.calls_resent != resent:\n            # Sent twice", "        if False:\n            # Sent twice",
+             ("tests/test_lost_answers.py", "-k", "enqueue_once"),
+             "enqueue_once sent twice after a lost answer returns the id of the job its first sending stored"),
 ]
 
 

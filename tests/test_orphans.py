@@ -12,20 +12,17 @@ a claim's answer after the server ran it, redis-py sends the claim again: the
 first run's jobs are orphans too (a relay in the test cuts the answer).
 """
 import collections
-import hashlib
 import os
 import selectors
 import signal
 import time
 import types
-import urllib.parse
 
 import pytest
 
 from supervisor.backends import open_broker
 from supervisor.errors import BrokerError
 from supervisor.heartbeat import Heartbeat
-from supervisor.jobfilter import JobFilter
 from supervisor.master.brokerlink import BrokerLink
 from supervisor.master.orphans import Orphans, known_job_ids
 from supervisor.master.outcomes import OutcomeWriter, Write
@@ -33,7 +30,7 @@ from supervisor.metrics import Metrics
 from supervisor.model import ACK, Lease, NewJob
 
 from .daemon import Daemon
-from .replycut import ReplyCut
+from .test_lost_answers import reply_cut, script_sha  # noqa: F401 - a fixture
 from .servers import private_redis  # noqa: F401 - a fixture
 from .test_outages import daemon, outcomes, ran, redis_broker, stats, status_or_none  # noqa: F401 - a fixture
 from .util import wait_for
@@ -75,45 +72,6 @@ def test_a_claim_a_frozen_redis_runs_at_its_thaw_leases_jobs_the_supervisor_rele
 
 
 # -- a claim whose reply was lost and which redis-py sent again --------------------------------------------------
-def script_source(name):
-    from supervisor.backends.redis import scripts
-
-    return scripts.sources()[name]
-
-
-def claim_sha(name="claim"):
-    return hashlib.sha1(script_source(name).encode()).hexdigest()
-
-
-@pytest.fixture
-def reply_cut(redis_url):
-    """(the relay, the broker URL through it, a client straight to the server)."""
-    parts = urllib.parse.urlsplit(redis_url)
-    cut = ReplyCut(parts.hostname, parts.port or 6379)
-    userinfo = parts.netloc.rpartition("@")[0]
-    through = parts._replace(netloc=f"{userinfo + '@' if userinfo else ''}127.0.0.1:{cut.port}").geturl()
-    client = open_broker(redis_url)
-    for name in ("claim", "ack_many", "dead"):  # loaded: the cut request runs, not a NOSCRIPT answer
-        client.r.script_load(script_source(name))
-    yield cut, through, client
-    client.close()
-    cut.close()
-
-
-@pytest.mark.services
-def test_a_claim_sent_again_after_its_reply_was_lost_is_counted_and_its_first_jobs_stay_leased(reply_cut):
-    """What the supervisor must look for: the broker ran the claim twice and returned the second's jobs."""
-    cut, through, client = reply_cut
-    client.enqueue_many([NewJob("t", {"n": n}) for n in range(8)])
-    with open_broker(through) as b:
-        assert b.calls_resent == 0
-        cut.cut_next(claim_sha())
-        got = b.claim(["default"], 3, 30.0, "me:1")
-        assert cut.cut.is_set() and len(got) == 3 and b.calls_resent == 1
-        mine = [j for j in b.search(JobFilter(state="running")).jobs if j.owner == "me:1"]
-        assert len(mine) == 6 and {j.id for j in got} < {j.id for j in mine}  # 3 leased by the lost reply's run
-
-
 @pytest.mark.services
 def test_a_claim_whose_reply_was_lost_leaves_no_orphan_behind(reply_cut, tmp_path):
     """A connection cut between a claim and its answer: redis-py sends the claim again, and the
@@ -127,7 +85,7 @@ def test_a_claim_whose_reply_was_lost_leaves_no_orphan_behind(reply_cut, tmp_pat
                broker={"prefetch": 4, "lease_seconds": 60.0, "heartbeat_seconds": 0.5})
     d._broker = client
     try:
-        cut.cut_next(claim_sha())
+        cut.cut_next(script_sha("claim"))
         d.start()
         wait_for(cut.cut.is_set, timeout=30, message="a claim's reply to be lost")
         wait_for(lambda: (s := stats(client)) and s.done == len(ids), timeout=30,
@@ -139,34 +97,6 @@ def test_a_claim_whose_reply_was_lost_leaves_no_orphan_behind(reply_cut, tmp_pat
         d.signal(signal.SIGTERM)
         assert d.wait_exit() == 0
         d.assert_clean()
-    finally:
-        d.stop()
-
-
-@pytest.mark.services
-@pytest.mark.parametrize("script, outcome, state", [("ack_many", "ok", "done"), ("dead", "dead", "dead")])
-def test_an_outcome_write_sent_again_after_its_answer_was_lost_is_stored_not_a_lost_lease(
-        reply_cut, tmp_path, script, outcome, state):
-    """The first sending stored the outcome; the second finds the job finished and is refused as
-    stale. That is this write's own outcome, not a lease someone took over: no ``lease_lost``, no
-    "the job will run again" (it will not)."""
-    cut, through, client = reply_cut
-    db = str(tmp_path / "effects.db")
-    d = Daemon(tmp_path, broker_url=through, handler_files=("effects.py",), supervisor={"workers": 1})
-    d._broker = client
-    try:
-        d.start()
-        cut.cut_next(claim_sha(script))
-        ids = client.enqueue_many([NewJob("effect", {"db": db, "outcome": outcome}) for _ in range(3)])
-        wait_for(cut.cut.is_set, timeout=30, message=f"the answer of a {script} call to be lost")
-        wait_for(lambda: all(client.get(i).state == state for i in ids), timeout=30, message=f"every job {state}")
-        wait_for(lambda: d.records(event="outcome_confirmed") or d.records(event="lease_lost"), timeout=10,
-                 message="the second sending's answer handled")
-        assert d.status()["counters"]["lease_lost"] == 0 and not d.records(event="lease_lost")
-        assert {r["job_id"] for r in d.records(event="outcome_confirmed")} <= set(ids)
-        assert all(ran(db, i) == 1 for i in ids)
-        d.signal(signal.SIGTERM)
-        assert d.wait_exit() == 0
     finally:
         d.stop()
 

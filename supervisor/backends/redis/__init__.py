@@ -157,9 +157,17 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         self.keys.for_scripts(job.queue)
         job = self._once_queue(job, schedule)  # the key's record across queues (once.py)
         batch = _BATCH.encode([enqueue_args(job)])
+        resent = self.calls_resent
         got = self._run_many([("enqueue_once", job.queue, [batch])], before=[("sadd", self.keys.queues, job.queue)],
                              confirm=True)
-        return got[0][0] if got[0] else None
+        if got[0]:
+            return got[0][0]
+        if self.calls_resent != resent:
+            # Sent twice (an answer lost): the key may be taken by this very job, stored by the first sending.
+            stored = self.get(job.id)
+            if stored is not None and stored.idempotency_key == job.idempotency_key:
+                return job.id
+        return None
 
     def _check_chosen_ids(self, jobs):
         """An id the caller chose may not name a job of another queue. Each queue's keys stand

@@ -1,0 +1,103 @@
+"""Answers lost after the server ran the request: what a cut connection does to each call.
+
+A connection reset, a NAT table or a load balancer dropping a connection
+between a request and its answer: the server has run the command and the
+client never hears of it. redis-py then sends the command once more on a new
+connection (its one retry), so the broker runs it twice; a write the master
+retries after a timeout may have landed too. A relay in front of a real Redis
+(``tests/replycut.py``) cuts exactly one answer. The claim's case (its first
+run's jobs, leased and unseen) is in ``test_orphans.py``.
+"""
+import hashlib
+import signal
+import urllib.parse
+
+import pytest
+
+from supervisor.backends import open_broker
+from supervisor.jobfilter import JobFilter
+from supervisor.model import NewJob
+
+from .daemon import Daemon
+from .replycut import ReplyCut
+from .test_outages import ran
+from .util import wait_for
+
+
+def script_sha(name):
+    from supervisor.backends.redis import scripts
+
+    return hashlib.sha1(scripts.sources()[name].encode()).hexdigest()
+
+
+@pytest.fixture
+def reply_cut(redis_url):
+    """(the relay, the broker URL through it, a client straight to the server)."""
+    from supervisor.backends.redis import scripts
+
+    parts = urllib.parse.urlsplit(redis_url)
+    cut = ReplyCut(parts.hostname, parts.port or 6379)
+    userinfo = parts.netloc.rpartition("@")[0]
+    through = parts._replace(netloc=f"{userinfo + '@' if userinfo else ''}127.0.0.1:{cut.port}").geturl()
+    client = open_broker(redis_url)
+    for name in ("claim", "ack_many", "dead", "enqueue_once"):  # loaded: the cut request runs, not a NOSCRIPT answer
+        client.r.script_load(scripts.sources()[name])
+    yield cut, through, client
+    client.close()
+    cut.close()
+
+
+@pytest.mark.services
+def test_a_claim_sent_again_after_its_reply_was_lost_is_counted_and_its_first_jobs_stay_leased(reply_cut):
+    """What the supervisor must look for: the broker ran the claim twice and returned the second's jobs."""
+    cut, through, client = reply_cut
+    client.enqueue_many([NewJob("t", {"n": n}) for n in range(8)])
+    with open_broker(through) as b:
+        assert b.calls_resent == 0
+        cut.cut_next(script_sha("claim"))
+        got = b.claim(["default"], 3, 30.0, "me:1")
+        assert cut.cut.is_set() and len(got) == 3 and b.calls_resent == 1
+        mine = [j for j in b.search(JobFilter(state="running")).jobs if j.owner == "me:1"]
+        assert len(mine) == 6 and {j.id for j in got} < {j.id for j in mine}  # 3 leased by the lost reply's run
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("script, outcome, state", [("ack_many", "ok", "done"), ("dead", "dead", "dead")])
+def test_an_outcome_write_sent_again_after_its_answer_was_lost_is_stored_not_a_lost_lease(
+        reply_cut, tmp_path, script, outcome, state):
+    """The first sending stored the outcome; the second finds the job finished and is refused as
+    stale. That is this write's own outcome, not a lease someone took over: no ``lease_lost``, no
+    "the job will run again" (it will not)."""
+    cut, through, client = reply_cut
+    db = str(tmp_path / "effects.db")
+    d = Daemon(tmp_path, broker_url=through, handler_files=("effects.py",), supervisor={"workers": 1})
+    d._broker = client
+    try:
+        d.start()
+        cut.cut_next(script_sha(script))
+        ids = client.enqueue_many([NewJob("effect", {"db": db, "outcome": outcome}) for _ in range(3)])
+        wait_for(cut.cut.is_set, timeout=30, message=f"the answer of a {script} call to be lost")
+        wait_for(lambda: all(client.get(i).state == state for i in ids), timeout=30, message=f"every job {state}")
+        wait_for(lambda: d.records(event="outcome_confirmed") or d.records(event="lease_lost"), timeout=10,
+                 message="the second sending's answer handled")
+        assert d.status()["counters"]["lease_lost"] == 0 and not d.records(event="lease_lost")
+        assert {r["job_id"] for r in d.records(event="outcome_confirmed")} <= set(ids)
+        assert all(ran(db, i) == 1 for i in ids)
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+    finally:
+        d.stop()
+
+
+@pytest.mark.services
+def test_enqueue_once_sent_again_after_its_answer_was_lost_returns_the_job_it_stored(reply_cut):
+    """The first sending stored the job and recorded its key; the second finds the key taken. The
+    caller gets its own job's id, not None ("enqueued before"), and one job is stored."""
+    cut, through, client = reply_cut
+    with open_broker(through) as b:
+        cut.cut_next(script_sha("enqueue_once"))
+        job_id = b.enqueue_once(NewJob("t", {"n": 1}, idempotency_key="report:2026-12-03"))
+        assert cut.cut.is_set() and b.calls_resent == 1
+        assert job_id is not None and client.get(job_id).idempotency_key == "report:2026-12-03"
+        assert b.enqueue_once(NewJob("t", {"n": 2}, idempotency_key="report:2026-12-03")) is None  # once, still
+        assert len(client.search(JobFilter(type="t")).jobs) == 1
