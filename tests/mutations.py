@@ -1076,6 +1076,16 @@ MUTATIONS = [
              "        if self.calls_resent != resent:\n            # Sent twice", "        if False:\n            # Sent twice",
              ("tests/test_lost_answers.py", "-k", "enqueue_once"),
              "enqueue_once sent twice after a lost answer returns the id of the job its first sending stored"),
+    Mutation("redis-dead-letters-resent-unchecked", "supervisor/backends/redis/deadletters.py",
+             "        if reply[0] == \"notdead\" and self.calls_resent != resent:",
+             "        if False:",
+             ("tests/test_lost_answers.py", "-k", "dead_letter"),
+             "a replay or purge sent twice after a lost answer reports what its first sending did, not NotDead"),
+    Mutation("redis-dead-letters-resent-trusted", "supervisor/backends/redis/deadletters.py",
+             "            if not any(found.get(job_id, (None, {}))[1].get(\"state\") == \"dead\" for job_id in ids):",
+             "            if True:",
+             ("tests/test_lost_answers.py", "-k", "did_nothing"),
+             "a replay sent twice whose first sending did nothing (a job replayed by another first) still says NotDead"),
 ]
 
 

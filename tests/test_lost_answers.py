@@ -15,6 +15,7 @@ import urllib.parse
 import pytest
 
 from supervisor.backends import open_broker
+from supervisor.errors import NotDead
 from supervisor.jobfilter import JobFilter
 from supervisor.model import NewJob
 
@@ -40,7 +41,7 @@ def reply_cut(redis_url):
     userinfo = parts.netloc.rpartition("@")[0]
     through = parts._replace(netloc=f"{userinfo + '@' if userinfo else ''}127.0.0.1:{cut.port}").geturl()
     client = open_broker(redis_url)
-    for name in ("claim", "ack_many", "dead", "enqueue_once"):  # loaded: the cut request runs, not a NOSCRIPT answer
+    for name in ("claim", "ack_many", "dead", "enqueue_once", "replay", "purge"):  # loaded: the cut request runs, not a NOSCRIPT answer
         client.r.script_load(scripts.sources()[name])
     yield cut, through, client
     client.close()
@@ -101,3 +102,41 @@ def test_enqueue_once_sent_again_after_its_answer_was_lost_returns_the_job_it_st
         assert job_id is not None and client.get(job_id).idempotency_key == "report:2026-12-03"
         assert b.enqueue_once(NewJob("t", {"n": 2}, idempotency_key="report:2026-12-03")) is None  # once, still
         assert len(client.search(JobFilter(type="t")).jobs) == 1
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("script", ["replay", "purge"])
+def test_a_dead_letter_replay_or_purge_sent_again_after_its_answer_was_lost_succeeds(reply_cut, script):
+    """The first sending replayed (purged) every job; the second finds them no longer dead. The
+    operator is told it worked (before: "job ... is queued, not dead", exit 1), and a real
+    ``NotDead`` (a job another operator replayed first, still dead ones left) is still raised."""
+    cut, through, client = reply_cut
+    ids = client.enqueue_many([NewJob("t", {"n": n}) for n in range(3)])
+    for job in client.claim(["default"], 3, 30.0, "me:1"):
+        client.dead(job.lease, "permanent", {"reason": "permanent"})
+    with open_broker(through) as b:
+        cut.cut_next(script_sha(script))
+        got = b.dlq_replay(ids) if script == "replay" else b.dlq_purge(ids)
+        assert cut.cut.is_set() and b.calls_resent == 1
+        if script == "replay":
+            assert got == ids and [client.get(i).state for i in ids] == ["queued"] * 3
+        else:
+            assert got == 3 and [client.get(i) for i in ids] == [None] * 3
+        with pytest.raises(NotDead):  # not resent: the plain answer
+            b.dlq_replay(ids[:1]) if script == "replay" else b.dlq_purge(ids[:1])
+
+
+@pytest.mark.services
+def test_a_replay_sent_again_that_did_nothing_still_reports_the_job_not_dead(reply_cut):
+    """Another operator replayed one job between the check and the script: the first sending
+    changed nothing (all or nothing) and its answer was lost. The second's "not dead" stands."""
+    cut, through, client = reply_cut
+    ids = client.enqueue_many([NewJob("t", {"n": n}) for n in range(2)])
+    for job in client.claim(["default"], 2, 30.0, "me:1"):
+        client.dead(job.lease, "permanent", {"reason": "permanent"})
+    client.dlq_replay(ids[:1])  # the other operator, after this one's check
+    with open_broker(through) as b:
+        cut.cut_next(script_sha("replay"))
+        with pytest.raises(NotDead):
+            b._run_dead("replay", "default", ids)
+        assert cut.cut.is_set() and b.calls_resent == 1 and client.get(ids[1]).state == "dead"

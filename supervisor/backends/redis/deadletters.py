@@ -57,12 +57,27 @@ class DeadLetters:
     @guard
     def dlq_replay(self, job_ids):
         for queue, ids in self._group_dead(job_ids).items():
-            check_script_reply(self._run("replay", queue, ids))
+            self._run_dead("replay", queue, ids)
         return list(job_ids)
 
     @guard
     def dlq_purge(self, job_ids):
         count = 0
         for queue, ids in self._group_dead(job_ids).items():
-            count += int(check_script_reply(self._run("purge", queue, ids))[1])
+            reply = self._run_dead("purge", queue, ids)
+            count += len(ids) if reply is None else int(reply[1])
         return count
+
+    def _run_dead(self, name, queue, ids):
+        """The replay or purge script's checked reply; None when it was sent twice (an answer lost)
+        and its second sending found a job no longer dead while none of them is dead now: every id
+        was dead a moment ago (``_group_dead``) and the script is all or nothing, so the first
+        sending did it all. (Had another operator's replay or purge come between, one would still
+        be dead: that answer stands.)"""
+        resent = self.calls_resent
+        reply = self._run(name, queue, ids)
+        if reply[0] == "notdead" and self.calls_resent != resent:
+            found = self._locator.find(ids)
+            if not any(found.get(job_id, (None, {}))[1].get("state") == "dead" for job_id in ids):
+                return None
+        return check_script_reply(reply)
