@@ -11,7 +11,7 @@ from supervisor.master import outcomes
 from supervisor.master.brokerlink import BrokerLink
 from supervisor.master.outcomes import OutcomeWriter
 from supervisor.metrics import Metrics
-from supervisor.model import ACK, DEAD, RETRY, Lease, NewJob, Outcome
+from supervisor.model import ACK, DEAD, RELEASE, RETRY, Lease, NewJob, Outcome
 
 from .util import wait_for
 
@@ -163,7 +163,7 @@ def test_while_the_broker_is_down_no_call_tries_it_before_its_next_try(w):
 
 
 # -- a write the broker refuses because an earlier sending of it landed ------------------------------------------
-@pytest.mark.parametrize("op", [ACK, RETRY, DEAD])
+@pytest.mark.parametrize("op", [ACK, RETRY, DEAD, RELEASE])
 def test_a_refused_write_that_an_earlier_sending_stored_counts_as_stored_and_a_taken_over_one_as_lost(
         broker_url, op):
     """The broker refuses both as stale. The first job holds this very write's outcome (its answer
@@ -174,7 +174,8 @@ def test_a_refused_write_that_an_earlier_sending_stored_counts_as_stored_and_a_t
                       on_down=lambda t: None, pid=0)
     stored, lost = [], []
     writer = OutcomeWriter(link, unhold=lambda lease: None, on_stored=stored.append, on_lost=lost.append)
-    outcome = Outcome(op, result=7) if op == ACK else Outcome(op, reason="exception", error_class="E", delay=60.0)
+    outcome = Outcome(op, result=7) if op in (ACK, RELEASE) else Outcome(op, reason="exception", error_class="E",
+                                                                          delay=60.0)
     try:
         with open_broker(broker_url) as broker:
             broker.migrate()

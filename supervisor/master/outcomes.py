@@ -35,7 +35,7 @@ HOST = socket.gethostname()  # once: a syscall per job otherwise
 STORED_EVENTS = {ACK: "acked", RETRY: "retry_stored", DEAD: "dead_stored", RELEASE: "released",
                  CANCELLED: "cancelled_stored"}
 # The history outcome each write closes its attempt with (a release drops the attempt instead).
-CLOSED_AS = {ACK: DONE, RETRY: "retry", DEAD: DEAD, CANCELLED: CANCELLED}
+CLOSED_AS = {ACK: DONE, RETRY: "retry", DEAD: DEAD, CANCELLED: CANCELLED, RELEASE: None}
 
 
 @dataclasses.dataclass(eq=False)
@@ -214,23 +214,29 @@ class OutcomeWriter:
         Most often someone else holds it now. But an earlier sending of this very write may
         have landed, its answer lost: a driver's resend after a cut connection (redis-py's
         one retry), a try that timed out after the server ran it. Then the job's last attempt
-        is this one (its number and owner) closed with this write's outcome: stored, not lost,
-        and nothing runs again. A lease that expired has that attempt closed ``lease_expired``.
+        is this one (its number and owner) closed with this write's outcome; after a release, that
+        attempt is gone from the history. Then it is stored, not lost, and nothing runs again. A
+        lease that expired has that attempt closed ``lease_expired``.
         """
-        closed_as = CLOSED_AS.get(write.op)
-        if closed_as is not None:
-            try:
-                job = self.link.call(lambda br: br.get(write.job.id), "get")
-            except BrokerError:
-                job = None
-            entry = job.history[-1] if job is not None and job.history else {}
-            if (entry.get("attempt") == write.job.attempt and entry.get("owner") == write.job.owner
-                    and entry.get("outcome") == closed_as):
-                log.info("outcome found stored by an earlier sending of the same write (its answer was lost)",
-                         extra=logs.job_fields(write.job, event="outcome_confirmed"))
-                self.stored(write)
-                return
+        if write.op in CLOSED_AS and self.landed(write):
+            log.info("outcome found stored by an earlier sending of the same write (its answer was lost)",
+                     extra=logs.job_fields(write.job, event="outcome_confirmed"))
+            self.stored(write)
+            return
         self.lost(write)
+
+    def landed(self, write):
+        try:
+            job = self.link.call(lambda br: br.get(write.job.id), "get")
+        except BrokerError:
+            return False
+        if job is None:
+            return False
+        ours = [e for e in job.history if isinstance(e, dict) and e.get("attempt") == write.job.attempt
+                and e.get("owner") == write.job.owner]
+        if write.op == RELEASE:
+            return not ours
+        return bool(ours) and ours[-1] is job.history[-1] and ours[-1].get("outcome") == CLOSED_AS[write.op]
 
     def lost(self, write):
         self.on_lost(write.job)
