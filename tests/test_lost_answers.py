@@ -82,7 +82,8 @@ def test_an_outcome_write_sent_again_after_its_answer_was_lost_is_stored_not_a_l
         wait_for(lambda: d.records(event="outcome_confirmed") or d.records(event="lease_lost"), timeout=10,
                  message="the second sending's answer handled")
         assert d.status()["counters"]["lease_lost"] == 0 and not d.records(event="lease_lost")
-        assert {r["job_id"] for r in d.records(event="outcome_confirmed")} <= set(ids)
+        confirmed = {r["job_id"] for r in d.records(event="outcome_confirmed")}
+        assert confirmed and confirmed <= set(ids)
         assert all(ran(db, i) == 1 for i in ids)
         d.signal(signal.SIGTERM)
         assert d.wait_exit() == 0

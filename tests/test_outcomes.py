@@ -166,30 +166,45 @@ def test_while_the_broker_is_down_no_call_tries_it_before_its_next_try(w):
 @pytest.mark.parametrize("op", [ACK, RETRY, DEAD, RELEASE])
 def test_a_refused_write_that_an_earlier_sending_stored_counts_as_stored_and_a_taken_over_one_as_lost(
         broker_url, op):
-    """The broker refuses both as stale. The first job holds this very write's outcome (its answer
-    was lost, the write sent again): stored. The second was taken over by owner "b" after its lease
-    expired, and b stored the same outcome for its own attempt: ours is lost. Every broker's history
-    names each attempt's number and owner, which tell the two apart."""
+    """The broker refuses all three as stale. ``landed`` holds this very write's outcome (its
+    answer was lost, the write sent again): stored, even though the job, due again after a retry
+    or a release, was claimed anew before the second answer (by this master, or by another).
+    ``taken`` was taken over by owner "b" after its lease expired, and b stored the same outcome;
+    ``retaken`` by this same owner under a new attempt, which stored it too: both are lost. Every
+    broker's history names each attempt's number and owner, which tell them apart."""
     link = BrokerLink(broker_url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda: None,
                       on_down=lambda t: None, pid=0)
     stored, lost = [], []
     writer = OutcomeWriter(link, unhold=lambda lease: None, on_stored=stored.append, on_lost=lost.append)
     outcome = Outcome(op, result=7) if op in (ACK, RELEASE) else Outcome(op, reason="exception", error_class="E",
                                                                           delay=60.0)
+
+    def store(broker, job, delay=60.0):
+        outcomes.Write(job, op, result=outcome.result, info={"pid": 1}, reason=outcome.reason,
+                       error={"reason": "exception"}, delay=delay).apply(broker)
+
+    def expired_and_reclaimed(broker, owner):
+        broker.enqueue(NewJob("t", {}))  # one at a time: each claim below can take only the job meant
+        job = broker.claim(["default"], 1, 0.05, "a")[0]
+        again = wait_for(lambda: broker.claim(["default"], 1, 30.0, owner), timeout=10, message="the lease retaken")
+        assert again[0].id == job.id and again[0].attempt == job.attempt + 1
+        return job, again[0]
+
     try:
         with open_broker(broker_url) as broker:
             broker.migrate()
-            broker.enqueue_many([NewJob("t", {"n": i}) for i in range(2)])
+            broker.enqueue(NewJob("t", {}))
             landed = broker.claim(["default"], 1, 30.0, "a")[0]
-            taken = broker.claim(["default"], 1, 0.05, "a")[0]
-            again = wait_for(lambda: broker.claim(["default"], 1, 30.0, "b"), timeout=10,
-                             message="the expired lease retaken")[0]
-            for job in (landed, again):  # what the first sending stored (its answer lost); and b's own outcome
-                outcomes.Write(job, op, result=outcome.result, info={"pid": 1}, reason=outcome.reason,
-                               error={"reason": "exception"}, delay=60.0).apply(broker)
-        for job in (landed, taken):
+            store(broker, landed, delay=0.0)  # what the first sending stored, its answer lost
+            if op in (RETRY, RELEASE):  # due again at once: claimed anew before the second sending's answer
+                anew = broker.claim(["default"], 1, 30.0, "a" if op == RETRY else "b")
+                assert [j.id for j in anew] == [landed.id]
+            (taken, by_b), (retaken, by_a) = expired_and_reclaimed(broker, "b"), expired_and_reclaimed(broker, "a")
+            for job in (by_b, by_a):  # each new attempt stores the same outcome as ours
+                store(broker, job)
+        for job in (landed, taken, retaken):
             writer.add(job, outcome, {"pid": 1})
-        wait_for(lambda: writer.flush() or not len(writer), timeout=10, message="both writes answered")
-        assert [w.job.id for w in stored] == [landed.id] and [job.id for job in lost] == [taken.id]
+        wait_for(lambda: writer.flush() or not len(writer), timeout=10, message="the writes answered")
+        assert [w.job.id for w in stored] == [landed.id] and [job.id for job in lost] == [taken.id, retaken.id]
     finally:
         link.drop()

@@ -213,10 +213,11 @@ class OutcomeWriter:
 
         Most often someone else holds it now. But an earlier sending of this very write may
         have landed, its answer lost: a driver's resend after a cut connection (redis-py's
-        one retry), a try that timed out after the server ran it. Then the job's last attempt
-        is this one (its number and owner) closed with this write's outcome; after a release, that
-        attempt is gone from the history. Then it is stored, not lost, and nothing runs again. A
-        lease that expired has that attempt closed ``lease_expired``.
+        one retry), a try that timed out after the server ran it. Then the job's history holds
+        this attempt (its number and owner) closed with this write's outcome, as the latest entry
+        of it (a retried job may run again by now); after a release, that attempt is gone from
+        it. Then it is stored, not lost, and nothing runs again. A lease that expired has that
+        attempt closed ``lease_expired``.
         """
         if write.op in CLOSED_AS and self.landed(write):
             log.info("outcome found stored by an earlier sending of the same write (its answer was lost)",
@@ -236,7 +237,8 @@ class OutcomeWriter:
                 and e.get("owner") == write.job.owner]
         if write.op == RELEASE:
             return not ours
-        return bool(ours) and ours[-1] is job.history[-1] and ours[-1].get("outcome") == CLOSED_AS[write.op]
+        # Its latest entry, wherever it stands: a retried job may be running again by now.
+        return bool(ours) and ours[-1].get("outcome") == CLOSED_AS[write.op]
 
     def lost(self, write):
         self.on_lost(write.job)
