@@ -6,7 +6,7 @@ client never hears of it. redis-py then sends the command once more on a new
 connection (its one retry), so the broker runs it twice; a write the master
 retries after a timeout may have landed too. A relay in front of a real Redis
 (``tests/replycut.py``) cuts exactly one answer. The claim's case (its first
-run's jobs, leased and unseen) is in ``test_orphans.py``.
+run's jobs, leased and unseen, found and released by the supervisor) is in ``test_orphans.py``.
 """
 import hashlib
 import signal
@@ -106,6 +106,21 @@ def test_enqueue_once_sent_again_after_its_answer_was_lost_returns_the_job_it_st
 
 
 @pytest.mark.services
+def test_enqueue_once_of_a_chosen_id_sent_again_tells_its_own_job_from_an_earlier_calls(reply_cut):
+    """A caller that chooses the id: the job an earlier call stored under the same id and key is
+    not this call's (None, as without a cut); the one this call's first sending stored is."""
+    cut, through, client = reply_cut
+    with open_broker(through) as b:
+        assert b.enqueue_once(NewJob("t", {}, id="fixed-1", idempotency_key="K1")) == "fixed-1"
+        cut.cut_next(script_sha("enqueue_once"))
+        assert b.enqueue_once(NewJob("t", {}, id="fixed-1", idempotency_key="K1")) is None
+        assert cut.cut.is_set() and b.calls_resent == 1
+        cut.cut_next(script_sha("enqueue_once"))
+        assert b.enqueue_once(NewJob("t", {}, id="fixed-2", idempotency_key="K2")) == "fixed-2"
+        assert b.calls_resent == 2
+
+
+@pytest.mark.services
 @pytest.mark.parametrize("script", ["replay", "purge"])
 def test_a_dead_letter_replay_or_purge_sent_again_after_its_answer_was_lost_succeeds(reply_cut, script):
     """The first sending replayed (purged) every job; the second finds them no longer dead. The
@@ -123,21 +138,25 @@ def test_a_dead_letter_replay_or_purge_sent_again_after_its_answer_was_lost_succ
             assert got == ids and [client.get(i).state for i in ids] == ["queued"] * 3
         else:
             assert got == 3 and [client.get(i) for i in ids] == [None] * 3
-        with pytest.raises(NotDead):  # not resent: the plain answer
-            b.dlq_replay(ids[:1]) if script == "replay" else b.dlq_purge(ids[:1])
+        with pytest.raises(NotDead):  # the same answer, not resent: it stands
+            b._run_dead(script, "default", ids)
 
 
 @pytest.mark.services
-def test_a_replay_sent_again_that_did_nothing_still_reports_the_job_not_dead(reply_cut):
-    """Another operator replayed one job between the check and the script: the first sending
-    changed nothing (all or nothing) and its answer was lost. The second's "not dead" stands."""
+@pytest.mark.parametrize("script, other", [("replay", "replay one"), ("purge", "purge one"), ("replay", "purge all")])
+def test_a_dead_letter_call_sent_again_that_did_nothing_still_reports_not_dead(reply_cut, script, other):
+    """Another operator acted between this call's check and its script: the first sending changed
+    nothing (all or nothing) and its answer was lost. The second's "not dead" stands, unless every
+    job is now as this call asked (replayed: there, not dead; purged: gone); jobs purged by someone
+    else were not replayed."""
     cut, through, client = reply_cut
     ids = client.enqueue_many([NewJob("t", {"n": n}) for n in range(2)])
     for job in client.claim(["default"], 2, 30.0, "me:1"):
         client.dead(job.lease, "permanent", {"reason": "permanent"})
-    client.dlq_replay(ids[:1])  # the other operator, after this one's check
+    action, which = other.split()
+    (client.dlq_replay if action == "replay" else client.dlq_purge)(ids[:1] if which == "one" else ids)
     with open_broker(through) as b:
-        cut.cut_next(script_sha("replay"))
+        cut.cut_next(script_sha(script))
         with pytest.raises(NotDead):
-            b._run_dead("replay", "default", ids)
-        assert cut.cut.is_set() and b.calls_resent == 1 and client.get(ids[1]).state == "dead"
+            b._run_dead(script, "default", ids)
+        assert cut.cut.is_set() and b.calls_resent == 1

@@ -163,9 +163,12 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         if got[0]:
             return got[0][0]
         if self.calls_resent != resent:
-            # Sent twice (an answer lost): the key may be taken by this very job, stored by the first sending.
+            # Sent twice (an answer lost): the key may be taken by this very job, stored by the first
+            # sending. Its trace id tells it from a job an earlier call stored under an id the caller
+            # chose again (each NewJob draws its own, unless the caller passes one).
             stored = self.get(job.id)
-            if stored is not None and stored.idempotency_key == job.idempotency_key:
+            if (stored is not None and stored.idempotency_key == job.idempotency_key
+                    and stored.trace_id == job.trace_id):
                 return job.id
         return None
 

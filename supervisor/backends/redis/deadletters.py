@@ -70,14 +70,19 @@ class DeadLetters:
 
     def _run_dead(self, name, queue, ids):
         """The replay or purge script's checked reply; None when it was sent twice (an answer lost)
-        and its second sending found a job no longer dead while none of them is dead now: every id
-        was dead a moment ago (``_group_dead``) and the script is all or nothing, so the first
-        sending did it all. (Had another operator's replay or purge come between, one would still
-        be dead: that answer stands.)"""
+        and its second sending found a job no longer dead, while every job now is what the call
+        asked for (replayed: there and not dead; purged: gone). Every id was dead a moment ago
+        (``_group_dead``) and the script is all or nothing, so the first sending did it all, or
+        another operator did the same to every one in between: the jobs are as asked either way
+        (a purge then counts them as its own). Any other state: the "not dead" answer stands."""
         resent = self.calls_resent
         reply = self._run(name, queue, ids)
         if reply[0] == "notdead" and self.calls_resent != resent:
             found = self._locator.find(ids)
-            if not any(found.get(job_id, (None, {}))[1].get("state") == "dead" for job_id in ids):
+            if name == "purge":
+                done = not any(job_id in found for job_id in ids)
+            else:
+                done = all(job_id in found and found[job_id][1].get("state") != "dead" for job_id in ids)
+            if done:
                 return None
         return check_script_reply(reply)
