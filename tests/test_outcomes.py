@@ -204,7 +204,24 @@ def test_a_refused_write_that_an_earlier_sending_stored_counts_as_stored_and_a_t
                 store(broker, job)
         for job in (landed, taken, retaken):
             writer.add(job, outcome, {"pid": 1})
+        for write in [*writer.acks, *writer.writes]:  # each tried once before (a timeout): that try may have landed
+            (writer.acks if write in writer.acks else writer.writes).remove(write)
+            writer.failed(write, BrokerError("timed out"), time.monotonic() - 60)
         wait_for(lambda: writer.flush() or not len(writer), timeout=10, message="the writes answered")
         assert [w.job.id for w in stored] == [landed.id] and [job.id for job in lost] == [taken.id, retaken.id]
     finally:
         link.drop()
+
+
+def test_a_refused_write_sent_only_once_is_lost_without_a_look(w):
+    """Sent once and refused: it cannot have landed before. No read of the job (after an outage
+    that expired many leases, one each would hold the loop for nothing)."""
+    job = claimed(w.url, 1, lease=0.01)[0]
+    with open_broker(w.url) as broker:
+        wait_for(lambda: broker.claim(["default"], 1, 30, "b"), timeout=10, message="the reclaim")
+    calls = []
+    real = w.link.call
+    w.link.call = lambda fn, what: calls.append(what) or real(fn, what)
+    w.writer.add(job, Outcome(ACK, result=1), {})
+    wait_for(lambda: w.writer.flush() or not len(w.writer), timeout=10, message="the ack answered")
+    assert [j.id for j in w.lost] == [job.id] and w.stored == [] and calls == [ACK]

@@ -76,6 +76,20 @@ def attempt_info(child=None, reply=None):
     return info
 
 
+class Sendings:
+    """``fn(broker)`` for ``BrokerLink.call``, noting whether the driver sent it twice (``twice``)."""
+
+    def __init__(self, fn):
+        self.fn, self.twice = fn, False
+
+    def __call__(self, broker):
+        before = broker.calls_resent
+        try:
+            return self.fn(broker)
+        finally:
+            self.twice = broker.calls_resent != before
+
+
 class OutcomeWriter:
     def __init__(self, link, unhold, on_stored, on_lost):
         self.link = link  # BrokerLink
@@ -156,10 +170,12 @@ class OutcomeWriter:
             # Stop renewing before the write: a renewal racing a stored outcome would find
             # the job finished and report its lease lost.
             self.stop_renewing(write.job)
+            sent = Sendings(write.apply)
             try:
-                self.link.call(write.apply, write.op)
+                self.link.call(sent, write.op)
             except LeaseLost:
-                self.refused(write)
+                # Sent before (a try that failed) or twice (the driver's resend): that may have landed.
+                self.refused(write, sent_before=write.tries > 0 or sent.twice)
             except BrokerError as exc:
                 self.failed(write, exc, now)
                 if self.stopping:
@@ -179,8 +195,9 @@ class OutcomeWriter:
         """Every due ack in one ``ack_many``: one round trip (one commit on SQLite) per loop turn."""
         for write in acks:
             self.stop_renewing(write.job)  # before the write, as in flush
+        sent = Sendings(lambda br: br.ack_many([(w.job.lease, w.result, w.info) for w in acks]))
         try:
-            lost = self.link.call(lambda br: br.ack_many([(w.job.lease, w.result, w.info) for w in acks]), ACK)
+            lost = self.link.call(sent, ACK)
         except BrokerError as exc:
             for write in acks:
                 self.failed(write, exc, now)
@@ -188,7 +205,7 @@ class OutcomeWriter:
         lost = {(lease.job_id, lease.token) for lease in lost}
         for write in acks:
             if (write.job.id, write.job.token) in lost:
-                self.refused(write)
+                self.refused(write, sent_before=sent.twice)  # first tries, all of them
             else:
                 self.stored(write)
 
@@ -208,18 +225,20 @@ class OutcomeWriter:
         write.next_at = now + backoff(write.tries + 1, 0.1, 10.0, jitter=0.5)
         self.writes.append(write)
 
-    def refused(self, write):
+    def refused(self, write, sent_before):
         """The broker refused ``write``: the job is not running under its lease any more.
 
-        Most often someone else holds it now. But an earlier sending of this very write may
-        have landed, its answer lost: a driver's resend after a cut connection (redis-py's
-        one retry), a try that timed out after the server ran it. Then the job's history holds
-        this attempt (its number and owner) closed with this write's outcome, as the latest entry
-        of it (a retried job may run again by now); after a release, that attempt is gone from
-        it. Then it is stored, not lost, and nothing runs again. A lease that expired has that
-        attempt closed ``lease_expired``.
+        Most often someone else holds it now. But when it was ``sent_before``, an earlier
+        sending of this very write may have landed, its answer lost: a driver's resend after a
+        cut connection (redis-py's one retry), a try that timed out after the server ran it.
+        Then the job's history holds this attempt (its number and owner) closed with this
+        write's outcome, as the latest entry of it (a retried job may run again by now); after
+        a release, that attempt is gone from it. Then it is stored, not lost, and nothing runs
+        again. A lease that expired has that attempt closed ``lease_expired``. A write sent
+        once is not looked up: after an outage that expired many leases, a read each would
+        hold the loop for nothing.
         """
-        if write.op in CLOSED_AS and self.landed(write):
+        if sent_before and write.op in CLOSED_AS and self.landed(write):
             log.info("outcome found stored by an earlier sending of the same write (its answer was lost)",
                      extra=logs.job_fields(write.job, event="outcome_confirmed"))
             self.stored(write)
