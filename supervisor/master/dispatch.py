@@ -16,6 +16,7 @@ import time
 from .. import logs, registry
 from ..errors import BrokerError
 from ..retry import backoff
+from .brokerlink import Sendings
 
 log = logging.getLogger("tangguh.arbiter")
 
@@ -89,12 +90,15 @@ class Dispatcher:
         queues = [q for q in b.queues if q not in self.paused]
         tried = not self.link.deferring(now)  # else the call fails without a word to the broker
         try:
-            jobs, expired, resent = self.link.call(lambda br: self._claim_on(br, queues, want), "claim")
+            # take_expired reads what this claim ended ``expired``: no round trip of its own.
+            sent = Sendings(lambda br: (br.claim(queues, want, b.lease_seconds, self.owner, self.limits) if queues
+                                        else [], br.take_expired()))
+            jobs, expired = self.link.call(sent, "claim")
         except BrokerError:
             if tried and queues:
                 self.on_unanswered(queues)
             return
-        if resent:  # its first sending may have leased jobs too, which we never saw
+        if sent.twice:  # its first sending may have leased jobs too, which we never saw
             self.on_unanswered(queues)
         for _job_id, job_type in expired:
             self.on_expired(job_type)
@@ -117,16 +121,6 @@ class Dispatcher:
             self.empty_polls += 1
             self.next_claim_at = now + backoff(self.empty_claims + 1, 0.005, self.cfg.supervisor.poll_interval,
                                                jitter=0.25)
-
-    def _claim_on(self, broker, queues, want):
-        """(jobs, what the claim ended ``expired``, whether the driver sent the claim twice)."""
-        if not queues:
-            return [], broker.take_expired(), False
-        resent = broker.calls_resent
-        b = self.cfg.broker
-        jobs = broker.claim(queues, want, b.lease_seconds, self.owner, self.limits)
-        # take_expired reads what this claim ended ``expired``: no round trip of its own.
-        return jobs, broker.take_expired(), broker.calls_resent != resent
 
     def dispatch(self):
         """Hand prefetched jobs to free children, oldest first; give back what may not wait here.

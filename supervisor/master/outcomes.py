@@ -24,6 +24,7 @@ from .. import logs
 from ..errors import BrokerError, LeaseLost
 from ..model import ACK, CANCELLED, DEAD, DONE, DROP, RELEASE, RETRY, error_info
 from ..retry import backoff
+from .brokerlink import Sendings
 
 log = logging.getLogger("tangguh.arbiter")
 
@@ -74,20 +75,6 @@ def attempt_info(child=None, reply=None):
     if reply and "duration" in reply:
         info["duration"] = round(reply["duration"], 6)
     return info
-
-
-class Sendings:
-    """``fn(broker)`` for ``BrokerLink.call``, noting whether the driver sent it twice (``twice``)."""
-
-    def __init__(self, fn):
-        self.fn, self.twice = fn, False
-
-    def __call__(self, broker):
-        before = broker.calls_resent
-        try:
-            return self.fn(broker)
-        finally:
-            self.twice = broker.calls_resent != before
 
 
 class OutcomeWriter:
