@@ -352,3 +352,18 @@ def open_broker(url) -> Broker:
     if urls.problem(url):
         raise BrokerUnusable(f"broker URL {urls.redact(url)}: {urls.problem(url)}")
     return getattr(importlib.import_module(module_name), class_name)(url)
+
+
+class Sendings:
+    """``fn(broker)``, noting whether the driver sent it twice (``twice``): its first sending may
+    have run on the server, its answer lost (``Broker.calls_resent``)."""
+
+    def __init__(self, fn):
+        self.fn, self.twice = fn, False
+
+    def __call__(self, broker):
+        before = broker.calls_resent
+        try:
+            return self.fn(broker)
+        finally:
+            self.twice = broker.calls_resent != before

@@ -30,21 +30,6 @@ log = logging.getLogger("tangguh.arbiter")
 WRITE_OPS = ("ack", "retry", "dead", "release", "cancelled")
 
 
-class Sendings:
-    """``fn(broker)`` for ``BrokerLink.call``, noting whether the driver sent it twice (``twice``):
-    its first sending may have run on the server, its answer lost (``Broker.calls_resent``)."""
-
-    def __init__(self, fn):
-        self.fn, self.twice = fn, False
-
-    def __call__(self, broker):
-        before = broker.calls_resent
-        try:
-            return self.fn(broker)
-        finally:
-            self.twice = broker.calls_resent != before
-
-
 class BrokerLink:
     def __init__(self, url, migrate, selector, metrics, on_wakeup, on_down, pid):
         self.url, self.migrate = url, migrate

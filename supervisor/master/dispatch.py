@@ -14,9 +14,9 @@ import logging
 import time
 
 from .. import logs, registry
+from ..backends.base import Sendings
 from ..errors import BrokerError
 from ..retry import backoff
-from .brokerlink import Sendings
 
 log = logging.getLogger("tangguh.arbiter")
 

@@ -21,10 +21,10 @@ import socket
 import time
 
 from .. import logs
+from ..backends.base import Sendings
 from ..errors import BrokerError, LeaseLost
 from ..model import ACK, CANCELLED, DEAD, DONE, DROP, RELEASE, RETRY, error_info
 from ..retry import backoff
-from .brokerlink import Sendings
 
 log = logging.getLogger("tangguh.arbiter")
 

@@ -162,15 +162,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
                              confirm=True)
         if got[0]:
             return got[0][0]
-        if self.calls_resent != resent:
-            # Sent twice (an answer lost): the key may be taken by this very job, stored by the first
-            # sending. Its trace id tells it from a job an earlier call stored under an id the caller
-            # chose again (each NewJob draws its own, unless the caller passes one).
-            stored = self.get(job.id)
-            if (stored is not None and stored.idempotency_key == job.idempotency_key
-                    and stored.trace_id == job.trace_id):
-                return job.id
-        return None
+        return job.id if self.calls_resent != resent and self._stored_by_first_sending(job) else None
 
     def _check_chosen_ids(self, jobs):
         """An id the caller chose may not name a job of another queue. Each queue's keys stand

@@ -62,6 +62,14 @@ class OnceRecords:
         queue = self._once_script("owner", OWNER)(keys=self._once_keys(), args=args, client=self.r)
         return job if queue == job.queue else dataclasses.replace(job, queue=queue)
 
+    def _stored_by_first_sending(self, job):
+        """An ``enqueue_once`` sent twice (an answer lost) found its key taken: by this very job,
+        stored by the first sending? Its trace id tells it from a job an earlier call stored under
+        an id the caller chose again (each ``NewJob`` draws its own, unless the caller passes one)."""
+        stored = self.get(job.id)
+        return (stored is not None and stored.idempotency_key == job.idempotency_key
+                and stored.trace_id == job.trace_id)
+
     def _forget_once(self, cutoff_us):
         while self._once_script("forget", FORGET)(keys=self._once_keys(), args=[cutoff_us, FORGET_BATCH],
                                                   client=self.r) >= FORGET_BATCH:
