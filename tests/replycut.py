@@ -43,48 +43,42 @@ class ReplyCut:
             server = socket.create_connection(self.upstream)
             self.sockets += [client, server]
             doomed = threading.Event()  # this connection's next reply is to be lost
-            threading.Thread(target=self._requests, args=(client, server, doomed), daemon=True).start()
-            threading.Thread(target=self._replies, args=(server, client, doomed), daemon=True).start()
+            threading.Thread(target=_pump, args=(client, server, lambda data: self._request(data, doomed)),
+                             daemon=True).start()
+            threading.Thread(target=_pump, args=(server, client, lambda data: self._reply(doomed)),
+                             daemon=True).start()
 
-    def _requests(self, client, server, doomed):
-        while True:
-            try:
-                data = client.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                _close(server)
-                return
-            with self.lock:
-                if self.marker is not None and self.marker in data:
-                    self.marker = None
-                    doomed.set()  # before the server can answer: the reply pump sees it
-            try:
-                server.sendall(data)
-            except OSError:
-                _close(client)
-                return
+    def _request(self, data, doomed):
+        """A request on its way: the armed marker dooms this connection's next reply."""
+        with self.lock:
+            if self.marker is not None and self.marker in data:
+                self.marker = None
+                doomed.set()  # before the server can answer: the reply pump sees it
+        return True
 
-    def _replies(self, server, client, doomed):
-        while True:
-            try:
-                data = server.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                _close(client)
-                return
-            if doomed.is_set():
-                # The server ran the request (this is its answer): the client never hears of it.
-                _close(client)
-                _close(server)
-                self.cut.set()
-                return
-            try:
-                client.sendall(data)
-            except OSError:
-                _close(server)
-                return
+    def _reply(self, doomed):
+        """A reply on its way: relayed, unless the connection is doomed (the server ran the request)."""
+        if doomed.is_set():
+            self.cut.set()
+            return False  # the client never hears of it
+        return True
+
+
+def _pump(src, dst, relay):
+    """Copy ``src`` to ``dst`` while ``relay(data)`` says so; then close both ends."""
+    while True:
+        try:
+            data = src.recv(65536)
+        except OSError:
+            data = b""
+        if not data or not relay(data):
+            break
+        try:
+            dst.sendall(data)
+        except OSError:
+            break
+    _close(src)
+    _close(dst)
 
 
 def _close(s):
