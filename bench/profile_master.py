@@ -17,6 +17,7 @@ import collections
 import json
 import os
 import pstats
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +55,7 @@ def main(argv=None):
     ap.add_argument("--sort", default="tottime", help="pstats order: tottime, cumulative, ncalls")
     ap.add_argument("--no-profile", action="store_true", help="only the master's CPU per job, no cProfile")
     ap.add_argument("--events", action="store_true", help="log at debug and count the master's events per kind")
+    ap.add_argument("--keep-log", metavar="PATH", help="copy the master's log there")
     ap.add_argument("--save", metavar="PATH", help="keep the profile there (for pstats' callers and callees)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,6 +101,8 @@ def main(argv=None):
             # What the 25 µs target is about: the job path, without start-up and the last idle polls.
             print(f"  steady state (from {marks[0][0]} to {marks[1][0]} jobs done): master CPU "
                   f"{(marks[1][1] - marks[0][1]) / (marks[1][0] - marks[0][0]) * 1e6:.0f} µs/job")
+        if args.keep_log:
+            shutil.copyfile(os.path.join(tmp, "master.log"), args.keep_log)
         if args.events:
             counts = collections.Counter()
             with open(os.path.join(tmp, "master.log")) as f:

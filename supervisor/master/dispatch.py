@@ -202,16 +202,17 @@ class Dispatcher:
         return batch
 
     def surplus(self):
-        """Hand back the waiting jobs beyond their type's prefetch (a long type: all of them).
+        """Hand back the waiting jobs beyond what their type may keep (a long type: all of them).
 
         A sibling supervisor with an idle child claims them at once; here they
-        would wait behind the running jobs.
+        would wait behind the running jobs. A short type keeps a band above its
+        prefetch (``Prefetch.keep``): handing back costs a round trip a job.
         """
         kept, room = collections.deque(), {}  # job type -> how many more of it may wait here
         for job, settings in self.prefetched:
             left = room.get(job.type)
             if left is None:
-                left = self.prefetch.for_type(job.type)
+                left = self.prefetch.keep(job.type)
             room[job.type] = left - 1
             if left > 0:
                 kept.append((job, settings))

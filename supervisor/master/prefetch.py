@@ -19,6 +19,11 @@ REFILL = BATCH // 2  # a busy child with fewer short jobs queued than this gets 
 # One run longer than this stops batching to its child: an outlier of a short type (its
 # average is what makes it batchable), kept above a scheduler hiccup or a GC pause.
 LONG_RUN = WAIT_BUDGET / 8
+# A claimed job of a short type is handed back only beyond this many times its type's prefetch.
+# The average moves with every run (a scheduler's hiccup makes a no-op run for milliseconds), and
+# each job handed back costs a broker round trip and a claim: without the band, a busy 2-core
+# machine handed back 4 % of its no-op jobs, a fifth of the master's time (bench/README.md).
+KEEP = 4
 # Most bytes of one type's jobs waiting prefetched (as measured in the messages to the children):
 # a job waits decoded, several times its size, so a type with large payloads gets fewer.
 BYTES = 8 * 2**20
@@ -68,13 +73,26 @@ class Prefetch:
         ``WAIT_BUDGET`` and not more than ``BYTES`` of them (a pinned number is the operator's)."""
         if not self.auto:
             return self.pinned
+        return min(self._by_time(job_type), self._by_bytes(job_type))
+
+    def keep(self, job_type):
+        """Jobs of ``job_type`` that, once claimed, may stay prefetched: ``KEEP`` times as many as
+        ``for_type`` by run time (a band, so that a noisy average does not hand jobs back and
+        forth; a long type still keeps none), never more than ``BYTES`` of them."""
+        if not self.auto:
+            return self.pinned
+        return min(KEEP * self._by_time(job_type), self._by_bytes(job_type))
+
+    def _by_time(self, job_type):
         average = self.averages.get(job_type)
         if average is None:
             return 0  # not measured yet: run it first, prefetch once its run time is known
         most = PER_CHILD * self.workers
-        count = most if average <= 0 else min(most, int(WAIT_BUDGET * self.workers / average))
+        return most if average <= 0 else min(most, int(WAIT_BUDGET * self.workers / average))
+
+    def _by_bytes(self, job_type):
         size = self.sizes.get(job_type)
-        return count if not size else min(count, int(BYTES / size))
+        return int(BYTES / size) if size else PER_CHILD * self.workers
 
     def batchable(self, job_type):
         """Whether jobs of ``job_type`` may share a message to a child: a whole batch of
