@@ -17,8 +17,11 @@ machine compare the ratios, not the absolute figures.
 Prints a Markdown table: per broker, each side's median, B / A of the medians
 and the range of B / A over the rounds (each round runs A and B back to back),
 for the jobs/s and for the master's CPU per job (user + system, start-up
-included; less sensitive to other load than wall time). ``--json`` writes every
-figure after every round.
+included; less sensitive to other load than wall time); on Redis also the
+script calls per 1,000 jobs (``INFO commandstats``, the enqueue's included): a
+count, not a time, so the noise of a shared machine does not blur it, though
+another client of the same server running scripts meanwhile would. ``--json``
+writes every figure after every round.
 """
 import argparse
 import json
@@ -29,6 +32,7 @@ import sys
 import time
 
 import psutil
+import redis
 
 from bench import run
 from bench.trees import ab_rounds, broker_list
@@ -69,17 +73,27 @@ def daemon(tmp, broker, tree):
     return fw
 
 
+def script_calls():
+    """Script calls the bench's Redis server has run since it started (``EVALSHA`` and ``EVAL``)."""
+    stats = redis.Redis.from_url(run.REDIS).info("commandstats")
+    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+
+
 def one_round(fw, ev, settings):
-    """(jobs/s, the master's CPU µs per job, whether every job ran within the scenario's bound) of one run.
+    """(jobs/s, the master's CPU µs per job, script calls per 1,000 jobs or None, whether every
+    job ran within the scenario's bound) of one run.
 
     As in ``python -m bench``, a run cut off by the bound is measured on what it ran."""
+    before = script_calls() if fw.broker == "redis" else None
     try:
         result = run.scenario_throughput(fw, ev, settings)
     finally:
         fw.cleanup()
     if not result.get("jobs_per_s") or fw.master_cpu is None:
         raise SystemExit(f"{fw.name}: no measure ({result}; master CPU {fw.master_cpu})")
-    return result["jobs_per_s"], round(fw.master_cpu * 1e6 / result["jobs"]), bool(result.get("complete"))
+    calls = None if before is None else round((script_calls() - before) * 1000 / result["jobs"], 1)
+    return (result["jobs_per_s"], round(fw.master_cpu * 1e6 / result["jobs"]), calls,
+            bool(result.get("complete")))
 
 
 def main(argv=None):
@@ -104,14 +118,19 @@ def main(argv=None):
     for trees, figures, sides, tmp in ab_rounds({"A": args.rev, "B": args.against}, "throughput-ab", brokers,
                                                 args.rounds, ev):
         for side in sides:
-            figures[side], figures[f"{side}_cpu_us"], complete = one_round(
+            figures[side], figures[f"{side}_cpu_us"], calls, complete = one_round(
                 daemon(tmp, figures["broker"], trees[side][0]), ev, settings)
+            if calls is not None:
+                figures[f"{side}_calls_per_1000"] = calls
             if not complete:
                 figures.setdefault("cut_off", []).append(side)
         rounds.append(figures)
         cut = f"  cut off: {', '.join(figures['cut_off'])}" if "cut_off" in figures else ""
+        calls = (f", scripts {figures['A_calls_per_1000']} / {figures['B_calls_per_1000']} per 1,000 jobs"
+                 if "A_calls_per_1000" in figures else "")
         print(f"  {figures['broker']} round {figures['round']}: A {figures['A']:,.0f}  B {figures['B']:,.0f} jobs/s,"
-              f" master {figures['A_cpu_us']} / {figures['B_cpu_us']} µs/job  (load {figures['loadavg']:.1f}){cut}",
+              f" master {figures['A_cpu_us']} / {figures['B_cpu_us']} µs/job{calls}"
+              f"  (load {figures['loadavg']:.1f}){cut}",
               file=sys.stderr, flush=True)
         if args.json:  # after every round: an interrupted run keeps what it measured
             write_json(args.json, trees, args.jobs, rounds)
@@ -120,7 +139,10 @@ def main(argv=None):
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for broker in brokers:
         mine = [f for f in rounds if f["broker"] == broker]
-        for measure, a_key, b_key in (("jobs/s", "A", "B"), ("master CPU µs/job", "A_cpu_us", "B_cpu_us")):
+        for measure, a_key, b_key in (("jobs/s", "A", "B"), ("master CPU µs/job", "A_cpu_us", "B_cpu_us"),
+                                      ("script calls per 1,000 jobs", "A_calls_per_1000", "B_calls_per_1000")):
+            if a_key not in mine[0]:
+                continue  # calls: Redis only
             a, b = statistics.median(f[a_key] for f in mine), statistics.median(f[b_key] for f in mine)
             ratios = [f[b_key] / f[a_key] for f in mine]
             print(f"| {broker} | {measure} | {a:,.0f} | {b:,.0f} | {b / a:.2f} | {min(ratios):.2f} – {max(ratios):.2f}"

@@ -34,20 +34,30 @@ def test_auto_prefetch_follows_each_types_run_time():
         True, False, False)
 
 
+def dispatcher(types, give_back, pool=None):
+    """A dispatcher of 2 children over ``pool`` (none: ``surplus`` alone needs none)."""
+    cfg = config.from_dict({"supervisor": {"workers": 2}, "broker": {"prefetch": "auto"}})
+    return Dispatcher(cfg, dict.fromkeys(types), "host:1:ab", link=None, pool=pool, prefetch=Prefetch("auto", 2),
+                      hold=None, settings_for=None, on_claimed=None, on_unknown=None, on_expired=None,
+                      give_back=give_back)
+
+
+def job_of(job_type, n):
+    return Job(id=f"{job_type}-{n}", type=job_type, queue="default", payload={})
+
+
 def test_a_short_types_hiccup_hands_no_prefetched_job_back():
     """A short type's average moves with every run: one run of 20 ms (a scheduler's hiccup on a
     busy machine) took a 1 ms type's prefetch from 64 to 20, and the dispatcher handed 44
     claimed jobs back, a release round trip each, to claim them again a moment later (4 % of
-    the bench's no-ops). Jobs are handed back only beyond a band above the prefetch now; a
-    type that turned long still keeps none, and large jobs no more than their bytes allow."""
+    the bench's no-ops). A short type's jobs are handed back only beyond a band above its
+    prefetch now; a slower type keeps its prefetch and a long one none, and large jobs no more
+    than their bytes allow."""
     given_back = []
-    cfg = config.from_dict({"supervisor": {"workers": 2}, "broker": {"prefetch": "auto"}})
-    d = Dispatcher(cfg, {"quick": None, "slow": None, "large": None}, "host:1:ab", link=None, pool=None,
-                   prefetch=Prefetch("auto", 2), hold=None, settings_for=None, on_claimed=None,
-                   on_unknown=None, on_expired=None, give_back=given_back.append)
+    d = dispatcher(["quick", "middling", "slow", "large"], given_back.append)
 
     def claimed(job_type, n):
-        d.prefetched.extend((Job(id=f"{job_type}-{i}", type=job_type, queue="default", payload={}), None) for i in range(n))
+        d.prefetched.extend((job_of(job_type, i), None) for i in range(n))
 
     def surplus():
         given_back.clear()
@@ -61,9 +71,17 @@ def test_a_short_types_hiccup_hands_no_prefetched_job_back():
     d.ran("quick", 0.020)
     assert d.prefetch.for_type("quick") < PER_CHILD  # the claims shrink with the average
     assert surplus() == []  # and what is here stays
+    assert d.prefetch.view()["types"][0]["keep"] == PER_CHILD * 2  # status shows both
+    d.ran("quick", 0.040)  # on average 12 ms, under the band's edge: 8 may be claimed, 4 times that stay
+    count, kept = d.prefetch.for_type("quick"), d.prefetch.keep("quick")
+    assert 0 < count < PER_CHILD // 2 and kept == 4 * count, (count, kept)
+    assert surplus() == ["quick"] * (PER_CHILD * 2 - kept) and len(d.prefetched) == kept
     for _ in range(30):
         d.ran("quick", 1.0)  # the type turned long: everything waiting goes back
-    assert surplus() == ["quick"] * PER_CHILD * 2 and not d.prefetched
+    assert surplus() == ["quick"] * kept and not d.prefetched
+    d.ran("middling", 0.030)  # 3 run within the wait budget: no band, they would wait 4 times as long
+    claimed("middling", 6)
+    assert surplus() == ["middling"] * 3
     d.ran("slow", 2.0)
     claimed("slow", 1)
     assert surplus() == ["slow"]  # a long type keeps none, band or not
@@ -71,6 +89,40 @@ def test_a_short_types_hiccup_hands_no_prefetched_job_back():
     d.prefetch.weigh(["large"], BYTES // 4)
     claimed("large", 6)
     assert surplus() == ["large"] * 2  # four fit in BYTES: the bytes bound has no band
+
+
+def test_larger_jobs_sent_look_again_at_what_waits_even_when_the_claims_stay_the_same():
+    """What a type may keep can fall while its prefetch does not: a 10 ms type of jobs of
+    ``BYTES`` / 40 may be claimed 10 at a time (its run time) and keep 40 (its bytes). Larger
+    jobs sent to a child bring its bytes bound to 24: the jobs beyond it go back at the next
+    dispatch, not only after a claim (a type in the band held 13 MB so)."""
+    given_back = []
+
+    class Pool:  # the dispatcher's one call here: a message of ``nbytes`` sent
+        nbytes = 0
+
+        def run(self, c, batch):
+            c.sent_bytes = self.nbytes
+            return []
+
+    class Child:
+        sent_bytes = 0
+
+    pool = Pool()
+    d = dispatcher(["middling"], given_back.append, pool)
+    d.ran("middling", 0.010)
+    pool.nbytes = BYTES // 40
+    d.send(Child(), [(job_of("middling", 0), None)])
+    assert (d.prefetch.for_type("middling"), d.prefetch.keep("middling")) == (10, 40)
+    d.prefetched.extend((job_of("middling", i), None) for i in range(1, 41))
+    d.recheck = False  # looked at since: all 40 may stay
+    pool.nbytes = BYTES // 10
+    d.send(Child(), [(job_of("middling", 41), None)])
+    kept = d.prefetch.keep("middling")
+    assert d.prefetch.for_type("middling") == 10 and kept < 40, kept
+    assert d.recheck  # the next dispatch hands back what no longer fits
+    d.surplus()
+    assert (len(given_back), len(d.prefetched)) == (40 - kept, kept)
 
 
 def test_a_long_job_never_waits_behind_another_while_a_sibling_supervisor_is_idle(tmp_path, broker_url):

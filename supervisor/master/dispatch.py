@@ -43,7 +43,7 @@ class Dispatcher:
         # child finishes a job: otherwise a queue of long jobs would be claimed and
         # handed back on every loop turn.
         self.room_closed = False
-        self.recheck = False  # new jobs waiting, or a type's prefetch went down: look for surplus
+        self.recheck = False  # new jobs waiting, or what a type may keep went down: look for surplus
         self.next_claim_at = 0.0
         self.empty_claims = 0  # empty claims in a row: the idle backoff
         self.empty_polls = 0  # empty claims since start, for status
@@ -57,9 +57,9 @@ class Dispatcher:
 
     def ran(self, job_type, seconds):
         """A child finished a job of ``job_type`` in ``seconds``: learn its run time; a child is free."""
-        before = self.prefetch.for_type(job_type)
+        before = self.prefetch.keep(job_type)
         self.prefetch.ran(job_type, seconds)
-        self.recheck = self.recheck or self.prefetch.for_type(job_type) < before
+        self.recheck = self.recheck or self.prefetch.keep(job_type) < before
         self.room_closed = False
 
     def capacity(self):
@@ -188,9 +188,9 @@ class Dispatcher:
         sent = batch[:len(batch) - len(left)]
         if sent:
             types = [job.type for job, _ in sent]
-            before = self.prefetch.for_type(types[0])
+            before = self.prefetch.keep(types[0])
             self.prefetch.weigh(types, c.sent_bytes)
-            self.recheck = self.recheck or self.prefetch.for_type(types[0]) < before  # large jobs: fewer wait
+            self.recheck = self.recheck or self.prefetch.keep(types[0]) < before  # large jobs: fewer wait
         return left
 
     def take_batch(self, size):

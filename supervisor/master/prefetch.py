@@ -8,10 +8,12 @@ sibling supervisor may be idle. ``"auto"`` therefore keeps, per job type, a
 moving average of its run time and prefetches only as many jobs of it as the
 children get through within ``WAIT_BUDGET``; a type never measured yet, or
 slower than that, gets none; and no more than ``BYTES`` of one type's jobs (a
-job waits decoded, several times its size). A number pins the prefetch for
-every type.
+job waits decoded, several times its size). Jobs a claim brought beyond that
+are handed back, except that a type whose average is under ``BAND_UNDER``
+keeps up to ``KEEP`` times its prefetch (``keep``). A number pins the prefetch
+for every type.
 """
-WAIT_BUDGET = 0.05  # seconds a prefetched job may expect to wait for a free child
+WAIT_BUDGET = 0.05  # seconds a claimed job may expect to wait for a free child
 PER_CHILD = 32  # most prefetched jobs per child, however short the type
 WEIGHT = 0.2  # weight of the newest run time in the moving average
 BATCH = 32  # most jobs in one message to a child
@@ -19,11 +21,14 @@ REFILL = BATCH // 2  # a busy child with fewer short jobs queued than this gets 
 # One run longer than this stops batching to its child: an outlier of a short type (its
 # average is what makes it batchable), kept above a scheduler hiccup or a GC pause.
 LONG_RUN = WAIT_BUDGET / 8
-# A claimed job of a short type is handed back only beyond this many times its type's prefetch.
-# The average moves with every run (a scheduler's hiccup makes a no-op run for milliseconds), and
-# each job handed back costs a broker round trip and a claim: without the band, a busy 2-core
-# machine handed back 4 % of its no-op jobs, a fifth of the master's time (bench/README.md).
+# A claimed job of a type whose average run is under BAND_UNDER is handed back only beyond KEEP
+# times its prefetch. Such a type's average moves with every run (one scheduler's hiccup of 20 ms
+# takes a 1 ms no-op's to 5 ms), and each job handed back costs a broker round trip and a claim:
+# without the band, a busy 2-core machine handed back 4 % of its no-op jobs and spent a fifth of
+# the master's wall time in those releases (bench/README.md). A slower type keeps no more than its
+# prefetch: a few round trips are nothing beside its runs, and its jobs would wait KEEP times longer.
 KEEP = 4
+BAND_UNDER = WAIT_BUDGET / 4
 # Most bytes of one type's jobs waiting prefetched (as measured in the messages to the children):
 # a job waits decoded, several times its size, so a type with large payloads gets fewer.
 BYTES = 8 * 2**20
@@ -76,12 +81,15 @@ class Prefetch:
         return min(self._by_time(job_type), self._by_bytes(job_type))
 
     def keep(self, job_type):
-        """Jobs of ``job_type`` that, once claimed, may stay prefetched: ``KEEP`` times as many as
-        ``for_type`` by run time (a band, so that a noisy average does not hand jobs back and
-        forth; a long type still keeps none), never more than ``BYTES`` of them."""
+        """Jobs of ``job_type`` that, once claimed, may stay prefetched: for a type whose average
+        run is under ``BAND_UNDER``, ``KEEP`` times as many as ``for_type`` by run time (a band,
+        so that a noisy average does not hand jobs back and forth), else ``for_type`` (a long
+        type keeps none); never more than ``BYTES`` of them."""
         if not self.auto:
             return self.pinned
-        return min(KEEP * self._by_time(job_type), self._by_bytes(job_type))
+        average = self.averages.get(job_type)
+        band = KEEP if average is not None and average < BAND_UNDER else 1
+        return min(band * self._by_time(job_type), self._by_bytes(job_type))
 
     def _by_time(self, job_type):
         average = self.averages.get(job_type)
@@ -107,16 +115,16 @@ class Prefetch:
     def room(self):
         """Jobs a claim may take beyond the idle children: the most any type allows.
 
-        A claim cannot choose types; jobs of a type that allows fewer are handed
-        back by the dispatcher (``surplus``) at once.
+        A claim cannot choose types; jobs beyond what their type may ``keep`` are
+        handed back by the dispatcher (``surplus``) at once.
         """
         if not self.auto:
             return self.pinned
         return max((self.for_type(t) for t in self.averages), default=0)
 
     def view(self):
-        """For ``status``: the prefetch chosen for each measured type."""
+        """For ``status``: the prefetch chosen for each measured type, and how many of it a claim may leave here."""
         return {"mode": "auto" if self.auto else self.pinned,
-                "types": [{"type": t, "prefetch": self.for_type(t), "average_seconds": round(a, 6),
-                           "average_bytes": round(self.sizes.get(t, 0))}
+                "types": [{"type": t, "prefetch": self.for_type(t), "keep": self.keep(t),
+                           "average_seconds": round(a, 6), "average_bytes": round(self.sizes.get(t, 0))}
                           for t, a in sorted(self.averages.items())]}
