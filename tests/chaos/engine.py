@@ -79,6 +79,9 @@ FAULTS = ("kill_child", "kill_supervisor", "term_supervisor", "hup", "broker_out
 WEIGHTS = (28, 10, 6, 18, 12, 14, 12, 10, 5)
 MIX = (("chaos.quick", 52), ("chaos.cpu", 12), ("chaos.slow", 6), ("chaos.flaky", 12), ("chaos.after", 8),
        ("chaos.locked", 6), ("chaos.poison", 4))
+# After the broker is back, how long a master may take to write a crash it held: the link's next
+# try (its backoff after a 2 s outage is under 2 s, jitter included), then a loop turn.
+CRASH_WRITE_SECONDS = 10.0
 OWED_GRACE_SECONDS = 15.0  # extra tries, after the window, for a fault kind that never found a target
 LOCK_TTL = 2.0  # the master renews it with the job's lease; only a stopped master lets it lapse
 ACCOUNTS = 16
@@ -206,6 +209,9 @@ class Soak(ControlFaults):
         # when their leases expire and another claim takes them over.
         self.cut_windows = []
         self.stalled = {}  # pid of a stopped child -> its supervisor: no other fault may end its attempt
+        # Supervisor -> since when (monotonic; None while the broker is down) its master may hold a
+        # SIGKILLed child's crash unwritten: no supervisor fault may end or stop it meanwhile.
+        self.crash_unstored = {}
         self.hup_good_unconfirmed = 0
         self.init_control()
 
@@ -459,8 +465,28 @@ class Soak(ControlFaults):
     def hittable(self, sups):
         """The supervisors a supervisor fault should hit: one without a stopped child when there
         is one (that child's attempt must end by its hard timeout or its own return, to show its
-        lease kept: see check_faults), any otherwise, so no fault kind waits for a stall to end."""
+        lease kept: see check_faults), any otherwise, so no fault kind waits for a stall to end.
+        Never one whose master may not have written a killed child's crash yet: a child killed
+        in an outage is recorded once the broker is back, and a master killed or stopped before
+        that leaves the attempt to expire (seen: a SIGKILL at the instant the outage ended)."""
+        sups = [s for s in sups if not self.crash_unwritten(s)]
         return [s for s in sups if s not in self.stalled.values()] or sups
+
+    def crash_unwritten(self, sup):
+        """Whether ``sup``'s master may still hold a killed child's crash: the broker is down, or
+        its status shows writes waiting (for at most ``CRASH_WRITE_SECONDS`` after the broker is
+        back: the link's backoff, then one turn; a busy master's acks linger and may always show)."""
+        if sup not in self.crash_unstored:
+            return False
+        if self.broker_down():
+            return True
+        since = self.crash_unstored[sup]
+        if since is not None and time.monotonic() - since < CRASH_WRITE_SECONDS:
+            st = sup.status()
+            if st is None or st["broker_down"] or st["pending_writes"]:
+                return True
+        del self.crash_unstored[sup]
+        return False
 
     def busy_child(self):
         """A (supervisor, worker) running a job right now, chosen by the seeded RNG; None if none is.
@@ -486,13 +512,17 @@ class Soak(ControlFaults):
         except ProcessLookupError:
             return None
         self.child_kills.append((w["pid"], w["job_id"]))
+        self.crash_unstored[sup] = None if self.broker_down() else time.monotonic()
         return f"s{sup.index} worker {w['slot']} pid {w['pid']} ({w['job_type']})"
 
     def fault_kill_supervisor(self):
         live = self.up()
         if len(live) < len(self.sups) or not live:
             return None  # one supervisor down at a time keeps the queue flowing
-        sup = self.rng_faults.choice(self.hittable(live))
+        targets = self.hittable(live)
+        if not targets:
+            return None
+        sup = self.rng_faults.choice(targets)
         sup.status()  # the last counters this incarnation shows
         os.kill(sup.life.pid, signal.SIGKILL)
         sup.life.hits["kill_supervisor"] += 1
@@ -506,7 +536,10 @@ class Soak(ControlFaults):
         live = [s for s in self.up() if s.status()]  # a master past its start (handlers installed)
         if len(live) < len(self.sups) or not live:
             return None
-        sup = self.rng_faults.choice(self.hittable(live))
+        targets = self.hittable(live)
+        if not targets:
+            return None
+        sup = self.rng_faults.choice(targets)
         os.kill(sup.life.pid, signal.SIGTERM)
         sup.life.killed, sup.life.fate, sup.state = True, "terminated", "down"
         self.later(0.1, self.await_exit, sup, time.monotonic() + 30)
@@ -624,6 +657,17 @@ class Soak(ControlFaults):
             self.server.start()
             self.outage = False
         self.note("broker_back", "")
+        self.crashes_writable()
+
+    def broker_down(self):
+        return self.outage or self.broker_lock is not None or self.sqlite_stopped()
+
+    def crashes_writable(self):
+        """The broker is back: the crashes it held back are written from now (``crash_unwritten``)."""
+        if not self.broker_down():
+            for sup, since in self.crash_unstored.items():
+                if since is None:
+                    self.crash_unstored[sup] = time.monotonic()
 
     def sqlite_stopped(self):
         """On SQLite, a stopped master may hold the write lock: then the broker is out for all."""
@@ -713,6 +757,7 @@ class Soak(ControlFaults):
     def resume_supervisor(self, sup):
         os.kill(sup.life.pid, signal.SIGCONT)
         sup.state = "up"
+        self.crashes_writable()  # on SQLite a stopped master may have held the write lock
 
     # -- the end -----------------------------------------------------------------------------
     def quiet(self, broker):
