@@ -1149,6 +1149,10 @@ MUTATIONS = [
              "\n                and stored.trace_id == job.trace_id)", ")",
              ("tests/test_lost_answers.py", "-k", "enqueue_once"),
              "enqueue_once of a chosen id sent twice does not take an earlier call's job for its own"),
+    Mutation("orphans-unanswered-claims-not-counted", "supervisor/master/orphans.py",
+             "        self.unanswered += 1", "        pass",
+             ("tests/test_orphans.py", "-k", "frozen_redis_runs_at_its_thaw"),
+             "status counts the claims given up on (claims_unanswered), each of which may have leased orphans"),
 ]
 
 

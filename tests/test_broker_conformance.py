@@ -383,6 +383,29 @@ def test_ack_many_acks_current_leases_and_returns_stale_ones(broker):
     assert broker.stats(Q)["default"].done == 3
 
 
+def test_enqueue_many_stores_every_field_exactly_whatever_it_holds_nulls_beside_values(broker):
+    # A batch goes to PostgreSQL as one array a column (binary), to Redis as one JSON argument:
+    # text that an array's text form would quote or escape ("NULL", braces, commas, quotes),
+    # missing values beside set ones, and the largest numbers must all land in their own job.
+    odd = ["NULL", "", "a,b", "{x}", "quote\"back\\slash", "é\u2603", "tab\tnew\nline", "plain"]
+    jobs = [new(payload={"text": text, "i": i}, resource_id=text if i % 2 else None,
+                idempotency_key=f"key {text}" if i % 3 == 0 else None, max_attempts=model.MAX_INT - i,
+                priority=-model.MAX_INT + i if i % 2 else model.MAX_INT - i,
+                timeout=0.25 * (i + 1) if i % 2 == 0 else None, expires_in=3600.0 + i if i % 4 == 1 else None)
+            for i, text in enumerate(odd)]
+    ids = broker.enqueue_many(jobs)
+    assert ids == [job.id for job in jobs]
+    for i, (job_id, text) in enumerate(zip(ids, odd)):
+        stored = broker.get(job_id)
+        assert stored.payload == {"text": text, "i": i}
+        assert (stored.resource_id, stored.idempotency_key) == (
+            text if i % 2 else None, f"key {text}" if i % 3 == 0 else None)
+        assert (stored.max_attempts, stored.priority) == (
+            model.MAX_INT - i, -model.MAX_INT + i if i % 2 else model.MAX_INT - i)
+        assert stored.timeout == (0.25 * (i + 1) if i % 2 == 0 else None)
+        assert (stored.expires_at is not None) == (i % 4 == 1)
+
+
 def test_ack_many_stores_every_result_and_info_exactly_whatever_they_hold(broker):
     # Redis packs a batch into one argument, its values ended by NUL bytes: whatever an id, a
     # result or an info holds (control characters, escapes, non-ASCII text) must not shift the

@@ -61,6 +61,7 @@ def test_a_claim_a_frozen_redis_runs_at_its_thaw_leases_jobs_the_supervisor_rele
                  message=f"all {len(ids)} jobs done within the 60 s lease: the orphaned ones released, not expired")
         released = [r["job_id"] for r in d.records(event="orphan_released")]
         assert released and set(released) <= set(ids) and d.status()["orphans_released"] == len(released)
+        assert d.status()["claims_unanswered"] >= 1
         assert all(ran(db, i) == 1 for i in ids)  # each job ran once
         assert [o for i in ids for o in outcomes(b.client.get(i))] == ["done"] * len(ids)  # no attempt spent
         d.signal(signal.SIGTERM)

@@ -482,6 +482,10 @@ def test_a_frozen_postgres_leaves_the_supervisor_answering_and_loses_no_job(post
             for _ in range(10):  # and it keeps answering while the server stays frozen
                 s = d.status()
                 assert s["broker_down"] and s["stopping"] is None
+            # Frozen until a claim was given up on: the first call to fail may have been another
+            # (the pause check, a prune), and the claimer's try then came after its backoff.
+            wait_for(lambda: d.status()["claims_unanswered"] >= 1, timeout=30,
+                     message="a claim sent to the frozen server and given up on")
         finally:
             b.server.thaw()
         wait_for(lambda: (s := stats(b.client)) and s.done == len(ids), timeout=60,

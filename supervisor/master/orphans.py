@@ -45,11 +45,13 @@ class Orphans:
         self.until = None  # monotonic end of the looks (set by the first look that got an answer)
         self.next_at = 0.0
         self.released = 0  # since start, for status
+        self.unanswered = 0  # claims given up on since start, for status: each may have leased orphans
 
     def claim_unanswered(self, queues):
         """A claim of ``queues`` failed after reaching for the broker: it may have leased jobs all the same."""
         self.queues.update(queues)
         self.until, self.next_at = None, 0.0
+        self.unanswered += 1
 
     def due_at(self):
         if not self.queues:

@@ -212,7 +212,7 @@ class Status:
             "pending_writes": len(m.writer),
             "workers": [child_view(c) for c in sorted(m.pool.children.values(), key=lambda c: c.slot)],
             "restarts": m.pool.restarts, "counters": dict(self.counters), "empty_polls": m.dispatcher.empty_polls,
-            "orphans_released": m.orphans.released,
+            "orphans_released": m.orphans.released, "claims_unanswered": m.orphans.unanswered,
             "handlers": sorted(m.handlers),
             "queues": {q: s.to_dict() for q, s in m.heartbeat.queue_stats.items()},
             "paused_queues": sorted(m.control.paused or ()),

@@ -481,7 +481,9 @@ class Soak(ControlFaults):
         if self.broker_down():
             return True
         since = self.crash_unstored[sup]
-        if since is not None and time.monotonic() - since < CRASH_WRITE_SECONDS:
+        if since is None:  # the broker came back by a path that did not say so: its window starts now
+            since = self.crash_unstored[sup] = time.monotonic()
+        if time.monotonic() - since < CRASH_WRITE_SECONDS:
             st = sup.status()
             if st is None or st["broker_down"] or st["pending_writes"]:
                 return True
