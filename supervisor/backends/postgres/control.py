@@ -77,7 +77,7 @@ class ControlMixin(control.ExpiredLog):
         values = [control.progress_value(progress[lease.job_id]) if lease.job_id in progress else (None, None)
                   for lease in leases]
         rows = self._execute(
-            leased_batch(self._jobs, "unnest(%s::text[], %s::bigint[], %s::float8[], %s::text[])"
+            leased_batch(self._jobs, "unnest(%b::text[], %b::bigint[], %b::float8[], %b::text[])"
                                      " AS b(id, token, fraction, note)",
                          f"lease_until = {NOW} + %s::float8, progress = coalesce(l.fraction, j.progress),"
                          " progress_note = CASE WHEN l.fraction IS NULL THEN j.progress_note ELSE l.note END",

@@ -327,6 +327,7 @@ class Workflows:
              j.priority, float(j.delay), j.trace_id, None if j.expires_in is None else float(j.expires_in),
              pending, level or None, j.id in parents, tokens[j.id])
             for j, state, pending, _, level in planned]))
+        # Arrays in binary (%b), as the plain enqueue's: their text form is quoted element by element in Python.
         cur.execute(
             f"INSERT INTO {t} (id, queue, type, payload, state, resource_id, idempotency_key, max_attempts,"
             " timeout, priority, run_at, queued_at, trace_id, expires_at, pending, level, kids, reason, finished_at,"
@@ -337,9 +338,9 @@ class Workflows:
             "  CASE WHEN i.state = 'cancelled' THEN n.now END,"
             "  CASE WHEN i.state = 'cancelled' THEN jsonb_build_object('by', 'workflow', 'reason',"
             f"   '{PARENT_FAILED}', 'at', n.now) END, {FIRST_TOKEN}"
-            " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
-            "  %s::integer[], %s::float8[], %s::integer[], %s::float8[], %s::text[], %s::float8[], %s::integer[],"
-            "  %s::integer[], %s::boolean[], %s::bigint[])"
+            " FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[], %b::text[], %b::text[], %b::text[],"
+            "  %b::integer[], %b::float8[], %b::integer[], %b::float8[], %b::text[], %b::float8[], %b::integer[],"
+            "  %b::integer[], %b::boolean[], %b::bigint[])"
             "  WITH ORDINALITY AS i(id, queue, type, payload, state, resource_id, idempotency_key, max_attempts,"
             "  timeout, priority, delay, trace_id, expires_in, pending, level, kids, token, ord),"
             f" (SELECT date_part('epoch', now()) AS now) n ORDER BY i.ord"
@@ -351,7 +352,7 @@ class Workflows:
             cur.execute(
                 f"INSERT INTO {self._s}.job_edges (parent, child, on_, state, result)"
                 " SELECT e.parent, e.child, e.on_, e.state, e.result::json"
-                " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[])"
+                " FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[], %b::text[])"
                 " AS e(parent, child, on_, state, result)",
                 [list(c) for c in zip(*edges)])
         return [stored[job.id] for job in jobs]
