@@ -1153,6 +1153,11 @@ MUTATIONS = [
              "        self.unanswered += 1", "        pass",
              ("tests/test_orphans.py", "-k", "frozen_redis_runs_at_its_thaw"),
              "status counts the claims given up on (claims_unanswered), each of which may have leased orphans"),
+    Mutation("sqlite-reclaim-reads-every-running-job", "supervisor/backends/sqlite/control.py",
+             '"SELECT id, attempt, max_attempts, owner, cancel_request FROM jobs INDEXED BY jobs_leased"',
+             '"SELECT id, attempt, max_attempts, owner, cancel_request FROM jobs"',
+             ("tests/test_sqlite_broker.py", "-k", "running_jobs_whose_leases_hold"),
+             "a claim's reclaim of expired leases is a range of jobs_leased, not a read of every running job"),
 ]
 
 

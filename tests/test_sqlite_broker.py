@@ -192,6 +192,42 @@ def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(tmp_path, limits):
     broker.close()
 
 
+def test_a_claim_reads_none_of_the_running_jobs_whose_leases_hold(tmp_path):
+    """Each claim first reclaims the expired leases. Planned through the state index, that read
+    every running job's row (20,000 running: 6 ms a claim, idle polls too); through jobs_leased it
+    is a range of the expired ones. Counted in SQLite's steps (its progress handler), not in time."""
+    broker = open_broker(f"sqlite:///{tmp_path}/b.db")
+    broker.migrate()
+
+    def empty_claim_steps():
+        steps = [0]
+
+        def tick():
+            steps[0] += 1
+            return 0
+        broker.db.set_progress_handler(tick, 100)
+        try:
+            assert broker.claim(["default"], 8, 30, "me") == []
+        finally:
+            broker.db.set_progress_handler(None, 100)
+        return steps[0]
+
+    broker.enqueue_many([NewJob("t", {"n": i}) for i in range(100)])
+    assert len(broker.claim(["default"], 100, 3600, "me")) == 100
+    few = empty_claim_steps()
+    broker.enqueue_many([NewJob("t", {"n": i}) for i in range(20_000)])
+    assert len(broker.claim(["default"], 20_000, 3600, "me")) == 20_000
+    many = empty_claim_steps()
+    assert many <= few + 2, (few, many)
+    # An expired lease is still found and its job leased again.
+    short = broker.enqueue(NewJob("t", {"n": -1}))
+    assert [job.id for job in broker.claim(["default"], 1, 0.05, "me")] == [short]
+    wait_for(lambda: broker.now() > broker.get(short).lease_until, timeout=10, interval=0.01,
+             message="the broker's clock past the short lease")
+    assert [job.id for job in broker.claim(["default"], 1, 30, "me")] == [short]
+    broker.close()
+
+
 @pytest.mark.parametrize("waited", [False, True], ids=["used", "used-and-waited"])
 def test_a_client_used_before_a_fork_keeps_every_job_the_child_enqueues(tmp_path, waited):
     """A Client opened and used before os.fork() (gunicorn --preload, a daemonizing app),

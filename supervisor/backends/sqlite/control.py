@@ -124,9 +124,11 @@ class ControlMixin(control.ExpiredLog):
 
     # -- inside claim's transaction: lost leases, expiry, pauses ------------------
     def _reclaim_expired(self, now):
+        # Through jobs_leased, a range of the expired leases only: the planner took jobs_search_state
+        # (state = 'running') and read every running job's row on every claim.
         expired = self.db.execute(
-            "SELECT id, attempt, max_attempts, owner, cancel_request FROM jobs WHERE state = 'running'"
-            " AND lease_until < ?", (now,)
+            "SELECT id, attempt, max_attempts, owner, cancel_request FROM jobs INDEXED BY jobs_leased"
+            " WHERE state = 'running' AND lease_until < ?", (now,)
         ).fetchall()
         for row in expired:
             error = error_info("lease_expired", message=f"lease of owner {row['owner']} expired")
