@@ -483,7 +483,7 @@ def test_a_frozen_postgres_leaves_the_supervisor_answering_and_loses_no_job(post
                 s = d.status()
                 assert s["broker_down"] and s["stopping"] is None
             # Frozen until a claim was given up on: the first call to fail may have been another
-            # (the pause check, a prune), and the claimer's try then came after its backoff.
+            # (an outcome write, the pause check), and the claimer's try then came after its backoff.
             wait_for(lambda: d.status()["claims_unanswered"] >= 1, timeout=30,
                      message="a claim sent to the frozen server and given up on")
         finally:
@@ -494,10 +494,13 @@ def test_a_frozen_postgres_leaves_the_supervisor_answering_and_loses_no_job(post
                  message="the supervisor to see the broker back with every outcome stored")
         assert sorted(row[0] for row in effects(db)) == sorted(ids)  # each effect once
         assert all(ran(db, i) == 1 for i in ids)  # and each job ran once: no lease expired under a run
-        # The claim given up on when the gated jobs ended ran at the thaw and leased jobs to this supervisor,
-        # which found them and released them: they ran at once, and no attempt was spent on them.
-        assert d.status()["orphans_released"] >= 1 and events(d, "orphan_released")
+        # A claim sent on the live connection when the gated jobs ended ran at the thaw and leased jobs to
+        # this supervisor, which found and released them: they ran at once, no attempt spent on them (missed,
+        # they would have waited out the 15 s lease: a "lease_expired" attempt). Most runs send that claim;
+        # in some, the first call to meet the frozen server is an outcome write, the connection is dropped,
+        # and the claim's new connection never reaches a backend: nothing is orphaned then.
         assert [o for i in ids for o in outcomes(b.client.get(i))] == ["done"] * len(ids)
+        assert d.status()["orphans_released"] == len(events(d, "orphan_released"))
         assert sorted(d.worker_pids()) == pids and d.status()["restarts"] == 0
         d.signal(signal.SIGTERM)
         assert d.wait_exit() == 0

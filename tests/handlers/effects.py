@@ -45,7 +45,17 @@ def open_db(path):
     db = _dbs.get(path)
     if db is None:
         db = sqlite3.connect(path, timeout=30, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
+        # Two children opening a new file at once: the switch to WAL fails "database is locked" without
+        # waiting on the busy timeout (seen: a gated job retried). Tried again until it holds, bounded.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(SCHEMA)
         _dbs[path] = db
