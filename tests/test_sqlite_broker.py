@@ -152,6 +152,22 @@ def test_prune_deletes_a_backlog_in_short_write_transactions(tmp_path, monkeypat
         b.close()
 
 
+def claim_steps(broker, n=8, limits=None):
+    """(SQLite's steps in hundreds, the payloads' "n") of one claim: the work counted by its progress
+    handler, not timed."""
+    steps = [0]
+
+    def tick():
+        steps[0] += 1
+        return 0
+    broker.db.set_progress_handler(tick, 100)
+    try:
+        jobs = broker.claim(["default"], n, 30, "me", limits)
+    finally:
+        broker.db.set_progress_handler(None, 100)
+    return steps[0], [job.payload["n"] for job in jobs]
+
+
 @pytest.mark.parametrize("limits", [None, {"t": TypeLimits(max_concurrency=100, exclusive=True)}],
                          ids=["plain", "under-type-limits"])
 def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(tmp_path, limits):
@@ -163,17 +179,7 @@ def test_a_claim_reads_none_of_the_jobs_scheduled_for_later(tmp_path, limits):
     broker.migrate()
 
     def claim(n=8):
-        steps = [0]
-
-        def tick():
-            steps[0] += 1
-            return 0
-        broker.db.set_progress_handler(tick, 100)
-        try:
-            jobs = broker.claim(["default"], n, 30, "me", limits)
-        finally:
-            broker.db.set_progress_handler(None, 100)
-        return steps[0], [job.payload["n"] for job in jobs]
+        return claim_steps(broker, n, limits)
 
     broker.enqueue_many([NewJob("t", {"n": -1}, delay=86400, priority=5) for _ in range(100)])
     few, claimed = claim()
@@ -200,17 +206,9 @@ def test_a_claim_reads_none_of_the_running_jobs_whose_leases_hold(tmp_path):
     broker.migrate()
 
     def empty_claim_steps():
-        steps = [0]
-
-        def tick():
-            steps[0] += 1
-            return 0
-        broker.db.set_progress_handler(tick, 100)
-        try:
-            assert broker.claim(["default"], 8, 30, "me") == []
-        finally:
-            broker.db.set_progress_handler(None, 100)
-        return steps[0]
+        steps, claimed = claim_steps(broker)
+        assert claimed == []
+        return steps
 
     broker.enqueue_many([NewJob("t", {"n": i}) for i in range(100)])
     assert len(broker.claim(["default"], 100, 3600, "me")) == 100
