@@ -1158,6 +1158,11 @@ MUTATIONS = [
              '"SELECT id, attempt, max_attempts, owner, cancel_request FROM jobs"',
              ("tests/test_sqlite_broker.py", "-k", "running_jobs_whose_leases_hold"),
              "a claim's reclaim of expired leases is a range of jobs_leased, not a read of every running job"),
+    Mutation("redis-enqueue-leaves-its-queue-unnamed", "supervisor/backends/redis_lua/enqueue.lua",
+             "if KEYS[7] and jobs[1] then redis.call('SADD', KEYS[7], field_of(jobs[1][4], 'queue')) end",
+             "-- (the queue not added to P:queues)",
+             ("tests/test_redis_broker.py", "-k", "one_command"),
+             "an enqueue's script adds its queue to P:queues, where get, dlq and prune find the queue's jobs"),
 ]
 
 

@@ -91,6 +91,37 @@ def test_keys_carry_one_hash_tag_per_queue(rb, raw, redis_url):
     assert {key_slot(k.encode()) for k in keys if "{mail}" in k} == {key_slot(b"mail")}
 
 
+def test_an_enqueue_sends_one_command_its_script_names_the_queue(rb, raw, redis_url):
+    """An enqueue sent ``SADD P:queues`` before its script: one more command to pack, send and
+    read back, about a tenth of a single enqueue's CPU. The script adds the queue itself, given
+    ``P:queues`` as one more key: one command a call, and the queue is known from its first job."""
+    prefix = prefix_of(redis_url)
+    rb.enqueue(new())  # the scripts loaded: no NOSCRIPT round below
+    rb.enqueue_once(new(idempotency_key="warm"))
+    end = f"{prefix}-end"
+    with raw.monitor() as monitor:
+        rb.enqueue(new(queue="fresh"))
+        rb.enqueue_many([new(queue="mail"), new(queue="fresh"), new(queue="other")])
+        rb.enqueue_once(new(queue="once", idempotency_key="k"))
+        raw.echo(end)
+        sent = []
+        for command in monitor.listen():
+            if end in command["command"]:
+                break
+            if prefix in command["command"] and command.get("client_type") != "lua":
+                sent.append(command["command"].split()[0])
+    # 1, one per queue of the batch (3), and enqueue_once's 2 (its key's queue across queues, once.py).
+    assert sent == ["EVALSHA"] * 6, sent
+    assert raw.smembers(f"{prefix}:queues") == {"default", "fresh", "mail", "other", "once"}
+    from supervisor.client import Client
+
+    with Client.from_url(redis_url) as client:  # a workflow's jobs: enqueue_flow.lua
+        parent, child = client.chain([("t", {"n": 1}, {"queue": "flow"}), ("t", {"n": 2}, {"queue": "flow"})])
+    assert raw.smembers(f"{prefix}:queues") == {"default", "fresh", "mail", "other", "once", "flow"}
+    with open_broker(redis_url) as other:  # no cache of ours: found through P:queues
+        assert other.get(child).queue == "flow" and other.get(parent).queue == "flow"
+
+
 def test_done_jobs_expire_after_done_ttl(redis_url, raw):
     with open_broker(redis_url + "&done_ttl=120") as b:
         job_id = b.enqueue(new())

@@ -8,10 +8,10 @@ discard: the search index and its bounds); the other operations are here.
 
 Every state change (enqueue, claim, extend, ack, retry, dead, release, replay,
 purge, prune) is one script that reads the clock with ``TIME`` and touches one
-queue's slot only (see ``keys``). ``P:queues`` lives outside the queue slots:
-enqueue adds the queue name to it in the same pipeline as (and before) the
-enqueue script (on a cluster, in a round trip of its own before it), so a
-queue is known before it holds a job. Sentinel, Cluster and ``wait_replicas``:
+queue's slot only (see ``keys``), except that the enqueue scripts also add
+the queue's name to ``P:queues``, given to them as one more key, so a queue is
+known as soon as it holds a job (on a cluster, where ``P:queues`` lies outside
+the queue's slot, a ``SADD`` round trip before the script does it: ``calls``). Sentinel, Cluster and ``wait_replicas``:
 see ``connection`` and ``calls``.
 
 Semantics beyond the shared contract:
@@ -117,8 +117,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         if job.depends_on:
             return self._enqueue_flow([job])[0]
         self.keys.for_scripts(job.queue)  # rejects a bad name before anything is stored
-        (got,) = self._run_many([("enqueue", job.queue, [_BATCH.encode([enqueue_args(job)])])],
-                                before=[("sadd", self.keys.queues, job.queue)], confirm=True)
+        (got,) = self._run_enqueues([("enqueue", job.queue, [_BATCH.encode([enqueue_args(job)])])])
         return got[0]
 
     @guard
@@ -140,8 +139,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
                 slots.append(chunk)
         if not calls:
             return []
-        # The queue joins P:queues before its first job exists (see module docstring).
-        results = self._run_many(calls, before=[("sadd", self.keys.queues, *by_queue)], confirm=True)
+        results = self._run_enqueues(calls)
         ids = [None] * len(jobs)
         for chunk, got in zip(slots, results):
             for i, job_id in zip(chunk, got):
@@ -158,8 +156,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         job = self._once_queue(job, schedule)  # the key's record across queues (once.py)
         batch = _BATCH.encode([enqueue_args(job)])
         resent = self.calls_resent
-        got = self._run_many([("enqueue_once", job.queue, [batch])], before=[("sadd", self.keys.queues, job.queue)],
-                             confirm=True)
+        got = self._run_enqueues([("enqueue_once", job.queue, [batch])])
         if got[0]:
             return got[0][0]
         return job.id if self.calls_resent != resent and self._stored_by_first_sending(job) else None

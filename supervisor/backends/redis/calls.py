@@ -11,8 +11,12 @@ daemon's outcome write is retried and meets ``LeaseLost`` if it had landed).
 
 On a cluster, redis-py does not pipeline scripts (its cluster pipeline
 refuses EVALSHA), so the calls run one after the other, each sent to the node
-serving its queue's slot; the commands that must land before them
-(``before``) are one round trip of their own.
+serving its queue's slot.
+
+An enqueue adds its queue's name to ``P:queues`` (a queue is known before it
+holds a job): inside the enqueue script, given the set as an extra key, so
+an enqueue sends one command; on a cluster the set lies outside the queue's
+slot, and a ``SADD`` round trip of its own goes first.
 """
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -31,24 +35,29 @@ class ScriptCalls:
         keys, head = self.keys.for_scripts(queue)
         return self.scripts[name](keys=keys, args=head + list(args), client=self.r)
 
-    def _run_many(self, calls, before=(), confirm=False):
-        """Several script calls (and plain commands first) in one round trip; WAIT last if ``confirm``."""
+    def _run_enqueues(self, calls):
+        """Enqueue scripts' calls (``enqueue``, ``enqueue_once``, ``enqueue_flow``), confirmed:
+        each also adds its queue to ``P:queues`` (see the module docstring)."""
         if self.cluster:
-            if before:
-                pipe = self.r.pipeline(transaction=False)
-                for command, *args in before:
-                    getattr(pipe, command)(*args)
-                pipe.execute()
+            self.r.sadd(self.keys.queues, *dict.fromkeys(queue for _, queue, _ in calls))
+            return self._run_many(calls, confirm=True)
+        return self._run_many(calls, confirm=True, more_keys=(self.keys.queues,))
+
+    def _run_many(self, calls, confirm=False, more_keys=()):
+        """Several script calls in one round trip; WAIT last if ``confirm``. ``more_keys``
+        follow each call's queue keys (KEYS[7]...)."""
+        if self.cluster:
             return [self._run(name, queue, args) for name, queue, args in calls]
         wait = self.replica_wait if confirm else None
         for attempt in (1, 2):
-            commands = [(command.upper(), *args) for command, *args in before]
+            commands = []
             for name, queue, args in calls:
                 keys, head = self.keys.for_scripts(queue)
-                commands.append(("EVALSHA", self.scripts[name].sha, len(keys), *keys, *head, *args))
+                commands.append(("EVALSHA", self.scripts[name].sha, len(keys) + len(more_keys), *keys, *more_keys,
+                                 *head, *args))
             if wait:
                 commands.append(("WAIT", *wait))
-            results = self._exchange(commands)[len(before):]
+            results = self._exchange(commands)
             confirmed = results.pop() if wait else None
             if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
                 # The server lost its script cache (a restart, a failover): every script here is safe to resend.

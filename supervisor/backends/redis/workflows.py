@@ -36,8 +36,7 @@ class Workflows:
             args.append([[parent, on] for parent, on in job.depends_on])
             payload.append(args)
         batch = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        (reply,) = self._run_many([("enqueue_flow", queue, [batch, MAX_LEVELS])],
-                                  before=[("sadd", self.keys.queues, queue)], confirm=True)
+        (reply,) = self._run_enqueues([("enqueue_flow", queue, [batch, MAX_LEVELS])])
         if reply[0] == "deep":
             level_of(reply[1], [int(reply[2]) - 1])  # raises BadInput, the same words as every broker
         if reply[0] == "unknown":

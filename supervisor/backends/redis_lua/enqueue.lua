@@ -2,7 +2,10 @@
 -- arguments per job): [id, priority, delay_us, [field, value, ...], idempotency_key or false?,
 -- expires_in_us?].
 -- Returns the ids: an unfinished job's id where it holds the idempotency key.
+-- KEYS[7], when given, is P:queues: the queue joins it here, in the same step as its jobs
+-- (a cluster, where it lies in another slot, gets it in a round trip before: calls.py).
 local jobs = cjson.decode(ARGV[3])
+if KEYS[7] and jobs[1] then redis.call('SADD', KEYS[7], field_of(jobs[1][4], 'queue')) end
 local ids = {}
 local due_now = false
 local typed = {}  -- types named in this call (index_job)

@@ -45,6 +45,8 @@ for n, job in ipairs(jobs) do
   fresh[id] = true
 end
 
+-- KEYS[7], when given, is P:queues (as in enqueue.lua): the queue joins it before its jobs are written.
+if KEYS[7] and jobs[1] then redis.call('SADD', KEYS[7], field_of(jobs[1][4], 'queue')) end
 local due_now = false
 local typed = {}  -- types named in this call (index_job)
 for _, job in ipairs(fresh) do
