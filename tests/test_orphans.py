@@ -128,6 +128,8 @@ def test_a_look_releases_only_the_jobs_leased_to_this_owner_that_it_knows_nothin
         o = orphans_on(url, known)
         o.run(BROKER)
         assert o.released == 0 and o.count == []  # no claim went unanswered: no look
+        o.claim_unanswered([])  # every queue paused: the claim asked for none, so it leased none
+        assert o.unanswered == 0 and o.due_at() is None
         o.claim_unanswered(["default"])
         o.run(BROKER)
         assert sorted(j for _, j in o.count) == sorted(j.id for j in mine[1:]) and o.released == 2

@@ -49,6 +49,8 @@ class Orphans:
 
     def claim_unanswered(self, queues):
         """A claim of ``queues`` failed after reaching for the broker: it may have leased jobs all the same."""
+        if not queues:
+            return  # a claim of no queue (every one paused) leased nothing
         self.queues.update(queues)
         self.until, self.next_at = None, 0.0
         self.unanswered += 1
