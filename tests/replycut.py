@@ -7,6 +7,7 @@ the client never hears of it, and redis-py sends it again on a new connection.
 script's SHA1, say) reaches the server; its reply is read, thrown away, and the
 client's connection closed. Every other byte is relayed unchanged.
 """
+import collections
 import socket
 import threading
 
@@ -21,6 +22,8 @@ class ReplyCut:
         self.cut = threading.Event()  # set once a reply was lost
         self.closed = False
         self.sockets = []
+        self.accepted = 0
+        self.seen = collections.deque(maxlen=20)  # (connection, request's head): for a failure's message
         threading.Thread(target=self._accept, daemon=True).start()
 
     def cut_next(self, marker):
@@ -42,15 +45,25 @@ class ReplyCut:
                 return
             server = socket.create_connection(self.upstream)
             self.sockets += [client, server]
+            self.accepted += 1
             doomed = threading.Event()  # this connection's next reply is to be lost
-            threading.Thread(target=_pump, args=(client, server, lambda data: self._request(data, doomed)),
+            threading.Thread(target=_pump, args=(client, server,
+                                                 lambda data, n=self.accepted: self._request(data, doomed, n)),
                              daemon=True).start()
             threading.Thread(target=_pump, args=(server, client, lambda data: self._reply(doomed)),
                              daemon=True).start()
 
-    def _request(self, data, doomed):
+    def describe(self):
+        """What the relay saw, for the message of a test that waited for a cut in vain."""
+        with self.lock:
+            armed = self.marker.decode() if self.marker is not None else None
+            seen = "\n".join(f"  #{n}: {head!r}" for n, head in self.seen)
+        return f"relay: {self.accepted} connections, marker {armed!r}, cut {self.cut.is_set()}; last requests:\n{seen}"
+
+    def _request(self, data, doomed, connection):
         """A request on its way: the armed marker dooms this connection's next reply."""
         with self.lock:
+            self.seen.append((connection, bytes(data[:120])))
             if self.marker is not None and self.marker in data:
                 self.marker = None
                 doomed.set()  # before the server can answer: the reply pump sees it

@@ -88,7 +88,8 @@ def test_a_claim_whose_reply_was_lost_leaves_no_orphan_behind(reply_cut, tmp_pat
     try:
         cut.cut_next(script_sha("claim"))
         d.start()
-        wait_for(cut.cut.is_set, timeout=30, message="a claim's reply to be lost")
+        wait_for(cut.cut.is_set, timeout=30,
+                 message=lambda: f"a claim's reply to be lost\n{cut.describe()}\n{d.logs()[-4000:]}")
         wait_for(lambda: (s := stats(client)) and s.done == len(ids), timeout=30,
                  message=f"all {len(ids)} jobs done within the 60 s lease: the first run's jobs released, not expired")
         released = [r["job_id"] for r in d.records(event="orphan_released")]
