@@ -11,8 +11,8 @@ purge, prune) is one script that reads the clock with ``TIME`` and touches one
 queue's slot only (see ``keys``), except that the enqueue scripts also add
 the queue's name to ``P:queues``, given to them as one more key, so a queue is
 known as soon as it holds a job (on a cluster, where ``P:queues`` lies outside
-the queue's slot, a ``SADD`` round trip before the script does it: ``calls``). Sentinel, Cluster and ``wait_replicas``:
-see ``connection`` and ``calls``.
+the queue's slot, a ``SADD`` round trip before the script does it: ``calls``).
+Sentinel, Cluster and ``wait_replicas``: see ``connection`` and ``calls``.
 
 Semantics beyond the shared contract:
 
