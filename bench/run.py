@@ -60,7 +60,7 @@ class Settings:
         self.latency_samples = 10 if quick else 40
         self.recovery_bound = 12.0 if quick else 20.0
         self.timeout_limit = 2.0
-        self.throughput_runs = 1 if quick else 2
+        self.rounds = 1 if quick else 3  # of the throughput and enqueue scenarios (run_rounds)
 
 
 # -- frameworks ---------------------------------------------------------------------
@@ -687,29 +687,49 @@ SESSION = (("memory", scenario_memory), ("latency", scenario_latency), ("cpu", s
            ("recovery_worker", scenario_recovery_worker))
 
 
+def attempt(fw, name, fn, *args):
+    """One scenario's result; a broken scenario is its error, not the end of the run."""
+    try:
+        result = fn(*args)
+    except NotApplicable as exc:
+        result = {"na": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - one broken scenario must not end the run
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    print(f"  {fw.name} {name}: {result}", file=sys.stderr, flush=True)
+    return result
+
+
+# The rates that compare frameworks, each run once per round, every framework in a round before the
+# next round begins (in an order turned by one each round). On a shared machine the load of one
+# stretch then falls on every framework alike, and the runs a round's ratio compares lie minutes
+# apart, not a quarter of an hour: the per-round ratios below are what a target is read from.
+ROUNDS = (("throughput", scenario_throughput, "jobs_per_s"), ("enqueue", scenario_enqueue, "single_per_s"))
+
+
+def run_rounds(fws, ev, s, only):
+    """{framework: {scenario: its best run, with every round's rate}} for the ``ROUNDS`` scenarios."""
+    out = {fw.name: {} for fw in fws}
+    for name, fn, field in ROUNDS:
+        taking = [fw for fw in fws if only(name, fw.name)]
+        runs = {fw.name: [] for fw in taking}
+        for k in range(s.rounds):
+            for fw in taking[k % len(taking):] + taking[:k % len(taking)]:
+                runs[fw.name].append(attempt(fw, f"{name} (round {k + 1})", fn, fw, ev, s))
+        for fw_name, results in runs.items():
+            rated = [r for r in results if r.get(field)]
+            # Best of the rounds: other load on a shared machine only ever slows a run down.
+            best = max(rated, key=lambda r: r[field]) if rated else results[-1]
+            out[fw_name][name] = dict(best, rounds=[r.get(field) for r in results])
+    return out
+
+
 def run_framework(fw, ev, s, wanted):
+    """The scenarios not run in rounds, one framework after the other."""
     out = {}
 
     def record(name, fn, *args):
-        try:
-            out[name] = fn(*args)
-        except NotApplicable as exc:
-            out[name] = {"na": str(exc)}
-        except Exception as exc:  # noqa: BLE001 - one broken scenario must not end the run
-            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"  {fw.name} {name}: {out[name]}", file=sys.stderr, flush=True)
+        out[name] = attempt(fw, name, fn, *args)
 
-    if wanted("throughput"):
-        # Best of N: other load on a shared machine only ever slows a run down.
-        runs = []
-        for _ in range(s.throughput_runs):
-            record("throughput", scenario_throughput, fw, ev, s)
-            runs.append(out["throughput"])
-        rated = [r for r in runs if r.get("jobs_per_s")]
-        best = max(rated, key=lambda r: r["jobs_per_s"]) if rated else runs[-1]
-        out["throughput"] = dict(best, all_jobs_per_s=[r.get("jobs_per_s") for r in runs])
-    if wanted("enqueue"):
-        record("enqueue", scenario_enqueue, fw, ev, s)
     steps = [(n, f) for n, f in SESSION if wanted(n)]
     if steps:
         fw.reset()
@@ -773,7 +793,46 @@ def markdown(results):
                 notes.append(f"- {name} / {scen}: {res['note']}")
             elif res and res.get("batch_note"):
                 notes.append(f"- {name} / batch enqueue: n/a — {res['batch_note']}")
-    return "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "")
+    return "\n".join(lines + [""] + ratio_lines(results)) + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+# What issue 17's targets compare: (scenario, its rate, Tangguh's framework, the peer, the line).
+RATIOS = (("throughput", "jobs_per_s", "tangguh-redis", "huey", 2.0),
+          ("throughput", "jobs_per_s", "tangguh-sqlite", "huey", 1.5),
+          ("throughput", "jobs_per_s", "tangguh-postgres", "procrastinate", 20.0),
+          ("throughput", "jobs_per_s", "tangguh-sqlite", "celery", 5.0),
+          ("throughput", "jobs_per_s", "tangguh-redis", "celery", 5.0),
+          ("throughput", "jobs_per_s", "tangguh-postgres", "celery", 5.0),
+          ("enqueue", "single_per_s", "tangguh-redis", "huey", 1.0))
+
+
+def paired_ratios(results):
+    """Each target's ratio in every round (the two runs of one round), their median, and the
+    ratio of the best runs (what the table's columns give); pairs not both run are left out."""
+    out = []
+    for scen, field, ours, peer, line in RATIOS:
+        a = ((results.get(ours) or {}).get("results") or {}).get(scen) or {}
+        b = ((results.get(peer) or {}).get("results") or {}).get(scen) or {}
+        if not (a.get(field) and b.get(field)):
+            continue
+        per_round = [round(x / y, 2) for x, y in zip(a.get("rounds") or [], b.get("rounds") or []) if x and y]
+        out.append({"scenario": scen, "ours": ours, "peer": peer, "line": line, "rounds": per_round,
+                    "median": round(statistics.median(per_round), 2) if per_round else None,
+                    "best": round(a[field] / b[field], 2)})
+    return out
+
+
+def ratio_lines(results):
+    ratios = paired_ratios(results)
+    if not ratios:
+        return []
+    lines = ["| ratio | line | each round | median of the rounds | best ÷ best |", "| --- | ---: | --- | ---: | ---: |"]
+    for r in ratios:
+        what = f"{r['scenario']}: {r['ours']} ÷ {r['peer']}"
+        median = "" if r["median"] is None else f"{r['median']:.2f}"
+        lines.append(f"| {what} | {r['line']:g} | {', '.join(f'{x:.2f}' for x in r['rounds'])} | {median}"
+                     f" | {r['best']:.2f} |")
+    return lines
 
 
 def versions():
@@ -835,14 +894,22 @@ def main(argv=None):
     began = time.time()
     results = {}
     try:
+        fws = []
         for fw in frameworks(tmp):
             if isinstance(fw, Tangguh) and fw.broker == "sqlite" and args.sqlite_synchronous != "full":
                 fw.extra["sqlite_query"] = f"?synchronous={args.sqlite_synchronous}"
                 fw.settings += f"; ?synchronous={args.sqlite_synchronous}"
-            if not any(only(scen, fw.name) for scen in SCENARIOS):
-                continue
+            if any(only(scen, fw.name) for scen in SCENARIOS):
+                fws.append(fw)
+        print(f"in rounds: {', '.join(name for name, _, _ in ROUNDS)}", file=sys.stderr, flush=True)
+        rounds = run_rounds(fws, ev, s, only)
+        for fw in fws:
+            fw.stop()
+            fw.cleanup()
+        for fw in fws:
             print(f"{fw.name} ({fw.settings})", file=sys.stderr, flush=True)
-            res = run_framework(fw, ev, s, lambda scen, fw=fw: only(scen, fw.name))
+            res = dict(rounds[fw.name])
+            res.update(run_framework(fw, ev, s, lambda scen, fw=fw: only(scen, fw.name)))
             results[fw.name] = {"broker": fw.broker, "settings": fw.settings, "results": res}
     finally:
         ev.clear_all()
@@ -853,7 +920,7 @@ def main(argv=None):
     doc = {"when": stamp.isoformat(timespec="seconds"), "tag": args.tag, "quick": args.quick, "only": args.only,
            "seconds": round(time.time() - began, 1), "machine": machine(), "versions": versions(),
            "method": {k: v for k, v in vars(s).items()}, "tangguh_lease_seconds": TANGGUH_LEASE,
-           "results": results, "table": table}
+           "results": results, "ratios": paired_ratios(results), "table": table}
     os.makedirs(RESULTS, exist_ok=True)
     name = f"run-{stamp.strftime('%Y%m%dT%H%M%SZ')}{'-quick' if args.quick else ''}.json"
     for path in (os.path.join(RESULTS, name), os.path.join(RESULTS, "latest.json")):
