@@ -711,6 +711,8 @@ def run_rounds(fws, ev, s, only):
     out = {fw.name: {} for fw in fws}
     for name, fn, field in ROUNDS:
         taking = [fw for fw in fws if only(name, fw.name)]
+        if not taking:
+            continue
         runs = {fw.name: [] for fw in taking}
         for k in range(s.rounds):
             for fw in taking[k % len(taking):] + taking[:k % len(taking)]:
@@ -793,7 +795,8 @@ def markdown(results):
                 notes.append(f"- {name} / {scen}: {res['note']}")
             elif res and res.get("batch_note"):
                 notes.append(f"- {name} / batch enqueue: n/a — {res['batch_note']}")
-    return "\n".join(lines + [""] + ratio_lines(results)) + ("\n\n" + "\n".join(notes) if notes else "")
+    ratios = ratio_lines(results)
+    return "\n".join(lines + ([""] + ratios if ratios else [])) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 # What issue 17's targets compare: (scenario, its rate, Tangguh's framework, the peer, the line).
@@ -904,8 +907,9 @@ def main(argv=None):
         print(f"in rounds: {', '.join(name for name, _, _ in ROUNDS)}", file=sys.stderr, flush=True)
         rounds = run_rounds(fws, ev, s, only)
         for fw in fws:
-            fw.stop()
-            fw.cleanup()
+            if rounds[fw.name]:
+                fw.stop()
+                fw.cleanup()
         for fw in fws:
             print(f"{fw.name} ({fw.settings})", file=sys.stderr, flush=True)
             res = dict(rounds[fw.name])
