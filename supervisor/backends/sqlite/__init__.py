@@ -21,15 +21,12 @@ from ...model import DEAD, DONE, Job, QueueStats, load_json
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, wakeup, workflows
-from .control import ControlMixin
+from .control import _CLOSE_ENTRY, _LEASED, ControlMixin  # the statements' shared parts
 from .producing import ProducingMixin
 from .database import Transaction, busy, connect, errors, interrupted_after, let_go_inherited, read_url, truncate_wal
 from .ready import due_ids, due_rows
 from .search import SearchMixin
 
-# Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
-_CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(history, '$[#-1]'), json(:entry)))"
-_LEASED = "id = :id AND token = :token AND state = 'running'"
 # A job asked to cancel while it ran ends cancelled where it would run again (retry, release).
 _UNLESS_CANCELLED = ("state = CASE WHEN cancel_request IS NULL THEN {state} ELSE 'cancelled' END,"
                      " finished_at = CASE WHEN cancel_request IS NULL THEN finished_at ELSE :now END")

@@ -28,7 +28,8 @@ SETTLE, SETTLE_STEP = 1.0, 0.02
 DISTINCT_QUEUES = ("WITH RECURSIVE q(queue) AS (SELECT min(queue) FROM jobs UNION ALL"
                    " SELECT (SELECT min(j.queue) FROM jobs j WHERE j.queue > q.queue) FROM q"
                    " WHERE q.queue IS NOT NULL) SELECT queue FROM q WHERE queue IS NOT NULL")
-# Closing the open history entry (as the broker's own writes do).
+# Closing the open history entry: merge {ended_at, outcome, ...info} into the last element.
+# With _LEASED (the lease still the job's), shared with the broker's outcome writes (__init__.py).
 _CLOSE_ENTRY = "history = json_set(history, '$[#-1]', json_patch(json_extract(history, '$[#-1]'), json(:entry)))"
 _LEASED = "id = :id AND token = :token AND state = 'running'"
 EXPIRE_BATCH = 1000  # jobs one claim ends expired at most
