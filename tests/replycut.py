@@ -5,7 +5,9 @@ a client between its request and the answer: the server has run the command,
 the client never hears of it, and redis-py sends it again on a new connection.
 ``cut_next(marker)`` arms the relay: the next request holding ``marker`` (a
 script's SHA1, say) reaches the server; its reply is read, thrown away, and the
-client's connection closed. Every other byte is relayed unchanged.
+client's connection closed. ``refuse_next()`` closes the next connection as
+soon as it is accepted, before the client's handshake: a sending that never
+reached the server. Every other byte is relayed unchanged.
 """
 import collections
 import socket
@@ -23,6 +25,8 @@ class ReplyCut:
         self.closed = False
         self.sockets = []
         self.accepted = 0
+        self.refusing = 0  # connections still to be closed at once
+        self.refused = 0
         self.seen = collections.deque(maxlen=20)  # (connection, request's head): for a failure's message
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -30,6 +34,10 @@ class ReplyCut:
         with self.lock:
             self.marker = marker.encode() if isinstance(marker, str) else marker
             self.cut.clear()
+
+    def refuse_next(self):
+        with self.lock:
+            self.refusing += 1
 
     def close(self):
         self.closed = True
@@ -43,6 +51,12 @@ class ReplyCut:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            with self.lock:
+                refuse, self.refusing = self.refusing > 0, max(0, self.refusing - 1)
+            if refuse:
+                self.refused += 1
+                _close(client)
+                continue
             server = socket.create_connection(self.upstream)
             self.sockets += [client, server]
             self.accepted += 1

@@ -63,6 +63,25 @@ def test_a_claim_sent_again_after_its_reply_was_lost_is_counted_and_its_first_jo
 
 
 @pytest.mark.services
+def test_a_sending_whose_connection_never_opened_is_not_counted_as_sent_again(reply_cut):
+    """A connection closed before its handshake (a server restarting, a full listen queue) carried
+    no command: the sending after it is the first to reach the server. Counted as resent, it would
+    start a search for orphans after every refused connection and make a retried write read its job.
+    (redis-py's pool opens, and if need be reopens, a connection as it hands it out, before the
+    sending that ``_exchange`` retries.)"""
+    cut, through, client = reply_cut
+    client.enqueue_many([NewJob("t", {"n": n}) for n in range(5)])
+    with open_broker(through) as b:
+        assert len(b.claim(["default"], 1, 30.0, "me:1")) == 1
+        b.r.connection_pool.disconnect()  # the next call opens a new connection
+        cut.refuse_next()
+        got = b.claim(["default"], 2, 30.0, "me:1")
+        assert cut.refused == 1 and len(got) == 2 and b.calls_resent == 0
+        cut.cut_next(script_sha("claim"))  # still counted: a sending that reached the server, its answer lost
+        assert len(b.claim(["default"], 1, 30.0, "me:1")) == 1 and cut.cut.is_set() and b.calls_resent == 1
+
+
+@pytest.mark.services
 @pytest.mark.parametrize("script, outcome, state", [("ack_many", "ok", "done"), ("dead", "dead", "dead")])
 def test_an_outcome_write_sent_again_after_its_answer_was_lost_is_stored_not_a_lost_lease(
         reply_cut, tmp_path, script, outcome, state):

@@ -19,9 +19,11 @@ import time
 import types
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.backends import open_broker
 from supervisor.errors import BrokerError
+from supervisor.health import request
 from supervisor.heartbeat import Heartbeat
 from supervisor.master.brokerlink import BrokerLink
 from supervisor.master.orphans import Orphans, known_job_ids
@@ -32,7 +34,9 @@ from supervisor.model import ACK, Lease, NewJob
 from .daemon import Daemon
 from .test_lost_answers import reply_cut, script_sha  # noqa: F401 - a fixture
 from .servers import private_redis  # noqa: F401 - a fixture
-from .test_outages import daemon, outcomes, ran, redis_broker, stats, status_or_none  # noqa: F401 - a fixture
+from .test_outages import (any_broker, daemon, outcomes, postgres_broker, ran, redis_broker,  # noqa: F401 - fixtures
+                           stats, status_or_none)
+from .servers import private_postgres  # noqa: F401 - a fixture
 from .util import wait_for
 
 @pytest.mark.services
@@ -69,6 +73,38 @@ def test_a_claim_a_frozen_redis_runs_at_its_thaw_leases_jobs_the_supervisor_rele
         d.assert_clean()
     finally:
         os.kill(server, signal.SIGCONT)
+        d.stop()
+
+
+def main_link_failures(d):
+    """Failed broker calls of the daemon's main loop, read from its metrics over the socket."""
+    text = request(d.socket, {"cmd": "metrics"}, timeout=5)["text"]
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "tangguh_broker_errors"
+               for s in f.samples if s.name.endswith("_total") and s.labels.get("source") == "main")
+
+
+@pytest.mark.services
+def test_claims_tried_while_the_server_refuses_connections_leave_nothing_to_look_for(any_broker, tmp_path):
+    """A server that is down refuses every connection: the claims tried through the outage opened
+    none, so none can have leased a job. Only the claim that met the outage on a live connection
+    may have (it counts, once); before, every try of every backoff step counted as a claim given up
+    on, and each started a search for orphans once the server was back."""
+    b = any_broker
+    d = daemon(tmp_path, b, broker={"heartbeat_seconds": 0.5})
+    try:
+        d.start()
+        b.server.stop()
+        wait_for(lambda: main_link_failures(d) >= 4, timeout=60, message="four failed tries of the main loop")
+        assert d.status()["broker_down"] and d.status()["claims_unanswered"] <= 1
+        b.server.start()
+        wait_for(lambda: not d.status()["broker_down"], timeout=30, message="the supervisor to see the broker back")
+        wait_for(lambda: stats(b.client) is not None, timeout=30, message="the test's own client to reconnect")
+        job = b.client.enqueue(NewJob("effect", {"db": str(tmp_path / "effects.db")}))
+        assert d.wait_job(job).state == "done"
+        assert d.status()["claims_unanswered"] <= 1
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+    finally:
         d.stop()
 
 

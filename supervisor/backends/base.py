@@ -356,12 +356,15 @@ def open_broker(url) -> Broker:
 
 class Sendings:
     """``fn(broker)``, noting whether the driver sent it twice (``twice``): its first sending may
-    have run on the server, its answer lost (``Broker.calls_resent``)."""
+    have run on the server, its answer lost (``Broker.calls_resent``). ``reached`` is False until
+    ``fn`` is given a broker: a call that failed before (the broker could not be opened, the link
+    deferring to its next try) ran nowhere."""
 
     def __init__(self, fn):
-        self.fn, self.twice = fn, False
+        self.fn, self.twice, self.reached = fn, False, False
 
     def __call__(self, broker):
+        self.reached = True
         before = broker.calls_resent
         try:
             return self.fn(broker)

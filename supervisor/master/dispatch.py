@@ -88,14 +88,15 @@ class Dispatcher:
             return
         b = self.cfg.broker
         queues = [q for q in b.queues if q not in self.paused]
-        tried = not self.link.deferring(now)  # else the call fails without a word to the broker
         try:
             # take_expired reads what this claim ended ``expired``: no round trip of its own.
             sent = Sendings(lambda br: (br.claim(queues, want, b.lease_seconds, self.owner, self.limits) if queues
                                         else [], br.take_expired()))
             jobs, expired = self.link.call(sent, "claim")
         except BrokerError:
-            if tried and queues:
+            # Only a claim that reached for the broker may have leased jobs: not one the link deferred
+            # or could not open a connection for (a server refusing connections all through an outage).
+            if sent.reached and queues:
                 self.on_unanswered(queues)
             return
         if sent.twice:  # its first sending may have leased jobs too, which we never saw
