@@ -32,6 +32,14 @@ class BrokerBusy(BrokerError):
     """
 
 
+class RolledBack(BrokerError):
+    """The call failed and its transaction rolled back: nothing it did stands (a claim leased nothing).
+
+    Only a broker that knows it says so (SQLite, in the caller's process); a server's failure may
+    come after its commit, unseen.
+    """
+
+
 class LeaseLost(TangguhError):
     """A call presented a lease token that is no longer current.
 

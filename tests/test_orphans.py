@@ -15,6 +15,7 @@ import collections
 import os
 import selectors
 import signal
+import sqlite3
 import time
 import types
 
@@ -105,6 +106,29 @@ def test_claims_tried_while_the_server_refuses_connections_leave_nothing_to_look
         d.signal(signal.SIGTERM)
         assert d.wait_exit() == 0
     finally:
+        d.stop()
+
+
+def test_claims_that_found_the_sqlite_file_locked_leased_nothing_and_leave_nothing_to_look_for(tmp_path):
+    """Another process holds SQLite's write lock past the busy timeout (a peer supervisor, a long
+    batch enqueue): the claims meeting it rolled back. They are not claims given up on, and start
+    no search for orphans."""
+    db = tmp_path / "broker.db"
+    d = Daemon(tmp_path, broker_url=f"sqlite:///{db}?busy_timeout=0.2", supervisor={"poll_interval": 0.05})
+    lock = sqlite3.connect(db, timeout=10, isolation_level=None)
+    try:
+        d.start()
+        lock.execute("BEGIN IMMEDIATE")
+        wait_for(lambda: main_link_failures(d) >= 3, timeout=60, message="three failed tries of the main loop")
+        assert d.status()["broker_down"] and d.status()["claims_unanswered"] == 0
+        lock.execute("ROLLBACK")
+        job = d.enqueue("noop", {})
+        assert d.wait_job(job).state == "done"
+        assert d.status()["claims_unanswered"] == 0 and not d.records(event="orphan_released")
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+    finally:
+        lock.close()
         d.stop()
 
 

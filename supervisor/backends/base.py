@@ -74,7 +74,7 @@ import time
 import re
 
 from .. import urls
-from ..errors import BrokerError, BrokerUnusable, LeaseLost
+from ..errors import BrokerError, BrokerUnusable, LeaseLost, RolledBack
 from ..model import Job, Lease, NewJob, QueueStats, error_info, payload_problem  # noqa: F401  (re-exported)
 
 
@@ -356,9 +356,9 @@ def open_broker(url) -> Broker:
 
 class Sendings:
     """``fn(broker)``, noting whether the driver sent it twice (``twice``): its first sending may
-    have run on the server, its answer lost (``Broker.calls_resent``). ``reached`` is False until
-    ``fn`` is given a broker: a call that failed before (the broker could not be opened, the link
-    deferring to its next try) ran nowhere."""
+    have run on the server, its answer lost (``Broker.calls_resent``). ``reached`` is False when
+    the call changed nothing: it failed before ``fn`` was given a broker (the broker could not be
+    opened, the link deferring to its next try), or the broker says so (``RolledBack``)."""
 
     def __init__(self, fn):
         self.fn, self.twice, self.reached = fn, False, False
@@ -368,5 +368,8 @@ class Sendings:
         before = broker.calls_resent
         try:
             return self.fn(broker)
+        except RolledBack:
+            self.reached = False
+            raise
         finally:
             self.twice = broker.calls_resent != before

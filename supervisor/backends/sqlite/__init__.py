@@ -16,7 +16,7 @@ import json
 import os
 import sqlite3
 
-from ...errors import BadInput, BrokerBusy, BrokerError, ConfigError, LeaseLost, NotDead
+from ...errors import BadInput, BrokerBusy, BrokerError, ConfigError, LeaseLost, NotDead, RolledBack
 from ...model import DEAD, DONE, Job, QueueStats, load_json
 from ..base import Broker
 from ..limits import Admission, active, refill
@@ -119,7 +119,13 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
 
     # -- leasing ----------------------------------------------------------
     def claim(self, queues, n, lease_seconds, owner, limits=None):
-        return self._runnable(self._with_parents(self._claim(queues, n, lease_seconds, owner, limits)))
+        try:
+            claimed = self._claim(queues, n, lease_seconds, owner, limits)
+        except RolledBack:
+            raise
+        except BrokerError as exc:  # from its one transaction, rolled back (a lock held past the busy timeout)
+            raise RolledBack(str(exc)) from None
+        return self._runnable(self._with_parents(claimed))  # reads after the commit: a failure here is no RolledBack
 
     def _claim(self, queues, n, lease_seconds, owner, limits):
         limits = active(limits)
