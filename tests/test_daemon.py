@@ -375,8 +375,10 @@ def test_a_helper_process_a_module_forks_at_import_neither_fails_the_reload_nor_
     out, and the trial's helper was left running."""
     helpers = os.path.join(daemon.dir, "helpers")
     with open(os.path.join(daemon.handlers, "helper.py"), "w") as f:
-        f.write(f"import os, time\n\nif os.fork() == 0:\n    with open({helpers!r}, 'a') as f:\n"
-                "        f.write(f'{os.getpid()} {os.getppid()}\\n')\n    time.sleep(60)\n    os._exit(0)\n")
+        # The importing process writes the helper's line, before its import ends: a helper killed
+        # with the trial before it was scheduled once would write none.
+        f.write(f"import os, time\n\nhelper = os.fork()\nif helper == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+                f"with open({helpers!r}, 'a') as f:\n    f.write(f'{{helper}} {{os.getpid()}}\\n')\n")
     daemon.config["supervisor"]["import_timeout"] = 30.0
     daemon.write_config()
     daemon.start()
