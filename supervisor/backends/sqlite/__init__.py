@@ -121,8 +121,6 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
     def claim(self, queues, n, lease_seconds, owner, limits=None):
         try:
             claimed = self._claim(queues, n, lease_seconds, owner, limits)
-        except RolledBack:
-            raise
         except BrokerError as exc:  # from its one transaction, rolled back (a lock held past the busy timeout)
             raise RolledBack(str(exc)) from None
         return self._runnable(self._with_parents(claimed))  # reads after the commit: a failure here is no RolledBack
