@@ -213,6 +213,31 @@ def test_while_the_broker_is_down_a_look_waits_for_the_links_next_try():
     assert o.due_at() >= o.link.retry_at and o.released == 0
 
 
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0?socket_connect_timeout=0.5",
+                                 "postgresql://postgres@127.0.0.1:1/test?connect_timeout=1"], ids=["redis", "postgres"])
+def test_a_claim_tried_while_the_server_refuses_connections_is_not_a_claim_given_up_on(url):
+    """Nothing listens on port 1: every try fails before a connection opens, so no claim can have
+    leased a job, however many backoff steps the outage lasts. The daemon's test of the same
+    (``refuses_connections``) depends on which call of the loop takes each step's try."""
+    from supervisor import config
+    from supervisor.master.dispatch import Dispatcher
+    from supervisor.master.prefetch import Prefetch
+
+    cfg = config.from_dict({"supervisor": {"workers": 1}, "broker": {"url": url}})
+    link = BrokerLink(url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda: None,
+                      on_down=lambda _: None, pid=os.getpid())
+    pool = types.SimpleNamespace(target=1, free=lambda: ["an idle child"])
+    d = Dispatcher(cfg, {}, "me:1", link, pool, Prefetch("auto", 1), hold=None, settings_for=None, on_claimed=None,
+                   on_unknown=None, on_expired=None, give_back=None)
+    unanswered = []
+    d.on_unanswered = unanswered.append
+    for _ in range(3):
+        link.retry_at = d.next_claim_at = 0.0  # the next try is due now
+        d.claim()
+        assert link.down
+    assert link.failures == 3 and unanswered == []
+
+
 def test_every_job_this_master_knows_of_is_known_whatever_holds_it():
     """Held, just found lost, running or queued in a child, prefetched, or its outcome not stored yet:
     each a job a look must never release (a job run twice, an outcome lost)."""
