@@ -14,15 +14,18 @@ import pytest
 
 from supervisor.backends import open_broker
 from supervisor.errors import BrokerError
+from supervisor.jobfilter import JobFilter
 from supervisor.model import NewJob
 
 from .failover_flow import run_through_failover
 from .ha_servers import RedisClusterSetup
+from .replycut import ReplyCut
 # The conformance suites, collected again here against the cluster (``broker_url`` below).
 from .test_broker_conformance import *  # noqa: F401,F403
 from .test_conformance_control import *  # noqa: F401,F403
 from .test_conformance_search import *  # noqa: F401,F403
 from .test_conformance_workflows import *  # noqa: F401,F403
+from .test_lost_answers import script_sha
 from .util import wait_for
 
 pytestmark = pytest.mark.services
@@ -93,3 +96,61 @@ def _fd(client):
         return client.wakeup_fd()
     except BrokerError:
         return None
+
+
+@pytest.fixture
+def through_relay(cluster):
+    """(the relay, a broker whose connections to the ``default`` queue's primary pass through it, a
+    direct client). redis-py's ``address_remap`` routes that node through the relay: the slot map
+    names it by its real port, so a URL could not."""
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    url = cluster.url(prefix)
+    primary = cluster.primary_of(f"{prefix}:{{default}}:ready")
+    cut = ReplyCut("127.0.0.1", primary.port)
+    client, b = open_broker(url), open_broker(url)
+    b.r.nodes_manager.address_remap = lambda addr: ("127.0.0.1", cut.port) if addr[1] == primary.port else addr
+    b.r.nodes_manager.initialize()
+    yield cut, b, client
+    b.close()
+    client.close()
+    cut.close()
+
+
+def test_a_claim_redis_py_sent_again_on_a_cluster_is_counted_and_its_first_jobs_stay_leased(through_relay):
+    """On one server the broker's own retry counts a resend (test_lost_answers.py); on a cluster
+    redis-py resends inside its client, and the broker counts it all the same: the supervisor
+    looks for the first sending's jobs (orphans.py) only when it is counted."""
+    cut, b, client = through_relay
+    client.enqueue_many([NewJob("t", {"n": n}) for n in range(8)])
+    assert len(b.claim(["default"], 1, 30.0, "me:1")) == 1 and cut.accepted >= 1  # through the relay
+    assert b.calls_resent == 0
+    cut.cut_next(script_sha("claim"))
+    got = b.claim(["default"], 3, 30.0, "me:1")
+    assert cut.cut.is_set(), cut.describe()
+    assert len(got) == 3 and b.calls_resent == 1
+    mine = [j for j in client.search(JobFilter(state="running")).jobs if j.owner == "me:1"]
+    assert len(mine) == 1 + 6 and {j.id for j in got} < {j.id for j in mine}  # 3 leased by the lost reply's run
+
+
+def test_a_cluster_connection_closed_before_its_handshake_is_not_counted_as_sent_again(through_relay):
+    """A connection the node closed before the handshake carried no command."""
+    cut, b, client = through_relay
+    client.enqueue_many([NewJob("t", {"n": n}) for n in range(5)])
+    assert len(b.claim(["default"], 1, 30.0, "me:1")) == 1
+    for node in b.r.get_nodes():  # the next call opens a new connection
+        if node.redis_connection is not None:
+            node.redis_connection.connection_pool.disconnect()
+    cut.refuse_next()
+    got = b.claim(["default"], 2, 30.0, "me:1")
+    assert cut.refused == 1 and len(got) == 2 and b.calls_resent == 0
+
+
+def test_enqueue_once_redis_py_sent_again_on_a_cluster_returns_the_job_it_stored(through_relay):
+    """Not "the key was taken": the taker is this very call's first sending."""
+    cut, b, client = through_relay
+    assert b.enqueue_once(NewJob("t", {"n": 0}, idempotency_key="warm-up"))  # the script loaded, the path open
+    cut.cut_next(script_sha("enqueue_once"))
+    job_id = b.enqueue_once(NewJob("t", {"n": 1}, idempotency_key="report:2026-12-04"))
+    assert cut.cut.is_set(), cut.describe()
+    assert job_id is not None and client.get(job_id).payload == {"n": 1} and b.calls_resent == 1
+    assert b.enqueue_once(NewJob("t", {"n": 2}, idempotency_key="report:2026-12-04")) is None  # once, still

@@ -11,7 +11,8 @@ daemon's outcome write is retried and meets ``LeaseLost`` if it had landed).
 
 On a cluster, redis-py does not pipeline scripts (its cluster pipeline
 refuses EVALSHA), so the calls run one after the other, each sent to the node
-serving its queue's slot.
+serving its queue's slot; a call redis-py sent again after losing an answer
+counts in ``calls_resent`` as on one server (``connection.CountingCluster``).
 
 An enqueue adds its queue's name to ``P:queues`` (a queue is known before it
 holds a job): inside the enqueue script, given the set as an extra key, so
@@ -33,7 +34,11 @@ class ScriptCalls:
             # reading without its per-call wrappers (a claim is the master's hottest call).
             return self._run_many([(name, queue, args)], confirm=confirm)[0]
         keys, head = self.keys.for_scripts(queue)
-        return self.scripts[name](keys=keys, args=head + list(args), client=self.r)
+        lost = self.r.answers_lost
+        result = self.scripts[name](keys=keys, args=head + list(args), client=self.r)
+        if self.r.answers_lost != lost:  # redis-py resent it: the first sending may have run (connection.CountingCluster)
+            self.calls_resent += 1
+        return result
 
     def _run_enqueues(self, calls):
         """Enqueue scripts' calls (``enqueue``, ``enqueue_once``, ``enqueue_flow``), confirmed:

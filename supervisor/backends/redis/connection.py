@@ -205,12 +205,35 @@ def _cluster(url, parts, tls, userinfo, hosts, rest):
     for key in ("retry", "retry_on_timeout"):  # the cluster client retries (and refreshes its slot map) itself
         kw.pop(key, None)
     try:
-        client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], **kw)
+        client = CountingCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], **kw)
     except (RedisError, RedisClusterException) as exc:
         if _unusable(exc):
             raise
         raise BrokerError(f"redis cluster {hosts[0][0]}:{hosts[0][1]} unreachable: {exc}") from None
     return client, f"cluster {hosts[0][0]}:{hosts[0][1]}"
+
+
+class CountingCluster(RedisCluster):
+    """A RedisCluster that counts the sendings whose answer it lost (``answers_lost``).
+
+    Its own retries (a node failing over, a connection cut) resend a command whose
+    first sending may have run on the server. On one server ``ScriptCalls._exchange``
+    counts such a resend itself; on a cluster the retry happens inside redis-py, so
+    the broker compares this count before and after a call instead. A failure before
+    any connection was open (the node refusing connections) carried no command:
+    redis-py 8 names the node, not a connection, in the exception then. (An older
+    redis-py does not say: every such failure counts, which costs an orphan look.)
+    """
+
+    answers_lost = 0
+
+    def _execute_command(self, target_node, *args, **kwargs):
+        try:
+            return super()._execute_command(target_node, *args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if not isinstance(getattr(exc, "connection", None), ClusterNode):
+                self.answers_lost += 1
+            raise
 
 
 def guard(method):
