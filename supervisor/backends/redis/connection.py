@@ -221,8 +221,10 @@ class CountingCluster(RedisCluster):
     counts such a resend itself; on a cluster the retry happens inside redis-py, so
     the broker compares this count before and after a call instead. A failure before
     any connection was open (the node refusing connections) carried no command:
-    redis-py 8 names the node, not a connection, in the exception then. (An older
-    redis-py does not say: every such failure counts, which costs an orphan look.)
+    redis-py 7.3 and later name the node, not a connection, in the exception then.
+    An older redis-py does not say, and a refused connection after a MOVED or ASK
+    names the connection of the redirected try: such a failure counts, which costs
+    a needless orphan look, never a missed one.
     """
 
     answers_lost = 0
