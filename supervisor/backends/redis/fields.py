@@ -66,7 +66,8 @@ def ack_batches(acks, most, size):
     ended by a NUL byte (the ids must hold none)."""
     leases, texts, length = [], [], 0
     for lease, result, info in acks:
-        text = f"{lease.job_id}\0{lease.token}\0{json.dumps(result)}\0{body(info)}\0"
+        # Most handlers return nothing: "null" without json.dumps, which builds an encoder a call.
+        text = f"{lease.job_id}\0{lease.token}\0{'null' if result is None else json.dumps(result)}\0{body(info)}\0"
         leases.append(lease)
         texts.append(text)
         length += len(text)
