@@ -5,7 +5,8 @@ a client between its request and the answer: the server has run the command,
 the client never hears of it, and redis-py sends it again on a new connection.
 ``cut_next(marker)`` arms the relay: the next request holding ``marker`` (a
 script's SHA1, say) reaches the server; its reply is read, thrown away, and the
-client's connection closed. ``refuse_next()`` closes the next connection as
+client's connection closed (``hold=True``: left open, the client waits for an answer that
+never comes, until its socket timeout). ``refuse_next()`` closes the next connection as
 soon as it is accepted, before the client's handshake: a sending that never
 reached the server. Every other byte is relayed unchanged.
 """
@@ -21,6 +22,7 @@ class ReplyCut:
         self.port = self.listener.getsockname()[1]
         self.lock = threading.Lock()
         self.marker = None  # armed: the request that holds it loses its reply
+        self.hold = False  # the doomed connection stays open, silent
         self.cut = threading.Event()  # set once a reply was lost
         self.closed = False
         self.sockets = []
@@ -30,9 +32,10 @@ class ReplyCut:
         self.seen = collections.deque(maxlen=20)  # (connection, request's head): for a failure's message
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def cut_next(self, marker):
+    def cut_next(self, marker, hold=False):
         with self.lock:
             self.marker = marker.encode() if isinstance(marker, str) else marker
+            self.hold = hold
             self.cut.clear()
 
     def refuse_next(self):
@@ -87,18 +90,21 @@ class ReplyCut:
         """A reply on its way: relayed, unless the connection is doomed (the server ran the request)."""
         if doomed.is_set():
             self.cut.set()
-            return False  # the client never hears of it
+            return None if self.hold else False  # the client never hears of it
         return True
 
 
 def _pump(src, dst, relay):
-    """Copy ``src`` to ``dst`` while ``relay(data)`` says so; then close both ends."""
+    """Copy ``src`` to ``dst`` while ``relay(data)`` says so (None: drop this data, go on); then close both ends."""
     while True:
         try:
             data = src.recv(65536)
         except OSError:
             data = b""
-        if not data or not relay(data):
+        verdict = relay(data) if data else False
+        if verdict is None:
+            continue
+        if not verdict:
             break
         try:
             dst.sendall(data)

@@ -63,6 +63,23 @@ def test_a_claim_sent_again_after_its_reply_was_lost_is_counted_and_its_first_jo
 
 
 @pytest.mark.services
+def test_a_claim_that_kept_one_queues_jobs_while_the_next_queues_answer_was_lost_is_counted(reply_cut):
+    """Queue by queue: "a" answered; "b"'s claim ran but its answer never came (a timeout, which
+    redis-py does not retry). The claim returns "a"'s jobs (not lost with the exception), and
+    counts in ``calls_resent``: "b"'s jobs are leased to this owner too, and only a counted
+    claim is followed by the supervisor's look for them (orphans.py)."""
+    cut, through, client = reply_cut
+    client.enqueue_many([NewJob("t", {"n": n}, queue=q) for q in ("a", "b") for n in range(3)])
+    with open_broker(through + ("&" if "?" in through else "?") + "socket_timeout=0.5") as b:
+        cut.cut_next(b.keys.for_scripts("b")[0][0], hold=True)  # a key only the claim of "b" names
+        got = b.claim(["a", "b"], 6, 30.0, "me:1")
+        assert cut.cut.is_set(), cut.describe()
+        assert sorted(j.queue for j in got) == ["a"] * 3 and b.calls_resent == 1
+        mine = [j for j in client.search(JobFilter(state="running")).jobs if j.owner == "me:1"]
+        assert sorted(j.queue for j in mine) == ["a"] * 3 + ["b"] * 3  # "b"'s, leased by the unanswered run
+
+
+@pytest.mark.services
 def test_a_sending_whose_connection_never_opened_is_not_counted_as_sent_again(reply_cut):
     """A connection closed before its handshake (a server restarting, a full listen queue) carried
     no command: the sending after it is the first to reach the server. Counted as resent, it would

@@ -85,6 +85,8 @@ class Broker(abc.ABC):
     # Calls the driver sent a second time after a connection error took the first one's answer
     # (Redis: redis-py's one retry). The first sending may have run on the server: a claim among
     # them may have leased jobs its caller never saw (the supervisor looks for them: orphans).
+    # A Redis claim that returns the jobs of some queues while another queue's call lost its
+    # answer counts here too: that call may have leased jobs as well.
     calls_resent = 0
 
     def now(self):

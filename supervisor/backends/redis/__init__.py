@@ -190,17 +190,22 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         When a queue's call fails (its Cluster node failing over, the connection dropped),
         the jobs the calls before it leased are returned, not lost with the exception: they
         would stay leased to nobody, an attempt spent, until their leases expire. The
-        failure is raised when nothing was leased, so an outage still reads as one.
+        failure is raised when nothing was leased, so an outage still reads as one. A failed
+        call whose answer was lost may have leased jobs all the same: it counts in
+        ``calls_resent``, so the supervisor looks for them as after a resent claim (orphans.py).
         """
         claimed = []
         for queue in queues:
             if len(claimed) >= n:
                 break
+            lost = self._lost()
             try:
                 claimed.extend(lease(queue, n - len(claimed)))
             except RedisError as exc:
                 if not claimed:
                     raise
+                if self._lost() != lost:  # not a connection refused: the call may have run
+                    self.calls_resent += 1
                 now = time.monotonic()
                 if now - self._partial_warned.get(queue, -PARTIAL_WARN_EVERY) >= PARTIAL_WARN_EVERY:
                     self._partial_warned[queue] = now  # a queue on a failing node fails every claim

@@ -28,6 +28,12 @@ from . import scripts
 class ScriptCalls:
     """Mixin of ``RedisBroker``: needs ``r``, ``keys``, ``scripts``, ``cluster``, ``replica_wait`` and ``where``."""
 
+    answers_lost = 0  # sendings on one server whose answer was lost (a cluster's client counts its own)
+
+    def _lost(self):
+        """Sendings so far whose answer was lost: each may have run on the server."""
+        return self.r.answers_lost if self.cluster else self.answers_lost
+
     def _run(self, name, queue, args, confirm=False):
         if not self.cluster:
             # Through _exchange, not redis-py's Script object: the same packing and
@@ -91,6 +97,7 @@ class ScriptCalls:
         def send():
             if sent:  # the server may have run the first sending: its answer was lost, not its effects
                 self.calls_resent += 1
+                self.answers_lost += 1
             sent.append(True)
             return _send_and_read(conn, commands)
 
@@ -98,6 +105,7 @@ class ScriptCalls:
             return conn.retry.call_with_retry(send, lambda _: conn.disconnect())
         except BaseException:
             conn.disconnect()  # a reply may be left unread: the socket is out of step
+            self.answers_lost += 1  # sent on a connection the pool had open: it may have run
             raise
         finally:
             pool.release(conn)
