@@ -366,6 +366,22 @@ def test_ack_stores_result_and_closes_history(broker):
     assert broker.stats(Q)["default"].done == 1
 
 
+@pytest.mark.parametrize("host", ["web-1.example", 'a "quoted" host\\name', "h\u00f6st\n"])
+def test_an_attempts_info_as_the_master_writes_it_is_stored_whole_in_the_history(broker, host):
+    # The master's attempt info (host, pid, slot, duration) is written without json.dumps
+    # (jsonvalues.info_members): a host name needing escapes must still store as JSON.
+    jobs = [broker.enqueue(new(payload={"n": i})) for i in range(3)] and broker.claim(Q, 3, 30, "w1")
+    infos = [{"host": host, "pid": 4321, "slot": 1, "duration": 0.001234},
+             {"host": host, "pid": 4321, "slot": 1, "duration": 1e-07},
+             {"host": host, "pid": 4321, "slot": 0}]
+    assert broker.ack_many([(job.lease, None, info) for job, info in zip(jobs, infos)]) == []
+    for job, info in zip(jobs, infos):
+        done = broker.get(job.id)
+        entry = done.history[-1]
+        assert (done.state, done.result) == ("done", None)
+        assert {k: entry.get(k) for k in info} == info and entry["outcome"] == "done"
+
+
 def test_ack_many_acks_current_leases_and_returns_stale_ones(broker):
     ids = [broker.enqueue(new(payload={"n": i})) for i in range(3)]
     jobs = broker.claim(Q, 3, 30, "w1")

@@ -31,6 +31,7 @@ from psycopg import errors as pgerrors
 from psycopg.rows import dict_row, tuple_row
 
 from ...errors import BadInput, BrokerError, LeaseLost, NotDead
+from ...jsonvalues import info_json, result_json
 from ...model import Job, QueueStats, chosen_ids, first_token, id_taken
 from ..base import Broker
 from ..limits import Admission, active, refill
@@ -291,7 +292,7 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
             raise LeaseLost(lease.job_id, lease.token)
 
     def ack(self, lease, result=None, info=None):
-        self._finish(self._sql.ack, lease, {"result": json.dumps(result), "info": json.dumps(info or {})})
+        self._finish(self._sql.ack, lease, {"result": result_json(result), "info": info_json(info)})
 
     def ack_many(self, acks):
         """Every ack in one statement (one round trip, one commit)."""
@@ -300,18 +301,18 @@ class PostgresBroker(workflows.Workflows, ControlMixin, SearchMixin, Broker):
             return []
         rows = self._execute(self._sql.ack_many, (
             [lease.job_id for lease, _, _ in acks], [lease.token for lease, _, _ in acks],
-            [json.dumps(result) for _, result, _ in acks], [json.dumps(info or {}) for _, _, info in acks],
+            [result_json(result) for _, result, _ in acks], [info_json(info) for _, _, info in acks],
         )).fetchall()
         done = set(rows)
         return [lease for lease, _, _ in acks if (lease.job_id, lease.token) not in done]
 
     def retry(self, lease, run_at, error, info=None):
         self._finish(self._sql.retry, lease, {"run_at": float(run_at), "error": json.dumps(error),
-                                              "info": json.dumps(info or {}), "channel": self.channel})
+                                              "info": info_json(info), "channel": self.channel})
 
     def dead(self, lease, reason, error, info=None):
         self._finish(self._sql.dead, lease, {"reason": reason, "error": json.dumps(error),
-                                             "info": json.dumps(info or {})})
+                                             "info": info_json(info)})
 
     def release(self, lease):
         self._finish(self._sql.release, lease, {"channel": self.channel})

@@ -18,6 +18,7 @@ from psycopg.rows import dict_row
 
 from ...dependencies import ON_SUCCESS, PARENT_FAILED
 from ...errors import LeaseLost
+from ...jsonvalues import info_json
 from ...model import CANCELLED, EXPIRED, Job, Renewal, check_queue
 from .. import control
 from .connection import deadlock_retried
@@ -96,7 +97,7 @@ class ControlMixin(control.ExpiredLog):
             f"'ended_at', {NOW}, 'outcome', 'cancelled', 'by', cancel_request -> 'by',"
             " 'reason', cancel_request -> 'reason'))"
             " WHERE id = %(id)s AND token = %(token)s AND state = 'running'",
-            {"info": json.dumps(info or {}), "id": lease.job_id, "token": lease.token})
+            {"info": info_json(info), "id": lease.job_id, "token": lease.token})
         if cur.rowcount == 0:
             raise LeaseLost(lease.job_id, lease.token)
 

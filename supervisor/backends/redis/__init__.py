@@ -41,6 +41,7 @@ import redis
 from redis.exceptions import RedisError
 
 from ...errors import BadInput, BrokerError, LeaseLost
+from ...jsonvalues import info_members, result_json
 from ...model import QueueStats, chosen_ids, id_taken
 from ..base import Broker
 from ..limits import active
@@ -49,7 +50,7 @@ from .calls import ScriptCalls
 from .connection import connect, guard
 from .control import ControlMixin
 from .deadletters import DeadLetters
-from .fields import ack_batches, body, enqueue_args, to_job
+from .fields import ack_batches, enqueue_args, to_job
 from .keys import Keys
 from .locate import Locator
 from .once import OnceRecords
@@ -256,7 +257,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
 
     @guard
     def ack(self, lease, result=None, info=None):
-        self._finish("ack", lease, [json.dumps(result), body(info), self.done_ttl])
+        self._finish("ack", lease, [result_json(result), info_members(info), self.done_ttl])
         self._locator.forget(lease.job_id)
 
     @guard
@@ -277,7 +278,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         for queue, items in groups.items():
             for lease, result, info in [item for item in items if "\0" in item[0].job_id]:
                 try:  # an id stored before ids were checked for NUL: the single ack's arguments
-                    self._finish("ack", lease, [json.dumps(result), body(info), self.done_ttl])
+                    self._finish("ack", lease, [result_json(result), info_members(info), self.done_ttl])
                     self._locator.forget(lease.job_id)
                 except LeaseLost:
                     lost.append(lease)
@@ -296,11 +297,11 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
 
     @guard
     def retry(self, lease, run_at, error, info=None):
-        self._finish("retry", lease, [int(run_at * 1e6), json.dumps(error), body(info)])
+        self._finish("retry", lease, [int(run_at * 1e6), json.dumps(error), info_members(info)])
 
     @guard
     def dead(self, lease, reason, error, info=None):
-        self._finish("dead", lease, [reason, json.dumps(error), body(info)])
+        self._finish("dead", lease, [reason, json.dumps(error), info_members(info)])
         self._locator.forget(lease.job_id)
 
     @guard

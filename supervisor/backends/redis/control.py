@@ -18,10 +18,11 @@ import time
 from redis.exceptions import RedisError
 
 from ...errors import LeaseLost
+from ...jsonvalues import info_members
 from ...model import EXPIRED, Renewal, check_queue
 from .. import control
 from .connection import guard
-from .fields import body, from_claim
+from .fields import from_claim
 
 WAIT_FALLBACK = 1.0
 
@@ -84,7 +85,7 @@ class ControlMixin(control.ExpiredLog):
     @guard
     def cancelled(self, lease, info=None):
         queue = self._locator.queues_of([lease.job_id]).get(lease.job_id)
-        if queue is None or not self._run("cancelled", queue, [lease.job_id, lease.token, body(info)], confirm=True):
+        if queue is None or not self._run("cancelled", queue, [lease.job_id, lease.token, info_members(info)], confirm=True):
             raise LeaseLost(lease.job_id, lease.token)
         self._locator.forget(lease.job_id)
 

@@ -2,9 +2,9 @@
 import json
 
 from ...errors import BadInput, NotDead
+from ...jsonvalues import info_members, result_json
 from ...model import JOB_FIELDS, JOB_ORDER, Job, first_token, load_json
 
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps with separators builds one per call
 _INTS = ("attempt", "max_attempts", "priority", "token", "level")
 _FLOATS = ("timeout", "run_at", "queued_at", "lease_until", "first_failure_at", "last_failure_at", "finished_at",
            "expires_at", "progress")
@@ -66,8 +66,7 @@ def ack_batches(acks, most, size):
     ended by a NUL byte (the ids must hold none)."""
     leases, texts, length = [], [], 0
     for lease, result, info in acks:
-        # Most handlers return nothing: "null" without json.dumps, which builds an encoder a call.
-        text = f"{lease.job_id}\0{lease.token}\0{'null' if result is None else json.dumps(result)}\0{body(info)}\0"
+        text = f"{lease.job_id}\0{lease.token}\0{result_json(result)}\0{info_members(info)}\0"
         leases.append(lease)
         texts.append(text)
         length += len(text)
@@ -76,11 +75,6 @@ def ack_batches(acks, most, size):
             leases, texts, length = [], [], 0
     if leases:
         yield leases, "".join(texts)
-
-
-def body(info):
-    """The caller's info dict as the inside of a JSON object ('' when empty)."""
-    return _ENCODE(info)[1:-1] if info else ""
 
 
 def check_script_reply(reply):

@@ -17,6 +17,7 @@ import os
 import sqlite3
 
 from ...errors import BadInput, BrokerBusy, BrokerError, ConfigError, LeaseLost, NotDead, RolledBack
+from ...jsonvalues import entry_json, result_json
 from ...model import DEAD, DONE, Job, QueueStats, load_json
 from ..base import Broker
 from ..limits import Admission, active, refill
@@ -226,7 +227,7 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
 
     def ack(self, lease, result=None, info=None):
         self._finish(lease, "state = 'done', result = :result, finished_at = :now",
-                     {"result": json.dumps(result)}, DONE, info)
+                     {"result": result_json(result)}, DONE, info)
 
     def ack_many(self, acks):
         """Every ack in one transaction: one commit (one fsync) for all of them."""
@@ -234,11 +235,10 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
         lost = []
         with self._write():
             for lease, result, info in acks:
-                entry = dict(info or {}, ended_at=now, outcome=DONE)
                 cur = self.db.execute(
                     f"UPDATE jobs SET state = 'done', result = :result, finished_at = :now, lease_until = NULL,"
                     f" {_CLOSE_ENTRY} WHERE {_LEASED}",
-                    {"result": json.dumps(result), "now": now, "entry": json.dumps(entry), "id": lease.job_id,
+                    {"result": result_json(result), "now": now, "entry": entry_json(info, now, DONE), "id": lease.job_id,
                      "token": lease.token})
                 if cur.rowcount == 0:
                     lost.append(lease)
