@@ -31,10 +31,10 @@ def from_claim(row):
     # Positional: the row holds the Job's fields in their order (false: not set).
     args = [None if v is False else v if convert is None else convert(v)
             for convert, v in zip(_ROW_CONVERT, row[1:-1])]
-    stored, open_entry = args[_HISTORY], row[-1]
+    stored, open_entry = args[_HISTORY], row[-1]  # the open attempt: an object, decoded with the row
     history = [] if stored is None or stored == "[]" else _loads(stored)
     if open_entry:
-        history.append(_loads(open_entry))
+        history.append(open_entry)
     args[_HISTORY] = history
     return Job(*args)
 

@@ -42,18 +42,23 @@ end
 
 -- A leased job as claim returns it (fields.from_claim reads it): its fields in this order
 -- (the Job's own up to pending, then the open attempt; a missing one is false) as one JSON
--- array led by 0. Half the text of the hash's pairs, decoded without a dict. A workflow
+-- array led by 0. Half the text of the hash's pairs, decoded without a dict. The open
+-- attempt, the JSON object the claim has just written, goes in as an object, not as a
+-- string: the client decodes it with the reply instead of once more per job. A workflow
 -- child (pending set) comes as its whole hash instead: its parents' fields vary.
 local ROW_FIELDS = {'id', 'type', 'queue', 'payload', 'state', 'resource_id', 'idempotency_key', 'attempt',
   'max_attempts', 'timeout', 'priority', 'run_at', 'queued_at', 'trace_id', 'token', 'lease_until', 'owner',
   'result', 'error', 'reason', 'first_failure_at', 'last_failure_at', 'finished_at', 'history', 'expires_at',
   'progress', 'progress_note', 'cancel_request', 'pending', 'open'}
-local PENDING_AT = #ROW_FIELDS - 1
+local OPEN_AT = #ROW_FIELDS
+local PENDING_AT = OPEN_AT - 1
 
 local function claimed_row(key)
   local v = redis.call('HMGET', key, unpack(ROW_FIELDS))
   if v[PENDING_AT] then return cjson.encode(redis.call('HGETALL', key)) end
-  return '[0,' .. string.sub(cjson.encode(v), 2)
+  local open = v[OPEN_AT] or 'false'
+  v[OPEN_AT] = nil
+  return '[0,' .. string.sub(cjson.encode(v), 2, -2) .. ',' .. open .. ']'
 end
 
 -- A claim's reply: its rows (JSON texts) as one JSON array, one bulk reply for the client
