@@ -8,7 +8,7 @@ to the working tree. Each side runs in its own process importing its own
 load of a shared machine falls on both alike. A round enqueues 1,000 jobs with
 no scheduling controls, then claims them 10 at a time and acks each one; with
 ``--batch N``, claims N at a time and acks them with one ``ack_many``, each with
-the outcome info the daemon stores (the master's way). Each side reports its
+the outcome info the daemon stores (host, pid, slot, duration: the master's way). Each side reports its
 jobs/s and its own CPU per job (``time.process_time``: the client's share, which
 the server's and other processes' load disturb least).
 """
@@ -43,7 +43,7 @@ def worker(backend, batch=0):
             started, cpu, n = time.perf_counter(), time.process_time(), 0
             while jobs := broker.claim(["bench"], batch or 10, 30, "ab"):
                 if batch:
-                    broker.ack_many([(job.lease, None, {"duration": 0.0012, "host": "ab", "pid": 1})
+                    broker.ack_many([(job.lease, None, {"host": "ab", "pid": 1, "slot": 0, "duration": 0.0012})
                                      for job in jobs])
                     n += len(jobs)
                     continue
