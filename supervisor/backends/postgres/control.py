@@ -10,7 +10,6 @@ finishes; it re-reads the job at least every ``WAIT_FALLBACK`` seconds (a
 notification is lost if the listening connection drops).
 """
 import contextlib
-import json
 import time
 
 import psycopg

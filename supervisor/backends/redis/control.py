@@ -85,7 +85,8 @@ class ControlMixin(control.ExpiredLog):
     @guard
     def cancelled(self, lease, info=None):
         queue = self._locator.queues_of([lease.job_id]).get(lease.job_id)
-        if queue is None or not self._run("cancelled", queue, [lease.job_id, lease.token, info_members(info)], confirm=True):
+        if queue is None or not self._run("cancelled", queue, [lease.job_id, lease.token, info_members(info)],
+                                          confirm=True):
             raise LeaseLost(lease.job_id, lease.token)
         self._locator.forget(lease.job_id)
 

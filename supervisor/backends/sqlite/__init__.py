@@ -238,8 +238,8 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
                 cur = self.db.execute(
                     f"UPDATE jobs SET state = 'done', result = :result, finished_at = :now, lease_until = NULL,"
                     f" {_CLOSE_ENTRY} WHERE {_LEASED}",
-                    {"result": result_json(result), "now": now, "entry": entry_json(info, now, DONE), "id": lease.job_id,
-                     "token": lease.token})
+                    {"result": result_json(result), "now": now, "entry": entry_json(info, now, DONE),
+                     "id": lease.job_id, "token": lease.token})
                 if cur.rowcount == 0:
                     lost.append(lease)
         return lost
