@@ -63,11 +63,12 @@ class ReplyCut:
             server = socket.create_connection(self.upstream)
             self.sockets += [client, server]
             self.accepted += 1
-            doomed = threading.Event()  # this connection's next reply is to be lost
-            threading.Thread(target=_pump, args=(client, server,
-                                                 lambda data, n=self.accepted: self._request(data, doomed, n)),
-                             daemon=True).start()
-            threading.Thread(target=_pump, args=(server, client, lambda data: self._reply(doomed)),
+            # This connection's next reply is to be lost. Bound to each pump as a default: a closure
+            # would read the loop's variable, which the next accepted connection rebinds.
+            doomed = threading.Event()
+            threading.Thread(target=_pump, args=(client, server, lambda data, n=self.accepted, doomed=doomed:
+                                                 self._request(data, doomed, n)), daemon=True).start()
+            threading.Thread(target=_pump, args=(server, client, lambda data, doomed=doomed: self._reply(doomed)),
                              daemon=True).start()
 
     def describe(self):
