@@ -69,7 +69,11 @@ def run_through_failover(tmp_path, url, client, fail, n=N_JOBS, lease_seconds=3.
         executions = len(_rows(db, "SELECT 1 FROM executions"))
         for d, before in zip(daemons, pids):
             wait_for(lambda d=d: not d.status()["broker_down"], timeout=30, message="the broker to be up again")
-            assert sorted(d.worker_pids()) == before and d.status()["restarts"] == 0  # the children lived on
+            # The children lived on, but for one whose job's lease ran out meanwhile (a failover longer
+            # than the lease, as on a loaded machine): fencing kills it, and it alone is replaced.
+            killed = {r["pid"] for r in d.records(event="lease_lost") if r.get("slot") is not None}
+            assert d.status()["restarts"] == len(killed), d.records(event="spawn")
+            assert killed or sorted(d.worker_pids()) == before
         outages = sum(len(d.records(event="broker_down")) for d in daemons)
         # Where the client may ride out a whole failover in its own retries (``outage_seen=False``),
         # the premise is the killed server's serving the queue while jobs were still flowing.
