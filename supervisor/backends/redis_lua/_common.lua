@@ -52,13 +52,32 @@ local ROW_FIELDS = {'id', 'type', 'queue', 'payload', 'state', 'resource_id', 'i
   'progress', 'progress_note', 'cancel_request', 'pending', 'open'}
 local OPEN_AT = #ROW_FIELDS
 local PENDING_AT = OPEN_AT - 1
+-- Where lease_row writes the lease into a row read before it (ROW_FIELDS' order).
+local STATE_AT, ATTEMPT_AT, TOKEN_AT, UNTIL_AT, OWNER_AT, EXPIRES_AT = 5, 8, 15, 16, 17, 25
 
-local function claimed_row(key)
-  local v = redis.call('HMGET', key, unpack(ROW_FIELDS))
+local function row_text(key, v)
   if v[PENDING_AT] then return cjson.encode(redis.call('HGETALL', key)) end
   local open = v[OPEN_AT] or 'false'
   v[OPEN_AT] = nil
   return '[0,' .. string.sub(cjson.encode(v), 2, -2) .. ',' .. open .. ']'
+end
+
+local function claimed_row(key)
+  return row_text(key, redis.call('HMGET', key, unpack(ROW_FIELDS)))
+end
+
+-- Lease a ready job whose ROW_FIELDS ``v`` were just read; returns its claimed_row, written
+-- from ``v`` with the lease put in, not read back: one HMGET a job, not two. Every value it
+-- writes goes into the hash and the row as the same string.
+local function lease_row(key, v, until_us, owner, owner_json)
+  local attempt, token = num((tonumber(v[ATTEMPT_AT]) or 0) + 1), num((tonumber(v[TOKEN_AT]) or 0) + 1)
+  local open = '{"attempt":' .. attempt .. ',"started_at":' .. secs(NOW) .. ',"owner":' .. owner_json .. '}'
+  local lease_until = secs(until_us)
+  redis.call('HSET', key, 'state', 'running', 'attempt', attempt, 'token', token, 'lease_until', lease_until,
+    'owner', owner, 'open', open)
+  v[STATE_AT], v[ATTEMPT_AT], v[TOKEN_AT], v[UNTIL_AT], v[OWNER_AT], v[OPEN_AT] =
+    'running', attempt, token, lease_until, owner, open
+  return row_text(key, v)
 end
 
 -- A claim's reply: its rows (JSON texts) as one JSON array, one bulk reply for the client

@@ -51,20 +51,17 @@ local until_us = NOW + lease
 for k = 1, #popped, 2 do
   local id = string.sub(popped[k], 17)
   local key = JOB .. id
-  local f = redis.call('HMGET', key, 'state', 'attempt', 'token', 'expires_at')
-  if (f[1] == 'queued' or f[1] == 'retrying') and past_expiry(f[4]) then
+  local v = redis.call('HMGET', key, unpack(ROW_FIELDS))  -- all of the row: lease_row needs no second read
+  local state, expires = v[STATE_AT], v[EXPIRES_AT]
+  if (state == 'queued' or state == 'retrying') and past_expiry(expires) then
     -- One of a backlog expire_due left (it ends 1000 per call): ended here, never leased.
-    end_expired(key, id, f[4], out)
-  elseif f[1] == 'queued' or f[1] == 'retrying' then  -- never a job that ended meanwhile
+    end_expired(key, id, expires, out)
+  elseif state == 'queued' or state == 'retrying' then  -- never a job that ended meanwhile
     -- A started job cannot expire: out of the expiry index until a retry or release puts it
     -- back, or a finished job's entry would stay until its expires_at (up to ten years).
-    if f[4] then redis.call('ZREM', EXPIRING, id) end
-    local attempt = (tonumber(f[2]) or 0) + 1  -- one HSET for attempt, token and the lease
-    redis.call('HSET', key, 'state', 'running', 'attempt', attempt, 'token', (tonumber(f[3]) or 0) + 1,
-      'lease_until', secs(until_us), 'owner', owner,
-      'open', '{"attempt":' .. attempt .. ',"started_at":' .. secs(NOW) .. ',"owner":' .. owner_json .. '}')
+    if expires then redis.call('ZREM', EXPIRING, id) end
     redis.call('ZADD', LEASED, until_us, id)
-    out[#out + 1] = claimed_row(key)
+    out[#out + 1] = lease_row(key, v, until_us, owner, owner_json)
   end
 end
 return json_array(out)
