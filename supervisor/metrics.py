@@ -137,6 +137,10 @@ class Metrics:
             return job.queue, UNKNOWN_TYPE
         return job.queue, job.type
 
+    def served(self):
+        """The served types as the labels see them (None: any type is its own label); a new object after a reload."""
+        return None if self.arbiter is None else self.arbiter.handlers
+
     def type_label(self, job_type):
         """A job type as a label: served types only (producers choose types; labels must not grow)."""
         return job_type if self.arbiter is None or job_type in self.arbiter.handlers else UNKNOWN_TYPE

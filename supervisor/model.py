@@ -340,9 +340,11 @@ class QueueStats:
         return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """What to store: ``op`` is ACK, RETRY, DEAD, RELEASE or DROP (store nothing: the lease is gone)."""
+class Outcome(typing.NamedTuple):
+    """What to store: ``op`` is ACK, RETRY, DEAD, RELEASE or DROP (store nothing: the lease is gone).
+
+    Immutable, and a tuple rather than a frozen dataclass: one is built for every job, and a
+    frozen dataclass's ``__init__`` costs twice as much (an ``object.__setattr__`` a field)."""
 
     op: str
     reason: str | None = None  # why the attempt failed (RETRY, DEAD)

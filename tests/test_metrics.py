@@ -466,6 +466,40 @@ def test_child_deltas_ignore_unknown_keys_and_bad_values():
         assert value(s, name, queue="q", type="t") == 0
 
 
+def test_a_jobs_series_follow_the_served_types_across_a_reload_and_their_cache_stays_bounded():
+    """Status looks a job's series up once per (event, queue, type): a type no handler served took
+    the "unknown" label and must take its own once a reload serves it; a producer's endless type
+    names must not grow that cache."""
+    from types import SimpleNamespace
+
+    from supervisor.master import status as status_module
+    from supervisor.master.status import Status
+
+    arbiter = SimpleNamespace(handlers={"served": object()})
+    m = Metrics()
+    m.arbiter = arbiter  # what job_labels reads (not the live gauges' collector)
+    st = Status(None, m, None)
+    job = Job(id="j", type="later", queue="q", payload={})
+    st.count("succeeded", job=job)
+    st.attempt(job, {"duration": 0.5, "metrics": {}})
+    arbiter.handlers = {"served": object(), "later": object()}  # a reload: a new generation's handlers
+    st.count("succeeded", job=job, n=2)
+    st.attempt(job, {"duration": 0.5, "metrics": {}})
+    st.count("failed", "exception", job=job)
+    s = samples(m.render())
+    assert value(s, "tangguh_jobs_succeeded_total", queue="q", type="unknown") == 1
+    assert value(s, "tangguh_jobs_succeeded_total", queue="q", type="later") == 2
+    assert value(s, "tangguh_job_duration_seconds_count", queue="q", type="unknown") == 1
+    assert value(s, "tangguh_job_duration_seconds_count", queue="q", type="later") == 1
+    assert value(s, "tangguh_jobs_failed_total", queue="q", type="later", reason="exception") == 1
+    assert st.counters["succeeded"] == 3 and st.counters["failed"] == 1
+    for i in range(status_module.BY_JOB_MOST + 10):
+        st.count("claimed", job=Job(id=f"j{i}", type=f"type-{i}", queue="q", payload={}))
+    assert len(st.by_job) <= status_module.BY_JOB_MOST
+    assert value(samples(m.render()), "tangguh_jobs_claimed_total", queue="q", type="unknown") == \
+        status_module.BY_JOB_MOST + 10
+
+
 def test_exporter_times_out_a_silent_client():
     sel = selectors.DefaultSelector()
     exporter = HttpExporter("127.0.0.1:0", sel, lambda: "x 1\n", client_timeout=0.2)

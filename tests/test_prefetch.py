@@ -91,6 +91,20 @@ def test_a_short_types_hiccup_hands_no_prefetched_job_back():
     assert surplus() == ["large"] * 2  # four fit in BYTES: the bytes bound has no band
 
 
+def test_a_run_that_lowers_what_a_type_may_keep_looks_again_at_its_waiting_jobs():
+    """A child's run can make its type long: the jobs of that type waiting here go back at the next
+    dispatch (``recheck``), not after the next claim. A run that changes nothing asks for no look."""
+    d = dispatcher(["quick"], lambda job: None)
+    for _ in range(5):
+        d.ran("quick", 0.001)
+    d.prefetched.extend((job_of("quick", i), None) for i in range(8))
+    d.recheck = False  # looked at since the claim
+    d.ran("quick", 0.001)
+    assert not d.recheck  # the same keep: nothing to look at
+    d.ran("quick", 2.0)
+    assert d.recheck and d.prefetch.keep("quick") == 0
+
+
 def test_larger_jobs_sent_look_again_at_what_waits_even_when_the_claims_stay_the_same():
     """What a type may keep can fall while its prefetch does not: a 10 ms type of jobs of
     ``BYTES`` / 40 may be claimed 10 at a time (its run time) and keep 40 (its bytes). Larger

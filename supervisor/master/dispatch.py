@@ -57,9 +57,12 @@ class Dispatcher:
 
     def ran(self, job_type, seconds):
         """A child finished a job of ``job_type`` in ``seconds``: learn its run time; a child is free."""
-        before = self.prefetch.keep(job_type)
-        self.prefetch.ran(job_type, seconds)
-        self.recheck = self.recheck or self.prefetch.keep(job_type) < before
+        if self.recheck or not self.prefetched or not self.prefetch.auto:
+            self.prefetch.ran(job_type, seconds)  # no waiting job for a lower keep to hand back, or a look due anyway
+        else:
+            before = self.prefetch.keep(job_type)
+            self.prefetch.ran(job_type, seconds)
+            self.recheck = self.prefetch.keep(job_type) < before
         self.room_closed = False
 
     def capacity(self):

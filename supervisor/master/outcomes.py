@@ -71,7 +71,7 @@ def attempt_info(child=None, reply=None):
     """Where and how long an attempt ran, stored with its outcome."""
     info = {"host": HOST}
     if child is not None:
-        info.update(pid=child.pid, slot=child.slot)
+        info["pid"], info["slot"] = child.pid, child.slot
     if reply and "duration" in reply:
         info["duration"] = round(reply["duration"], 6)
     return info

@@ -18,6 +18,7 @@ from ..protocol import TIMEOUT
 log = logging.getLogger("tangguh.arbiter")
 
 STATUS_SECONDS = 1.0  # the least time between two STATUS= texts to systemd
+BY_JOB_MOST = 4096  # most entries of Status.by_job before it starts again
 COUNTERS = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost", "duplicates_suppressed",
             "cancelled", "expired")
 
@@ -58,20 +59,45 @@ class Status:
         # costs a lock and a tuple check per call, several times per job. Bounded: the
         # labels are served types (job_labels), queues and a fixed set of reasons.
         self.series = {}
+        # (event or Metrics attribute, queue, job type, labels) -> (series, status counter or None):
+        # a job's counters and histograms in one lookup, its labels not worked out again. Keyed by
+        # the type a producer chose, so bounded by size, and cleared when the served types change
+        # (a reload: a type unknown until now gets its own label from then on).
+        self.by_job, self.by_job_served = {}, None
 
     # -- counting --------------------------------------------------------------------------
     def count(self, event, *labels, job=None, n=1):
-        key, attribute, fixed = EVENTS[event]
         if job is not None:
-            labels = (*self.metrics.job_labels(job), *labels)
-        labels = (*labels, *fixed)
+            series, key = self._for_job(event, job, labels)
+        else:
+            key, attribute, fixed = EVENTS[event]
+            series = self._series(attribute, (*labels, *fixed))
+        series.inc(n)
+        if key is not None:
+            self.counters[key] += n
+
+    def _series(self, attribute, labels):
         series = self.series.get((attribute, labels))
         if series is None:
             metric = getattr(self.metrics, attribute)
             series = self.series[(attribute, labels)] = metric.labels(*labels) if labels else metric
-        series.inc(n)
-        if key is not None:
-            self.counters[key] += n
+        return series
+
+    def _for_job(self, name, job, labels):
+        """(series, status counter or None) of event or histogram ``name`` for ``job``, with ``labels`` after its own."""
+        served = self.metrics.served()
+        if served is not self.by_job_served or len(self.by_job) >= BY_JOB_MOST:
+            self.by_job, self.by_job_served = {}, served
+        cache_key = (name, job.queue, job.type, labels)
+        hit = self.by_job.get(cache_key)
+        if hit is None:
+            if name in EVENTS:
+                key, attribute, fixed = EVENTS[name]
+            else:
+                key, attribute, fixed = None, name, ()
+            hit = self.by_job[cache_key] = (
+                self._series(attribute, (*self.metrics.job_labels(job), *labels, *fixed)), key)
+        return hit
 
     def claimed(self, job):
         self.count("claimed", job=job)
@@ -86,14 +112,16 @@ class Status:
 
     def attempt(self, job, reply):
         """Metrics of one finished attempt: its duration and the child's counter deltas."""
-        labels = self.metrics.job_labels(job)
-        if isinstance(reply.get("duration"), (int, float)):
-            self.observe("duration", labels, reply["duration"])
+        duration = reply.get("duration")
+        if isinstance(duration, (int, float)):
+            self._for_job("duration", job, ())[0].observe(duration)
         deltas = reply.get("metrics")
-        if isinstance(deltas, dict) and isinstance(deltas.get("duplicates_suppressed"), int):
+        if not deltas or not isinstance(deltas, dict):
+            return  # most jobs use no lock, no cache and no idempotency key: nothing to add
+        if isinstance(deltas.get("duplicates_suppressed"), int):
             self.counters["duplicates_suppressed"] += deltas["duplicates_suppressed"]
         self.metrics.child_deltas(job, deltas)  # the Prometheus side of the same deltas
-        if isinstance(deltas, dict) and deltas.get("lock_failed"):
+        if deltas.get("lock_failed"):
             # The metric is per type; this record names the contended resource.
             log.info("lock contention: %s failed acquisitions", deltas["lock_failed"],
                      extra=logs.job_fields(job, event="lock_contention"))
@@ -136,14 +164,7 @@ class Status:
     def stored(self, write):
         if write.op == ACK and write.job.queued_at:
             waited = max(0.0, time.time() - write.job.queued_at)  # the broker's clock set queued_at: close enough
-            self.observe("complete", self.metrics.job_labels(write.job), waited)
-
-    def observe(self, attribute, labels, value):
-        """A histogram observation through the same cache of labelled series as ``count``."""
-        series = self.series.get((attribute, labels))
-        if series is None:
-            series = self.series[(attribute, labels)] = getattr(self.metrics, attribute).labels(*labels)
-        series.observe(value)
+            self._for_job("complete", write.job, ())[0].observe(waited)
 
     # -- reporting ---------------------------------------------------------------------------
     def set_title(self):

@@ -7,7 +7,7 @@ claimed under, and returns an ``Outcome`` for the outcome writer. It does no
 I/O, keeps no state and reads no clock: the retry policy comes in as
 ``backoff(failures) -> seconds``.
 """
-import dataclasses
+import typing
 
 from ..model import ACK, CANCELLED, DEAD, DROP, MAX_DELAY, REASONS, RELEASE, RETRY, Outcome  # noqa: F401 - the ops
 from ..protocol import (BAD_PAYLOAD, CRASHED, EXCEPTION, KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN,
@@ -17,9 +17,8 @@ from ..protocol import (BAD_PAYLOAD, CRASHED, EXCEPTION, KILLED_BAD_FRAME, KILLE
 DEAD_AT_ONCE = (PERMANENT, BAD_PAYLOAD, UNKNOWN_TYPE, RESULT_TOO_LARGE)
 
 
-@dataclasses.dataclass(frozen=True)
-class Ending:
-    """How an attempt ended, as the master saw it.
+class Ending(typing.NamedTuple):
+    """How an attempt ended, as the master saw it (a tuple, like ``Outcome``: one a job).
 
     ``reply``: the child's result message, when one came. ``exit_how``: how
     the child died without one ("signal SIGKILL", "exit code 1").
