@@ -10,7 +10,10 @@ no scheduling controls, then claims them 10 at a time and acks each one; with
 ``--batch N``, claims N at a time and acks them with one ``ack_many``, each with
 the outcome info the daemon stores (host, pid, slot, duration: the master's way). Each side reports its
 jobs/s and its own CPU per job (``time.process_time``: the client's share, which
-the server's and other processes' load disturb least).
+the server's and other processes' load disturb least). On Redis each side also reports the
+server's time a job in the scripts (``INFO commandstats``' ``EVALSHA`` time over the round: the
+claims' and acks' Lua, which the client's CPU does not see); nothing else may use that server
+meanwhile.
 """
 import argparse
 import os
@@ -37,9 +40,19 @@ def worker(backend, batch=0):
            "postgres": f"{POSTGRES}?schema=claim_ab_{tag}"}[backend]
     broker = open_broker(url)
     broker.migrate()
+    server = None
+    if backend == "redis":
+        import redis
+
+        server = redis.Redis.from_url(REDIS)
+
+    def script_usec():
+        return server.info("commandstats").get("cmdstat_evalsha", {}).get("usec", 0) if server else 0
+
     try:
         for _ in sys.stdin:
             broker.enqueue_many([NewJob("bench", {"n": i}, queue="bench") for i in range(1000)])
+            scripts = script_usec()
             started, cpu, n = time.perf_counter(), time.process_time(), 0
             while jobs := broker.claim(["bench"], batch or 10, 30, "ab"):
                 if batch:
@@ -50,7 +63,8 @@ def worker(backend, batch=0):
                 for job in jobs:
                     broker.ack(job.lease)
                     n += 1
-            print(n / (time.perf_counter() - started), (time.process_time() - cpu) / n * 1e6, flush=True)
+            rate, cpu = n / (time.perf_counter() - started), (time.process_time() - cpu) / n * 1e6
+            print(rate, cpu, (script_usec() - scripts) / n, flush=True)
     finally:
         broker.close()
         if backend == "redis":
@@ -83,24 +97,29 @@ def main(argv=None):
                                          cwd=path, env=dict(os.environ, PYTHONPATH=path), stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True)
                  for label, (path, _) in trees.items()}
-        results, cpus = {"A": [], "B": []}, {"A": [], "B": []}
+        results, cpus, servers = {"A": [], "B": []}, {"A": [], "B": []}, {"A": [], "B": []}
         for r in range(args.rounds):
             for label in ("A", "B") if r % 2 == 0 else ("B", "A"):
                 procs[label].stdin.write("go\n")
                 procs[label].stdin.flush()
-                rate, cpu = procs[label].stdout.readline().split()
+                rate, cpu, server = procs[label].stdout.readline().split()
                 results[label].append(float(rate))
                 cpus[label].append(float(cpu))
+                servers[label].append(float(server))
         for proc in procs.values():
             proc.stdin.close()
             proc.wait()
-    print(f"| {args.backend} | revision | median claim+ack/s | best | client CPU µs/job | rounds |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    redis_side = args.backend == "redis"
+    print(f"| {args.backend} | revision | median claim+ack/s | best | client CPU µs/job |"
+          + (" server scripts µs/job |" if redis_side else "") + " rounds |")
+    print("| --- | --- | ---: | ---: | ---: |" + (" ---: |" if redis_side else "") + " ---: |")
     for label, (_, rev) in trees.items():
         xs = results[label]
         print(f"| {label} | {rev} | {statistics.median(xs):,.0f} | {max(xs):,.0f} | "
-              f"{statistics.median(cpus[label]):.1f} | {len(xs)} |")
-    for what, figures in (("jobs/s", results), ("client CPU", cpus)):
+              f"{statistics.median(cpus[label]):.1f} |"
+              + (f" {statistics.median(servers[label]):.1f} |" if redis_side else "") + f" {len(xs)} |")
+    for what, figures in (("jobs/s", results), ("client CPU", cpus)) + ((("server scripts", servers),)
+                                                                         if redis_side else ()):
         a, b = statistics.median(figures["A"]), statistics.median(figures["B"])
         ratios = [y / x for x, y in zip(figures["A"], figures["B"])]  # each round ran A and B back to back
         print(f"\n{what} B / A (medians): {b / a:.2f}; per round: {min(ratios):.2f} – {max(ratios):.2f}")
