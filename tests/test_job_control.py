@@ -53,6 +53,7 @@ def cancel_entry(job):
 @pytest.mark.parametrize("handler, evidence, killed", [
     ("cancel_cooperative", "saw ctx.cancelled()", False),  # asks ctx.cancelled() inside critical()
     ("cancel_ignored", "saw Cancelled", False),  # a pure-Python loop: Cancelled raised into it
+    ("cancel_swallowed", "swallowed Cancelled", False),  # caught, and a result returned: cancelled all the same
     ("cancel_stuck", None, True),  # inside critical() past cancel_grace: killed
 ])
 def test_a_running_cpu_bound_job_is_cancelled(tmp_path, url, handler, evidence, killed):

@@ -236,9 +236,17 @@ def run_job(job, handlers, soft_timeout=None):
         timeouts.disarm()
         if result is not None:  # most handlers return nothing: no walk, no trial encoding
             check_json(result, "handler result")
-        # ``cancelled``: the handler returned after its cancel reached it (the job ends cancelled).
-        return dict(reply, ok=True, result=result, duration=time.monotonic() - started,
-                    metrics=_numbers(ctx.metrics), cancelled=timeouts.cancel_requested())
+        reply.update(ok=True, duration=time.monotonic() - started)
+        # Only what differs from nothing: most jobs return None, count nothing and are not
+        # cancelled, and each key is encoded here and decoded in the master for every job.
+        if result is not None:
+            reply["result"] = result
+        metrics = _numbers(ctx.metrics)
+        if metrics:
+            reply["metrics"] = metrics
+        if timeouts.cancel_requested():
+            reply["cancelled"] = True  # the handler returned after its cancel reached it (the job ends cancelled)
+        return reply
     except BaseException as exc:  # noqa: BLE001 - every way a handler can end is an outcome
         if _pid is not None and os.getpid() != _pid:
             _leave_fork(exc)

@@ -42,6 +42,19 @@ def cancel_ignored(ctx, payload):
         raise
 
 
+@supervisor.job("cancel_swallowed", timeout=120)
+def cancel_swallowed(ctx, payload):
+    """Catches Cancelled and returns as if done: the job still ends cancelled (the child says
+    the cancel reached it), never done."""
+    _mark(payload, f"started {ctx.job.id} {os.getpid()}")
+    try:
+        while True:
+            _burn()
+    except supervisor.Cancelled:
+        _mark(payload, "swallowed Cancelled")
+    return {"finished": True}
+
+
 @supervisor.job("cancel_stuck", timeout=120)
 def cancel_stuck(ctx, payload):
     """Inside critical() for longer than cancel_grace, never asking: only the kill stops it."""
