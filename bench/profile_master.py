@@ -8,7 +8,8 @@ the config defaults (``lease_seconds = 5``, ``heartbeat_seconds = 1`` as in
 under cProfile, waits until every job has run, stops it with SIGTERM and prints
 the master's CPU per job (over the whole run, start-up included, and in the
 steady state between 10 % and 90 % of the jobs done: what the 25 µs target of
-issue 17 is about) and the functions with the most own time. The
+issue 17 is about), the Python calls a job (cProfile's count: steadier than any
+time on a shared machine) and the functions with the most own time. The
 children are forked from the profiled master but end with ``os._exit``, so
 only the master's time is in the profile.
 """
@@ -112,6 +113,9 @@ def main(argv=None):
             print("events:", dict(counts.most_common()))
         if not args.no_profile:
             stats = pstats.Stats(out)
+            # Calls a job: what cProfile counts moves little with the machine's speed or load, unlike
+            # its times (start-up's calls included; compare runs of the same number of jobs).
+            print(f"  Python calls a job: {stats.total_calls / max(done, 1):.0f} ({stats.total_calls:,} in all)")
             stats.sort_stats(args.sort).print_stats(args.top)
             if args.save:
                 stats.dump_stats(args.save)
