@@ -30,29 +30,30 @@ def cancel_cooperative(ctx, payload):
     return {"stopped": "cooperatively"}  # not reached: Cancelled is raised on leaving critical()
 
 
-@supervisor.job("cancel_ignored", timeout=120)
-def cancel_ignored(ctx, payload):
-    """A CPU-bound loop that never looks: Cancelled is raised into it."""
+def _until_cancelled(ctx, payload, seen):
+    """A CPU-bound loop that never looks: Cancelled is raised into it (and marked ``seen``)."""
     _mark(payload, f"started {ctx.job.id} {os.getpid()}")
     try:
         while True:
             _burn()
     except supervisor.Cancelled:
-        _mark(payload, "saw Cancelled")
+        _mark(payload, seen)
         raise
+
+
+@supervisor.job("cancel_ignored", timeout=120)
+def cancel_ignored(ctx, payload):
+    _until_cancelled(ctx, payload, "saw Cancelled")
 
 
 @supervisor.job("cancel_swallowed", timeout=120)
 def cancel_swallowed(ctx, payload):
     """Catches Cancelled and returns as if done: the job still ends cancelled (the child says
     the cancel reached it), never done."""
-    _mark(payload, f"started {ctx.job.id} {os.getpid()}")
     try:
-        while True:
-            _burn()
+        _until_cancelled(ctx, payload, "swallowed Cancelled")
     except supervisor.Cancelled:
-        _mark(payload, "swallowed Cancelled")
-    return {"finished": True}
+        return {"finished": True}
 
 
 @supervisor.job("cancel_stuck", timeout=120)
