@@ -22,7 +22,10 @@ TOP_UP_BYTES = 64 * 1024  # the most a message to a busy child holds (master/poo
 # (child/timeouts.py); the frame itself is read, and ignored, once the job is over.
 RUN, STOP, SKIP, CANCEL = "run", "stop", "skip", "cancel"
 CANCEL_SIGNAL = signal.SIGUSR1
-# child -> master. PROGRESS: {"job_id", "fraction", "note"} (ctx.progress, coalesced)
+# child -> master. PROGRESS: {"job_id", "fraction", "note"} (ctx.progress, coalesced).
+# RESULT: {"job_id", "token", "ok", "duration"}, with "result", "metrics" ({name: number}) and
+# "cancelled" (true) only when set, and a failure's "kind", "error_class", "message",
+# "traceback" (and a RetryLater's "delay"); "skipped": true for a job of a batch never started.
 READY, RESULT, LOCK, UNLOCK, PROGRESS = "ready", "result", "lock", "unlock", "progress"
 MAX_NOTE = 200  # characters of a progress note kept
 
