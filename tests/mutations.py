@@ -1165,7 +1165,7 @@ MUTATIONS = [
              "        return _DECODE(text.decode() if isinstance(text, (bytes, bytearray)) else text)\n    except ValueError:",
              (CONFORMANCE, "-k", "too_deep_to_decode"),
              "a stored value too deep to decode is read as its text on every broker, never raised from a claim"),
-    Mutation("sqlite-row-json-left-as-text", "supervisor/backends/sqlite/__init__.py",
+    Mutation("sqlite-row-json-left-as-text", "supervisor/backends/sqlite/rows.py",
              "        args.append(load_json(value) if is_json and value is not None else value)\n",
              "        args.append(value)\n",
              (CONFORMANCE, "-k", "sqlite and claim_leases_with_fresh_token"),

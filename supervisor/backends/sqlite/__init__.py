@@ -12,19 +12,19 @@ The package's parts: ``schema`` (the tables, the foreign-table refusal),
 the WAL), ``search`` (search, count, requeue, discard); the other operations
 are here.
 """
-import dataclasses
 import json
 import os
 import sqlite3
 
 from ...errors import BadInput, BrokerBusy, BrokerError, ConfigError, LeaseLost, NotDead, RolledBack
 from ...jsonvalues import entry_json, result_json
-from ...model import DEAD, DONE, Job, QueueStats, load_json
+from ...model import DEAD, DONE, QueueStats
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, wakeup, workflows
 from .control import _CLOSE_ENTRY, _LEASED, ControlMixin  # the statements' shared parts
 from .producing import ProducingMixin
+from .rows import job as _job
 from .database import Transaction, busy, connect, errors, interrupted_after, let_go_inherited, read_url, truncate_wal
 from .ready import due_ids, due_rows
 from .search import SearchMixin
@@ -380,41 +380,4 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
         with errors(self.path):
             truncate_wal(self.db, self._options[1])
         return total
-
-
-_JSON_COLUMNS = frozenset(("payload", "result", "error", "history", "cancel_request"))
-# A row's column names -> how to build a Job from it positionally: per Job field, the column's
-# index and whether it holds JSON, or (for a field the query does not select) its default. One
-# entry per SELECT layout in this module's statements, a handful.
-_PLANS = {}
-_MISSING = dataclasses.MISSING
-
-
-def _plan(names):
-    plan = []
-    for field in dataclasses.fields(Job):
-        if field.name in names:
-            plan.append((names.index(field.name), field.name in _JSON_COLUMNS, None))
-        elif field.default_factory is not _MISSING:
-            plan.append((None, False, field.default_factory))
-        else:
-            plan.append((None, False, lambda default=field.default: default))
-    return tuple(plan)
-
-
-def _job(row):
-    """A ``Job`` from a ``sqlite3.Row`` of the jobs table, by position: ``dict(row)`` and
-    ``Job.from_dict`` took four times as long (a claimed job, in the master)."""
-    names = tuple(row.keys())
-    plan = _PLANS.get(names)
-    if plan is None:
-        plan = _PLANS[names] = _plan(names)
-    args = []
-    for index, is_json, default in plan:
-        if index is None:
-            args.append(default())
-            continue
-        value = row[index]
-        args.append(load_json(value) if is_json and value is not None else value)
-    return Job(*args)
 

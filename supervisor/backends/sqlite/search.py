@@ -19,6 +19,7 @@ checked rows that passed the row-by-row filters, marked ``exact=False``.
 import sqlite3
 
 from .. import scan, sqlsearch
+from . import rows as rows_module
 from .database import errors
 
 _REQUEUE_FROM = ("dead", "cancelled", "expired")
@@ -87,10 +88,9 @@ class SearchMixin:
     def _load(self, ids):
         if not ids:
             return []
-        from . import _job  # the broker module's row -> Job
         with errors(self.path):
             rows = self.db.execute(f"SELECT * FROM jobs WHERE id IN ({','.join('?' * len(ids))})", ids).fetchall()
-        by_id = {r["id"]: _job(r) for r in rows}
+        by_id = {r["id"]: rows_module.job(r) for r in rows}
         return [by_id[i] for i in ids if i in by_id]
 
     def search(self, filter, cursor=None, limit=50, order="newest"):
