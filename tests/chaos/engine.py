@@ -51,6 +51,7 @@ import collections
 import dataclasses
 import heapq
 import json
+import math
 import os
 import random
 import shutil
@@ -92,6 +93,7 @@ FAULT_REASONS = ("crashed", "lease_expired", "timeout")
 # How long before the stop signal a claim may have run and still had its answer cut: the
 # claim's timestamp is taken inside the broker a moment before its reply is written.
 CLAIM_CUT_MARGIN = 0.05
+CLOCK_SLACK = 0.05  # seconds between this process's clock and the broker's stamps (one machine)
 SHARED_POSTGRES = os.environ.get("TANGGUH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 SHARED_REDIS = os.environ.get("TANGGUH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -200,7 +202,7 @@ class Soak(ControlFaults):
         # What each fault hit, for the checker to prove it did what it is for.
         self.child_kills = []  # (pid, job id)
         self.child_stalls = []  # (pid, job id, seconds)
-        self.sup_stalls = []  # (Incarnation, job ids its busy children ran, seconds)
+        self.sup_stalls = []  # (Incarnation, job ids its busy children ran, seconds, time.time() of the stop)
         self.lock_held_stalls = set()  # pids of masters stopped holding SQLite's write lock
         self.outages = []  # (start, end) wall-clock seconds: the broker could not be written meanwhile
         self.outage_start = None
@@ -730,10 +732,11 @@ class Soak(ControlFaults):
         # it claims, and a busy one (every child running, its prefetch full) may not within half a
         # lease (a loaded machine once saw no takeover in a stall of 1.5 leases).
         stall = round(self.rng_faults.uniform(self.s.lease_seconds * 2, self.s.lease_seconds * 3.5), 2)
+        stopped_at = time.time()
         os.kill(sup.life.pid, signal.SIGSTOP)
         sup.state = "stopped"
         sup.life.hits["stall_supervisor"] += 1
-        self.sup_stalls.append((sup.life, busy, stall))
+        self.sup_stalls.append((sup.life, busy, stall, stopped_at))
         self.later(stall, self.resume_supervisor, sup)
         if self.s.broker == "sqlite":
             self.later(self.s.lease_seconds + 0.2, self.probe_sqlite_lock, sup.life)
@@ -1069,14 +1072,20 @@ class Soak(ControlFaults):
         self.stale_taken = 0
         if faults["stall_supervisor"]:
             per_stall = []
-            for life, job_ids, _ in self.sup_stalls:
-                n = sum(1 for job_id in job_ids for h in (by_id[job_id].history if job_id in by_id else ())
-                        if life_of(h.get("owner")) == life.owner and h.get("outcome") == "lease_expired")
+            for life, job_ids, stall, stopped_at in self.sup_stalls:
+                # The jobs its status showed running, and any other attempt of it that started before
+                # the stop and was taken over during the stall: the status is a moment old, and a
+                # short job it named may have been acked, and the next one started, before the stop.
+                until = stopped_at + stall + lease + 1  # the last instant a takeover of the stall can bear
+                n = sum(1 for job in by_id.values() for h in job.history
+                        if life_of(h.get("owner")) == life.owner and h.get("outcome") == "lease_expired"
+                        and (job.id in job_ids or (h.get("started_at", math.inf) <= stopped_at + CLOCK_SLACK
+                                                   and stopped_at <= h.get("ended_at", 0) <= until)))
                 per_stall.append(n)
             self.stale_taken = sum(per_stall)
             # A master stopped inside a SQLite write holds the lock (the probe saw it): an outage for
             # every supervisor, so nobody could take its leases over. Such a stall proves nothing here.
-            open_stalls = [n for (life, _, _), n in zip(self.sup_stalls, per_stall)
+            open_stalls = [n for (life, *_), n in zip(self.sup_stalls, per_stall)
                            if life.pid not in self.lock_held_stalls]
             # The survivors' lease_lost >= their taken-over attempts is checked with the counters:
             # the late outcome of each was refused (or dropped once the heartbeat saw the loss).
