@@ -4,27 +4,22 @@ A claim turns every leased row into a ``Job`` in the master: by position, from a
 once per SELECT layout, not through ``dict(row)`` (a ``sqlite3.Row`` looks each column up by
 name) and ``Job.from_dict``, which took four times as long.
 """
-import dataclasses
-
-from ...model import Job, load_json
+from ...model import JOB_DEFAULTS, Job, load_json
 
 _JSON_COLUMNS = frozenset(("payload", "result", "error", "history", "cancel_request"))
 # A row's column names -> how to build a Job from it positionally: per Job field, the column's
 # index and whether it holds JSON, or (for a field the query does not select) its default. One
 # entry per SELECT layout in the broker's statements (SELECT * or RETURNING *), a handful.
 _PLANS = {}
-_MISSING = dataclasses.MISSING
 
 
 def _plan(names):
     plan = []
-    for field in dataclasses.fields(Job):
-        if field.name in names:
-            plan.append((names.index(field.name), field.name in _JSON_COLUMNS, None))
-        elif field.default_factory is not _MISSING:
-            plan.append((None, False, field.default_factory))
+    for name, factory, default in JOB_DEFAULTS:
+        if name in names:
+            plan.append((names.index(name), name in _JSON_COLUMNS, None))
         else:
-            plan.append((None, False, lambda default=field.default: default))
+            plan.append((None, False, factory or (lambda default=default: default)))
     return tuple(plan)
 
 
