@@ -19,6 +19,15 @@ local function secs(us)
   return string.format('%d.%06d', math.floor(us / 1000000), us % 1000000)
 end
 
+-- This call's instant as text, formatted once: a claim or an ack of 32 jobs wrote it 32 to 64 times.
+local NOW_SECS = secs(NOW)
+
+-- A count the scripts keep (an attempt, a lease token): an integer, so '%d' (exact to 2^63),
+-- at 2.5 times the speed of num's '%.0f', which also rounds the fractions num is given.
+local function count_text(n)
+  return string.format('%d', n)
+end
+
 -- model.first_token: a job whose id the caller chose (a token other than 0 in its fields)
 -- starts from the later of the producer's clock and this server's, in units of 2^-20 s: a
 -- producer whose clock lags (another host, a clock stepped back) cannot give the new job the
@@ -68,11 +77,10 @@ end
 
 -- Lease a ready job whose ROW_FIELDS ``v`` were just read; returns its claimed_row, written
 -- from ``v`` with the lease put in, not read back: one HMGET a job, not two. Every value it
--- writes goes into the hash and the row as the same string.
-local function lease_row(key, v, until_us, owner, owner_json)
-  local attempt, token = num((tonumber(v[ATTEMPT_AT]) or 0) + 1), num((tonumber(v[TOKEN_AT]) or 0) + 1)
-  local open = '{"attempt":' .. attempt .. ',"started_at":' .. secs(NOW) .. ',"owner":' .. owner_json .. '}'
-  local lease_until = secs(until_us)
+-- writes goes into the hash and the row as the same string; ``lease_until`` is the lease's end as text.
+local function lease_row(key, v, lease_until, owner, owner_json)
+  local attempt, token = count_text((tonumber(v[ATTEMPT_AT]) or 0) + 1), count_text((tonumber(v[TOKEN_AT]) or 0) + 1)
+  local open = '{"attempt":' .. attempt .. ',"started_at":' .. NOW_SECS .. ',"owner":' .. owner_json .. '}'
   redis.call('HSET', key, 'state', 'running', 'attempt', attempt, 'token', token, 'lease_until', lease_until,
     'owner', owner, 'open', open)
   v[STATE_AT], v[ATTEMPT_AT], v[TOKEN_AT], v[UNTIL_AT], v[OWNER_AT], v[OPEN_AT] =
@@ -121,8 +129,8 @@ local function free_key(key, id)
 end
 
 local function failed_now(key)
-  redis.call('HSETNX', key, 'first_failure_at', secs(NOW))
-  redis.call('HSET', key, 'last_failure_at', secs(NOW))
+  redis.call('HSETNX', key, 'first_failure_at', NOW_SECS)
+  redis.call('HSET', key, 'last_failure_at', NOW_SECS)
 end
 
 -- ',"pid":1,...' from the caller's info object body ('' when empty)

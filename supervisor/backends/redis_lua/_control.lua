@@ -42,7 +42,7 @@ local function watch_expiry(key, id)
 end
 
 local function end_cancelled(key, id)
-  redis.call('HSET', key, 'state', 'cancelled', 'finished_at', secs(NOW))
+  redis.call('HSET', key, 'state', 'cancelled', 'finished_at', NOW_SECS)
   redis.call('HDEL', key, 'lease_until')
   redis.call('ZADD', CANCELLED_Z, NOW, id)
   redis.call('ZREM', EXPIRING, id)
@@ -60,8 +60,8 @@ end
 -- A due queued or retrying job, out of the ready and delayed zsets already, ends 'expired';
 -- its hash is appended to `out` (the caller records it, never leases it).
 local function end_expired(key, id, expires_at, out)
-  redis.call('HSET', key, 'state', 'expired', 'finished_at', secs(NOW))
-  append_entry(key, '{"outcome":"expired","at":' .. secs(NOW) .. ',"expires_at":' .. expires_at .. '}')
+  redis.call('HSET', key, 'state', 'expired', 'finished_at', NOW_SECS)
+  append_entry(key, '{"outcome":"expired","at":' .. NOW_SECS .. ',"expires_at":' .. expires_at .. '}')
   redis.call('ZADD', EXPIRED_Z, NOW, id)
   redis.call('ZREM', EXPIRING, id)
   free_key(key, id)

@@ -67,8 +67,8 @@ settle = function(id, state, result)
             if (pstate ~= 'done' and on == 'success') or left == 0 then redis.call('SREM', WAITING_S, child) end
             if pstate ~= 'done' and on == 'success' then
               -- Like an operator's cancel (end_cancelled), without settling here: the worklist does.
-              redis.call('HSET', ckey, 'state', 'cancelled', 'reason', 'parent_failed', 'finished_at', secs(NOW),
-                'cancel_request', '{"by":"workflow","reason":"parent_failed","at":' .. secs(NOW) .. '}')
+              redis.call('HSET', ckey, 'state', 'cancelled', 'reason', 'parent_failed', 'finished_at', NOW_SECS,
+                'cancel_request', '{"by":"workflow","reason":"parent_failed","at":' .. NOW_SECS .. '}')
               redis.call('ZADD', CANCELLED_Z, NOW, child)
               redis.call('ZREM', EXPIRING, child)
               free_key(ckey, child)
@@ -82,7 +82,7 @@ settle = function(id, state, result)
                 redis.call('ZADD', DELAYED, run, child)
                 redis.call('HSET', ckey, 'state', 'queued')
               else
-                redis.call('HSET', ckey, 'state', 'queued', 'run_at', secs(NOW))
+                redis.call('HSET', ckey, 'state', 'queued', 'run_at', NOW_SECS)
                 make_ready(child, f[1], NOW)
                 released = true
               end

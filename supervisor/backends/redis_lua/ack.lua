@@ -3,8 +3,8 @@
 local id, token, ttl = ARGV[3], ARGV[4], tonumber(ARGV[7])
 local key = JOB .. id
 if not is_leased(key, token) then return 0 end
-close_entry(key, info_part(ARGV[6]) .. ',"ended_at":' .. secs(NOW) .. ',"outcome":"done"')
-redis.call('HSET', key, 'state', 'done', 'result', ARGV[5], 'finished_at', secs(NOW))
+close_entry(key, info_part(ARGV[6]) .. ',"ended_at":' .. NOW_SECS .. ',"outcome":"done"')
+redis.call('HSET', key, 'state', 'done', 'result', ARGV[5], 'finished_at', NOW_SECS)
 redis.call('HDEL', key, 'lease_until')
 redis.call('ZREM', LEASED, id)
 free_key(key, id)

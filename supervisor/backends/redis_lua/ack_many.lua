@@ -19,9 +19,9 @@ for i = 1, #a, 4 do
   local key = JOB .. id
   local v = redis.call('HMGET', key, 'state', 'token', 'history', 'open', 'idempotency_key', 'kids', 'waited')
   if v[1] == 'running' and v[2] == token then
-    local history = closed_history(v[3], v[4], info_part(a[i + 3]) .. ',"ended_at":' .. secs(NOW)
+    local history = closed_history(v[3], v[4], info_part(a[i + 3]) .. ',"ended_at":' .. NOW_SECS
       .. ',"outcome":"done"')
-    redis.call('HSET', key, 'state', 'done', 'result', a[i + 2], 'finished_at', secs(NOW), 'history', history)
+    redis.call('HSET', key, 'state', 'done', 'result', a[i + 2], 'finished_at', NOW_SECS, 'history', history)
     redis.call('HDEL', key, 'open', 'lease_until')
     redis.call('ZREM', LEASED, id)
     free_key_of(v[5], id)

@@ -2,7 +2,7 @@
 -- A queued or retrying job ends cancelled; a running one gets the request
 -- (the first one stands). Returns one answer per id (see Broker.cancel).
 local by, reason = ARGV[3], ARGV[4]
-local request = '{"by":' .. by .. ',"reason":' .. reason .. ',"at":' .. secs(NOW) .. '}'
+local request = '{"by":' .. by .. ',"reason":' .. reason .. ',"at":' .. NOW_SECS .. '}'
 local out = {}
 for k = 5, #ARGV do
   local id = ARGV[k]
@@ -14,7 +14,7 @@ for k = 5, #ARGV do
   elseif state == 'queued' or state == 'retrying' or state == 'waiting' then
     unqueue(id, f[2])
     redis.call('HSET', key, 'cancel_request', request)
-    append_entry(key, '{"outcome":"cancelled","by":' .. by .. ',"reason":' .. reason .. ',"at":' .. secs(NOW) .. '}')
+    append_entry(key, '{"outcome":"cancelled","by":' .. by .. ',"reason":' .. reason .. ',"at":' .. NOW_SECS .. '}')
     end_cancelled(key, id)
     out[#out + 1] = 'cancelled'
   elseif state == 'running' then

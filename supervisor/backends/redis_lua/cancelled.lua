@@ -11,7 +11,7 @@ if request then
   if type(r.by) == 'string' then by = cjson.encode(r.by) end
   if type(r.reason) == 'string' then reason = cjson.encode(r.reason) end
 end
-close_entry(key, info_part(ARGV[5]) .. ',"ended_at":' .. secs(NOW) .. ',"outcome":"cancelled","by":' .. by
+close_entry(key, info_part(ARGV[5]) .. ',"ended_at":' .. NOW_SECS .. ',"outcome":"cancelled","by":' .. by
   .. ',"reason":' .. reason)
 redis.call('ZREM', LEASED, id)
 end_cancelled(key, id)

@@ -13,20 +13,20 @@ for _, id in ipairs(expired) do
   if f[1] then
     local err = cjson.encode({reason = 'lease_expired', class = '', traceback = '',
       message = 'lease of owner ' .. tostring(f[3] or 'None') .. ' expired'})
-    close_entry(key, ',"ended_at":' .. secs(NOW) .. ',"outcome":"lease_expired","error":' .. err)
+    close_entry(key, ',"ended_at":' .. NOW_SECS .. ',"outcome":"lease_expired","error":' .. err)
     redis.call('HDEL', key, 'lease_until', 'owner')
     redis.call('HSET', key, 'error', err)
     failed_now(key)
     if f[5] then  -- a cancel asked of the lost attempt ends the job: it never starts again
       end_cancelled(key, id)
     elseif tonumber(f[1]) >= tonumber(f[2]) then
-      redis.call('HSET', key, 'state', 'dead', 'reason', 'lease_expired', 'finished_at', secs(NOW), 'run_at', secs(NOW))
+      redis.call('HSET', key, 'state', 'dead', 'reason', 'lease_expired', 'finished_at', NOW_SECS, 'run_at', NOW_SECS)
       redis.call('ZADD', DEAD, NOW, id)
       free_key(key, id)
       settle(id, 'dead', nil)
       tell_waiters(key, id)
     else
-      redis.call('HSET', key, 'state', 'retrying', 'run_at', secs(NOW))
+      redis.call('HSET', key, 'state', 'retrying', 'run_at', NOW_SECS)
       make_ready(id, f[4], NOW)
       watch_expiry(key, id)
     end
@@ -48,6 +48,7 @@ expire_due(out)
 if n < 1 or redis.call('EXISTS', PAUSED) == 1 then return json_array(out) end
 local popped = redis.call('ZPOPMIN', READY, n)
 local until_us = NOW + lease
+local until_text = secs(until_us)  -- every job of the call is leased until the same instant
 for k = 1, #popped, 2 do
   local id = string.sub(popped[k], 17)
   local key = JOB .. id
@@ -61,7 +62,7 @@ for k = 1, #popped, 2 do
     -- back, or a finished job's entry would stay until its expires_at (up to ten years).
     if expires then redis.call('ZREM', EXPIRING, id) end
     redis.call('ZADD', LEASED, until_us, id)
-    out[#out + 1] = lease_row(key, v, until_us, owner, owner_json)
+    out[#out + 1] = lease_row(key, v, until_text, owner, owner_json)
   end
 end
 return json_array(out)

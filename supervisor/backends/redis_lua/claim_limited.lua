@@ -49,7 +49,7 @@ local function lease_job(id, key)
   local attempt = redis.call('HINCRBY', key, 'attempt', 1)
   redis.call('HINCRBY', key, 'token', 1)
   redis.call('HSET', key, 'state', 'running', 'lease_until', secs(until_us), 'owner', owner,
-    'open', '{"attempt":' .. attempt .. ',"started_at":' .. secs(NOW) .. ',"owner":' .. owner_json .. '}')
+    'open', '{"attempt":' .. attempt .. ',"started_at":' .. NOW_SECS .. ',"owner":' .. owner_json .. '}')
   redis.call('ZADD', LEASED, until_us, id)
   redis.call('ZREM', EXPIRING, id)  -- a started job cannot expire (see claim.lua)
   return claimed_row(key)

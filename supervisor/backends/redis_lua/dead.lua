@@ -2,8 +2,8 @@
 local id, token = ARGV[3], ARGV[4]
 local key = JOB .. id
 if not is_leased(key, token) then return 0 end
-close_entry(key, info_part(ARGV[7]) .. ',"ended_at":' .. secs(NOW) .. ',"outcome":"dead","error":' .. ARGV[6])
-redis.call('HSET', key, 'state', 'dead', 'reason', ARGV[5], 'error', ARGV[6], 'finished_at', secs(NOW))
+close_entry(key, info_part(ARGV[7]) .. ',"ended_at":' .. NOW_SECS .. ',"outcome":"dead","error":' .. ARGV[6])
+redis.call('HSET', key, 'state', 'dead', 'reason', ARGV[5], 'error', ARGV[6], 'finished_at', NOW_SECS)
 redis.call('HDEL', key, 'lease_until')
 failed_now(key)
 redis.call('ZREM', LEASED, id)

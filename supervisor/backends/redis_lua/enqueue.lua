@@ -32,7 +32,7 @@ for n, job in ipairs(jobs) do
     local run = NOW + delay
     chosen_id_token(fields)
     redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'history', '[]',
-      'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
+      'run_at', secs(run), 'queued_at', NOW_SECS, unpack(fields))
     index_job(id, field_of(fields, 'type'), NOW, typed)
     if ikey then redis.call('HSET', IDEM, ikey, id) end
     if job[6] then  -- expires in (us), on this clock

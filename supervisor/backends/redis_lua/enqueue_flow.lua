@@ -85,7 +85,7 @@ for _, job in ipairs(fresh) do
   if failing > 0 then state = 'cancelled' elseif pending > 0 then state = 'waiting' end
   chosen_id_token(fields)
   redis.call('HSET', key, 'state', state, 'attempt', 0, 'history', '[]',
-    'run_at', secs(run), 'queued_at', secs(NOW), unpack(fields))
+    'run_at', secs(run), 'queued_at', NOW_SECS, unpack(fields))
   index_job(id, field_of(fields, 'type'), NOW, typed)
   if #deps > 0 then
     redis.call('HSET', key, 'pending', pending, 'failing', failing, 'level', levels[id])
@@ -95,8 +95,8 @@ for _, job in ipairs(fresh) do
   end
   if job[6] then redis.call('HSET', key, 'expires_at', secs(NOW + job[6])) end
   if state == 'cancelled' then
-    redis.call('HSET', key, 'reason', 'parent_failed', 'finished_at', secs(NOW),
-      'cancel_request', '{"by":"workflow","reason":"parent_failed","at":' .. secs(NOW) .. '}')
+    redis.call('HSET', key, 'reason', 'parent_failed', 'finished_at', NOW_SECS,
+      'cancel_request', '{"by":"workflow","reason":"parent_failed","at":' .. NOW_SECS .. '}')
     redis.call('ZADD', CANCELLED_Z, NOW, id)
   else
     if state == 'waiting' then redis.call('SADD', WAITING_S, id) end

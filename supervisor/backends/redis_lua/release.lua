@@ -13,7 +13,7 @@ if redis.call('HEXISTS', key, 'cancel_request') == 1 then  -- asked to cancel: i
   return 1
 end
 watch_expiry(key, id)
-redis.call('HSET', key, 'state', 'queued', 'run_at', secs(NOW))
+redis.call('HSET', key, 'state', 'queued', 'run_at', NOW_SECS)
 redis.call('ZREM', LEASED, id)
 make_ready(id, redis.call('HGET', key, 'priority'), NOW)
 redis.call('PUBLISH', CHANNEL, '1')

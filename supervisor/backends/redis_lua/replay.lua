@@ -17,7 +17,7 @@ end
 for k = 3, #ARGV do
   local id = ARGV[k]
   local key = JOB .. id
-  redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'run_at', secs(NOW))
+  redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'run_at', NOW_SECS)
   -- Run again by hand, like requeue: an expiry that passed while it lay dead is dropped.
   redis.call('HDEL', key, 'reason', 'finished_at', 'lease_until', 'owner', 'open', 'cancel_request', 'expires_at')
   redis.call('ZREM', DEAD, id)

@@ -24,7 +24,7 @@ for k = 3, #ARGV do
     if held then
       out[#out + 1] = 'conflict'
     else
-      redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'run_at', secs(NOW))
+      redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'run_at', NOW_SECS)
       redis.call('HDEL', key, 'reason', 'finished_at', 'lease_until', 'owner', 'open', 'cancel_request',
         'expires_at', 'progress', 'progress_note')
       for _, z in ipairs({DEAD, CANCELLED_Z, EXPIRED_Z, EXPIRING}) do redis.call('ZREM', z, id) end

@@ -2,7 +2,7 @@
 local id, token, run = ARGV[3], ARGV[4], tonumber(ARGV[5])
 local key = JOB .. id
 if not is_leased(key, token) then return 0 end
-close_entry(key, info_part(ARGV[7]) .. ',"ended_at":' .. secs(NOW) .. ',"outcome":"retry","error":' .. ARGV[6])
+close_entry(key, info_part(ARGV[7]) .. ',"ended_at":' .. NOW_SECS .. ',"outcome":"retry","error":' .. ARGV[6])
 redis.call('HSET', key, 'error', ARGV[6])
 failed_now(key)
 redis.call('ZREM', LEASED, id)
