@@ -12,12 +12,14 @@ by the main loop (``sample_queues``), never per scrape, so a scraper hammering
 non-blocking listener, a bounded request, a client deadline, HTTP/1.0 and
 ``Connection: close``. No thread (docs/design.md, process-model rules).
 """
+import bisect
 import socket
 import time
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                disable_created_metrics, generate_latest)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from .oneshot import OneShotServer
 from .protocol import finite
@@ -46,6 +48,7 @@ class Metrics:
         # No *_created series: they double the series count and say only when the master started.
         disable_created_metrics()
         self.arbiter = arbiter
+        self.before_render = []  # callables run before each render: counts held back until then (Status.flush)
         self.registry = r = CollectorRegistry(auto_describe=True)
         c = lambda name, doc, labels=(): Counter(name, doc, labels, registry=r)  # noqa: E731
         g = lambda name, doc, labels=(): Gauge(name, doc, labels, registry=r)  # noqa: E731
@@ -76,11 +79,10 @@ class Metrics:
                          " in time)", ("type",))
         self.cancel_latency = Histogram("tangguh_cancel_latency_seconds", "From a running job's cancel request"
                                         " to its handler stopped", buckets=CANCEL_BUCKETS, registry=r)
-        self.duration = Histogram("tangguh_job_duration_seconds", "Handler run time of one attempt",
-                                  JOB, buckets=DURATION_BUCKETS, registry=r)
-        self.complete = Histogram("tangguh_job_time_to_complete_seconds",
-                                  "From enqueue to the ack of the successful attempt", JOB,
-                                  buckets=COMPLETE_BUCKETS, registry=r)
+        self.duration = JobHistogram("tangguh_job_duration_seconds", "Handler run time of one attempt",
+                                     DURATION_BUCKETS, r)
+        self.complete = JobHistogram("tangguh_job_time_to_complete_seconds",
+                                     "From enqueue to the ack of the successful attempt", COMPLETE_BUCKETS, r)
 
         # toolkit, as reported by the children
         self.duplicates = c("tangguh_duplicates_suppressed_total",
@@ -137,10 +139,6 @@ class Metrics:
             return job.queue, UNKNOWN_TYPE
         return job.queue, job.type
 
-    def served(self):
-        """The served types as the labels see them (None: any type is its own label); a new object after a reload."""
-        return None if self.arbiter is None else self.arbiter.handlers
-
     def type_label(self, job_type):
         """A job type as a label: served types only (producers choose types; labels must not grow)."""
         return job_type if self.arbiter is None or job_type in self.arbiter.handlers else UNKNOWN_TYPE
@@ -189,7 +187,59 @@ class Metrics:
         self.queue_sampled.set(time.time())
 
     def render(self):
+        for flush in self.before_render:
+            flush()
         return generate_latest(self.registry).decode()
+
+
+class JobHistogram:
+    """A histogram of seconds by job (queue, type), its counts kept in plain lists.
+
+    Twice a job in the master: prometheus_client's ``Histogram.observe`` takes a
+    lock and checks its series on every call (0.7 µs), where a bisect and two
+    additions take a fifth of that. Only the main loop observes and renders, so
+    nothing here needs a lock. The exposition is prometheus_client's own
+    (``HistogramMetricFamily``), the same text as its ``Histogram`` writes.
+    """
+
+    def __init__(self, name, documentation, buckets, registry):
+        self.name, self.documentation = name, documentation
+        self.bounds = tuple(float(b) for b in buckets)
+        self.les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self.children = {}  # (queue, type) -> _Buckets: bounded as the labels are (served types)
+        registry.register(self)
+
+    def labels(self, queue, job_type):
+        child = self.children.get((queue, job_type))
+        if child is None:
+            child = self.children[(queue, job_type)] = _Buckets(self.bounds)
+        return child
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.documentation, labels=JOB)]
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation, labels=JOB)
+        for labels, child in self.children.items():
+            total, buckets = 0, []
+            for le, n in zip(self.les, child.counts):
+                total += n
+                buckets.append((le, total))
+            family.add_metric(labels, buckets, child.sum)
+        yield family
+
+
+class _Buckets:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, seconds):
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1  # a bucket holds what is <= its bound
+        self.sum += seconds
 
 
 class _Live:

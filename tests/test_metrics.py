@@ -466,18 +466,18 @@ def test_child_deltas_ignore_unknown_keys_and_bad_values():
         assert value(s, name, queue="q", type="t") == 0
 
 
-def test_a_jobs_series_follow_the_served_types_across_a_reload_and_their_cache_stays_bounded():
-    """Status looks a job's series up once per (event, queue, type): a type no handler served took
-    the "unknown" label and must take its own once a reload serves it; a producer's endless type
-    names must not grow that cache."""
+def test_a_jobs_series_follow_the_served_types_across_a_reload_and_what_waits_for_a_render_is_bounded():
+    """Status holds a job's counts back until the next render: a type no handler served took the
+    "unknown" label and must take its own once a reload serves it, counts made before the reload
+    keeping theirs; a producer's endless type names must grow neither what waits nor the
+    histograms' series, and no count may be lost."""
     from types import SimpleNamespace
 
-    from supervisor.master import status as status_module
     from supervisor.master.status import Status
 
     arbiter = SimpleNamespace(handlers={"served": object()})
     m = Metrics()
-    m.arbiter = arbiter  # what job_labels reads (not the live gauges' collector)
+    m.arbiter = arbiter  # what type_label reads (not the live gauges' collector)
     st = Status(None, m, None)
     job = Job(id="j", type="later", queue="q", payload={})
     st.count("succeeded", job=job)
@@ -493,11 +493,43 @@ def test_a_jobs_series_follow_the_served_types_across_a_reload_and_their_cache_s
     assert value(s, "tangguh_job_duration_seconds_count", queue="q", type="later") == 1
     assert value(s, "tangguh_jobs_failed_total", queue="q", type="later", reason="exception") == 1
     assert st.counters["succeeded"] == 3 and st.counters["failed"] == 1
-    for i in range(status_module.BY_JOB_MOST + 10):
-        st.count("claimed", job=Job(id=f"j{i}", type=f"type-{i}", queue="q", payload={}))
-    assert len(st.by_job) <= status_module.BY_JOB_MOST
-    assert value(samples(m.render()), "tangguh_jobs_claimed_total", queue="q", type="unknown") == \
-        status_module.BY_JOB_MOST + 10
+    assert not st.tally  # the render took every count
+    many = 5000
+    for i in range(many):
+        typed = Job(id=f"j{i}", type=f"type-{i}", queue="q", payload={})
+        st.count("claimed", job=typed)
+        st.attempt(typed, {"duration": 0.001})
+    assert len(st.tally) == 1  # every unknown type is one label
+    assert set(m.duration.children) == {("q", "unknown"), ("q", "later")}
+    s = samples(m.render())
+    assert value(s, "tangguh_jobs_claimed_total", queue="q", type="unknown") == many
+    assert value(s, "tangguh_job_duration_seconds_count", queue="q", type="unknown") == 1 + many
+    assert st.counters["succeeded"] == 3  # "claimed" is a metric only
+
+
+def test_a_job_histogram_writes_what_prometheus_clients_histogram_writes():
+    """The job histograms keep plain counts (metrics.JobHistogram); their exposition must be the
+    text a prometheus_client Histogram fed the same values writes, a value on a bound included."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from supervisor.metrics import COMPLETE_BUCKETS, DURATION_BUCKETS, JobHistogram
+
+    for buckets in (DURATION_BUCKETS, COMPLETE_BUCKETS):
+        theirs, ours = CollectorRegistry(auto_describe=True), CollectorRegistry(auto_describe=True)
+        reference = Histogram("h_seconds", "doc", ("queue", "type"), buckets=buckets, registry=theirs)
+        kept = JobHistogram("h_seconds", "doc", buckets, ours)
+        rng = random.Random(7)
+        values = [*buckets, *(b * 1.0000001 for b in buckets), 0.0, 1e-9, buckets[-1] * 10,
+                  *(rng.expovariate(1 / buckets[len(buckets) // 2]) for _ in range(2000))]
+        for i, v in enumerate(values):
+            labels = ("q", "a" if i % 3 else "b")
+            reference.labels(*labels).observe(v)
+            kept.labels(*labels).observe(v)
+        reference.labels("q", "never")  # a series with no value yet
+        kept.labels("q", "never")
+        assert generate_latest(ours).decode() == generate_latest(theirs).decode()
 
 
 def test_exporter_times_out_a_silent_client():

@@ -2,7 +2,8 @@
 
 Every event is counted once, through ``count(event)``, which moves both the
 status counters (``tangguh status``) and the Prometheus series: the two can
-never disagree. The status reporter reads the master's parts; it changes none.
+never disagree. A job's counters move at the next render (``flush``), in one
+call per series, not in two calls per job. The status reporter reads the master's parts; it changes none.
 """
 import logging
 import socket
@@ -18,7 +19,6 @@ from ..protocol import TIMEOUT
 log = logging.getLogger("tangguh.arbiter")
 
 STATUS_SECONDS = 1.0  # the least time between two STATUS= texts to systemd
-BY_JOB_MOST = 4096  # most entries of Status.by_job before it starts again
 COUNTERS = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost", "duplicates_suppressed",
             "cancelled", "expired")
 
@@ -56,25 +56,39 @@ class Status:
         self.ready_sent = False  # READY=1 goes out once the first children are up
         self.status_due = 0.0  # monotonic instant the next STATUS= may go out
         # (Metrics attribute, labels) -> the labelled child: prometheus_client's labels()
-        # costs a lock and a tuple check per call, several times per job. Bounded: the
-        # labels are served types (job_labels), queues and a fixed set of reasons.
+        # costs a lock and a tuple check per call. Bounded: the labels are served types
+        # (type_label), queues and a fixed set of reasons.
         self.series = {}
-        # (event or Metrics attribute, queue, job type, labels) -> (series, status counter or None):
-        # a job's counters and histograms in one lookup, its labels not worked out again. Keyed by
-        # the type a producer chose, so bounded by size, and cleared when the served types change
-        # (a reload: a type unknown until now gets its own label from then on).
-        self.by_job, self.by_job_served = {}, None
+        # A job's counts wait here until the next render: each is a plain dict entry, where
+        # prometheus_client's Counter.inc takes a lock and checks its series every time, twice
+        # a job. Keyed by the type's label as it was when counted (a reload that starts serving
+        # a type changes its label from then on), so bounded like ``series``.
+        self.tally = {}  # (event, queue, type label, labels) -> count
+        metrics.before_render.append(self.flush)
 
     # -- counting --------------------------------------------------------------------------
     def count(self, event, *labels, job=None, n=1):
         if job is not None:
-            series, key = self._for_job(event, job, labels)
+            key = (event, job.queue, self.metrics.type_label(job.type), labels)
+            tally = self.tally
+            tally[key] = tally.get(key, 0) + n
+            counter = EVENTS[event][0]
         else:
-            key, attribute, fixed = EVENTS[event]
-            series = self._series(attribute, (*labels, *fixed))
-        series.inc(n)
-        if key is not None:
-            self.counters[key] += n
+            counter, attribute, fixed = EVENTS[event]
+            self._series(attribute, (*labels, *fixed)).inc(n)
+        if counter is not None:
+            self.counters[counter] += n
+
+    def _observe(self, name, job, seconds):
+        """A value for histogram ``name`` (a ``JobHistogram``: no lock, no deferral needed) of ``job``'s series."""
+        self._series(name, (job.queue, self.metrics.type_label(job.type))).observe(seconds)
+
+    def flush(self):
+        """Move the job counters by what was counted since the last flush: before every render."""
+        for (event, queue, label, labels), n in self.tally.items():
+            _, attribute, fixed = EVENTS[event]
+            self._series(attribute, (queue, label, *labels, *fixed)).inc(n)
+        self.tally.clear()
 
     def _series(self, attribute, labels):
         series = self.series.get((attribute, labels))
@@ -82,22 +96,6 @@ class Status:
             metric = getattr(self.metrics, attribute)
             series = self.series[(attribute, labels)] = metric.labels(*labels) if labels else metric
         return series
-
-    def _for_job(self, name, job, labels):
-        """(series, status counter or None) of event or histogram ``name`` for ``job``, with ``labels`` after its own."""
-        served = self.metrics.served()
-        if served is not self.by_job_served or len(self.by_job) >= BY_JOB_MOST:
-            self.by_job, self.by_job_served = {}, served
-        cache_key = (name, job.queue, job.type, labels)
-        hit = self.by_job.get(cache_key)
-        if hit is None:
-            if name in EVENTS:
-                key, attribute, fixed = EVENTS[name]
-            else:
-                key, attribute, fixed = None, name, ()
-            hit = self.by_job[cache_key] = (
-                self._series(attribute, (*self.metrics.job_labels(job), *labels, *fixed)), key)
-        return hit
 
     def claimed(self, job):
         self.count("claimed", job=job)
@@ -114,7 +112,7 @@ class Status:
         """Metrics of one finished attempt: its duration and the child's counter deltas."""
         duration = reply.get("duration")
         if isinstance(duration, (int, float)):
-            self._for_job("duration", job, ())[0].observe(duration)
+            self._observe("duration", job, duration)
         deltas = reply.get("metrics")
         if not deltas or not isinstance(deltas, dict):
             return  # most jobs use no lock, no cache and no idempotency key: nothing to add
@@ -164,7 +162,7 @@ class Status:
     def stored(self, write):
         if write.op == ACK and write.job.queued_at:
             waited = max(0.0, time.time() - write.job.queued_at)  # the broker's clock set queued_at: close enough
-            self._for_job("complete", write.job, ())[0].observe(waited)
+            self._observe("complete", write.job, waited)
 
     # -- reporting ---------------------------------------------------------------------------
     def set_title(self):
