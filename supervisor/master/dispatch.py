@@ -57,8 +57,10 @@ class Dispatcher:
 
     def ran(self, job_type, seconds):
         """A child finished a job of ``job_type`` in ``seconds``: learn its run time; a child is free."""
-        if self.recheck or not self.prefetched or not self.prefetch.auto:
-            self.prefetch.ran(job_type, seconds)  # no waiting job for a lower keep to hand back, or a look due anyway
+        if self.recheck or not self.prefetched or not self.prefetch.auto or not self.prefetch.slower(job_type, seconds):
+            # No waiting job for a lower keep to hand back, a look due anyway, or a run no longer
+            # than the type's average (which then cannot rise, nor ``keep`` fall).
+            self.prefetch.ran(job_type, seconds)
         else:
             before = self.prefetch.keep(job_type)
             self.prefetch.ran(job_type, seconds)

@@ -62,6 +62,12 @@ class Prefetch:
         before = self.averages.get(job_type)
         self.averages[job_type] = seconds if before is None else before + WEIGHT * (seconds - before)
 
+    def slower(self, job_type, seconds):
+        """Whether a run of ``seconds`` would raise ``job_type``'s average, the only way
+        ``ran`` can lower what the type may ``keep`` (less the longer its average)."""
+        before = self.averages.get(job_type)
+        return before is not None and isinstance(seconds, (int, float)) and seconds > before
+
     def weigh(self, job_types, nbytes):
         """One message of jobs of ``job_types`` (a batch) to a child took ``nbytes``."""
         if not job_types:
