@@ -16,6 +16,7 @@ local BASE = string.sub(JOB, 1, -3)
 local PAGE = 100
 if redis.call('EXISTS', PAUSED) == 1 then return '[]' end
 local until_us = NOW + lease
+local until_text = secs(until_us)  -- every job of the call is leased until the same instant (as claim.lua)
 
 local state = {}
 local function limit_state(t)
@@ -48,7 +49,7 @@ end
 local function lease_job(id, key)
   local attempt = redis.call('HINCRBY', key, 'attempt', 1)
   redis.call('HINCRBY', key, 'token', 1)
-  redis.call('HSET', key, 'state', 'running', 'lease_until', secs(until_us), 'owner', owner,
+  redis.call('HSET', key, 'state', 'running', 'lease_until', until_text, 'owner', owner,
     'open', '{"attempt":' .. attempt .. ',"started_at":' .. NOW_SECS .. ',"owner":' .. owner_json .. '}')
   redis.call('ZADD', LEASED, until_us, id)
   redis.call('ZREM', EXPIRING, id)  -- a started job cannot expire (see claim.lua)
