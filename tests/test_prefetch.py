@@ -89,6 +89,11 @@ def test_a_short_types_hiccup_hands_no_prefetched_job_back():
     d.prefetch.weigh(["large"], BYTES // 4)
     claimed("large", 6)
     assert surplus() == ["large"] * 2  # four fit in BYTES: the bytes bound has no band
+    # Several types waiting: each is held to what it may keep, whatever room another type has.
+    d.prefetched.clear()
+    claimed("middling", 2)
+    claimed("slow", 1)
+    assert surplus() == ["slow"] and [job.type for job, _ in d.prefetched] == ["middling"] * 2
 
 
 def test_a_run_that_lowers_what_a_type_may_keep_looks_again_at_its_waiting_jobs():

@@ -214,6 +214,11 @@ class Dispatcher:
         would wait behind the running jobs. A short type keeps a band above its
         prefetch (``Prefetch.keep``): handing back costs a round trip a job.
         """
+        # Within every type's room when no more wait than the least any of their types may keep:
+        # the usual case after a claim of short jobs, told without a walk in Python per job.
+        keep = self.prefetch.keep
+        if len(self.prefetched) <= min((keep(t) for t in {job.type for job, _ in self.prefetched}), default=0):
+            return
         kept, room = collections.deque(), {}  # job type -> how many more of it may wait here
         for job, settings in self.prefetched:
             left = room.get(job.type)
