@@ -9,9 +9,10 @@ import math
 import signal
 import struct
 
+from .jsonvalues import decode
+
 _HEADER = struct.Struct("!I")
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps builds one per call with separators
-_DECODE = json.JSONDecoder().decode  # json.loads without its per-call checks (the frames are UTF-8 text)
 MAX_MESSAGE = 64 * 1024 * 1024
 TOP_UP_BYTES = 64 * 1024  # the most a message to a busy child holds (master/pool.py, Child.room)
 
@@ -130,7 +131,7 @@ def recv(sock):
     body = _read_exactly(sock, size)
     if body is None:
         return None
-    return _DECODE(body.decode())
+    return decode(body.decode())
 
 
 def _read_exactly(sock, n):
@@ -160,5 +161,5 @@ class Reader:
                 break
             body = self.buffer[_HEADER.size:_HEADER.size + size].decode()
             del self.buffer[:_HEADER.size + size]
-            messages.append(_DECODE(body))
+            messages.append(decode(body))
         return messages

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from supervisor import jsonvalues
 from supervisor.backends import open_broker
 from supervisor.client import Client
 from supervisor.errors import BadInput
@@ -28,6 +29,22 @@ def daemon(tmp_path, broker_url):
                jobs={"backoff_base": 0.0})
     yield d
     d.stop()
+
+
+@pytest.mark.parametrize("text", ['{"a":[1,2.5,null]}', ' {"a":1}', '{"a":1}\n', '{"a":1}{"b":2}', '{"a":1} x',
+                                  '[1,2', '', ' ', 'NaN', '"\\ud800"', '{"a":', '"unterminated', '1e999', '-0',
+                                  '[' * 100_000])
+def test_the_decode_of_replies_and_payloads_returns_or_raises_what_json_loads_does(text):
+    """A child's reply and a stored payload are read by the C scanner alone when they are one JSON
+    value with nothing around it; any other text (a handler's stray write on the pipe, a payload
+    stored by hand) must still come out as ``json.loads`` has it: the same value or the same error."""
+    def outcome(decode):
+        try:
+            return "value", repr(decode(text))
+        except (ValueError, RecursionError) as exc:
+            return type(exc).__name__, str(exc)
+
+    assert outcome(jsonvalues.decode) == outcome(json.loads)
 
 
 def cli(d, *args):
