@@ -374,3 +374,31 @@ def test_a_top_up_larger_than_the_pipe_never_stalls_the_master_nor_splits_a_mess
     finally:
         release_every_round(d)
         d.stop()
+
+
+def test_a_frame_larger_than_the_socket_buffer_arrives_whole_and_in_order():
+    """``protocol.write_frame``: one write for what the buffer takes, ``sendall`` for the rest,
+    from where the write stopped (a master's socket to its child has a timeout, as here)."""
+    import socket
+    import threading
+
+    from supervisor import protocol
+
+    master_end, child_end = socket.socketpair()
+    master_end.settimeout(5.0)
+    frame = protocol.encode({"op": protocol.RUN, "blob": "".join(f"{i:07d}" for i in range(200_000))})
+    assert len(frame) > master_end.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) * 2  # no single write takes it
+    got = []
+    reader = threading.Thread(target=lambda: got.append(protocol.recv(child_end)), daemon=True)
+    reader.start()
+    try:
+        protocol.write_frame(master_end, frame)
+        reader.join(30)
+        small = protocol.encode({"op": protocol.STOP})
+        protocol.write_frame(master_end, small)  # taken whole by one write
+        assert protocol.recv(child_end) == {"op": protocol.STOP}
+    finally:
+        child_end.shutdown(socket.SHUT_RDWR)  # wakes a reader still waiting for the rest
+        master_end.close()
+        child_end.close()
+    assert got and got[0]["blob"] == "".join(f"{i:07d}" for i in range(200_000))

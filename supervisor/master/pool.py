@@ -189,7 +189,7 @@ class Pool:
                       extra={"event": "batch", "slot": c.slot, "pid": c.pid})
         c.sent_bytes = len(frame)
         try:
-            c.sock.sendall(frame)
+            protocol.write_frame(c.sock, frame)
         except OSError:
             pass  # the child just died: reaping records the crash and re-queues the jobs
         return left
@@ -277,8 +277,9 @@ class Pool:
 
     def read(self, c):
         try:
-            data = c.sock.recv(65536)
-        except (BlockingIOError, InterruptedError, socket.timeout):
+            # Not recv: the socket's timeout makes every recv poll first, and the selector just did.
+            data = os.read(c.sock.fileno(), 65536)
+        except (BlockingIOError, InterruptedError):
             return
         except OSError:
             data = b""
