@@ -5,9 +5,12 @@ yet; everything that ends an attempt (a crash, a hard timeout, a stop, a lost
 lease) concerns that job only, and the jobs behind it come back untouched.
 """
 import signal
+import socket
+import threading
 
 import pytest
 
+from supervisor import protocol
 from supervisor.master import prefetch as PREFETCH
 from supervisor.model import NewJob
 
@@ -379,11 +382,6 @@ def test_a_top_up_larger_than_the_pipe_never_stalls_the_master_nor_splits_a_mess
 def test_a_frame_larger_than_the_socket_buffer_arrives_whole_and_in_order():
     """``protocol.write_frame``: one write for what the buffer takes, ``sendall`` for the rest,
     from where the write stopped (a master's socket to its child has a timeout, as here)."""
-    import socket
-    import threading
-
-    from supervisor import protocol
-
     master_end, child_end = socket.socketpair()
     master_end.settimeout(5.0)
     frame = protocol.encode({"op": protocol.RUN, "blob": "".join(f"{i:07d}" for i in range(200_000))})
