@@ -1,7 +1,7 @@
 """The daemon's no-op throughput of two revisions, side by side, rounds interleaved.
 
     python -m bench.throughput_ab REV [--against REV2] [--broker sqlite,redis,postgres] [--rounds 8]
-                                      [--jobs 10000] [--json FILE]
+                                      [--jobs 10000] [--json FILE] [--b-set SECTION.KEY=VALUE ...]
 
 Each round is scenario 1 of ``python -m bench`` (``scenario_throughput`` in
 bench/run.py, reused as it is): N no-op jobs enqueued, then a Tangguh daemon of
@@ -21,7 +21,9 @@ included; less sensitive to other load than wall time); on Redis also the
 script calls per 1,000 jobs (``INFO commandstats``, the enqueue's included): a
 count, not a time, so the noise of a shared machine does not blur it, though
 another client of the same server running scripts meanwhile would. ``--json``
-writes every figure after every round.
+writes every figure after every round. ``--b-set SECTION.KEY=VALUE`` gives side B
+a config setting of its own: with ``--against`` naming A's revision, the A/B is
+of that setting, on one tree.
 """
 import argparse
 import json
@@ -30,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 
 import psutil
 import redis
@@ -106,8 +109,12 @@ def main(argv=None):
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--prefetch", type=int, default=None,
                    help="pin broker.prefetch on both sides (default: each side's config default)")
+    p.add_argument("--b-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a config setting for side B only (a TOML value: --b-set 'supervisor.cpu_affinity=\"spread\"');"
+                        " with --against A's revision, an A/B of a setting")
     args = p.parse_args(argv)
     brokers = broker_list(p, args.broker, BROKERS)
+    b_config = settings_of(p, args.b_set)
     if args.rounds < 1 or args.jobs < 2:
         p.error("--rounds must be at least 1 and --jobs at least 2")
     run.Tangguh.prefetch = args.prefetch
@@ -118,8 +125,10 @@ def main(argv=None):
     for trees, figures, sides, tmp in ab_rounds({"A": args.rev, "B": args.against}, "throughput-ab", brokers,
                                                 args.rounds, ev):
         for side in sides:
-            figures[side], figures[f"{side}_cpu_us"], calls, complete = one_round(
-                daemon(tmp, figures["broker"], trees[side][0]), ev, settings)
+            fw = daemon(tmp, figures["broker"], trees[side][0])
+            if side == "B":
+                fw.extra["config"] = b_config
+            figures[side], figures[f"{side}_cpu_us"], calls, complete = one_round(fw, ev, settings)
             if calls is not None:
                 figures[f"{side}_calls_per_1000"] = calls
             if not complete:
@@ -133,8 +142,9 @@ def main(argv=None):
               f"  (load {figures['loadavg']:.1f}){cut}",
               file=sys.stderr, flush=True)
         if args.json:  # after every round: an interrupted run keeps what it measured
-            write_json(args.json, trees, args.jobs, rounds)
-    print(f"A = {trees['A'][1]}, B = {trees['B'][1]}; {args.rounds} rounds of {args.jobs:,} no-ops per broker\n")
+            write_json(args.json, trees, args.jobs, rounds, b_config)
+    print(f"A = {trees['A'][1]}, B = {trees['B'][1]}{'' if not b_config else f' with {b_config}'};"
+          f" {args.rounds} rounds of {args.jobs:,} no-ops per broker\n")
     print("| broker | measure | A median | B median | B / A (medians) | B / A per round: min – max | rounds |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for broker in brokers:
@@ -153,10 +163,25 @@ def main(argv=None):
     return 0
 
 
-def write_json(path, trees, jobs, rounds):
+def settings_of(parser, items):
+    """``["section.key=<TOML value>", ...]`` as ``{section: {key: value}}``."""
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        section, _, key = name.partition(".")
+        try:
+            out.setdefault(section, {})[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError as exc:
+            parser.error(f"--b-set {item!r}: the value is no TOML value ({exc})")
+        if not (section and key):
+            parser.error(f"--b-set {item!r}: expected SECTION.KEY=VALUE")
+    return out
+
+
+def write_json(path, trees, jobs, rounds, b_config=None):
     with open(path, "w") as f:
         json.dump({"written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "A": trees["A"][1], "B": trees["B"][1],
-                   "jobs": jobs, "machine": run.machine(), "rounds": rounds}, f, indent=2)
+                   "b_config": b_config or {}, "jobs": jobs, "machine": run.machine(), "rounds": rounds}, f, indent=2)
         f.write("\n")
 
 

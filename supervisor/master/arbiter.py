@@ -332,7 +332,7 @@ class Arbiter:
         self.status.notifier.close()
         toolkit.configure(self.cfg.toolkit)  # the child opens its own connections, lazily
         jobref.configure_unless_set(self.cfg)  # a handler's follow-up .enqueue() goes to our broker
-        child.main(sock, slot, self.handlers, self.pid)
+        child.main(sock, slot, self.handlers, self.pid, self.cfg.supervisor.cpu_affinity)
 
     def on_lock(self, c, msg):
         if self.locks is not None:

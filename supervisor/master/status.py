@@ -6,6 +6,7 @@ never disagree. A job's counters move at the next render (``flush``), in one
 call per series, not in two calls per job. The status reporter reads the master's parts; it changes none.
 """
 import logging
+import os
 import socket
 import time
 
@@ -255,9 +256,13 @@ def child_view(c):
         rss = psutil.Process(c.pid).memory_info().rss
     except (psutil.Error, OSError):  # gone, or no descriptor left to read /proc with
         rss = None
+    try:
+        cpus = sorted(os.sched_getaffinity(c.pid))
+    except (AttributeError, OSError):  # not Linux, or gone
+        cpus = None
     return {"slot": c.slot, "pid": c.pid, "state": c.state,
             "job_id": c.job.id if c.job else None, "job_type": c.job.type if c.job else None,
             "attempt": c.job.attempt if c.job else None, "elapsed": elapsed, "queued": len(c.queued),
-            "rss_bytes": rss, "jobs_done": c.jobs_done, "generation": c.generation,
+            "rss_bytes": rss, "cpus": cpus, "jobs_done": c.jobs_done, "generation": c.generation,
             "progress": c.progress[0] if c.progress else None,
             "progress_note": c.progress[1] if c.progress else None, "cancelling": c.cancel_at is not None}
