@@ -136,15 +136,18 @@ class Framework:
 
 
 class Tangguh(Framework):
-    settings = "defaults but lease_seconds=5, heartbeat_seconds=1{prefetch}"
+    settings = "defaults but lease_seconds=5, heartbeat_seconds=1{prefetch}{affinity}"
     prefetch = None  # --tangguh-prefetch pins broker.prefetch; None: the config default ("auto")
+    cpu_affinity = None  # --tangguh-cpu-affinity sets supervisor.cpu_affinity; None: the default ("off")
 
     def __init__(self, tmp, broker, extra=None):
         super().__init__(tmp)
         self.broker = broker
         self.name = f"tangguh-{broker}"
         self.extra = extra or {}
-        self.settings = self.settings.format(prefetch="" if self.prefetch is None else f", prefetch={self.prefetch}")
+        self.settings = self.settings.format(prefetch="" if self.prefetch is None else f", prefetch={self.prefetch}",
+                                             affinity="" if self.cpu_affinity is None
+                                             else f", cpu_affinity={self.cpu_affinity}")
         self.client = None
         self.url = None
 
@@ -196,6 +199,8 @@ class Tangguh(Framework):
         }
         if self.prefetch is not None:
             cfg["broker"]["prefetch"] = self.prefetch
+        if self.cpu_affinity is not None:
+            cfg["supervisor"]["cpu_affinity"] = self.cpu_affinity
         for section, values in self.extra.get("config", {}).items():
             cfg.setdefault(section, {}).update(values)
         path = os.path.join(self.tmp, f"{self.name}.toml")
@@ -886,10 +891,13 @@ def main(argv=None):
                         help="Tangguh SQLite broker's ?synchronous= (default full: the broker's default)")
     parser.add_argument("--tangguh-prefetch", type=int, default=Tangguh.prefetch,
                         help="pin Tangguh's broker.prefetch (default: the config default, \"auto\")")
+    parser.add_argument("--tangguh-cpu-affinity", choices=("off", "spread"), default=Tangguh.cpu_affinity,
+                        help="set Tangguh's supervisor.cpu_affinity (default: the config default, \"off\")")
     parser.add_argument("--tag", default="", help="a label stored in the JSON (e.g. 'before prefetch')")
     args = parser.parse_args(argv)
     s = Settings(args.quick)
     Tangguh.prefetch = args.tangguh_prefetch
+    Tangguh.cpu_affinity = args.tangguh_cpu_affinity
     only = parse_only(args.only)
     ev = Evidence()
     ev.r.ping()
