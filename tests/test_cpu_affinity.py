@@ -1,6 +1,6 @@
-"""``supervisor.cpu_affinity``: "spread" pins each child to one CPU of the supervisor's, by
-slot; "off" (the default) leaves them where the kernel puts them. Read from the kernel
-(``sched_getaffinity`` of the real processes), not from the daemon's own account."""
+"""``supervisor.cpu_affinity``: "spread" pins each child to one CPU of the supervisor's, the one
+the fewest live children hold; "off" (the default) leaves them where the kernel puts them. Read
+from the kernel (``sched_getaffinity`` of the real processes), not from the daemon's account."""
 import logging
 import os
 import signal
@@ -17,39 +17,69 @@ needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason
 
 
 def workers_of_generation(d, generation, count):
-    """The status rows of ``count`` live children of ``generation``, once they are all up."""
+    """The status rows of the ``count`` children of ``generation`` once they are up and no other
+    child is left (a retired one still finishing, a replacement still starting)."""
     def up():
-        rows = [w for w in d.status()["workers"] if w["generation"] == generation and w["state"] != "starting"]
-        return rows if len(rows) == count else None
-    return wait_for(up, timeout=30, message=f"{count} workers of generation {generation}")
+        rows = d.status()["workers"]
+        ok = len(rows) == count and all(w["generation"] == generation and w["state"] in ("idle", "busy")
+                                        for w in rows)
+        return rows if ok else None
+    return wait_for(up, timeout=30, message=f"{count} workers of generation {generation} and no other")
 
 
-def assert_spread(d, workers, cpus):
-    for w in workers:
-        want = cpus[w["slot"] % len(cpus)]
-        assert os.sched_getaffinity(w["pid"]) == {want}, (w, cpus)
-        assert w["cpus"] == [want], w
+def pins(rows):
+    """{pid: its one CPU}, read from the kernel; each child must be pinned to exactly one."""
+    out = {}
+    for w in rows:
+        affinity = os.sched_getaffinity(w["pid"])
+        assert len(affinity) == 1 and w["cpus"] == sorted(affinity), (w, affinity)
+        out[w["pid"]] = next(iter(affinity))
+    return out
+
+
+def assert_spread(d, rows, cpus):
+    """Every child on one CPU of ``cpus``, as evenly as they go; the master on all of them."""
+    held = [list(pins(rows).values()).count(cpu) for cpu in cpus]
+    assert set(pins(rows).values()) <= set(cpus) and max(held) - min(held) <= 1, (rows, cpus, held)
     assert os.sched_getaffinity(d.proc.pid) == set(cpus), "the master itself is never pinned"
 
 
 @needs_affinity
-def test_spread_pins_each_child_to_its_slots_cpu_and_a_restarted_child_to_the_same(tmp_path):
+def test_spread_pins_the_children_one_to_a_cpu_and_a_restarted_child_to_the_cpu_it_frees(tmp_path):
     cpus = sorted(os.sched_getaffinity(0))
-    workers = len(cpus) + 1  # one slot more than CPUs: the count wraps round
+    workers = len(cpus) + 1  # one child more than CPUs: they go round
     d = Daemon(tmp_path, supervisor={"workers": workers, "cpu_affinity": "spread"})
     try:
         d.start()
         rows = workers_of_generation(d, 1, workers)
         assert_spread(d, rows, cpus)
+        assert {w["slot"]: pins([w])[w["pid"]] for w in rows} == {n: cpus[n % len(cpus)] for n in range(workers)}
         assert d.wait_job(d.enqueue("noop")).state == "done"
-        # A child killed mid-life comes back in its slot, on its slot's CPU.
         victim = next(w for w in rows if w["slot"] == 1)
         os.kill(victim["pid"], signal.SIGKILL)
-        back = wait_for(lambda: [w for w in d.status()["workers"]
-                                 if w["slot"] == 1 and w["pid"] != victim["pid"] and w["state"] != "starting"],
-                        timeout=30, message="worker 1 restarted")
+        wait_for(lambda: victim["pid"] not in {w["pid"] for w in d.status()["workers"]}, timeout=30,
+                 message="the killed child reaped")
+        back = workers_of_generation(d, 1, workers)
         assert_spread(d, back, cpus)
+        (new,) = [w for w in back if w["pid"] not in {r["pid"] for r in rows}]
+        assert pins([new])[new["pid"]] == cpus[1 % len(cpus)], "the replacement takes the CPU its predecessor left"
         d.assert_clean()
+    finally:
+        d.stop()
+
+
+@needs_affinity
+def test_spread_holds_across_recycles(tmp_path):
+    """A recycled child's replacement starts while the child finishes its last job: it must
+    take the CPU that child leaves, not pile onto a CPU another live child holds."""
+    cpus = sorted(os.sched_getaffinity(0))
+    d = Daemon(tmp_path, supervisor={"workers": 2, "cpu_affinity": "spread", "max_jobs_per_child": 1})
+    try:
+        d.start()
+        for _ in range(6):
+            assert d.wait_job(d.enqueue("noop")).state == "done"
+            assert_spread(d, workers_of_generation(d, 1, 2), cpus)
+        assert len(d.records(event="recycle")) >= 6
     finally:
         d.stop()
 
@@ -78,10 +108,37 @@ def test_off_leaves_every_child_free_and_a_reload_to_spread_pins_the_new_generat
         d.write_config()
         d.signal(signal.SIGHUP)
         assert_spread(d, workers_of_generation(d, 2, 2), cpus)
+        # Another reload while pinned, then a crash: the new children spread, and so does the replacement.
+        d.signal(signal.SIGHUP)
+        rows = workers_of_generation(d, 3, 2)
+        assert_spread(d, rows, cpus)
+        os.kill(rows[0]["pid"], signal.SIGKILL)
+        wait_for(lambda: rows[0]["pid"] not in {w["pid"] for w in d.status()["workers"]}, timeout=30,
+                 message="the killed child reaped")
+        assert_spread(d, workers_of_generation(d, 3, 2), cpus)
         assert d.wait_job(d.enqueue("noop")).state == "done"
         d.assert_clean()
     finally:
         d.stop()
+
+
+def test_status_of_a_child_already_gone_has_no_cpus():
+    """The heartbeat thread reads the children's view while the main loop may reap one."""
+    import socket
+    import subprocess
+
+    from supervisor.master.pool import Child
+    from supervisor.master.status import child_view
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    a, b = socket.socketpair()
+    try:
+        view = child_view(Child(0, gone.pid, a, 1))
+    finally:
+        a.close()
+        b.close()
+    assert view["cpus"] is None and view["rss_bytes"] is None, view
 
 
 def test_a_cpu_affinity_the_config_does_not_know_is_refused_by_name(tmp_path):
@@ -100,6 +157,6 @@ def test_a_child_refused_its_pin_warns_and_runs_on(monkeypatch, caplog):
 
     monkeypatch.setattr(os, "sched_setaffinity", refuse)  # what a seccomp filter without it answers
     with caplog.at_level(logging.DEBUG, logger="tangguh.child"):
-        child.place(0, "spread")
-        child.place(0, "off")
+        child.place(0, 1)
+        child.place(0, None)
     assert [(r.levelno, r.event) for r in caplog.records] == [(logging.WARNING, "cpu_affinity_refused")]

@@ -73,25 +73,22 @@ def batch_scheduling():
                                                  extra={"event": "sched_batch_refused"})
 
 
-def place(slot, cpu_affinity):
-    """``supervisor.cpu_affinity = "spread"``: run on one CPU of those the supervisor may use
-    (``taskset``, systemd's ``CPUAffinity=``, a cpuset), the slot's, children in turn.
+def place(slot, cpu):
+    """Pin this child to ``cpu``, the one the master chose for it (``supervisor.cpu_affinity =
+    "spread"``, placement.py); None leaves it where the kernel puts it.
 
     Off by default: where short jobs wait on a server on this machine, the kernel wakes a
     child beside the process that answered it and both children can queue on one CPU while
     another idles; pinned, they cannot. Where one process (the master on SQLite, a local
     PostgreSQL) needs a CPU of its own, a pinned child costs it (bench/README.md).
     """
-    if cpu_affinity != "spread":
+    if cpu is None:
         return
     try:
-        cpus = sorted(os.sched_getaffinity(0))  # the master's, inherited: never a sibling's pin
-        os.sched_setaffinity(0, {cpus[slot % len(cpus)]})
-    except AttributeError:
-        pass  # not Linux
-    except OSError as exc:  # a seccomp filter, a policy: the jobs run where the kernel puts them
-        logging.getLogger("tangguh.child").warning("cpu_affinity: pinning worker %d refused (%s)", slot, exc,
-                                                   extra={"event": "cpu_affinity_refused", "slot": slot})
+        os.sched_setaffinity(0, {cpu})
+    except OSError as exc:  # a seccomp filter, a policy, the CPU gone: the jobs run where the kernel puts them
+        logging.getLogger("tangguh.child").warning("cpu_affinity: pinning worker %d to CPU %d refused (%s)", slot,
+                                                   cpu, exc, extra={"event": "cpu_affinity_refused", "slot": slot})
 
 
 def _not_ours(signum, frame):
@@ -111,7 +108,7 @@ def reset_signals():
     timeouts.install()
 
 
-def main(sock, slot, handlers, master_pid, cpu_affinity="off"):
+def main(sock, slot, handlers, master_pid, cpu=None):
     """Run in the forked child; never returns (``os._exit``).
 
     Exiting through ``os._exit`` also means no finalizer runs on objects
@@ -124,7 +121,7 @@ def main(sock, slot, handlers, master_pid, cpu_affinity="off"):
     try:
         set_parent_death_signal(master_pid)
         batch_scheduling()
-        place(slot, cpu_affinity)
+        place(slot, cpu)
         reset_signals()
         for name in ("NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC"):
             os.environ.pop(name, None)

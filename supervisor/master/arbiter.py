@@ -320,7 +320,7 @@ class Arbiter:
                 extra={"event": "reload", "generation": self.generation, "dropped_types": dropped})
 
     # -- children ----------------------------------------------------------------------------
-    def run_child(self, sock, slot):
+    def run_child(self, sock, slot, cpu):
         """In a fresh child: close the master's descriptors, then serve jobs (never returns)."""
         self.health.close_in_child()
         if self.exporter is not None:
@@ -332,7 +332,7 @@ class Arbiter:
         self.status.notifier.close()
         toolkit.configure(self.cfg.toolkit)  # the child opens its own connections, lazily
         jobref.configure_unless_set(self.cfg)  # a handler's follow-up .enqueue() goes to our broker
-        child.main(sock, slot, self.handlers, self.pid, self.cfg.supervisor.cpu_affinity)
+        child.main(sock, slot, self.handlers, self.pid, cpu)
 
     def on_lock(self, c, msg):
         if self.locks is not None:

@@ -19,6 +19,7 @@ from .. import childlimits, logs, protocol
 from ..checks import MAX_WORKERS
 from ..protocol import KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT
 from ..retry import backoff
+from ..placement import cpu_for
 
 log = logging.getLogger("tangguh.arbiter")
 
@@ -28,8 +29,8 @@ STARTING, IDLE, BUSY, STOPPING = "starting", "idle", "busy", "stopping"
 class Child:
     """The master's record of one child process."""
 
-    def __init__(self, slot, pid, sock, generation):
-        self.slot, self.pid, self.sock, self.generation = slot, pid, sock, generation
+    def __init__(self, slot, pid, sock, generation, cpu=None):
+        self.slot, self.pid, self.sock, self.generation, self.cpu = slot, pid, sock, generation, cpu  # cpu: its pin
         self.reader = protocol.Reader()
         self.state = STARTING
         self.job = None  # the job it runs: the first of its batch not answered yet
@@ -53,7 +54,7 @@ class Pool:
     """``target`` children of the current ``generation``, kept whole.
 
     Callbacks (all run in the main loop):
-    ``run_child(sock, slot)`` runs in a fresh child and never returns;
+    ``run_child(sock, slot, cpu)`` runs in a fresh child and never returns;
     ``on_reply(child, msg)`` a child's RESULT; ``on_lock(child, msg)`` its
     LOCK/UNLOCK; ``on_exit(child, how, fields)`` a reaped child;
     ``on_boot_failed()`` children keep dying at start; ``count(event, *labels)``.
@@ -61,8 +62,7 @@ class Pool:
 
     def __init__(self, cfg, selector, heartbeat, run_child, on_reply, on_lock, on_exit, on_boot_failed, count):
         self.cfg = cfg  # config.SupervisorConfig; replaced on reload
-        self.selector = selector
-        self.heartbeat = heartbeat
+        self.selector, self.heartbeat = selector, heartbeat
         self.run_child, self.on_reply, self.on_lock = run_child, on_reply, on_lock
         self.on_exit, self.on_boot_failed, self.count = on_exit, on_boot_failed, count
         self.children = {}  # pid -> Child
@@ -135,6 +135,7 @@ class Pool:
         childlimits.check_descriptors()
         used = {c.slot for c in self.children.values()}
         slot = next(i for i in range(len(used) + 1) if i not in used)
+        cpu = cpu_for(self.cfg.cpu_affinity, self.children.values())  # None unless "spread"
         parent_sock, child_sock = socket.socketpair()
         try:
             pid = os.fork()
@@ -149,15 +150,14 @@ class Pool:
                 parent_sock.close()
                 for c in self.children.values():
                     c.sock.close()
-                self.run_child(child_sock, slot)  # never returns
+                self.run_child(child_sock, slot, cpu)  # never returns
             except BaseException:  # noqa: BLE001 - shown in the log; the master counts a boot failure
                 traceback.print_exc()
             finally:
                 os._exit(1)
         child_sock.close()
         parent_sock.settimeout(5.0)
-        c = Child(slot, pid, parent_sock, self.generation)
-        self.children[pid] = c
+        self.children[pid] = c = Child(slot, pid, parent_sock, self.generation, cpu)
         self.selector.register(parent_sock, selectors.EVENT_READ, lambda mask, c=c: self.read(c))
         self.count("spawned")
         log.info("spawned worker %d", slot, extra={"event": "spawn", "slot": slot, "pid": pid,
