@@ -14,6 +14,9 @@ def cpu_for(setting, children):
     on a tie), or None: the setting is "off", or the system has no CPU affinity."""
     if setting != "spread" or not hasattr(os, "sched_getaffinity"):
         return None
-    cpus = sorted(os.sched_getaffinity(0))  # taskset, systemd's CPUAffinity=, the cpuset: never a child's pin
+    try:
+        cpus = sorted(os.sched_getaffinity(0))  # taskset, systemd's CPUAffinity=, the cpuset: never a child's pin
+    except OSError:
+        return None  # a policy refusing even the read: the child starts unpinned rather than not at all
     held = collections.Counter(c.cpu for c in children if not c.retiring)
     return min(cpus, key=lambda cpu: (held[cpu], cpu))

@@ -1,6 +1,7 @@
 """``supervisor.cpu_affinity``: "spread" pins each child to one CPU of the supervisor's, the one
 the fewest live children hold; "off" (the default) leaves them where the kernel puts them. Read
 from the kernel (``sched_getaffinity`` of the real processes), not from the daemon's account."""
+import errno
 import logging
 import os
 import signal
@@ -84,6 +85,81 @@ def test_spread_holds_across_recycles(tmp_path):
         d.stop()
 
 
+def hold_jobs(d, count):
+    """``count`` jobs that run until the returned file exists, and the status rows of their children."""
+    release = d.marker("release")
+    jobs = [d.enqueue("hold", {"release": release, "max_wait": 60}) for _ in range(count)]
+    busy = wait_for(lambda: rows_where(d, count, state="busy"), timeout=30, message=f"{count} busy children")
+    return release, jobs, busy
+
+
+def rows_where(d, count, **match):
+    """The status rows of the children that match, once there are ``count`` of them (else None)."""
+    rows = [w for w in d.status()["workers"] if all(w[k] == v for k, v in match.items())]
+    return rows if len(rows) == count else None
+
+
+def replace(d, rows, slot, count):
+    """SIGKILL the child in ``slot`` and wait for its replacement: it moves to the end of the master's
+    table of children, which is the order the master hands out jobs and retires children in."""
+    pid = next(w["pid"] for w in rows if w["slot"] == slot)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: pid not in d.worker_pids(), timeout=30, message=f"worker {slot} reaped")
+    return workers_of_generation(d, 1, count)
+
+
+@needs_affinity
+def test_sigttou_retires_a_child_from_the_cpu_the_most_hold(tmp_path):
+    """Three children on two CPUs (0, 1, 0), the one in slot 2 busy: retiring the idle child of
+    slot 1, the last one on its CPU, would leave two on one CPU and none on the other."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) != 2:
+        pytest.skip("the arrangement needs exactly two CPUs")
+    d = Daemon(tmp_path, supervisor={"workers": 3, "cpu_affinity": "spread"})
+    try:
+        d.start()
+        rows = workers_of_generation(d, 1, 3)
+        for slot in (0, 1):  # slot 2 first in the master's table: the next job goes to it
+            rows = replace(d, rows, slot, 3)
+        release, jobs, busy = hold_jobs(d, 1)
+        assert [w["slot"] for w in busy] == [2] and pins(busy) == {busy[0]["pid"]: cpus[0]}, busy
+        d.signal(signal.SIGTTOU)
+        wait_for(lambda: len(d.status()["workers"]) == 2, timeout=30, message="one child retired")
+        assert_spread(d, d.status()["workers"], cpus)
+        open(release, "w").close()
+        assert [d.wait_job(j).state for j in jobs] == ["done"]
+        assert_spread(d, workers_of_generation(d, 1, 2), cpus)
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
+@needs_affinity
+def test_a_reload_while_old_children_run_spreads_the_new_generation(tmp_path):
+    """Four children on two CPUs, the two on CPU 0 busy at a reload: they are retiring, so the
+    new generation is placed as if they were gone, two on each CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) != 2:
+        pytest.skip("the arrangement needs exactly two CPUs")
+    d = Daemon(tmp_path, supervisor={"workers": 4, "cpu_affinity": "spread"})
+    try:
+        d.start()
+        replace(d, workers_of_generation(d, 1, 4), 1, 4)  # slots 0 and 2 (CPU 0) take the jobs
+        release, jobs, busy = hold_jobs(d, 2)
+        assert set(pins(busy).values()) == {cpus[0]}, busy
+        d.signal(signal.SIGHUP)
+        new = wait_for(lambda: rows_where(d, 4, generation=2, state="idle"), timeout=30,
+                       message="the new generation up")
+        held = [list(pins(new).values()).count(cpu) for cpu in cpus]
+        open(release, "w").close()
+        assert [d.wait_job(j).state for j in jobs] == ["done", "done"]
+        assert held == [2, 2], (new, held)
+        assert_spread(d, workers_of_generation(d, 2, 4), cpus)
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
 @needs_affinity
 def test_spread_stays_within_the_cpus_the_supervisor_was_given(tmp_path):
     """``taskset`` or systemd's ``CPUAffinity=`` narrow the master's set: the children are spread over it."""
@@ -153,9 +229,9 @@ def test_a_child_refused_its_pin_warns_and_runs_on(monkeypatch, caplog):
     from supervisor.child import worker as child
 
     def refuse(*_):
-        raise PermissionError(1, "Operation not permitted")
+        raise OSError(errno.EINVAL, "Invalid argument")  # the CPU left the cpuset since the master chose it
 
-    monkeypatch.setattr(os, "sched_setaffinity", refuse)  # what a seccomp filter without it answers
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
     with caplog.at_level(logging.DEBUG, logger="tangguh.child"):
         child.place(0, 1)
         child.place(0, None)

@@ -85,8 +85,7 @@ class Pool:
 
     def free(self):
         """Idle children of the current generation, ready for a job."""
-        return [c for c in self.children.values()
-                if c.state == IDLE and not c.retiring and c.generation == self.generation]
+        return [c for c in self.live() if c.state == IDLE]
 
     def all_started(self):
         """Every child up; while the system refuses forks, every child it let us fork (one at least)."""
@@ -105,10 +104,11 @@ class Pool:
             self.spawn_failures = 0  # whole again (forks came back, or a lower target): no shortfall to report
         if missing > 0 and time.monotonic() >= self.next_spawn_at:
             self.spawn(missing)
-        elif missing < 0:
+        elif missing < 0:  # one from the CPU the most hold ("spread"; else None for all), the least busy, newest
             order = {STARTING: 0, IDLE: 1, BUSY: 2}
-            for c in sorted(self.live(), key=lambda c: (order.get(c.state, 3), -c.slot))[:-missing]:
-                self.retire(c)
+            for _ in range(-missing):
+                held = collections.Counter(c.cpu for c in self.live())
+                self.retire(min(self.live(), key=lambda c: (-held[c.cpu], order.get(c.state, 3), -c.slot)))
 
     def spawn(self, n):
         # Fork only while no other thread runs (docs/design.md, process-model rules).
