@@ -44,8 +44,9 @@ class SupervisorConfig:
     max_jobs_per_child: int = option(non_negative_int, "recycle a child after this many jobs (0: never)", default=0)
     max_child_rss_mb: int = option(non_negative_int, "recycle a child above this RSS (0: never)", default=0)
     max_boot_failures: int = option(positive_int, "consecutive child boot failures before giving up", default=5)
-    cpu_affinity: str = option(one_of("off", "spread"), '"spread": each child on one CPU of those the supervisor'
-                               ' may use, by slot; "off": where the kernel puts it', default="off")
+    cpu_affinity: str = option(one_of("off", "spread"), '"spread": each child pinned to the CPU of the'
+                               ' supervisor\'s that the fewest children hold; "off": where the kernel puts it',
+                               default="off")
     poll_interval: float = option(poll_interval, "longest wait between claims when idle", default=0.5)
     import_timeout: float = option(positive_number, "seconds a reload's trial import of the handler files may take",
                                    default=30.0)

@@ -17,9 +17,9 @@ import traceback
 
 from .. import childlimits, logs, protocol
 from ..checks import MAX_WORKERS
+from ..placement import cpu_for
 from ..protocol import KILLED_BAD_FRAME, KILLED_LEASE_LOST, KILLED_SHUTDOWN, KILLED_TIMEOUT
 from ..retry import backoff
-from ..placement import cpu_for
 
 log = logging.getLogger("tangguh.arbiter")
 
