@@ -29,6 +29,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFORMANCE = "tests/test_broker_conformance.py"
 CONTROL = "tests/test_conformance_control.py"
+KEPT = "tests/test_redis_kept_connection.py"
 NOT_FENCED = "WHERE id = :id AND state = 'running'"  # the SQLite fence without its token
 
 
@@ -1287,6 +1288,23 @@ MUTATIONS = [
              "-- (the queue not added to P:queues)",
              ("tests/test_redis_broker.py", "-k", "one_command"),
              "an enqueue's script adds its queue to P:queues, where get, dlq and prune find the queue's jobs"),
+    Mutation("redis-kept-connection-not-checked", "supervisor/backends/redis/calls.py",
+             "                pool.ensure_connection(self._kept[1])", "                pass",
+             (KEPT, "-k", "dropped_is_reopened"),
+             "the kept connection is checked before each sending: one the server dropped is reopened, no answer lost"),
+    Mutation("redis-kept-connection-shared-by-threads", "supervisor/backends/redis/calls.py",
+             "not self._kept_lock.acquire(blocking=False):",
+             "not (self._kept_lock.locked() or self._kept_lock.acquire(blocking=False)):",
+             (KEPT, "-k", "threads"),
+             "two threads never send on the kept connection at once"),
+    Mutation("redis-kept-connection-crosses-a-fork", "supervisor/backends/redis/calls.py",
+             "if self._kept is None or self._kept[0] != os.getpid():", "if self._kept is None:",
+             (KEPT, "-k", "forked"),
+             "a forked child never sends on its parent's kept connection"),
+    Mutation("redis-kept-connection-despite-max-connections", "supervisor/backends/redis/connection.py",
+             'keep = not topology and "max_connections" not in dict(rest)', "keep = not topology",
+             (KEPT, "-k", "bounding"),
+             "a URL's max_connections bounds the pool: no connection stays checked out of it"),
 ]
 
 

@@ -35,6 +35,7 @@ Semantics beyond the shared contract:
 """
 import json
 import logging
+import threading
 import time
 
 import redis
@@ -73,6 +74,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         conn = connect(url)
         self.r, self.prefix, self.done_ttl, self.where = conn.client, conn.prefix, conn.done_ttl, conn.where
         self.cluster, self.replica_wait = conn.cluster, conn.wait
+        self._kept_lock = threading.Lock() if conn.keep else None  # calls.py, _checkout
         self.scripts = scripts.register(self.r)
         self.keys = Keys(self.prefix)
         self._locator = Locator(self.r, self.keys)
