@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from supervisor.backends import open_broker
+from supervisor.backends.redis.connection import connect
 from supervisor.model import NewJob
 
 redis = pytest.importorskip("redis")
@@ -119,3 +120,13 @@ def test_a_url_bounding_the_pool_keeps_no_connection_checked_out(redis_url):
         assert b.enqueue(NewJob("t", {}))
         assert b.r.ping()
         assert b.claim(["default"], 1, 30.0, "me:1") and b.r.ping()
+
+
+@pytest.mark.parametrize("url", ["rediss://127.0.0.1:1/0", "redis+sentinel://127.0.0.1:1/mymaster/0",
+                                 "redis://127.0.0.1:1/0?max_connections=4"])
+def test_tls_sentinel_and_a_bounded_pool_keep_none(url):
+    """On TLS, bytes waiting on the socket may be the TLS layer's own (a session ticket), which
+    only the pool's read tells from a reply; a Sentinel pool drops the connections to a demoted
+    primary as they come back. There every call takes its connection from the pool and returns it."""
+    assert connect(url).keep is False
+    assert connect("redis://127.0.0.1:1/0").keep is True

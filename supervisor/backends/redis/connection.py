@@ -67,7 +67,7 @@ class Connection(typing.NamedTuple):
     where: str  # host:port (or the Sentinel service), for messages: never the URL, it may hold a password
     cluster: bool  # the client is a RedisCluster: commands of one pipeline may go to different nodes
     wait: typing.Optional[tuple]  # (replicas, timeout ms) for WAIT after writes, or None
-    keep: bool  # one server, no max_connections: the scripts may keep one connection checked out (calls.py)
+    keep: bool  # one server, no TLS, no max_connections: the scripts may keep a connection checked out (calls.py)
 
 
 def connect(url):
@@ -123,7 +123,7 @@ def connect(url):
         raise
     except (ValueError, TypeError, RedisError, RedisClusterException) as exc:
         raise BrokerUnusable(f"redis url {redact(url)!r}: {exc}") from None
-    keep = not topology and "max_connections" not in dict(rest)
+    keep = not topology and tls != "rediss" and "max_connections" not in dict(rest)
     return Connection(client, prefix, done_ttl, where, topology == "cluster", wait, keep)
 
 
