@@ -55,6 +55,23 @@ def test_the_scripts_keep_one_connection_and_one_the_server_dropped_is_reopened_
         assert [c["id"] for c in connections(raw, name)] != [conn["id"]]
 
 
+def test_a_kept_connection_redis_py_marked_for_reconnect_is_reopened_before_sending(redis_url, raw):
+    """redis-py marks the connections in use when the server announces a move (a maintenance
+    notice, ``protocol=3``) and reconnects them as they come back to the pool: the kept one never
+    comes back, so the broker looks at the mark itself."""
+    url, name = named(redis_url)
+    with open_broker(url) as b:
+        b.migrate()
+        b.enqueue(NewJob("t", {}))
+        (conn,) = connections(raw, name)
+        if not hasattr(b._kept[1], "mark_for_reconnect"):
+            pytest.skip("this redis-py has no maintenance notices")
+        b._kept[1].mark_for_reconnect()  # as redis-py's handler of a MOVING notice does
+        b.enqueue(NewJob("t", {}))
+        assert [c["id"] for c in connections(raw, name)] != [conn["id"]] and b.calls_resent == 0
+        assert not b._kept[1].should_reconnect()
+
+
 def test_threads_sharing_one_broker_never_share_a_connection(redis_url):
     with open_broker(redis_url) as b:
         b.migrate()

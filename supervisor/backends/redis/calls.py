@@ -165,8 +165,11 @@ def _ready(conn, pool):
     if sock is None:  # a redis-py that names its socket otherwise: its own check
         pool.ensure_connection(conn)
         return
+    # Marked by redis-py (a maintenance notice: the endpoint moves), which the pool acts on at
+    # the return this connection never makes; redis-py before 6 has no such mark.
+    marked = getattr(conn, "should_reconnect", None)
     poller = select.poll()  # not select.select: a busy process's descriptors pass 1024
     poller.register(sock, select.POLLIN)
-    if poller.poll(0):  # readable before anything was asked: closed by the server, or a stray reply
+    if (marked is not None and marked()) or poller.poll(0):  # readable: closed by the server, or a stray reply
         conn.disconnect()
         conn.connect()
