@@ -22,9 +22,10 @@ slot, and a ``SADD`` round trip of its own goes first.
 On one server (no Sentinel, no TLS, no ``max_connections``), one connection stays
 checked out of redis-py's pool between calls, for whichever thread finds it
 free (the master's loop, most producers); a thread that finds it in use takes
-one from the pool. The pool's checkout and return cost ~14 µs of CPU a call
+one from the pool. The pool's checkout and return cost 15 µs of CPU a call
 (its bookkeeping and metrics hooks, a non-blocking read between two timeout
-changes), a tenth of a single enqueue's. The kept one is checked as the pool
+changes), a sixth of a single enqueue's (bench/README.md, "A twenty-second
+machine"). The kept one is checked as the pool
 checks what it hands out (open, nothing unread, not closed by the server: see
 ``_ready``), so a connection the server dropped while idle is reopened before
 the sending, not found dead after it. A Sentinel pool keeps
@@ -159,7 +160,7 @@ def _send_and_read(conn, commands):
 def _ready(conn, pool):
     """The pool's check of a connection it hands out (``ensure_connection``: open, nothing
     unread, not closed by the server) in one poll, where the pool reads the socket between two
-    timeout changes: 7 µs of the call's CPU."""
+    timeout changes: about 5 µs less of a call's CPU."""
     conn.connect()  # reopens one closed after an error; raises before anything is sent
     sock = getattr(conn, "_sock", None)
     if sock is None:  # a redis-py that names its socket otherwise: its own check
