@@ -14,6 +14,7 @@ process per job (``time.process_time``: what other load on the machine
 disturbs least) and the wall-clock jobs/s.
 
 Cases: ``{sqlite,redis,postgres}-{single,batch}``. ``--json`` writes every round's figures.
+``BENCH_REDIS`` names another Redis (a query in it is kept: ``rediss://…?ssl_cert_reqs=none``).
 """
 import argparse
 import json
@@ -26,7 +27,9 @@ import time
 import uuid
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REDIS = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379") + "/13"
+# A query in BENCH_REDIS is kept (``rediss://host:port?ssl_cert_reqs=none`` for a TLS server).
+_REDIS, _, _REDIS_QUERY = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379").partition("?")
+REDIS = _REDIS + "/13" + (f"?{_REDIS_QUERY}" if _REDIS_QUERY else "")
 POSTGRES = os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 SINGLE, BATCHES, BATCH = 2000, 20, 500
 
@@ -38,7 +41,7 @@ def worker():
 
     tag = uuid.uuid4().hex[:8]
     folder = tempfile.mkdtemp(prefix="enqueue-ab-")
-    urls = {"sqlite": f"sqlite:///{folder}/ab.db", "redis": f"{REDIS}?prefix=enqueue-ab-{tag}",
+    urls = {"sqlite": f"sqlite:///{folder}/ab.db", "redis": f"{REDIS}{'&' if _REDIS_QUERY else '?'}prefix=enqueue-ab-{tag}",
             "postgres": f"{POSTGRES}?schema=enqueue_ab_{tag}"}
     clients = {}
     payload = {"kind": "noop", "key": f"bench:{tag}"}  # what bench/run.py's scenario 2 enqueues

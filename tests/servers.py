@@ -63,32 +63,62 @@ def _answers(port):
 
 
 class RedisServer:
-    def __init__(self, workdir, appendonly=False, extra=()):
+    """``tls=True``: the port speaks TLS only, with a self-signed certificate for 127.0.0.1
+    made here by ``openssl`` (``url`` is a ``rediss`` URL that trusts it)."""
+
+    tls = False  # also for nodes made without __init__ (ha_servers' Sentinels)
+
+    def __init__(self, workdir, appendonly=False, extra=(), tls=False):
         self.dir = str(workdir)
         self.port = free_port()
         self.appendonly = appendonly
         self.extra = list(extra)  # more redis-server options (replicaof, cluster-enabled...)
         self.proc = None
+        self.tls = tls
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        if tls:
+            self.cert = os.path.join(self.dir, "tls.pem")
+            self.url = f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}&ssl_cert_reqs=required"
 
     def start(self):
-        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        ports = ["--port", str(self.port)]
+        if self.tls:
+            if not os.path.exists(self.cert):
+                self._certificate()
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.cert,
+                     "--tls-key-file", os.path.join(self.dir, "tls.key"), "--tls-ca-cert-file", self.cert,
+                     "--tls-auth-clients", "no"]
+        cmd = ["redis-server", *ports, "--bind", "127.0.0.1", "--save", "",
                "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
                "--dir", self.dir, "--daemonize", "no", "--logfile", os.path.join(self.dir, "redis.log"), *self.extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(self.ping, timeout=15, message=f"redis on port {self.port} to answer")
         return self
 
+    def _certificate(self):
+        os.makedirs(self.dir, exist_ok=True)
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", os.path.join(self.dir, "tls.key"), "-out", self.cert],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
     def ping(self):
         import redis
 
         if self.proc.poll() is not None:
-            raise AssertionError(f"redis-server exited with {self.proc.returncode}")
+            raise AssertionError(f"redis-server exited with {self.proc.returncode}: {self._log_tail()}")
         try:
-            with redis.Redis(port=self.port, socket_timeout=1) as r:
+            with self.client(socket_timeout=1) as r:
                 return r.ping()
         except redis.RedisError:
             return False
+
+    def _log_tail(self):
+        try:
+            with open(os.path.join(self.dir, "redis.log")) as f:
+                return " | ".join(f.read().splitlines()[-3:])
+        except OSError:
+            return "no log"
 
     def stop(self, sig=signal.SIGTERM):
         """Stop the server: SIGTERM is a clean shutdown (the AOF is complete), SIGKILL a crash."""
@@ -104,7 +134,9 @@ class RedisServer:
     def client(self, **kw):
         import redis
 
-        return redis.Redis(port=self.port, **kw)
+        if self.tls:
+            kw = {"ssl": True, "ssl_ca_certs": self.cert, "ssl_cert_reqs": "required", **kw}
+        return redis.Redis(host="127.0.0.1", port=self.port, **kw)
 
 
 def _postgres_bin():

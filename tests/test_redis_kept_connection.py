@@ -3,6 +3,7 @@ checked out of redis-py's pool for the scripts, and must behave as the pool's wo
 reopened before a sending when the server dropped it, never shared by two threads or
 by a parent and its forked child, and never kept where the URL bounds the pool."""
 import os
+import shutil
 import threading
 import uuid
 
@@ -11,6 +12,10 @@ import pytest
 from supervisor.backends import open_broker
 from supervisor.backends.redis.connection import connect
 from supervisor.model import NewJob
+
+from .daemon import Daemon
+from .ha_servers import missing, need_redis
+from .servers import RedisServer
 
 redis = pytest.importorskip("redis")
 
@@ -139,11 +144,58 @@ def test_a_url_bounding_the_pool_keeps_no_connection_checked_out(redis_url):
         assert b.claim(["default"], 1, 30.0, "me:1") and b.r.ping()
 
 
-@pytest.mark.parametrize("url", ["rediss://127.0.0.1:1/0", "redis+sentinel://127.0.0.1:1/mymaster/0",
+@pytest.mark.parametrize("url", ["redis+sentinel://127.0.0.1:1/mymaster/0", "rediss+sentinel://127.0.0.1:1/mymaster/0",
                                  "redis://127.0.0.1:1/0?max_connections=4"])
-def test_tls_sentinel_and_a_bounded_pool_keep_none(url):
-    """On TLS, bytes waiting on the socket may be the TLS layer's own (a session ticket), which
-    only the pool's read tells from a reply; a Sentinel pool drops the connections to a demoted
-    primary as they come back. There every call takes its connection from the pool and returns it."""
+def test_sentinel_and_a_bounded_pool_keep_none(url):
+    """A Sentinel pool drops the connections to a demoted primary as they come back; a bounded
+    pool needs its connections back. There every call takes its connection from the pool and
+    returns it."""
     assert connect(url).keep is False
-    assert connect("redis://127.0.0.1:1/0").keep is True
+    assert connect("redis://127.0.0.1:1/0").keep is True and connect("rediss://127.0.0.1:1/0").keep is True
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory):
+    """A redis-server of this module's own that speaks TLS only (the shared one speaks none)."""
+    need_redis()
+    if shutil.which("openssl") is None:
+        missing("openssl is not installed (it makes the TLS Redis's certificate)")
+    server = RedisServer(tmp_path_factory.mktemp("tls-redis"), tls=True).start()
+    yield server
+    server.stop()
+
+
+def test_on_tls_the_kept_connection_is_checked_through_the_tls_layer(tls_redis):
+    """On TLS the check before a sending is a read through the TLS layer, not a look at the
+    socket: a socket holding only the TLS layer's own records is not a dropped connection,
+    and one the server closed is still reopened before the sending."""
+    name = f"kept-{uuid.uuid4().hex[:10]}"
+    raw = tls_redis.client(decode_responses=True)
+    try:
+        with open_broker(f"{tls_redis.url}&client_name={name}&prefix={name}") as b:
+            b.migrate()
+            for i in range(20):
+                b.enqueue(NewJob("t", {"n": i}))
+            (conn,) = connections(raw, name)
+            for _ in range(3):
+                assert len(b.claim(["default"], 2, 30.0, "me:1")) == 2
+            assert [c["id"] for c in connections(raw, name)] == [conn["id"]]  # kept, and never reopened
+            raw.client_kill_filter(_id=conn["id"])
+            got = b.claim(["default"], 5, 30.0, "me:1")
+            assert len(got) == 5 and b.calls_resent == 0 and b.answers_lost == 0
+            assert [c["id"] for c in connections(raw, name)] != [conn["id"]]
+            assert b.stats(["default"])["default"].in_flight == 11
+    finally:
+        raw.close()
+
+
+def test_the_daemon_runs_jobs_over_tls(tls_redis, tmp_path):
+    d = Daemon(tmp_path, broker_url=f"{tls_redis.url}&prefix=kept-{uuid.uuid4().hex[:10]}")
+    try:
+        d.start()
+        ids = [d.enqueue("noop", {"n": i}) for i in range(40)]
+        for job_id in ids:
+            assert d.wait_job(job_id).state == "done"
+        d.assert_clean()
+    finally:
+        d.stop()

@@ -123,7 +123,7 @@ def connect(url):
         raise
     except (ValueError, TypeError, RedisError, RedisClusterException) as exc:
         raise BrokerUnusable(f"redis url {redact(url)!r}: {exc}") from None
-    keep = not topology and tls != "rediss" and "max_connections" not in dict(rest)
+    keep = not topology and "max_connections" not in dict(rest)
     return Connection(client, prefix, done_ttl, where, topology == "cluster", wait, keep)
 
 
