@@ -67,7 +67,7 @@ class Connection(typing.NamedTuple):
     where: str  # host:port (or the Sentinel service), for messages: never the URL, it may hold a password
     cluster: bool  # the client is a RedisCluster: commands of one pipeline may go to different nodes
     wait: typing.Optional[tuple]  # (replicas, timeout ms) for WAIT after writes, or None
-    keep: bool  # one server, no TLS, no max_connections: the scripts may keep a connection checked out (calls.py)
+    keep: bool  # one server (TLS or not), no max_connections: the scripts may keep a connection checked out (calls.py)
 
 
 def connect(url):
