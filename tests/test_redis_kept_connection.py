@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from supervisor.backends import open_broker
+from supervisor.backends.redis import calls
 from supervisor.backends.redis.connection import connect
 from supervisor.model import NewJob
 
@@ -165,10 +166,14 @@ def tls_redis(tmp_path_factory):
     server.stop()
 
 
-def test_on_tls_the_kept_connection_is_checked_through_the_tls_layer(tls_redis):
+@pytest.mark.parametrize("pool_check", ["redis_py", "by_hand"])
+def test_on_tls_the_kept_connection_is_checked_through_the_tls_layer(tls_redis, pool_check, monkeypatch):
     """On TLS the check before a sending is a read through the TLS layer, not a look at the
     socket: a socket holding only the TLS layer's own records is not a dropped connection,
-    and one the server closed is still reopened before the sending."""
+    and one the server closed is still reopened before the sending. redis-py before 7 has no
+    ``ensure_connection``: the broker then makes the same read itself."""
+    if pool_check == "by_hand":
+        monkeypatch.setattr(calls, "POOL_CHECKS", False)
     name = f"kept-{uuid.uuid4().hex[:10]}"
     raw = tls_redis.client(decode_responses=True)
     try:

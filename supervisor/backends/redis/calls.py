@@ -37,12 +37,16 @@ import os
 import select
 import ssl
 
+import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...errors import BrokerError
 from . import scripts
+
+# redis-py 7 and later check a connection the pool hands out in a method of its own.
+POOL_CHECKS = hasattr(redis.ConnectionPool, "ensure_connection")
 
 
 class ScriptCalls:
@@ -177,11 +181,10 @@ def _ready(conn, pool):
         # TLS: a readable socket may hold only the TLS layer's own records (a session ticket),
         # and a reply may wait decrypted in its buffer with nothing on the socket. Only a read
         # through it tells: the pool's (and a redis-py that names its socket otherwise).
-        check = getattr(pool, "ensure_connection", None)
-        if check is not None:
-            check(conn)
+        if POOL_CHECKS:
+            pool.ensure_connection(conn)
             return
-        try:  # an older redis-py: its pool did this inside get_connection
+        try:  # redis-py before 7: its pool did this inside get_connection
             if conn.can_read():
                 raise RedisConnectionError("data waiting")
         except (RedisConnectionError, OSError, RedisTimeoutError):
