@@ -1301,7 +1301,7 @@ MUTATIONS = [
              "            conn.connect()\n        return",
              "        except (RedisConnectionError, OSError, RedisTimeoutError):\n            pass\n        return",
              (KEPT, "-k", "tls and by_hand"),
-             "on TLS with a redis-py before 7, a kept connection the server closed is reopened before the sending"),
+             "on TLS with a redis-py before 8.2, a kept connection the server closed is reopened before the sending"),
     Mutation("redis-kept-connection-tls-not-checked", "supervisor/backends/redis/calls.py",
              "        if POOL_CHECKS:\n            pool.ensure_connection(conn)\n            return",
              "        if POOL_CHECKS:\n            return",

@@ -170,7 +170,7 @@ def tls_redis(tmp_path_factory):
 def test_on_tls_the_kept_connection_is_checked_through_the_tls_layer(tls_redis, pool_check, monkeypatch):
     """On TLS the check before a sending is a read through the TLS layer, not a look at the
     socket: a socket holding only the TLS layer's own records is not a dropped connection,
-    and one the server closed is still reopened before the sending. redis-py before 7 has no
+    and one the server closed is still reopened before the sending. redis-py before 8.2 has no
     ``ensure_connection``: the broker then makes the same read itself."""
     if pool_check == "by_hand":
         monkeypatch.setattr(calls, "POOL_CHECKS", False)

@@ -45,7 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ...errors import BrokerError
 from . import scripts
 
-# redis-py 7 and later check a connection the pool hands out in a method of its own.
+# redis-py 8.2 and later check a connection the pool hands out in a method of its own.
 POOL_CHECKS = hasattr(redis.ConnectionPool, "ensure_connection")
 
 
@@ -184,7 +184,7 @@ def _ready(conn, pool):
         if POOL_CHECKS:
             pool.ensure_connection(conn)
             return
-        try:  # redis-py before 7: its pool did this inside get_connection
+        try:  # redis-py before 8.2: its pool did this inside get_connection
             if conn.can_read():
                 raise RedisConnectionError("data waiting")
         except (RedisConnectionError, OSError, RedisTimeoutError):
