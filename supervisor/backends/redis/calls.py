@@ -170,7 +170,7 @@ def _ready(conn, pool):
     timeout changes: about 5 µs less of a call's CPU. On TLS, the pool's own check."""
     conn.connect()  # reopens one closed after an error; raises before anything is sent
     # Marked by redis-py (a maintenance notice: the endpoint moves), which the pool acts on at
-    # the return this connection never makes; redis-py before 6 has no such mark.
+    # the return this connection never makes; redis-py before 7 has no such mark.
     marked = getattr(conn, "should_reconnect", None)
     if marked is not None and marked():
         conn.disconnect()
