@@ -94,6 +94,16 @@ def test_the_daemons_code_loads_neither_croniter_nor_asyncio_until_a_schedule_or
     assert out.stdout.strip() == "[]"
 
 
+def test_the_daemons_code_loads_no_database_driver_nor_zoneinfo_until_a_broker_a_handler_or_a_schedule_needs_it():
+    # The SQLite broker imports sqlite3 when it opens, the master imports the handlers' database
+    # driver before it forks (toolkit.preload), a schedule imports zoneinfo at its first tick.
+    heavy = ["sqlite3", "psycopg", "redis", "zoneinfo"]
+    probe = ("import sys, supervisor.cli.daemon, supervisor.master.arbiter, supervisor.child.worker;"
+             f" print([m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_importing_supervisor_loads_neither_the_worker_nor_a_driver():
     # Handler modules and producers import supervisor: the child's worker (asyncio)
     # and the broker drivers load only where they are used.

@@ -176,6 +176,7 @@ class Arbiter:
                 self.health.close()
                 raise  # a local file we cannot open is a setup error; one another process holds is an outage
         self.status.set_title()
+        toolkit.preload(self.cfg.toolkit)  # before the first fork: the children share the driver
         self.pool.manage()
         self.heartbeat.start()
 
@@ -303,6 +304,7 @@ class Arbiter:
                       extra={"event": "reload_failed", "generation": self.generation})
             return
         self.cfg, self.handlers = cfg, handlers
+        toolkit.preload(cfg.toolkit)  # a database_url changed by the reload: its driver for the new children
         self.generation += 1
         self.settings_cache, self.reload_error = {}, None
         self.dispatcher.configure(cfg, handlers)

@@ -1,0 +1,70 @@
+"""What the master loads before it forks: the drivers its children will use, no other.
+
+A module the master imports is shared by every child (its pages are the master's
+until written); one a child imports itself is that child's own copy. So the
+handlers' database driver is imported by the master (``toolkit.preload``), and a
+daemon whose handlers have no database loads no driver for them. Seen from
+outside, in the master's memory map: a driver is a shared object it maps.
+"""
+import signal
+
+import pytest
+
+from .daemon import Daemon
+from .util import wait_for
+
+# A piece of each driver's own shared object's path, as /proc/PID/maps shows it.
+MAPPED = {"sqlite": "_sqlite3", "postgres": "psycopg"}
+
+
+def mapped(pid):
+    with open(f"/proc/{pid}/maps") as f:
+        text = f.read()
+    return {kind for kind, piece in MAPPED.items() if piece in text}
+
+
+def handlers_database(kind, tmp_path, request):
+    if kind == "sqlite":
+        return f"sqlite:///{tmp_path}/app.db"
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_the_master_loads_the_handlers_database_driver_before_its_first_fork(tmp_path, redis_url, kind, request):
+    # A Redis broker: the driver is there for the handlers' database, or not at all.
+    d = Daemon(tmp_path, redis_url, toolkit={"database_url": handlers_database(kind, tmp_path, request)})
+    try:
+        d.start()  # its children up, no job run yet: nothing has used the database
+        assert mapped(d.proc.pid) == {kind}
+        for pid in d.worker_pids():
+            assert mapped(pid) == {kind}  # the master's, inherited at the fork
+    finally:
+        d.stop()
+
+
+def test_a_master_whose_handlers_have_no_database_loads_no_driver_for_them(tmp_path, redis_url):
+    d = Daemon(tmp_path, redis_url)
+    try:
+        d.start()
+        assert d.wait_job(d.enqueue("noop", {"x": 1})).state == "done"
+        assert mapped(d.proc.pid) == set()
+        for pid in d.worker_pids():
+            assert mapped(pid) == set()
+    finally:
+        d.stop()
+
+
+def test_a_reload_that_names_a_handlers_database_loads_its_driver_for_the_new_children(tmp_path, redis_url):
+    d = Daemon(tmp_path, redis_url)
+    try:
+        d.start()
+        assert mapped(d.proc.pid) == set()
+        before = d.status()["generation"]
+        d.config["toolkit"] = {"database_url": f"sqlite:///{tmp_path}/app.db"}
+        d.write_config()
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: d.status()["generation"] == before + 1, message="the reload to take")
+        assert d.status()["reload_error"] is None
+        assert mapped(d.proc.pid) == {"sqlite"}
+    finally:
+        d.stop()
