@@ -23,6 +23,14 @@ def mapped(pid):
     return {kind for kind, piece in MAPPED.items() if piece in text}
 
 
+def assert_maps(d, kinds, workers):
+    """The master and ``workers`` (their pids) map exactly the drivers of ``kinds``."""
+    assert mapped(d.proc.pid) == kinds
+    assert workers
+    for pid in workers:
+        assert mapped(pid) == kinds
+
+
 def handlers_database(kind, tmp_path, request):
     if kind == "sqlite":
         return f"sqlite:///{tmp_path}/app.db"
@@ -35,9 +43,7 @@ def test_the_master_loads_the_handlers_database_driver_before_its_first_fork(tmp
     d = Daemon(tmp_path, redis_url, toolkit={"database_url": handlers_database(kind, tmp_path, request)})
     try:
         d.start()  # its children up, no job run yet: nothing has used the database
-        assert mapped(d.proc.pid) == {kind}
-        for pid in d.worker_pids():
-            assert mapped(pid) == {kind}  # the master's, inherited at the fork
+        assert_maps(d, {kind}, d.worker_pids())  # the children's: the master's, inherited at the fork
     finally:
         d.stop()
 
@@ -47,9 +53,7 @@ def test_a_master_whose_handlers_have_no_database_loads_no_driver_for_them(tmp_p
     try:
         d.start()
         assert d.wait_job(d.enqueue("noop", {"x": 1})).state == "done"
-        assert mapped(d.proc.pid) == set()
-        for pid in d.worker_pids():
-            assert mapped(pid) == set()
+        assert_maps(d, set(), d.worker_pids())
     finally:
         d.stop()
 
@@ -58,13 +62,18 @@ def test_a_reload_that_names_a_handlers_database_loads_its_driver_for_the_new_ch
     d = Daemon(tmp_path, redis_url)
     try:
         d.start()
-        assert mapped(d.proc.pid) == set()
+        assert_maps(d, set(), d.worker_pids())
         before = d.status()["generation"]
         d.config["toolkit"] = {"database_url": f"sqlite:///{tmp_path}/app.db"}
         d.write_config()
         d.signal(signal.SIGHUP)
-        wait_for(lambda: d.status()["generation"] == before + 1, message="the reload to take")
-        assert d.status()["reload_error"] is None
-        assert mapped(d.proc.pid) == {"sqlite"}
+
+        def new_children():
+            status = d.status()
+            assert status["reload_error"] is None
+            workers = [w for w in status["workers"] if w["generation"] == before + 1 and w["state"] == "idle"]
+            return len(workers) == status["target_workers"] and [w["pid"] for w in workers]
+
+        assert_maps(d, {"sqlite"}, wait_for(new_children, message="the new generation's children up"))
     finally:
         d.stop()
