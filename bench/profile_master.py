@@ -5,14 +5,15 @@
 
 Enqueues N no-op jobs (bench/work.py's body; with ``--body empty`` a job that
 returns at once and leaves no evidence, so the rate is one supervisor's
-ceiling: what its master and broker can do with nothing else to wait for), starts a daemon of 2 workers with
-the config defaults (``lease_seconds = 5``, ``heartbeat_seconds = 1`` as in
-``python -m bench``; ``--prefetch`` pins ``broker.prefetch``) whose master runs
-under cProfile, waits until every job has run, stops it with SIGTERM and prints
-the master's CPU per job (over the whole run, start-up included, and in the
-steady state between 10 % and 90 % of the jobs done: what the 25 µs target of
-issue 17 is about) with the jobs a second in that state, the Python calls a job (cProfile's count: steadier than any
-time on a shared machine) and the functions with the most own time. The
+ceiling: what its master and broker can do with nothing else to wait for),
+starts a daemon of 2 workers with the config defaults (``lease_seconds = 5``,
+``heartbeat_seconds = 1`` as in ``python -m bench``; ``--prefetch`` pins
+``broker.prefetch``) whose master runs under cProfile, waits until every job
+has run, stops it with SIGTERM and prints the master's CPU per job (over the
+whole run, start-up included, and in the steady state between 10 % and 90 % of
+the jobs done: what the 25 µs target of issue 17 is about) with the jobs a
+second in that state, the Python calls a job (cProfile's count: steadier than
+any time on a shared machine) and the functions with the most own time. The
 children are forked from the profiled master but end with ``os._exit``, so
 only the master's time is in the profile.
 """
