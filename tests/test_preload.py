@@ -23,6 +23,21 @@ def mapped(pid):
     return {kind for kind, piece in MAPPED.items() if piece in text}
 
 
+@pytest.fixture
+def started(tmp_path, redis_url):
+    """``started(**sections)``: a daemon on a Redis broker, up with its children; stopped after the test.
+    A Redis broker: a driver mapped is there for the handlers' database, or not at all."""
+    daemons = []
+
+    def start(**sections):
+        daemons.append(Daemon(tmp_path, redis_url, **sections))
+        return daemons[-1].start()
+
+    yield start
+    for d in daemons:
+        d.stop()
+
+
 def assert_maps(d, kinds, workers):
     """The master and ``workers`` (their pids) map exactly the drivers of ``kinds``."""
     assert mapped(d.proc.pid) == kinds
@@ -38,42 +53,30 @@ def handlers_database(kind, tmp_path, request):
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
-def test_the_master_loads_the_handlers_database_driver_before_its_first_fork(tmp_path, redis_url, kind, request):
-    # A Redis broker: the driver is there for the handlers' database, or not at all.
-    d = Daemon(tmp_path, redis_url, toolkit={"database_url": handlers_database(kind, tmp_path, request)})
-    try:
-        d.start()  # its children up, no job run yet: nothing has used the database
-        assert_maps(d, {kind}, d.worker_pids())  # the children's: the master's, inherited at the fork
-    finally:
-        d.stop()
+def test_the_master_loads_the_handlers_database_driver_before_its_first_fork(started, tmp_path, kind, request):
+    d = started(toolkit={"database_url": handlers_database(kind, tmp_path, request)})
+    # Its children up, no job run yet: nothing has used the database.
+    assert_maps(d, {kind}, d.worker_pids())  # the children's: the master's, inherited at the fork
 
 
-def test_a_master_whose_handlers_have_no_database_loads_no_driver_for_them(tmp_path, redis_url):
-    d = Daemon(tmp_path, redis_url)
-    try:
-        d.start()
-        assert d.wait_job(d.enqueue("noop", {"x": 1})).state == "done"
-        assert_maps(d, set(), d.worker_pids())
-    finally:
-        d.stop()
+def test_a_master_whose_handlers_have_no_database_loads_no_driver_for_them(started):
+    d = started()
+    assert d.wait_job(d.enqueue("noop", {"x": 1})).state == "done"
+    assert_maps(d, set(), d.worker_pids())
 
 
-def test_a_reload_that_names_a_handlers_database_loads_its_driver_for_the_new_children(tmp_path, redis_url):
-    d = Daemon(tmp_path, redis_url)
-    try:
-        d.start()
-        assert_maps(d, set(), d.worker_pids())
-        before = d.status()["generation"]
-        d.config["toolkit"] = {"database_url": f"sqlite:///{tmp_path}/app.db"}
-        d.write_config()
-        d.signal(signal.SIGHUP)
+def test_a_reload_that_names_a_handlers_database_loads_its_driver_for_the_new_children(started, tmp_path):
+    d = started()
+    assert_maps(d, set(), d.worker_pids())
+    before = d.status()["generation"]
+    d.config["toolkit"] = {"database_url": f"sqlite:///{tmp_path}/app.db"}
+    d.write_config()
+    d.signal(signal.SIGHUP)
 
-        def new_children():
-            status = d.status()
-            assert status["reload_error"] is None
-            workers = [w for w in status["workers"] if w["generation"] == before + 1 and w["state"] == "idle"]
-            return len(workers) == status["target_workers"] and [w["pid"] for w in workers]
+    def new_children():
+        status = d.status()
+        assert status["reload_error"] is None
+        workers = [w for w in status["workers"] if w["generation"] == before + 1 and w["state"] == "idle"]
+        return len(workers) == status["target_workers"] and [w["pid"] for w in workers]
 
-        assert_maps(d, {"sqlite"}, wait_for(new_children, message="the new generation's children up"))
-    finally:
-        d.stop()
+    assert_maps(d, {"sqlite"}, wait_for(new_children, message="the new generation's children up"))
