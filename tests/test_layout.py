@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import supervisor
 
 PACKAGE = pathlib.Path(supervisor.__file__).parent
@@ -103,6 +105,25 @@ def test_the_daemons_code_loads_no_database_driver_nor_zoneinfo_until_a_broker_a
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
+
+@pytest.mark.parametrize("argv", [["run", "-c", "{cfg}"], ["-c", "{cfg}", "run"], ["--config={cfg}", "run"],
+                                  ["-c{cfg}", "run"]], ids=["after", "before", "equals", "attached"])
+def test_the_run_command_builds_only_its_own_parser(argv, tmp_path):
+    # `tangguh run` becomes the master, and every child is forked from it: the parsers and
+    # modules of the other commands (about 0.4 MiB) would sit in each of those processes.
+    # A missing config file stops the command after parsing, which is the part this probes.
+    cfg = str(tmp_path / "missing.toml")
+    probe = ("import sys; from supervisor import cli;"
+             f" code = cli.main({[a.format(cfg=cfg) for a in argv]!r});"
+             " print(code, sorted(m for m in sys.modules if m.startswith('supervisor.cli.') or m == 'getpass'))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stderr.strip() == f"tangguh: error: {cfg}: no such config file"
+    assert out.stdout.split(" ", 1) == ["2", "['supervisor.cli.common', 'supervisor.cli.daemon',"
+                                             " 'supervisor.cli.output', 'supervisor.cli.progress']\n"]
+    # Any other command (and no command) still gets the whole parser.
+    probe = "from supervisor import cli; cli.main(['--config', 'x.toml', 'status', '--bogus'])"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stderr.strip() == "tangguh: error: unrecognized arguments: --bogus"
 
 def test_importing_supervisor_loads_neither_the_worker_nor_a_driver():
     # Handler modules and producers import supervisor: the child's worker (asyncio)

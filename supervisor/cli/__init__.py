@@ -16,7 +16,6 @@ import os
 import sys
 
 from ..errors import BadInput, ConfigError, NotDead, TangguhError
-from . import admin, bulk, control, daemon, dlq, flows, jobs, web
 from .common import PROG, Failure, UsageError
 from .output import printable
 from .progress import stdout_gone
@@ -36,9 +35,11 @@ def main(argv=None):
         # surrogate): show it escaped rather than fail the whole listing.
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(errors="backslashreplace")
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = parser.parse_args(argv)
+        # `run` becomes the daemon: its process (and every child forked from it) carries
+        # only the parser and the modules of that command, not the twenty others'.
+        args = (build_parser(only_run=True) if command_of(argv) == "run" else build_parser()).parse_args(argv)
         code = args.func(args) or 0
         sys.stdout.flush()  # here, not at interpreter exit: a closed pipe is caught below
         return code
@@ -81,7 +82,22 @@ def _fail(message, code):
     return code
 
 
-def build_parser():
+def command_of(argv):
+    """The command named in ``argv`` (its first word after the top-level options), or None."""
+    words = iter(argv)
+    for word in words:
+        if word in ("-c", "--config"):
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+        elif not word.startswith(("-c", "--config=")):
+            return None  # --help, --version, --, a typo: the whole parser answers
+    return None
+
+
+def build_parser(only_run=False):
+    from . import daemon
+
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-c", "--config", metavar="PATH", default=argparse.SUPPRESS,
                         help="config file (default: ./tangguh.toml, else /etc/tangguh/config.toml)")
@@ -104,6 +120,9 @@ def build_parser():
         return p
 
     command(commands, "run", daemon.cmd_run, "run the supervisor in the foreground")
+    if only_run:
+        return parser
+    from . import admin, bulk, control, dlq, flows, jobs, web
 
     p = command(commands, "enqueue", jobs.cmd_enqueue, "enqueue a job and print its id")
     p.add_argument("type", metavar="TYPE", help="job type (the handler's name)")
