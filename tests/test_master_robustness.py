@@ -14,6 +14,7 @@ import select
 import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -237,6 +238,58 @@ def test_a_flood_of_silent_connections_cannot_lock_out_status_or_metrics(tmp_pat
         d.assert_clean()
     finally:
         d.stop()
+
+
+def test_a_request_waits_for_room_in_a_full_accept_queue(tmp_path):
+    # The flood above makes the CLI meet a full queue only as often as the flood outruns the
+    # master; here the queue is full for certain. A connect under a socket timeout is
+    # non-blocking and failed at once (EAGAIN); a blocking one waits in the kernel for room.
+    path = str(tmp_path / "s.sock")
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        listener.bind(path)
+        listener.listen(0)
+        fillers = 0
+        while True:  # connections nobody accepts, until the kernel takes no more
+            filler = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            filler.setblocking(False)
+            try:
+                filler.connect(path)
+            except BlockingIOError:
+                break
+            fillers += 1
+        asked = {}
+
+        def ask():
+            asked["tid"] = threading.get_native_id()
+            try:
+                asked["reply"] = request(path, {"cmd": "ping"}, timeout=60)
+            except Exception as exc:  # noqa: BLE001 - the assertion below shows it
+                asked["error"] = exc
+
+        thread = threading.Thread(target=ask, daemon=True)
+        thread.start()
+
+        def waiting_in_connect():
+            try:
+                with open(f"/proc/self/task/{asked['tid']}/wchan") as f:
+                    if f.read() == "unix_wait_for_peer":
+                        return True
+            except (FileNotFoundError, ProcessLookupError):  # the thread has ended
+                pass
+            return "error" in asked or "reply" in asked
+
+        wait_for(lambda: "tid" in asked and waiting_in_connect(), message="the request in its connect")
+        assert "error" not in asked, asked["error"]
+        listener.settimeout(60)
+        for _ in range(fillers):  # first in the queue
+            stack.enter_context(listener.accept()[0])
+        conn = stack.enter_context(listener.accept()[0])  # the request's, let in as room was made
+        conn.settimeout(60)
+        assert conn.recv(100) == b'{"cmd": "ping"}\n'
+        conn.sendall(b'{"ok": true}\n')
+        thread.join(60)
+    assert asked == {"tid": asked["tid"], "reply": {"ok": True}}
 
 
 def pump(sel, until, message):
