@@ -125,6 +125,7 @@ def test_the_run_command_builds_only_its_own_parser(argv, tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stderr.strip() == "tangguh: error: unrecognized arguments: --bogus"
 
+
 def test_importing_supervisor_loads_neither_the_worker_nor_a_driver():
     # Handler modules and producers import supervisor: the child's worker (asyncio)
     # and the broker drivers load only where they are used.
