@@ -672,6 +672,22 @@ def test_a_forged_result_with_numbers_no_float_holds_fails_its_attempt_and_the_m
         d.stop()
 
 
+def test_a_forged_result_of_a_subnormal_duration_leaves_the_master_serving(tmp_path):
+    """A handler's RESULT saying its job ran 5e-324 s became the type's average run time, and
+    the next claim's prefetch divided by it: int(inf), and the master ended (restarted, it met
+    the next such job the same way)."""
+    d = Daemon(tmp_path, handler_files=("testjobs.py", "forged.py"), broker={"prefetch": "auto"})
+    try:
+        d.start()
+        d.wait_job(d.enqueue("forges_a_tiny_duration"))
+        for _ in range(3):  # claims after it, with the type's average measured
+            assert d.wait_job(d.enqueue("noop")).state == "done"
+        assert d.proc.poll() is None and d.status()["restarts"] == 0
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
 def test_a_forged_lock_message_with_a_ttl_no_float_holds_is_ignored_and_the_master_serves_on(tmp_path, redis_url):
     """The same through a lock message: its TTL went through float(), and 10**400 raised."""
     d = Daemon(tmp_path, handler_files=("testjobs.py", "forged.py"), toolkit={"redis_url": redis_url})
@@ -680,7 +696,7 @@ def test_a_forged_lock_message_with_a_ttl_no_float_holds_is_ignored_and_the_mast
         assert d.wait_job(d.enqueue("forges_a_lock")).state == "done"
         assert d.proc.poll() is None and d.status()["restarts"] == 0
         assert d.wait_job(d.enqueue("noop")).state == "done"
-        assert len([r for r in d.records() if "malformed lock message" in r.get("msg", "")]) == 6
+        assert len([r for r in d.records() if "malformed lock message" in r.get("msg", "")]) == 7
         d.assert_clean()
     finally:
         d.stop()

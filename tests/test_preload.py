@@ -3,8 +3,10 @@
 A module the master imports is shared by every child (its pages are the master's
 until written); one a child imports itself is that child's own copy. So the
 handlers' database driver is imported by the master (``toolkit.preload``), and a
-daemon whose handlers have no database loads no driver for them. Seen from
-outside, in the master's memory map: a driver is a shared object it maps.
+daemon whose handlers have no database loads no driver for them; so is the
+``idna`` codec that a first connection to a host name loads. Seen from outside,
+in the master's memory map: a driver is a shared object it maps, and so is the
+codec's ``unicodedata``.
 """
 import signal
 
@@ -80,3 +82,18 @@ def test_a_reload_that_names_a_handlers_database_loads_its_driver_for_the_new_ch
         return len(workers) == status["target_workers"] and [w["pid"] for w in workers]
 
     assert_maps(d, {"sqlite"}, wait_for(new_children, message="the new generation's children up"))
+
+
+def test_the_master_loads_the_socket_codec_before_its_first_fork(tmp_path):
+    """Python's ``socket.getaddrinfo`` loads the ``idna`` codec at a process's first connection to
+    a host name: a handler's Redis or HTTP client in each child, unless the master has it. On a
+    SQLite broker the master connects to nothing that would load it on its own."""
+    d = Daemon(tmp_path, f"sqlite:///{tmp_path}/queue.db").start()
+    try:
+        workers = d.worker_pids()
+        assert workers
+        for pid in [d.proc.pid, *workers]:  # no job run yet: the children's are the master's, inherited
+            with open(f"/proc/{pid}/maps") as f:
+                assert "unicodedata" in f.read()
+    finally:
+        d.stop()

@@ -176,7 +176,7 @@ class Arbiter:
                 self.health.close()
                 raise  # a local file we cannot open is a setup error; one another process holds is an outage
         self.status.set_title()
-        toolkit.preload(self.cfg.toolkit)  # before the first fork: the children share the driver
+        toolkit.preload(self.cfg.toolkit)  # before the first fork: the children share the driver, the codec
         self.pool.manage()
         self.heartbeat.start()
 

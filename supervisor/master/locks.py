@@ -13,6 +13,8 @@ from ..toolkit.locks import EXTEND, RELEASE
 
 log = logging.getLogger("tangguh.locks")
 
+MAX_TTL = 10 * 365 * 86400.0  # seconds: the longest lock TTL a child may report (ten years)
+
 
 class MasterLocks:
     """The master's record of the Redis locks its children hold.
@@ -45,7 +47,9 @@ class MasterLocks:
         try:
             key, token = str(msg["key"]), str(msg["token"])
             ttl = protocol.finite(msg.get("ttl") or 0)  # 10**400 or inf would raise here, NaN at each extension
-            if ttl is None or ttl < 0:
+            # Over MAX_TTL its milliseconds may not even be an integer (1e306 * 1000 is inf), and every
+            # extension of every child's locks would fail with it: a lock is for minutes, not decades.
+            if ttl is None or not 0 <= ttl <= MAX_TTL:
                 raise ValueError(msg.get("ttl"))
         except (KeyError, TypeError, ValueError):
             log.warning("ignoring a malformed %s message from child %d", msg.get("op"), pid)

@@ -102,7 +102,8 @@ class Prefetch:
         if average is None:
             return 0  # not measured yet: run it first, prefetch once its run time is known
         most = PER_CHILD * self.workers
-        return most if average <= 0 else min(most, int(WAIT_BUDGET * self.workers / average))
+        # Compared before dividing: a child's reply may say 5e-324 s, and the budget over that is inf.
+        return most if average * most <= WAIT_BUDGET * self.workers else int(WAIT_BUDGET * self.workers / average)
 
     def _by_bytes(self, job_type):
         size = self.sizes.get(job_type)

@@ -22,7 +22,8 @@ replaced on the next use.
 The child gets the settings through ``configure`` right after the fork; the
 CLI (``tangguh db migrate``) and scripts call ``configure`` themselves. The
 master imports the database's driver before it forks (``preload``), and only
-that one: it opens nothing, so the children share the driver's code.
+that one, with the codec every connection by host name loads: it opens nothing,
+so the children share their code.
 """
 import importlib
 import os
@@ -98,7 +99,15 @@ def preload(cfg):
     """In the master, before it forks: import the driver of the handlers' database
     (``cfg.database_url``), so that every child shares the master's copy of its code rather
     than importing its own at its first transaction (psycopg is about 20 MiB a process).
-    A daemon whose handlers have no database loads neither driver for them."""
+    A daemon whose handlers have no database loads neither driver for them.
+
+    And the ``idna`` codec, which Python's ``socket.getaddrinfo`` loads at the first
+    connection to a host given as text (``encodings.idna``, ``stringprep``,
+    ``unicodedata``): a handler's Redis client, HTTP client or mailer loads it in each
+    child otherwise, where the import copies the pages it writes: about 0.9 MiB of a
+    child's own memory, against 85 KiB the master's copy adds (bench/README.md, "A
+    twenty-sixth machine")."""
+    import encodings.idna  # noqa: F401 - imported for the children
     if not cfg.database_url:
         return
     try:

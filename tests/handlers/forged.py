@@ -16,9 +16,20 @@ def forges_its_result(ctx, payload):
     return {"attempt": ctx.job.attempt}
 
 
+@supervisor.job("forges_a_tiny_duration")
+def forges_a_tiny_duration(ctx, payload):
+    """A RESULT of its own job that says it ran 5e-324 s: a float, finite, and the type's average
+    run time then; the prefetch's budget over it is inf."""
+    if ctx.job.attempt == 1:
+        notify_master({"op": "result", "job_id": ctx.job.id, "token": ctx.job.token, "ok": True,
+                       "duration": 5e-324})
+    return {"attempt": ctx.job.attempt}
+
+
 @supervisor.job("forges_a_lock")
 def forges_a_lock(ctx, payload):
-    """Lock messages whose TTL no float holds, or is not a number at all."""
-    for ttl in (10 ** 400, float("inf"), float("nan"), -5, "soon", [1]):
+    """Lock messages whose TTL no float holds, is not a number at all, or is a float whose
+    milliseconds no integer holds (1e306 s: inf ms)."""
+    for ttl in (10 ** 400, float("inf"), float("nan"), -5, "soon", [1], 1e306):
         notify_master({"op": "lock", "key": f"forged:{ttl!r}", "token": "t", "ttl": ttl})
     return {"sent": True}
