@@ -273,7 +273,7 @@ MUTATIONS = [
              ("tests/test_master_robustness.py", "-k", "forged_lock"),
              "a child's lock message with a TTL of 1e306 s is refused, not kept to fail every extension"),
     Mutation("socket-codec-not-preloaded", "supervisor/toolkit/connections.py",
-             "    import encodings.idna  # noqa: F401 - imported for the children\n", "",
+             "    importlib.import_module(\"encodings.idna\")  # for the children\n", "",
              ("tests/test_preload.py", "-k", "socket_codec"),
              "the master imports the idna codec before it forks: the children's first connections share it"),
     Mutation("cli-run-builds-every-parser", "supervisor/cli/__init__.py",

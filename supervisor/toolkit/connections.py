@@ -107,7 +107,7 @@ def preload(cfg):
     child otherwise, where the import copies the pages it writes: about 0.9 MiB of a
     child's own memory, against 85 KiB the master's copy adds (bench/README.md, "A
     twenty-sixth machine")."""
-    import encodings.idna  # noqa: F401 - imported for the children
+    importlib.import_module("encodings.idna")  # for the children
     if not cfg.database_url:
         return
     try:
