@@ -74,6 +74,7 @@ import time
 import re
 
 from .. import urls
+from . import damaged
 from ..errors import BrokerError, BrokerUnusable, LeaseLost, RolledBack
 from ..model import Job, Lease, NewJob, QueueStats, error_info, payload_problem  # noqa: F401  (re-exported)
 
@@ -109,13 +110,14 @@ class Broker(abc.ABC):
     def _runnable(self, jobs):
         """The claimed jobs a worker can be given; the others are dead-lettered ``bad_payload`` now.
 
-        A payload that does not decode, or is nested past the enqueue limit (stored
-        behind the producer API's back, or before it had the limit), would fail every
+        A payload that does not decode, or is nested past the enqueue limit, or a field
+        the supervisor computes with that holds no value of its type (stored behind the
+        producer API's back, or before it had the limit: ``damaged``), would fail every
         attempt or break the claimer itself; it must not hold up the jobs behind it.
         """
         runnable = []
         for job in jobs:
-            problem = payload_problem(job.payload)
+            problem = damaged.problem(job)
             if problem is None:
                 runnable.append(job)
                 continue

@@ -100,8 +100,14 @@ def cancel_text(request):
 
 
 def render_history(history):
+    # A record written behind the API's back may hold anything here: shown, never a traceback.
+    if not isinstance(history, list):
+        return [f"history:          not a list: {one_line(repr(history), 100)}"]
     lines = [f"history:          {len(history)} attempt(s)"]
     for entry in history:
+        if not isinstance(entry, dict):
+            lines.append(f"  not an attempt: {one_line(repr(entry), 100)}")
+            continue
         lines.append("  " + render_attempt(entry))
         err = entry.get("error")
         if isinstance(err, dict):
@@ -112,6 +118,8 @@ def render_history(history):
 def render_error(error, label):
     if not error:
         return [f"{label:<17} -"]
+    if not isinstance(error, dict):
+        return [f"{label:<17} {one_line(repr(error), 100)}"]
     lines = [f"{label:<17} {error.get('class') or '-'}: {error.get('message') or ''}".rstrip(),
              f"  reason:         {error.get('reason') or '-'}"]
     if error.get("traceback"):
@@ -122,7 +130,7 @@ def render_error(error, label):
 
 def render_attempt(entry):
     started, ended = entry.get("started_at"), entry.get("ended_at")
-    took = duration(ended - started) if started is not None and ended is not None else "-"
+    took = duration(ended - started) if isinstance(started, (int, float)) and isinstance(ended, (int, float)) else "-"
     text = (f"#{entry.get('attempt', '?')} {entry.get('outcome') or 'running'} started {when(started)}"
             f" ended {when(ended)} ({took}) owner {entry.get('owner') or '-'}")
     known = {"attempt", "outcome", "started_at", "ended_at", "owner", "error"}

@@ -41,6 +41,8 @@ def when(ts):
         moment = datetime.datetime.fromtimestamp(ts, datetime.timezone.utc)
     except (OverflowError, OSError, ValueError):  # past year 9999: show the number
         return f"{ts!r} (epoch seconds)"
+    except TypeError:  # not a number at all: a hand-edited record's, shown as it is
+        return repr(ts)
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 

@@ -102,7 +102,9 @@ class Status:
         self.count("claimed", job=job)
         # The broker reclaims an expired lease inside claim and closes that
         # attempt as "lease_expired": seen here as the entry before the new one.
-        expired = len(job.history) >= 2 and job.history[-2].get("outcome") == "lease_expired"
+        # An entry a hand-edited record holds may be anything: only an object can say so.
+        before = job.history[-2] if len(job.history) >= 2 else None
+        expired = isinstance(before, dict) and before.get("outcome") == "lease_expired"
         if expired:
             self.count("lease_expired", job=job)
         if log.isEnabledFor(logging.DEBUG):  # the fields cost more than a discarded record
@@ -161,8 +163,10 @@ class Status:
                      extra=dict(fields, event="retry", delay=outcome.delay))
 
     def stored(self, write):
-        if write.op == ACK and write.job.queued_at:
-            waited = max(0.0, time.time() - write.job.queued_at)  # the broker's clock set queued_at: close enough
+        queued_at = write.job.queued_at
+        # A number unless a hand-edited record holds text there: a metric is not worth a job.
+        if write.op == ACK and queued_at and type(queued_at) in (float, int):
+            waited = max(0.0, time.time() - queued_at)  # the broker's clock set queued_at: close enough
             self._observe("complete", write.job, waited)
 
     # -- reporting ---------------------------------------------------------------------------

@@ -20,7 +20,6 @@ _CONVERT = {name: convert for name, convert in {**dict.fromkeys(_INTS, int), **d
 ROW_FIELDS = JOB_ORDER[:JOB_ORDER.index("pending") + 1] + ("open",)
 _ROW_CONVERT = tuple(_CONVERT.get(name) for name in ROW_FIELDS[:-1])
 _HISTORY = ROW_FIELDS.index("history")
-_loads = json.loads
 
 
 def from_claim(row):
@@ -29,14 +28,27 @@ def from_claim(row):
     if row[0] != 0:
         return to_job(row)
     # Positional: the row holds the Job's fields in their order (false: not set).
-    args = [None if v is False else v if convert is None else convert(v)
-            for convert, v in zip(_ROW_CONVERT, row[1:-1])]
+    try:
+        args = [None if v is False else v if convert is None else convert(v)
+                for convert, v in zip(_ROW_CONVERT, row[1:-1])]
+    except ValueError:
+        # A number a hand-edited hash holds as other text: kept as it is, so that the claim
+        # dead-letters this job (backends/damaged.py) and hands over the rest of its jobs.
+        args = [None if v is False else v if convert is None else _converted(convert, v)
+                for convert, v in zip(_ROW_CONVERT, row[1:-1])]
     stored, open_entry = args[_HISTORY], row[-1]  # the open attempt: an object, decoded with the row
-    history = [] if stored is None or stored == "[]" else _loads(stored)
-    if open_entry:
+    history = [] if stored is None or stored == "[]" else load_json(stored)  # not JSON: the text, as above
+    if open_entry and type(history) is list:
         history.append(open_entry)
     args[_HISTORY] = history
     return Job(*args)
+
+
+def _converted(convert, value):
+    try:
+        return convert(value)
+    except ValueError:
+        return value
 
 
 def enqueue_args(job):
@@ -100,7 +112,7 @@ def to_job(fields):
     for key, value in fields.items():
         convert = _CONVERT.get(key)
         if convert is not None:
-            d[key] = convert(value)
+            d[key] = _converted(convert, value)  # a hand-edited number stays text: damaged.py names it
         elif key in JOB_FIELDS:
             d[key] = value
         elif key == "open":
@@ -113,8 +125,8 @@ def to_job(fields):
     if "pending" in d:
         d["parents"] = {**dict.fromkeys(sorted(edges), (None, None)), **{p: ends[p] for p in sorted(ends)}}
     stored = d.pop("history", "[]")
-    history = [] if stored == "[]" else json.loads(stored)  # "[]": a job's first attempt, the usual case
-    if open_entry:
-        history.append(json.loads(open_entry))
+    history = [] if stored == "[]" else load_json(stored)  # "[]": a job's first attempt, the usual case
+    if open_entry and type(history) is list:
+        history.append(load_json(open_entry))
     d["history"] = history
     return Job(**d)

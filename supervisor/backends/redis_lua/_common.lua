@@ -46,7 +46,9 @@ end
 -- Ready jobs: score -priority; members "<16-digit run_at us><id>", so ZPOPMIN
 -- yields highest priority first, then oldest run_at, then id.
 local function make_ready(id, priority, run_us)
-  redis.call('ZADD', READY, -tonumber(priority), string.format('%016.0f', run_us) .. id)
+  -- A priority a hand-edited hash holds as other text: 0 here (an error would strand the job between
+  -- the delayed and ready sets), then the claim dead-letters the job (backends/damaged.py).
+  redis.call('ZADD', READY, -(tonumber(priority) or 0), string.format('%016.0f', run_us) .. id)
 end
 
 -- A leased job as claim returns it (fields.from_claim reads it): its fields in this order

@@ -24,7 +24,7 @@ from ..limits import Admission, active, refill
 from . import schema, wakeup, workflows
 from .control import _CLOSE_ENTRY, _LEASED, ControlMixin  # the statements' shared parts
 from .producing import ProducingMixin
-from .rows import job as _job
+from .rows import claim_order as _claim_order, job as _job
 from .database import Transaction, busy, connect, errors, interrupted_after, let_go_inherited, read_url, truncate_wal
 from .ready import due_ids, due_rows
 from .search import SearchMixin
@@ -150,7 +150,7 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
                     " WHERE id IN (SELECT value FROM json_each(:ids)) RETURNING *",
                     {"lease_until": now + lease_seconds, "owner": owner, "now": now, "ids": json.dumps(ids)},
                 ).fetchall()
-                claimed.extend(sorted((_job(r) for r in rows), key=lambda j: (-j.priority, j.run_at, j.id)))
+                claimed.extend(sorted((_job(r) for r in rows), key=_claim_order))
         return claimed
 
     def _claim_limited(self, queues, n, lease_seconds, owner, limits, now):
@@ -190,7 +190,7 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
                         f" WHERE id IN ({','.join('?' * len(ids))}) RETURNING *",
                         [now + lease_seconds, owner, now, owner, *ids],
                     ).fetchall()
-                    claimed.extend(sorted((_job(r) for r in leased), key=lambda j: (-j.priority, j.run_at, j.id)))
+                    claimed.extend(sorted((_job(r) for r in leased), key=_claim_order))
                 # A held-back row leaves the next query (its type is blocked or its resource busy now).
                 if len(rows) < want:
                     break

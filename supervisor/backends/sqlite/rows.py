@@ -37,3 +37,12 @@ def job(row):
         value = row[index]
         args.append(load_json(value) if is_json and value is not None else value)
     return Job(*args)
+
+
+def claim_order(job):
+    """Where a claimed job goes among its queue's: highest priority first, then oldest run_at,
+    then id. A priority a hand-edited row holds as text sorts as 0 instead of raising in the
+    claim's transaction, which would roll back that claim and every one after it; the job is
+    dead-lettered after the claim (``backends.damaged``)."""
+    priority = job.priority if isinstance(job.priority, (int, float)) else 0
+    return -priority, job.run_at, job.id
