@@ -19,8 +19,9 @@ backend):
   ``attempt += 1``, ``token += 1`` (the fencing token: strictly increasing per
   job), ``lease_until = now + lease_seconds``, ``owner``, and a new history
   entry ``{"attempt", "started_at", "owner"}``. A leased job whose stored
-  payload does not decode as a JSON object within ``model.MAX_DEPTH`` levels
-  is dead-lettered at once with reason ``bad_payload`` and not returned.
+  payload does not decode as a JSON object within ``model.MAX_DEPTH`` levels,
+  or whose record holds a field of the wrong type (``damaged``), is
+  dead-lettered at once with reason ``bad_payload`` and not returned.
 * ``claim(..., limits={type: TypeLimits})`` also enforces per-type controls,
   for every claimer that passes the same limits (each supervisor passes the
   ones of its config): a job that a limit holds back stays ``queued`` or
