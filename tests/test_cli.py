@@ -245,6 +245,8 @@ BAD_ENQUEUES = {
     "malformed JSON": (["--payload", "{not json"], 2, "payload: malformed JSON"),
     "non-object payload": (["--payload", "[1, 2]"], 2, "payload: expected a JSON object, got list"),
     "string payload": (["--payload", '"hi"'], 2, "payload: expected a JSON object, got string"),
+    # json.loads keeps the last of a repeated key: the first value would be lost without a word.
+    "a key given twice": (["--payload", '{"a": {"c": 1, "c": 2}}'], 2, "payload: malformed JSON: key 'c' given twice"),
     "unknown queue": (["--queue", "nope"], 2, "queue 'nope' is not one of the configured broker.queues"),
     "negative delay": (["--delay", "-5"], 2, "delay must be a number of seconds >= 0"),
     "non-numeric delay": (["--delay", "soon"], 2, "--delay: invalid float value"),

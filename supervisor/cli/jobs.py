@@ -16,9 +16,18 @@ _JSON_TYPES = {dict: "object", list: "list", str: "string", int: "number", float
                type(None): "null"}
 
 
+def _no_repeated_keys(pairs):
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {key!r} given twice (only one of its values would be stored)")
+    return obj
+
+
 def parse_payload(text):
     try:
-        payload = json.loads(text)
+        payload = json.loads(text, object_pairs_hook=_no_repeated_keys)
     except ValueError as exc:
         raise BadInput(f"payload: malformed JSON: {exc}") from None
     except RecursionError:
