@@ -122,6 +122,7 @@ class HealthServer(OneShotServer):
     """Registers itself in ``selector``; ``dispatch(request) -> reply`` answers."""
 
     max_request = MAX_LINE
+    eof_ends_request = True  # a request line without its newline, then EOF: still answered
 
     def __init__(self, path, mode, selector, dispatch, client_timeout=5.0, group=""):
         self.path = path

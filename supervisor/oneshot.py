@@ -64,6 +64,9 @@ class OneShotServer:
     # Bytes of a terminator that may have arrived in part: a request within the limit whose
     # terminator is split across reads must not be refused while it completes.
     terminator_slack = 0
+    # Whether a peer that half-closes after an unterminated request has sent the whole of it
+    # (a line-oriented socket: ``printf '{...}' | socat``); HTTP's blank line must come.
+    eof_ends_request = False
 
     def __init__(self, listener, selector, client_timeout):
         self.listener, self.selector, self.client_timeout = listener, selector, client_timeout
@@ -152,6 +155,8 @@ class OneShotServer:
             except OSError:
                 return self._drop(client)
             if not data:
+                if client.inbox and self.eof_ends_request:
+                    return self._send(client, self.answer(bytes(client.inbox)))
                 return self._drop(client)
             if not client.inbox:  # the first bytes: now the whole request gets its time
                 client.deadline = client.accepted + self.client_timeout

@@ -107,6 +107,20 @@ def test_deeply_nested_json_on_the_health_socket_gets_an_error(daemon):
     daemon.assert_clean()
 
 
+def test_a_request_line_without_its_newline_is_answered_once_the_client_half_closes(daemon):
+    """``printf '{"cmd": "status"}' | socat - UNIX-CONNECT:...``: no newline, then EOF. It got no
+    reply at all; the line is the whole request once nothing more can come."""
+    daemon.start()
+    s = connect(daemon.socket)
+    s.sendall(b'{"cmd": "status"}')
+    s.shutdown(socket.SHUT_WR)
+    reply = reply_or_eof(s)
+    s.close()
+    assert json.loads(reply)["ok"] is True, reply[:200]
+    assert daemon.proc.poll() is None
+    serves_a_job(daemon)
+
+
 def closed_by_peer(s):
     """Whether the daemon has closed ``s`` (a reply it sent first is read and ignored)."""
     try:
