@@ -4,6 +4,7 @@ import pytest
 
 from supervisor.backends import open_broker, scan
 from supervisor.backends.redis import search as redis_search
+from supervisor.backends.redis.keys import SCRIPT_KEYS
 from supervisor.jobfilter import Count, JobFilter
 from supervisor.model import NewJob, error_info
 
@@ -26,6 +27,10 @@ def index_size(b, queue="default"):
 
 def type_size(b, job_type, queue="default"):
     return b.r.zcard(b._type_key(queue, job_type))
+
+
+def done_set(b, queue="default"):
+    return b.keys.for_scripts(queue)[0][SCRIPT_KEYS.index("done")]
 
 
 def types_named(b, queue="default"):
@@ -142,6 +147,7 @@ def test_the_type_sweep_goes_on_where_it_stopped(rb, monkeypatch):
         rb.ack(job.lease)
     wait_for(lambda: not any(rb.r.exists(rb.keys.job("default", i)) for i in gone),
              message="the done jobs' hashes to expire")
+    rb.r.delete(done_set(rb))  # as a later ack trims it: prune finds none of them there, the sweeps alone do
     sizes = []
     for _ in range(3):  # two entries per call, across the types in name order
         rb.prune(3600)
@@ -175,3 +181,31 @@ def test_migrate_builds_the_type_indexes_for_jobs_stored_before_them(rb):
     assert types_named(rb) == {"a", "b", "p", "c"}
     rb.migrate()  # once: a second migrate changes nothing
     assert (type_size(rb, "a"), type_size(rb, "b")) == (3, 3)
+
+
+def test_prune_keeps_the_search_index_bounded_under_a_flow_of_done_jobs(redis_url):
+    """Done jobs past done_ttl leave both indexes at prune, however many: their hashes outlive
+    done_ttl (DONE_GRACE) so prune still reads where their entries are. When the hashes expired
+    at done_ttl, prune (with the default retention, as long as done_ttl) found none of them and
+    only the sweep took entries out, 1,000 a call once per prune: past about 3 jobs a second
+    and queue the indexes grew without end (a week after start, at the flow rate)."""
+    from supervisor.backends import redis as redis_broker
+
+    b = open_broker(redis_url + "&done_ttl=5")
+    try:
+        b.migrate()
+        n = redis_broker.BATCH * 2 + 500
+        b.enqueue_many([NewJob("t", {"i": i}) for i in range(n)])
+        kept = b.enqueue(NewJob("t", {"kept": True}))
+        acked = 0
+        while acked < n:
+            got = b.claim(["default"], 500, 30, "w")
+            assert b.ack_many([(j.lease, None, None) for j in got if j.id != kept]) == []
+            acked += len([j for j in got if j.id != kept])
+        last_ack = b.now()
+        wait_for(lambda: b.now() > last_ack + 5.05, message="done_ttl to pass")
+        assert b.prune(7 * 86400) == n  # the default retention, past done_ttl
+        assert (index_size(b), type_size(b, "t")) == (1, 1)  # the one job not done
+        assert [j.id for j in b.search(JobFilter()).jobs] == [kept]
+    finally:
+        b.close()

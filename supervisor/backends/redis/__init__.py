@@ -61,6 +61,10 @@ log = logging.getLogger("tangguh.broker")
 
 LIMITED_SCAN = 1000  # ready entries one limited claim looks at per queue (held-back jobs included)
 BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one script's run time
+# A done job's hash outlives its done_ttl by this long (an hour, or done_ttl itself when shorter), so
+# that prune, which deletes it at done_ttl, still finds its queued_at and type to take its entries
+# out of the search indexes: once the hash has expired, only the sweep finds them, 1,000 a call.
+DONE_GRACE = 3600
 ACK_ARGUMENT_BYTES = 32 * 1024 * 1024  # an ack_many call's one argument: far below Redis's 512 MB
 CLOCK_REFRESH = 30.0
 PARTIAL_WARN_EVERY = 60.0  # seconds between warnings of a queue failing its part of claims
@@ -73,6 +77,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         self.url = url
         conn = connect(url)
         self.r, self.prefix, self.done_ttl, self.where = conn.client, conn.prefix, conn.done_ttl, conn.where
+        self._done_expiry = self.done_ttl + min(DONE_GRACE, self.done_ttl)  # a done hash's TTL (DONE_GRACE)
         self.cluster, self.replica_wait = conn.cluster, conn.wait
         self._kept_lock = threading.Lock() if conn.keep else None  # calls.py, _checkout
         self.scripts = scripts.register(self.r)
@@ -259,7 +264,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
 
     @guard
     def ack(self, lease, result=None, info=None):
-        self._finish("ack", lease, [result_json(result), info_members(info), self.done_ttl])
+        self._finish("ack", lease, [result_json(result), info_members(info), self._done_expiry])
         self._locator.forget(lease.job_id)
 
     @guard
@@ -280,13 +285,13 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         for queue, items in groups.items():
             for lease, result, info in [item for item in items if "\0" in item[0].job_id]:
                 try:  # an id stored before ids were checked for NUL: the single ack's arguments
-                    self._finish("ack", lease, [result_json(result), info_members(info), self.done_ttl])
+                    self._finish("ack", lease, [result_json(result), info_members(info), self._done_expiry])
                     self._locator.forget(lease.job_id)
                 except LeaseLost:
                     lost.append(lease)
             for chunk, argument in ack_batches([item for item in items if "\0" not in item[0].job_id], BATCH,
                                                ACK_ARGUMENT_BYTES):
-                calls.append(("ack_many", queue, [self.done_ttl, argument]))
+                calls.append(("ack_many", queue, [self._done_expiry, argument]))
                 chunks.append(chunk)
         for chunk, flags in zip(chunks, self._run_many(calls, confirm=True) if calls else ()):
             for lease, flag in zip(chunk, flags):
@@ -334,6 +339,9 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
     @guard
     def prune(self, done_older_than, budget=None):
         age_us = max(0, int(done_older_than * 1e6))
+        # A done job goes at done_ttl at the latest, while its hash is there (DONE_GRACE): its TTL
+        # would take it then anyway, and leave its search entries behind.
+        done_age_us = min(age_us, self.done_ttl * 1_000_000)
         deleted = 0
         queues = sorted(self.r.smembers(self.keys.queues))
         if queues:  # enqueue_once records older than the horizon
@@ -345,7 +353,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
             self._forget_once(cutoff)
         for queue in queues:
             while True:
-                jobs, entries = self._run("prune", queue, [age_us, BATCH])
+                jobs, entries = self._run("prune", queue, [age_us, BATCH, done_age_us])
                 deleted += jobs
                 if budget is not None and deleted >= budget:
                     return deleted

@@ -1,9 +1,10 @@
--- prune: ARGV[3] = age (us), ARGV[4] = batch size. Deletes up to a batch of done
--- (and of cancelled, of expired) jobs finished longer ago and sweeps a batch of the search index
--- and one of the type indexes;
--- returns {jobs deleted, index entries removed}.
+-- prune: ARGV[3] = age (us), ARGV[4] = batch size, ARGV[5] = the done jobs' age (us; at most
+-- done_ttl, while their hashes are there). Deletes up to a batch of done (and of cancelled, of
+-- expired) jobs finished longer ago and sweeps a batch of the search index and one of the type indexes;
+-- returns {jobs deleted, the largest batch found}.
 local cutoff = '(' .. num(NOW - tonumber(ARGV[3]))
-local ids = redis.call('ZRANGEBYSCORE', DONE, '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
+local done_cutoff = '(' .. num(NOW - tonumber(ARGV[5] or ARGV[3]))
+local ids = redis.call('ZRANGEBYSCORE', DONE, '-inf', done_cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
 local deleted = 0
 for _, id in ipairs(ids) do
   unindex_job(id, redis.call('HMGET', JOB .. id, 'queued_at', 'type'))
