@@ -153,12 +153,12 @@ class Heartbeat:
         with self.lock:
             progress, self.progress = self.progress, {}
             record = self.record
-        renewal = self._call(lambda br: br.renew(leases, self.lease_seconds, progress)) if leases else Renewal()
+        queues = self.queues
+        renewal = self._call(lambda br: br.renew(leases, self.lease_seconds, progress, queues)) if leases else Renewal()
         if renewal is None:
             return
         # Every beat, leases or not: every supervisor sharing the broker learns of a pause
         # within one heartbeat, and its record says it is alive.
-        queues = self.queues
         paused = self._call(lambda br: br.paused(queues))
         if record is not None and paused is not None:  # None: the broker failed, the record waits a beat
             record = dict(record, paused_queues=sorted(paused))

@@ -65,7 +65,7 @@ MUTATIONS = [
              '" WHERE j.id = l.id AND j.state = \'running\'{gate}"',
              (CONFORMANCE, "-k", "postgres and (stale or ack_many)"), "ack_many refuses a stale lease (PostgreSQL)"),
     Mutation("lease-renewal-off", "supervisor/heartbeat.py",
-             "br.renew(leases, self.lease_seconds, progress)",
+             "br.renew(leases, self.lease_seconds, progress, queues)",
              # Still finds lost leases, never extends one.
              "Renewal([x for x in leases if (lambda j: j is None or (j.state, j.token) != ('running', x.token))"
              "(br.get(x.job_id))])",
@@ -323,6 +323,14 @@ MUTATIONS = [
              "        self._done_expiry = self.done_ttl",
              ("tests/test_redis_search.py", "-k", "bounded"),
              "a done job's hash outlives done_ttl, so prune still finds its search entries"),
+    Mutation("redis-renewal-probes-every-queue-named", "supervisor/backends/redis/control.py",
+             "for lease in leases], first=queues)", "for lease in leases], first=None)",
+             ("tests/test_redis_broker.py", "-k", "served_queues"),
+             "the heartbeat's renewal looks for its jobs in the served queues before every queue ever named"),
+    Mutation("redis-key-names-kept-for-every-queue", "supervisor/backends/redis/keys.py",
+             "            if len(self._scripts) >= KEPT_QUEUES:\n", "            if False:\n",
+             ("tests/test_redis_broker.py", "-k", "key_names_kept"),
+             "the Redis broker keeps the key names of a bounded number of queues"),
     Mutation("socket-codec-not-preloaded", "supervisor/toolkit/connections.py",
              "    importlib.import_module(\"encodings.idna\")  # for the children\n", "",
              ("tests/test_preload.py", "-k", "socket_codec"),

@@ -222,11 +222,13 @@ class Broker(abc.ABC):
         """
         raise NotImplementedError
 
-    def renew(self, leases, lease_seconds, progress=None):
+    def renew(self, leases, lease_seconds, progress=None, queues=None):
         """``extend`` that also stores progress and reports cancel requests, in the same round trip.
 
         ``progress``: ``{job_id: (fraction, note)}`` stored on current leases
-        only. Returns a ``Renewal``: ``lost`` (leases no longer current, as
+        only. ``queues``: where the leases' jobs most likely are (the
+        supervisor's own); a broker that looks a job's queue up looks there
+        first. Returns a ``Renewal``: ``lost`` (leases no longer current, as
         ``extend`` returns) and ``cancel`` (``{job_id: cancel_request}`` for
         current leases whose job has a cancel request).
         """

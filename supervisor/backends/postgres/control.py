@@ -68,7 +68,7 @@ class ControlMixin(control.ExpiredLog):
             out[job_id] = "unknown" if state is None else CANCELLED if job_id in ending else control.answer_for(state)
         return out
 
-    def renew(self, leases, lease_seconds, progress=None):
+    def renew(self, leases, lease_seconds, progress=None, queues=None):
         leases = list(leases)
         progress = progress or {}
         renewal = Renewal()

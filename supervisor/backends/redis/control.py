@@ -52,13 +52,15 @@ class ControlMixin(control.ExpiredLog):
         return {job_id: answers.get(job_id, "unknown") for job_id in job_ids}
 
     @guard
-    def renew(self, leases, lease_seconds, progress=None):
+    def renew(self, leases, lease_seconds, progress=None, queues=None):
         leases = list(leases)
         progress = progress or {}
         renewal = Renewal()
         lease_us = max(1, int(lease_seconds * 1e6))
         self._locator.renewing(lease.job_id for lease in leases)
-        where = self._locator.queues_of([lease.job_id for lease in leases])
+        # The heartbeat's own broker never claimed these: their queues are looked up, the served ones
+        # first (every queue ever named holds them otherwise: P:queues only grows).
+        where = self._locator.queues_of([lease.job_id for lease in leases], first=queues)
         groups = {}
         for lease in leases:
             queue = where.get(lease.job_id)

@@ -38,6 +38,9 @@ from ...model import check_queue
 
 # A queue's keys every script is given, in this order (the scripts' KEYS[1..6]).
 SCRIPT_KEYS = ("ready", "delayed", "leased", "dead", "done", "idem")
+# Queues whose key names are kept made: a producer may name any number of queues, and prune
+# and the lookups walk every name ever used (P:queues); past this the cache starts again.
+KEPT_QUEUES = 1024
 
 
 class Keys:
@@ -55,6 +58,8 @@ class Keys:
         got = self._scripts.get(queue)
         if got is None:
             check_queue(queue)  # no braces above all: they would move the keys out of the hash tag
+            if len(self._scripts) >= KEPT_QUEUES:
+                self._scripts.clear()
             base = f"{self.prefix}:{{{queue}}}:"
             got = self._scripts[queue] = ([base + k for k in SCRIPT_KEYS], [base + "j:", self.channel])
         return got

@@ -38,14 +38,27 @@ class Locator:
     def forget(self, job_id):
         self.known.pop(job_id, None)
 
-    def find(self, job_ids, fetch=True):
+    def find(self, job_ids, fetch=True, first=None):
         """{id: (queue, fields)} for the ids that exist, probing every known queue at once.
 
         With ``fetch=False`` the fields are not read (``{}``): only the queue is wanted.
+        ``first``: queues to probe before the others, which are probed only for the ids
+        not found there: a probe costs a command per id and queue, and a producer may
+        have named thousands of queues.
         """
         job_ids = list(dict.fromkeys(job_ids))
+        if first and job_ids:
+            found = self._probe(job_ids, sorted(set(first)), fetch)
+            rest = [job_id for job_id in job_ids if job_id not in found]
+            if rest:
+                others = self.client.smembers(self.keys.queues) - set(first)
+                found.update(self._probe(rest, sorted(others), fetch))
+            return found
         queues = sorted(self.client.smembers(self.keys.queues)) if job_ids else []
-        if not queues:
+        return self._probe(job_ids, queues, fetch)
+
+    def _probe(self, job_ids, queues, fetch):
+        if not queues or not job_ids:
             return {}
         pipe = self.client.pipeline(transaction=False)
         pairs = [(job_id, q) for job_id in job_ids for q in queues]
@@ -58,11 +71,11 @@ class Locator:
                 found[job_id] = (q, fields if fetch else {})
         return found
 
-    def queues_of(self, job_ids):
-        """{id: queue} for the ids that exist: from the cache, else one probe for all the rest."""
+    def queues_of(self, job_ids, first=None):
+        """{id: queue} for the ids that exist: from the cache, else a probe for all the rest (``find``)."""
         out = {job_id: self.known[job_id] for job_id in job_ids if job_id in self.known}
         missing = [job_id for job_id in job_ids if job_id not in out]
-        for job_id, (queue, _) in self.find(missing, fetch=False).items():
+        for job_id, (queue, _) in self.find(missing, fetch=False, first=first).items():
             self.remember(job_id, queue)
             out[job_id] = queue
         return out

@@ -60,7 +60,7 @@ class ControlMixin(control.ExpiredLog):
                     out[job_id] = control.answer_for(row["state"])
         return out
 
-    def renew(self, leases, lease_seconds, progress=None):
+    def renew(self, leases, lease_seconds, progress=None, queues=None):
         progress = progress or {}
         renewal = Renewal()
         with self._write():
