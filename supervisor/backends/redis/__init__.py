@@ -48,7 +48,7 @@ from ..base import Broker
 from ..limits import active
 from . import scripts, workflows
 from .calls import ScriptCalls
-from .connection import connect, guard
+from .connection import DONE_GRACE, connect, guard
 from .control import ControlMixin
 from .deadletters import DeadLetters
 from .fields import ack_batches, enqueue_args, to_job
@@ -61,10 +61,6 @@ log = logging.getLogger("tangguh.broker")
 
 LIMITED_SCAN = 1000  # ready entries one limited claim looks at per queue (held-back jobs included)
 BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one script's run time
-# A done job's hash outlives its done_ttl by this long (an hour, or done_ttl itself when shorter), so
-# that prune, which deletes it at done_ttl, still finds its queued_at and type to take its entries
-# out of the search indexes: once the hash has expired, only the sweep finds them, 1,000 a call.
-DONE_GRACE = 3600
 ACK_ARGUMENT_BYTES = 32 * 1024 * 1024  # an ack_many call's one argument: far below Redis's 512 MB
 CLOCK_REFRESH = 30.0
 PARTIAL_WARN_EVERY = 60.0  # seconds between warnings of a queue failing its part of claims
@@ -339,9 +335,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
     @guard
     def prune(self, done_older_than, budget=None):
         age_us = max(0, int(done_older_than * 1e6))
-        # A done job goes at done_ttl at the latest, while its hash is there (DONE_GRACE): its TTL
-        # would take it then anyway, and leave its search entries behind.
-        done_age_us = min(age_us, self.done_ttl * 1_000_000)
+        done_age_us = min(age_us, self.done_ttl * 1_000_000)  # at done_ttl at the latest, hash and all
         deleted = 0
         queues = sorted(self.r.smembers(self.keys.queues))
         if queues:  # enqueue_once records older than the horizon

@@ -32,6 +32,9 @@ from ...urls import redact
 SCHEMES = ("redis", "rediss", "redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster")
 DEFAULT_PREFIX = "tangguh"
 DEFAULT_DONE_TTL = 7 * 24 * 3600
+# A done job's hash outlives done_ttl by this (or by done_ttl, when shorter): prune deletes it at
+# done_ttl and must still find its queued_at and type to take its search entries out with it.
+DONE_GRACE = 3600
 DEFAULT_WAIT_TIMEOUT = 1000  # ms WAIT gives the replicas to confirm a write
 OURS = {"prefix", "done_ttl", "wait_replicas", "wait_timeout"}
 SENTINEL_OPTIONS = {"sentinel_username", "sentinel_password"}
