@@ -609,3 +609,37 @@ def test_the_key_names_kept_per_queue_are_bounded(redis_url):
         b.prune(3600)
         assert 0 < len(b.keys._scripts) <= KEPT_QUEUES
         assert b.keys.for_scripts("default")[1][0].endswith(":{default}:j:")
+
+
+def test_prune_drops_the_resource_fields_of_exclusive_jobs_no_longer_running(rb, raw, monkeypatch):
+    """An exclusive type's hash gains a field per resource id leased, for as long as the daemon
+    runs; prune drops the fields whose job is not running any more, a batch a call, and keeps
+    the one a running job holds, which still holds its resource back."""
+    from supervisor.backends import redis as redis_broker
+
+    monkeypatch.setattr(redis_broker, "BATCH", 100)
+    limits = {"x": TypeLimits(exclusive=True)}
+    n = 700  # more than a small hash's 128 to 512 fields: HSCAN then steps through it
+    rb.enqueue_many([NewJob("x", {"i": i}, resource_id=f"r{i}") for i in range(n)])
+    leased = rb.claim(["default"], n, 30, "w", limits=limits)
+    assert len(leased) == n
+    running = leased[0]
+    for job in leased[1:]:
+        rb.ack(job.lease)
+    base = rb.keys.for_scripts("default")[1][0][:-len("j:")]
+    excl = base + "excl:x"
+    assert raw.hlen(excl) == n and raw.smembers(base + "excls") == {"x"}
+    sizes = []
+    for _ in range(20):
+        rb.prune(3600)  # nothing old enough to delete: the sweep alone
+        sizes.append(raw.hlen(excl))
+    assert n - 300 < sizes[0] < n, sizes  # about a batch a call, not the whole hash
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] == 1, sizes
+    assert raw.hgetall(excl) == {running.resource_id: running.id}
+    waiting = rb.enqueue(NewJob("x", {}, resource_id=running.resource_id))
+    assert rb.claim(["default"], 5, 30, "w", limits=limits) == []  # the resource is still held
+    rb.ack(running.lease)
+    for _ in range(2):
+        rb.prune(3600)
+    assert not raw.exists(excl) and raw.smembers(base + "excls") == set()
+    assert [job.id for job in rb.claim(["default"], 5, 30, "w", limits=limits)] == [waiting]

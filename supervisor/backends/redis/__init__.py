@@ -26,8 +26,8 @@ Semantics beyond the shared contract:
   at up to ``LIMITED_SCAN`` ready jobs per queue and call, so jobs behind more
   held-back ones than that wait until those move. A concurrency limit counts
   the jobs leased by limited claims, not those a claim without limits took.
-  ``P:{Q}:excl:T`` keeps one field per resource id ever leased (a few dozen
-  bytes each); nothing trims it yet.
+  ``P:{Q}:excl:T`` gets a field per resource id leased; prune drops the
+  fields of jobs no longer running, up to ``BATCH`` a queue and prune.
 * ``dlq_replay``/``dlq_purge`` over several queues check every job first, then
   run one all-or-nothing script per queue.
 * ``now()`` is the server clock: an offset to the local clock measured at first

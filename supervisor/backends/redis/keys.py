@@ -22,7 +22,9 @@ queue's keys share one Redis Cluster slot::
     P:{Q}:search:type:T    zset  the same members for the jobs of type T
     P:{Q}:search:types     set   the types with such an index (prune sweeps them)
     P:{Q}:run:T    set     ids of type T leased under a concurrency limit
-    P:{Q}:excl:T   hash    resource id -> the job of exclusive type T last leased on it
+    P:{Q}:excl:T   hash    resource id -> the job of exclusive type T last leased on it;
+                           prune drops the fields of jobs no longer running
+    P:{Q}:excls    set     the exclusive types with such a hash (prune sweeps them)
     P:{Q}:rate:T   hash    type T's token bucket: tokens, ts (us)
     P:queues       set     every queue name ever enqueued to (dlq_list, prune, get)
     P:wakeup       channel published when a job becomes due now

@@ -8,7 +8,9 @@
 --   BASE..'run:'..T   set   ids leased under a concurrency limit; members no
 --                           longer running are dropped when counted
 --   BASE..'excl:'..T  hash  resource id -> id of the job last leased on it; the
---                           resource is busy while that job is running
+--                           resource is busy while that job is running (prune
+--                           drops the fields of jobs no longer running)
+--   BASE..'excls'     set   the types with such a hash (prune walks it)
 --   BASE..'rate:'..T  hash  the token bucket: tokens, ts (us)
 local n, lease, owner, owner_json = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6]
 local limits, scan_max = cjson.decode(ARGV[7]), tonumber(ARGV[8])
@@ -91,7 +93,10 @@ while leased < n and scanned < scan_max do
           redis.call('SADD', BASE .. 'run:' .. f[1], id)
         end
         if s.tokens then s.tokens = s.tokens - 1 end
-        if excl then redis.call('HSET', excl, f[2], id) end
+        if excl then
+          redis.call('HSET', excl, f[2], id)
+          redis.call('SADD', BASE .. 'excls', f[1])
+        end
         out[#out + 1] = lease_job(id, key)
         leased = leased + 1
       end

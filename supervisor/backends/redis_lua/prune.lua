@@ -90,4 +90,35 @@ if types[i] then  -- the batch ran out: the next call starts here
   redis.call('HSET', tsweep, 'type', types[i])
   if after then redis.call('HSET', tsweep, 'member', after) end
 end
+-- The exclusive types' resource hashes (claim_limited.lua) gain a field per resource id ever
+-- leased, and a field whose job is no longer running holds its resource no more: drop such
+-- fields, a batch a call, type after type in name order. BASE..'excls:sweep' {type, cursor}
+-- remembers where it stopped; a type whose hash is gone leaves BASE..'excls'.
+local EXCLS = QBASE .. 'excls'
+local esweep = EXCLS .. ':sweep'
+local etypes = redis.call('SMEMBERS', EXCLS)
+table.sort(etypes)
+local eat = redis.call('HMGET', esweep, 'type', 'cursor')
+redis.call('DEL', esweep)
+local e, cursor = 1, '0'
+if eat[1] then
+  while etypes[e] and etypes[e] < eat[1] do e = e + 1 end
+  if etypes[e] == eat[1] then cursor = eat[2] or '0' end
+end
+local left = tonumber(ARGV[4])
+while etypes[e] and left > 0 do
+  local hash = QBASE .. 'excl:' .. etypes[e]
+  local got = redis.call('HSCAN', hash, cursor, 'COUNT', left)
+  local held = got[2]
+  for k = 1, #held, 2 do
+    if redis.call('HGET', JOB .. held[k + 1], 'state') ~= 'running' then redis.call('HDEL', hash, held[k]) end
+  end
+  left = left - math.max(1, #held / 2)  -- a scan step that found nothing still counts: the call ends
+  cursor = got[1]
+  if cursor == '0' then
+    if redis.call('EXISTS', hash) == 0 then redis.call('SREM', EXCLS, etypes[e]) end
+    e = e + 1
+  end
+end
+if etypes[e] then redis.call('HSET', esweep, 'type', etypes[e], 'cursor', cursor) end
 return {deleted, #ids}
