@@ -556,11 +556,11 @@ def test_prune_deletes_only_old_done_jobs(broker):
 def test_prune_with_a_budget_stops_once_it_is_spent_and_the_rest_goes_on_later_calls(broker, monkeypatch):
     """The master prunes one budget per loop turn (``periodic.PRUNE_BUDGET``): a backlog of
     millions deleted in one call left the health socket unanswered for seconds."""
-    import supervisor.backends.redis as redis_broker
+    import supervisor.backends.redis.prune as redis_prune
     import supervisor.backends.sqlite as sqlite_broker
 
     monkeypatch.setattr(sqlite_broker, "PRUNE_BATCH", 2)
-    monkeypatch.setattr(redis_broker, "BATCH", 2)
+    monkeypatch.setattr(redis_prune, "BATCH", 2)
     broker.prune_batch = 2  # PostgreSQL's
     ids = broker.enqueue_many([new() for _ in range(9)])
     for job in broker.claim(Q, 9, 30, "w"):

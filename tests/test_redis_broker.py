@@ -232,7 +232,7 @@ def test_dlq_across_queues_newest_first(rb):
 
 
 def test_prune_works_in_batches(rb, monkeypatch):
-    import supervisor.backends.redis as module
+    import supervisor.backends.redis.prune as module
 
     monkeypatch.setattr(module, "BATCH", 7)
     rb.enqueue_many([new() for _ in range(20)])
@@ -615,9 +615,9 @@ def test_prune_drops_the_resource_fields_of_exclusive_jobs_no_longer_running(rb,
     """An exclusive type's hash gains a field per resource id leased, for as long as the daemon
     runs; prune drops the fields whose job is not running any more, a batch a call, and keeps
     the one a running job holds, which still holds its resource back."""
-    from supervisor.backends import redis as redis_broker
+    from supervisor.backends.redis import prune
 
-    monkeypatch.setattr(redis_broker, "BATCH", 100)
+    monkeypatch.setattr(prune, "BATCH", 100)
     limits = {"x": TypeLimits(exclusive=True)}
     n = 700  # more than a small hash's 128 to 512 fields: HSCAN then steps through it
     rb.enqueue_many([NewJob("x", {"i": i}, resource_id=f"r{i}") for i in range(n)])
@@ -643,3 +643,28 @@ def test_prune_drops_the_resource_fields_of_exclusive_jobs_no_longer_running(rb,
         rb.prune(3600)
     assert not raw.exists(excl) and raw.smembers(base + "excls") == set()
     assert [job.id for job in rb.claim(["default"], 5, 30, "w", limits=limits)] == [waiting]
+
+
+def test_prune_goes_a_chunk_of_queues_a_round_trip_and_shares_its_budget_among_them(rb, monkeypatch):
+    """``P:queues`` keeps every queue name ever used, and prune runs in the master's loop: one
+    round trip a name made a prune over 20,000 names take 3 s. The calls go ``CHUNK`` queues a
+    round trip, and a budget still bounds what one prune deletes."""
+    from supervisor.backends.redis import prune
+
+    queues = [f"q{i:03d}" for i in range(150)]
+    rb.enqueue_many([NewJob("t", {"i": i}, queue=q) for q in queues for i in range(3)])
+    acked = 0
+    while acked < 450:
+        got = rb.claim(queues, 100, 30, "w")
+        assert got and rb.ack_many([(job.lease, None, None) for job in got]) == []
+        acked += len(got)
+    last_ack = rb.now()
+    wait_for(lambda: rb.now() > last_ack, message="the broker's clock to pass the last ack")
+    trips = []
+    exchange = rb._exchange
+    monkeypatch.setattr(rb, "_exchange", lambda commands: trips.append(len(commands)) or exchange(commands))
+    first = rb.prune(0, budget=100)
+    assert 100 <= first <= 100 + prune.CHUNK
+    assert first + rb.prune(0) == 450
+    assert len(trips) <= 6 and max(trips) <= prune.CHUNK, trips  # 2 + 3 round trips, not 150 + 150
+    assert all(stats.done == 0 for stats in rb.stats(queues).values())

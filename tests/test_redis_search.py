@@ -139,9 +139,9 @@ def test_a_done_job_whose_hash_expired_leaves_its_type_index_at_prune(rb):
 
 
 def test_the_type_sweep_goes_on_where_it_stopped(rb, monkeypatch):
-    from supervisor.backends import redis as redis_broker
+    from supervisor.backends.redis import prune
 
-    monkeypatch.setattr(redis_broker, "BATCH", 2)
+    monkeypatch.setattr(prune, "BATCH", 2)
     gone = rb.enqueue_many([NewJob(t, {"i": i}) for t in ("x", "y") for i in range(3)])
     for job in rb.claim(["default"], 6, 30, "w"):
         rb.ack(job.lease)
@@ -189,12 +189,12 @@ def test_prune_keeps_the_search_index_bounded_under_a_flow_of_done_jobs(redis_ur
     at done_ttl, prune (with the default retention, as long as done_ttl) found none of them and
     only the sweep took entries out, 1,000 a call once per prune: past about 3 jobs a second
     and queue the indexes grew without end (a week after start, at the flow rate)."""
-    from supervisor.backends import redis as redis_broker
+    from supervisor.backends.redis import prune
 
     b = open_broker(redis_url + "&done_ttl=5")
     try:
         b.migrate()
-        n = redis_broker.BATCH * 2 + 500
+        n = prune.BATCH * 2 + 500
         b.enqueue_many([NewJob("t", {"i": i}) for i in range(n)])
         kept = b.enqueue(NewJob("t", {"kept": True}))
         acked = 0

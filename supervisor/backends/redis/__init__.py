@@ -27,7 +27,7 @@ Semantics beyond the shared contract:
   held-back ones than that wait until those move. A concurrency limit counts
   the jobs leased by limited claims, not those a claim without limits took.
   ``P:{Q}:excl:T`` gets a field per resource id leased; prune drops the
-  fields of jobs no longer running, up to ``BATCH`` a queue and prune.
+  fields of jobs no longer running, a batch a queue and prune (prune.py).
 * ``dlq_replay``/``dlq_purge`` over several queues check every job first, then
   run one all-or-nothing script per queue.
 * ``now()`` is the server clock: an offset to the local clock measured at first
@@ -55,12 +55,13 @@ from .fields import ack_batches, enqueue_args, to_job
 from .keys import Keys
 from .locate import Locator
 from .once import OnceRecords
+from .prune import Pruning
 from .search import SearchMixin
 
 log = logging.getLogger("tangguh.broker")
 
 LIMITED_SCAN = 1000  # ready entries one limited claim looks at per queue (held-back jobs included)
-BATCH = 1000  # jobs per enqueue script call and per prune step: bounds one script's run time
+BATCH = 1000  # jobs per enqueue script call: bounds one script's run time
 ACK_ARGUMENT_BYTES = 32 * 1024 * 1024  # an ack_many call's one argument: far below Redis's 512 MB
 CLOCK_REFRESH = 30.0
 PARTIAL_WARN_EVERY = 60.0  # seconds between warnings of a queue failing its part of claims
@@ -68,7 +69,8 @@ PARTIAL_WARN_EVERY = 60.0  # seconds between warnings of a queue failing its par
 _BATCH = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
-class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, DeadLetters, OnceRecords, Broker):
+class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, DeadLetters, OnceRecords, Pruning,
+                  Broker):
     def __init__(self, url):
         self.url = url
         conn = connect(url)
@@ -331,29 +333,6 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
             out[queue] = QueueStats(queue, ready, scheduled, in_flight, dead, done, int(age) / 1e6, waiting=waiting,
                                     cancelled=cancelled, expired=expired, paused=bool(paused))
         return out
-
-    @guard
-    def prune(self, done_older_than, budget=None):
-        age_us = max(0, int(done_older_than * 1e6))
-        done_age_us = min(age_us, self.done_ttl * 1_000_000)  # at done_ttl at the latest, hash and all
-        deleted = 0
-        queues = sorted(self.r.smembers(self.keys.queues))
-        if queues:  # enqueue_once records older than the horizon
-            cutoff = int(self.now() * 1e6) - age_us
-            pipe = self.r.pipeline(transaction=False)
-            for queue in queues:
-                pipe.zremrangebyscore(self.keys.once(queue), "-inf", f"({cutoff}")
-            pipe.execute()
-            self._forget_once(cutoff)
-        for queue in queues:
-            while True:
-                jobs, entries = self._run("prune", queue, [age_us, BATCH, done_age_us])
-                deleted += jobs
-                if budget is not None and deleted >= budget:
-                    return deleted
-                if entries < BATCH:
-                    break
-        return deleted
 
     # -- wake-ups ---------------------------------------------------------
     @guard

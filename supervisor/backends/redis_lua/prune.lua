@@ -1,9 +1,13 @@
 -- prune: ARGV[3] = age (us), ARGV[4] = batch size, ARGV[5] = the done jobs' age (us; at most
--- done_ttl, while their hashes are there). Deletes up to a batch of done (and of cancelled, of
--- expired) jobs finished longer ago and sweeps a batch of the search index and one of the type indexes;
--- returns {jobs deleted, the largest batch found}.
+-- done_ttl, while their hashes are there), ARGV[6] = the sweeps' batch size (ARGV[4] if not
+-- given). Deletes up to a batch of done (and of cancelled, of expired) jobs finished longer ago
+-- and sweeps a batch of the search index, one of the type indexes and one of the exclusive
+-- types' resources; trims the queue's enqueue_once records older than the age. Returns
+-- {jobs deleted, the largest batch found}.
+local SWEEP_N = tonumber(ARGV[6] or ARGV[4])
 local cutoff = '(' .. num(NOW - tonumber(ARGV[3]))
 local done_cutoff = '(' .. num(NOW - tonumber(ARGV[5] or ARGV[3]))
+redis.call('ZREMRANGEBYSCORE', QBASE .. 'once', '-inf', cutoff)
 local ids = redis.call('ZRANGEBYSCORE', DONE, '-inf', done_cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
 local deleted = 0
 for _, id in ipairs(ids) do
@@ -50,11 +54,11 @@ end
 -- (done_ttl) have no other way out. BASE..'search:sweep' remembers where it stopped.
 local sweep = SEARCH .. ':sweep'
 local from = redis.call('GET', sweep)
-local members = redis.call('ZRANGEBYLEX', SEARCH, from and ('(' .. from) or '-', '+', 'LIMIT', 0, tonumber(ARGV[4]))
+local members = redis.call('ZRANGEBYLEX', SEARCH, from and ('(' .. from) or '-', '+', 'LIMIT', 0, SWEEP_N)
 for _, m in ipairs(members) do
   if redis.call('EXISTS', JOB .. string.sub(m, 17)) == 0 then redis.call('ZREM', SEARCH, m) end
 end
-if #members < tonumber(ARGV[4]) then redis.call('DEL', sweep) else redis.call('SET', sweep, members[#members]) end
+if #members < SWEEP_N then redis.call('DEL', sweep) else redis.call('SET', sweep, members[#members]) end
 -- The type indexes' entries of those jobs cannot be found from the queue's (the type left
 -- with the hash): sweep a batch of them too, type after type in name order.
 -- BASE..'search:types:sweep' {type, member} remembers where it stopped; a type whose
@@ -69,7 +73,7 @@ if at[1] then
   while types[i] and types[i] < at[1] do i = i + 1 end
   if types[i] == at[1] then after = at[2] end  -- else that type left: the next one from its start
 end
-local budget = tonumber(ARGV[4])
+local budget = SWEEP_N
 while types[i] and budget > 0 do
   local index = type_index(types[i])
   local got = redis.call('ZRANGEBYLEX', index, after and ('(' .. after) or '-', '+', 'LIMIT', 0, budget)
@@ -105,7 +109,7 @@ if eat[1] then
   while etypes[e] and etypes[e] < eat[1] do e = e + 1 end
   if etypes[e] == eat[1] then cursor = eat[2] or '0' end
 end
-local left = tonumber(ARGV[4])
+local left = SWEEP_N
 while etypes[e] and left > 0 do
   local hash = QBASE .. 'excl:' .. etypes[e]
   local got = redis.call('HSCAN', hash, cursor, 'COUNT', left)
