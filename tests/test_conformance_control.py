@@ -310,6 +310,27 @@ def test_queues_lists_queues_with_jobs_paused_or_served(broker):
     assert broker.queues() == ["billing", "default", "mail", "reports"]
 
 
+def test_a_queue_whose_jobs_were_all_pruned_leaves_the_list_unless_paused(broker):
+    """Producers may name any number of queues over months (a queue per tenant, per run). On
+    Redis every name ever used stayed listed, and every prune, dead-letter listing and search
+    without a queue visited each one: the SQL brokers list the queues that have jobs."""
+    for queue in ("gone", "running", "held"):
+        broker.enqueue(new(queue=queue))
+    broker.enqueue_once(new(queue="once", idempotency_key="cron:1"))
+    leased = broker.claim(["gone", "running", "held", "once"], 4, 30, "w")
+    for job in leased:
+        if job.queue != "running":
+            broker.ack(job.lease)
+    broker.pause("held")
+    wait_past(broker, max(broker.get(job.id).finished_at or 0 for job in leased) + 0.05)
+    broker.prune(0)
+    assert broker.queues() == ["held", "running"]
+    assert broker.enqueue_once(new(queue="once", idempotency_key="cron:1")) is not None  # its record went too
+    broker.enqueue(new(queue="gone"))
+    assert broker.queues() == ["gone", "held", "once", "running"]
+    assert list(broker.paused()) == ["held"]
+
+
 # -- expiry ------------------------------------------------------------------------
 
 def test_a_job_due_past_its_expiry_ends_expired_without_an_attempt(broker):

@@ -7,12 +7,14 @@ gets a key prefix of its own. The conformance tests are the very functions of
 ``test_conformance_workflows.py`` and ``test_conformance_search.py``, imported here with ``broker_url`` pointing at
 the cluster, so they run once, in this module only.
 """
+import json
 import select
 import uuid
 
 import pytest
 
 from supervisor.backends import open_broker
+from supervisor.backends.redis.fields import enqueue_args
 from supervisor.errors import BrokerError
 from supervisor.jobfilter import JobFilter
 from supervisor.model import NewJob
@@ -54,6 +56,45 @@ def test_queues_spread_over_the_primaries_and_one_claim_takes_from_all(cluster, 
     assert all(s.in_flight == 1 for s in broker.stats(queues).values())
     assert broker.ack_many([(j.lease, None, None) for j in jobs]) == []
     assert sum(s.done for s in broker.stats(queues).values()) == 12
+
+
+def test_a_prune_on_a_cluster_puts_back_the_name_of_a_queue_an_enqueue_filled_meanwhile(cluster, broker,
+                                                                                          monkeypatch):
+    """On a cluster ``P:queues`` lies in another slot than a queue's keys, so prune takes an empty
+    queue's name out after its script, then looks again. Here a producer's job lands between
+    the two (its own SADD came before, a no-op): the second look puts the name back."""
+    broker.pause("q")  # a name in P:queues, then nothing in the queue but the pause
+    broker.resume("q")
+    srem = broker.r.srem
+
+    def srem_then_enqueue(key, *names):
+        done = srem(key, *names)
+        monkeypatch.setattr(broker.r, "srem", srem)
+        enqueued.append(broker._run_many([("enqueue", "q", [json.dumps([enqueue_args(NewJob("t", {}, queue="q"))])])],
+                                         confirm=True)[0][0])
+        return done
+
+    enqueued = []
+    monkeypatch.setattr(broker.r, "srem", srem_then_enqueue)
+    broker.prune(0)
+    assert enqueued and "q" in broker.queues() and broker.get(enqueued[0]).queue == "q"
+    broker.r.delete(broker._paused_key("q"))
+
+
+def test_an_enqueue_on_a_cluster_names_its_queue_again_after_its_script(cluster, broker, monkeypatch):
+    """A prune may take a queue's name out between an enqueue's first SADD and its script (the
+    queue was empty then): the SADD after the script names it again."""
+    sadd = broker.r.sadd
+
+    def sadd_then_prune(key, *names):
+        added = sadd(key, *names)
+        monkeypatch.setattr(broker.r, "sadd", sadd)
+        broker.r.srem(key, *names)  # what prune does to a queue it found empty
+        return added
+
+    monkeypatch.setattr(broker.r, "sadd", sadd_then_prune)
+    job_id = broker.enqueue(NewJob("t", {}, queue="late"))
+    assert "late" in broker.queues() and broker.get(job_id).queue == "late"
 
 
 def test_jobs_flow_through_a_cluster_failover_each_effect_once(cluster, tmp_path):

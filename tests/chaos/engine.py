@@ -211,6 +211,9 @@ class Soak(ControlFaults):
         # when their leases expire and another claim takes them over.
         self.cut_windows = []
         self.stalled = {}  # pid of a stopped child -> its supervisor: no other fault may end its attempt
+        # Pids of stopped children whose supervisor a fault hit all the same (no other target):
+        # their attempts end with their master, so they cannot show a lease kept (check_faults).
+        self.spoiled_stalls = set()
         # Supervisor -> since when (monotonic; None while the broker is down) its master may hold a
         # SIGKILLed child's crash unwritten: no supervisor fault may end or stop it meanwhile.
         self.crash_unstored = {}
@@ -474,6 +477,10 @@ class Soak(ControlFaults):
         sups = [s for s in sups if not self.crash_unwritten(s)]
         return [s for s in sups if s not in self.stalled.values()] or sups
 
+    def hit(self, sup):
+        """A supervisor fault lands on ``sup``: a child of it stopped now cannot show its lease kept."""
+        self.spoiled_stalls.update(pid for pid, owner in self.stalled.items() if owner is sup)
+
     def crash_unwritten(self, sup):
         """Whether ``sup``'s master may still hold a killed child's crash: the broker is down, or
         its status shows writes waiting (for at most ``CRASH_WRITE_SECONDS`` after the broker is
@@ -527,6 +534,7 @@ class Soak(ControlFaults):
         if not targets:
             return None
         sup = self.rng_faults.choice(targets)
+        self.hit(sup)
         sup.status()  # the last counters this incarnation shows
         os.kill(sup.life.pid, signal.SIGKILL)
         sup.life.hits["kill_supervisor"] += 1
@@ -544,6 +552,7 @@ class Soak(ControlFaults):
         if not targets:
             return None
         sup = self.rng_faults.choice(targets)
+        self.hit(sup)
         os.kill(sup.life.pid, signal.SIGTERM)
         sup.life.killed, sup.life.fate, sup.state = True, "terminated", "down"
         self.later(0.1, self.await_exit, sup, time.monotonic() + 30)
@@ -728,6 +737,7 @@ class Soak(ControlFaults):
         if not holding:
             return None
         sup, busy = self.rng_faults.choice(holding)
+        self.hit(sup)
         # At least a whole lease past the expiry: another supervisor takes the leases over only when
         # it claims, and a busy one (every child running, its prefetch full) may not within half a
         # lease (a loaded machine once saw no takeover in a stall of 1.5 leases).
@@ -1058,17 +1068,18 @@ class Soak(ControlFaults):
             crashed = [pid for pid, _ in self.child_kills if pid in crashed_pids]
             check("a SIGKILLed child's job was recorded crashed (and ran again)", crashed,
                   f"{len(self.child_kills)} kills, none landed mid-job")
-        if faults["stall_child"]:
-            kept = [e for pid, job_id, _ in self.child_stalls if (e := entry(job_id, pid)) and "ended_at" in e
+        stalls = [s for s in self.child_stalls if s[0] not in self.spoiled_stalls]
+        if stalls:  # every stall whose supervisor no other fault hit meanwhile
+            kept = [e for pid, job_id, _ in stalls if (e := entry(job_id, pid)) and "ended_at" in e
                     and e.get("outcome") != "lease_expired" and e["ended_at"] - e["started_at"] > lease]
             # What each stalled attempt became, so that a failure explains itself.
             seen = [f"{job_id} pid {pid} stopped {stall}s: "
                     + (", ".join(f"{k}={e[k]}" for k in ("started_at", "ended_at", "outcome") if k in e)
                        + (f", error={(e.get('error') or {}).get('reason')}" if e.get("error") else "")
                        if (e := entry(job_id, pid)) else "no attempt of that pid")
-                    for pid, job_id, stall in self.child_stalls]
+                    for pid, job_id, stall in stalls]
             check("a stopped child kept its lease past lease_seconds (renewed by its master)", kept,
-                  f"{len(self.child_stalls)} stalls, none outlived the lease while keeping it: " + "; ".join(seen))
+                  f"{len(stalls)} stalls, none outlived the lease while keeping it: " + "; ".join(seen))
         self.stale_taken = 0
         if faults["stall_supervisor"]:
             per_stall = []

@@ -17,7 +17,9 @@ counts in ``calls_resent`` as on one server (``connection.CountingCluster``).
 An enqueue adds its queue's name to ``P:queues`` (a queue is known before it
 holds a job): inside the enqueue script, given the set as an extra key, so
 an enqueue sends one command; on a cluster the set lies outside the queue's
-slot, and a ``SADD`` round trip of its own goes first.
+slot, and a ``SADD`` round trip of its own goes first and another after, so
+that a prune which took the name out of the set meanwhile (the queue was empty:
+prune.py) cannot leave the new jobs without it.
 
 On one server (no Sentinel, no ``max_connections``), one connection stays
 checked out of redis-py's pool between calls, for whichever thread finds it
@@ -75,8 +77,11 @@ class ScriptCalls:
         """Enqueue scripts' calls (``enqueue``, ``enqueue_once``, ``enqueue_flow``), confirmed:
         each also adds its queue to ``P:queues`` (see the module docstring)."""
         if self.cluster:
-            self.r.sadd(self.keys.queues, *dict.fromkeys(queue for _, queue, _ in calls))
-            return self._run_many(calls, confirm=True)
+            names = dict.fromkeys(queue for _, queue, _ in calls)
+            self.r.sadd(self.keys.queues, *names)
+            results = self._run_many(calls, confirm=True)
+            self.r.sadd(self.keys.queues, *names)
+            return results
         return self._run_many(calls, confirm=True, more_keys=(self.keys.queues,))
 
     def _run_many(self, calls, confirm=False, more_keys=()):

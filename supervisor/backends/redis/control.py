@@ -98,8 +98,9 @@ class ControlMixin(control.ExpiredLog):
         key = self._paused_key(queue)
         request = control.cancel_request(by, None, self.now())
         pipe = self.r.pipeline(transaction=False)
-        pipe.sadd(self.keys.queues, queue)
+        # The pause first: a prune between the two sees it and keeps the queue's name (prune.lua).
         pipe.set(key, json.dumps({"by": request["by"], "at": request["at"]}), nx=True)
+        pipe.sadd(self.keys.queues, queue)
         pipe.execute()
 
     @guard

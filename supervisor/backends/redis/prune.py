@@ -1,15 +1,16 @@
 """The Redis broker's prune: finished jobs past the retention leave, a batch at a time.
 
 A mixin of ``RedisBroker``. ``prune.lua`` runs once per queue and call: it
-deletes up to a batch of done, cancelled and expired jobs with their search
-entries, trims the queue's ``enqueue_once`` records, and sweeps a batch of what
-nothing else removes (search entries of hashes that expired, exclusive types'
-resource fields of jobs no longer running). ``P:queues`` keeps every queue name
-producers ever used, and the master prunes inside its loop, so the calls go
-``CHUNK`` queues a round trip: 20,000 names took 3.0 s a prune one by one, and
-take 0.8 s so (``python -m bench.prune_queues``). A queue whose batch was full
-goes again. ``budget`` is shared out among a round trip's queues, so one call
-deletes about that many jobs at most.
+deletes up to a batch of done, cancelled and expired jobs (the three together)
+with their search entries, trims the queue's ``enqueue_once`` records, sweeps a
+batch of what nothing else removes (search entries of hashes that expired,
+exclusive types' resource fields of jobs no longer running), and takes the name
+of a queue with nothing left out of ``P:queues``. The master prunes inside its
+loop and ``P:queues`` names every queue producers use, so the calls go ``CHUNK``
+queues a round trip: over 20,000 names a prune took 3.0 s one by one and takes
+0.8 s so (``python -m bench.prune_queues``). A queue whose call read a whole
+batch and took some of it out goes again. ``budget`` is shared out among a round trip's queues, so one
+call deletes at most the budget plus ``CHUNK``.
 """
 from .connection import guard
 
@@ -26,17 +27,35 @@ class Pruning:
         queues = sorted(self.r.smembers(self.keys.queues))
         if queues:  # enqueue_once records older than the horizon (each queue's own: its prune call)
             self._forget_once(int(self.now() * 1e6) - age_us)
-        while queues:
-            again = []
-            for start in range(0, len(queues), CHUNK):
-                chunk = queues[start:start + CHUNK]
-                share = BATCH if budget is None else max(1, min(BATCH, (budget - deleted) // len(chunk)))
-                rows = self._run_many([("prune", queue, [age_us, share, done_age_us, BATCH]) for queue in chunk])
-                for queue, (jobs, found) in zip(chunk, rows):
-                    deleted += jobs
-                    if found >= share:  # a full batch: more behind it
-                        again.append(queue)
-                if budget is not None and deleted >= budget:
-                    return deleted
-            queues = again
-        return deleted
+        empty = []
+        try:
+            while queues:
+                again = []
+                for start in range(0, len(queues), CHUNK):
+                    chunk = queues[start:start + CHUNK]
+                    share = BATCH if budget is None else max(1, min(BATCH, (budget - deleted) // len(chunk)))
+                    calls = [("prune", queue, [age_us, share, done_age_us, BATCH]) for queue in chunk]
+                    for queue, (jobs, more, nothing_left) in zip(chunk, self._run_many(
+                            calls, more_keys=(self.keys.queues,))):
+                        deleted += jobs
+                        if more:
+                            again.append(queue)
+                        elif nothing_left:
+                            empty.append(queue)
+                    if budget is not None and deleted >= budget:
+                        return deleted
+                queues = again
+            return deleted
+        finally:
+            if self.cluster and empty:
+                self._forget_queues(empty, age_us, done_age_us)
+
+    def _forget_queues(self, queues, age_us, done_age_us):
+        """On a cluster, take the names of queues found empty out of ``P:queues`` (another slot than
+        theirs: not in their scripts), then look again and put back any that an enqueue filled
+        meanwhile; an enqueue adds its name after its script too (calls.py), so whichever comes
+        last, a queue with jobs keeps its name."""
+        self.r.srem(self.keys.queues, *queues)
+        filled = [queue for queue in queues if not self._run("prune", queue, [age_us, 1, done_age_us, 1])[2]]
+        if filled:
+            self.r.sadd(self.keys.queues, *filled)

@@ -1,15 +1,20 @@
 -- prune: ARGV[3] = age (us), ARGV[4] = batch size, ARGV[5] = the done jobs' age (us; at most
 -- done_ttl, while their hashes are there), ARGV[6] = the sweeps' batch size (ARGV[4] if not
--- given). Deletes up to a batch of done (and of cancelled, of expired) jobs finished longer ago
--- and sweeps a batch of the search index, one of the type indexes and one of the exclusive
--- types' resources; trims the queue's enqueue_once records older than the age. Returns
--- {jobs deleted, the largest batch found}.
+-- given). Reads up to a batch of done, then cancelled, then expired jobs finished longer ago,
+-- all three together, and deletes them (a cancelled one a replay may still need is kept);
+-- sweeps a batch of the search index, one of the type indexes and one of the exclusive types'
+-- resources; trims the queue's enqueue_once records older than the age; takes an empty queue's
+-- name out of P:queues (KEYS[7], when given). Returns {jobs deleted, 1 if it read a whole batch
+-- and took some of it out (more may follow) else 0, 1 if the queue has nothing left else 0}.
 local SWEEP_N = tonumber(ARGV[6] or ARGV[4])
+local unread = tonumber(ARGV[4])  -- entries of the three sets this call may still read
+local removed = 0
 local cutoff = '(' .. num(NOW - tonumber(ARGV[3]))
 local done_cutoff = '(' .. num(NOW - tonumber(ARGV[5] or ARGV[3]))
 redis.call('ZREMRANGEBYSCORE', QBASE .. 'once', '-inf', cutoff)
-local ids = redis.call('ZRANGEBYSCORE', DONE, '-inf', done_cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
+local ids = redis.call('ZRANGEBYSCORE', DONE, '-inf', done_cutoff, 'LIMIT', 0, unread)
 local deleted = 0
+unread, removed = unread - #ids, #ids
 for _, id in ipairs(ids) do
   unindex_job(id, redis.call('HMGET', JOB .. id, 'queued_at', 'type'))
   unlink(JOB .. id, id)
@@ -35,7 +40,8 @@ local function release_kept(key)
 end
 -- Cancelled and expired jobs are kept like done ones (their hashes have no TTL).
 for _, z in ipairs({CANCELLED_Z, EXPIRED_Z}) do
-  local ended = redis.call('ZRANGEBYSCORE', z, '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[4]))
+  local ended = unread > 0 and redis.call('ZRANGEBYSCORE', z, '-inf', cutoff, 'LIMIT', 0, unread) or {}
+  unread = unread - #ended
   for _, id in ipairs(ended) do
     if z == CANCELLED_Z and replayable(JOB .. id, id) then
       -- Kept: its retention counts again from now, so the prunes until then do not read it again.
@@ -46,9 +52,9 @@ for _, z in ipairs({CANCELLED_Z, EXPIRED_Z}) do
       unlink(JOB .. id, id)
       deleted = deleted + redis.call('DEL', JOB .. id)
       redis.call('ZREM', z, id)
+      removed = removed + 1
     end
   end
-  if #ended > #ids then ids = ended end  -- a full batch anywhere: prune calls again
 end
 -- Sweep a batch of the search index: entries of done jobs whose hash expired
 -- (done_ttl) have no other way out. BASE..'search:sweep' remembers where it stopped.
@@ -125,4 +131,13 @@ while etypes[e] and left > 0 do
   end
 end
 if etypes[e] then redis.call('HSET', esweep, 'type', etypes[e], 'cursor', cursor) end
-return {deleted, #ids}
+-- A queue with nothing left (no job, no record, no sweep to finish, not paused) leaves P:queues,
+-- so that prune and the lookups that walk every name stop visiting it, and queues() lists the
+-- queues with jobs, as on the SQL brokers. Here when the set is KEYS[7] (one server: its next
+-- enqueue names it again in the same script step); on a cluster the caller takes it out (prune.py).
+local empty = redis.call('EXISTS', READY, DELAYED, LEASED, DEAD, DONE, IDEM, SEARCH, TYPES, QBASE .. 'once',
+  CANCELLED_Z, EXPIRED_Z, EXPIRING, PAUSED, QBASE .. 'waiting', EXCLS) == 0
+if empty and KEYS[7] then redis.call('SREM', KEYS[7], string.match(JOB, '{([^{}]*)}:j:$')) end
+-- More may follow a whole batch read; not when none of it could go (kept jobs alone), or a
+-- caller going again at once would read the same ones (an age of 0) for ever.
+return {deleted, (unread == 0 and removed > 0) and 1 or 0, empty and 1 or 0}
