@@ -12,6 +12,7 @@ import select
 import uuid
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from supervisor.backends import open_broker
 from supervisor.backends.redis.fields import enqueue_args
@@ -61,10 +62,9 @@ def test_queues_spread_over_the_primaries_and_one_claim_takes_from_all(cluster, 
 def test_a_prune_on_a_cluster_puts_back_the_name_of_a_queue_an_enqueue_filled_meanwhile(cluster, broker,
                                                                                           monkeypatch):
     """On a cluster ``P:queues`` lies in another slot than a queue's keys, so prune takes an empty
-    queue's name out after its script, then looks again. Here a producer's job lands between
-    the two (its own SADD came before, a no-op): the second look puts the name back."""
-    broker.pause("q")  # a name in P:queues, then nothing in the queue but the pause
-    broker.resume("q")
+    queue's name out after its script, then asks the queue again. A producer's job that lands
+    in between (its own SADD came before, a no-op) puts the name back; so does a second look
+    that fails."""
     srem = broker.r.srem
 
     def srem_then_enqueue(key, *names):
@@ -75,26 +75,54 @@ def test_a_prune_on_a_cluster_puts_back_the_name_of_a_queue_an_enqueue_filled_me
         return done
 
     enqueued = []
+    broker.pause("q")  # a name in P:queues, then nothing in the queue but the pause
+    broker.resume("q")
     monkeypatch.setattr(broker.r, "srem", srem_then_enqueue)
     broker.prune(0)
     assert enqueued and "q" in broker.queues() and broker.get(enqueued[0]).queue == "q"
     broker.r.delete(broker._paused_key("q"))
 
+    run = broker._run
+
+    def unanswered(name, queue, args, **kw):
+        if name == "queue_empty":
+            raise RedisConnectionError("the node went away")
+        return run(name, queue, args, **kw)
+
+    broker.pause("lost")
+    broker.resume("lost")
+    monkeypatch.setattr(broker, "_run", unanswered)
+    with pytest.raises(BrokerError):
+        broker.prune(0)
+    assert "lost" in broker.r.smembers(broker.keys.queues)
+
 
 def test_an_enqueue_on_a_cluster_names_its_queue_again_after_its_script(cluster, broker, monkeypatch):
     """A prune may take a queue's name out between an enqueue's first SADD and its script (the
-    queue was empty then): the SADD after the script names it again."""
-    sadd = broker.r.sadd
+    queue was empty then): the SADD after the script names it again, also when a later call of
+    the same enqueue fails after this one stored its jobs."""
+    run_many = broker._run_many
 
-    def sadd_then_prune(key, *names):
-        added = sadd(key, *names)
-        monkeypatch.setattr(broker.r, "sadd", sadd)
-        broker.r.srem(key, *names)  # what prune does to a queue it found empty
-        return added
+    def pruned_first(calls, **kw):
+        broker.r.srem(broker.keys.queues, *{queue for _, queue, _ in calls})  # what prune does to an empty queue
+        return run_many(calls, **kw)
 
-    monkeypatch.setattr(broker.r, "sadd", sadd_then_prune)
+    monkeypatch.setattr(broker, "_run_many", pruned_first)
     job_id = broker.enqueue(NewJob("t", {}, queue="late"))
     assert "late" in broker.queues() and broker.get(job_id).queue == "late"
+
+    run = broker._run
+
+    def second_fails(name, queue, args, **kw):
+        if queue == "b":
+            raise RedisConnectionError("the node of b is failing over")
+        return run(name, queue, args, **kw)
+
+    monkeypatch.setattr(broker, "_run", second_fails)
+    with pytest.raises(BrokerError):
+        broker.enqueue_many([NewJob("t", {}, queue="a", id="job_kept_a"), NewJob("t", {}, queue="b")])
+    monkeypatch.setattr(broker, "_run", run)
+    assert "a" in broker.r.smembers(broker.keys.queues) and broker.get("job_kept_a").queue == "a"
 
 
 def test_jobs_flow_through_a_cluster_failover_each_effect_once(cluster, tmp_path):

@@ -716,3 +716,36 @@ def test_prune_does_not_go_again_on_a_batch_of_kept_jobs_alone(rb, monkeypatch):
     assert rb.prune(0, budget=1) == 0 and rb.prune(0) == 0
     assert len(trips) <= 2, trips
     assert {rb.get(kid).state for kid in kids} == {"cancelled"}
+
+
+def test_a_pause_lands_before_its_queue_is_named_so_a_prune_between_keeps_the_name(rb, monkeypatch):
+    """Prune takes an empty queue's name out of ``P:queues`` unless it is paused: a pause that
+    named the queue first and paused it second lost the name to a prune in between."""
+    ran = []
+
+    def then_prune(real):
+        def call(*args, **kwargs):
+            out = real(*args, **kwargs)
+            if not ran:
+                ran.append(rb.prune(0))
+            return out
+        return call
+
+    monkeypatch.setattr(rb.r, "set", then_prune(rb.r.set))
+    monkeypatch.setattr(rb.r, "sadd", then_prune(rb.r.sadd))
+    rb.pause("p")
+    assert ran and "p" in rb.queues() and list(rb.paused()) == ["p"]
+
+
+def test_a_queue_left_with_nothing_takes_its_sweep_cursor_along(rb, raw, monkeypatch):
+    """A sweep whose last batch was whole keeps a cursor for the next call; when that batch
+    emptied the queue, the queue leaves ``P:queues`` and no prune comes back for the cursor."""
+    from supervisor.backends.redis import prune
+
+    monkeypatch.setattr(prune, "BATCH", 2)
+    search = rb._search_key("c")
+    raw.zadd(search, {"0000000000000001job_gone_a": 0, "0000000000000002job_gone_b": 0})  # hashes long gone
+    raw.sadd(rb.keys.queues, "c")
+    rb.prune(3600)
+    assert "c" not in raw.smembers(rb.keys.queues)
+    assert raw.keys(search.replace(":search", ":*")) == []

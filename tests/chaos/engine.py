@@ -1080,6 +1080,8 @@ class Soak(ControlFaults):
                     for pid, job_id, stall in stalls]
             check("a stopped child kept its lease past lease_seconds (renewed by its master)", kept,
                   f"{len(stalls)} stalls, none outlived the lease while keeping it: " + "; ".join(seen))
+        elif faults["stall_child"]:  # said, not skipped in silence: the report shows it was not seen
+            check("a stopped child's kept lease not shown: another fault hit each stall's supervisor", True)
         self.stale_taken = 0
         if faults["stall_supervisor"]:
             per_stall = []

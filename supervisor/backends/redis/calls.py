@@ -79,9 +79,10 @@ class ScriptCalls:
         if self.cluster:
             names = dict.fromkeys(queue for _, queue, _ in calls)
             self.r.sadd(self.keys.queues, *names)
-            results = self._run_many(calls, confirm=True)
-            self.r.sadd(self.keys.queues, *names)
-            return results
+            try:
+                return self._run_many(calls, confirm=True)
+            finally:  # a call that failed may follow one that stored its jobs
+                self.r.sadd(self.keys.queues, *names)
         return self._run_many(calls, confirm=True, more_keys=(self.keys.queues,))
 
     def _run_many(self, calls, confirm=False, more_keys=()):

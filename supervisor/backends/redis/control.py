@@ -97,11 +97,10 @@ class ControlMixin(control.ExpiredLog):
     def pause(self, queue, by=None):
         key = self._paused_key(queue)
         request = control.cancel_request(by, None, self.now())
-        pipe = self.r.pipeline(transaction=False)
-        # The pause first: a prune between the two sees it and keeps the queue's name (prune.lua).
-        pipe.set(key, json.dumps({"by": request["by"], "at": request["at"]}), nx=True)
-        pipe.sadd(self.keys.queues, queue)
-        pipe.execute()
+        # The pause first, then the name, one after the other (on a cluster they lie on two nodes): a
+        # prune in between sees the pause and keeps the queue's name (prune.lua).
+        self.r.set(key, json.dumps({"by": request["by"], "at": request["at"]}), nx=True)
+        self.r.sadd(self.keys.queues, queue)
 
     @guard
     def resume(self, queue):

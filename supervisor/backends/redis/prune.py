@@ -27,35 +27,34 @@ class Pruning:
         queues = sorted(self.r.smembers(self.keys.queues))
         if queues:  # enqueue_once records older than the horizon (each queue's own: its prune call)
             self._forget_once(int(self.now() * 1e6) - age_us)
-        empty = []
-        try:
-            while queues:
-                again = []
-                for start in range(0, len(queues), CHUNK):
-                    chunk = queues[start:start + CHUNK]
-                    share = BATCH if budget is None else max(1, min(BATCH, (budget - deleted) // len(chunk)))
-                    calls = [("prune", queue, [age_us, share, done_age_us, BATCH]) for queue in chunk]
-                    for queue, (jobs, more, nothing_left) in zip(chunk, self._run_many(
-                            calls, more_keys=(self.keys.queues,))):
-                        deleted += jobs
-                        if more:
-                            again.append(queue)
-                        elif nothing_left:
-                            empty.append(queue)
-                    if budget is not None and deleted >= budget:
-                        return deleted
-                queues = again
-            return deleted
-        finally:
-            if self.cluster and empty:
-                self._forget_queues(empty, age_us, done_age_us)
+        while queues:
+            again = []
+            for start in range(0, len(queues), CHUNK):
+                chunk = queues[start:start + CHUNK]
+                share = BATCH if budget is None else max(1, min(BATCH, (budget - deleted) // len(chunk)))
+                calls = [("prune", queue, [age_us, share, done_age_us, BATCH]) for queue in chunk]
+                for queue, (jobs, more, nothing_left) in zip(chunk, self._run_many(
+                        calls, more_keys=(self.keys.queues,))):
+                    deleted += jobs
+                    if more:
+                        again.append(queue)
+                    elif nothing_left and self.cluster:
+                        self._forget_queue(queue)
+                if budget is not None and deleted >= budget:
+                    return deleted
+            queues = again
+        return deleted
 
-    def _forget_queues(self, queues, age_us, done_age_us):
-        """On a cluster, take the names of queues found empty out of ``P:queues`` (another slot than
-        theirs: not in their scripts), then look again and put back any that an enqueue filled
-        meanwhile; an enqueue adds its name after its script too (calls.py), so whichever comes
-        last, a queue with jobs keeps its name."""
-        self.r.srem(self.keys.queues, *queues)
-        filled = [queue for queue in queues if not self._run("prune", queue, [age_us, 1, done_age_us, 1])[2]]
-        if filled:
-            self.r.sadd(self.keys.queues, *filled)
+    def _forget_queue(self, queue):
+        """On a cluster, take the name of a queue its prune call found empty out of ``P:queues``
+        (in another slot than the queue's: not in its script), then ask the queue again and put
+        the name back if an enqueue filled it meanwhile, or if the question fails. An enqueue
+        adds its queue's name after its script too (calls.py): whichever comes last, a queue
+        with jobs keeps its name."""
+        self.r.srem(self.keys.queues, queue)
+        filled = True
+        try:
+            filled = not self._run("queue_empty", queue, [])
+        finally:
+            if filled:
+                self.r.sadd(self.keys.queues, queue)

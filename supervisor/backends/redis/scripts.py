@@ -1,7 +1,7 @@
 """The Redis broker's Lua scripts: one per state change, read from ``redis_lua/``.
 
 Every script starts with what it uses of ``_common.lua``, ``_control.lua``,
-``_search.lua`` and ``_flows.lua`` (the shared helpers); a composed one is
+``_search.lua``, ``_flows.lua`` and ``_queue.lua`` (the shared helpers); a composed one is
 several files run in order, the first of which may return early. The files
 ship as package data beside this package (``supervisor/backends/redis_lua/``).
 
@@ -16,13 +16,14 @@ import re
 
 NAMES = ("enqueue", "claim", "extend", "ack", "retry", "dead", "release", "replay", "purge", "stats", "prune",
          "claim_limited", "enqueue_once", "ack_many", "requeue", "discard", "search_page", "search_states",
-         "search_sizes", "enqueue_flow")
+         "search_sizes", "enqueue_flow", "queue_empty")
 # Job control's scripts (redis/control.py).
 CONTROL_NAMES = ("cancel", "renew", "cancelled", "mark_waited")
 # A script made of several files, run in order (the first may return early).
 COMPOSED = {"enqueue_once": ("enqueue_once", "enqueue")}
-# Prepended to every script: the shared helpers, job control's, the search indexes', then the workflows' settle/reopen.
-PRELUDE = ("_common.lua", "_control.lua", "_search.lua", "_flows.lua")
+# Prepended to every script: the shared helpers, job control's, the search indexes', the workflows'
+# settle/reopen, then what looks at a queue as a whole.
+PRELUDE = ("_common.lua", "_control.lua", "_search.lua", "_flows.lua", "_queue.lua")
 LUA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "redis_lua")
 
 

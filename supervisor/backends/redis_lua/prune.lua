@@ -131,12 +131,13 @@ while etypes[e] and left > 0 do
   end
 end
 if etypes[e] then redis.call('HSET', esweep, 'type', etypes[e], 'cursor', cursor) end
--- A queue with nothing left (no job, no record, no sweep to finish, not paused) leaves P:queues,
--- so that prune and the lookups that walk every name stop visiting it, and queues() lists the
--- queues with jobs, as on the SQL brokers. Here when the set is KEYS[7] (one server: its next
--- enqueue names it again in the same script step); on a cluster the caller takes it out (prune.py).
-local empty = redis.call('EXISTS', READY, DELAYED, LEASED, DEAD, DONE, IDEM, SEARCH, TYPES, QBASE .. 'once',
-  CANCELLED_Z, EXPIRED_Z, EXPIRING, PAUSED, QBASE .. 'waiting', EXCLS) == 0
+-- A queue with nothing left (_queue.lua) leaves P:queues, so that prune and the lookups that
+-- walk every name stop visiting it, and queues() lists the queues with jobs, as on the SQL
+-- brokers; a sweep's cursor left at the end of its last batch goes with it. Here when the set
+-- is KEYS[7] (one server: an enqueue names the queue again in its own script); on a cluster
+-- the caller takes it out (prune.py).
+local empty = queue_empty()
+if empty then redis.call('DEL', sweep, tsweep, esweep) end
 if empty and KEYS[7] then redis.call('SREM', KEYS[7], string.match(JOB, '{([^{}]*)}:j:$')) end
 -- More may follow a whole batch read; not when none of it could go (kept jobs alone), or a
 -- caller going again at once would read the same ones (an age of 0) for ever.
