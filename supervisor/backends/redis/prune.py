@@ -7,10 +7,11 @@ batch of what nothing else removes (search entries of hashes that expired,
 exclusive types' resource fields of jobs no longer running), and takes the name
 of a queue with nothing left out of ``P:queues``. The master prunes inside its
 loop and ``P:queues`` names every queue producers use, so the calls go ``CHUNK``
-queues a round trip: over 20,000 names a prune took 3.0 s one by one and takes
-0.8 s so (``python -m bench.prune_queues``). A queue whose call read a whole
-batch and took some of it out goes again. ``budget`` is shared out among a round trip's queues, so one
-call deletes at most the budget plus ``CHUNK``.
+queues a round trip: over 20,000 queues of one job each a prune took 3.2 s one
+by one and takes 1.1 s so (bench/README.md, "A twenty-seventh machine"). A
+queue whose call read a whole batch and took some of it out goes again.
+``budget`` is shared out among a round trip's queues, so one call deletes at
+most the budget plus ``CHUNK``.
 """
 from .connection import guard
 
