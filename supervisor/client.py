@@ -42,7 +42,7 @@ from .backends.base import open_broker, scheme_of
 from .errors import BadInput, BrokerError
 from .jobfilter import JobFilter, check_page, decode_cursor
 from .logs import job_fields
-from .model import FINISHED, NewJob
+from .model import FINISHED, NewJob, trace_made
 from .waitbrokers import WaitBrokers
 
 # One DEBUG record per stored job, with its ids: the first line of a job's
@@ -227,8 +227,8 @@ class Client:
             # The steps were validated before this span existed, so each has a trace id
             # already: a made-up one gives way to the producer's trace, a caller's stays.
             for job in jobs:
-                if span.traceparent is not None and (not job.trace_id or job.__dict__.get("_trace_made")):
-                    job.trace_id, job._trace_made = span.traceparent, False
+                if span.traceparent is not None and (not job.trace_id or trace_made(job)):
+                    job.trace_id = span.traceparent
             ids = self._call("enqueue_many", jobs, broker_kwargs)
             span.stored(ids)
             for job, job_id in zip(jobs, ids):

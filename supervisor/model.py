@@ -117,11 +117,14 @@ class NewJob:
             raise BadInput(f"expires_in must be a positive number of seconds up to {MAX_DELAY:.0f} (ten years),"
                            f" got {self.expires_in!r}")
         noise = os.urandom(26) if not (self.id and self.trace_id) else None  # one read for both ids
-        if self.id:
-            _check_text(self.id, "job id", required=True)
-        else:
+        if not self.id:
             self.id = job_id_from(time.time(), noise[:10])
-            self._id_made = True  # not the caller's: unique by construction (a broker may skip checking it)
+            # Not the caller's: unique by construction (a broker may skip checking it). The id and
+            # queue, not a flag: a caller who sets another id on this checked job chose that one,
+            # and one who sends this job to another queue after storing it names a stored job.
+            self._id_made = (self.id, self.queue)
+        elif not id_made(self):
+            _check_text(self.id, "job id", required=True)
         if self.depends_on is None or (type(self.depends_on) in (list, tuple) and not self.depends_on):
             self.depends_on = []  # what normalise makes of no edges, without the call
         else:
@@ -130,7 +133,7 @@ class NewJob:
             self.depends_on = normalise(self.depends_on, self.id)
         if not self.trace_id:
             self.trace_id = trace_id_from(noise[10:])
-            self._trace_made = True  # not the caller's: Client.store may put the producer's traceparent here
+            self._trace_made = self.trace_id  # not the caller's (as _id_made): Client.store may put the producer's traceparent here
         # The payload's JSON is what brokers store (``payload_json``): encoded once, here, so what
         # is stored is what was checked even if the caller changes the dict in place afterwards.
         self._payload_json = text
@@ -151,6 +154,18 @@ class NewJob:
         return self._payload_json
 
 
+def id_made(job):
+    """Whether ``job``'s id is the one ``validate`` made for it, for its queue: not one its caller
+    chose (even one set on the job after a check had made another), nor a made one sent on to
+    another queue (a job stored already may hold it there)."""
+    return job.__dict__.get("_id_made") == (job.id, job.queue)
+
+
+def trace_made(job):
+    """Whether ``job``'s trace id is the one ``validate`` made for it (see ``id_made``)."""
+    return job.__dict__.get("_trace_made") == job.trace_id
+
+
 def chosen_ids(jobs):
     """{id: queue} of the checked ``jobs`` whose id the caller chose (``NewJob(id=...)``).
 
@@ -160,7 +175,7 @@ def chosen_ids(jobs):
     """
     chosen = {}
     for job in jobs:
-        if not job.__dict__.get("_id_made") and chosen.setdefault(job.id, job.queue) != job.queue:
+        if not id_made(job) and chosen.setdefault(job.id, job.queue) != job.queue:
             raise id_taken(job.id, chosen[job.id])  # twice in one batch, for two queues
     return chosen
 
@@ -185,7 +200,7 @@ def first_token(job):
     Below 2**53 until the year 2242: exact in Lua's doubles (Redis). An id
     ``validate`` made names nothing before it: 0.
     """
-    return 0 if job.__dict__.get("_id_made") else int(time.time() * 1_048_576)
+    return 0 if id_made(job) else int(time.time() * 1_048_576)
 
 
 def first_token_at(job, now):

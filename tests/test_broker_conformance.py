@@ -347,6 +347,34 @@ def test_a_reused_job_id_never_meets_a_lease_of_the_deleted_job(broker, delete, 
     assert (done.state, done.result, done.token) == ("done", {"by": "owner"}, fresh.token)
 
 
+@pytest.mark.parametrize("way", ["enqueue", "enqueue_many"])
+def test_an_id_set_on_a_checked_job_is_the_callers_choice(broker, way):
+    """A job whose id the caller set after a check had made one (``Client.new_job``, then
+    ``job.id = ...``) names that id as any id the caller chose does: a job of another queue
+    may not take it, a resend gets it back, and its tokens start from the clock, above the
+    leases of a deleted job of that id. It was taken for an id Tangguh made: not checked
+    (Redis stored a second job under it, SQLite answered as an outage) and its tokens started
+    from 0. So was a made id whose job, once stored, was sent to another queue."""
+    def named(job_id, queue):
+        job = new("charge", queue=queue).validate()  # an id made here...
+        job.id = job_id  # ...then the caller's
+        return job
+
+    store = broker.enqueue if way == "enqueue" else (lambda job: broker.enqueue_many([job])[0])
+    assert store(named("order-9", "a")) == "order-9"
+    assert broker.get("order-9").token > 0
+    with pytest.raises(BadInput, match="order-9.*queue 'a'"):
+        store(named("order-9", "b"))
+    assert store(named("order-9", "a")) == "order-9"
+    moved = new("charge", queue="a").validate()  # its id made here, for queue a...
+    assert store(moved) == moved.id
+    moved.queue = "b"  # ...then the same job sent to another queue: its id names a stored job
+    with pytest.raises(BadInput, match=f"{moved.id}.*queue 'a'"):
+        store(moved)
+    stats = broker.stats(["a", "b"])
+    assert (stats["a"].ready, stats["b"].ready) == (2, 0)
+
+
 def test_a_job_id_tangguh_made_starts_its_tokens_at_zero(broker):
     job_id = broker.enqueue(new())
     assert broker.get(job_id).token == 0 and claim_one(broker).token == 1

@@ -112,12 +112,15 @@ with Client.from_url(sys.argv[1]) as client:
         chain = client.chain([("a", {}), ("b", {}), ("c", {}, {"trace_id": "the-callers-own"})])
         flow = client.group([("a", {}), ("a", {})], then=("b", {}))
         batch = client.batch([("a", {})], on_success=("b", {}), on_complete=("c", {}))
+        step = client.new_job("d", {})  # a trace id made here, then the caller's own
+        step.trace_id = "set-after-a-check"
+        (stored,) = client.store([step])
     ids = {"chain": chain[:2], "group": [*flow.ids, flow.then],
            "batch": [*batch.members, batch.on_success, batch.on_complete]}
     print(json.dumps({"request": format(request.get_span_context().trace_id, "032x"),
                       "traces": {what: [trace_id_of(client.get(i).trace_id) for i in job_ids]
                                  for what, job_ids in ids.items()},
-                      "kept": client.get(chain[2]).trace_id}))
+                      "kept": [client.get(chain[2]).trace_id, client.get(stored).trace_id]}))
 """
 
 
@@ -128,7 +131,8 @@ def test_chains_groups_and_batches_carry_the_producers_trace(sqlite_url):
     seen = json.loads(out.stdout)
     assert seen["traces"] == {"chain": [seen["request"]] * 2, "group": [seen["request"]] * 3,
                               "batch": [seen["request"]] * 3}
-    assert seen["kept"] == "the-callers-own"  # a step's own trace_id is not replaced
+    # A step's own trace_id is not replaced, even one set on a job after a check had made one.
+    assert seen["kept"] == ["the-callers-own", "set-after-a-check"]
 
 
 @pytest.mark.parametrize("blocked", [False, True])
