@@ -11,7 +11,8 @@ from .errors import BadInput
 from .jsonvalues import (MAX_DEPTH, MAX_ERROR_CLASS, MAX_ERROR_MESSAGE, MAX_ERROR_TRACEBACK,  # noqa: F401 - the model's API
                          UNSTORABLE, check_json, clip_end, clip_start, is_storable, json_depth, load_json,
                          payload_problem, storable)
-from .ids import job_id_from, new_job_id, new_trace_id, trace_id_from  # noqa: F401 - new_* are the model's API
+from .ids import (chosen_ids, first_token, first_token_at, id_made, id_taken,  # noqa: F401 - the model's API
+                  job_id_from, new_job_id, new_trace_id, one_per_id, trace_id_from, trace_made)
 
 QUEUED, RUNNING, RETRYING, DONE, DEAD = "queued", "running", "retrying", "done", "dead"
 # Job control (cancel, expiry) and workflows (a job waiting on its parents).
@@ -152,67 +153,6 @@ class NewJob:
         if checked is None or checked[2] is not self.payload:
             self.validate()
         return self._payload_json
-
-
-def id_made(job):
-    """Whether ``job``'s id is the one ``validate`` made for it, for its queue: not one its caller
-    chose (even one set on the job after a check had made another), nor a made one sent on to
-    another queue (a job stored already may hold it there)."""
-    return job.__dict__.get("_id_made") == (job.id, job.queue)
-
-
-def trace_made(job):
-    """Whether ``job``'s trace id is the one ``validate`` made for it (see ``id_made``)."""
-    return job.__dict__.get("_trace_made") == job.trace_id
-
-
-def chosen_ids(jobs):
-    """{id: queue} of the checked ``jobs`` whose id the caller chose (``NewJob(id=...)``).
-
-    Such an id names one job: a resend to its queue returns it (the producer's reply was
-    lost), and a job of another queue may not take it (``id_taken``). Ids ``validate`` made
-    are unique by construction, so the usual enqueue pays nothing for this.
-    """
-    chosen = {}
-    for job in jobs:
-        if not id_made(job) and chosen.setdefault(job.id, job.queue) != job.queue:
-            raise id_taken(job.id, chosen[job.id])  # twice in one batch, for two queues
-    return chosen
-
-
-def first_token(job):
-    """The fencing token a new job starts from (its first claim's lease gets the next one).
-
-    An id the caller chose can name a job again once the first was deleted
-    (discarded, purged, pruned). Starting from the time of the enqueue in
-    units of 2**-20 s (about a microsecond), the later of the producer's clock
-    and the broker's (``first_token_at``; the Redis scripts and PostgreSQL
-    statements take it on the server), the new job's tokens lie above every
-    lease of the old one: the old job's token rose by one per claim, and every
-    claim and the delete took a broker round trip (far more than a
-    microsecond) between the two enqueues. So such a lease can never renew,
-    ack or fail the new attempt, and a handler that fences its own writes with
-    ``ctx.job.token`` still sees them rise. (Milliseconds times 1,024 on the
-    producer's clock, the first scheme, gave the old lease's token again when
-    the story fell within one millisecond, or when the second producer's clock
-    was behind; 2**20 a second lies above that scheme's 1,024,000, so tokens
-    stored under it stay below.)
-    Below 2**53 until the year 2242: exact in Lua's doubles (Redis). An id
-    ``validate`` made names nothing before it: 0.
-    """
-    return 0 if id_made(job) else int(time.time() * 1_048_576)
-
-
-def first_token_at(job, now):
-    """``first_token`` no lower than the broker's clock ``now`` says (Redis and PostgreSQL take
-    the later of the two in their scripts and statements): a producer whose clock lags (another
-    host, a clock stepped back) cannot give the new job a deleted one's lease tokens."""
-    token = first_token(job)
-    return token and max(token, int(now * 1_048_576))
-
-
-def id_taken(job_id, queue):
-    return BadInput(f"job id {job_id!r} is taken by a job of queue {queue!r}")
 
 
 def _number(x):

@@ -5,6 +5,7 @@ A backend is conformant when this whole module passes with its URL fixture
 wait for the broker's own clock to pass a point, never a bare sleep standing
 in for a state.
 """
+import copy
 import multiprocessing
 import time
 import types
@@ -13,7 +14,7 @@ import pytest
 
 from supervisor.backends import open_broker
 from supervisor.errors import BadInput, BrokerError, LeaseLost, NotDead
-from supervisor import model
+from supervisor import ids, model
 from supervisor.model import NewJob, TypeLimits, error_info
 
 from .util import wait_for
@@ -318,7 +319,7 @@ def test_a_reused_job_id_never_meets_a_lease_of_the_deleted_job(broker, delete, 
     alone: a producer whose clock is behind the first one's (``behind``: another host, 1 s
     behind) gave the new job tokens below the old lease's; the broker's clock is a floor."""
     start, reads, lag = time.time(), iter(range(1, 10**9)), [0.0]
-    monkeypatch.setattr(model, "time", types.SimpleNamespace(time=lambda: start + 2e-6 * next(reads) - lag[0]))
+    monkeypatch.setattr(ids, "time", types.SimpleNamespace(time=lambda: start + 2e-6 * next(reads) - lag[0]))
     after = {}
     if path == "flow":  # the workflow insert: a job with a parent (done, so the job is due at once)
         parent = broker.enqueue(new(payload={"parent": True}))
@@ -373,6 +374,90 @@ def test_an_id_set_on_a_checked_job_is_the_callers_choice(broker, way):
         store(moved)
     stats = broker.stats(["a", "b"])
     assert (stats["a"].ready, stats["b"].ready) == (2, 0)
+
+
+@pytest.mark.parametrize("twice", ["two calls", "one batch", "a copy in one batch"])
+def test_the_same_job_sent_again_is_a_resend_of_the_first(broker, twice):
+    """A NewJob whose id Tangguh made, sent again (a producer retrying the same object, or a
+    batch holding it twice): its id is returned for each and one job is stored. SQLite answered
+    the second with UNIQUE failed, as an outage."""
+    job = new(queue="a").validate()
+    if twice == "two calls":
+        ids = [broker.enqueue(job), broker.enqueue(job), broker.enqueue_many([job])[0]]
+    else:
+        ids = broker.enqueue_many([job, job if twice == "one batch" else copy.copy(job)])
+    assert set(ids) == {job.id}
+    assert broker.stats(["a"])["a"].ready == 1
+
+
+@pytest.mark.parametrize("how", ["its id set", "a copy sent on"])
+def test_one_id_for_two_queues_in_one_batch_is_refused_however_the_id_was_made(broker, how):
+    """An id in one batch for jobs of two queues is bad input, refused before anything is
+    stored, also when one of the two was made by ``validate`` (Redis stored both, one beside the
+    other; PostgreSQL stored one and answered both with its id)."""
+    first = new(payload={"v": "a"}, queue="a").validate()
+    if how == "its id set":
+        other = new(payload={"v": "b"}, queue="b")
+        other.id = first.id
+    else:
+        other = copy.copy(first)
+        other.queue = "b"
+    for batch in ([first, other], [other, first]):
+        with pytest.raises(BadInput, match=f"{first.id}.*taken by a job of queue"):
+            broker.enqueue_many(batch)
+    stats = broker.stats(["a", "b"])
+    assert (stats["a"].ready, stats["b"].ready, broker.get(first.id)) == (0, 0, None)
+
+
+def test_an_id_twice_in_one_batch_gets_one_answer_its_first_jobs(broker):
+    """The same chosen id twice in a batch names one job: the later copy is a resend of the
+    first and gets the first's answer, also when an unfinished job held the first one's key
+    (SQLite answered each with the chosen id and stored nothing: an id that named no job;
+    Redis stored the second copy). Nothing is stored under the id."""
+    holder = broker.enqueue(new(idempotency_key="k"))
+    assert broker.enqueue_many([new(id="c4", idempotency_key="k"), new(id="c4", idempotency_key="k")]) == [holder] * 2
+    assert broker.enqueue_many([new(id="c5", idempotency_key="k"), new(payload={"second": 1}, id="c5")]) == [holder] * 2
+    assert (broker.get("c4"), broker.get("c5"), broker.stats(Q)["default"].ready) == (None, None, 1)
+
+
+def test_a_workflow_stores_the_payload_its_check_encoded(broker):
+    """A job's payload is stored as ``validate`` checked and encoded it, even if the caller
+    changes the dict in place afterwards: in a batch with parents too (PostgreSQL's workflow
+    insert stored the dict as it was by then)."""
+    parent = new("p").validate()
+    child = new("c", {"amount": 10}, depends_on=[parent.id]).validate()
+    child.payload["amount"] = 10_000
+    child.payload["unstorable"] = {1, 2}
+    assert broker.enqueue_many([parent, child]) == [parent.id, child.id]
+    assert broker.get(child.id).payload == {"amount": 10}
+
+
+def test_enqueue_once_refuses_a_taken_id_before_it_looks_at_the_key(broker):
+    """An id the caller chose that names a job of another queue is bad input on every way in,
+    looked up before anything else: also by an ``enqueue_once`` whose key is used already (the
+    SQL brokers answered None)."""
+    broker.enqueue(new(id="c6", queue="a"))
+    assert broker.enqueue_once(new(queue="b", idempotency_key="once-k")) is not None
+    with pytest.raises(BadInput, match="c6.*queue 'a'"):
+        broker.enqueue_once(new(id="c6", queue="b", idempotency_key="once-k"))
+    with pytest.raises(BadInput, match="c6.*queue 'a'"):
+        broker.enqueue_once(new(id="c6", queue="b", idempotency_key="once-fresh"))
+    assert broker.stats(["b"])["b"].ready == 1
+
+
+def test_enqueue_once_with_parents_waits_for_them_and_a_refused_one_leaves_its_key_unused(broker):
+    """``enqueue_once`` enqueues like ``enqueue``, parents included: the job waits for them, an
+    unknown parent is bad input and leaves the key unused, a used key stores nothing (Redis stored
+    such a job queued at once, its parents ignored, an unknown one too)."""
+    parent = broker.enqueue(new("p", delay=1000))
+    with pytest.raises(BadInput, match="no-such-job"):
+        broker.enqueue_once(new("c", idempotency_key="once-1", depends_on=["no-such-job"]))
+    child = broker.enqueue_once(new("c", idempotency_key="once-1", depends_on=[parent]))
+    assert child is not None
+    assert (broker.get(child).state, broker.get(child).pending) == ("waiting", 1)
+    assert broker.enqueue_once(new("c", idempotency_key="once-1", depends_on=[parent])) is None
+    stats = broker.stats(Q)["default"]
+    assert (stats.waiting, stats.ready) == (1, 0)
 
 
 def test_a_job_id_tangguh_made_starts_its_tokens_at_zero(broker):

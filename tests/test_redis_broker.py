@@ -453,6 +453,18 @@ def test_enqueue_once_stopped_between_its_two_slots_is_finished_by_the_next_call
     assert (stats["default"].ready, stats["b"].ready) == (1, 0)
 
 
+def test_enqueue_once_sent_to_its_keys_queue_stores_the_payload_as_checked(rb):
+    """The job moved to the queue its key was recorded for is a copy that keeps what ``validate``
+    encoded: a payload the caller changed in place afterwards is not what is stored (a
+    ``dataclasses.replace`` copy encoded the dict again, as it was by then)."""
+    key = "cron:moved"
+    rb._once_queue(NewJob("t", {}, queue="default", idempotency_key=key).validate())  # then it stopped
+    job = NewJob("t", {"amount": 10}, queue="b", idempotency_key=key).validate()
+    job.payload["amount"] = 10_000
+    job_id = rb.enqueue_once(job)
+    assert (rb.get(job_id).queue, rb.get(job_id).payload, job.queue) == ("default", {"amount": 10}, "b")
+
+
 def test_a_failing_count_an_earlier_release_left_wrong_never_reopens_a_child_a_parent_still_fails(rb, raw, redis_url):
     """Supervisors of an earlier release sharing the broker in a rolling upgrade change a child's
     parent fields without its 'failing' count. A count that says "none failing" is checked

@@ -296,7 +296,10 @@ class Workflows:
         taken = dict(cur.execute(f"SELECT id, queue FROM {t} WHERE id = ANY(%s::text[]) FOR UPDATE",
                                  (list(chosen),)).fetchall()) if chosen else {}
         stored, fresh = {}, []
-        tokens = {job.id: first_token(job) for job in jobs}  # read before the copies below lose ``_id_made``
+        # Read before the copies below lose what ``validate`` kept: ``_id_made``, and the payload's
+        # JSON as checked (the caller may have changed the dict in place since).
+        tokens = {job.id: first_token(job) for job in jobs}
+        payloads = {job.id: job.payload_json for job in jobs}
         for job in order(jobs):
             if job.id in taken:
                 if taken[job.id] != job.queue:
@@ -322,7 +325,7 @@ class Workflows:
         planned = plan(fresh, known)
         parents = {parent for _, _, _, edges, _ in planned for parent, _, _, _ in edges}
         cols = list(zip(*[
-            (j.id, j.queue, j.type, j.payload_json, state,
+            (j.id, j.queue, j.type, payloads[j.id], state,
              j.resource_id, j.idempotency_key, j.max_attempts, None if j.timeout is None else float(j.timeout),
              j.priority, float(j.delay), j.trace_id, None if j.expires_in is None else float(j.expires_in),
              pending, level or None, j.id in parents, tokens[j.id])

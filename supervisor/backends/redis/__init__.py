@@ -43,7 +43,7 @@ from redis.exceptions import RedisError
 
 from ...errors import BadInput, BrokerError, LeaseLost
 from ...jsonvalues import info_members, result_json
-from ...model import QueueStats, chosen_ids, id_taken
+from ...model import QueueStats, chosen_ids, id_taken, one_per_id
 from ..base import Broker
 from ..limits import active
 from . import scripts, workflows
@@ -129,6 +129,10 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
     @guard
     def enqueue_many(self, jobs):
         jobs = [job.validate() for job in jobs]
+        unique, where = one_per_id(jobs)
+        if where is not None:  # an id twice: its first job is stored, the others get its answer
+            ids = self.enqueue_many(unique)
+            return [ids[i] for i in where]
         self._check_chosen_ids(jobs)
         if any(job.depends_on for job in jobs):
             return self._enqueue_flow(jobs)
@@ -160,11 +164,14 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         self._check_chosen_ids([job])
         self.keys.for_scripts(job.queue)
         job = self._once_queue(job, schedule)  # the key's record across queues (once.py)
-        batch = _BATCH.encode([enqueue_args(job)])
         resent = self.calls_resent
-        got = self._run_enqueues([("enqueue_once", job.queue, [batch])])
-        if got[0]:
-            return got[0][0]
+        if job.depends_on:  # the workflow's script, which takes the key once the parents are checked
+            job_id = self._enqueue_flow([job], once=job.idempotency_key)[0]
+        else:
+            got = self._run_enqueues([("enqueue_once", job.queue, [_BATCH.encode([enqueue_args(job)])])])
+            job_id = got[0][0] if got[0] else None
+        if job_id is not None:
+            return job_id
         return job.id if self.calls_resent != resent and self._stored_by_first_sending(job) else None
 
     def _check_chosen_ids(self, jobs):

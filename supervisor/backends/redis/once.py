@@ -19,7 +19,7 @@ nothing lost: the next caller with that key finds the queue recorded and
 enqueues there, once. Records written before this layout (``P:{Q}:once``
 only) are still honoured within their queue.
 """
-import dataclasses
+import copy
 
 from .connection import guard
 
@@ -60,7 +60,11 @@ class OnceRecords:
         """The job to enqueue: ``job``, or the same job on the queue its key was first recorded for."""
         args = [job.idempotency_key, job.queue] + ([] if schedule is None else [schedule])
         queue = self._once_script("owner", OWNER)(keys=self._once_keys(), args=args, client=self.r)
-        return job if queue == job.queue else dataclasses.replace(job, queue=queue)
+        if queue == job.queue:
+            return job
+        moved = copy.copy(job)  # not dataclasses.replace: a copy keeps the payload's JSON as checked
+        moved.queue = queue
+        return moved
 
     def _stored_by_first_sending(self, job):
         """An ``enqueue_once`` sent twice (an answer lost) found its key taken: by this very job,

@@ -22,7 +22,9 @@ from .fields import enqueue_args
 class Workflows:
     """The Redis broker's workflow operations (a mixin of ``RedisBroker``)."""
 
-    def _enqueue_flow(self, jobs):
+    def _enqueue_flow(self, jobs, once=None):
+        """The ids of a workflow's jobs, stored in one script call; with ``once`` (enqueue_once's
+        key, for a job with parents) ``[None]`` when that key was used already."""
         queues = sorted({job.queue for job in jobs})
         if len(queues) > 1:
             raise BadInput(f"on redis, an enqueue with depends_on keeps every job in one queue"
@@ -36,7 +38,9 @@ class Workflows:
             args.append([[parent, on] for parent, on in job.depends_on])
             payload.append(args)
         batch = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        (reply,) = self._run_enqueues([("enqueue_flow", queue, [batch, MAX_LEVELS])])
+        (reply,) = self._run_enqueues([("enqueue_flow", queue, [batch, MAX_LEVELS] + ([once] if once else []))])
+        if reply[0] == "once":
+            return [None] * len(jobs)
         if reply[0] == "deep":
             level_of(reply[1], [int(reply[2]) - 1])  # raises BadInput, the same words as every broker
         if reply[0] == "unknown":

@@ -3,7 +3,9 @@
 -- false, expires_in_us or false, [[parent, on], ...]]. Every parent is in this call or stored in this
 -- queue already. All or nothing: every parent is checked before anything is
 -- written. Returns {'ok', ids...}, {'unknown', job id, parent id} or {'deep', job id, level}
--- (ARGV[4]: the most levels a workflow may have, dependencies.MAX_LEVELS).
+-- (ARGV[4]: the most levels a workflow may have, dependencies.MAX_LEVELS), or {'once'}: ARGV[5],
+-- when given, is enqueue_once's key for a job with parents, taken as enqueue_once.lua takes it,
+-- once every check passed and before anything is written (a refused job leaves it unused).
 local jobs = cjson.decode(ARGV[3])
 local max_levels = tonumber(ARGV[4])
 local stored, fresh, made, levels = {}, {}, {}, {}
@@ -45,6 +47,9 @@ for n, job in ipairs(jobs) do
   fresh[id] = true
 end
 
+if ARGV[5] and redis.call('ZADD', string.sub(JOB, 1, -3) .. 'once', 'NX', NOW, ARGV[5]) == 0 then
+  return {'once'}
+end
 -- KEYS[7], when given, is P:queues (as in enqueue.lua): the queue joins it before its jobs are written.
 if KEYS[7] and jobs[1] then redis.call('SADD', KEYS[7], field_of(jobs[1][4], 'queue')) end
 local due_now = false
