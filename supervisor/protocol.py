@@ -168,15 +168,28 @@ class Reader:
         self.buffer = bytearray()
 
     def feed(self, data):
+        """(the whole messages in the bytes so far, the error of a frame it cannot take or None).
+
+        A frame over the limit, a body that is no JSON, a message without an op: the
+        reading ends there, and the messages before it came whole, each to be acted on
+        (the replies of jobs a child finished before its next job wrote into the pipe).
+        """
         self.buffer += data
         messages = []
-        while len(self.buffer) >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(self.buffer)
-            if size > MAX_MESSAGE:
-                raise TooLarge(f"message of {size} bytes is over the {MAX_MESSAGE} byte limit")
-            if len(self.buffer) < _HEADER.size + size:
-                break
-            body = self.buffer[_HEADER.size:_HEADER.size + size].decode()
-            del self.buffer[:_HEADER.size + size]
-            messages.append(decode(body))
-        return messages
+        try:
+            while len(self.buffer) >= _HEADER.size:
+                (size,) = _HEADER.unpack_from(self.buffer)
+                if size > MAX_MESSAGE:
+                    raise TooLarge(f"message of {size} bytes is over the {MAX_MESSAGE} byte limit")
+                if len(self.buffer) < _HEADER.size + size:
+                    break
+                body = self.buffer[_HEADER.size:_HEADER.size + size].decode()
+                del self.buffer[:_HEADER.size + size]
+                msg = decode(body)
+                if not (isinstance(msg, dict) and isinstance(msg.get("op"), str)):
+                    raise ValueError("a message without an op")
+                messages.append(msg)
+        except (ValueError, RecursionError) as exc:
+            self.buffer = bytearray()
+            return messages, exc
+        return messages, None

@@ -110,6 +110,35 @@ def test_only_the_running_job_of_a_batch_is_crashed_the_rest_released_and_run(tm
         d.stop()
 
 
+def test_replies_read_in_one_piece_with_a_bad_frame_end_their_jobs_as_they_say(tmp_path, broker_url):
+    """The master reads a child's replies and, in the same read, a bad frame its next job wrote
+    into the pipe (a handler gone wrong): the jobs those replies answer are done, and only the job
+    that wrote the frame is judged by it. The replies were dropped with the frame, and the first
+    finished job was dead-lettered for a frame it never sent (the one behind it in the next batch).
+    The master is stopped while the child works, so that everything lies in the pipe at once."""
+    d = batch_daemon(tmp_path, broker_url)
+    marker, release = d.marker("m"), d.marker("release")
+    try:
+        ids = enqueue_batch(d, {"marker": marker, "release": release}, {"marker": marker},
+                            {"marker": marker, "garbage": True})
+        wait_for(lambda: ids[0] in starts(marker), message="the first job, which holds, running")
+        wait_for(lambda: d.status()["workers"][0]["queued"] == 2, message="the other two queued in the child")
+        d.signal(signal.SIGSTOP)
+        try:
+            open(release, "w").close()
+            wait_for(lambda: any(line[0] == "sending" for line in read_lines(marker)),
+                     message="the third job's bad frame written behind the two replies")
+        finally:
+            d.signal(signal.SIGCONT)
+        jobs = [d.wait_job(job_id) for job_id in ids]
+        assert [(j.state, j.attempt) for j in jobs[:2]] == [("done", 1), ("done", 1)]
+        assert (jobs[2].state, jobs[2].reason, jobs[2].attempt) == ("dead", "result_too_large", 1)
+        assert [h["outcome"] for h in jobs[0].history] == [h["outcome"] for h in jobs[1].history] == ["done"]
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
 def test_a_hard_timeout_second_in_its_batch_kills_for_that_job_only(tmp_path, broker_url):
     d = batch_daemon(tmp_path, broker_url, jobs={"types": {"quick": {"timeout": 1.0}}})
     marker = d.marker("m")

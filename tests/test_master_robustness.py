@@ -602,6 +602,24 @@ def test_unknown_job_types_share_one_metric_label(daemon):
 
 # -- handler edge cases --------------------------------------------------------------------------
 
+def test_the_next_job_on_a_child_runs_under_the_signals_the_child_started_with(tmp_path):
+    """A job that sets SIGPIPE to the default (a command-line idiom), ignores SIGCHLD or takes
+    SIGHUP leaves the next job on its child as it found it: that job's write to a closed socket
+    killed the child (the job counted crashed), and its subprocesses all returned 0."""
+    d = Daemon(tmp_path, supervisor={"workers": 1})
+    try:
+        d.start()
+        spoil, look = d.broker.enqueue_many([NewJob("signals", {"spoil": True}, priority=2),
+                                             NewJob("signals", {}, priority=1)])
+        spoiled, looked = d.wait_job(spoil), d.wait_job(look)
+        assert spoiled.result["pid"] == looked.result["pid"]  # the same child, one job after the other
+        assert looked.result == {"pid": spoiled.result["pid"], "pipe": "SIG_IGN", "hup_ignored": False,
+                                 "false_exits": 1}
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
 def test_an_exception_that_cannot_be_printed_is_an_exception_not_a_crash(daemon):
     daemon.start()
     job = daemon.wait_job(daemon.enqueue("unprintable", {}, max_attempts=2))

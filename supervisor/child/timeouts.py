@@ -79,13 +79,20 @@ def _on_cancel(signum, frame):
 
 _HANDLERS = ((signal.SIGALRM, _on_alarm), (signal.SIGTERM, _on_term), (CANCEL_SIGNAL, _on_cancel))
 _SIGNALS = tuple(sig for sig, _ in _HANDLERS)
+# Dispositions a job may change that the next job on this child would run under: SIGPIPE set to
+# the default (a command-line idiom) kills the child at the next job's write to a closed socket;
+# SIGCHLD ignored makes every subprocess's return code 0; a SIGHUP or SIGINT handler of a job's
+# own takes the master's signals to the group. Taken as the child starts, put back before each job.
+_KEPT = (signal.SIGPIPE, signal.SIGCHLD, signal.SIGHUP, signal.SIGINT)
+_kept = ()
 
 
 def install():
-    """Install the child's SIGALRM, SIGTERM and cancel handlers."""
-    global _installed_on
+    """Install the child's SIGALRM, SIGTERM and cancel handlers; note the dispositions of ``_KEPT``."""
+    global _installed_on, _kept
     for sig, handler in _HANDLERS:
         signal.signal(sig, handler)
+    _kept = tuple((sig, _signal.getsignal(sig)) for sig in _KEPT)
     _installed_on = threading.get_ident()
 
 
@@ -94,6 +101,9 @@ def _restore():
     would leave every later job on this child without its soft timeout and its cancel."""
     for sig, handler in _HANDLERS:
         if _signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+    for sig, handler in _kept:
+        if _signal.getsignal(sig) != handler:
             signal.signal(sig, handler)
     # What rang while blocked is handled here: stale alarms and bells are ignored (no job is
     # running), a SIGTERM raises JobTimeout into the job about to start.

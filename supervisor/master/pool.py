@@ -295,7 +295,15 @@ class Pool:
             pass  # already
 
     def messages(self, c, data):
-        for msg in self.decode(c, data):
+        """Act on a child's messages. A child sends only well-formed frames under the size limit
+        (it fails an oversize result itself); anything else means it no longer speaks the
+        protocol, so it goes, never the master. The messages before such a frame are acted on
+        first: the jobs they answer ended as they say, and only the job running when the frame
+        came is judged by it (verdict)."""
+        if c.bad_frame is not None:
+            return
+        messages, bad = c.reader.feed(data)
+        for msg in messages:
             op = msg["op"]
             if op == protocol.READY:
                 c.state = IDLE if c.state == STARTING else c.state
@@ -306,6 +314,12 @@ class Pool:
                 self.on_lock(c, msg)
             elif op == protocol.PROGRESS:
                 self.progress(c, msg)
+        if bad is not None:
+            c.bad_frame = bad
+            log.error("worker %d sent a bad message (%s): killing it", c.slot, bad,
+                      extra={"event": "bad_frame", "slot": c.slot, "pid": c.pid})
+            self.unregister(c)
+            self.kill(c, KILLED_BAD_FRAME)
 
     def progress(self, c, msg):
         """Keep a running job's progress (for status) and hand it to the heartbeat's next renewal."""
@@ -316,28 +330,6 @@ class Pool:
         note = note[:protocol.MAX_NOTE] if isinstance(note, str) else ""
         c.progress = (fraction, note)
         self.heartbeat.report_progress(c.job.id, fraction, note)
-
-    def decode(self, c, data):
-        """The whole messages in a child's bytes; a frame we cannot take kills that child.
-
-        A child sends only well-formed frames under the size limit (it fails an
-        oversize result itself); anything else means it no longer speaks the
-        protocol, so its job fails and it goes, never the master.
-        """
-        if c.bad_frame is not None:
-            return []
-        try:
-            messages = c.reader.feed(data)
-            if not all(isinstance(m, dict) and isinstance(m.get("op"), str) for m in messages):
-                raise ValueError("a message without an op")
-            return messages
-        except (ValueError, RecursionError) as exc:
-            c.bad_frame, c.reader.buffer = exc, bytearray()
-            log.error("worker %d sent a bad message (%s): killing it", c.slot, exc,
-                      extra={"event": "bad_frame", "slot": c.slot, "pid": c.pid})
-            self.unregister(c)
-            self.kill(c, KILLED_BAD_FRAME)
-            return []
 
     # -- reaping -----------------------------------------------------------------------
     def reap(self):

@@ -143,12 +143,15 @@ def nap(ctx, payload):
 @supervisor.job("quick")
 def quick(ctx, payload):
     """A short job (batched once measured), ``pause`` seconds long; on its first attempt it can
-    die (``die``), never return (``spin``) or wait for the ``release`` file (bounded)."""
+    die (``die``), write a frame header over the limit into its pipe and hang (``garbage``),
+    never return (``spin``) or wait for the ``release`` file (bounded)."""
     _mark(payload, f"started {ctx.job.id} {os.getpid()} {ctx.job.attempt}")
     time.sleep(payload.get("pause", 0))
     if ctx.job.attempt == 1:
         if payload.get("die"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if payload.get("garbage"):
+            oversize_frame(ctx, payload)
         while payload.get("spin"):
             pass
         deadline = time.monotonic() + 30
@@ -167,3 +170,19 @@ def huge_error(ctx, payload):
         except KeyError as cause:
             raise ValueError("head-of-message " + "x" * int(payload["size"])) from cause
     raise ValueError("head-of-message " + "x" * int(payload["size"]) + " tail-of-message")
+
+
+@supervisor.job("signals")
+def signals(ctx, payload):
+    """``spoil``: change what the next job on this child would run under (SIGPIPE to the default,
+    as command-line tools do, SIGCHLD ignored, a SIGHUP handler of its own); else report it."""
+    import subprocess
+
+    if payload.get("spoil"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        return {"pid": os.getpid()}
+    return {"pid": os.getpid(), "pipe": signal.getsignal(signal.SIGPIPE).name,
+            "hup_ignored": signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
+            "false_exits": subprocess.run(["false"]).returncode}
