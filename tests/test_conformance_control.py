@@ -435,6 +435,30 @@ def test_a_requeued_or_discarded_cancelled_job_leaves_the_cancelled_and_expired_
     assert broker.stats(Q)["default"].cancelled == 0
 
 
+def test_an_id_named_twice_in_one_call_is_acted_on_once_and_a_bad_id_is_bad_input(broker):
+    """requeue, discard and the dead letters' calls take each id once, as cancel does: a requeue
+    of [a, a] answered "not_finished" for a job it had just requeued, a discard of [d, d]
+    "unknown" for one it had just deleted (SQLite), a purge of [x, x] counted 2. An id that no
+    job can have (not a string, empty, with a NUL) is bad input, as for cancel, not "unknown"."""
+    def dead():
+        job_id = broker.enqueue(new(max_attempts=1))
+        broker.dead(claim_one(broker).lease, "permanent", {"class": "E", "message": "no"})
+        return job_id
+
+    a, x, y = dead(), dead(), dead()
+    assert broker.requeue([a, a]) == {a: "queued"}
+    d = broker.enqueue(new(delay=3600))
+    assert broker.discard([d, d]) == {d: "discarded"}
+    assert broker.dlq_purge([x, x]) == 1
+    assert broker.dlq_replay([y, y]) == [y]
+    assert (broker.get(x), broker.get(y).state) == (None, "queued")
+    for call in (broker.requeue, broker.discard, broker.dlq_replay, broker.dlq_purge):
+        for bad in ([None], [""], ["a\x00b"], [5]):
+            with pytest.raises(BadInput, match="job id"):
+                call(bad)
+    assert broker.stats(Q)["default"].ready == 2
+
+
 def test_negative_or_zero_expires_in_is_refused_and_nothing_stored(broker):
     for bad in (-1, 0, float("nan"), "5", True):
         with pytest.raises(BadInput, match="expires_in"):

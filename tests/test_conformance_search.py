@@ -128,6 +128,16 @@ def test_time_ranges_are_half_open(broker, zoo):
     assert ids(all_pages(broker, JobFilter(finished_after=low, finished_before=low))) == []
 
 
+@pytest.mark.parametrize("far", [1e10, 1e300])
+def test_a_time_bound_past_the_year_2286_is_later_than_every_job(broker, zoo, far):
+    """Redis keeps 16 digits of microseconds in its search index: a bound with more sorted below
+    every member, so "queued after" it found every job and "queued before" it none."""
+    assert ids(all_pages(broker, JobFilter(queued_after=far))) == []
+    assert sorted(ids(all_pages(broker, JobFilter(queued_before=far)))) == sorted(zoo.values())
+    assert broker.count(JobFilter(queued_before=far)).n == len(zoo)
+    assert broker.count(JobFilter(queued_after=far)).n == 0
+
+
 def test_a_page_holds_still_while_another_process_enqueues(broker, broker_url):
     broker.enqueue_many([new(payload={"i": i}) for i in range(60)])
     before = set(ids(all_pages(broker, JobFilter(), limit=50)))

@@ -650,6 +650,18 @@ def test_prune_keeps_a_child_cancelled_by_a_parent_still_dead_until_that_parent_
     assert got.id == callback and got.parents == {ok: ("done", "ok result"), bad: ("done", "bad result")}
 
 
+def test_prune_removes_a_child_an_operator_cancelled_under_a_dead_parent(broker):
+    """Only a child cancelled by its parent's failure (``parent_failed``) is kept for a replay;
+    one an operator cancelled (no reason) follows retention. The SQL brokers kept it for as long
+    as its parent lay dead: their test of the reason was NULL, and NOT NULL keeps a row."""
+    parent = broker.enqueue(new(max_attempts=1))
+    child = broker.enqueue(new(depends_on=[parent]))
+    assert broker.cancel([child], "ops", "not needed")[child] == "cancelled"
+    die(broker, claim_ids(broker)[parent])
+    wait_for(lambda: broker.prune(0) >= 0 and broker.get(child) is None, message="the cancelled child pruned")
+    assert broker.get(parent).state == "dead"
+
+
 # -- the cost of reopening -----------------------------------------------------------
 
 def _work(broker_url, broker, key, action):

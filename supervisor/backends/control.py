@@ -19,12 +19,13 @@ MAX_RECORD = 256 * 1024  # bytes of one supervisor record (a few hundred workers
 EXPIRED_KEPT = 10_000  # expired (id, type) pairs an instance keeps for take_expired between calls
 
 
-def check_ids(job_ids):
-    """A list of job ids (strings), or BadInput."""
+def check_ids(job_ids, most=MAX_IDS):
+    """A list of job ids (strings), each once, or BadInput. ``most=None``: any number (the dead
+    letters' calls take a whole selection: the console replays a group of any size)."""
     if isinstance(job_ids, str):
         job_ids = [job_ids]
     job_ids = list(job_ids)
-    if len(job_ids) > MAX_IDS:
+    if most is not None and len(job_ids) > most:
         raise BadInput(f"at most {MAX_IDS} job ids at once, got {len(job_ids)}")
     for job_id in job_ids:
         if not isinstance(job_id, str) or not job_id or len(job_id) > MAX_NAME or not is_storable(job_id):

@@ -34,6 +34,7 @@ from psycopg.rows import dict_row, tuple_row
 from ...errors import BadInput, LeaseLost, NotDead
 from ...jsonvalues import info_json, result_json
 from ...model import Job, QueueStats
+from ..control import check_ids
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, workflows
@@ -265,7 +266,7 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
 
     @deadlock_retried
     def dlq_replay(self, job_ids):
-        job_ids = list(job_ids)
+        job_ids = check_ids(job_ids, most=None)
         with self._guard("dlq replay"):
             db = self._conn()
             try:
@@ -284,7 +285,7 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
 
     @deadlock_retried
     def dlq_purge(self, job_ids):
-        job_ids = list(job_ids)
+        job_ids = check_ids(job_ids, most=None)
         with self._guard("dlq purge"):
             db = self._conn()
             with db.transaction():

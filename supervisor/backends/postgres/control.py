@@ -155,10 +155,11 @@ class ControlMixin(control.ExpiredLog):
         # A workflow child cancelled by an on="success" parent that lies dead stays: replaying that
         # parent reopens it, and so on down the tree (README "Workflows"); so does one whose parent is
         # itself cancelled parent_failed (the subtree under a dead job, one look per child, no walk).
-        # Read through its own edges (job_edges_child).
+        # Read through its own edges (job_edges_child). coalesce: a job cancelled by an operator (no
+        # reason) made the test NULL, and NOT NULL kept it for as long as its parent lay dead.
         sql = (f"DELETE FROM {self._jobs} WHERE id IN (SELECT id FROM {self._jobs} j"
                " WHERE state IN ('cancelled', 'expired') AND finished_at < %s"
-               f" AND NOT (j.reason = '{PARENT_FAILED}' AND j.pending IS NOT NULL AND EXISTS ("
+               f" AND NOT (coalesce(j.reason, '') = '{PARENT_FAILED}' AND j.pending IS NOT NULL AND EXISTS ("
                f"SELECT 1 FROM {self._s}.job_edges e JOIN {self._jobs} p ON p.id = e.parent WHERE e.child = j.id"
                f" AND e.on_ = '{ON_SUCCESS}' AND NOT e.parent_gone AND (p.state = 'dead'"
                f" OR (p.state = 'cancelled' AND p.reason = '{PARENT_FAILED}')))) LIMIT %s)")

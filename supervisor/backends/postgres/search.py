@@ -43,7 +43,7 @@ from psycopg import errors as pgerrors
 from psycopg.rows import dict_row
 
 from ...model import Job
-from .. import scan, sqlsearch
+from .. import control, scan, sqlsearch
 from .connection import deadlock_retried
 from .statements import NOT_STARTED, NOW
 
@@ -201,7 +201,7 @@ class SearchMixin:
 
     @deadlock_retried
     def requeue(self, job_ids):
-        job_ids = list(job_ids)
+        job_ids = control.check_ids(job_ids, most=None)
         out = {}
         with self._guard("requeue"):
             db = self._conn()
@@ -229,7 +229,7 @@ class SearchMixin:
 
     @deadlock_retried
     def discard(self, job_ids):
-        job_ids = list(job_ids)
+        job_ids = control.check_ids(job_ids, most=None)
         with self._guard("discard"):
             db = self._conn()
             with db.transaction():

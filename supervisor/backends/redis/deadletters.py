@@ -5,6 +5,7 @@ A mixin of ``RedisBroker``. Each queue keeps its dead jobs in ``P:{Q}:dead``
 check every id first (``NotDead``), then run one all-or-nothing script per queue.
 """
 from ...errors import NotDead
+from .. import control
 from .connection import guard
 from .fields import check_script_reply, to_job
 
@@ -56,12 +57,14 @@ class DeadLetters:
 
     @guard
     def dlq_replay(self, job_ids):
+        job_ids = control.check_ids(job_ids, most=None)
         for queue, ids in self._group_dead(job_ids).items():
             self._run_dead("replay", queue, ids)
         return list(job_ids)
 
     @guard
     def dlq_purge(self, job_ids):
+        job_ids = control.check_ids(job_ids, most=None)
         count = 0
         for queue, ids in self._group_dead(job_ids).items():
             reply = self._run_dead("purge", queue, ids)

@@ -42,7 +42,7 @@ number times the share of scanned jobs that matched, marked ``exact=False``.
 import json
 
 from ...jobfilter import Count
-from .. import scan
+from .. import control, scan
 from .connection import guard
 from .fields import to_job
 
@@ -66,6 +66,15 @@ def _us(seconds):
     return int(round(seconds * 1e6))
 
 
+_LAST_US = 10**16 - 1  # the index's members carry 16 digits of microseconds (the year 2286)
+
+
+def _bound(seconds):
+    """A time bound as the index's digits: clamped to them, or a bound past the year 2286 (more
+    digits) would sort below every member and a search for later jobs would find them all."""
+    return 0 if seconds <= 0 else _LAST_US if seconds >= _LAST_US / 1e6 else _us(seconds)
+
+
 class SearchMixin:
     def _search_key(self, queue):
         self.keys.for_scripts(queue)  # checks the name
@@ -85,11 +94,11 @@ class SearchMixin:
         """(min, max) lexicographic bounds of the page's range past ``after``."""
         low, high = "-", "+"
         if f.queued_after is not None:
-            low = "[" + _member_key(max(0, _us(f.queued_after)), "")
+            low = "[" + _member_key(_bound(f.queued_after), "")
         if f.queued_before is not None:
-            high = "(" + _member_key(max(0, _us(f.queued_before)), "")
+            high = "(" + _member_key(_bound(f.queued_before), "")
         if after is not None:
-            edge = _member_key(_us(after[0]), after[1])
+            edge = _member_key(_bound(after[0]), after[1])
             if order == "newest":
                 high = "(" + edge if high == "+" or edge < high[1:] else high
             else:
@@ -214,11 +223,11 @@ class SearchMixin:
 
     @guard
     def requeue(self, job_ids):
-        return self._per_id("requeue", job_ids)
+        return self._per_id("requeue", control.check_ids(job_ids, most=None))
 
     @guard
     def discard(self, job_ids):
-        out = self._per_id("discard", job_ids)
+        out = self._per_id("discard", control.check_ids(job_ids, most=None))
         for job_id, outcome in out.items():
             if outcome == "discarded":
                 self._locator.forget(job_id)

@@ -19,6 +19,7 @@ import sqlite3
 from ...errors import BadInput, BrokerBusy, BrokerError, ConfigError, LeaseLost, NotDead, RolledBack
 from ...jsonvalues import entry_json, result_json
 from ...model import DEAD, DONE, QueueStats
+from ..control import check_ids
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, wakeup, workflows
@@ -330,6 +331,7 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
             return [_job(r) for r in db.execute(sql, params).fetchall()]
 
     def dlq_replay(self, job_ids):
+        job_ids = check_ids(job_ids, most=None)
         now = self.now()
         with self._write():
             self._require_dead(job_ids)
@@ -346,6 +348,7 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
         return list(job_ids)
 
     def dlq_purge(self, job_ids):
+        job_ids = check_ids(job_ids, most=None)
         with self._write():
             self._require_dead(job_ids)
             for job_id in job_ids:

@@ -18,7 +18,7 @@ checked rows that passed the row-by-row filters, marked ``exact=False``.
 """
 import sqlite3
 
-from .. import scan, sqlsearch
+from .. import control, scan, sqlsearch
 from . import rows as rows_module
 from .database import errors
 
@@ -116,6 +116,7 @@ class SearchMixin:
                                    lambda: indexed_count(None), f, exact_up_to, post)
 
     def requeue(self, job_ids):
+        job_ids = control.check_ids(job_ids, most=None)
         out = {}
         now = self.now()
         with self._write():
@@ -141,6 +142,7 @@ class SearchMixin:
         return out
 
     def discard(self, job_ids):
+        job_ids = control.check_ids(job_ids, most=None)
         out = {}
         with self._write():
             for job_id in job_ids:

@@ -130,7 +130,8 @@ _REOPEN = next(statement for statement in SCHEMA if "TRIGGER IF NOT EXISTS flow_
 # itself cancelled ``parent_failed``: the whole cancelled subtree under a dead job stays, each child
 # decided by one look at its parents (no walk up the tree); once the dead job is gone the subtree
 # goes a level per prune. Read through the child's own edges (``job_edges_child``).
-REPLAYABLE = (f"reason = '{PARENT_FAILED}' AND EXISTS (SELECT 1 FROM job_edges e JOIN jobs p ON p.id = e.parent"
+# coalesce: a job an operator cancelled (no reason) would make the test NULL, and NOT NULL keeps it.
+REPLAYABLE = (f"coalesce(reason, '') = '{PARENT_FAILED}' AND EXISTS (SELECT 1 FROM job_edges e JOIN jobs p ON p.id = e.parent"
               f" WHERE e.child = jobs.id AND e.on_ = '{ON_SUCCESS}' AND NOT e.parent_gone AND (p.state = 'dead'"
               f" OR (p.state = 'cancelled' AND p.reason = '{PARENT_FAILED}')))")
 
