@@ -650,6 +650,23 @@ def test_prune_keeps_a_child_cancelled_by_a_parent_still_dead_until_that_parent_
     assert got.id == callback and got.parents == {ok: ("done", "ok result"), bad: ("done", "bad result")}
 
 
+def test_a_parent_and_its_child_cancelled_in_one_call_end_in_the_order_given(broker):
+    """Named after its parent, a waiting child is cancelled by the parent's end (parent_failed,
+    answered already_cancelled) and a requeue of the parent reopens it; named before, the
+    operator cancels it first. PostgreSQL cancelled both in one statement: the child ended the
+    operator's, and stayed cancelled for good after the parent's requeue."""
+    parent = broker.enqueue(new(delay=3600))
+    child = broker.enqueue(new(depends_on=[parent]))
+    assert broker.cancel([parent, child], "ops", "why") == {parent: "cancelled", child: "already_cancelled"}
+    assert (broker.get(child).reason, broker.get(child).pending) == ("parent_failed", 0)
+    assert broker.requeue([parent]) == {parent: "queued"}
+    assert broker.get(child).state == "waiting"
+    other = broker.enqueue(new(delay=3600))
+    kid = broker.enqueue(new(depends_on=[other]))
+    assert broker.cancel([kid, other], "ops", "why") == {kid: "cancelled", other: "cancelled"}
+    assert broker.get(kid).reason is None and broker.get(kid).cancel_request["by"] == "ops"
+
+
 def test_prune_removes_a_child_an_operator_cancelled_under_a_dead_parent(broker):
     """Only a child cancelled by its parent's failure (``parent_failed``) is kept for a replay;
     one an operator cancelled (no reason) follows retention. The SQL brokers kept it for as long

@@ -49,20 +49,32 @@ class ControlMixin(control.ExpiredLog):
                 rows = db.execute(f"SELECT id, state, kids FROM {t} WHERE id = ANY(%s::text[]) ORDER BY id"
                                   " FOR UPDATE", (job_ids,)).fetchall()
                 states = {job_id: state for job_id, state, _ in rows}
-                ending = [i for i in job_ids if states.get(i) in NOT_STARTED]
+                parents = {job_id for job_id, _, kids in rows if kids}
+                todo = [i for i in job_ids if states.get(i) in NOT_STARTED]
                 # Their children next, all at once, in id order, before any of them ends (_lock_children).
-                self._lock_children(db, [i for i, state, kids in rows if kids and state in NOT_STARTED])
+                self._lock_children(db, [i for i in todo if i in parents])
                 running = [i for i in job_ids if states.get(i) == "running"]
                 req = f"jsonb_build_object('by', %(by)s::text, 'reason', %(reason)s::text, 'at', {NOW})"
                 params = {"by": request["by"], "reason": request["reason"]}
-                if ending:
+                ending = []
+                while todo:
+                    # In the order given, as the other brokers: a parent's end (its trigger) may cancel
+                    # or release children named later in the call, which are then read again. Up to and
+                    # including the next parent, one statement.
+                    cut = next((n for n, i in enumerate(todo) if i in parents), len(todo) - 1) + 1
+                    now, todo = todo[:cut], todo[cut:]
                     db.execute(f"UPDATE {t} SET state = 'cancelled', finished_at = {NOW}, cancel_request = {req},"
                                f" history = history || jsonb_build_array({req} || '{{\"outcome\": \"cancelled\"}}'::jsonb)"
-                               " WHERE id = ANY(%(ids)s::text[])", dict(params, ids=ending))
+                               " WHERE id = ANY(%(ids)s::text[])", dict(params, ids=now))
+                    ending += now
+                    if todo and now[-1] in parents:
+                        states.update(db.execute(f"SELECT id, state FROM {t} WHERE id = ANY(%s::text[])",
+                                                 (todo,)).fetchall())
+                        todo = [i for i in todo if states[i] in NOT_STARTED]
                 if running:  # the first request stands: a second is harmless
                     db.execute(f"UPDATE {t} SET cancel_request = coalesce(cancel_request, {req})"
                                " WHERE id = ANY(%(ids)s::text[])", dict(params, ids=running))
-        out = {}
+        out, ending = {}, set(ending)
         for job_id in job_ids:
             state = states.get(job_id)
             out[job_id] = "unknown" if state is None else CANCELLED if job_id in ending else control.answer_for(state)
