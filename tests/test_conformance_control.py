@@ -459,6 +459,23 @@ def test_an_id_named_twice_in_one_call_is_acted_on_once_and_a_bad_id_is_bad_inpu
     assert broker.stats(Q)["default"].ready == 2
 
 
+def test_a_replay_across_queues_refused_for_a_held_key_replays_none(broker):
+    """A replay is all or nothing across queues too: one job whose idempotency key an
+    unfinished job holds refuses the call before any job is replayed. Redis runs a script a
+    queue, each all or nothing in its queue only: the queues before the conflict were replayed."""
+    def dead(queue, **kw):
+        job_id = broker.enqueue(new(queue=queue, max_attempts=1, **kw))
+        broker.dead(claim_one(broker, queues=[queue]).lease, "permanent", {"class": "E", "message": "no"})
+        return job_id
+
+    a, b = dead("qa"), dead("qb", idempotency_key="k")
+    holder = broker.enqueue(new(queue="qb", idempotency_key="k", delay=3600))
+    for ids in ([a, b], [b, a]):
+        with pytest.raises(BadInput, match="idempotency key"):
+            broker.dlq_replay(ids)
+    assert (broker.get(a).state, broker.get(b).state, broker.get(holder).state) == ("dead", "dead", "queued")
+
+
 def test_negative_or_zero_expires_in_is_refused_and_nothing_stored(broker):
     for bad in (-1, 0, float("nan"), "5", True):
         with pytest.raises(BadInput, match="expires_in"):

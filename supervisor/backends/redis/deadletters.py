@@ -58,9 +58,37 @@ class DeadLetters:
     @guard
     def dlq_replay(self, job_ids):
         job_ids = control.check_ids(job_ids, most=None)
-        for queue, ids in self._group_dead(job_ids).items():
+        groups = self._group_dead(job_ids)
+        if len(groups) > 1:
+            self._refuse_held_keys(groups)
+        for queue, ids in groups.items():
             self._run_dead("replay", queue, ids)
         return list(job_ids)
+
+    def _refuse_held_keys(self, groups):
+        """BadInput before the first queue's script when a job of any queue has an idempotency key
+        an unfinished job holds. Each script is all or nothing within its queue only: a conflict
+        found by a later queue's script left the queues before it replayed (the SQL brokers'
+        replay is one transaction). What another producer takes between this look and the
+        scripts is still found by its script."""
+        asks = [(queue, job_id) for queue, ids in groups.items() for job_id in ids]
+        keys = self._each(lambda pipe, queue, job_id: pipe.hget(self.keys.job(queue, job_id), "idempotency_key"), asks)
+        asks = [(queue, job_id, key) for (queue, job_id), key in zip(asks, keys) if key]
+        holders = self._each(lambda pipe, queue, _, key: pipe.hget(self.keys.for_scripts(queue)[0][5], key), asks)
+        held = [(queue, job_id, holder) for (queue, job_id, _), holder in zip(asks, holders) if holder not in (None, job_id)]
+        states = self._each(lambda pipe, queue, _, holder: pipe.hget(self.keys.job(queue, holder), "state"), held)
+        for (_, job_id, _), state in zip(held, states):
+            if state in ("queued", "running", "retrying", "waiting"):
+                check_script_reply(["conflict", job_id])
+
+    def _each(self, ask, rows):
+        """One round trip of plain commands (a pipeline, on a cluster too): ``ask(pipe, *row)`` a row."""
+        if not rows:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for row in rows:
+            ask(pipe, *row)
+        return pipe.execute()
 
     @guard
     def dlq_purge(self, job_ids):
