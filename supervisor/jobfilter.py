@@ -11,6 +11,7 @@ import json
 import math
 
 from .errors import BadInput
+from .jsonvalues import is_storable
 from .model import STATES, check_queue
 
 ORDERS = ("newest", "oldest")
@@ -52,8 +53,9 @@ class JobFilter:
             check_queue(self.queue)
         for name in ("type", "resource_id", "idempotency_key", "error"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value or len(value) > 255):
-                raise BadInput(f"{name} filter must be 1 to 255 characters, got {value!r}")
+            if value is not None and (not isinstance(value, str) or not value or len(value) > 255
+                                      or not is_storable(value)):
+                raise BadInput(f"{name} filter must be 1 to 255 characters, no NUL or lone surrogate, got {value!r}")
         for name in ("queued_after", "queued_before", "finished_after", "finished_before"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -69,9 +71,10 @@ class JobFilter:
         checked = []
         for key, value in pairs:
             check_payload_key(key)
-            if not (value is None or isinstance(value, (str, bool, int)) or
-                    (isinstance(value, float) and math.isfinite(value))):
-                raise BadInput(f"payload.{key} must equal a string, number, true, false or null, got {value!r}")
+            if not (value is None or isinstance(value, (bool, int)) or (isinstance(value, str) and is_storable(value))
+                    or (isinstance(value, float) and math.isfinite(value))):
+                raise BadInput(f"payload.{key} must equal a string (no NUL or lone surrogate), number, true, false"
+                               f" or null, got {value!r}")
             checked.append((key, value))
         object.__setattr__(self, "payload", tuple(sorted(checked, key=lambda kv: kv[0])))
 
@@ -161,7 +164,10 @@ def decode_cursor(cursor, order):
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         got_order, sort_value, job_id = json.loads(raw)
-        if got_order != order or not isinstance(job_id, str) or not isinstance(sort_value, (int, float)):
+        # Only what encode_cursor makes: a time (finite, not a bool) and an id a job can have.
+        if (got_order != order or not isinstance(job_id, str) or not is_storable(job_id)
+                or isinstance(sort_value, bool) or not isinstance(sort_value, (int, float))
+                or not abs(sort_value) < 1e15):
             raise ValueError
         return sort_value, job_id
     except (ValueError, TypeError, UnicodeDecodeError, RecursionError):  # RecursionError: JSON nested deep

@@ -179,12 +179,29 @@ def _enqueuer(url, go, done):
     lambda b: b.search({"state": ["sleeping"]}),
     lambda b: b.count({"payload": {"a..b": 1}}),
     lambda b: b.count(JobFilter(), exact_up_to=-1),
+    # What no job can hold: PostgreSQL answered a NUL as an outage (BrokerError), every broker a
+    # lone surrogate with UnicodeEncodeError, and cursors not made by encode_cursor with
+    # OverflowError (a time of inf on Redis, of 10**30 on SQLite).
+    lambda b: b.search({"type": "a\x00"}),
+    lambda b: b.search({"type": "a\ud800"}),
+    lambda b: b.count({"payload": {"n": "a\x00"}}),
+    lambda b: b.search(JobFilter(), cursor=encode_cursor("newest", 1.0, "job\x00x")),
+    lambda b: b.search(JobFilter(), cursor=encode_cursor("newest", float("inf"), "job_x")),
+    lambda b: b.search(JobFilter(), cursor=encode_cursor("newest", 10**30, "job_x")),
+    lambda b: b.search(JobFilter(), cursor=encode_cursor("newest", True, "job_x")),
 ], ids=["cursor", "cursor-order", "limit-0", "limit-big", "limit-str", "order", "key", "state", "payload-key",
-        "exact-up-to"])
+        "exact-up-to", "nul", "surrogate", "payload-nul", "cursor-nul", "cursor-inf", "cursor-huge", "cursor-bool"])
 def test_bad_arguments_are_bad_input(broker, call):
     broker.enqueue(new())
     with pytest.raises(BadInput):
         call(broker)
+
+
+def test_an_id_no_job_can_have_is_none_of_theirs(broker):
+    """``get`` of an id with a NUL, or of no string: None, as for any id no job has (PostgreSQL
+    refused the NUL with an error read as an outage, and 5 as a missing schema)."""
+    broker.enqueue(new())
+    assert (broker.get("a\x00b"), broker.get(5)) == (None, None)
 
 
 def test_count_is_exact_up_to_the_threshold_then_an_estimate(broker):

@@ -32,7 +32,7 @@ from psycopg import errors as pgerrors
 from psycopg.rows import dict_row, tuple_row
 
 from ...errors import BadInput, LeaseLost, NotDead
-from ...jsonvalues import info_json, result_json
+from ...jsonvalues import info_json, is_storable, result_json
 from ...model import Job, QueueStats
 from ..control import check_ids
 from ..base import Broker
@@ -229,6 +229,8 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
 
     # -- reading ----------------------------------------------------------
     def get(self, job_id):
+        if not isinstance(job_id, str) or not is_storable(job_id):
+            return None  # no job has it (PostgreSQL refuses a NUL: an error read as an outage)
         row = self._execute(f"SELECT * FROM {self._jobs} WHERE id = %s", (job_id,), row_factory=dict_row).fetchone()
         return self._with_parents([Job.from_dict(row)])[0] if row else None
 
