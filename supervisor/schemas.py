@@ -214,14 +214,14 @@ def _json_name(value):
         type(value), type(value).__name__)
 
 
-def check_cli_payload(cfg, type_name, payload):
-    """``tangguh enqueue``: check ``payload`` against its handler's schema when the handler module
-    can be imported from the config's handlers folder; a producer without the handler code is not
-    held up (the child checks again). Raises ``BadInput``."""
-    from .registry import HandlerLoadError, load_handlers
+def check_cli_payload(load, type_name, payload):
+    """``tangguh enqueue``: check ``payload`` against its handler's schema when the handler modules
+    can be imported (``load()``: ``cli.common.import_handlers``); a producer without the handler
+    code is not held up (the child checks again). Raises ``BadInput``."""
+    from .registry import HandlerLoadError
 
     try:
-        spec = load_handlers(cfg.supervisor.handlers).get(type_name)
+        spec = load().get(type_name)
     except HandlerLoadError:
         return payload
     if spec is None or spec.payload is None:

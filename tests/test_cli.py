@@ -179,6 +179,32 @@ def test_client_passes_conn_to_the_postgres_outbox(postgres_url):
 
 # -- enqueue, job, stats -------------------------------------------------------
 
+@pytest.mark.parametrize("module", ["import os\nos._exit(0)\n", "import time\ntime.sleep(600)\n",
+                                    "print('\\x1b[2Jhello')\n"], ids=["exits", "hangs", "prints"])
+def test_a_handler_module_that_exits_hangs_or_prints_at_import_cannot_fool_enqueue(tmp_path, module):
+    """``enqueue`` imports the handlers for their payload schemas, and ``config check`` for the
+    schedules': a module that ended the process at import made both exit 0 having done nothing
+    (the job lost), one that waited hung them, and what one printed came before the job id on
+    stdout. Imported first in a throwaway process within ``import_timeout``, as ``run`` does."""
+    handlers = tmp_path / "handlers"
+    handlers.mkdir()
+    (handlers / "jobs.py").write_text("import supervisor\n\n@supervisor.job('noop')\ndef noop(ctx, p):\n    return 1\n")
+    (handlers / "zz.py").write_text(module)
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f'[supervisor]\nhandlers = "{handlers}"\nimport_timeout = 2\n'
+                   f'[broker]\nurl = "sqlite:///{tmp_path / "b.db"}"\n')
+    out = tangguh_process("-c", cfg, "enqueue", "noop")
+    assert out.returncode == 0 and out.stdout.startswith("job_") and out.stdout.count("\n") == 1, out
+    with open_broker(f"sqlite:///{tmp_path / 'b.db'}") as b:
+        assert b.get(out.stdout.strip()).type == "noop"
+    check = tangguh_process("-c", cfg, "config", "check")
+    if "print" in module:
+        assert check.returncode == 0 and check.stdout.startswith("ok: "), check
+    else:
+        assert check.returncode == 2 and check.stdout == "", check
+        assert check.stderr.count("\n") == 1 and "supervisor.handlers" in check.stderr, check.stderr
+
+
 def test_enqueue_then_job_shows_every_field(capsys, cfg_path, broker):
     job_id = enqueue(capsys, cfg_path, "email", '{"to": "a@b", "n": [1, 2]}', "--resource-id", "user:9",
                      "--idempotency-key", "welcome:9", "--priority", "5", "--trace-id", "trace-1",

@@ -3,11 +3,11 @@ import os
 import shutil
 import sys
 
-from .. import config as config_module, registry, scheduler
+from .. import config as config_module, scheduler
 from ..backends import open_broker
 from ..errors import BrokerError, BrokerUnusable, ConfigError
 from ..urls import MASK, redact
-from .common import DATA, PROG, UsageError, daemon_module, load_config, open_client
+from .common import DATA, PROG, UsageError, daemon_module, import_handlers, load_config, open_client
 from .output import print_json, printable
 
 EXAMPLE_CONFIG = os.path.join(DATA, "config.example.toml")
@@ -18,7 +18,7 @@ def cmd_config_check(args):
     cfg = config_module.load(args.config)  # no file: the defaults, and it says so
     config_module.check_host(cfg)
     # The handlers as `run` imports them: their schedules' payloads must pass their payload schemas.
-    scheduler.check_payloads(cfg, registry.load_handlers(cfg.supervisor.handlers))
+    scheduler.check_payloads(cfg, import_handlers(cfg))
     check_broker(cfg.broker.url)
     print(f"ok: {cfg.path or 'no config file found, built-in defaults'}")
 

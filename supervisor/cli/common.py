@@ -44,3 +44,43 @@ def daemon_module(name):
         return importlib.import_module(f"supervisor.{name}")
     except ImportError as exc:
         raise Failure(f"this installation has no supervisor.{name} ({exc})") from None
+
+
+class _NoHeartbeat:
+    """The trial import stops a master's heartbeat around its fork; a command has none."""
+
+    thread = None
+
+    def stop(self):
+        pass
+
+    def start(self):
+        pass
+
+
+def import_handlers(cfg):
+    """The handlers of ``cfg``'s folder, imported in this process as ``run`` imports them: once a
+    trial import in a throwaway process passed within ``supervisor.import_timeout`` (a module
+    that exits or hangs at import would end the command with status 0, nothing done, or hang
+    it), and with what they print sent to stderr (``id=$(tangguh enqueue ...)`` reads stdout).
+    Raises ``registry.HandlerLoadError``."""
+    import contextlib
+    import sys
+
+    from .. import registry
+    from ..master import trial
+
+    if not os.path.isdir(cfg.supervisor.handlers):
+        return registry.load_handlers(cfg.supervisor.handlers)  # the folder's own error, no process
+    sys.stdout.flush()
+    stdout = os.dup(1)
+    os.dup2(2, 1)  # the trial process's stdout too
+    try:
+        problem = trial.trial(cfg.supervisor.handlers, 0, _NoHeartbeat(), cfg.supervisor.import_timeout)
+    finally:
+        os.dup2(stdout, 1)
+        os.close(stdout)
+    if problem:
+        raise registry.HandlerLoadError(problem)
+    with contextlib.redirect_stdout(sys.stderr):
+        return registry.load_handlers(cfg.supervisor.handlers)

@@ -8,7 +8,7 @@ from .. import schemas
 from ..errors import BadInput
 from ..model import MAX_DEPTH
 from . import control
-from .common import Failure, load_config, open_client
+from .common import Failure, import_handlers, load_config, open_client
 from .flows import render_parents
 from .output import duration, one_line, print_json, say, table, when
 
@@ -40,7 +40,7 @@ def parse_payload(text):
 def cmd_enqueue(args):
     payload = parse_payload(args.payload)
     cfg = load_config(args)
-    payload = schemas.check_cli_payload(cfg, args.type, payload)  # the handler's schema, when importable
+    payload = schemas.check_cli_payload(lambda: import_handlers(cfg), args.type, payload)  # when importable
     with open_client(args, cfg) as client:
         # new_job checks everything before the broker is opened: a bad value stores nothing.
         options = dict(queue=args.queue, resource_id=args.resource_id, idempotency_key=args.idempotency_key,
