@@ -348,7 +348,7 @@ def socket_path(path=None):
     value, table = SupervisorConfig.socket, None
     try:
         with open(found, encoding="utf-8", errors="replace") as f:
-            lines = f.readlines()
+            lines = f.read(MAX_CONFIG_BYTES).splitlines()
     except OSError:
         lines = []
     for line in lines:
@@ -362,6 +362,9 @@ def socket_path(path=None):
     return os.path.normpath(os.path.join(base_dir, value))
 
 
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
 def load(path=None):
     """Read, validate and resolve a config file. No file at all means all defaults here (the
     command line refuses that for every command but ``config show``/``check``: cli.common)."""
@@ -371,7 +374,12 @@ def load(path=None):
         return cfg
     try:
         with open(found, "rb") as f:
-            data = tomllib.load(f)
+            text = f.read(MAX_CONFIG_BYTES + 1)  # /dev/zero, a log file named by mistake: not all of it
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{found}: over {MAX_CONFIG_BYTES // 2**20} MiB: not a config file")
+        data = tomllib.loads(text.decode())
+    except RecursionError:  # arrays nested thousands deep: tomllib recurses
+        raise ConfigError(f"{found}: invalid TOML: nested too deep") from None
     except FileNotFoundError:
         raise ConfigError(f"{found}: no such config file") from None
     except OSError as exc:

@@ -205,6 +205,28 @@ def test_a_handler_module_that_exits_hangs_or_prints_at_import_cannot_fool_enque
         assert check.stderr.count("\n") == 1 and "supervisor.handlers" in check.stderr, check.stderr
 
 
+@pytest.mark.parametrize("argv", [["job"], ["batch"], ["retry"], ["discard"], ["cancel"], ["dlq", "show"],
+                                  ["dlq", "replay"], ["dlq", "purge"]], ids=lambda a: "-".join(a))
+def test_an_id_argument_no_job_can_have_is_a_usage_error(capsys, cfg_path, broker, argv):
+    """A byte the shell passed that is no UTF-8 arrives as a lone surrogate: it reached the broker,
+    which failed with an "internal error" (exit 1; for retry, discard and cancel "stopped after 0
+    of 1", the code that says something may have been written). Now the parser refuses it."""
+    code, out, err = tangguh(capsys, "-c", cfg_path, *argv, "job_\udcff")
+    assert (code, out, err.count("\n")) == (2, "", 1), err
+    assert "argument ID: job id must be a string" in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_a_cancel_reason_the_broker_refuses_is_refused_before_anything(capsys, cfg_path, broker, dry):
+    """A --reason over 1,000 characters was refused inside the run ("stopped after 0 of 1", exit 1)
+    and --dry-run said "would cancel 1 job(s)"."""
+    job_id = broker.enqueue(NewJob("email", {}))
+    code, out, err = tangguh(capsys, "-c", cfg_path, "cancel", job_id, "--reason", "r" * 1001,
+                             *(["--dry-run"] if dry else []))
+    assert (code, out, err.count("\n")) == (2, "", 1) and "cancel reason is 1001 characters long" in err, err
+    assert broker.get(job_id).state == "queued"
+
+
 def test_enqueue_then_job_shows_every_field(capsys, cfg_path, broker):
     job_id = enqueue(capsys, cfg_path, "email", '{"to": "a@b", "n": [1, 2]}', "--resource-id", "user:9",
                      "--idempotency-key", "welcome:9", "--priority", "5", "--trace-id", "trace-1",

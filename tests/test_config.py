@@ -188,6 +188,12 @@ def test_unreadable_missing_and_invalid_files(tmp_path):
         load_text(tmp_path, "[broker\nurl = 3")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_text(tmp_path, '[broker]\nurl = "a"\nurl = "b"\n')
+    # Arrays nested thousands deep made tomllib raise RecursionError (exit 1, "internal error"), and
+    # a file that never ends (/dev/zero named by mistake) was read into memory whole.
+    with pytest.raises(ConfigError, match="invalid TOML: nested too deep"):
+        load_text(tmp_path, "a = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="/dev/zero: over 16 MiB: not a config file"):
+        config.load("/dev/zero")
 
 
 # -- tangguh config check / show / init ----------------------------------------------

@@ -29,7 +29,7 @@ def check_ids(job_ids, most=MAX_IDS):
         raise BadInput(f"at most {MAX_IDS} job ids at once, got {len(job_ids)}")
     for job_id in job_ids:
         if not isinstance(job_id, str) or not job_id or len(job_id) > MAX_NAME or not is_storable(job_id):
-            raise BadInput(f"job id must be a string of 1 to {MAX_NAME} characters (no NUL), got {job_id!r}")
+            raise BadInput(f"job id must be a string of 1 to {MAX_NAME} characters (no NUL or lone surrogate), got {job_id!r}")
     return list(dict.fromkeys(job_ids))
 
 

@@ -16,7 +16,7 @@ import os
 import sys
 
 from ..errors import BadInput, ConfigError, NotDead, TangguhError
-from .common import PROG, Failure, UsageError
+from .common import PROG, Failure, UsageError, job_id
 from .output import printable
 from .progress import stdout_gone
 
@@ -146,11 +146,11 @@ def build_parser(only_run=False):
     command(commands, "stats", jobs.cmd_stats, "show per-queue counts", as_json)
     command(commands, "schedules", jobs.cmd_schedules, "list the periodic jobs with their next run", as_json)
     p = command(commands, "job", jobs.cmd_job, "show one job with its history", as_json)
-    p.add_argument("job_id", metavar="ID")
+    p.add_argument("job_id", metavar="ID", type=job_id)
     control.add_job_options(p)
     control.add_commands(commands, command, as_json)
     command(commands, "batch", flows.cmd_batch, "show a batch's counts (its id: its first callback's)",
-            as_json).add_argument("batch_id", metavar="ID")
+            as_json).add_argument("batch_id", metavar="ID", type=job_id)
 
     bulk.add_commands(commands, command, as_json)
 
@@ -162,14 +162,14 @@ def build_parser(only_run=False):
                    help="at most N jobs, most recently failed first (default 100, at most 1000; "
                    "0: every dead job, page by page, newest queued first)")
     command(dlq_commands, "show", dlq.cmd_dlq_show, "show a dead job: reason, error, attempts", as_json).add_argument(
-        "job_id", metavar="ID")
+        "job_id", metavar="ID", type=job_id)
     p = command(dlq_commands, "replay", dlq.cmd_dlq_replay, "put dead jobs back on their queue", as_json)
-    p.add_argument("job_ids", nargs="*", metavar="ID")
+    p.add_argument("job_ids", nargs="*", metavar="ID", type=job_id)
     p.add_argument("--all", action="store_true", help="every dead job (of --type)")
     p.add_argument("--type", metavar="T", help="with --all: only jobs of this type")
     p.add_argument("--rate", type=float, metavar="N", help="at most N replays per second")
     p = command(dlq_commands, "purge", dlq.cmd_dlq_purge, "delete dead jobs for good", as_json)
-    p.add_argument("job_ids", nargs="*", metavar="ID")
+    p.add_argument("job_ids", nargs="*", metavar="ID", type=job_id)
     p.add_argument("--all", action="store_true", help="every dead job (of --type); needs --yes")
     p.add_argument("--type", metavar="T", help="with --all: only jobs of this type")
     p.add_argument("--yes", action="store_true", help="confirm --all")

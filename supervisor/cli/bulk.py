@@ -17,10 +17,11 @@ closed) is ``stopped after N of M: REASON``, exit 1 (``progress``).
 import re
 import time
 
+from ..backends.control import cancel_request
 from ..errors import BadInput
 from ..jobfilter import JobFilter, check_page, decode_cursor, parse_where
 from ..model import parse_rate
-from .common import UsageError, open_client
+from .common import UsageError, job_id, open_client
 from .output import one_line, print_json, say, table, when
 from .progress import Progress
 
@@ -50,7 +51,7 @@ def add_commands(commands, command, as_json):
     for verb, help in verbs.items():
         p = command(commands, verb, cmd_bulk, help, as_json)
         p.set_defaults(verb=verb)
-        p.add_argument("job_ids", nargs="*", metavar="ID", help="the jobs (or select them with the filters)")
+        p.add_argument("job_ids", nargs="*", metavar="ID", type=job_id, help="the jobs (or select them with the filters)")
         _filters(p)
         p.add_argument("--all", action="store_true", help="with no ids and no filters: every job")
         p.add_argument("--dry-run", action="store_true", help="print how many jobs it would act on; change nothing")
@@ -142,6 +143,8 @@ def cmd_bulk(args):
         raise UsageError(f"{verb}: give job ids or filters (--state, --type, --where...), or --all for every job")
     rate = _rate(args.rate) if args.rate is not None else None
     by = getattr(args, "by", None)
+    if verb == "cancel":  # a --by or --reason the broker refuses: before anything (--dry-run too)
+        cancel_request(by or _user(), args.reason, None)
     with open_client(args) as client:
         broker = client.broker
         if args.job_ids:

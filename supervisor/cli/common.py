@@ -84,3 +84,17 @@ def import_handlers(cfg):
         raise registry.HandlerLoadError(problem)
     with contextlib.redirect_stdout(sys.stderr):
         return registry.load_handlers(cfg.supervisor.handlers)
+
+
+def job_id(text):
+    """An ``ID`` argument (argparse ``type``): what a job id can be. A byte the shell passed that
+    is no UTF-8 (a lone surrogate here) reached the broker, which failed with an internal error."""
+    import argparse
+
+    from ..backends.control import check_ids
+    from ..errors import BadInput
+
+    try:
+        return check_ids([text])[0]
+    except BadInput as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -27,7 +27,8 @@ def supervisor_socket(args):
         return load_config(args).supervisor.socket
     except ConfigError as exc:
         path = config_module.socket_path(args.config)
-        print(f"{PROG}: warning: {' '.join(str(exc).split())}; asking the supervisor on {path}", file=sys.stderr)
+        print(f"{PROG}: warning: {printable(' '.join(str(exc).split()))}; asking the supervisor on {printable(path)}",
+              file=sys.stderr)
         return path
 
 
