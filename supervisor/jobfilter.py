@@ -16,6 +16,7 @@ from .model import STATES, check_queue
 
 ORDERS = ("newest", "oldest")
 MAX_LIMIT = 1000
+MAX_PAYLOAD_FIELDS = 32  # payload fields a filter compares
 _PAYLOAD_KEY_PART = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
@@ -68,6 +69,8 @@ class JobFilter:
             pairs = self.payload
         else:
             raise BadInput(f"payload filter must map dotted keys to values, got {self.payload!r}")
+        if len(pairs) > MAX_PAYLOAD_FIELDS:  # SQLite refuses an expression tree 1,000 deep
+            raise BadInput(f"at most {MAX_PAYLOAD_FIELDS} payload fields in a filter, got {len(pairs)}")
         checked = []
         for key, value in pairs:
             check_payload_key(key)

@@ -115,6 +115,29 @@ def test_bad_input_from_a_real_process(cfg, broker, jobs):
     assert snapshot(broker) == before
 
 
+def test_a_bulk_action_ctrl_c_ends_says_how_far_it_got_in_its_json_too(cfg, broker):
+    """Ctrl-C during a paced cancel: what it printed is done, stderr says where it stopped, the
+    --json output ends with its summary (there was none), and the status is 130."""
+    import signal
+    import subprocess
+    import sys
+
+    from .util import wait_for
+
+    ids = broker.enqueue_many([NewJob("t", {"i": i}, delay=3600) for i in range(10)])
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "-c", cfg, "cancel", "--rate", "4/s", "--json",
+                             *ids], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()  # the first job's outcome: it is under way
+    assert json.loads(first)["outcome"] == "cancelled", first
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    lines = [json.loads(line) for line in [first, *out.splitlines()]]
+    assert proc.returncode == 130 and "stopped after" in err and "interrupted" in err, (proc.returncode, err)
+    assert lines[-1]["stopped"] == "interrupted" and lines[-1]["count"] == len(lines) - 1 < 10, lines[-1]
+    done = [line["id"] for line in lines[:-1]]
+    wait_for(lambda: all(broker.get(i).state == "cancelled" for i in done), message="what it printed is done")
+
+
 def test_retry_by_filter_requeues_only_what_it_can_with_a_dry_run_first(capsys, cfg, broker, jobs):
     before = snapshot(broker)
     code, out, _ = run(capsys, cfg, "retry", "--type", "report", "--dry-run")

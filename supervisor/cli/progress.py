@@ -5,7 +5,7 @@ Ctrl-C): what was already done stays done, so the operator must learn how far
 it got. Every batch's outcomes are printed and flushed as soon as the broker
 answered (text: ``ID OUTCOME``; ``--json``: one JSON object a line), and a stop
 becomes one line on stderr, ``stopped after N of M: REASON``, exit 1 (exit 2
-would claim nothing was written). A closed stdout stops the action rather
+would claim nothing was written; a Ctrl-C exits 130, as any command it ends). A closed stdout stops the action rather
 than let ``| head`` silently turn a 100,000-job action into 500.
 """
 import collections
@@ -79,16 +79,20 @@ class Progress:
         except BrokenPipeError:
             stdout_gone()
             raise Failure(self.stopped("stdout closed")) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # exit 130, as for any command Ctrl-C ends; the summary first
+            self._json_summary("interrupted")
             print(f"{PROG}: {self.stopped('interrupted')}", file=sys.stderr)
             raise
         except Exception as exc:  # noqa: BLE001 - any failure partway: say how far it got
             reason = " ".join(str(exc).split()) or type(exc).__name__
             if not isinstance(exc, (Failure, OSError)) and type(exc).__module__.split(".")[0] != "supervisor":
                 reason = f"{type(exc).__name__}: {reason}"
-            if self.as_json:
-                try:
-                    print(json.dumps(self.summary(reason)), flush=True)
-                except BrokenPipeError:
-                    stdout_gone()
+            self._json_summary(reason)
             raise Failure(self.stopped(reason)) from exc
+
+    def _json_summary(self, reason):
+        if self.as_json:
+            try:
+                print(json.dumps(self.summary(reason)), flush=True)
+            except BrokenPipeError:
+                stdout_gone()
