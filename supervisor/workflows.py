@@ -62,7 +62,9 @@ def _step(client, item, what, depends_on=()):
     try:
         args, options = _job_args(item)
         job = client.new_job(*args, **options)
-        job.depends_on = list(depends_on)
+        # The workflow's edges join the step's own (its depends_on option was dropped: a callback
+        # ran before a job it named, and an unknown id in it was never refused).
+        job.depends_on = [*job.depends_on, *depends_on]
         return job.validate()
     except BadInput as exc:
         raise BadInput(f"{what}: {exc}") from None

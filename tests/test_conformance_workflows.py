@@ -337,6 +337,19 @@ def test_bad_groups_are_refused_and_store_nothing(client, broker, members, then,
     assert claim_all(broker) == []
 
 
+def test_a_steps_own_depends_on_joins_the_workflows_edges(client, broker):
+    """A chain or group step may name parents of its own (its depends_on option): they join the
+    edges the workflow gives it. They were dropped: the callback ran before a job it named, and an
+    unknown id was never refused."""
+    other = broker.enqueue(new("other", delay=3600))
+    flow = client.group([("render", {})], then=("summary", {}, {"depends_on": [other]}))
+    assert run_all(broker, lambda job: None) == ["render"]  # the callback waits for `other` too
+    assert (broker.get(flow.then).state, broker.get(flow.then).pending) == ("waiting", 1)
+    with pytest.raises(BadInput, match="nope"):
+        client.chain([("a", {}, {"depends_on": ["nope"]}), ("b", {})])
+    assert broker.stats(Q)["default"].ready == 0
+
+
 def test_a_batch_counts_its_members_and_fires_each_callback_once(client, broker):
     from supervisor.workflows import batch_status
 
