@@ -501,6 +501,39 @@ def test_requeue_of_a_failed_parent_reopens_its_children(broker):
     assert [job.id for job in claim_all(broker)] == [child]
 
 
+def test_a_requeued_child_waits_for_its_parents_not_finished_now(broker):
+    """A child cancelled while its parents ran goes back ``waiting`` for the ones still unfinished,
+    as a replay reopens a child: every broker made it ``queued``, so it ran before them, read
+    ``(None, None)`` for each, and kept a stale ``pending``. A parent that died and was replayed
+    while the child lay cancelled left its end recorded on the child: it is forgotten."""
+    first, second, early = broker.enqueue_many([new(max_attempts=1), new(), new()])
+    jobs = claim_ids(broker)
+    broker.ack(jobs[early].lease, "early")
+    child = broker.enqueue(new(depends_on=[first, second, early]))
+    assert broker.cancel([child], "ops", "hold")[child] == "cancelled"
+    die(broker, jobs[first])
+    broker.dlq_replay([first])
+    assert broker.requeue([child]) == {child: "waiting"}
+    got = broker.get(child)
+    assert (got.state, got.pending, got.parents[first]) == ("waiting", 2, (None, None))
+    assert broker.stats(Q)["default"].waiting == 1
+    assert list(claim_ids(broker)) == [first]  # the child is not claimable while they run
+    broker.ack(broker.get(first).lease, "again")
+    # Its failed-parent count was kept right: the other parent's failure and replay reopen it.
+    die(broker, jobs[second])
+    assert (broker.get(child).state, broker.get(child).reason) == ("cancelled", "parent_failed")
+    broker.dlq_replay([second])
+    assert broker.get(child).state == "waiting"
+    broker.ack(claim_all(broker)[0].lease, "second")
+    (got,) = claim_all(broker)
+    assert got.id == child
+    assert got.parents == {first: ("done", "again"), second: ("done", "second"), early: ("done", "early")}
+    # With every parent finished, a requeue queues it at once.
+    broker.dead(got.lease, "permanent", error_info("permanent", "Permanent", "no"))
+    assert broker.requeue([child]) == {child: "queued"}
+    assert [job.id for job in claim_all(broker)] == [child]
+
+
 def test_discarding_an_unfinished_parent_ends_it_for_its_children(broker):
     parent = broker.enqueue(new())
     child, always = broker.enqueue_many([new(depends_on=[parent]), new(depends_on=[(parent, "complete")])])

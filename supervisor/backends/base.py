@@ -266,8 +266,10 @@ class Broker(abc.ABC):
     def requeue(self, job_ids):
         """Put finished jobs back (dead, cancelled or expired -> ``queued``, attempt 0, history kept).
 
-        Returns ``{job_id: "queued" | "not_finished" | "done" | "unknown" | "conflict"}``;
-        ``"conflict"``: an unfinished job holds its idempotency key, it stays as it was.
+        Returns ``{job_id: "queued" | "waiting" | "not_finished" | "done" | "unknown" | "conflict"}``;
+        ``"waiting"``: a workflow child whose parents have not all finished waits for them again
+        (its ``pending`` counts them); ``"conflict"``: an unfinished job holds its idempotency key,
+        it stays as it was.
         """
         raise NotImplementedError
 

@@ -63,3 +63,13 @@ def select(table, columns, clauses, order_by="", limit_mark=None):
     if limit_mark:
         sql += f" LIMIT {limit_mark}"
     return sql
+
+
+def requeue_waits(jobs, edges, mark):
+    """``requeue``'s two statements for a child (``mark``: its id): how many of its parents have
+    not finished now (it goes back ``waiting`` for them, not ``queued`` to run before them), and
+    the one that forgets the ends its edges recorded for those parents (a replay of a parent
+    leaves a child an operator cancelled as it was). A deleted parent (``parent_gone``) ended."""
+    which = (f"child = {mark} AND NOT parent_gone"
+             f" AND parent IN (SELECT id FROM {jobs} WHERE state IN ('queued', 'running', 'retrying', 'waiting'))")
+    return f"SELECT count(*) FROM {edges} WHERE {which}", f"UPDATE {edges} SET state = NULL, result = NULL WHERE {which}"

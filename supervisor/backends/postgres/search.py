@@ -206,6 +206,8 @@ class SearchMixin:
         with self._guard("requeue"):
             db = self._conn()
             cleared = "".join(f", {c} = NULL" for c in _CLEARED_IF_PRESENT if c in self._columns(db))
+            children = "pending" in self._columns(db)
+            waits, forget = sqlsearch.requeue_waits(self._jobs, f"{self._s}.job_edges", "%s")
             for job_id in job_ids:
                 try:
                     with db.transaction():
@@ -218,11 +220,18 @@ class SearchMixin:
                         elif row[0] not in _REQUEUE_FROM:
                             out[job_id] = "not_finished"
                         else:
+                            # A child waits again for its parents not finished now (sqlsearch.requeue_waits).
+                            pending = db.execute(waits, (job_id,)).fetchone()[0] if children else 0
+                            state = "waiting" if pending else "queued"
                             db.execute(
-                                f"UPDATE {self._jobs} SET state = 'queued', attempt = 0, run_at = {NOW},"
-                                " reason = NULL, finished_at = NULL, lease_until = NULL, owner = NULL"
-                                f"{cleared} WHERE id = %s RETURNING pg_notify(%s, queue)", (job_id, self.channel))
-                            out[job_id] = "queued"
+                                f"UPDATE {self._jobs} SET state = %s, pending = CASE WHEN pending IS NULL THEN NULL"
+                                f" ELSE %s END, attempt = 0, run_at = {NOW}, reason = NULL, finished_at = NULL,"
+                                f" lease_until = NULL, owner = NULL{cleared} WHERE id = %s"
+                                f"{'' if pending else ' RETURNING pg_notify(%s, queue)'}",
+                                (state, pending, job_id) if pending else (state, pending, job_id, self.channel))
+                            if pending:
+                                db.execute(forget, (job_id,))
+                            out[job_id] = state
                 except pgerrors.UniqueViolation:  # its idempotency key is held by an unfinished job
                     out[job_id] = "conflict"
         return out

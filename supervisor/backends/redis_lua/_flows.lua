@@ -113,6 +113,30 @@ local function open_parents(ckey)
   return pending, failing
 end
 
+-- A child an operator requeues waits again for the parents not finished now (it was cancelled
+-- while they ran, or one of them was replayed since): their ends recorded on it go (a replay of a
+-- parent does not touch a child the operator cancelled). Returns how many it waits for. A parent
+-- whose hash lacks the edge is gone (deleted, its id perhaps taken by a new job): it ended.
+local function wait_again(ckey, child)
+  local cf = redis.call('HGETALL', ckey)
+  local pending = 0
+  for j = 1, #cf, 2 do
+    if string.sub(cf[j], 1, 2) == 'd:' then
+      local pkey = JOB .. string.sub(cf[j], 3)
+      local p = redis.call('HMGET', pkey, 'state', 'k:' .. child)
+      if p[2] and unfinished(p[1]) then
+        pending = pending + 1
+        local ended = redis.call('HGET', ckey, 'p:' .. string.sub(cf[j], 3))
+        if ended then
+          redis.call('HDEL', ckey, 'p:' .. string.sub(cf[j], 3))
+          count_failing(ckey, fails(ended, cf[j + 1]), false)
+        end
+      end
+    end
+  end
+  return pending
+end
+
 -- A finished job goes back (dlq replay): its waiting children wait on it
 -- again; the children it cancelled wait again unless another on="success"
 -- parent still failed them, and so on down the tree. A child's 'failing'

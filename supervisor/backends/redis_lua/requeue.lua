@@ -1,12 +1,13 @@
 -- requeue: ARGV[3..] = ids. Each dead, cancelled or expired job goes back queued,
--- due now, attempt 0, history kept. Returns one outcome per id: 'queued', 'done',
+-- due now, attempt 0, history kept (a child with parents not finished now: waiting for
+-- them). Returns one outcome per id: 'queued', 'waiting', 'done',
 -- 'not_finished', 'unknown' or 'conflict' (an unfinished job holds its idempotency key).
 local out = {}
 local any = false
 for k = 3, #ARGV do
   local id = ARGV[k]
   local key = JOB .. id
-  local f = redis.call('HMGET', key, 'state', 'idempotency_key', 'priority')
+  local f = redis.call('HMGET', key, 'state', 'idempotency_key', 'priority', 'pending')
   local state = f[1]
   if not state then
     out[#out + 1] = 'unknown'
@@ -24,15 +25,23 @@ for k = 3, #ARGV do
     if held then
       out[#out + 1] = 'conflict'
     else
-      redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'run_at', NOW_SECS)
+      -- A child waits again for its parents not finished now; 'pending' marks a child.
+      local pending = f[4] and wait_again(key, id) or 0
+      redis.call('HSET', key, 'state', pending > 0 and 'waiting' or 'queued', 'attempt', 0, 'run_at', NOW_SECS)
+      if f[4] then redis.call('HSET', key, 'pending', pending) end
       redis.call('HDEL', key, 'reason', 'finished_at', 'lease_until', 'owner', 'open', 'cancel_request',
         'expires_at', 'progress', 'progress_note')
       for _, z in ipairs({DEAD, CANCELLED_Z, EXPIRED_Z, EXPIRING}) do redis.call('ZREM', z, id) end
       if f[2] then redis.call('HSET', IDEM, f[2], id) end
-      make_ready(id, f[3] or 0, NOW)
+      if pending > 0 then
+        redis.call('SADD', WAITING_S, id)
+        out[#out + 1] = 'waiting'
+      else
+        make_ready(id, f[3] or 0, NOW)
+        out[#out + 1] = 'queued'
+        any = true
+      end
       reopen(id)  -- workflows: the children it cancelled wait for it again
-      out[#out + 1] = 'queued'
-      any = true
     end
   end
 end

@@ -122,6 +122,7 @@ class SearchMixin:
         with self._write():
             present = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
             cleared = "".join(f", {c} = NULL" for c in _CLEARED_IF_PRESENT if c in present)
+            waits, forget = sqlsearch.requeue_waits("jobs", "job_edges", "?")
             for job_id in job_ids:
                 row = self.db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
                 if row is None:
@@ -131,14 +132,20 @@ class SearchMixin:
                 elif row["state"] not in _REQUEUE_FROM:
                     out[job_id] = "not_finished"
                 else:
+                    pending = self.db.execute(waits, (job_id,)).fetchone()[0] if "pending" in present else 0
+                    state = "waiting" if pending else "queued"
                     try:
                         self.db.execute(
-                            "UPDATE jobs SET state = 'queued', attempt = 0, run_at = ?, reason = NULL,"
+                            "UPDATE jobs SET state = ?, pending = CASE WHEN pending IS NULL THEN NULL ELSE ? END,"
+                            " attempt = 0, run_at = ?, reason = NULL,"
                             f" finished_at = NULL, lease_until = NULL, owner = NULL{cleared} WHERE id = ?",
-                            (now, job_id))
-                        out[job_id] = "queued"
+                            (state, pending, now, job_id))
+                        out[job_id] = state
                     except sqlite3.IntegrityError:  # its idempotency key is held by an unfinished job
                         out[job_id] = "conflict"
+                        continue
+                    if pending:
+                        self.db.execute(forget, (job_id,))
         return out
 
     def discard(self, job_ids):
