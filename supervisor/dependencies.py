@@ -124,39 +124,32 @@ def order(jobs):
     return out
 
 
-def plan(jobs, known):
-    """The initial state of each job of one enqueue, given its parents' states now.
+def start(job, now):
+    """One job's initial state, given its parents' in ``now`` ({id: (state, result, level)}: the
+    stored jobs and the enqueue's earlier ones), which the job then joins.
 
-    ``jobs``: validated, in ``order``; their parents are earlier in ``jobs`` or
-    in ``known`` ({id: (state, result, level)} of stored jobs). Returns one
-    ``(job, state, pending, edges, level)`` per job, ``edges`` being ``(parent,
-    on, state, result)`` with state and result None while the parent is unfinished.
-    A job is ``cancelled`` when an ``on="success"`` parent already failed (down
-    the tree within the enqueue), ``waiting`` while parents are unfinished,
-    ``queued`` otherwise. BadInput on a parent found nowhere.
+    Returns ``(state, pending, edges, level)``, ``edges`` being ``(parent, on, state, result)``
+    with state and result None while the parent is unfinished. A job is ``cancelled`` when an
+    ``on="success"`` parent already failed (down the tree within the enqueue), ``waiting`` while
+    parents are unfinished, ``queued`` otherwise. BadInput on a parent found nowhere.
     """
     from .model import FINISHED
 
-    now = dict(known)
-    out = []
-    for job in jobs:
-        if not job.depends_on:
-            now[job.id] = ("queued", None, 0)
-            out.append((job, "queued", None, [], 0))
-            continue
-        pending, failed, edges = 0, False, []
-        for parent, on in job.depends_on:
-            if parent not in now:
-                raise BadInput(f"job {job.id} depends on unknown job {parent}")
-            state, result, _ = now[parent]
-            if state in FINISHED:
-                failed = failed or (on == ON_SUCCESS and state != "done")
-                edges.append((parent, on, state, result))
-            else:
-                pending += 1
-                edges.append((parent, on, None, None))
-        state = "cancelled" if failed else "waiting" if pending else "queued"
-        level = level_of(job.id, [now[parent][2] for parent, _ in job.depends_on])
-        now[job.id] = (state, None, level)
-        out.append((job, state, pending, edges, level))
-    return out
+    if not job.depends_on:
+        now[job.id] = ("queued", None, 0)
+        return "queued", None, [], 0
+    pending, failed, edges = 0, False, []
+    for parent, on in job.depends_on:
+        if parent not in now:
+            raise BadInput(f"job {job.id} depends on unknown job {parent}")
+        state, result, _ = now[parent]
+        if state in FINISHED:
+            failed = failed or (on == ON_SUCCESS and state != "done")
+            edges.append((parent, on, state, result))
+        else:
+            pending += 1
+            edges.append((parent, on, None, None))
+    state = "cancelled" if failed else "waiting" if pending else "queued"
+    level = level_of(job.id, [now[parent][2] for parent, _ in job.depends_on])
+    now[job.id] = (state, None, level)
+    return state, pending, edges, level

@@ -1670,6 +1670,15 @@ MUTATIONS = [
              "                                db.execute(forget, (job_id,))", "                                pass",
              ("tests/test_conformance_workflows.py", "-k", "postgres and requeued_child_waits"),
              "a requeued child forgets the end of a parent replayed since (PostgreSQL)"),
+    # A job stored cancelled inside a batch holds no idempotency key (the workflow review).
+    Mutation("redis-born-cancelled-holds-its-key", "supervisor/backends/redis_lua/enqueue_flow.lua",
+             "if ikey and not born_cancelled then made[ikey] = id end", "if ikey then made[ikey] = id end",
+             ("tests/test_conformance_workflows.py", "-k", "redis and stored_cancelled_in_a_batch"),
+             "a job stored cancelled in a batch leaves its key to a later job of it (Redis)"),
+    Mutation("postgres-born-cancelled-holds-its-key", "supervisor/backends/postgres/workflows.py",
+             'if key is not None and state != "cancelled":', "if key is not None:",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and stored_cancelled_in_a_batch"),
+             "a job stored cancelled in a batch leaves its key to a later job of it (PostgreSQL)"),
 ]
 
 

@@ -490,6 +490,23 @@ def test_a_waiting_job_holds_its_idempotency_key(broker):
     assert broker.enqueue(new(idempotency_key="summary:11")) != child  # finished: the key is free again
 
 
+def test_a_job_stored_cancelled_in_a_batch_holds_no_idempotency_key(broker):
+    """A child of a dead parent is stored ``cancelled``: it holds no key, so a later job of the
+    same batch with its key is stored, and that job's own child waits for it, as two calls (and
+    SQLite) do. Redis and PostgreSQL answered the later job with the cancelled one's id: it
+    was never stored, and the child depending on it was cancelled too."""
+    dead = broker.enqueue(new(max_attempts=1))
+    die(broker, claim_ids(broker)[dead])
+    born = new(idempotency_key="born-cancelled", depends_on=[dead]).validate()
+    later = new(idempotency_key="born-cancelled").validate()
+    kid = new(depends_on=[later.id]).validate()
+    ids = broker.enqueue_many([born, later, kid])
+    assert ids == [born.id, later.id, kid.id]
+    states = [broker.get(i).state for i in ids]
+    assert states == ["cancelled", "queued", "waiting"]
+    assert broker.enqueue(new(idempotency_key="born-cancelled")) == later.id  # the later job holds it
+
+
 def test_requeue_of_a_failed_parent_reopens_its_children(broker):
     parent = broker.enqueue(new())
     child = broker.enqueue(new(depends_on=[parent]))

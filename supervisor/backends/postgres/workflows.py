@@ -47,7 +47,7 @@ import json
 from psycopg import errors as pgerrors
 from psycopg.rows import tuple_row
 
-from ...dependencies import KEY_HELD_BY, ON_SUCCESS, PARENT_FAILED, merged, order, plan
+from ...dependencies import KEY_HELD_BY, ON_SUCCESS, PARENT_FAILED, merged, order, start
 from ...errors import BrokerError
 from ...model import chosen_ids, first_token, id_taken
 from .connection import deadlock_retried
@@ -264,12 +264,13 @@ class Workflows:
 
     @deadlock_retried
     def _enqueue_flow(self, jobs, conn=None):
-        """Store validated jobs of which some have ``depends_on``: one transaction, four statements.
+        """Store validated jobs of which some have ``depends_on``: one transaction, up to six statements.
 
         Idempotency keys held by unfinished jobs are resolved first (a child of
-        such a job depends on the holder); then the stored parents are locked
-        and read, each job's initial state is planned (``dependencies.plan``),
-        and every job and edge is inserted at once. All or nothing.
+        such a job depends on the holder); then the stored jobs it may name are
+        locked and read, each job's initial state is planned in order
+        (``dependencies.start``), and every job and edge is inserted at once.
+        All or nothing.
         """
         t = self._jobs
         with self._guard("enqueue"):
@@ -295,11 +296,21 @@ class Workflows:
         chosen = chosen_ids(jobs)
         taken = dict(cur.execute(f"SELECT id, queue FROM {t} WHERE id = ANY(%s::text[]) FOR UPDATE",
                                  (list(chosen),)).fetchall()) if chosen else {}
-        stored, fresh = {}, []
         # Read before the copies below lose what ``validate`` kept: ``_id_made``, and the payload's
         # JSON as checked (the caller may have changed the dict in place since).
         tokens = {job.id: first_token(job) for job in jobs}
         payloads = {job.id: job.payload_json for job in jobs}
+        # The stored jobs this enqueue may make parents (named outside it, holding one of its keys,
+        # resent), locked and read before any job is planned: a job stored cancelled (a parent
+        # failed) holds no key, so a later job with its key is stored, as two calls would.
+        inside = {job.id for job in jobs}
+        around = sorted({parent for job in jobs for parent, _ in job.depends_on if parent not in inside}
+                        | set(holders.values()) | set(taken))
+        rows = cur.execute(f"SELECT id, state, result, level, kids FROM {t} WHERE id = ANY(%s::text[])"
+                           " ORDER BY id FOR UPDATE", (around,)).fetchall() if around else []
+        now = {row[0]: row[1:4] for row in rows}
+        marked = {row[0] for row in rows if row[4]}
+        stored, planned = {}, []
         for job in order(jobs):
             if job.id in taken:
                 if taken[job.id] != job.queue:
@@ -310,19 +321,19 @@ class Workflows:
             if key is not None and key in holders:
                 stored[job.id] = holders[key]
                 continue
-            if key is not None:
-                holders[key] = job.id
             stored[job.id] = job.id
-            fresh.append(dataclasses.replace(
-                job, depends_on=merged((stored.get(parent, parent), on) for parent, on in job.depends_on)))
-        if not fresh:  # every job's idempotency key is held: nothing to store
+            job = dataclasses.replace(
+                job, depends_on=merged((stored.get(parent, parent), on) for parent, on in job.depends_on))
+            state, pending, edges, level = start(job, now)
+            if key is not None and state != "cancelled":
+                holders[key] = job.id
+            planned.append((job, state, pending, edges, level))
+        if not planned:  # every job's idempotency key is held: nothing to store
             return [stored[job.id] for job in jobs]
-        inside = {job.id for job in fresh}
-        outside = sorted({parent for job in fresh for parent, _ in job.depends_on if parent not in inside})
-        known = {row[0]: (row[1], row[2], row[3]) for row in cur.execute(
-            f"UPDATE {t} SET kids = true WHERE id = ANY(%s::text[]) RETURNING id, state, result, level",
-            (outside,)).fetchall()} if outside else {}
-        planned = plan(fresh, known)
+        fresh = {job.id for job, *_ in planned}
+        unmarked = sorted({parent for job, *_ in planned for parent, _ in job.depends_on} - fresh - marked)
+        if unmarked:  # a stored job's first child
+            cur.execute(f"UPDATE {t} SET kids = true WHERE id = ANY(%s::text[])", (unmarked,))
         parents = {parent for _, _, _, edges, _ in planned for parent, _, _, _ in edges}
         cols = list(zip(*[
             (j.id, j.queue, j.type, payloads[j.id], state,

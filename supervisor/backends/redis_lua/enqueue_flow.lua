@@ -9,6 +9,7 @@
 local jobs = cjson.decode(ARGV[3])
 local max_levels = tonumber(ARGV[4])
 local stored, fresh, made, levels = {}, {}, {}, {}
+local failed = {}  -- parent id -> whether it ended other than done (or is stored cancelled in this call)
 for n, job in ipairs(jobs) do
   local id, ikey = job[1], job[5]
   local holder = false
@@ -29,20 +30,25 @@ for n, job in ipairs(jobs) do
     stored[id] = holder
   else
     stored[id] = id
-    if ikey then made[ikey] = id end
     fresh[#fresh + 1] = job
-    local level = 0
+    local level, born_cancelled = 0, false
     for _, dep in ipairs(job[7]) do
       local parent = stored[dep[1]] or dep[1]
       local plevel = levels[parent]
       if not plevel then
-        if redis.call('EXISTS', JOB .. parent) == 0 then return {'unknown', id, dep[1]} end
-        plevel = tonumber(redis.call('HGET', JOB .. parent, 'level') or '0')
+        local p = redis.call('HMGET', JOB .. parent, 'state', 'level')
+        if not p[1] then return {'unknown', id, dep[1]} end
+        plevel = tonumber(p[2] or '0')
+        failed[parent] = p[1] == 'dead' or p[1] == 'cancelled' or p[1] == 'expired'
       end
       if plevel + 1 > level then level = plevel + 1 end
+      born_cancelled = born_cancelled or (dep[2] == 'success' and failed[parent])
     end
     if level > max_levels then return {'deep', id, level} end
     levels[id] = level
+    -- Stored cancelled (a parent already failed), it holds no key: a later job with it is stored.
+    failed[id] = born_cancelled
+    if ikey and not born_cancelled then made[ikey] = id end
   end
   fresh[id] = true
 end
