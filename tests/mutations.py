@@ -1679,6 +1679,15 @@ MUTATIONS = [
              'if key is not None and state != "cancelled":', "if key is not None:",
              ("tests/test_conformance_workflows.py", "-k", "postgres and stored_cancelled_in_a_batch"),
              "a job stored cancelled in a batch leaves its key to a later job of it (PostgreSQL)"),
+    # A replay refused over an idempotency key: every broker names the job, none makes two holders.
+    Mutation("redis-replay-twins-both-hold-a-key", "supervisor/backends/redis_lua/replay.lua",
+             "  if f[2] and keys[f[2]] then return {'conflict', id} end\n", "",
+             (CONTROL, "-k", "redis and one_idempotency_key"),
+             "two dead jobs with one key are not both replayed (Redis)"),
+    Mutation("postgres-replay-conflict-names-no-job", "supervisor/backends/postgres/__init__.py",
+             "held = self._first_held_key(db, job_ids)", 'held = "one of these jobs"',
+             (CONTROL, "-k", "postgres and held_key"),
+             "a replay refused over a held key names the job (PostgreSQL)"),
 ]
 
 

@@ -471,9 +471,24 @@ def test_a_replay_across_queues_refused_for_a_held_key_replays_none(broker):
     a, b = dead("qa"), dead("qb", idempotency_key="k")
     holder = broker.enqueue(new(queue="qb", idempotency_key="k", delay=3600))
     for ids in ([a, b], [b, a]):
-        with pytest.raises(BadInput, match="idempotency key"):
+        with pytest.raises(BadInput, match=f"cannot replay {b}: its idempotency key"):  # PostgreSQL named none
             broker.dlq_replay(ids)
     assert (broker.get(a).state, broker.get(b).state, broker.get(holder).state) == ("dead", "dead", "queued")
+
+
+def test_two_dead_jobs_with_one_idempotency_key_replay_one_at_a_time(broker):
+    """Replayed in one call, both would hold the key: the second is refused, and with it the call
+    (a replay is all or nothing); a requeue takes the first and answers ``conflict`` for the
+    second. Redis replayed both, two unfinished holders of one key."""
+    ids = []
+    for _ in range(2):
+        ids.append(broker.enqueue(new(max_attempts=1, idempotency_key="twin")))
+        broker.dead(claim_one(broker).lease, "permanent", {"class": "E", "message": "no"})
+    with pytest.raises(BadInput, match=f"cannot replay {ids[1]}: its idempotency key"):
+        broker.dlq_replay(ids)
+    assert [broker.get(i).state for i in ids] == ["dead", "dead"]
+    assert broker.dlq_replay(ids[:1]) == ids[:1]
+    assert broker.enqueue(new(idempotency_key="twin")) == ids[0]
 
 
 def test_negative_or_zero_expires_in_is_refused_and_nothing_stored(broker):

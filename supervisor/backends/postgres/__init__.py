@@ -44,7 +44,7 @@ from .producing import ProducingMixin
 from .ready import due_rows
 from .schema import migrations as _migrations  # looked up at each migrate: a test stands in older versions
 from .search import SearchMixin
-from .statements import NOW, Statements, stats_query
+from .statements import NOW, UNFINISHED, Statements, stats_query
 
 __all__ = ["PostgresBroker", "libpq_conninfo"]
 
@@ -282,8 +282,25 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
                         (job_ids, self.channel),
                     )
             except pgerrors.UniqueViolation:
-                raise BadInput("cannot replay: an idempotency key is held by an unfinished job") from None
+                held = self._first_held_key(db, job_ids)
+                raise BadInput(f"cannot replay {held}: its idempotency key is held by an unfinished job") from None
         return job_ids
+
+    def _first_held_key(self, db, job_ids):
+        """The first of ``job_ids`` (the other brokers' order) whose key an unfinished job, or one
+        of the ids before it, holds: the job a refused replay names."""
+        rows = dict(db.execute(f"SELECT id, idempotency_key FROM {self._jobs} WHERE id = ANY(%s::text[])"
+                               " AND idempotency_key IS NOT NULL", (job_ids,)).fetchall())
+        held = {key for (key,) in db.execute(
+            f"SELECT idempotency_key FROM {self._jobs} WHERE idempotency_key = ANY(%s::text[])"
+            f" AND state IN {UNFINISHED}", (list(rows.values()),)).fetchall()}
+        for job_id in job_ids:
+            key = rows.get(job_id)
+            if key in held:
+                return job_id
+            if key is not None:
+                held.add(key)
+        return "one of these jobs"  # the holder ended meanwhile
 
     @deadlock_retried
     def dlq_purge(self, job_ids):

@@ -1,10 +1,13 @@
 -- replay: ARGV[3..] = ids, all dead, or nothing changes.
 -- Returns {'ok'}, {'notdead', id, state} or {'conflict', id}.
+local keys = {}  -- two of these jobs with one key would both hold it: the second is refused
 for k = 3, #ARGV do
   local id = ARGV[k]
   local f = redis.call('HMGET', JOB .. id, 'state', 'idempotency_key')
   if f[1] ~= 'dead' then return {'notdead', id, f[1] or 'unknown'} end
+  if f[2] and keys[f[2]] then return {'conflict', id} end
   if f[2] then
+    keys[f[2]] = true
     local holder = redis.call('HGET', IDEM, f[2])
     if holder and holder ~= id then
       local state = redis.call('HGET', JOB .. holder, 'state')
