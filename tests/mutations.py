@@ -1688,6 +1688,17 @@ MUTATIONS = [
              "held = self._first_held_key(db, job_ids)", 'held = "one of these jobs"',
              (CONTROL, "-k", "postgres and held_key"),
              "a replay refused over a held key names the job (PostgreSQL)"),
+    # The same bad argument, the same answer on every broker.
+    Mutation("redis-dlq-list-takes-a-negative-limit", "supervisor/backends/redis/deadletters.py",
+             "        limit = control.check_limit(limit)\n", "",
+             (CONFORMANCE, "-k", "redis and no_call_can_use"), "dlq_list refuses a negative limit (Redis)"),
+    Mutation("sqlite-prune-takes-nan", "supervisor/backends/sqlite/__init__.py",
+             "cutoff = self.now() - check_age(done_older_than)", "cutoff = self.now() - done_older_than",
+             (CONFORMANCE, "-k", "sqlite and no_call_can_use"), "prune refuses a non-finite age (SQLite)"),
+    Mutation("postgres-stats-of-a-bad-queue-name", "supervisor/backends/postgres/__init__.py",
+             "queues = [check_queue(q) for q in queues]  # a name no queue can have: BadInput, as on Redis",
+             "queues = list(queues)",
+             (CONFORMANCE, "-k", "postgres and no_call_can_use"), "stats refuses a name no queue can have (PostgreSQL)"),
 ]
 
 

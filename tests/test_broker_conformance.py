@@ -610,6 +610,26 @@ def test_dead_letter_list_show_replay_purge(broker):
 
 # -- stats and pruning -------------------------------------------------------
 
+def test_a_limit_an_age_or_a_queue_name_no_call_can_use_is_refused_alike(broker):
+    """The same bad argument, the same answer on every broker. ``dlq_list(limit=-1)``: SQLite
+    listed every dead job, Redis all but the last, PostgreSQL failed as an outage. ``prune(nan)``:
+    0 on the SQL brokers (a cutoff no row passes), ValueError on Redis. ``stats`` of a name no
+    queue can have: zeros on the SQL brokers, BadInput on Redis."""
+    for _ in range(2):
+        broker.enqueue(new(max_attempts=1))
+        broker.dead(claim_one(broker).lease, "permanent", error_info("permanent", "Permanent", "no"))
+    for bad in (-1, True, 2.5, "3"):
+        with pytest.raises(BadInput, match="limit must be"):
+            broker.dlq_list(limit=bad)
+    assert len(broker.dlq_list(limit=0)) == 0 and len(broker.dlq_list(limit=None)) == 2
+    for bad in (float("nan"), float("inf"), float("-inf"), None, "60", True):
+        with pytest.raises(BadInput, match="done_older_than"):
+            broker.prune(bad)
+    with pytest.raises(BadInput, match="not a valid queue name"):
+        broker.stats(["default", "bad q"])
+    assert broker.stats(["default"])["default"].dead == 2
+
+
 def test_stats_counts_every_state(broker):
     broker.enqueue_many([new() for _ in range(3)])
     broker.enqueue(new(delay=60))

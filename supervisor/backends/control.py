@@ -33,6 +33,22 @@ def check_ids(job_ids, most=MAX_IDS):
     return list(dict.fromkeys(job_ids))
 
 
+def check_limit(limit):
+    """A listing's ``limit``: None (no limit) or a whole number >= 0, else BadInput. (SQLite read
+    -1 as no limit, Redis as all but the last, PostgreSQL failed.)"""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise BadInput(f"limit must be a whole number >= 0 or None, got {limit!r}")
+    return limit
+
+
+def check_age(seconds):
+    """``prune``'s ``done_older_than``: a finite number of seconds (below 0: a cutoff ahead of now,
+    everything finished so far), else BadInput rather than a cutoff no row can pass."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        raise BadInput(f"done_older_than must be a finite number of seconds, got {seconds!r}")
+    return seconds
+
+
 def cancel_request(by, reason, at):
     """The ``{"by", "reason", "at"}`` stored with a cancel; ``by``/``reason`` optional text."""
     for name, value in (("by", by), ("reason", reason)):

@@ -33,8 +33,8 @@ from psycopg.rows import dict_row, tuple_row
 
 from ...errors import BadInput, LeaseLost, NotDead
 from ...jsonvalues import info_json, is_storable, result_json
-from ...model import Job, QueueStats
-from ..control import check_ids
+from ...model import Job, QueueStats, check_queue
+from ..control import check_age, check_ids, check_limit
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, workflows
@@ -235,7 +235,7 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
         return self._with_parents([Job.from_dict(row)])[0] if row else None
 
     def stats(self, queues, within=None):
-        queues = list(queues)
+        queues = [check_queue(q) for q in queues]  # a name no queue can have: BadInput, as on Redis
         out = {q: QueueStats(q) for q in queues}
         rows = self._stats_rows(stats_query(self._jobs, self._s), {"q": queues}, within)
         for queue, kind, count, age in rows:
@@ -246,6 +246,7 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
 
     # -- dead letters -----------------------------------------------------
     def dlq_list(self, type=None, limit=100):
+        limit = check_limit(limit)
         sql = f"SELECT * FROM {self._jobs} WHERE state = 'dead'"
         params = []
         if type:
@@ -313,7 +314,7 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
         return len(job_ids)
 
     def prune(self, done_older_than, budget=None):
-        cutoff = self.now() - done_older_than
+        cutoff = self.now() - check_age(done_older_than)
         batch = int(self.prune_batch) if budget is None else max(1, min(int(self.prune_batch), int(budget)))
         sql = (f"DELETE FROM {self._jobs} WHERE id IN (SELECT id FROM {self._jobs}"
                " WHERE state = 'done' AND finished_at < %s LIMIT %s)")

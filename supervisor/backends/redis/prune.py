@@ -13,6 +13,7 @@ queue whose call read a whole batch and took some of it out goes again.
 ``budget`` is shared out among a round trip's queues, so one call deletes at
 most the budget plus ``CHUNK``.
 """
+from .. import control
 from .connection import guard
 
 BATCH = 1000  # jobs a queue's prune call deletes at most, and what each sweep reads
@@ -22,7 +23,7 @@ CHUNK = 64  # queues a round trip
 class Pruning:
     @guard
     def prune(self, done_older_than, budget=None):
-        age_us = max(0, int(done_older_than * 1e6))
+        age_us = max(0, int(control.check_age(done_older_than) * 1e6))
         done_age_us = min(age_us, self.done_ttl * 1_000_000)  # at done_ttl at the latest, hash and all
         deleted = 0
         queues = sorted(self.r.smembers(self.keys.queues))

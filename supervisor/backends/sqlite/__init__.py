@@ -18,8 +18,8 @@ import sqlite3
 
 from ...errors import BadInput, BrokerBusy, BrokerError, ConfigError, LeaseLost, NotDead, RolledBack
 from ...jsonvalues import entry_json, result_json
-from ...model import DEAD, DONE, QueueStats
-from ..control import check_ids
+from ...model import DEAD, DONE, QueueStats, check_queue
+from ..control import check_age, check_ids, check_limit
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, wakeup, workflows
@@ -284,6 +284,7 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
             return self._with_parents([_job(row)])[0] if row else None
 
     def stats(self, queues, within=None):
+        queues = [check_queue(q) for q in queues]  # a name no queue can have: BadInput, as on Redis
         now = self.now()
         out = {q: QueueStats(q) for q in queues}
         marks = ",".join("?" * len(queues))
@@ -317,6 +318,7 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
 
     # -- dead letters -----------------------------------------------------
     def dlq_list(self, type=None, limit=100):
+        limit = check_limit(limit)
         sql = "SELECT * FROM jobs WHERE state = 'dead'"
         params = []
         if type:
@@ -367,7 +369,7 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
         (millions of rows in one transaction held the write lock past the busy timeout).
         A workflow child cancelled by a parent still dead stays, and its cancelled subtree
         (``workflows.REPLAYABLE``)."""
-        cutoff = self.now() - done_older_than
+        cutoff = self.now() - check_age(done_older_than)
         total = 0
         for states, keep in (("'done'", "0"), ("'cancelled', 'expired'", workflows.REPLAYABLE)):
             while budget is None or total < budget:
