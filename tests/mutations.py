@@ -1699,6 +1699,11 @@ MUTATIONS = [
              "queues = [check_queue(q) for q in queues]  # a name no queue can have: BadInput, as on Redis",
              "queues = list(queues)",
              (CONFORMANCE, "-k", "postgres and no_call_can_use"), "stats refuses a name no queue can have (PostgreSQL)"),
+    Mutation("cli-dry-run-counts-every-named-id", "supervisor/cli/bulk.py",
+             "                selected, unknown = _would_act(broker, verb, list(dict.fromkeys(args.job_ids)))\n",
+             "                pass\n",
+             ("tests/test_cli_bulk.py", "-k", "sqlite and dry_run"),
+             "a dry run of named ids counts the jobs the action would change, not every id"),
 ]
 
 

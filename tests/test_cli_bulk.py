@@ -179,6 +179,14 @@ def test_cancel_dry_run_counts_the_unfinished_jobs_it_would_cancel(capsys, cfg, 
     assert code == 0 and out.strip() == "would cancel 4 job(s)"
     code, out, _ = run(capsys, cfg, "cancel", "--type", "email", "--dry-run")
     assert out.strip() == "would cancel 2 job(s)"
+    # Named ids: the ones it would change, not every id given (a dead job, an id of no job).
+    unknown = "job_00000000000000000000000000"
+    code, out, _ = run(capsys, cfg, "cancel", jobs["a"], jobs["dead1"], unknown, "--dry-run")
+    assert code == 0 and out.strip() == "would cancel 1 job(s); 1 id(s) name no job"
+    code, out, _ = run(capsys, cfg, "retry", jobs["a"], jobs["dead1"], jobs["dead2"], unknown, "--dry-run", "--json")
+    assert json.loads(out) == {"verb": "retry", "count": 2, "exact": True, "dry_run": True, "unknown": 1}
+    code, out, _ = run(capsys, cfg, "discard", jobs["a"], jobs["dead1"], "--dry-run")
+    assert out.strip() == "would discard 2 job(s)"
     assert snapshot(broker) == before
 
 

@@ -154,10 +154,14 @@ def cmd_bulk(args):
             count = broker.count(f)
             batches, selected, exact = pages(broker, f), count.n, count.exact
         if args.dry_run:
+            unknown = 0
+            if args.job_ids:  # named ones: those in a state the action changes, not every id given
+                selected, unknown = _would_act(broker, verb, list(dict.fromkeys(args.job_ids)))
             if args.json:
-                print_json({"verb": verb, "count": selected, "exact": exact, "dry_run": True})
+                print_json({"verb": verb, "count": selected, "exact": exact, "dry_run": True, "unknown": unknown})
             else:
-                print(f"would {verb} {'' if exact else 'about '}{selected} job(s)")
+                unknown_note = f"; {unknown} id(s) name no job" if unknown else ""
+                print(f"would {verb} {'' if exact else 'about '}{selected} job(s){unknown_note}")
             return
         act = _action(broker, verb, by or _user(), getattr(args, "reason", ""))
         progress = Progress(verb, args.json, selected, exact)
@@ -175,6 +179,19 @@ def cmd_bulk(args):
                     progress.report({job_id: got.get(job_id, "unknown") for job_id in chunk})
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(progress.outcomes.items()))
     progress.finish(f"{verb}: {summary or 'no jobs matched'}")
+
+
+def _would_act(broker, verb, ids):
+    """Of ``ids``: how many jobs the action would change (in a state it acts on; discard: any but
+    running), and how many ids name no job."""
+    acts = unknown = 0
+    for job_id in ids:
+        job = broker.get(job_id)
+        if job is None:
+            unknown += 1
+        elif job.state != "running" if verb == "discard" else job.state in DEFAULT_STATES[verb]:
+            acts += 1
+    return acts, unknown
 
 
 def pages(broker, f):
