@@ -1704,6 +1704,10 @@ MUTATIONS = [
              "                pass\n",
              ("tests/test_cli_bulk.py", "-k", "sqlite and dry_run"),
              "a dry run of named ids counts the jobs the action would change, not every id"),
+    Mutation("web-hash-password-keeps-a-cr", "supervisor/cli/web.py",
+             'return sys.stdin.readline().rstrip("\\r\\n")', 'return sys.stdin.readline().rstrip("\\n")',
+             ("tests/test_web.py", "-k", "hash_password"),
+             "a password piped with CRLF is hashed without its CR"),
 ]
 
 

@@ -97,8 +97,9 @@ def test_a_non_loopback_address_without_users_is_refused_and_nothing_listens(tmp
     assert auth.refuse_unsafe(make_config(tmp_path, "sqlite:///x.db").web, "0.0.0.0:9466") is None
 
 
-def test_hash_password_makes_a_hash_the_login_accepts(tmp_path):
-    done = tangguh("web", "hash-password", input="correct horse\n")
+@pytest.mark.parametrize("ending", ["\n", "\r\n"])  # a line from a file saved on Windows: the CR was hashed
+def test_hash_password_makes_a_hash_the_login_accepts(tmp_path, ending):
+    done = tangguh("web", "hash-password", input="correct horse" + ending)
     assert done.returncode == 0 and done.stdout.startswith("$argon2")
     cfg = config.from_dict({"web": {"users": {"ada": {"password": done.stdout.strip(), "role": "viewer"}}}},
                            str(tmp_path))

@@ -39,8 +39,8 @@ def cmd_web(args):
 
 
 def _read_secret(prompt):
-    if not sys.stdin.isatty():  # piped: the first line (for scripts and tests)
-        return sys.stdin.readline().rstrip("\n")
+    if not sys.stdin.isatty():  # piped: the first line (for scripts and tests), its CRLF too
+        return sys.stdin.readline().rstrip("\r\n")
     first = getpass.getpass(prompt)
     if getpass.getpass("again: ") != first:
         raise BadInput("the two passwords differ")
