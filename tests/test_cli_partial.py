@@ -156,7 +156,7 @@ def test_dry_run_json_is_json(capsys, cfg, broker):
     code, out, _ = run(capsys, cfg, "cancel", "--type", "email", "--dry-run", "--json")
     assert code == 0 and json.loads(out) == {"verb": "cancel", "count": 3, "exact": True, "dry_run": True}
     code, out, _ = run(capsys, cfg, "discard", "job_a", "job_a", "job_b", "--dry-run", "--json")
-    assert json.loads(out) == {"verb": "discard", "count": 2, "exact": True, "dry_run": True}
+    assert json.loads(out) == {"verb": "discard", "count": 0, "exact": True, "dry_run": True, "unknown": 2}
 
 
 @pytest.mark.parametrize("broker_url", ["sqlite"], indirect=True)

@@ -154,11 +154,12 @@ def cmd_bulk(args):
             count = broker.count(f)
             batches, selected, exact = pages(broker, f), count.n, count.exact
         if args.dry_run:
-            unknown = 0
+            unknown, named = 0, {}
             if args.job_ids:  # named ones: those in a state the action changes, not every id given
                 selected, unknown = _would_act(broker, verb, list(dict.fromkeys(args.job_ids)))
+                named = {"unknown": unknown}
             if args.json:
-                print_json({"verb": verb, "count": selected, "exact": exact, "dry_run": True, "unknown": unknown})
+                print_json({"verb": verb, "count": selected, "exact": exact, "dry_run": True, **named})
             else:
                 unknown_note = f"; {unknown} id(s) name no job" if unknown else ""
                 print(f"would {verb} {'' if exact else 'about '}{selected} job(s){unknown_note}")
