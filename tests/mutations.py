@@ -1708,6 +1708,11 @@ MUTATIONS = [
              'return sys.stdin.readline().rstrip("\\r\\n")', 'return sys.stdin.readline().rstrip("\\n")',
              ("tests/test_web.py", "-k", "hash_password"),
              "a password piped with CRLF is hashed without its CR"),
+    Mutation("toolkit-commit-of-a-failed-transaction", "supervisor/toolkit/transaction.py",
+             "            if self.conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:",
+             "            if False:",
+             ("tests/test_toolkit.py", "-k", "caught_inside"),
+             "a transaction whose statement failed is never reported committed (PostgreSQL)"),
 ]
 
 

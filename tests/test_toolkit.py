@@ -67,6 +67,26 @@ def test_after_commit_steps_run_after_the_commit_and_never_on_rollback(db, handl
         assert tx.scalar("SELECT count(*) FROM invoices") == 1
 
 
+def test_a_statement_error_caught_inside_the_block_fails_the_commit(db, handlers_db):
+    """PostgreSQL answers COMMIT after a failed statement with a rollback, and psycopg raises
+    nothing: the block reported ``committed``, ran its after-commit steps, and the job was done
+    with its effect and idempotency record gone."""
+    seen = []
+    with pytest.raises(psycopg.errors.InFailedSqlTransaction, match="nothing was committed"):
+        with transaction(db) as tx:
+            tx.execute("INSERT INTO invoices (id) VALUES (3)")
+            tx.after_commit(lambda: seen.append("must not run"))
+            try:
+                tx.execute("INSERT INTO invoices (id) VALUES (3)")
+            except psycopg.errors.UniqueViolation:
+                pass
+    assert seen == [] and tx.state == "rolled_back"
+    assert query(handlers_db, "SELECT count(*) AS n FROM invoices WHERE id = 3")["n"] == 0
+    with transaction(db) as tx:  # the connection is usable again
+        tx.execute("INSERT INTO invoices (id) VALUES (3)")
+    assert query(handlers_db, "SELECT count(*) AS n FROM invoices WHERE id = 3")["n"] == 1
+
+
 def test_soft_timeout_waits_until_commit_and_after_commit_steps_are_over(db, handlers_db):
     timeouts.install()
     try:

@@ -107,6 +107,15 @@ class Transaction:
         if self.kind == "sqlite":
             self.conn.execute("COMMIT")
         else:
+            import psycopg
+
+            if self.conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+                # A statement failed and the handler caught its error: PostgreSQL answers COMMIT
+                # with a rollback and psycopg raises nothing, so the job would be done with its
+                # effect (and idempotency record) gone.
+                raise psycopg.errors.InFailedSqlTransaction(
+                    "a statement in this transaction failed (its error was caught inside the block):"
+                    " nothing was committed")
             self.conn.commit()
         self.state = "committed"
 
