@@ -1713,6 +1713,15 @@ MUTATIONS = [
              "            if False:",
              ("tests/test_toolkit.py", "-k", "caught_inside"),
              "a transaction whose statement failed is never reported committed (PostgreSQL)"),
+    Mutation("lock-ttl-below-the-heartbeat", "supervisor/master/arbiter.py",
+             "toolkit.configure(self.cfg.toolkit, lock_floor=self.cfg.broker.lease_seconds)",
+             "toolkit.configure(self.cfg.toolkit)",
+             ("tests/test_effects.py", "-k", "shorter_than_a_heartbeat"),
+             "a worker's lock lives at least its job's lease: it never lapses between two heartbeats"),
+    Mutation("lock-ttl-that-protects-nothing", "supervisor/toolkit/locks.py",
+             "        ttl = max(check_ttl(ttl), self.floor)\n", "        ttl = max(ttl, self.floor)\n",
+             ("tests/test_toolkit.py", "-k", "protects_nothing"),
+             "a lock TTL of 0, below 0, NaN or inf is refused"),
 ]
 
 

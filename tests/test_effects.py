@@ -139,6 +139,31 @@ def test_child_killed_holding_a_redis_lock_frees_it_long_before_its_ttl(env, tmp
     finish(d, client, prefix)
 
 
+def test_a_lock_with_a_ttl_shorter_than_a_heartbeat_stays_held_while_its_job_runs(env, tmp_path):
+    """In a worker a lock's TTL is at least the job's lease (5 s here): the master extends each
+    lock once a heartbeat (0.5 s here), by its TTL, and a lock of 0.2 s lapsed between two beats
+    under a job still running, free for another job to take."""
+    start, db_url, client, prefix = env
+    d = start()
+    marker = str(tmp_path / "m")
+    job_id = d.enqueue("hold_lock", {"name": "invoice:4:export", "ttl": 0.2, "wait": 30, "marker": marker})
+    first = wait_for(lambda: [line for line in read_lines(marker) if line[0] == "acquired"],
+                     message="the first attempt to hold the lock")[0]
+    key = first[6]
+    readings = [client.pttl(key)]
+    assert readings[0] > 1000, f"a TTL of {readings[0]} ms: the job's lease is no floor"
+
+    def extended_twice():
+        readings.append(client.pttl(key))
+        return sum(1 for a, b in zip(readings, readings[1:]) if b > a) >= 2
+
+    wait_for(extended_twice, timeout=10, message="two heartbeats to extend the lock")
+    assert min(readings) > 0, "the lock lapsed between two heartbeats"
+    os.kill(int(first[2]), signal.SIGKILL)
+    assert d.wait_job(job_id).state == "done"
+    finish(d, client, prefix)
+
+
 def test_a_builder_killed_holding_the_fill_lease_frees_it_so_the_next_read_builds_and_stores(env, tmp_path):
     """The fill lease of a builder whose child died lived its whole TTL: every reader meanwhile
     waited, then built for itself without storing (a stampede on the database the cache is

@@ -430,6 +430,29 @@ def test_fences_keep_rising_when_redis_loses_or_rewinds_the_counter(rc):
     assert int(client.get(counter)) == third.fence and isinstance(third.fence, int) and third.fence < 2 ** 53
 
 
+def test_a_lock_ttl_wait_or_name_that_protects_nothing_is_refused(rc):
+    """A TTL of 0 or below made a lock that lived a millisecond (``held`` all the same), NaN and
+    inf failed deep inside the call; ``extend(0)`` silently took the default."""
+    client, prefix = rc
+    locks = Locks(client, prefix)
+    for bad in (0, -5, float("nan"), float("inf"), 1e300, True, "30"):
+        with pytest.raises(ValueError, match="lock ttl must be"):
+            locks.acquire("report", ttl=bad)
+    for bad in (float("nan"), -1, float("inf"), "1"):
+        with pytest.raises(ValueError, match="lock wait must be"):
+            locks.acquire("report", wait=bad)
+    for bad in (5, None, ""):
+        with pytest.raises(ValueError, match="lock name must be"):
+            locks.acquire(bad)
+    with locks.acquire("report", ttl=30) as lock:
+        with pytest.raises(ValueError, match="lock ttl must be"):
+            lock.extend(0)
+        assert lock.extend(60) and 59_000 < client.pttl(lock.key) <= 60_000
+    floored = Locks(client, prefix, floor=5.0)  # a worker's: its job's lease
+    with floored.acquire("report", ttl=0.2) as lock:
+        assert lock.ttl == 5.0 and 4_000 < client.pttl(lock.key) <= 5_000
+
+
 def test_a_fence_counter_expires_once_its_lock_name_is_unused(rc):
     """Every distinct lock name used to leave its counter behind for good."""
     client, prefix = rc

@@ -143,7 +143,8 @@ class Context:
         from ..toolkit import locks
 
         client, prefix = toolkit.redis()
-        return locks.Locks(client, prefix, self.metrics, toolkit.notify_master).acquire(name, ttl, wait)
+        return locks.Locks(client, prefix, self.metrics, toolkit.notify_master,
+                           toolkit.settings().lock_floor).acquire(name, ttl, wait)
 
     def row_lock(self, tx, table, key, **options):
         """``SELECT ... FOR UPDATE`` of one row: ``supervisor.toolkit.locks.row_lock``."""

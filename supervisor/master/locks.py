@@ -9,11 +9,9 @@ import logging
 import threading
 
 from .. import protocol
-from ..toolkit.locks import EXTEND, RELEASE
+from ..toolkit.locks import EXTEND, MAX_TTL, RELEASE
 
 log = logging.getLogger("tangguh.locks")
-
-MAX_TTL = 10 * 365 * 86400.0  # seconds: the longest lock TTL a child may report (ten years)
 
 
 class MasterLocks:

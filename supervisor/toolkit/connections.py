@@ -42,16 +42,17 @@ _notify = None
 
 
 class Settings:
-    def __init__(self, database_url="", redis_url="", idempotency_retention=DEFAULT_RETENTION):
+    def __init__(self, database_url="", redis_url="", idempotency_retention=DEFAULT_RETENTION, lock_floor=0.0):
         self.database_url = database_url
         self.redis_url = redis_url
         self.idempotency_retention = idempotency_retention
+        self.lock_floor = lock_floor  # the shortest lock TTL (a worker's: its job's lease; locks.Locks)
 
 
-def configure(cfg):
+def configure(cfg, lock_floor=0.0):
     """Use ``cfg`` (a ``config.ToolkitConfig`` or ``Settings``) from now on in this process."""
     global _settings, _database, _redis
-    _settings = Settings(cfg.database_url, cfg.redis_url, cfg.idempotency_retention)
+    _settings = Settings(cfg.database_url, cfg.redis_url, cfg.idempotency_retention, lock_floor)
     _database = None
     _redis = None
 

@@ -16,7 +16,8 @@ Redis lock (``ctx.lock``)::
 * Release and extend compare the owner token first (compare-and-delete,
   compare-and-pexpire): only the holder can release or extend.
 * The child tells the master about each lock it holds (``{"op": "lock"}`` on
-  its pipe). The master's heartbeat thread extends them with the job's lease,
+  its pipe). The master's heartbeat thread extends them with the job's lease
+  (in a worker a lock's TTL is at least the lease, ``broker.lease_seconds``),
   and when the child dies the master releases them at once, so the next
   attempt does not wait out the TTL. A lock acquired by a child killed before
   its message reached the master lives until its TTL.
@@ -54,6 +55,7 @@ from ..retry import RetryLater
 log = logging.getLogger("tangguh.locks")
 
 FENCE = ":fence"  # lock ``name``'s fence counter is its key plus this
+MAX_TTL = 10 * 365 * 86400.0  # seconds: the longest lock TTL (a lock is for minutes, not decades)
 # Seconds a fence counter outlives its lock's TTL: unused names' counters go, and only a clock
 # stepped back by more than this could then hand out a fence below an earlier one.
 FENCE_MARGIN = 3600
@@ -106,7 +108,7 @@ class Lock:
 
     def extend(self, ttl=None):
         """Push the expiry to ``ttl`` (default: the lock's) from now; False if no longer ours."""
-        ms = int((ttl or self.ttl) * 1000)
+        ms = _ms(self.ttl if ttl is None else max(check_ttl(ttl), self.locks.floor))
         ok = bool(self.locks.client.eval(EXTEND, 1, self.key, self.token, ms))
         self.held = ok
         return ok
@@ -132,16 +134,31 @@ class Lock:
         return False
 
 
+def check_ttl(ttl, name="ttl"):
+    """A lock's TTL in seconds: a finite number above 0 and at most ``MAX_TTL``, else ValueError
+    (a TTL of 0 or below made a lock that protected nothing; NaN or inf failed deep in a call)."""
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL:
+        raise ValueError(f"lock {name} must be a number of seconds above 0 and at most {MAX_TTL:.0f}, got {ttl!r}")
+    return float(ttl)
+
+
+def _ms(seconds):
+    return max(1, int(seconds * 1000))
+
+
 class Locks:
     """Redis locks for one job. ``client``/``prefix`` from ``toolkit.redis()``.
 
-    ``notify(msg)`` sends a message to the master (a no-op outside a child).
+    ``notify(msg)`` sends a message to the master (a no-op outside a child). ``floor``: the
+    shortest TTL a lock gets (in a worker, the job's lease: the master extends each lock once a
+    heartbeat, so a shorter one lapsed between two beats under a job still running).
     """
 
-    def __init__(self, client, prefix="", metrics=None, notify=None):
+    def __init__(self, client, prefix="", metrics=None, notify=None, floor=0.0):
         self.client, self.prefix = client, prefix
         self.metrics = metrics if metrics is not None else {}
         self.notify = notify or (lambda msg: None)
+        self.floor = floor
 
     def key(self, name):
         return f"{self.prefix}lock:{name}"
@@ -151,12 +168,17 @@ class Locks:
 
         A name ending in ``:fence`` is refused (``ValueError``): its key is the fence counter of another lock.
         """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"lock name must be a non-empty string, got {name!r}")
         if name.endswith(FENCE):
             # The counters stay where they are: moving them would restart the fences of locks in use.
             raise ValueError(f"lock name {name!r} ends in {FENCE!r}, the fence counter of lock"
                              f" {name[:-len(FENCE)]!r}: choose another name")
+        ttl = max(check_ttl(ttl), self.floor)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < float("inf"):
+            raise ValueError(f"lock wait must be a finite number of seconds, 0 or more, got {wait!r}")
         key, token = self.key(name), uuid.uuid4().hex
-        ms = max(1, int(ttl * 1000))
+        ms = _ms(ttl)
         started = time.monotonic()
         pause = 0.005
         while True:
