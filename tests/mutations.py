@@ -1203,7 +1203,7 @@ MUTATIONS = [
              ("tests/test_scheduling.py", "-k", "clocks_go_back"),
              "a fixed-time schedule (0 2 * * *) runs twice on the night the clocks go back"),
     Mutation("redis-once-per-queue", "supervisor/backends/redis/__init__.py",
-             "        job = self._once_queue(job, schedule)", "        pass",
+             "        job = self._once_queue(job)", "        pass",
              (CONFORMANCE, "-k", "redis and once_across_queues"),
              "Redis enqueues a tick again when its type moved to another queue (the record was per queue)"),
     Mutation("queue-sample-in-main-loop", "supervisor/master/periodic.py",
@@ -1722,6 +1722,11 @@ MUTATIONS = [
              "        ttl = max(check_ttl(ttl), self.floor)\n", "        ttl = max(ttl, self.floor)\n",
              ("tests/test_toolkit.py", "-k", "protects_nothing"),
              "a lock TTL of 0, below 0, NaN or inf is refused"),
+    Mutation("redis-tick-recorded-before-its-job", "supervisor/backends/redis/__init__.py",
+             "        if schedule is not None:  # its job is stored, by this call or an earlier one\n"
+             "            self._note_tick(job.idempotency_key, schedule)\n", "",
+             ("tests/test_redis_broker.py", "-k", "leaves_the_tick"),
+             "a schedule's newest tick is recorded once its job is stored: a caller stopped between loses no tick (Redis)"),
 ]
 
 

@@ -453,6 +453,31 @@ def test_enqueue_once_stopped_between_its_two_slots_is_finished_by_the_next_call
     assert (stats["default"].ready, stats["b"].ready) == (1, 0)
 
 
+def test_enqueue_once_stopped_before_its_job_leaves_the_tick_to_its_scheduler(rb, monkeypatch):
+    """A schedule's newest tick was recorded in the first step, before the job existed: a
+    supervisor that stopped between the two left the tick recorded and never enqueued, and the
+    scheduler, which looks back to the newest recorded tick only, never ran it."""
+    from supervisor.scheduler import Schedule, Scheduler, tick_key
+
+    t0 = 1_772_323_200.0  # 2026-03-01 00:00 UTC
+    new_scheduler = lambda: Scheduler({"s": Schedule("s", "*/5 * * * *", "T", {}, queue="q")},  # noqa: E731
+                                      lambda sc, key: NewJob("T", {}, queue="q", idempotency_key=key))
+    first = new_scheduler()
+    first.tick(rb, now=t0 + 1)
+    assert [job_id is not None for _, _, job_id in first.tick(rb, now=t0 + 301)] == [True]  # 00:05
+    def stopped(calls):
+        raise SystemExit("the supervisor stopped after the key's step, before the job's")
+
+    with monkeypatch.context() as m:
+        m.setattr(rb, "_run_enqueues", stopped)
+        with pytest.raises(SystemExit):
+            first.tick(rb, now=t0 + 601)
+    again = new_scheduler().tick(rb, now=t0 + 660)
+    assert [(tick, job_id is not None) for _, tick, job_id in again] == [(t0 + 600, True)]  # 00:10 runs
+    assert rb.stats(["q"])["q"].ready == 2
+    assert rb.last_tick_key("s") == tick_key("s", t0 + 600)
+
+
 def test_enqueue_once_sent_to_its_keys_queue_stores_the_payload_as_checked(rb):
     """The job moved to the queue its key was recorded for is a copy that keeps what ``validate``
     encoded: a payload the caller changed in place afterwards is not what is stored (a

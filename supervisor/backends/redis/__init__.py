@@ -163,13 +163,15 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
             raise BadInput("enqueue_once needs an idempotency_key")
         self._check_chosen_ids([job])
         self.keys.for_scripts(job.queue)
-        job = self._once_queue(job, schedule)  # the key's record across queues (once.py)
+        job = self._once_queue(job)  # the key's record across queues (once.py)
         resent = self.calls_resent
         if job.depends_on:  # the workflow's script, which takes the key once the parents are checked
             job_id = self._enqueue_flow([job], once=job.idempotency_key)[0]
         else:
             got = self._run_enqueues([("enqueue_once", job.queue, [_BATCH.encode([enqueue_args(job)])])])
             job_id = got[0][0] if got[0] else None
+        if schedule is not None:  # its job is stored, by this call or an earlier one
+            self._note_tick(job.idempotency_key, schedule)
         if job_id is not None:
             return job_id
         return job.id if self.calls_resent != resent and self._stored_by_first_sending(job) else None
