@@ -123,8 +123,8 @@ def rate(v):
 
     try:
         parse_rate(v)
-    except ValueError:
-        raise ValueError('expected "N/s", "N/m" or "N/h"') from None
+    except ValueError as exc:
+        raise ValueError(str(exc).split(", got ")[0]) from None  # the config's error names the value
     return v
 
 

@@ -166,11 +166,18 @@ def _positive(x):
 RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+# The most tokens a rate may name: past any real limit, and a number every broker's bucket holds
+# (above about 1.8e308 the SQL brokers' float() failed every claim of every type).
+MAX_RATE_COUNT = 10**9
+
+
 def parse_rate(text):
     """``"100/m"`` -> ``(100, 60.0)``: N jobs per second, minute or hour. ValueError otherwise."""
     count, _, unit = text.partition("/") if isinstance(text, str) else ("", "", "")
     if not count.strip().isdigit() or int(count) < 1 or unit.strip() not in RATE_UNITS:
         raise ValueError(f'expected "N/s", "N/m" or "N/h", got {text!r}')
+    if int(count) > MAX_RATE_COUNT:
+        raise ValueError(f"a rate of at most {MAX_RATE_COUNT} a unit, got {text!r}")
     return int(count), RATE_UNITS[unit.strip()]
 
 
@@ -197,9 +204,12 @@ class TypeLimits:
                 or self.max_concurrency < 0):
             raise BadInput(f"max_concurrency must be an integer >= 0, got {self.max_concurrency!r}")
         if self.rate is not None:
-            count, per = self.rate
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1 or not _positive(per):
-                raise BadInput(f"rate must be (count >= 1, seconds > 0), got {self.rate!r}")
+            count, per = self.rate if isinstance(self.rate, tuple) and len(self.rate) == 2 else (None, None)
+            if (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_RATE_COUNT
+                    or not _positive(per)):
+                raise BadInput(f"rate must be (count from 1 to {MAX_RATE_COUNT}, seconds > 0), got {self.rate!r}")
+        if not isinstance(self.exclusive, bool):
+            raise BadInput(f"exclusive must be True or False, got {self.exclusive!r}")
         return self
 
 

@@ -1727,6 +1727,10 @@ MUTATIONS = [
              "            self._note_tick(job.idempotency_key, schedule)\n", "",
              ("tests/test_redis_broker.py", "-k", "leaves_the_tick"),
              "a schedule's newest tick is recorded once its job is stored: a caller stopped between loses no tick (Redis)"),
+    Mutation("rate-count-past-a-float", "supervisor/model.py",
+             "not 1 <= count <= MAX_RATE_COUNT", "count < 1",
+             (CONFORMANCE, "-k", "sqlite and no_claim_can_keep"),
+             "a rate no bucket can hold is refused before the claim, not an OverflowError in every claim"),
 ]
 
 

@@ -819,6 +819,23 @@ def test_exclusive_never_leases_two_jobs_of_one_resource(broker):
     assert [j.id for j in broker.claim(Q, 10, 30, "w", limits=limits)] == [r1b]
 
 
+@pytest.mark.parametrize("limit, error", [
+    (TypeLimits(rate=(10**400, 1.0)), "rate must be"),  # passed the check, then every SQL claim raised OverflowError
+    (TypeLimits(rate=(10**9 + 1, 1.0)), "rate must be"),
+    (TypeLimits(rate=(1, 1.0, 2)), "rate must be"),  # ValueError
+    (TypeLimits(rate=(1, float("nan"))), "rate must be"),
+    (TypeLimits(max_concurrency=-1), "max_concurrency must be"),
+    (TypeLimits(exclusive="no"), "exclusive must be"),  # TypeError
+    ({"max_concurrency": 1}, "must be a TypeLimits"),  # AttributeError
+])
+def test_a_limit_no_claim_can_keep_is_refused_before_anything_is_leased(broker, limit, error):
+    broker.enqueue(new("r"))
+    with pytest.raises(BadInput, match=error):
+        broker.claim(Q, 1, 30, "w", limits={"r": limit})
+    assert broker.stats(Q)["default"].ready == 1
+    assert len(broker.claim(Q, 1, 30, "w", limits={"r": TypeLimits(rate=(10**9, 1.0))})) == 1
+
+
 def test_rate_limit_is_a_token_bucket_shared_by_claimers(broker):
     limits = {"r": TypeLimits(rate=(3, 1.0))}  # 3 at once, then one every 1/3 s
     ids = [broker.enqueue(new("r", payload={"i": i})) for i in range(6)]

@@ -9,6 +9,8 @@ leased. The broker's candidate query leaves out the types with no room left
 is skipped by the query, not walked in Python. Redis does the same inside its
 claim script.
 """
+from ..errors import BadInput
+from ..model import TypeLimits
 
 
 def refill(tokens, updated_at, now, count, per):
@@ -61,7 +63,8 @@ def active(limits):
     """The limits that limit something, or None: an empty result means the plain claim."""
     if not limits:
         return None
-    out = {t: lim for t, lim in limits.items() if lim}
-    for lim in out.values():
-        lim.validate()
-    return out or None
+    for name, lim in limits.items():
+        if not isinstance(lim, TypeLimits):
+            raise BadInput(f"limits[{name!r}] must be a TypeLimits, got {type(lim).__name__}")
+        lim.validate()  # before its truth is asked: an exclusive that is no bool made __bool__ raise
+    return {t: lim for t, lim in limits.items() if lim} or None
