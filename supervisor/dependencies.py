@@ -91,8 +91,6 @@ def order(jobs):
     """The jobs of one enqueue, each after its parents in the same enqueue; BadInput on a cycle.
 
     Jobs must be validated first (ids assigned, ``depends_on`` normalised).
-    Kahn's algorithm on a heap of input positions: no recursion (a chain of any
-    length is fine), and the input order wherever the edges allow it.
     """
     if not any(job.depends_on for job in jobs):
         return list(jobs)
@@ -101,26 +99,46 @@ def order(jobs):
         if job.id in position:
             raise BadInput(f"job id {job.id} appears twice in one enqueue")
         position[job.id] = i
-    indegree = [0] * len(jobs)
+    edges = [(position[parent], i) for i, job in enumerate(jobs) for parent, _ in job.depends_on if parent in position]
+    out = _positions_in_order(len(jobs), edges)
+    if len(out) < len(jobs):
+        stuck = sorted(jobs[i].id for i in set(range(len(jobs))) - set(out))
+        raise BadInput(f"depends_on forms a cycle among {len(stuck)} jobs (e.g. {stuck[0]})")
+    return [jobs[i] for i in out]
+
+
+def parents_first(ids, edges):
+    """``ids`` with each after its parents among them (``edges``: (parent id, child id) pairs), in the
+    given order wherever the edges allow: a requeue puts a parent back before a child it names, so
+    the child sees it unfinished and waits for it."""
+    position = {job_id: i for i, job_id in enumerate(ids)}
+    pairs = [(position[p], position[c]) for p, c in edges if p in position and c in position and p != c]
+    if not pairs:
+        return list(ids)
+    out = _positions_in_order(len(ids), pairs)
+    out += sorted(set(range(len(ids))) - set(out))  # stored edges make no cycle; were one there, no id is lost
+    return [ids[i] for i in out]
+
+
+def _positions_in_order(count, edges):
+    """Positions ``0..count-1``, each after the ones ``edges`` ((before, after) pairs) put first, in
+    position order wherever they allow. Kahn's algorithm on a heap of positions: no recursion (a
+    chain of any length is fine). Positions on a cycle are left out."""
+    indegree = [0] * count
     children = {}
-    for i, job in enumerate(jobs):
-        for parent, _ in job.depends_on:
-            if parent in position:
-                indegree[i] += 1
-                children.setdefault(position[parent], []).append(i)
+    for before, after in edges:
+        indegree[after] += 1
+        children.setdefault(before, []).append(after)
     heap = [i for i, n in enumerate(indegree) if n == 0]
     heapq.heapify(heap)
     out = []
     while heap:
         i = heapq.heappop(heap)
-        out.append(jobs[i])
+        out.append(i)
         for child in children.get(i, ()):
             indegree[child] -= 1
             if indegree[child] == 0:
                 heapq.heappush(heap, child)
-    if len(out) < len(jobs):
-        stuck = sorted(jobs[i].id for i, n in enumerate(indegree) if n > 0)
-        raise BadInput(f"depends_on forms a cycle among {len(stuck)} jobs (e.g. {stuck[0]})")
     return out
 
 

@@ -1731,6 +1731,20 @@ MUTATIONS = [
              "not 1 <= count <= MAX_RATE_COUNT", "count < 1",
              (CONFORMANCE, "-k", "sqlite and no_claim_can_keep"),
              "a rate no bucket can hold is refused before the claim, not an OverflowError in every claim"),
+    Mutation("redis-requeue-child-before-its-parent", "supervisor/backends/redis_lua/requeue.lua",
+             "  if #ids > 1 and redis.call('HEXISTS', JOB .. id, 'pending') == 1 then",
+             "  if false then",
+             ("tests/test_conformance_workflows.py", "-k", "redis and whatever_the_order"),
+             "a parent requeued with its child goes back first, whatever the order of the ids (Redis)"),
+    Mutation("sqlite-requeue-child-before-its-parent", "supervisor/backends/sqlite/search.py",
+             "                job_ids = parents_first(job_ids, [tuple(edge) for edge in edges])\n", "",
+             ("tests/test_conformance_workflows.py", "-k", "sqlite and whatever_the_order"),
+             "a parent requeued with its child goes back first, whatever the order of the ids (SQLite)"),
+    Mutation("postgres-requeue-child-before-its-parent", "supervisor/backends/postgres/search.py",
+             "            if children and len(job_ids) > 1:  # a parent named with its child goes back first",
+             "            if False:",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and whatever_the_order"),
+             "a parent requeued with its child goes back first, whatever the order of the ids (PostgreSQL)"),
 ]
 
 

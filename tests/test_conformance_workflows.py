@@ -490,6 +490,26 @@ def test_a_waiting_job_holds_its_idempotency_key(broker):
     assert broker.enqueue(new(idempotency_key="summary:11")) != child  # finished: the key is free again
 
 
+def test_a_child_requeued_with_its_parent_waits_for_it_whatever_the_order_of_the_ids(broker):
+    """Named before its parent in one requeue, a child went back ``queued`` (its parent still
+    dead at that moment) and ran beside it, reading the parent's old end. A parent named with
+    its child now goes back first, on every broker; the answers keep the order given."""
+    for order in ("child first", "parent first"):
+        grand = broker.enqueue(new(delay=3600))
+        parent = broker.enqueue(new(max_attempts=1))
+        child = broker.enqueue(new(depends_on=[parent]))
+        kid = broker.enqueue(new(depends_on=[child, grand]))
+        die(broker, claim_ids(broker)[parent])
+        assert broker.get(child).reason == "parent_failed"
+        ids = [kid, child, parent] if order == "child first" else [parent, child, kid]
+        answers = broker.requeue(ids)
+        assert list(answers) == ids
+        assert answers == {parent: "queued", child: "not_finished", kid: "not_finished"}, order
+        assert [broker.get(i).state for i in (parent, child, kid)] == ["queued", "waiting", "waiting"], order
+        assert list(claim_ids(broker)) == [parent], order
+        broker.cancel([grand], "ops", "cleanup")
+
+
 def test_a_job_stored_cancelled_in_a_batch_holds_no_idempotency_key(broker):
     """A child of a dead parent is stored ``cancelled``: it holds no key, so a later job of the
     same batch with its key is stored, and that job's own child waits for it, as two calls (and

@@ -42,6 +42,7 @@ import json
 from psycopg import errors as pgerrors
 from psycopg.rows import dict_row
 
+from ...dependencies import parents_first
 from ...model import Job
 from .. import control, scan, sqlsearch
 from .connection import deadlock_retried
@@ -201,13 +202,17 @@ class SearchMixin:
 
     @deadlock_retried
     def requeue(self, job_ids):
-        job_ids = control.check_ids(job_ids, most=None)
+        job_ids = given = control.check_ids(job_ids, most=None)
         out = {}
         with self._guard("requeue"):
             db = self._conn()
             cleared = "".join(f", {c} = NULL" for c in _CLEARED_IF_PRESENT if c in self._columns(db))
             children = "pending" in self._columns(db)
             waits, forget = sqlsearch.requeue_waits(self._jobs, f"{self._s}.job_edges", "%s")
+            if children and len(job_ids) > 1:  # a parent named with its child goes back first
+                job_ids = parents_first(job_ids, db.execute(
+                    f"SELECT parent, child FROM {self._s}.job_edges WHERE NOT parent_gone"
+                    " AND child = ANY(%s::text[]) AND parent = ANY(%s::text[])", (job_ids, job_ids)).fetchall())
             for job_id in job_ids:
                 try:
                     with db.transaction():
@@ -234,7 +239,7 @@ class SearchMixin:
                             out[job_id] = state
                 except pgerrors.UniqueViolation:  # its idempotency key is held by an unfinished job
                     out[job_id] = "conflict"
-        return out
+        return {job_id: out[job_id] for job_id in given}
 
     @deadlock_retried
     def discard(self, job_ids):

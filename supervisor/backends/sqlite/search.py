@@ -16,8 +16,10 @@ range however many jobs the file holds. The two others:
 entries (counted on the index alone, never the table) times the share of
 checked rows that passed the row-by-row filters, marked ``exact=False``.
 """
+import json
 import sqlite3
 
+from ...dependencies import parents_first
 from .. import control, scan, sqlsearch
 from . import rows as rows_module
 from .database import errors
@@ -116,13 +118,19 @@ class SearchMixin:
                                    lambda: indexed_count(None), f, exact_up_to, post)
 
     def requeue(self, job_ids):
-        job_ids = control.check_ids(job_ids, most=None)
+        job_ids = given = control.check_ids(job_ids, most=None)
         out = {}
         now = self.now()
         with self._write():
             present = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
             cleared = "".join(f", {c} = NULL" for c in _CLEARED_IF_PRESENT if c in present)
             waits, forget = sqlsearch.requeue_waits("jobs", "job_edges", "?")
+            if "pending" in present and len(job_ids) > 1:  # a parent named with its child goes back first
+                named = json.dumps(job_ids)
+                edges = self.db.execute(
+                    "SELECT parent, child FROM job_edges WHERE NOT parent_gone AND child IN (SELECT value FROM"
+                    " json_each(?)) AND parent IN (SELECT value FROM json_each(?))", (named, named)).fetchall()
+                job_ids = parents_first(job_ids, [tuple(edge) for edge in edges])
             for job_id in job_ids:
                 row = self.db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
                 if row is None:
@@ -146,7 +154,7 @@ class SearchMixin:
                         continue
                     if pending:
                         self.db.execute(forget, (job_id,))
-        return out
+        return {job_id: out[job_id] for job_id in given}
 
     def discard(self, job_ids):
         job_ids = control.check_ids(job_ids, most=None)
