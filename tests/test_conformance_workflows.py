@@ -510,6 +510,29 @@ def test_a_child_requeued_with_its_parent_waits_for_it_whatever_the_order_of_the
         broker.cancel([grand], "ops", "cleanup")
 
 
+def test_a_dead_child_replayed_waits_for_a_parent_replayed_since_as_a_requeue_does(broker):
+    """A child that ran and died after its parent ended, the parent replayed since: ``dlq_replay``
+    of the child made it ``queued`` (it ran beside its parent, reading the parent's old end) where
+    a requeue made it wait. A replay of a parent and its child in one call, child first, too."""
+    for named in ("alone", "with its parent, child first"):
+        parent = broker.enqueue(new(max_attempts=1))
+        child = broker.enqueue(new(max_attempts=1, depends_on=[(parent, "complete")]))
+        die(broker, claim_ids(broker)[parent])
+        die(broker, claim_ids(broker)[child])
+        if named == "alone":
+            broker.dlq_replay([parent])
+            assert broker.dlq_replay([child]) == [child]
+        else:
+            assert broker.dlq_replay([child, parent]) == [child, parent]
+        got = broker.get(child)
+        assert (got.state, got.pending, got.parents[parent]) == ("waiting", 1, (None, None)), named
+        assert list(claim_ids(broker)) == [parent], named
+        broker.ack(broker.get(parent).lease, "again")
+        (again,) = claim_all(broker)
+        assert again.id == child and again.parents == {parent: ("done", "again")}, named
+        broker.ack(again.lease)
+
+
 def test_a_job_stored_cancelled_in_a_batch_holds_no_idempotency_key(broker):
     """A child of a dead parent is stored ``cancelled``: it holds no key, so a later job of the
     same batch with its key is stored, and that job's own child waits for it, as two calls (and

@@ -70,6 +70,8 @@ def requeue_waits(jobs, edges, mark):
     not finished now (it goes back ``waiting`` for them, not ``queued`` to run before them), and
     the one that forgets the ends its edges recorded for those parents (a replay of a parent
     leaves a child an operator cancelled as it was). A deleted parent (``parent_gone``) ended."""
-    which = (f"child = {mark} AND NOT parent_gone"
-             f" AND parent IN (SELECT id FROM {jobs} WHERE state IN ('queued', 'running', 'retrying', 'waiting'))")
+    # Each parent looked up by its id (EXISTS): "parent IN (SELECT id ... WHERE state IN ...)" was
+    # read as a list of every unfinished job, built anew for each id of a replay.
+    which = (f"child = {mark} AND NOT parent_gone AND EXISTS (SELECT 1 FROM {jobs} p WHERE p.id = {edges}.parent"
+             " AND p.state IN ('queued', 'running', 'retrying', 'waiting'))")
     return f"SELECT count(*) FROM {edges} WHERE {which}", f"UPDATE {edges} SET state = NULL, result = NULL WHERE {which}"

@@ -257,15 +257,17 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
         return [Job.from_dict(r) for r in self._execute(sql, params, row_factory=dict_row).fetchall()]
 
     def _require_dead(self, db, job_ids):
-        """Lock the jobs in id order; NotDead unless every one is dead. Returns those with workflow children."""
-        rows = db.execute(f"SELECT id, state, kids FROM {self._jobs} WHERE id = ANY(%s::text[]) ORDER BY id"
-                          " FOR UPDATE", (list(job_ids),)).fetchall()
-        states = {job_id: state for job_id, state, _ in rows}
+        """Lock the jobs in id order; NotDead unless every one is dead. Returns (those with workflow
+        children, those that are workflow children)."""
+        child = "pending IS NOT NULL" if "pending" in self._columns(db) else "false"
+        rows = db.execute(f"SELECT id, state, kids, {child} FROM {self._jobs}"
+                          " WHERE id = ANY(%s::text[]) ORDER BY id FOR UPDATE", (list(job_ids),)).fetchall()
+        states = {row[0]: row[1] for row in rows}
         for job_id in job_ids:
             state = states.get(job_id)
             if state != "dead":
                 raise NotDead(f"job {job_id} is {'unknown' if state is None else state}, not dead")
-        return [job_id for job_id, _, kids in rows if kids]
+        return [row[0] for row in rows if row[2]], {row[0] for row in rows if row[3]}
 
     @deadlock_retried
     def dlq_replay(self, job_ids):
@@ -274,14 +276,19 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
             db = self._conn()
             try:
                 with db.transaction():
-                    self._lock_children(db, self._require_dead(db, job_ids))  # reopened: before any of them
+                    parents, children = self._require_dead(db, job_ids)
+                    self._lock_children(db, parents)  # reopened: before any of them
                     db.execute(
                         f"UPDATE {self._jobs} SET state = 'queued', attempt = 0, run_at = {NOW}, reason = NULL,"
                         " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL,"
                         " expires_at = NULL WHERE id = ANY(%s::text[])"
                         " RETURNING pg_notify(%s, queue)",
-                        (job_ids, self.channel),
+                        ([i for i in job_ids if i not in children], self.channel),
                     )
+                    # Then the workflow children, one at a time as a requeue puts them back (search.py):
+                    # parents first, each waiting for its parents not finished now.
+                    for job_id in self._parents_first(db, [i for i in job_ids if i in children]):
+                        self._put_back(db, job_id, ("cancel_request", "expires_at"))
             except pgerrors.UniqueViolation:
                 held = self._first_held_key(db, job_ids)
                 raise BadInput(f"cannot replay {held}: its idempotency key is held by an unfinished job") from None

@@ -202,18 +202,12 @@ class SearchMixin:
 
     @deadlock_retried
     def requeue(self, job_ids):
-        job_ids = given = control.check_ids(job_ids, most=None)
+        given = control.check_ids(job_ids, most=None)
         out = {}
         with self._guard("requeue"):
             db = self._conn()
-            cleared = "".join(f", {c} = NULL" for c in _CLEARED_IF_PRESENT if c in self._columns(db))
-            children = "pending" in self._columns(db)
-            waits, forget = sqlsearch.requeue_waits(self._jobs, f"{self._s}.job_edges", "%s")
-            if children and len(job_ids) > 1:  # a parent named with its child goes back first
-                job_ids = parents_first(job_ids, db.execute(
-                    f"SELECT parent, child FROM {self._s}.job_edges WHERE NOT parent_gone"
-                    " AND child = ANY(%s::text[]) AND parent = ANY(%s::text[])", (job_ids, job_ids)).fetchall())
-            for job_id in job_ids:
+            cleared = [c for c in _CLEARED_IF_PRESENT if c in self._columns(db)]
+            for job_id in self._parents_first(db, given):
                 try:
                     with db.transaction():
                         row = db.execute(f"SELECT state FROM {self._jobs} WHERE id = %s FOR UPDATE",
@@ -225,21 +219,36 @@ class SearchMixin:
                         elif row[0] not in _REQUEUE_FROM:
                             out[job_id] = "not_finished"
                         else:
-                            # A child waits again for its parents not finished now (sqlsearch.requeue_waits).
-                            pending = db.execute(waits, (job_id,)).fetchone()[0] if children else 0
-                            state = "waiting" if pending else "queued"
-                            db.execute(
-                                f"UPDATE {self._jobs} SET state = %s, pending = CASE WHEN pending IS NULL THEN NULL"
-                                f" ELSE %s END, attempt = 0, run_at = {NOW}, reason = NULL, finished_at = NULL,"
-                                f" lease_until = NULL, owner = NULL{cleared} WHERE id = %s"
-                                f"{'' if pending else ' RETURNING pg_notify(%s, queue)'}",
-                                (state, pending, job_id) if pending else (state, pending, job_id, self.channel))
-                            if pending:
-                                db.execute(forget, (job_id,))
-                            out[job_id] = state
+                            out[job_id] = self._put_back(db, job_id, cleared)
                 except pgerrors.UniqueViolation:  # its idempotency key is held by an unfinished job
                     out[job_id] = "conflict"
         return {job_id: out[job_id] for job_id in given}
+
+    def _parents_first(self, db, job_ids):
+        """``job_ids`` with a parent named with its child first, so that the child, put back after
+        it, sees it unfinished and waits for it (``dependencies.parents_first``)."""
+        if "pending" not in self._columns(db) or len(job_ids) < 2:
+            return job_ids
+        return parents_first(job_ids, db.execute(f"SELECT parent, child FROM {self._s}.job_edges"
+                                                 " WHERE NOT parent_gone AND child = ANY(%s::text[])",
+                                                 (job_ids,)).fetchall())
+
+    def _put_back(self, db, job_id, cleared):
+        """A finished job back (requeue, replay): ``queued``, attempt 0, or ``waiting`` for its
+        parents not finished now, their ends recorded on its edges forgotten
+        (``sqlsearch.requeue_waits``). Returns the state; UniqueViolation when an unfinished job
+        holds its idempotency key."""
+        waits, forget = sqlsearch.requeue_waits(self._jobs, f"{self._s}.job_edges", "%s")
+        pending = db.execute(waits, (job_id,)).fetchone()[0] if "pending" in self._columns(db) else 0
+        state = "waiting" if pending else "queued"
+        db.execute(f"UPDATE {self._jobs} SET state = %s, pending = CASE WHEN pending IS NULL THEN NULL ELSE %s END,"
+                   f" attempt = 0, run_at = {NOW}, reason = NULL, finished_at = NULL, lease_until = NULL,"
+                   f" owner = NULL{''.join(f', {c} = NULL' for c in cleared)} WHERE id = %s"
+                   f"{'' if pending else ' RETURNING pg_notify(%s, queue)'}",
+                   (state, pending, job_id) if pending else (state, pending, job_id, self.channel))
+        if pending:
+            db.execute(forget, (job_id,))
+        return state
 
     @deadlock_retried
     def discard(self, job_ids):

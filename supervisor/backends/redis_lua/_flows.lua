@@ -113,6 +113,43 @@ local function open_parents(ckey)
   return pending, failing
 end
 
+-- The positions of ``ids`` with each child after its parents among them, in the given order
+-- wherever their edges allow (Kahn's algorithm; the ready positions a stack kept sorted, the
+-- smallest on top). A requeue or replay puts a parent back before a child it names.
+local function parents_first(ids)
+  local pos, indegree, kids, order = {}, {}, {}, {}
+  for i, id in ipairs(ids) do pos[id] = i end
+  for i, id in ipairs(ids) do
+    indegree[i] = 0
+    if #ids > 1 and redis.call('HEXISTS', JOB .. id, 'pending') == 1 then
+      for _, name in ipairs(redis.call('HKEYS', JOB .. id)) do
+        local p = string.sub(name, 1, 2) == 'd:' and pos[string.sub(name, 3)]
+        if p and p ~= i then
+          indegree[i] = indegree[i] + 1
+          kids[p] = kids[p] or {}
+          kids[p][#kids[p] + 1] = i
+        end
+      end
+    end
+  end
+  local ready = {}
+  for i = #ids, 1, -1 do if indegree[i] == 0 then ready[#ready + 1] = i end end
+  while #ready > 0 do
+    local i = table.remove(ready)
+    order[#order + 1] = i
+    for _, c in ipairs(kids[i] or {}) do
+      indegree[c] = indegree[c] - 1
+      if indegree[c] == 0 then
+        local at = #ready + 1
+        while at > 1 and ready[at - 1] < c do at = at - 1 end
+        table.insert(ready, at, c)
+      end
+    end
+  end
+  for i = 1, #ids do if indegree[i] > 0 then order[#order + 1] = i end end  -- stored edges make no cycle
+  return order
+end
+
 -- A child an operator requeues waits again for the parents not finished now (it was cancelled
 -- while they ran, or one of them was replayed since): their ends recorded on it go (a replay of a
 -- parent does not touch a child the operator cancelled). Returns how many it waits for. A parent

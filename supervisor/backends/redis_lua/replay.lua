@@ -17,17 +17,28 @@ for k = 3, #ARGV do
     end
   end
 end
-for k = 3, #ARGV do
-  local id = ARGV[k]
+-- As a requeue: a parent named with its child goes back first, and a child waits again for its
+-- parents not finished now (one replayed since it died, say) rather than run before them.
+local ids = {}
+for k = 3, #ARGV do ids[#ids + 1] = ARGV[k] end
+for _, at in ipairs(parents_first(ids)) do
+  local id = ids[at]
   local key = JOB .. id
-  redis.call('HSET', key, 'state', 'queued', 'attempt', 0, 'run_at', NOW_SECS)
+  local child = redis.call('HEXISTS', key, 'pending') == 1
+  local pending = child and wait_again(key, id) or 0
+  redis.call('HSET', key, 'state', pending > 0 and 'waiting' or 'queued', 'attempt', 0, 'run_at', NOW_SECS)
+  if child then redis.call('HSET', key, 'pending', pending) end
   -- Run again by hand, like requeue: an expiry that passed while it lay dead is dropped.
   redis.call('HDEL', key, 'reason', 'finished_at', 'lease_until', 'owner', 'open', 'cancel_request', 'expires_at')
   redis.call('ZREM', DEAD, id)
   redis.call('ZREM', EXPIRING, id)
   local ikey = redis.call('HGET', key, 'idempotency_key')
   if ikey then redis.call('HSET', IDEM, ikey, id) end
-  make_ready(id, redis.call('HGET', key, 'priority'), NOW)
+  if pending > 0 then
+    redis.call('SADD', WAITING_S, id)
+  else
+    make_ready(id, redis.call('HGET', key, 'priority'), NOW)
+  end
   reopen(id)
 end
 redis.call('PUBLISH', CHANNEL, '1')

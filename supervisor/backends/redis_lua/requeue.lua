@@ -2,39 +2,11 @@
 -- due now, attempt 0, history kept (a child with parents not finished now: waiting for
 -- them). Returns one outcome per id: 'queued', 'waiting', 'done',
 -- 'not_finished', 'unknown' or 'conflict' (an unfinished job holds its idempotency key).
--- A parent named with its child goes back first, so the child sees it unfinished and waits for
--- it (the ids in the order given wherever their edges allow: Kahn's algorithm). Answers by position.
-local ids, pos = {}, {}
-for k = 3, #ARGV do ids[#ids + 1] = ARGV[k]; pos[ARGV[k]] = #ids end
-local indegree, kids, order = {}, {}, {}
-for i, id in ipairs(ids) do
-  indegree[i] = 0
-  if #ids > 1 and redis.call('HEXISTS', JOB .. id, 'pending') == 1 then
-    for _, name in ipairs(redis.call('HKEYS', JOB .. id)) do
-      local p = string.sub(name, 1, 2) == 'd:' and pos[string.sub(name, 3)]
-      if p and p ~= i then
-        indegree[i] = indegree[i] + 1
-        kids[p] = kids[p] or {}
-        kids[p][#kids[p] + 1] = i
-      end
-    end
-  end
-end
-local ready = {}
-for i = #ids, 1, -1 do if indegree[i] == 0 then ready[#ready + 1] = i end end
-while #ready > 0 do  -- a stack kept sorted: the smallest position on top
-  local i = table.remove(ready)
-  order[#order + 1] = i
-  for _, c in ipairs(kids[i] or {}) do
-    indegree[c] = indegree[c] - 1
-    if indegree[c] == 0 then
-      local at = #ready + 1
-      while at > 1 and ready[at - 1] < c do at = at - 1 end
-      table.insert(ready, at, c)
-    end
-  end
-end
-for i = 1, #ids do if indegree[i] > 0 then order[#order + 1] = i end end  -- no stored edges make a cycle
+-- A parent named with its child goes back first, so the child sees it unfinished and waits
+-- for it (parents_first); the answers keep the order given.
+local ids = {}
+for k = 3, #ARGV do ids[#ids + 1] = ARGV[k] end
+local order = parents_first(ids)
 
 local out = {}
 local any = false

@@ -337,14 +337,10 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
         now = self.now()
         with self._write():
             self._require_dead(job_ids)
-            for job_id in job_ids:
+            present = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
+            for job_id in self._parents_first(job_ids, present):  # as a requeue (search.py)
                 try:
-                    self.db.execute(
-                        "UPDATE jobs SET state = 'queued', attempt = 0, run_at = ?, reason = NULL,"
-                        " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL,"
-                        " expires_at = NULL WHERE id = ?",
-                        (now, job_id),
-                    )
+                    self._put_back(job_id, now, present, ("cancel_request", "expires_at"))
                 except sqlite3.IntegrityError:
                     raise BadInput(f"cannot replay {job_id}: its idempotency key is held by an unfinished job") from None
         return list(job_ids)
