@@ -186,8 +186,8 @@ def _would_act(broker, verb, ids):
     """Of ``ids``: how many jobs the action would change (in a state it acts on; discard: any but
     running), and how many ids name no job."""
     acts = unknown = 0
-    for job_id in ids:
-        job = broker.get(job_id)
+    for one in ids:
+        job = broker.get(one)
         if job is None:
             unknown += 1
         elif job.state != "running" if verb == "discard" else job.state in DEFAULT_STATES[verb]:

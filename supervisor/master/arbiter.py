@@ -332,9 +332,7 @@ class Arbiter:
         self.link.close_in_child()
         self.selector.close()
         self.status.notifier.close()
-        # The child opens its own connections, lazily. Its locks live at least as long as its job's
-        # lease: the heartbeat extends them once a beat, and a shorter TTL lapsed between two beats.
-        toolkit.configure(self.cfg.toolkit, lock_floor=self.cfg.broker.lease_seconds)
+        toolkit.configure(self.cfg.toolkit, lock_floor=self.cfg.broker.lease_seconds)  # locks outlive a beat
         jobref.configure_unless_set(self.cfg)  # a handler's follow-up .enqueue() goes to our broker
         child.main(sock, slot, self.handlers, self.pid, cpu)
 
