@@ -1765,6 +1765,12 @@ MUTATIONS = [
              "                    for job_id in ():\n",
              ("tests/test_conformance_workflows.py", "-k", "postgres and replayed_since"),
              "a replayed child waits for its parents not finished now, as a requeue (PostgreSQL)"),
+    Mutation("postgres-flow-resend-of-made-ids", "supervisor/backends/postgres/workflows.py",
+             "                                 ([job.id for job in jobs],)).fetchall())",
+             "                                 ([j.id for j in jobs if j.__dict__.get('_id_made') != (j.id, j.queue)],))"
+             ".fetchall())",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and stored_cancelled_in_a_batch"),
+             "a workflow batch resent with made ids gets its own jobs back (PostgreSQL)"),
 ]
 
 

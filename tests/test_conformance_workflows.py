@@ -548,6 +548,9 @@ def test_a_job_stored_cancelled_in_a_batch_holds_no_idempotency_key(broker):
     states = [broker.get(i).state for i in ids]
     assert states == ["cancelled", "queued", "waiting"]
     assert broker.enqueue(new(idempotency_key="born-cancelled")) == later.id  # the later job holds it
+    # The same batch sent again (its answer lost): its own jobs back. PostgreSQL looked up only
+    # the ids a caller chose, and answered the cancelled job with the key's holder.
+    assert broker.enqueue_many([born, later, kid]) == ids
 
 
 def test_requeue_of_a_failed_parent_reopens_its_children(broker):

@@ -49,7 +49,7 @@ from psycopg.rows import tuple_row
 
 from ...dependencies import KEY_HELD_BY, ON_SUCCESS, PARENT_FAILED, merged, order, start
 from ...errors import BrokerError
-from ...model import chosen_ids, first_token, id_taken
+from ...model import first_token, id_taken
 from .connection import deadlock_retried
 from .statements import FIRST_TOKEN, UNFINISHED
 
@@ -293,9 +293,9 @@ class Workflows:
         holders = dict(cur.execute(
             f"SELECT idempotency_key, id FROM {t} WHERE idempotency_key = ANY(%s::text[])"
             f" AND state IN {UNFINISHED} FOR UPDATE", (keys,)).fetchall()) if keys else {}
-        chosen = chosen_ids(jobs)
+        # Every id, made ones too: a resent batch (its answer lost) gets its own jobs back, not a key's holder.
         taken = dict(cur.execute(f"SELECT id, queue FROM {t} WHERE id = ANY(%s::text[]) FOR UPDATE",
-                                 (list(chosen),)).fetchall()) if chosen else {}
+                                 ([job.id for job in jobs],)).fetchall())
         # Read before the copies below lose what ``validate`` kept: ``_id_made``, and the payload's
         # JSON as checked (the caller may have changed the dict in place since).
         tokens = {job.id: first_token(job) for job in jobs}
