@@ -462,7 +462,7 @@ MUTATIONS = [
              "        registry.forget_generation(self.generation - 1)  # once nothing here holds its handlers\n", "",
              ("tests/test_daemon.py", "-k", "lets_go"), "a reload lets go of the previous generation's handler modules"),
     Mutation("cache-fill-lease-unknown-to-master", "supervisor/child/context.py",
-             "self.metrics, notify=toolkit.notify_master)", "self.metrics)",
+             "                           notify=toolkit.notify_master)", "                           )",
              ("tests/test_effects.py", "-k", "fill_lease"), "a dead builder's cache fill lease is freed at once"),
     Mutation("postgres-claim-expires-a-whole-backlog", "supervisor/backends/postgres/control_schema.py",
              "LIMIT {EXPIRE_BATCH} FOR UPDATE SKIP LOCKED) x", "FOR UPDATE SKIP LOCKED) x",
@@ -1771,6 +1771,15 @@ MUTATIONS = [
              ".fetchall())",
              ("tests/test_conformance_workflows.py", "-k", "postgres and stored_cancelled_in_a_batch"),
              "a workflow batch resent with made ids gets its own jobs back (PostgreSQL)"),
+    Mutation("cache-ttl-past-redis-range", "supervisor/toolkit/cache.py",
+             '        _seconds("ttl", ttl, zero_ok=False)\n        _seconds("stale_ttl", stale_ttl, zero_ok=True)\n        ran = []',
+             "        ran = []",
+             ("tests/test_toolkit.py", "-k", "no_entry_can_keep"),
+             "a cache TTL no entry can keep is refused before the builder runs"),
+    Mutation("cache-fill-lease-below-the-heartbeat", "supervisor/child/context.py",
+             "lease_ttl=max(10.0, toolkit.settings().lock_floor)", "lease_ttl=10.0",
+             ("tests/test_toolkit.py", "-k", "at_least_the_jobs_lease"),
+             "a worker's fill lease lives at least its job's lease"),
 ]
 
 

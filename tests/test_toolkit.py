@@ -709,6 +709,46 @@ def test_a_value_json_cannot_hold_fails_naming_the_key_and_frees_the_fill_lease(
     assert client.exists(prefix + "cache:invoice:1:summary")
 
 
+def test_a_cache_ttl_no_entry_can_keep_or_a_value_nested_too_deep_is_refused_and_frees_the_lease(rc):
+    """NaN and inf failed deep in the call; a TTL past Redis's range failed after the builder ran,
+    its fill lease held to the end (every other reader waited, then built unstored); 0 or below
+    stored entries never fresh; a value nested too deep raised RecursionError, not the TypeError
+    that names the key."""
+    client, prefix = rc
+    cache = Cache(client, prefix)
+    built = []
+    for bad in (float("nan"), float("inf"), 1e17, 0, -5, True, "300"):
+        with pytest.raises(ValueError, match="cache ttl must be"):
+            cache.get_or_build("report", lambda: built.append(1), ttl=bad)
+    for bad in (float("nan"), -1, 1e17):
+        with pytest.raises(ValueError, match="cache stale_ttl must be"):
+            cache.get_or_build("report", lambda: built.append(1), ttl=60, stale_ttl=bad)
+    assert built == [] and not client.exists(prefix + "cache-lease:report")
+    deep = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(TypeError, match="cache value for key 'report' is not JSON"):
+        cache.get_or_build("report", lambda: deep, ttl=60)
+    assert not client.exists(prefix + "cache-lease:report")
+    assert cache.get_or_build("report", lambda: "ok", ttl=60, wait=0) == "ok"
+
+
+def test_a_fill_lease_in_a_worker_lives_at_least_the_jobs_lease(rc):
+    """The master extends a fill lease once a heartbeat by its TTL, 10 s: a heartbeat of 10 s or
+    more (lease 60, heartbeat 15) let it lapse under a build still running, and two built."""
+    from supervisor.child.context import Context
+
+    client, prefix = rc
+    before = toolkit.settings()
+    toolkit.configure(toolkit.Settings(redis_url=f"redis://127.0.0.1:6379/0?prefix={prefix}"), lock_floor=60.0)
+    try:
+        assert Context({"id": "j", "type": "t"}).cache.lease_ttl == 60.0
+        toolkit.configure(toolkit.Settings(redis_url=f"redis://127.0.0.1:6379/0?prefix={prefix}"), lock_floor=5.0)
+        assert Context({"id": "j", "type": "t"}).cache.lease_ttl == 10.0
+    finally:
+        toolkit.configure(before)
+
+
 def test_a_miss_returns_what_a_hit_returns(rc):
     client, prefix = rc
     cache = Cache(client, prefix)

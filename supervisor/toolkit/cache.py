@@ -143,8 +143,22 @@ def _count(metrics, name):
 def _dumps(key, value):
     try:
         return json.dumps(value)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise TypeError(f"cache value for key {key!r} is not JSON: {exc}") from None
+
+
+MAX_TTL = 10 * 365 * 86400.0  # seconds: past it Redis refuses the expiry, after the builder ran
+
+
+def _seconds(name, value, zero_ok):
+    """A TTL argument: a finite number of seconds up to ``MAX_TTL`` (above 0, or 0 too), else
+    ValueError: NaN and inf failed deep in the call, a TTL past Redis's range after the builder
+    ran (its lease held to the end), and 0 or below stored entries that were never fresh."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value <= MAX_TTL
+            or not (value >= 0 if zero_ok else value > 0)):
+        raise ValueError(f"cache {name} must be a number of seconds {'from 0' if zero_ok else 'above 0'}"
+                         f" to {MAX_TTL:.0f}, got {value!r}")
+    return value
 
 
 def _round_trip(key, value):
@@ -187,6 +201,8 @@ class Cache:
         by; ``stale_ttl`` > 0 marks the key tolerant of stale reads for that
         many seconds past ``ttl``; ``wait`` bounds the wait on another builder.
         """
+        _seconds("ttl", ttl, zero_ok=False)
+        _seconds("stale_ttl", stale_ttl, zero_ok=True)
         ran = []
 
         def build():
@@ -306,6 +322,8 @@ class Cache:
 
     def _entry(self, key, value, ttl, stale_ttl):
         """``(the JSON entry, its lifetime in ms)``; a value JSON cannot hold is a TypeError naming ``key``."""
+        _seconds("ttl", ttl, zero_ok=False)  # store() by hand too
+        _seconds("stale_ttl", stale_ttl, zero_ok=True)
         fresh = ttl * (1 - self.jitter * random.random())
         entry = _dumps(key, {"v": value, "fresh": time.time() + fresh})
         return entry, max(1, int((fresh + stale_ttl) * 1000))
