@@ -1780,6 +1780,11 @@ MUTATIONS = [
              "lease_ttl=max(10.0, toolkit.settings().lock_floor)", "lease_ttl=10.0",
              ("tests/test_toolkit.py", "-k", "at_least_the_jobs_lease"),
              "a worker's fill lease lives at least its job's lease"),
+    Mutation("idempotency-key-no-table-can-hold", "supervisor/toolkit/idempotency.py",
+             "        if not isinstance(key, str) or not key or not is_storable(key):",
+             "        if False:",
+             ("tests/test_toolkit.py", "-k", "no_table_can_hold"),
+             "an idempotency key that is no storable text is refused naming it"),
 ]
 
 

@@ -168,6 +168,24 @@ def test_commit_without_complete_is_refused(db):
         assert tx.scalar("SELECT count(*) FROM idempotency_records") == 0
 
 
+def test_an_idempotency_key_or_result_no_table_can_hold_is_refused_naming_it(db):
+    """An int key passed begin and failed at complete (text = smallint); a NUL or a lone surrogate
+    failed in the driver; a result_ref JSON cannot hold raised a TypeError naming no key."""
+    from decimal import Decimal
+
+    for bad in (7, "", "a\x00b", "\ud800", b"k"):
+        with pytest.raises(ValueError, match="idempotency key must be"):
+            with transaction(db) as tx:
+                Idempotency().begin(tx, bad)
+    with pytest.raises(TypeError, match="result_ref of idempotency key 'order:7' is not JSON"):
+        with transaction(db) as tx:
+            Idempotency().begin(tx, "order:7").complete(Decimal(1))
+    with transaction(db) as tx:  # nothing was kept: the key is free
+        assert not Idempotency().begin(tx, "order:7").done
+        tx.execute("SELECT 1")
+        Idempotency().begin(tx, "order:7").complete(1)
+
+
 def test_no_key_uses_no_record(db):
     with transaction(db) as tx:
         rec = Idempotency().begin(tx)

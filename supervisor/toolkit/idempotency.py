@@ -41,13 +41,17 @@ unrelated key, would wait on them.
 A job without a key uses none of this: ``begin(tx)`` with no key falls back
 to the job's own ``idempotency_key``, and with none of either returns a record
 that is not done and whose ``complete`` does nothing. A handler may derive a
-key from its payload, as the invoice example does.
+key from its payload, as the invoice example does. The table is one namespace:
+two job types enqueued with the same key share one record (the second finds
+the first's effect done), as the SQL brokers already treat them as one job
+while it is unfinished; give each effect a key of its own (``f"receipt:{order}"``).
 """
 import json
 import logging
 import random
 import time
 
+from ..jsonvalues import is_storable
 from ..retry import RetryLater
 
 log = logging.getLogger("tangguh.idempotency")
@@ -74,8 +78,12 @@ class Record:
         if self.done:
             raise IdempotencyError(f"key {self.key!r} was already done: skip the effect instead")
         if self.key is not None:
+            try:
+                ref = json.dumps(result_ref)
+            except (TypeError, ValueError, RecursionError) as exc:
+                raise TypeError(f"result_ref of idempotency key {self.key!r} is not JSON: {exc}") from None
             self.tx.execute("UPDATE idempotency_records SET status = 'done', result_ref = %s, completed_at = %s"
-                            " WHERE key = %s", (json.dumps(result_ref), time.time(), self.key))
+                            " WHERE key = %s", (ref, time.time(), self.key))
         self.result = result_ref
         self.completed = True
 
@@ -104,6 +112,10 @@ class Idempotency:
             key = self.job.idempotency_key
         if key is None:
             return Record(tx, None, False)
+        if not isinstance(key, str) or not key or not is_storable(key):
+            # An int failed at complete() (text = smallint), a NUL or a lone surrogate in the driver.
+            raise ValueError(f"idempotency key must be a non-empty string without NUL or lone surrogates,"
+                             f" got {key!r}")
         # On the transaction, not on self: ctx.idempotency makes a new Idempotency per use.
         held = tx.__dict__.setdefault("_idempotency_records", {})
         if key in held:
