@@ -204,7 +204,7 @@ class TypeLimits:
                 or self.max_concurrency < 0):
             raise BadInput(f"max_concurrency must be an integer >= 0, got {self.max_concurrency!r}")
         if self.rate is not None:
-            count, per = self.rate if isinstance(self.rate, tuple) and len(self.rate) == 2 else (None, None)
+            count, per = self.rate if isinstance(self.rate, (tuple, list)) and len(self.rate) == 2 else (None, None)
             if (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_RATE_COUNT
                     or not _positive(per)):
                 raise BadInput(f"rate must be (count from 1 to {MAX_RATE_COUNT}, seconds > 0), got {self.rate!r}")

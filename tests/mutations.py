@@ -1733,8 +1733,8 @@ MUTATIONS = [
              (CONFORMANCE, "-k", "sqlite and no_claim_can_keep"),
              "a rate no bucket can hold is refused before the claim, not an OverflowError in every claim"),
     Mutation("redis-requeue-child-before-its-parent", "supervisor/backends/redis_lua/_flows.lua",
-             "  if #ids > 1 and redis.call('HEXISTS', JOB .. id, 'pending') == 1 then",
-             "  if false then",
+             "      if redis.call('HEXISTS', JOB .. id, 'pending') == 1 then",
+             "      if false then",
              ("tests/test_conformance_workflows.py", "-k", "redis and whatever_the_order"),
              "a parent requeued with its child goes back first, whatever the order of the ids (Redis)"),
     Mutation("sqlite-requeue-child-before-its-parent", "supervisor/backends/sqlite/search.py",
@@ -1757,12 +1757,12 @@ MUTATIONS = [
     Mutation("postgres-replay-child-runs-before-its-parent", "supervisor/backends/postgres/__init__.py",
              "                        ([i for i in job_ids if i not in children], self.channel),\n"
              "                    )\n"
-             "                    # Then the workflow children, one at a time as a requeue puts them back (search.py):\n"
-             "                    # parents first, each waiting for its parents not finished now.\n"
-             "                    for job_id in self._parents_first(db, [i for i in job_ids if i in children]):\n",
+             "                    # Then the workflow children, as a requeue puts them back (search.py): parents\n"
+             "                    # first, each waiting for its parents not finished now.\n"
+             "                    if children:\n",
              "                        (job_ids, self.channel),\n"
              "                    )\n"
-             "                    for job_id in ():\n",
+             "                    if False:\n",
              ("tests/test_conformance_workflows.py", "-k", "postgres and replayed_since"),
              "a replayed child waits for its parents not finished now, as a requeue (PostgreSQL)"),
     Mutation("postgres-flow-resend-of-made-ids", "supervisor/backends/postgres/workflows.py",
@@ -1785,6 +1785,11 @@ MUTATIONS = [
              "        if False:",
              ("tests/test_toolkit.py", "-k", "no_table_can_hold"),
              "an idempotency key that is no storable text is refused naming it"),
+    Mutation("postgres-replay-children-in-one-level", "supervisor/backends/postgres/search.py",
+             "level = [child for child, parents in waits.items() if not parents & waits.keys()] or list(waits)",
+             "level = list(waits)",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and level_by_level"),
+             "a replayed chain of dead children waits level by level (PostgreSQL)"),
 ]
 
 

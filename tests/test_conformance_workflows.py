@@ -533,6 +533,23 @@ def test_a_dead_child_replayed_waits_for_a_parent_replayed_since_as_a_requeue_do
         broker.ack(again.lease)
 
 
+def test_a_replayed_chain_of_dead_jobs_runs_again_level_by_level(broker):
+    """Three dead jobs of a chain replayed in one call, the last first: each waits for the one
+    before it (PostgreSQL puts the children back a level a statement)."""
+    top = broker.enqueue(new(max_attempts=1))
+    mid = broker.enqueue(new(max_attempts=1, depends_on=[(top, "complete")]))
+    leaf = broker.enqueue(new(max_attempts=1, depends_on=[(mid, "complete")]))
+    for _ in range(3):
+        die(broker, claim_all(broker)[0])
+    assert broker.dlq_replay([leaf, mid, top]) == [leaf, mid, top]
+    assert [(broker.get(i).state, broker.get(i).pending) for i in (top, mid, leaf)] == \
+        [("queued", None), ("waiting", 1), ("waiting", 1)]
+    for expected in (top, mid, leaf):
+        (job,) = claim_all(broker)
+        assert job.id == expected
+        broker.ack(job.lease)
+
+
 def test_a_job_stored_cancelled_in_a_batch_holds_no_idempotency_key(broker):
     """A child of a dead parent is stored ``cancelled``: it holds no key, so a later job of the
     same batch with its key is stored, and that job's own child waits for it, as two calls (and

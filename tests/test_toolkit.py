@@ -742,6 +742,9 @@ def test_a_cache_ttl_no_entry_can_keep_or_a_value_nested_too_deep_is_refused_and
         with pytest.raises(ValueError, match="cache stale_ttl must be"):
             cache.get_or_build("report", lambda: built.append(1), ttl=60, stale_ttl=bad)
     assert built == [] and not client.exists(prefix + "cache-lease:report")
+    for bad in (float("nan"), 0, 1e17):  # by hand too: a lease no store() could fill
+        with pytest.raises(ValueError, match="cache ttl must be"):
+            cache.lease("report", bad)
     deep = []
     for _ in range(100_000):
         deep = [deep]

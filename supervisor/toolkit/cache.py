@@ -346,4 +346,6 @@ class Cache:
 
         For callers that fill in two steps (``lease``, then ``store``).
         """
+        _seconds("ttl", ttl, zero_ok=False)  # a lease no store() could fill is refused now, not then
+        _seconds("stale_ttl", stale_ttl, zero_ok=True)
         return self._take_lease(key, tags, ttl, stale_ttl, if_absent=False)

@@ -158,7 +158,7 @@ class Locks:
         self.client, self.prefix = client, prefix
         self.metrics = metrics if metrics is not None else {}
         self.notify = notify or (lambda msg: None)
-        self.floor = floor
+        self.floor = min(floor, MAX_TTL)  # past it the master would not track (nor release) the lock
 
     def key(self, name):
         return f"{self.prefix}lock:{name}"

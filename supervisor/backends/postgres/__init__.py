@@ -285,10 +285,11 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
                         " RETURNING pg_notify(%s, queue)",
                         ([i for i in job_ids if i not in children], self.channel),
                     )
-                    # Then the workflow children, one at a time as a requeue puts them back (search.py):
-                    # parents first, each waiting for its parents not finished now.
-                    for job_id in self._parents_first(db, [i for i in job_ids if i in children]):
-                        self._put_back(db, job_id, ("cancel_request", "expires_at"))
+                    # Then the workflow children, as a requeue puts them back (search.py): parents
+                    # first, each waiting for its parents not finished now.
+                    if children:
+                        self._put_back_children(db, [i for i in job_ids if i in children],
+                                                ("cancel_request", "expires_at"))
             except pgerrors.UniqueViolation:
                 held = self._first_held_key(db, job_ids)
                 raise BadInput(f"cannot replay {held}: its idempotency key is held by an unfinished job") from None
