@@ -110,13 +110,18 @@ def test_child_killed_between_commit_and_invalidation_no_reader_sees_the_old_tot
     finish(d, client, prefix)
 
 
+def hold_lock(d, marker, name, ttl):
+    """Enqueue a ``hold_lock`` job and wait until its first attempt holds the lock: (job id, its marker line)."""
+    job_id = d.enqueue("hold_lock", {"name": name, "ttl": ttl, "wait": 30, "marker": marker})
+    return job_id, wait_for(lambda: [line for line in read_lines(marker) if line[0] == "acquired"],
+                            message="the first attempt to hold the lock")[0]
+
+
 def test_child_killed_holding_a_redis_lock_frees_it_long_before_its_ttl(env, tmp_path):
     start, db_url, client, prefix = env
     d = start()
     marker = str(tmp_path / "m")
-    job_id = d.enqueue("hold_lock", {"name": "invoice:3:export", "ttl": 60, "wait": 30, "marker": marker})
-    first = wait_for(lambda: [line for line in read_lines(marker) if line[0] == "acquired"],
-                     message="the first attempt to hold the lock")[0]
+    job_id, first = hold_lock(d, marker, "invoice:3:export", ttl=60)
     key = first[6]
     # The master knows the lock and keeps extending it: between two readings its PTTL goes
     # back up. (Against the first reading alone this races: taken a millisecond after the
@@ -146,9 +151,7 @@ def test_a_lock_with_a_ttl_shorter_than_a_heartbeat_stays_held_while_its_job_run
     start, db_url, client, prefix = env
     d = start()
     marker = str(tmp_path / "m")
-    job_id = d.enqueue("hold_lock", {"name": "invoice:4:export", "ttl": 0.2, "wait": 30, "marker": marker})
-    first = wait_for(lambda: [line for line in read_lines(marker) if line[0] == "acquired"],
-                     message="the first attempt to hold the lock")[0]
+    job_id, first = hold_lock(d, marker, "invoice:4:export", ttl=0.2)
     key = first[6]
     readings = [client.pttl(key)]
     assert readings[0] > 1000, f"a TTL of {readings[0]} ms: the job's lease is no floor"
