@@ -65,13 +65,19 @@ def select(table, columns, clauses, order_by="", limit_mark=None):
     return sql
 
 
+def live_parent(jobs, edge):
+    """SQL: the parent of the ``job_edges`` row ``edge`` has not finished (it holds its children).
+
+    Looked up by its id (EXISTS): "parent IN (SELECT id ... WHERE state IN ...)" was read as a
+    list of every unfinished job, built anew for each id of a replay."""
+    return (f"EXISTS (SELECT 1 FROM {jobs} p WHERE p.id = {edge}.parent"
+            " AND p.state IN ('queued', 'running', 'retrying', 'waiting'))")
+
+
 def requeue_waits(jobs, edges, mark):
     """``requeue``'s two statements for a child (``mark``: its id): how many of its parents have
     not finished now (it goes back ``waiting`` for them, not ``queued`` to run before them), and
     the one that forgets the ends its edges recorded for those parents (a replay of a parent
     leaves a child an operator cancelled as it was). A deleted parent (``parent_gone``) ended."""
-    # Each parent looked up by its id (EXISTS): "parent IN (SELECT id ... WHERE state IN ...)" was
-    # read as a list of every unfinished job, built anew for each id of a replay.
-    which = (f"child = {mark} AND NOT parent_gone AND EXISTS (SELECT 1 FROM {jobs} p WHERE p.id = {edges}.parent"
-             " AND p.state IN ('queued', 'running', 'retrying', 'waiting'))")
+    which = f"child = {mark} AND NOT parent_gone AND {live_parent(jobs, edges)}"
     return f"SELECT count(*) FROM {edges} WHERE {which}", f"UPDATE {edges} SET state = NULL, result = NULL WHERE {which}"

@@ -260,8 +260,7 @@ class SearchMixin:
         for parent, child in edges:
             if parent in waits and parent != child:
                 waits[child].add(parent)
-        live = ("EXISTS (SELECT 1 FROM {t} p WHERE p.id = e.parent AND p.state IN"
-                " ('queued', 'running', 'retrying', 'waiting'))").format(t=self._jobs)
+        live = sqlsearch.live_parent(self._jobs, "e")
         while waits:
             level = [child for child, parents in waits.items() if not parents & waits.keys()] or list(waits)
             db.execute(
