@@ -1790,6 +1790,11 @@ MUTATIONS = [
              "level = list(waits)",
              ("tests/test_conformance_workflows.py", "-k", "postgres and level_by_level"),
              "a replayed chain of dead children waits level by level (PostgreSQL)"),
+    Mutation("idempotency-prune-timed-before-commit", "supervisor/toolkit/idempotency.py",
+             "        tx._idempotency_prune = True\n",
+             '        globals()["_next_prune"] = time.monotonic() + PRUNE_EVERY\n',
+             ("tests/test_toolkit.py", "-k", "rolled_back_transaction_leaves_the_prune"),
+             "a rolled-back transaction does not put the child's idempotency prune off"),
 ]
 
 

@@ -277,6 +277,24 @@ def test_pruning_waits_for_the_commit_and_never_blocks_another_childs_begin(db, 
         other.close()
 
 
+def test_a_rolled_back_transaction_leaves_the_prune_to_the_next_begin(db, handlers_db, monkeypatch):
+    from supervisor.toolkit import idempotency
+
+    with transaction(db) as tx:
+        _old_done_records(tx, [f"old:{i}" for i in range(3)])
+    monkeypatch.setattr(idempotency, "_next_prune", 0.0)  # a fresh child: its first begin prunes
+    with pytest.raises(RuntimeError):
+        with transaction(db) as tx:
+            Idempotency(retention=60).begin(tx, "invoice:1:recalc:1")
+            raise RuntimeError("the effect failed: the transaction rolls back, its prune with it")
+    assert query(handlers_db, "SELECT count(*) AS n FROM idempotency_records")["n"] == 3
+    with transaction(db) as tx:  # the next job's begin: the prune is still due, not 5 to 15 minutes away
+        Idempotency(retention=60).begin(tx, "invoice:1:recalc:2").complete(None)
+        Idempotency(retention=60).begin(tx, "invoice:1:recalc:3").complete(None)
+    assert query(handlers_db, "SELECT count(*) AS n FROM idempotency_records")["n"] == 2
+    assert idempotency._next_prune > time.monotonic() + idempotency.PRUNE_EVERY * 0.4
+
+
 def test_prune_skips_records_another_transaction_holds_and_is_bounded(db, handlers_db):
     with transaction(db) as tx:
         _old_done_records(tx, ["held"] + [f"old:{i}" for i in range(5)])

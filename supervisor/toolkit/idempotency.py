@@ -169,11 +169,11 @@ class Idempotency:
                                    " call rec.complete(...) before the transaction ends")
 
     def _maybe_prune(self, tx):
-        global _next_prune
-        if not self.retention or time.monotonic() < _next_prune:
+        if not self.retention or time.monotonic() < _next_prune or tx.__dict__.get("_idempotency_prune"):
             return
-        # Jittered, so that children started together do not prune together.
-        _next_prune = time.monotonic() + PRUNE_EVERY * random.uniform(0.5, 1.5)
+        # The next prune is timed when this one runs: a transaction that rolls back prunes nothing,
+        # and the child's next begin tries again.
+        tx._idempotency_prune = True
         tx.after_commit(lambda: _prune_alone(tx.conn, tx.kind, self.retention))
 
 
@@ -197,6 +197,8 @@ def _prune_alone(conn, kind, retention):
     global _next_prune
     from .transaction import Transaction
 
+    # Jittered, so that children started together do not prune together.
+    _next_prune = time.monotonic() + PRUNE_EVERY * random.uniform(0.5, 1.5)
     tx = Transaction(conn, kind)  # SQLite's connection is in autocommit: the DELETE is its own transaction
     try:
         deleted = prune(tx, retention)
