@@ -187,7 +187,7 @@ MUTATIONS = [
              "if not retries_left or db.info.transaction_status != TransactionStatus.IDLE:", "if True:",
              ("tests/test_postgres_broker.py", "-k", "aborts_to_break and ack"),
              "a statement PostgreSQL aborted to break a deadlock runs again"),
-    Mutation("postgres-deadlock-victim-transaction", "supervisor/backends/postgres/connection.py",
+    Mutation("postgres-deadlock-victim-transaction", "supervisor/backends/postgres/deadlocks.py",
              "if (not retries_left or kwargs.get", "if (True or kwargs.get",
              ("tests/test_postgres_broker.py", "-k", "aborts_to_break and cancel"),
              "a transaction PostgreSQL aborted to break a deadlock runs again"),
@@ -1795,6 +1795,12 @@ MUTATIONS = [
              '        globals()["_next_prune"] = time.monotonic() + PRUNE_EVERY\n',
              ("tests/test_toolkit.py", "-k", "rolled_back_transaction_leaves_the_prune"),
              "a rolled-back transaction does not put the child's idempotency prune off"),
+    Mutation("postgres-requeue-deadlock-reruns-the-call", "supervisor/backends/postgres/search.py",
+             "    def requeue(self, job_ids):\n        given = control.check_ids(job_ids, most=None)\n",
+             "    @deadlock_retried\n    def requeue(self, job_ids):\n        given = control.check_ids(job_ids, most=None)\n"
+             "        deadlock_retried_step = lambda what, step: step()  # noqa: E731\n",
+             ("tests/test_postgres_broker.py", "-k", "later_one_postgresql_aborts"),
+             "a requeue runs again only the job PostgreSQL aborted to break a deadlock"),
 ]
 
 

@@ -690,6 +690,29 @@ def test_a_write_postgresql_aborts_to_break_a_deadlock_runs_again(pg, postgres_u
     assert (pg.get(member).state, pg.get(callback).state) == ("done", "cancelled")
 
 
+def test_a_requeue_of_several_ids_whose_later_one_postgresql_aborts_runs_that_one_again(pg):
+    """A requeue commits one job at a time. When PostgreSQL aborted a later job's transaction
+    to break a deadlock, the whole call ran again: the jobs it had put back already were then
+    queued, and it answered not_finished for them. (The abort is forced here by a trigger
+    raising deadlock_detected once, counted by a sequence, which no rollback takes back.)"""
+    pg.enqueue_many([new({"n": 1}, id="job_A"), new({"n": 2}, id="job_B")])
+    for job in pg.claim(Q, 2, 30, "w"):
+        pg.dead(job.lease, "failed", {"class": "E", "message": "m", "traceback": ""})
+    pg._execute(f"CREATE SEQUENCE {pg.schema}.deadlock_once")
+    pg._execute(f"""CREATE FUNCTION {pg.schema}.deadlock_once() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.id = 'job_B' AND nextval('{pg.schema}.deadlock_once') = 1 THEN
+                RAISE EXCEPTION 'deadlock detected (forced)' USING ERRCODE = 'deadlock_detected';
+            END IF;
+            RETURN NEW;
+        END $$""")
+    pg._execute(f"CREATE TRIGGER deadlock_once BEFORE UPDATE ON {pg._jobs}"
+                f" FOR EACH ROW EXECUTE FUNCTION {pg.schema}.deadlock_once()")
+    assert pg.requeue(["job_A", "job_B"]) == {"job_A": "queued", "job_B": "queued"}
+    assert pg._execute(f"SELECT last_value FROM {pg.schema}.deadlock_once").fetchone()[0] >= 2  # B ran twice
+    assert {pg.get("job_A").state, pg.get("job_B").state} == {"queued"}
+
+
 @pytest.mark.parametrize("reopen", ["dlq_replay", "requeue"])
 def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgres_url, concurrent, reopen):
     """J waits on P1 (success) and P2 (complete); P1 dead-lettered, so J was cancelled.

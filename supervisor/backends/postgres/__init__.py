@@ -38,7 +38,8 @@ from ..control import check_age, check_ids, check_limit
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, workflows
-from .connection import Connections, deadlock_retried, libpq_conninfo, quote, read_url
+from .connection import Connections, libpq_conninfo, quote, read_url
+from .deadlocks import deadlock_retried
 from .control import ControlMixin
 from .producing import ProducingMixin
 from .ready import due_rows

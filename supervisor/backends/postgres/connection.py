@@ -29,7 +29,7 @@ libpq finds the promoted standby.
 
 Deadlocks: PostgreSQL breaks one by aborting a side, which it rolls back whole. A
 statement of ours it aborted runs again (``execute``), and so does a transaction of
-several (``deadlock_retried``): every write the broker makes is fenced (id, token,
+several (``deadlocks.deadlock_retried``): every write the broker makes is fenced (id, token,
 state) or checks the state it changes, so running it again stores what it would have.
 
 Connections are autocommit. Every psycopg error surfaces as ``BrokerError``
@@ -41,9 +41,7 @@ child opens its own connections and never touches (nor closes) the parent's.
 (re-measured every minute), so every supervisor measures leases against the
 same clock.
 """
-import collections.abc
 import contextlib
-import functools
 import logging
 import os
 import re
@@ -61,36 +59,9 @@ from psycopg.types.json import set_json_loads
 from ...errors import BrokerError, BrokerUnusable
 from ...model import load_json
 from ...urls import redact
+from .deadlocks import DEADLOCK_RETRIES, log_retry
 
 log = logging.getLogger("tangguh.broker")
-
-# Runs of a deadlock's victim after the first: each waits for the other side to have gone
-# (PostgreSQL's deadlock_timeout, 1 s by default), so a few are plenty.
-DEADLOCK_RETRIES = 3
-
-
-def deadlock_retried(method):
-    """A broker method whose transaction runs again when PostgreSQL aborted it to break a
-    deadlock (never one in a caller's transaction: ``conn=``)."""
-    @functools.wraps(method)
-    def retried(self, *args, **kwargs):
-        # An iterator of ids would be empty on the second run.
-        args = [list(a) if isinstance(a, collections.abc.Iterator) else a for a in args]
-        for retries_left in range(DEADLOCK_RETRIES, -1, -1):
-            try:
-                return method(self, *args, **kwargs)
-            except BrokerError as exc:
-                if (not retries_left or kwargs.get("conn") is not None
-                        or not isinstance(exc.__cause__, pgerrors.DeadlockDetected)):
-                    raise
-                _log_retry(method.__name__, exc.__cause__)
-    return retried
-
-
-def _log_retry(what, exc):
-    log.warning("postgres %s chosen to break a deadlock, running it again: %s", what,
-                str(exc).splitlines()[0], extra={"event": "deadlock_retry"})
-
 
 DEFAULT_SCHEMA = "tangguh"
 DEFAULT_SOCKET_TIMEOUT = 10.0  # like connect_timeout's default: a server silent that long is down
@@ -294,7 +265,7 @@ class Connections:
                     # transaction block, that block runs again: deadlock_retried).
                     if not retries_left or db.info.transaction_status != TransactionStatus.IDLE:
                         raise
-                    _log_retry("query", exc)
+                    log_retry("query", exc)
 
     def now(self):
         if (time.monotonic() - self._synced > _CLOCK_RESYNC and self.db is not None and not self.db.closed

@@ -20,7 +20,7 @@ from ...errors import LeaseLost
 from ...jsonvalues import info_json
 from ...model import CANCELLED, EXPIRED, Job, Renewal, check_queue
 from .. import control
-from .connection import deadlock_retried
+from .deadlocks import deadlock_retried
 from .control_schema import done_channel
 from .statements import NOT_STARTED, NOW, leased_batch
 

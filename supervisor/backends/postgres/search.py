@@ -45,7 +45,7 @@ from psycopg.rows import dict_row
 from ...dependencies import parents_first
 from ...model import Job
 from .. import control, scan, sqlsearch
-from .connection import deadlock_retried
+from .deadlocks import deadlock_retried, deadlock_retried_step
 from .statements import NOT_STARTED, NOW
 
 SERVED = sqlsearch.SERVED + ("payload",)
@@ -200,29 +200,29 @@ class SearchMixin:
                 (self.schema,))}
         return self._job_columns
 
-    @deadlock_retried
     def requeue(self, job_ids):
         given = control.check_ids(job_ids, most=None)
-        out = {}
         with self._guard("requeue"):
             db = self._conn()
             cleared = [c for c in _CLEARED_IF_PRESENT if c in self._columns(db)]
-            for job_id in self._parents_first(db, given):
-                try:
-                    with db.transaction():
-                        row = db.execute(f"SELECT state FROM {self._jobs} WHERE id = %s FOR UPDATE",
-                                         (job_id,)).fetchone()
-                        if row is None:
-                            out[job_id] = "unknown"
-                        elif row[0] == "done":
-                            out[job_id] = "done"
-                        elif row[0] not in _REQUEUE_FROM:
-                            out[job_id] = "not_finished"
-                        else:
-                            out[job_id] = self._put_back(db, job_id, cleared)
-                except pgerrors.UniqueViolation:  # its idempotency key is held by an unfinished job
-                    out[job_id] = "conflict"
+            # A job a transaction: a deadlock's victim is that job's alone, run again alone.
+            out = {job_id: deadlock_retried_step("requeue", lambda: self._requeue_one(db, job_id, cleared))
+                   for job_id in self._parents_first(db, given)}
         return {job_id: out[job_id] for job_id in given}
+
+    def _requeue_one(self, db, job_id, cleared):
+        try:
+            with db.transaction():
+                row = db.execute(f"SELECT state FROM {self._jobs} WHERE id = %s FOR UPDATE", (job_id,)).fetchone()
+                if row is None:
+                    return "unknown"
+                if row[0] == "done":
+                    return "done"
+                if row[0] not in _REQUEUE_FROM:
+                    return "not_finished"
+                return self._put_back(db, job_id, cleared)
+        except pgerrors.UniqueViolation:  # its idempotency key is held by an unfinished job
+            return "conflict"
 
     def _parents_first(self, db, job_ids):
         """``job_ids`` with a parent named with its child first, so that the child, put back after

@@ -50,7 +50,7 @@ from psycopg.rows import tuple_row
 from ...dependencies import KEY_HELD_BY, ON_SUCCESS, PARENT_FAILED, merged, order, start
 from ...errors import BrokerError
 from ...model import first_token, id_taken
-from .connection import deadlock_retried
+from .deadlocks import deadlock_retried
 from .statements import FIRST_TOKEN, UNFINISHED
 
 _FINISHED = "('done', 'dead', 'cancelled', 'expired')"
