@@ -208,7 +208,7 @@ MUTATIONS = [
              "        now = self.now()\n        with self._write():\n            pass  # once the write lock is ours",
              ("tests/test_sqlite_broker.py", "-k", "wait_for_the_write_lock and renew"),
              "a renewal that waited for SQLite's write lock still grants a whole lease"),
-    Mutation("redis-claim-drops-leased-on-failure", "supervisor/backends/redis/__init__.py",
+    Mutation("redis-claim-drops-leased-on-failure", "supervisor/backends/redis/claims.py",
              "                if not claimed:\n                    raise\n",
              "                raise\n",
              ("tests/test_redis_broker.py", "-k", "later_queues"),
@@ -1472,7 +1472,7 @@ MUTATIONS = [
              "            if True:",
              ("tests/test_ha_cluster.py", "-k", "closed_before_its_handshake"),
              "a cluster node's connection closed before its handshake carried no command: not counted"),
-    Mutation("redis-partial-claim-lost-answer-not-counted", "supervisor/backends/redis/__init__.py",
+    Mutation("redis-partial-claim-lost-answer-not-counted", "supervisor/backends/redis/claims.py",
              "                if self._lost() != lost:  # not a connection refused: the call may have run",
              "                if False:",
              ("tests/test_lost_answers.py", "-k", "kept_one_queues"),
@@ -1801,6 +1801,10 @@ MUTATIONS = [
              "        deadlock_retried_step = lambda what, step: step()  # noqa: E731\n",
              ("tests/test_postgres_broker.py", "-k", "later_one_postgresql_aborts"),
              "a requeue runs again only the job PostgreSQL aborted to break a deadlock"),
+    Mutation("redis-claim-stops-at-the-full-queue", "supervisor/backends/redis/claims.py",
+             "                self._tidy_behind(queue, tidy)\n", "                break\n",
+             (CONFORMANCE, "-k", "redis and behind_a_backlog"),
+             "a queue behind one that fills every claim still has its lost and late jobs ended (Redis)"),
 ]
 
 

@@ -235,6 +235,27 @@ def test_attempts_exhausted_by_expired_leases_go_dead(broker):
     assert [j.id for j in broker.dlq_list()] == [job_id]
 
 
+@pytest.mark.parametrize("limited", [False, True], ids=["plain", "limited"])
+def test_a_queue_behind_a_backlog_that_fills_every_claim_still_has_its_lost_and_late_jobs_ended(broker, limited):
+    """Claims from [A, B] where A's backlog fills each one. On Redis, a claim is a script a
+    queue and stopped at the first full one: B's job whose supervisor died on its last
+    attempt stayed `running` (never dead-lettered, its waiters never told), and its job past
+    its expiry stayed `queued`. The SQL brokers end both at every claim."""
+    lost_id = broker.enqueue(new(queue="B", max_attempts=1))
+    late_id = broker.enqueue(new(queue="B", expires_in=0.2))
+    (lost,) = broker.claim(["B"], 1, 0.2, "crashed")
+    broker.enqueue_many([new(payload={"n": n}, queue="A") for n in range(1000)])
+    wait_past(broker, lost.lease_until)
+    limits = {"t": TypeLimits(max_concurrency=1000)} if limited else None
+
+    def ended():
+        assert [job.queue for job in broker.claim(["A", "B"], 1, 30, "w", limits=limits)] == ["A"]
+        return (broker.get(lost_id).state, broker.get(late_id).state) == ("dead", "expired")
+    wait_for(ended, timeout=10, message="B's lost job dead-lettered and its late job expired")
+    assert broker.get(lost_id).reason == "lease_expired"
+    assert [job.id for job in broker.dlq_list()] == [lost_id]
+
+
 def test_extend_keeps_a_lease_alive_and_reports_lost_ones(broker):
     a, b = broker.enqueue(new()), broker.enqueue(new())
     ja, jb = broker.claim(Q, 2, 0.4, "w")

@@ -3,8 +3,9 @@
 The package's parts: ``connection`` (the URL, the client, errors as
 BrokerError), ``keys`` (the key layout), ``scripts`` (the Lua scripts in
 ``redis_lua/``), ``fields`` (jobs to and from the scripts' strings), ``locate``
-(finding a job's queue from its id), ``search`` (search, count, requeue,
-discard: the search index and its bounds); the other operations are here.
+(finding a job's queue from its id), ``claims`` (the claim, queue by queue),
+``search`` (search, count, requeue, discard: the search index and its bounds);
+the other operations are here.
 
 Every state change (enqueue, claim, extend, ack, retry, dead, release, replay,
 purge, prune) is one script that reads the clock with ``TIME`` and touches one
@@ -20,7 +21,8 @@ Semantics beyond the shared contract:
   queues names two jobs. A finished job frees its key; dlq replay takes it back
   and raises ``BadInput`` if another unfinished job holds it by then.
 * ``claim`` reclaims expired leases of the queues it claims from (bounded per
-  call); a queue nobody claims from keeps its expired leases until someone does.
+  call), those after a queue that filled it at most every second; a queue nobody
+  claims from keeps its expired leases until someone does.
 * ``claim`` with limits (``claim_limited.lua``) keeps the limit state in the
   queue's slot: a type enqueued to two queues is limited per queue. It looks
   at up to ``LIMITED_SCAN`` ready jobs per queue and call, so jobs behind more
@@ -45,9 +47,9 @@ from ...errors import BadInput, BrokerError, LeaseLost
 from ...jsonvalues import info_members, result_json
 from ...model import QueueStats, chosen_ids, id_taken, one_per_id
 from ..base import Broker
-from ..limits import active
 from . import scripts, workflows
 from .calls import ScriptCalls
+from .claims import Claims
 from .connection import DONE_GRACE, connect, guard
 from .control import ControlMixin
 from .deadletters import DeadLetters
@@ -60,16 +62,14 @@ from .search import SearchMixin
 
 log = logging.getLogger("tangguh.broker")
 
-LIMITED_SCAN = 1000  # ready entries one limited claim looks at per queue (held-back jobs included)
 BATCH = 1000  # jobs per enqueue script call: bounds one script's run time
 ACK_ARGUMENT_BYTES = 32 * 1024 * 1024  # an ack_many call's one argument: far below Redis's 512 MB
 CLOCK_REFRESH = 30.0
-PARTIAL_WARN_EVERY = 60.0  # seconds between warnings of a queue failing its part of claims
 # The enqueue scripts' job list: one encoder for every call (json.dumps with options builds one each time).
 _BATCH = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
-class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, DeadLetters, OnceRecords, Pruning,
+class RedisBroker(workflows.Workflows, Claims, ScriptCalls, ControlMixin, SearchMixin, DeadLetters, OnceRecords, Pruning,
                   Broker):
     def __init__(self, url):
         self.url = url
@@ -87,6 +87,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
         self._wakeup_sock = None
         self._wakeups_lost = False
         self._partial_warned = {}  # queue -> when its failed part of a claim was last logged
+        self._tidy_due = {}  # queue -> when a claim full before it next tidies it (_queue_by_queue)
 
     @guard
     def migrate(self):
@@ -186,65 +187,7 @@ class RedisBroker(workflows.Workflows, ScriptCalls, ControlMixin, SearchMixin, D
             if queue != chosen[job_id]:
                 raise id_taken(job_id, queue)
 
-    # -- leasing ----------------------------------------------------------
-    @guard
-    def claim(self, queues, n, lease_seconds, owner, limits=None):
-        lease_us = max(1, int(lease_seconds * 1e6))
-        owner_json = json.dumps(owner)
-        for queue in queues:
-            self.keys.for_scripts(queue)  # a bad name fails the claim before any queue's jobs are leased
-        limits = active(limits)
-        if limits:
-            return self._runnable(self._claim_limited(queues, n, lease_us, owner, owner_json, limits))
-        return self._runnable(self._queue_by_queue(queues, n, lambda queue, want: self._leased(
-            queue, self._run("claim", queue, [want, lease_us, owner, owner_json]))))
-
-    def _queue_by_queue(self, queues, n, lease):
-        """Up to ``n`` jobs, one script call per queue in order: ``lease(queue, want)`` -> that queue's jobs.
-
-        When a queue's call fails (its Cluster node failing over, the connection dropped),
-        the jobs the calls before it leased are returned, not lost with the exception: they
-        would stay leased to nobody, an attempt spent, until their leases expire. The
-        failure is raised when nothing was leased, so an outage still reads as one. A failed
-        call whose answer was lost may have leased jobs all the same: it counts in
-        ``calls_resent``, so the supervisor looks for them as after a resent claim (orphans.py).
-        """
-        claimed = []
-        for queue in queues:
-            if len(claimed) >= n:
-                break
-            lost = self._lost()
-            try:
-                claimed.extend(lease(queue, n - len(claimed)))
-            except RedisError as exc:
-                if not claimed:
-                    raise
-                if self._lost() != lost:  # not a connection refused: the call may have run
-                    self.calls_resent += 1
-                now = time.monotonic()
-                if now - self._partial_warned.get(queue, -PARTIAL_WARN_EVERY) >= PARTIAL_WARN_EVERY:
-                    self._partial_warned[queue] = now  # a queue on a failing node fails every claim
-                    log.warning("claim from queue %r failed; the jobs leased from the queues before it are kept:"
-                                " %s: %s", queue, type(exc).__name__, exc,
-                                extra={"event": "claim_partial", "queue": queue})
-                break
-        return claimed
-
-    def _claim_limited(self, queues, n, lease_us, owner, owner_json, limits):
-        """Per queue, one round trip: claim.lua with n = 0 (reclaim, promote), then claim_limited.lua."""
-        spec = json.dumps({t: [-1 if lim.max_concurrency is None else lim.max_concurrency, int(lim.exclusive),
-                               lim.rate[0] if lim.rate else 0, int(lim.rate[1] * 1e6) if lim.rate else 0]
-                           for t, lim in limits.items()}, separators=(",", ":"))
-
-        def lease(queue, want):
-            calls = [("claim", queue, [0, lease_us, owner, owner_json]),
-                     ("claim_limited", queue, [want, lease_us, owner, owner_json, spec, LIMITED_SCAN])]
-            expired, leased = self._run_many(calls)
-            self._leased(queue, expired)  # records what the plain claim ended expired
-            return self._leased(queue, leased)
-
-        return self._queue_by_queue(queues, n, lease)
-
+    # -- leasing: claims.py ---------------------------------------------
     @guard
     def extend(self, leases, lease_seconds):
         lease_us = max(1, int(lease_seconds * 1e6))
