@@ -55,6 +55,7 @@ def tangguh_client(tangguh_config, tangguh_broker):
     before = jobref.save()
     jobref.configure(client=client)
     testing.clock.offset = 0.0
+    testing.on_test_clock(client)
     yield client
     jobref.restore(before)
     client.close()

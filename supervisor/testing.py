@@ -7,7 +7,10 @@ broker writes. Only the clock differs: the broker reads ``clock``, and when
 nothing is due but a job is waiting out a retry backoff, the clock jumps to
 it, so a retry path runs in no time. It needs a SQLite broker (the
 ``tangguh_broker`` fixture); a job enqueued with a ``delay`` waits for
-``testing.clock.advance(seconds)``. A hard timeout needs a real child to kill, so
+``testing.clock.advance(seconds)``. The client's broker reads the same clock
+(``on_test_clock``: the ``tangguh_client`` fixture's, and ``run_jobs``'s client), so
+what a producer stamps after a skipped backoff (``delay``, ``expires_in``) counts
+from the time the jobs saw, as on a daemon whose clock really moved. A hard timeout needs a real child to kill, so
 test it with ``tangguh_supervisor``.
 
 The pytest fixtures (``tangguh_config``, ``tangguh_broker``, ``tangguh_client``,
@@ -82,6 +85,7 @@ def run_jobs(client=None, until="idle", *, handlers=None, queues=None, max_runs=
     handlers = _handlers(handlers, cfg)
     limit = max_runs if until == "idle" else int(until)
     broker = _own_broker(client.url)
+    on_test_clock(client)
     toolkit.configure(cfg.toolkit)
     queues = list(queues or client.queues)
     ran = []
@@ -167,6 +171,13 @@ def _own_broker(url):
         raise ValueError("run_jobs needs a SQLite broker (the tangguh_broker fixture gives one)")
     broker.now = clock.now  # claims, leases and retry due times all read the test's clock
     return broker
+
+
+def on_test_clock(client):
+    """Put ``client``'s broker on ``clock``: the times it stamps (a ``delay``'s run time, an
+    ``expires_in``'s deadline) then count from the clock ``run_jobs`` claims by."""
+    if hasattr(client.broker, "path"):  # SQLite: run_jobs refuses any other broker
+        client.broker.now = clock.now
 
 
 def _handlers(given, cfg):

@@ -1805,6 +1805,10 @@ MUTATIONS = [
              "                self._tidy_behind(queue, tidy)\n", "                break\n",
              (CONFORMANCE, "-k", "redis and behind_a_backlog"),
              "a queue behind one that fills every claim still has its lost and late jobs ended (Redis)"),
+    Mutation("run-jobs-producer-on-real-time", "supervisor/testing.py",
+             "    on_test_clock(client)\n    toolkit.configure", "    toolkit.configure",
+             ("tests/test_testing.py", "-k", "skipped_backoff"),
+             "after run_jobs skipped a backoff, a producer stamps delays and expiries on the jobs' clock"),
 ]
 
 

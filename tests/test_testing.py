@@ -89,6 +89,24 @@ def test_the_backoff_passes_at_once(tangguh_config, tangguh_client):
                                                               (3, "done", None)]
 
 
+def test_after_a_skipped_backoff_the_producer_stamps_on_the_clock_the_jobs_saw(tangguh_config, tangguh_client):
+    """run_jobs skipped an hour's backoff by moving its clock; the producer stamped later jobs
+    with the real time: a job given 10 minutes to start ended expired at once, and a delayed
+    job ran without the clock.advance the docs ask for."""
+    long_backoff = testing.write_config(os.path.dirname(tangguh_config),
+                                        os.path.dirname(outcomes_file(tangguh_config)),
+                                        jobs={"backoff_base": 3600.0, "backoff_cap": 7200.0})
+    with supervisor.Client.from_config(long_backoff) as client:
+        client.enqueue("flaky", {"succeed_on": 2})
+        assert [r.outcome for r in testing.run_jobs(client)] == ["retry", "done"]
+        soon = client.enqueue("greet", {"name": "ada"}, expires_in=600)
+        later = client.enqueue("greet", {"name": "bob"}, delay=60)
+        assert [r.job_id for r in testing.run_jobs(client)] == [soon]
+        assert client.get(soon).state == "done"
+        testing.clock.advance(60)
+        assert [r.job_id for r in testing.run_jobs(client)] == [later]
+
+
 def test_a_soft_timeout_in_process(tangguh_client):
     job_id = tangguh_client.enqueue("slow", {})
     (ran,) = testing.run_jobs(tangguh_client)
