@@ -64,7 +64,8 @@ class Client:
     """Enqueue jobs and read their state. Thread-safe: calls from several threads take turns."""
 
     def __init__(self, url, *, queues=None, config=None):
-        scheme_of(url)  # fail now on a URL no broker can open (BrokerError)
+        if scheme_of(url) == "sqlite":  # fail now on a URL no broker can open (BrokerError)
+            url = _absolute_sqlite(url)
         self.url = url
         self.config = config
         self.queues = list(queues or (config.broker.queues if config else [DEFAULT_QUEUE]))
@@ -313,6 +314,16 @@ class Client:
     def discard(self, job_ids):
         """Delete jobs that are not running; ``{id: outcome}``."""
         return self._run("discard", _ids(job_ids))
+
+
+def _absolute_sqlite(url):
+    """A relative ``sqlite:///jobs.db`` made absolute once, against today's working directory: the
+    client's later brokers (wait's own, one reopened after ``close``, a forked child's) open the
+    file its enqueues went to, wherever the process has moved since."""
+    try:
+        return config_module.resolve_broker_url(url, os.getcwd())
+    except config_module.ConfigError:
+        return url  # opening it names what is wrong, as a BrokerError
 
 
 def _after_fork_in_child():

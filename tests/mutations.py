@@ -1809,6 +1809,10 @@ MUTATIONS = [
              "    on_test_clock(client)\n    toolkit.configure", "    toolkit.configure",
              ("tests/test_testing.py", "-k", "skipped_backoff"),
              "after run_jobs skipped a backoff, a producer stamps delays and expiries on the jobs' clock"),
+    Mutation("client-relative-sqlite-per-open", "supervisor/client.py",
+             "            url = _absolute_sqlite(url)\n", "            pass\n",
+             ("tests/test_client_threads.py", "-k", "relative_sqlite"),
+             "a relative SQLite URL names one database for a client's whole life"),
 ]
 
 

@@ -151,3 +151,23 @@ def test_waits_one_after_another_reuse_their_broker_and_many_at_once_keep_a_few(
     client.close()
     waiting.join(30)
     assert client._waits.idle == [] and sorted(map(id, closed)) == sorted(map(id, opened))
+
+
+def test_a_relative_sqlite_url_names_one_file_for_the_clients_whole_life(tmp_path, monkeypatch):
+    """The wait broker opened later, after the process changed directory, looked for
+    ``jobs.db`` in the new one: "unknown job", and an empty database left there."""
+    (tmp_path / "app").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "app")
+    with open_broker("sqlite:///jobs.db") as broker:
+        broker.migrate()
+    client = Client.from_url("sqlite:///jobs.db")
+    try:
+        job_id = client.enqueue("t", {})
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        assert client.wait(job_id, 0.01) is None  # not finished, and found
+        client.close()  # reopened on the next call, in the directory of its first
+        assert client.get(job_id).state == "queued"
+    finally:
+        client.close()
+    assert list((tmp_path / "elsewhere").iterdir()) == []
