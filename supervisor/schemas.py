@@ -11,6 +11,7 @@ hands the handler the typed object.
 Dataclasses and TypedDicts are checked here against their annotations: the
 JSON types (str, int, float, bool, None), ``list[...]``, ``dict[str, ...]``,
 ``tuple[X, ...]`` and ``tuple[X, Y]`` (a JSON list; the handler gets a tuple),
+``set[X]`` and ``frozenset[X]`` (a JSON list; the handler gets the set),
 ``X | None``, ``Literal[...]``, ``Any``, and nested dataclasses or TypedDicts.
 An annotation outside that set is accepted as it comes. A dataclass's
 ``field(init=False)`` is not part of its payload (the class computes it), and a
@@ -50,7 +51,7 @@ def dump(schema, value):
     if kind == "dataclass" and isinstance(value, schema):
         value = _as_json(value)
     elif kind == "pydantic" and isinstance(value, schema):
-        value = value.model_dump(mode="json")
+        value = value.model_dump(mode="json", by_alias=True)  # model_validate reads a field's alias
     elif kind == "msgspec" and isinstance(value, schema):
         import msgspec
 
@@ -135,6 +136,8 @@ def _check(tp, value, path):
             return tuple(_check(item, v, f"{path}[{i}]") for i, (item, v) in enumerate(zip(args, value)))
         item = args[0] if args else typing.Any
         items = [_check(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        if origin in (set, frozenset):
+            return _as_set(origin, items, where)
         return tuple(items) if origin is tuple or tp is tuple else items
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
@@ -197,14 +200,27 @@ _SCALARS = (str, int, float, bool, type(None))
 
 def _as_json(value):
     """A dataclass instance as its payload: its init fields only (the ones ``load`` passes back
-    to the class; an ``init=False`` field is the class's to compute), tuples as lists."""
+    to the class; an ``init=False`` field is the class's to compute), tuples and sets as lists."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _as_json(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
     if isinstance(value, (list, tuple)):
         return [_as_json(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        try:
+            value = sorted(value)  # one payload for one set, whatever its hash order
+        except TypeError:
+            pass
+        return [_as_json(v) for v in value]
     if isinstance(value, dict):
         return {k: _as_json(v) for k, v in value.items()}
     return value
+
+
+def _as_set(kind, items, where):
+    try:
+        return kind(items)
+    except TypeError:  # set[list[int]]: a list is no set member
+        raise SchemaError(f"{where}: items of a set must be hashable, got a list or an object") from None
 
 
 def _json_name(value):

@@ -11,6 +11,7 @@ import supervisor
 from supervisor import child, protocol, registry, schemas
 from supervisor.client import Client
 from supervisor.errors import BadInput
+from supervisor.schemas import SchemaError
 
 
 @dataclasses.dataclass
@@ -113,6 +114,40 @@ def test_pydantic_models():
     assert schemas.load(Invoice, {"invoice_id": 3}).invoice_id == 3
     with pytest.raises(BadInput, match=r"payload: tags\.0: Input should be a valid string"):
         schemas.dump(Invoice, {"invoice_id": 3, "tags": [1]})
+
+
+def test_a_pydantic_model_with_field_aliases_enqueued_as_an_instance():
+    """model_dump wrote field names and model_validate wanted the aliases: a valid instance was
+    refused ("orderId: Field required") where the same payload as a dict passed."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Order(pydantic.BaseModel):
+        order_id: int = pydantic.Field(alias="orderId")
+
+    assert schemas.dump(Order, Order(orderId=7)) == {"orderId": 7}
+    assert schemas.load(Order, schemas.dump(Order, Order(orderId=7))).order_id == 7
+
+
+def test_set_fields_are_json_lists_and_sets_again_in_the_handler():
+    """A set field's instance was refused ("expected a list, got set"), and a payload's list
+    reached the handler as a list."""
+    @dataclasses.dataclass
+    class Tagged:
+        tags: set[int]
+        kinds: frozenset[str] = frozenset()
+
+    assert schemas.dump(Tagged, Tagged({3, 1, 2}, frozenset({"b", "a"}))) == {"tags": [1, 2, 3], "kinds": ["a", "b"]}
+    loaded = schemas.load(Tagged, {"tags": [2, 1, 2], "kinds": ["a"]})
+    assert (loaded.tags, loaded.kinds) == ({1, 2}, frozenset({"a"}))
+    with pytest.raises(BadInput, match=r"payload: tags\[0\]: expected int, got str"):
+        schemas.dump(Tagged, {"tags": ["x"]})
+
+    @dataclasses.dataclass
+    class Nested:
+        groups: set[list[int]]  # no set can hold a list: refused as the payload's fault, not a crash
+
+    with pytest.raises(SchemaError, match="groups: items of a set must be hashable"):
+        schemas.load(Nested, {"groups": [[1]]})
 
 
 def test_msgspec_structs():
