@@ -39,6 +39,7 @@ import weakref
 from . import config as config_module
 from . import tracing
 from .backends.base import open_broker, scheme_of
+from .backends.control import check_ids, check_timeout
 from .errors import BadInput, BrokerError
 from .jobfilter import JobFilter, check_page, decode_cursor
 from .logs import job_fields
@@ -249,8 +250,8 @@ class Client:
 
     # -- reading ------------------------------------------------------------
     def get(self, job_id):
-        """The ``Job`` with that id, or None."""
-        return self._run("get", job_id)
+        """The ``Job`` with that id, or None. BadInput for an id no job can have."""
+        return self._run("get", _one_id(job_id))
 
     def stats(self, queues=None):
         """``{queue: QueueStats}`` for ``queues`` (default: the client's queues)."""
@@ -260,6 +261,7 @@ class Client:
         """The job once it is finished (done, dead, cancelled or expired), or None after ``timeout`` seconds.
 
         Woken by the broker's own notification, not a poll. BadInput for an unknown id."""
+        job_id, timeout = _one_id(job_id), check_timeout(timeout)  # a finished job's answer too
         if self._lock.acquire(blocking=False):  # never queued behind another thread's call
             try:
                 job = None if self._busy else self.broker.get(job_id)
@@ -314,6 +316,12 @@ class Client:
     def discard(self, job_ids):
         """Delete jobs that are not running; ``{id: outcome}``."""
         return self._run("discard", _ids(job_ids))
+
+
+def _one_id(job_id):
+    """The id, or BadInput naming it: one line on every broker (PostgreSQL answered an int with
+    a schema error, a lone surrogate was an encoding error)."""
+    return check_ids([job_id])[0]
 
 
 def _absolute_sqlite(url):

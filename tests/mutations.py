@@ -1828,6 +1828,21 @@ MUTATIONS = [
              "    if False:\n        try:",
              ("tests/test_schemas.py", "-k", "set_fields"),
              "a schema instance's set field is stored as a JSON list"),
+    Mutation("client-wait-id-unchecked", "supervisor/client.py",
+             "        job_id, timeout = _one_id(job_id), check_timeout(timeout)  # a finished job's answer too\n",
+             "",
+             ("tests/test_client_threads.py", "-k", "no_job_can_have or bad_timeout"),
+             "a wait with an id no job can have or a bad timeout is one BadInput line, a finished job's too"),
+    Mutation("cli-wait-infinite-timeout-refused", "supervisor/cli/control.py",
+             "    if timeout == math.inf:  # for as long as it takes, as without --timeout\n        timeout = None\n",
+             "",
+             ("tests/test_cli_control.py", "-k", "infinite_timeout"),
+             "tangguh job --wait --timeout inf waits as long as it takes"),
+    Mutation("client-get-id-unchecked", "supervisor/client.py",
+             "        return self._run(\"get\", _one_id(job_id))",
+             "        return self._run(\"get\", job_id)",
+             ("tests/test_client_threads.py", "-k", "no_job_can_have"),
+             "a get of an id no job can have is one BadInput line on every broker"),
 ]
 
 

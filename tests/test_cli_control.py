@@ -126,6 +126,13 @@ def test_job_wait_exits_124_on_timeout_and_1_for_an_unknown_job(capsys, cfg_path
     assert code == 2 and "--timeout" in err
 
 
+def test_job_wait_with_an_infinite_timeout_waits_as_long_as_it_takes(capsys, cfg_path, broker):
+    job_id = broker.enqueue(NewJob("email", {}))
+    broker.cancel([job_id], "ops", None)
+    code, out, err = tangguh(capsys, "job", job_id, "--wait", "--timeout", "inf", "-c", cfg_path)
+    assert code == 1 and "cancelled" in out, err
+
+
 def test_job_wait_as_a_process_is_woken_by_another_process_ack(tmp_path, cfg_path, broker):
     job_id = broker.enqueue(NewJob("email", {}))
     job = claim_one(broker)

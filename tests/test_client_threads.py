@@ -12,6 +12,7 @@ from supervisor import waitbrokers
 from supervisor.client import Client
 from supervisor.errors import BadInput
 from supervisor.jobfilter import JobFilter
+from supervisor.model import NewJob
 
 from .util import wait_for
 
@@ -171,3 +172,27 @@ def test_a_relative_sqlite_url_names_one_file_for_the_clients_whole_life(tmp_pat
     finally:
         client.close()
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", [12345, "", "job\x00x", "job_\ud800", "j" * 256])
+def test_an_id_no_job_can_have_is_one_bad_input_line_on_every_broker(broker_url, bad):
+    """PostgreSQL answered wait(12345) with "schema missing or outdated (run tangguh db migrate)",
+    a NUL id with a query failure; a lone surrogate was a raw UnicodeEncodeError."""
+    with open_broker(broker_url) as broker:
+        broker.migrate()
+    with Client.from_url(broker_url) as client:
+        for call in (lambda: client.get(bad), lambda: client.wait(bad, 0.01)):
+            with pytest.raises(BadInput, match="job id must be a string of 1 to 255 characters"):
+                call()
+
+
+def test_a_wait_with_a_bad_timeout_is_refused_for_a_finished_job_too(broker_url):
+    with open_broker(broker_url) as broker:
+        broker.migrate()
+        job_id = broker.enqueue(NewJob("t", {}))
+        broker.cancel([job_id], "ops", None)
+    with Client.from_url(broker_url) as client:
+        assert client.wait(job_id, 0).state == "cancelled"
+        for timeout in (-5, float("nan"), float("inf"), "1"):
+            with pytest.raises(BadInput, match="timeout must be a number of seconds >= 0"):
+                client.wait(job_id, timeout)

@@ -5,6 +5,7 @@ works from any machine that reaches the broker and sees every supervisor
 sharing it.
 """
 import getpass
+import math
 import socket
 import sys
 import time
@@ -111,6 +112,8 @@ def wait_job(client, job_id, timeout):
     """The finished job, or None once ``timeout`` seconds passed (None: wait for as long as it takes)."""
     if timeout is not None and not timeout >= 0:
         raise BadInput(f"--timeout must be a number of seconds >= 0, got {timeout}")
+    if timeout == math.inf:  # for as long as it takes, as without --timeout
+        timeout = None
     if client.broker.get(job_id) is None:
         raise Failure(f"job {job_id} not found")
     deadline = None if timeout is None else time.monotonic() + timeout
