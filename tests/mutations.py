@@ -1843,6 +1843,11 @@ MUTATIONS = [
              "        return self._run(\"get\", job_id)",
              ("tests/test_client_threads.py", "-k", "no_job_can_have"),
              "a get of an id no job can have is one BadInput line on every broker"),
+    Mutation("test-config-serves-default-only", "supervisor/testdaemon.py",
+             "\n                   \"queues\": _queues_of(handlers)},",
+             "},",
+             ("tests/test_testing.py", "-k", "own_queue"),
+             "a test config serves the queues its handlers name"),
 ]
 
 

@@ -107,6 +107,14 @@ def test_after_a_skipped_backoff_the_producer_stamps_on_the_clock_the_jobs_saw(t
         assert [r.job_id for r in testing.run_jobs(client)] == [later]
 
 
+def test_a_handler_decorated_with_its_own_queue_is_enqueued_and_run_in_a_test(tangguh_client, tangguh_config):
+    """The test config served `default` only: `notify.enqueue` was refused ("queue 'emails' is
+    not one of the configured broker.queues"), where a daemon serving that queue runs it."""
+    assert supervisor.config.load(tangguh_config).broker.queues == ["default", "emails"]
+    job_id = outcomes.notify.enqueue({})
+    assert [(r.job_id, r.result) for r in testing.run_jobs(tangguh_client)] == [(job_id, {"queue": "emails"})]
+
+
 def test_a_soft_timeout_in_process(tangguh_client):
     job_id = tangguh_client.enqueue("slow", {})
     (ran,) = testing.run_jobs(tangguh_client)

@@ -42,3 +42,8 @@ def stuck(ctx, payload):
     while True:  # only the supervisor's hard timeout ends it
         pass
 
+
+
+@supervisor.job("notify", queue="emails")
+def notify(ctx, payload):
+    return {"queue": ctx.job.queue}
