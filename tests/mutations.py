@@ -1848,6 +1848,11 @@ MUTATIONS = [
              "},",
              ("tests/test_testing.py", "-k", "own_queue"),
              "a test config serves the queues its handlers name"),
+    Mutation("prefetched-job-runs-past-its-expiry", "supervisor/master/dispatch.py",
+             "        if self.start_by:\n            self.give_back_late()\n",
+             "",
+             ("tests/test_prefetch.py", "-k", "expiry_passes"),
+             "a job a supervisor prefetched and held past its expiry ends expired, never run"),
 ]
 
 

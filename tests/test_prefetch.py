@@ -181,6 +181,31 @@ def test_a_long_job_never_waits_behind_another_while_a_sibling_supervisor_is_idl
         b.stop()
 
 
+def test_a_prefetched_job_whose_expiry_passes_while_it_waits_ends_expired_never_run(tmp_path, broker_url):
+    """A short job claimed while the only child was busy waited in the master past its expiry,
+    then ran and ended done: "a job not started by then ends expired" held only in the broker.
+    Handed back untouched now, it is ended expired by the next claim, no attempt spent."""
+    d = Daemon(tmp_path, broker_url, supervisor={"workers": 1})
+    release = d.marker("release")
+    try:
+        d.start()
+        for job_id in [d.enqueue("noop") for _ in range(3)]:
+            d.wait_job(job_id)  # noop is short: claims take it beyond the idle child
+        held = d.enqueue("hold", {"release": release})
+        wait_for(lambda: d.job(held).state == "running", message="the child busy")
+        late = d.enqueue("noop", expires_in=0.5)
+        wait_for(lambda: d.status()["prefetched"] == 1, message="the expiring job prefetched")
+        wait_for(lambda: d.broker.now() > d.job(late).expires_at + 0.1, message="its expiry passed")
+        open(release, "w").close()
+        job = d.wait_job(late, states=("done", "expired"))
+        assert (job.state, job.attempt) == ("expired", 0), job.history
+        assert d.wait_job(held).state == "done"
+        d.assert_clean()
+    finally:
+        open(release, "w").close()
+        d.stop()
+
+
 def test_large_jobs_are_prefetched_a_few_at_a_time(tmp_path):
     """A quick type with large payloads counted as short: 32 jobs per child waited in the
     master, each decoded, several times its size (ten 7 MB payloads: a 0.9 GB peak). At most

@@ -8,6 +8,12 @@ claims back off up to ``poll_interval``; a broker wake-up (a notification, an
 inotify event) brings the next claim forward at once. Paused queues (as the
 heartbeat last read them) are left out of the claim; the broker refuses them
 anyway, so a pause not yet seen here costs nothing but a wasted slot.
+
+A job with an expiry that waits here past it is handed back untouched, not run:
+the next claim ends it ``expired``, as it would have had it waited in the broker
+("a job not started by then ends expired"). Its deadline is reckoned on this
+machine's monotonic clock from the broker's clock at the claim (its lease's end
+less the lease), so the two machines' clocks need not agree.
 """
 import collections
 import logging
@@ -39,6 +45,7 @@ class Dispatcher:
         self.give_back = give_back
         self.paused = set()  # queues not to claim from (job control: paused in the broker)
         self.prefetched = collections.deque()  # (job, settings), oldest first
+        self.start_by = {}  # job id -> monotonic time its expiry passes, for the prefetched jobs that have one
         # After handing jobs back, claim no more than the idle children can take until a
         # child finishes a job: otherwise a queue of long jobs would be claimed and
         # handed back on every loop turn.
@@ -115,6 +122,8 @@ class Dispatcher:
             if job.type not in self.handlers:
                 self.on_unknown(job, settings)
             else:
+                if job.expires_at is not None:
+                    self.start_by[job.id] = now + job.expires_at - (job.lease_until - b.lease_seconds)
                 self.prefetched.append((job, settings))
                 self.recheck = True
         if jobs:
@@ -138,6 +147,8 @@ class Dispatcher:
         hold every waiting job behind it while a sibling child idles. A child
         whose last job ran long gets one job at a time.
         """
+        if self.start_by:
+            self.give_back_late()
         free = self.pool.free()
         soon = sum(1 for c in self.pool.live() if c.job is not None and len(c.queued) < self.prefetch.refill)
         share = -(-len(self.prefetched) // max(1, len(free) + soon))
@@ -154,6 +165,23 @@ class Dispatcher:
         if self.prefetched and self.prefetch.auto and self.recheck:
             self.surplus()
         self.recheck = False
+
+    def give_back_late(self):
+        """Hand back the prefetched jobs whose expiry passed while they waited here."""
+        now = time.monotonic()
+        late = {job_id for job_id, at in self.start_by.items() if at <= now}
+        if not late:
+            return
+        for job_id in late:  # the ones no longer here (run, handed back, lost) are forgotten too
+            del self.start_by[job_id]
+        kept = collections.deque()
+        for entry in self.prefetched:
+            if entry[0].id in late:
+                self.give_back(entry[0])
+                self.wake()  # the claim that ends it expired
+            else:
+                kept.append(entry)
+        self.prefetched = kept
 
     def top_up(self, share):
         """The next batch of short jobs to each busy child whose batch is running low.
