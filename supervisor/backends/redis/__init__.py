@@ -69,8 +69,8 @@ CLOCK_REFRESH = 30.0
 _BATCH = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
-class RedisBroker(workflows.Workflows, Claims, ScriptCalls, ControlMixin, SearchMixin, DeadLetters, OnceRecords, Pruning,
-                  Broker):
+class RedisBroker(workflows.Workflows, Claims, ScriptCalls, ControlMixin, SearchMixin, DeadLetters, OnceRecords,
+                  Pruning, Broker):
     def __init__(self, url):
         self.url = url
         conn = connect(url)
