@@ -277,7 +277,7 @@ MUTATIONS = [
              ("tests/test_damaged_records.py", "-k", "other_text"),
              "a job whose stored max_attempts, timeout or priority is text is dead-lettered at claim"),
     Mutation("claimed-trusts-history-entries", "supervisor/master/status.py",
-             "        expired = isinstance(before, dict) and before.get(", "        expired = before and before.get(",
+             "    return isinstance(before, dict) and before.get(", "    return before and before.get(",
              ("tests/test_damaged_records.py", "-k", "no_attempt_objects"),
              "a stored history entry that is no object does not end the master at the claim"),
     Mutation("sqlite-claim-sorts-text-priority", "supervisor/backends/sqlite/rows.py",
@@ -1853,6 +1853,16 @@ MUTATIONS = [
              "",
              ("tests/test_prefetch.py", "-k", "expiry_passes"),
              "a job a supervisor prefetched and held past its expiry ends expired, never run"),
+    Mutation("claim-room-reopened-at-every-end", "supervisor/master/dispatch.py",
+             "            self.recheck = self.prefetch.keep(job_type) < before\n",
+             "            self.recheck = self.prefetch.keep(job_type) < before\n        self.room_closed = False\n",
+             ("tests/test_prefetch.py", "-k", "a_child_at_a_time"),
+             "a backlog of long jobs handed back is claimed a child at a time, not whole at every completion"),
+    Mutation("claimed-counted-at-claim", "supervisor/master/dispatch.py",
+             "            self.on_claimed(job)\n            settings = self.settings_for(job)\n",
+             "            self.on_claimed(job)\n            self.on_started(job)\n            settings = self.settings_for(job)\n",
+             ("tests/test_prefetch.py", "-k", "a_child_at_a_time"),
+             "tangguh_jobs_claimed_total counts attempts started, not claims a hand-back makes again"),
 ]
 
 

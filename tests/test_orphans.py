@@ -228,7 +228,7 @@ def test_a_claim_tried_while_the_server_refuses_connections_is_not_a_claim_given
                       on_down=lambda _: None, pid=os.getpid())
     pool = types.SimpleNamespace(target=1, free=lambda: ["an idle child"])
     d = Dispatcher(cfg, {}, "me:1", link, pool, Prefetch("auto", 1), hold=None, settings_for=None, on_claimed=None,
-                   on_unknown=None, on_expired=None, give_back=None)
+                   on_unknown=None, on_expired=None, give_back=None, on_started=None)
     unanswered = []
     d.on_unanswered = unanswered.append
     for _ in range(3):

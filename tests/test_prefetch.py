@@ -6,7 +6,7 @@ from supervisor.master.dispatch import Dispatcher
 from supervisor.master.prefetch import BYTES, PER_CHILD, Prefetch
 from supervisor.model import Job, NewJob
 
-from .daemon import Daemon, read_lines
+from .daemon import Daemon, read_lines, tangguh
 from .util import wait_for
 
 
@@ -39,7 +39,7 @@ def dispatcher(types, give_back, pool=None):
     cfg = config.from_dict({"supervisor": {"workers": 2}, "broker": {"prefetch": "auto"}})
     return Dispatcher(cfg, dict.fromkeys(types), "host:1:ab", link=None, pool=pool, prefetch=Prefetch("auto", 2),
                       hold=None, settings_for=None, on_claimed=None, on_unknown=None, on_expired=None,
-                      give_back=give_back)
+                      give_back=give_back, on_started=lambda job: None)
 
 
 def job_of(job_type, n):
@@ -203,6 +203,30 @@ def test_a_prefetched_job_whose_expiry_passes_while_it_waits_ends_expired_never_
         d.assert_clean()
     finally:
         open(release, "w").close()
+        d.stop()
+
+
+def test_a_backlog_of_long_jobs_is_claimed_a_child_at_a_time_once_handed_back(tmp_path):
+    """Once any short type had run, each claim asked for the free child plus a short type's
+    room, and each child's end reopened that room: a backlog of long jobs was claimed whole
+    and handed back at every completion (40 jobs of 0.5 s: 781 claims, each job's fencing
+    token up by 18), and ``tangguh_jobs_claimed_total`` counted every claim as an attempt."""
+    from .test_metrics import samples, value
+
+    d = Daemon(tmp_path, supervisor={"workers": 1})
+    try:
+        d.start()
+        for job_id in [d.enqueue("noop") for _ in range(3)] + [d.enqueue("nap", {"seconds": 0.1})]:
+            d.wait_job(job_id)  # noop is short (a claim's room is 32), nap long (it keeps none)
+        ids = d.broker.enqueue_many([NewJob("nap", {"seconds": 0.05}) for _ in range(8)])
+        assert [d.wait_job(job_id).state for job_id in ids] == ["done"] * 8
+        claims = [len(d.records(job_id=job_id, event="claim")) for job_id in ids]
+        # The first claim takes all eight and hands seven back; then one claim a child's end.
+        assert sum(claims) <= 2 * len(ids), claims
+        scrape = samples(tangguh("metrics", "-c", d.config_path).stdout)
+        assert value(scrape, "tangguh_jobs_claimed_total", queue="default", type="nap") == 1 + len(ids)
+        d.assert_clean()
+    finally:
         d.stop()
 
 

@@ -104,7 +104,7 @@ class Arbiter:
                                      Prefetch(b.prefetch, cfg.supervisor.workers), hold=self.heartbeat.hold,
                                      settings_for=self.settings_for, on_claimed=self.status.claimed,
                                      on_unknown=self.on_unknown_type, on_expired=self.status.expired,
-                                     give_back=self.writer.release)
+                                     give_back=self.writer.release, on_started=self.status.started)
         self.orphans = Orphans(self.link, self.owner, lambda: known_job_ids(self.heartbeat, self.writer,
                                                                             self.dispatcher, self.pool), count)
         self.dispatcher.on_unanswered = self.orphans.claim_unanswered

@@ -29,26 +29,28 @@ log = logging.getLogger("tangguh.arbiter")
 
 class Dispatcher:
     """Callbacks: ``hold(lease)`` the heartbeat starts renewing it; ``on_claimed(job)``
-    counts and logs a claim; ``on_unknown(job, settings)`` a job no handler takes;
+    logs a claim; ``on_started(job)`` counts an attempt that starts (a job sent to a child, or
+    one no handler takes; not one handed back unstarted, which the broker does not count); ``on_unknown(job, settings)`` a job no handler takes;
     ``settings_for(job)`` the rules to claim it under; ``on_expired(job_type)`` a
     job the claim ended ``expired`` (never run); ``give_back(job)`` releases a claimed
     job untouched (no attempt counted). ``prefetch`` is the ``Prefetch`` policy."""
 
     def __init__(self, cfg, handlers, owner, link, pool, prefetch, hold, settings_for, on_claimed, on_unknown,
-                 on_expired, give_back):
+                 on_expired, give_back, on_started):
         self.prefetch = prefetch
         self.configure(cfg, handlers)
         self.owner = owner  # "host:pid:suffix", stored with every lease this supervisor takes
         self.link, self.pool = link, pool
         self.hold, self.settings_for = hold, settings_for
         self.on_claimed, self.on_unknown, self.on_expired = on_claimed, on_unknown, on_expired
-        self.give_back = give_back
+        self.give_back, self.on_started = give_back, on_started
         self.paused = set()  # queues not to claim from (job control: paused in the broker)
         self.prefetched = collections.deque()  # (job, settings), oldest first
         self.start_by = {}  # job id -> monotonic time its expiry passes, for the prefetched jobs that have one
-        # After handing jobs back, claim no more than the idle children can take until a
-        # child finishes a job: otherwise a queue of long jobs would be claimed and
-        # handed back on every loop turn.
+        # After handing jobs back, claim no more than the idle children can take until a claim
+        # brings a job its type lets wait here (short work at the head of the queue). Reopened at
+        # each child's end instead, a backlog of long jobs was claimed whole and handed back at
+        # every completion: 781 claims for 40 jobs, each job's fencing token up by 18.
         self.room_closed = False
         self.recheck = False  # new jobs waiting, or what a type may keep went down: look for surplus
         self.next_claim_at = 0.0
@@ -72,7 +74,6 @@ class Dispatcher:
             before = self.prefetch.keep(job_type)
             self.prefetch.ran(job_type, seconds)
             self.recheck = self.prefetch.keep(job_type) < before
-        self.room_closed = False
 
     def capacity(self):
         self.prefetch.workers = self.pool.target  # TTIN/TTOU change it between reloads
@@ -120,8 +121,11 @@ class Dispatcher:
             self.on_claimed(job)
             settings = self.settings_for(job)
             if job.type not in self.handlers:
+                self.on_started(job)
                 self.on_unknown(job, settings)
             else:
+                if self.room_closed and self.prefetch.keep(job.type) > 0:
+                    self.room_closed = False
                 if job.expires_at is not None:
                     self.start_by[job.id] = now + job.expires_at - (job.lease_until - b.lease_seconds)
                 self.prefetched.append((job, settings))
@@ -220,6 +224,8 @@ class Dispatcher:
         """``batch`` to child ``c``; returns what its pipe could not take. The prefetch learns the jobs' sizes."""
         left = self.pool.run(c, batch)
         sent = batch[:len(batch) - len(left)]
+        for job, _ in sent:
+            self.on_started(job)
         if sent:
             types = [job.type for job, _ in sent]
             before = self.prefetch.keep(types[0])

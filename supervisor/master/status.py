@@ -48,6 +48,14 @@ EVENTS = {
 }
 
 
+def _after_lost_lease(job):
+    """The broker reclaims an expired lease inside claim and closes that attempt as
+    "lease_expired": seen here as the entry before the new one. An entry a hand-edited
+    record holds may be anything: only an object can say so."""
+    before = job.history[-2] if len(job.history) >= 2 else None
+    return isinstance(before, dict) and before.get("outcome") == "lease_expired"
+
+
 class Status:
     def __init__(self, master, metrics, notifier):
         self.master = master  # the wiring: read, never changed
@@ -99,17 +107,16 @@ class Status:
         return series
 
     def claimed(self, job):
-        self.count("claimed", job=job)
-        # The broker reclaims an expired lease inside claim and closes that
-        # attempt as "lease_expired": seen here as the entry before the new one.
-        # An entry a hand-edited record holds may be anything: only an object can say so.
-        before = job.history[-2] if len(job.history) >= 2 else None
-        expired = isinstance(before, dict) and before.get("outcome") == "lease_expired"
-        if expired:
-            self.count("lease_expired", job=job)
         if log.isEnabledFor(logging.DEBUG):  # the fields cost more than a discarded record
             log.debug("job claimed", extra=logs.job_fields(job, event="claim",
-                                                           reason="lease_expired" if expired else None))
+                                                           reason="lease_expired" if _after_lost_lease(job) else None))
+
+    def started(self, job):
+        """An attempt starts: counted here, not at its claim, which a job handed back unstarted
+        (its attempt and history entry taken back by the broker) makes again."""
+        self.count("claimed", job=job)
+        if _after_lost_lease(job):
+            self.count("lease_expired", job=job)
 
     def attempt(self, job, reply):
         """Metrics of one finished attempt: its duration and the child's counter deltas."""
