@@ -30,6 +30,7 @@ from .util import wait_for  # noqa: E402
 SECRET = "4111-1111-1111-1111"
 ADMIN_PW, VIEWER_PW = "admin-password", "viewer-password"
 LOOPBACK = "http://127.0.0.1:9465"  # how a browser on this machine addresses an open console
+HERE = ("127.0.0.1", 50000)  # and where its requests come from (TestClient's default is "testclient")
 _HASHES = {}
 
 
@@ -193,6 +194,36 @@ def test_a_post_without_the_csrf_token_is_refused_and_with_it_the_action_runs_an
     assert {logged["user"], logged["action"], logged["count"]} == {"ada", "dlq_replay", 1}
 
 
+def test_a_replay_at_a_rate_audits_each_call_as_it_goes_and_frees_its_slot_after_the_last(console, broker, caplog):
+    first, second, third, fourth = (dead_job(broker, {"n": n}) for n in range(4))
+    login(console, "ada", ADMIN_PW)
+    token = csrf_of(console.get("/dead").text)
+    caplog.set_level(logging.INFO, logger="tangguh.web")
+
+    def replay(rate, *ids):
+        return console.post("/dead/replay", data={"csrf": token, "ids": list(ids), "rate": rate},
+                            follow_redirects=False)
+
+    for rate in ("1e-9", "0.001", "0", "nan", "inf"):  # one such replay would hold a slot for days
+        refused = replay(rate, first)
+        assert refused.status_code == 400 and "from 0.01" in refused.text, rate
+    assert broker.get(first).state == "dead"
+
+    def audited():
+        return [r.job_ids for r in caplog.records if getattr(r, "action", None) == "dlq_replay"]
+
+    # At 0.02/s the second job waits 50 s; the first one's audit line is written now, not then.
+    assert replay("0.02", first, second).status_code == 303
+    assert wait_for(audited, timeout=5, message="the first call's audit line") == [[first]]
+    assert broker.get(first).state == "queued" and broker.get(second).state == "dead"
+    # A replay's last call ends it: no pause after it holding one of the two slots.
+    assert replay("0.02", third).status_code == 303
+    wait_for(lambda: "by ada: 1 of 1 — finished" in console.get("/dead").text, timeout=5,
+             message="the one-job replay to finish")
+    assert replay("0.02", fourth).status_code == 303, "its slot is free again"
+    wait_for(lambda: broker.get(fourth).state == "queued", timeout=5, message="the fourth job replayed")
+
+
 def test_bearer_tokens_read_and_act_by_role_without_csrf(tmp_path, broker):
     admin_token, admin_digest = auth.new_token()
     viewer_token, viewer_digest = auth.new_token()
@@ -266,7 +297,7 @@ def test_unknown_job_is_a_404_page_and_a_bad_filter_an_inline_error(console):
 
 def test_every_page_renders_with_a_banner_while_the_broker_is_down(tmp_path):
     cfg = make_config(tmp_path, "redis://127.0.0.1:1/0", users=False)
-    with TestClient(web_app.build(cfg, sample_interval=0.05), base_url=LOOPBACK) as client:
+    with TestClient(web_app.build(cfg, sample_interval=0.05), base_url=LOOPBACK, client=HERE) as client:
         wait_for(lambda: client.get("/api/overview").json()["at"], message="the first sample")
         for path in ("/", "/jobs", "/dead", "/queues", "/schedules", "/supervisors"):
             page = client.get(path)
@@ -287,7 +318,7 @@ def test_an_unexpected_error_is_a_page_without_a_traceback(tmp_path, monkeypatch
 
     monkeypatch.setattr(pages, "schedule_listing", explode)
     cfg = make_config(tmp_path, f"sqlite:///{tmp_path}/b.db", users=False)
-    with TestClient(web_app.build(cfg), raise_server_exceptions=False, base_url=LOOPBACK) as client:
+    with TestClient(web_app.build(cfg), raise_server_exceptions=False, base_url=LOOPBACK, client=HERE) as client:
         page = client.get("/schedules")
         assert page.status_code == 500
         assert "secret internals" not in page.text and "Traceback" not in page.text
@@ -374,7 +405,7 @@ def test_an_open_console_answers_loopback_hosts_only_so_a_rebound_dns_name_reach
     cfg = make_config(tmp_path, broker.url, users=False)
 
     def open_console(base):
-        return TestClient(web_app.build(cfg, sample_interval=0.05), base_url=base)
+        return TestClient(web_app.build(cfg, sample_interval=0.05), base_url=base, client=HERE)
 
     with open_console("http://attacker.example:9465") as rebound:
         for answer in (rebound.get("/jobs"), rebound.get("/api/queues"),
@@ -388,6 +419,67 @@ def test_an_open_console_answers_loopback_hosts_only_so_a_rebound_dns_name_reach
     # With users, the session cookie never goes to another host name: no such rule, and none needed.
     with TestClient(web_app.build(make_config(tmp_path, broker.url)), base_url="http://console.internal") as named:
         assert login(named, "ada", ADMIN_PW).status_code == 303
+
+
+def test_an_open_console_serves_no_remote_client_even_through_a_proxy_on_this_machine(tmp_path, broker):
+    """A reverse proxy on this machine forwards remote clients from 127.0.0.1, their Host passed
+    through: a remote client sending `Host: localhost` must not become the anonymous admin."""
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    cfg = make_config(tmp_path, broker.url, users=False)
+    # As `serve` runs it: uvicorn takes the client address from X-Forwarded-For sent by 127.0.0.1.
+    proxied = ProxyHeadersMiddleware(web_app.build(cfg, sample_interval=0.05), trusted_hosts="127.0.0.1")
+    with TestClient(proxied, base_url="http://localhost:9465", client=HERE) as via_proxy:
+        for name, value in (("X-Forwarded-For", "192.0.2.2"), ("Forwarded", "for=192.0.2.2"),
+                            ("X-Real-IP", "192.0.2.2"), ("X-Forwarded-Host", "console.example.com")):
+            for answer in (via_proxy.get("/queues", headers={name: value}),
+                           via_proxy.post("/api/queues/default/pause", json={}, headers={name: value})):
+                assert answer.status_code == 403, name
+                assert answer.text.count("\n") == 1 and "through a proxy" in answer.text and name.lower() in answer.text
+        assert via_proxy.get("/api/queues").status_code == 200  # this machine, no proxy: served
+    # Whatever told the console the client's address, a remote one is refused.
+    with TestClient(web_app.build(cfg, sample_interval=0.05), base_url="http://localhost:9465",
+                    client=("192.0.2.2", 40000)) as remote:
+        for answer in (remote.get("/queues"), remote.post("/api/queues/default/pause", json={})):
+            assert answer.status_code == 403 and "clients on this machine only" in answer.text
+    assert broker.paused() == {}
+
+
+def test_the_form_routes_take_a_small_urlencoded_form_of_strings_only(tmp_path, broker):
+    from supervisor.web.formbody import FORM_LIMIT, URLENCODED
+
+    admin_token, digest = auth.new_token()
+    cfg = make_config(tmp_path, broker.url, tokens={"deploy": {"sha256": digest, "role": "admin"}})
+    job_id = dead_job(broker, {"n": 1})
+    bearer = {"authorization": f"Bearer {admin_token}"}
+    with TestClient(web_app.build(cfg, sample_interval=0.05)) as client:
+        for path in ("/queues/pause", "/jobs/bulk", "/dead/replay", "/dead/purge"):  # JSON goes to /api/
+            answer = client.post(path, json={"queue": "default", "ids": [job_id]}, headers=bearer)
+            assert answer.status_code == 415 and URLENCODED in answer.text, path
+        for path, data, files in (("/dead/replay", {"ids": job_id}, {"rate": ("r", b"1")}),
+                                  ("/jobs/bulk", {"action": "cancel"}, {"ids": ("i", job_id.encode())})):
+            assert client.post(path, data=data, files=files, headers=bearer).status_code == 415, path
+        too_big = b"queue=" + b"a" * FORM_LIMIT
+        assert client.post("/queues/pause", content=too_big, headers={**bearer, "content-type": URLENCODED}
+                           ).status_code == 413
+        assert client.post("/queues/pause", content=b"queue=%ff", headers={**bearer, "content-type": URLENCODED}
+                           ).status_code == 400
+        assert broker.get(job_id).state == "dead" and broker.paused() == {}
+        # Before anyone has logged in: no file, and no body past 64 KiB, whether declared or chunked.
+        token = csrf_of(client.get("/login").text)
+        as_file = client.post("/login", data={"csrf": token, "name": "ada"},
+                              files={"password": ("p", ADMIN_PW.encode())})
+        assert as_file.status_code == 415 and "Log in" in as_file.text
+        assert client.post("/login", content=b"name=" + b"a" * 70_000, headers={"content-type": URLENCODED}
+                           ).status_code == 413
+        chunked = client.post("/login", content=iter([b"name="] + [b"a" * 1024] * 70),
+                              headers={"content-type": URLENCODED})
+        assert chunked.status_code == 413
+        assert client.post("/logout", files={"csrf": ("c", b"x")}).status_code == 415
+        # What the pages post still works.
+        assert client.post("/queues/pause", data={"queue": "default"}, headers=bearer,
+                           follow_redirects=False).status_code == 303 and "default" in broker.paused()
+        assert login(client, "ada", ADMIN_PW).status_code == 303
 
 
 def test_a_viewer_never_sees_a_redacted_field_of_a_parents_result(console, broker):

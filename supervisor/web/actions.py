@@ -161,6 +161,9 @@ def dead_ids(broker, form_ids, group_type, group_reason, cap=BULK_CAP):
     return [j.id for j in broker.dlq_list(group_type, cap) if (j.reason or "-") == (group_reason or j.reason or "-")]
 
 
+MIN_RATE, MAX_RATE = 0.01, 10_000  # slower than one replay in 100 s holds one of the Tasks.MAX slots for days
+
+
 def parse_rate(text):
     if not text:
         return None
@@ -168,8 +171,8 @@ def parse_rate(text):
         rate = float(text)
     except ValueError:
         rate = -1
-    if not 0 < rate <= 10_000:
-        raise BadInput(f"rate: expected a number of replays per second above 0 (up to 10000), got {text!r}")
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise BadInput(f"rate: expected replays per second from {MIN_RATE:g} to {MAX_RATE}, got {text!r}")
     return rate
 
 
@@ -197,14 +200,19 @@ class Tasks:
         batch = max(1, int(rate))  # one call a second at most
         try:
             for i in range(0, len(ids), batch):
+                if i:  # paced between calls only: a pause after the last would hold the slot for nothing
+                    await asyncio.sleep(batch / rate)
                 chunk = ids[i:i + batch]
                 replayed = await console.pool.call(lambda b: b.dlq_replay(chunk))
                 item["done"] += len(replayed)
-                await asyncio.sleep(len(chunk) / rate)
+                # A line per call, not one at the end: a restart partway still leaves the record of what it did.
+                console.audit(identity, "dlq_replay", len(replayed), job_ids=replayed, rate=rate,
+                              progress=f"{item['done']} of {item['total']}")
         except Exception as exc:  # noqa: BLE001 - shown on the page; the console keeps serving
             item["error"] = str(exc)[:200]
+            console.audit(identity, "dlq_replay_stopped", 0, rate=rate, progress=f"{item['done']} of {item['total']}",
+                          error=item["error"])
         item["finished"] = True
-        console.audit(identity, "dlq_replay", item["done"], job_ids=ids, rate=rate)
 
     def listing(self):
         return list(self.items)

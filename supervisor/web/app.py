@@ -97,7 +97,7 @@ def build(cfg, sample_interval=1.0):
     app = Starlette(
         routes=routes(), lifespan=lifespan,
         middleware=[Middleware(SecurityHeaders),
-                    # An open console turns away requests to other hosts (DNS rebinding) before anything.
+                    # An open console turns away requests to other hosts (DNS rebinding) or from other machines first.
                     *([] if auth.auth_configured(cfg.web) else [Middleware(LoopbackHostsOnly)]),
                     Middleware(SessionMiddleware, secret_key=secrets.token_urlsafe(32), session_cookie="tangguh_web",
                                same_site="strict", https_only=False, max_age=SESSION_AGE)],

@@ -2,7 +2,8 @@
 
 ``gate(kind)`` wraps an endpoint: it finds who is asking (``auth.identify``),
 sends a browser without a session to the login page (a script gets 401),
-refuses a change from a viewer (403) or without the CSRF token (403), and
+refuses a change from a viewer (403), a page's form that is not a small
+urlencoded body (``formbody``: 415, 413, 400) or one without the CSRF token (403), and
 turns whatever the endpoint raises into a page or JSON answer without a
 traceback: BadInput into 400 with its message, an outage into 503.
 """
@@ -22,6 +23,7 @@ from ..errors import BadInput, BrokerError
 from ..model import FINISHED
 from . import auth, csrf
 from .brokerio import BrokerPool, Fetch, unreachable, unsupported
+from .formbody import BodyRefused, read_form
 from .live import Sampler
 from .redact import Redactor
 from .throttle import LoginThrottle
@@ -89,12 +91,15 @@ def gate(kind="page", admin=False):
                 return RedirectResponse("/login?next=" + request.url.path, status_code=303)
             form = None
             if request.method == "POST":
-                if request.headers.get("content-type", "").startswith("application/json"):
-                    form = None
-                else:
-                    form = await request.form()
                 if not identity.admin:
                     return refuse(console, request, kind, 403, "viewers cannot change anything")
+                if kind == "page":
+                    try:
+                        form = await read_form(request)
+                    except BodyRefused as exc:
+                        return refuse(console, request, kind, exc.status, str(exc))
+                elif not request.headers.get("content-type", "").startswith("application/json"):
+                    form = await request.form()  # the API's own reader refuses it; the CSRF token may be in it
                 if not csrf.valid(request, identity, form):
                     return refuse(console, request, kind, 403, "missing or wrong CSRF token (reload the page)")
             try:

@@ -8,7 +8,8 @@ from starlette.responses import RedirectResponse
 from .. import scheduler
 from ..errors import BadInput
 from . import auth, csrf
-from .console import gate
+from .console import gate, refuse
+from .formbody import LOGIN_LIMIT, BodyRefused, read_form
 from .forms import form_values, job_filter, query_string
 
 PAGE_SIZE = 50
@@ -180,7 +181,10 @@ async def login_form(request):
 async def login(request):
     c = console_of(request)
     request.state.identity = None
-    form = await request.form()
+    try:
+        form = await read_form(request, LOGIN_LIMIT)  # before anyone has logged in: a small body or nothing
+    except BodyRefused as exc:
+        return c.render(request, "login.html", status=exc.status, next="/", error=str(exc), open=False)
     nxt = _safe_next(form.get("next"))
     if not csrf.valid(request, None, form):
         return c.render(request, "login.html", status=403, next=nxt, error="The form expired: try again.",
@@ -208,7 +212,11 @@ async def login(request):
 
 
 async def logout(request):
-    form = await request.form()
+    try:
+        form = await read_form(request, LOGIN_LIMIT)
+    except BodyRefused as exc:
+        request.state.identity = None
+        return refuse(console_of(request), request, "page", exc.status, str(exc))
     if csrf.valid(request, None, form):
         console_of(request).sessions.end(request.session.get("sid"))  # a copy of the cookie is no good either
         request.session.clear()
