@@ -132,15 +132,18 @@ def key_tick(name, key):
 
 
 def schedules_from(cfg, handlers):
-    """``[schedules.<name>]`` plus every handler's ``cron=`` (named for its type), by name. A handler's
-    schedule goes to its type's queue as ``.enqueue()`` does: ``[jobs.types.<type>].queue`` over the
-    decorator's ``queue=``."""
+    """``[schedules.<name>]`` plus every handler's ``cron=`` (named for its type), by name. A schedule
+    without a ``queue`` of its own goes to its type's queue as ``.enqueue()`` does:
+    ``[jobs.types.<type>].queue`` over the decorator's ``queue=`` (None: the default queue)."""
     out = {}
     for type_name, spec in sorted(handlers.items()):
         if spec.cron:
             out[type_name] = Schedule(type_name, spec.cron, type_name, {}, cfg.job_type(type_name).queue or spec.queue)
     for name, sc in cfg.schedules.items():
-        out[name] = Schedule(name, sc.cron, sc.type, dict(sc.payload), sc.queue, sc.timezone, sc.catch_up)
+        # The client only knows the config's queue for a type; the decorator's is the handler's.
+        spec = handlers.get(sc.type)
+        queue = sc.queue or cfg.job_type(sc.type).queue or (spec.queue if spec is not None else None)
+        out[name] = Schedule(name, sc.cron, sc.type, dict(sc.payload), queue, sc.timezone, sc.catch_up)
     return out
 
 

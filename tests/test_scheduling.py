@@ -13,6 +13,7 @@ import signal
 import tomllib
 
 import pytest
+import tomli_w
 
 import supervisor
 from supervisor import config, registry
@@ -306,6 +307,41 @@ def test_a_decorator_schedule_goes_to_the_queue_the_config_gives_its_type(tmp_pa
         sched = scheduler.from_config(cfg, {"report": spec})
         got = sched.tick(broker, now=T0 + 90.5) + sched.tick(broker, now=T0 + 91.5)
         assert {broker.get(job_id).queue for _, _, job_id in got if job_id} == {"slow"}
+    finally:
+        broker.close()
+
+
+def test_a_config_schedule_without_a_queue_goes_to_its_types_queue(tmp_path):
+    """``[schedules.nightly] type = "rep"`` with ``@job("rep", queue="reports")``: its ticks went to
+    "default" (``tangguh schedules`` said queue null) while ``rep.enqueue()`` and a decorator's
+    ``cron=`` used "reports". The schedule's own queue, else the config's for its type, else the
+    decorator's: the daemon's ticks and the listing agree."""
+    from supervisor import scheduler
+
+    handlers = tmp_path / "handlers"
+    handlers.mkdir()
+    (handlers / "rep.py").write_text('import supervisor\n\n@supervisor.job("rep", queue="reports")\n'
+                                     "def rep(ctx, payload):\n    pass\n")
+    data = {"supervisor": {"handlers": str(handlers)},
+            "broker": {"url": f"sqlite:///{tmp_path}/broker.db", "queues": ["default", "reports", "slow"]},
+            "jobs": {"types": {"typed": {"queue": "slow"}}},
+            "schedules": {"nightly": {"cron": "* * * * * *", "type": "rep"},
+                          "pinned": {"cron": "* * * * * *", "type": "rep", "queue": "default"},
+                          "typed": {"cron": "* * * * * *", "type": "typed"},
+                          "plain": {"cron": "* * * * * *", "type": "plain"}}}
+    expected = {"nightly": "reports", "pinned": "default", "typed": "slow", "plain": "default"}
+    with open(tmp_path / "tangguh.toml", "wb") as f:
+        tomli_w.dump(data, f)
+    done = tangguh("schedules", "--json", "-c", str(tmp_path / "tangguh.toml"))
+    assert done.returncode == 0, done.stderr
+    assert {s["name"]: s["queue"] for s in json.loads(done.stdout)} == dict(expected, plain=None)
+    cfg = config.load(str(tmp_path / "tangguh.toml"))
+    sched = scheduler.from_config(cfg, registry.load_handlers(str(handlers)))  # as the master builds it
+    broker = open_broker(cfg.broker.url)
+    broker.migrate()
+    try:
+        got = sched.tick(broker, now=T0 + 0.5) + sched.tick(broker, now=T0 + 1.5)
+        assert {name: broker.get(job_id).queue for name, _, job_id in got if job_id} == expected
     finally:
         broker.close()
 
