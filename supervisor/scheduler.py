@@ -78,7 +78,8 @@ class Schedule:
         not wildcards runs once per wall-clock time; ``*`` and ``*/N`` ones run by the clock."""
         if self._fixed is None:
             fields = self.cron.split()
-            self._fixed = (fields[0] != "@hourly" if len(fields) == 1
+            # croniter reads a macro in any case (checks.cron accepts "@HOURLY"): so does this.
+            self._fixed = (fields[0].lower() != "@hourly" if len(fields) == 1
                            else not (fields[0].startswith("*") or fields[1].startswith("*")))
         return self._fixed and datetime.datetime.fromtimestamp(tick, _zone(self.timezone)).fold == 1
 

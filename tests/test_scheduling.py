@@ -549,6 +549,24 @@ def test_a_fixed_time_schedule_runs_once_on_the_night_the_clocks_go_back(broker)
     assert run("0 2 * * *", spring, 48) == ["2026-03-29T03:00:00+02:00", "2026-03-30T02:00:00+02:00"]
 
 
+def test_an_hourly_macro_in_any_case_follows_the_clock_when_it_goes_back():
+    """``@HOURLY`` (accepted by the config check, hourly to croniter) was read as a fixed-time
+    schedule on the fall-back night: the repeated 02:00 hour was skipped, which ``@hourly`` runs."""
+    import zoneinfo
+
+    berlin = zoneinfo.ZoneInfo("Europe/Berlin")
+    start = datetime.datetime(2026, 10, 25, 1, 30, tzinfo=berlin).timestamp()
+    both = ["02:00:00+02:00", "02:00:00+01:00", "03:00:00+01:00"]
+    for cron in ("@hourly", "@HOURLY", "@Hourly"):
+        s = Schedule("s", cron, "t", {}, timezone="Europe/Berlin")
+        ticks, t = [], start
+        for _ in range(3):
+            t = s.next_after(t)
+            ticks.append(t)
+        assert [datetime.datetime.fromtimestamp(x, berlin).isoformat()[11:] for x in ticks] == both, cron
+        assert s.latest(ticks[-1], 3) == ticks, cron  # the catch-up's look back sees both hours too
+
+
 # -- the look-back: each schedule's own record of its newest tick ------------------------------
 
 def _utc(*args):
