@@ -162,7 +162,7 @@ class Scheduler:
         self.horizon = horizon
         self.checked = {}  # name -> broker time of the last check
         self.next_at = {}  # name -> the next tick after that check
-        self.failing = {}  # name -> what its cron last failed with (logged once)
+        self.failing = {}  # name -> what it last failed with, its cron or its job (logged once)
 
     def due_at(self):
         """Broker time of the soonest tick to check, or None without schedules; -inf before the first check."""
@@ -201,9 +201,8 @@ class Scheduler:
                 key = tick_key(name, tick)
                 try:
                     job = self.new_job(sched, key)
-                except BadInput as exc:  # e.g. a decorator's queue the config does not serve
-                    log.error("schedule %s cannot enqueue: %s", name, exc, extra={"event": "schedule_failed",
-                                                                                 "schedule": name})
+                except BadInput as exc:  # a decorator's queue the config does not serve (check_schedules)
+                    self._failed(name, f"cannot enqueue: {exc}")
                     break
                 job_id = broker.enqueue_once(job, schedule=name)
                 done.append((name, tick, job_id))
@@ -231,12 +230,15 @@ class Scheduler:
         try:
             return compute(*args)
         except Exception as exc:  # noqa: BLE001 - croniter's errors, not the broker's: it is not called here
-            text = f"{type(exc).__name__}: {exc}"
-            if self.failing.get(name) != text:
-                log.error("schedule %s cannot compute its ticks: %s", name, text,
-                          extra={"event": "schedule_failed", "schedule": name})
-            self.failing[name] = text
+            self._failed(name, f"cannot compute its ticks: {type(exc).__name__}: {exc}")
             return failed
+
+    def _failed(self, name, text):
+        """Log ``text`` once while it is what ``name`` fails with: every later tick fails alike, and
+        one line a tick (every second, for some) would bury the rest of the log."""
+        if self.failing.get(name) != text:
+            log.error("schedule %s %s", name, text, extra={"event": "schedule_failed", "schedule": name})
+        self.failing[name] = text
 
     def carry_over(self, old):
         """Keep ``old``'s last check of each schedule whose ticks are unchanged (same name, cron and
@@ -254,13 +256,26 @@ class Scheduler:
                 for name, s in sorted(self.schedules.items())]
 
 
-def check_payloads(cfg, handlers):
-    """ConfigError for a schedule whose payload its handler's schema refuses (every tick would be
-    dead-lettered bad_payload); start, reload and ``config check`` call it."""
+def check_schedules(cfg, handlers):
+    """ConfigError for a schedule none of whose ticks could run: a job the client refuses to build
+    (a name that makes the tick key longer than 255 characters: nothing would ever be stored) or a
+    payload its handler's schema refuses (every tick dead-lettered bad_payload); start, reload and
+    ``config check`` call it."""
     from . import schemas
 
+    new_job = job_builder(cfg)
     for name, sched in sorted(schedules_from(cfg, handlers).items()):
         spec = handlers.get(sched.type)
+        if sched.queue not in cfg.broker.queues:
+            # Only a decorator's queue can be unserved: another supervisor sharing the handlers may
+            # serve it and enqueue the ticks, so here it stays a tick's error (logged once).
+            sched = dataclasses.replace(sched, queue=None)
+        try:
+            new_job(sched, tick_key(name, 0.0))  # tick keys are fixed width: any tick's is the longest
+        except BadInput as exc:
+            where = f"schedules.{name}" if name in cfg.schedules else f"{spec.source}: job {name!r}: cron="
+            raise ConfigError(f"{where}: every tick's job would be refused: {exc}"
+                              " (a tick's key is cron:<name>:<UTC time>)") from None
         if spec is None or spec.payload is None:
             continue
         try:
@@ -271,8 +286,8 @@ def check_payloads(cfg, handlers):
             raise ConfigError(f"{where}: {exc}") from None
 
 
-def from_config(cfg, handlers):
-    """The master's scheduler: jobs built like ``Client.new_job`` builds them from this config."""
+def job_builder(cfg):
+    """``new_job(schedule, key)``: a tick's job, built like ``Client.new_job`` builds it from this config."""
     from .client import Client
 
     client = Client(cfg.broker.url, config=cfg)  # only builds jobs; it never opens the broker
@@ -280,4 +295,9 @@ def from_config(cfg, handlers):
     def new_job(sched, key):
         return client.new_job(sched.type, sched.payload, queue=sched.queue, idempotency_key=key)
 
-    return Scheduler(schedules_from(cfg, handlers), new_job, horizon=cfg.broker.retention or None)
+    return new_job
+
+
+def from_config(cfg, handlers):
+    """The master's scheduler, building the jobs ``check_schedules`` built at load."""
+    return Scheduler(schedules_from(cfg, handlers), job_builder(cfg), horizon=cfg.broker.retention or None)

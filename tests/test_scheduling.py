@@ -251,6 +251,23 @@ def test_a_schedule_that_cannot_build_its_job_is_skipped_not_fatal(broker):
     assert [(name, job_id is not None) for name, _, job_id in got] == [("beat", True)]
 
 
+def test_a_tick_whose_job_is_refused_is_logged_once_not_at_every_tick(broker, caplog):
+    """A decorator's queue this supervisor does not serve passes the load check (another supervisor
+    sharing the handlers may serve it and enqueue the ticks); here each tick's job is refused.
+    That was logged at every tick, every second for some schedules: now once."""
+    from supervisor import scheduler
+
+    spec = registry.HandlerSpec(type="report", fn=print, queue="slow", cron="* * * * * *")
+    cfg = config.from_dict({})
+    scheduler.check_schedules(cfg, {"report": spec})
+    sched = scheduler.from_config(cfg, {"report": spec})
+    with caplog.at_level("ERROR", logger="tangguh.scheduler"):
+        got = [job_id for k in range(4) for _, _, job_id in sched.tick(broker, now=T0 + k + 0.5)]
+    assert got == []
+    failed = [r.getMessage() for r in caplog.records if getattr(r, "event", None) == "schedule_failed"]
+    assert len(failed) == 1 and "cannot enqueue: queue 'slow' is not one of" in failed[0], failed
+
+
 def test_a_wall_clock_step_forward_is_seen_at_the_next_clock_check(tmp_path, monkeypatch):
     """The wait until the next tick ran on the monotonic clock, computed once from the broker's
     time: after a wall-clock step forward (NTP, a VM resumed) an hourly tick came up to an
@@ -382,26 +399,37 @@ def report(ctx, payload):
 def _bad_schedule(d, case):
     """Make ``d``'s config or handlers hold a schedule of ``case``; the error expected."""
     next_year = datetime.date.today().year + 1
+    long = "s" * 235  # a valid name and type; its tick key, cron:<name>:<20 characters>, is 261 long
     schedules = {"year": {"cron": f"0 9 1 1 * 0 {next_year}", "type": "noop"},
                  "random": {"cron": "R * * * *", "type": "noop"},
-                 "payload": {"cron": "0 0 1 1 *", "type": "report", "payload": {"kind": "daily"}}}
+                 "payload": {"cron": "0 0 1 1 *", "type": "report", "payload": {"kind": "daily"}},
+                 "long_name": {"cron": "* * * * * */2", "type": "noop"}}
     (d.handlers_path / "report.py").write_text(SCHEMA_HANDLER.format(
         cron=', cron="0 0 1 1 *"' if case == "decorator_payload" else ""))
+    if case == "decorator_long_name":
+        (d.handlers_path / "long.py").write_text(f'import supervisor\n\n@supervisor.job("{long}", cron="* * * * * */2")'
+                                                 "\ndef long(ctx, payload):\n    pass\n")
     if case in schedules:
-        d.config["schedules"] = {"bad": schedules[case]}
+        d.config["schedules"] = {long if case == "long_name" else "bad": schedules[case]}
         d.write_config()
+    too_long = "every tick's job would be refused: idempotency_key is 261 characters long, more than 255"
     return {"year": "schedules.bad.cron: no tick before now",
             "random": "schedules.bad.cron: H and R (hashed and random values) are not supported",
             "payload": "schedules.bad.payload: kind: unknown field of Report",
             "decorator_payload": "job 'report': cron= enqueues payload {}, which its payload schema refuses:"
-                                 " region: missing (expected str)"}[case]
+                                 " region: missing (expected str)",
+            "long_name": f"schedules.{long}: {too_long}",
+            "decorator_long_name": f"long.py: job '{long}': cron=: {too_long}"}[case]
 
 
-@pytest.mark.parametrize("case", ["year", "random", "payload", "decorator_payload"])
+@pytest.mark.parametrize("case", ["year", "random", "payload", "decorator_payload", "long_name",
+                                  "decorator_long_name"])
 def test_run_and_config_check_refuse_a_schedule_that_cannot_run(tmp_path, case):
     """Each passed `config check` and started: a cron with no past tick paused every claim, an R
-    (random) minute moved on every check and on every supervisor, and a payload the handler's
-    schema refuses dead-lettered every tick. A one-line error naming the schedule, exit 2."""
+    (random) minute moved on every check and on every supervisor, a payload the handler's
+    schema refuses dead-lettered every tick, and a name making the tick key longer than 255
+    characters stored nothing, logging the refusal every tick. A one-line error naming the
+    schedule, exit 2."""
     d = Daemon(tmp_path)
     d.handlers_path = tmp_path / "handlers"
     said = _bad_schedule(d, case)
@@ -417,7 +445,7 @@ def test_run_and_config_check_refuse_a_schedule_that_cannot_run(tmp_path, case):
         d.stop()
 
 
-@pytest.mark.parametrize("case", ["year", "random", "payload"])
+@pytest.mark.parametrize("case", ["year", "random", "payload", "long_name", "decorator_long_name"])
 def test_a_reload_to_a_schedule_that_cannot_run_keeps_the_running_generation(tmp_path, case):
     d = Daemon(tmp_path)
     d.handlers_path = tmp_path / "handlers"

@@ -17,8 +17,8 @@ EXAMPLE_HANDLERS = os.path.join(DATA, "handlers", "examples.py")
 def cmd_config_check(args):
     cfg = config_module.load(args.config)  # no file: the defaults, and it says so
     config_module.check_host(cfg)
-    # The handlers as `run` imports them: their schedules' payloads must pass their payload schemas.
-    scheduler.check_payloads(cfg, import_handlers(cfg))
+    # The handlers as `run` imports them: their schedules' jobs and payloads must be storable and pass their schemas.
+    scheduler.check_schedules(cfg, import_handlers(cfg))
     check_broker(cfg.broker.url)
     print(f"ok: {cfg.path or 'no config file found, built-in defaults'}")
 

@@ -29,7 +29,7 @@ def _supervise(cfg):
     try:
         config.check_host(cfg)
         handlers = registry.load_handlers(cfg.supervisor.handlers, generation=1)
-        scheduler.check_payloads(cfg, handlers)  # a payload its handler refuses: every tick dead
+        scheduler.check_schedules(cfg, handlers)  # a schedule none of whose ticks could run
     except ConfigError as exc:
         print(f"tangguh: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

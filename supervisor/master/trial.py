@@ -18,7 +18,7 @@ from ..child import worker
 def load(cfg, generation, current, heartbeat, signals=None):
     """The next generation's ``(handlers, dropped types)`` (``registry.reload_handlers``), once a
     trial import of ``cfg``'s handlers folder in a child process passed within its
-    ``supervisor.import_timeout``, and its schedules' payloads pass their handlers' schemas.
+    ``supervisor.import_timeout``, and its schedules pass ``scheduler.check_schedules``.
 
     ``signals``: the master's (self-pipe, pending deque): a stop signal that arrives during the
     trial ends it and fails the reload, so the stop is not kept waiting."""
@@ -27,7 +27,7 @@ def load(cfg, generation, current, heartbeat, signals=None):
     if problem:
         raise registry.HandlerLoadError(problem)
     handlers, dropped = registry.reload_handlers(folder, generation, current)
-    scheduler.check_payloads(cfg, handlers)
+    scheduler.check_schedules(cfg, handlers)
     return handlers, dropped
 
 
