@@ -233,16 +233,18 @@ def _json_name(value):
 def check_cli_payload(load, type_name, payload):
     """``tangguh enqueue``: check ``payload`` against its handler's schema when the handler modules
     can be imported (``load()``: ``cli.common.import_handlers``); a producer without the handler
-    code is not held up (the child checks again). Raises ``BadInput``."""
+    code is not held up (the child checks again). Returns ``(payload, queue)``, ``queue`` the one
+    the handler's decorator names (None: none, or no handler to read), as ``.enqueue()`` uses it.
+    Raises ``BadInput``."""
     from .registry import HandlerLoadError
 
     try:
         spec = load().get(type_name)
     except HandlerLoadError:
-        return payload
-    if spec is None or spec.payload is None:
-        return payload
-    return dump(spec.payload, payload)
+        return payload, None
+    if spec is None:
+        return payload, None
+    return (payload if spec.payload is None else dump(spec.payload, payload)), spec.queue
 
 
 def for_handler(spec, payload):

@@ -1916,6 +1916,11 @@ MUTATIONS = [
              "        if len(body) > limit:", "        if False:",
              ("tests/test_web.py", "-k", "urlencoded_form and sqlite"),
              "a form body without a declared length is capped while it is read"),
+    Mutation("cli-enqueue-ignores-decorator-queue", "supervisor/cli/jobs.py",
+             "        queue = args.queue or cfg.job_type(args.type).queue or handler_queue\n",
+             "        queue = args.queue or cfg.job_type(args.type).queue\n",
+             ("tests/test_schemas.py", "-k", "decorators_queue"),
+             "tangguh enqueue sends a job to its handler decorator's queue, as .enqueue() does"),
 ]
 
 

@@ -221,6 +221,22 @@ def test_tangguh_enqueue_checks_the_handler_schema(tmp_path, importable):
         assert bad.returncode == 0 and ready == 2
 
 
+def test_tangguh_enqueue_sends_a_job_to_its_decorators_queue_as_enqueue_does(tmp_path):
+    """`tangguh enqueue` imported the handlers for their schemas only: a type decorated
+    queue="receipts" went to `default`, where Handler.enqueue() sends it to `receipts`."""
+    handlers = tmp_path / "handlers"
+    handlers.mkdir()
+    (handlers / "receipts.py").write_text(HANDLER.replace("payload=Receipt)", 'payload=Receipt, queue="receipts")'))
+    config = tmp_path / "tangguh.toml"
+    config.write_text('[supervisor]\nhandlers = "handlers"\n[broker]\nurl = "sqlite:///broker.db"\n'
+                      'queues = ["default", "receipts"]\n')
+    done = subprocess.run([sys.executable, "-m", "supervisor.cli", "enqueue", "send_receipt", "--payload",
+                           '{"order_id": 7}', "-c", str(config)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    with Client.from_url(f"sqlite:///{tmp_path}/broker.db") as client:
+        assert client.get(done.stdout.strip()).queue == "receipts"
+
+
 @dataclasses.dataclass
 class Order:
     order_id: int

@@ -40,10 +40,12 @@ def parse_payload(text):
 def cmd_enqueue(args):
     payload = parse_payload(args.payload)
     cfg = load_config(args)
-    payload = schemas.check_cli_payload(lambda: import_handlers(cfg), args.type, payload)  # when importable
+    payload, handler_queue = schemas.check_cli_payload(lambda: import_handlers(cfg), args.type, payload)
     with open_client(args, cfg) as client:
+        # The queue as .enqueue() picks it: the option, [jobs.types.<type>].queue, the decorator's queue=.
+        queue = args.queue or cfg.job_type(args.type).queue or handler_queue
         # new_job checks everything before the broker is opened: a bad value stores nothing.
-        options = dict(queue=args.queue, resource_id=args.resource_id, idempotency_key=args.idempotency_key,
+        options = dict(queue=queue, resource_id=args.resource_id, idempotency_key=args.idempotency_key,
                        delay=args.delay, max_attempts=args.max_attempts, timeout=args.timeout,
                        trace_id=args.trace_id, priority=args.priority, expires_in=args.expires_in,
                        depends_on=[tuple(d.rsplit(":", 1)) if d.endswith((":complete", ":success")) else d
