@@ -1921,6 +1921,11 @@ MUTATIONS = [
              "        queue = args.queue or cfg.job_type(args.type).queue\n",
              ("tests/test_schemas.py", "-k", "decorators_queue"),
              "tangguh enqueue sends a job to its handler decorator's queue, as .enqueue() does"),
+    Mutation("master-signals-in-module-forks", "supervisor/master/arbiter.py",
+             "        trial.not_the_masters_in_forks(self.pid)\n",
+             "",
+             ("tests/test_daemon.py", "-k", "helper_a_module_forked_at_a_reload"),
+             "a helper a handler module forks at a reload does not carry the master's signals"),
 ]
 
 

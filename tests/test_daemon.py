@@ -4,6 +4,7 @@ Each test starts ``tangguh run`` on a temporary SQLite broker, drives it only
 through the broker, the health socket and signals, and ends with
 ``assert_clean`` (nothing leased, no process left).
 """
+import contextlib
 import json
 import os
 import re
@@ -394,6 +395,36 @@ def test_a_helper_process_a_module_forks_at_import_neither_fails_the_reload_nor_
     for pid, parent in read_lines(helpers):
         if int(parent) == daemon.proc.pid and psutil.pid_exists(int(pid)):
             os.kill(int(pid), signal.SIGKILL)  # the master's own: the module's business, not the test's
+
+
+def test_a_signal_sent_to_a_helper_a_module_forked_at_a_reload_is_not_the_masters(daemon):
+    """The master imports a reload's modules after its signal handlers are in place: a helper
+    forked there inherited them and the master's self-pipe, and a SIGTERM sent to that helper
+    alone stopped the master (a SIGHUP reloaded it). The helper starts with a new process's
+    signals now, and the SIGTERM ends it."""
+    helpers = os.path.join(daemon.dir, "helpers")
+    with open(os.path.join(daemon.handlers, "helper.py"), "w") as f:
+        f.write(f"import os, time\n\nhelper = os.fork()\nif helper == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+                f"with open({helpers!r}, 'a') as f:\n    f.write(f'{{helper}} {{os.getpid()}}\\n')\n")
+    daemon.start()
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: daemon.status()["generation"] == 2, timeout=20, message="the reload")
+    wait_for(lambda: len(read_lines(helpers)) == 3, message="a helper from the start, the trial, the reload")
+    ours = [int(pid) for pid, parent in read_lines(helpers) if int(parent) == daemon.proc.pid]
+    assert len(ours) == 2
+
+    def ended(pid):
+        return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    for pid in ours:
+        os.kill(pid, signal.SIGTERM)
+    try:
+        wait_for(lambda: all(ended(pid) for pid in ours), message="the helpers ended by their SIGTERM")
+    finally:
+        for pid in ours:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert daemon.proc.poll() is None and daemon.status()["generation"] == 2
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
 
 
 def test_a_reload_that_drops_job_types_names_them(daemon):

@@ -61,8 +61,6 @@ EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_RUNNING, EXIT_BOOT = 0, 1, 2, 3, 4
 RESTART_ONLY = (("broker", "url"), ("toolkit", "redis_url"), ("supervisor", "socket"), ("supervisor", "socket_mode"),
                 ("supervisor", "socket_group"), ("metrics", "listen"))
 SETTINGS_CACHE = 1024  # (type, timeout, max_attempts) -> JobSettings of the current generation
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU,
-           signal.SIGCHLD)
 held = []  # SIGHUP, TTIN, TTOU that came while the handlers imported (master.run): acted on in start()
 
 
@@ -146,9 +144,10 @@ class Arbiter:
             os.set_blocking(fd, False)
         self.selector.register(self.sig_r, selectors.EVENT_READ, self.read_signals)
         self.selector.register(self.wake_r, selectors.EVENT_READ, self.read_wakeups)
-        for sig in SIGNALS:
+        for sig in trial.SIGNALS:
             signal.signal(sig, lambda *_: None)  # the byte on the self-pipe is all we need
         signal.set_wakeup_fd(self.sig_w)
+        trial.not_the_masters_in_forks(self.pid)
         self.signals.extend(held)  # a SIGHUP during start-up: a reload now
         if self.cfg.metrics.listen:
             try:

@@ -14,6 +14,27 @@ import time
 from .. import registry, scheduler
 from ..child import worker
 
+# The master's signals: a no-op handler each, the signal's number written to its self-pipe.
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU,
+           signal.SIGCHLD)
+
+
+def not_the_masters_in_forks(master_pid):
+    """Every process the master forks (a child, a trial, a helper a handler module starts at a
+    reload's import) begins with the signals of a new process, not the master's: inherited, the
+    no-op handlers wrote each signal that helper got into the master's self-pipe, and a SIGTERM
+    sent to the helper alone stopped the master. (A child's own forks are the child's business.)"""
+    def forked():
+        if os.getppid() == master_pid:
+            _default_signals()
+    os.register_at_fork(after_in_child=forked)
+
+
+def _default_signals():
+    signal.set_wakeup_fd(-1)
+    for sig in SIGNALS:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
 
 def load(cfg, generation, current, heartbeat, signals=None):
     """The next generation's ``(handlers, dropped types)`` (``registry.reload_handlers``), once a
@@ -63,9 +84,8 @@ def _import_and_leave(r, w, folder, generation, master_pid):
         os.close(r)
         os.setpgid(0, 0)  # a group of its own: the master ends whatever the import started with it
         worker.set_parent_death_signal(master_pid)  # a master killed meanwhile leaves no import behind
-        signal.set_wakeup_fd(-1)  # the master's self-pipe: a signal here is not the master's
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
+        _default_signals()  # the master's self-pipe: a signal here is not the master's
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         try:
             registry.load_handlers(folder, generation)
             report = b""
