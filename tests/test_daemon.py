@@ -371,6 +371,34 @@ def test_a_stop_signal_during_a_reloads_trial_import_is_not_kept_waiting(daemon)
     assert "the reload gave way to a stop signal" in failed["msg"]
 
 
+def test_the_loop_serves_on_while_a_reloads_trial_import_waits_and_hups_meanwhile_make_one_reload(daemon):
+    """The trial import held the master's loop until it ended (up to import_timeout): no job
+    ran, no hard timeout fired, status did not answer; and each SIGHUP sent meanwhile made a
+    reload of its own, one after another."""
+    slow, importing, release = (os.path.join(daemon.dir, name) for name in ("slow", "importing", "release"))
+    with open(os.path.join(daemon.handlers, "waits.py"), "w") as f:
+        f.write(f"import os, time\n\nif os.path.exists({slow!r}):\n    open({importing!r}, 'a').close()\n"
+                f"    deadline = time.monotonic() + 60\n"
+                f"    while not os.path.exists({release!r}) and time.monotonic() < deadline:\n"
+                "        time.sleep(0.01)\n")
+    daemon.config["supervisor"]["import_timeout"] = 120.0
+    daemon.write_config()
+    daemon.start()
+    open(slow, "w").close()
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: os.path.exists(importing), message="the trial import under way")
+    daemon.signal(signal.SIGHUP)
+    daemon.signal(signal.SIGHUP)
+    assert daemon.wait_job(daemon.enqueue("noop"), timeout=20).state == "done"  # served while it imports
+    assert daemon.status()["generation"] == 1
+    os.remove(slow)
+    open(release, "w").close()
+    wait_for(lambda: daemon.status()["generation"] == 3, timeout=20, message="the reload, then one more")
+    assert [r["generation"] for r in daemon.records(event="reload")] == [2, 3]
+    assert daemon.status()["reload_error"] is None
+    daemon.assert_clean()
+
+
 def test_a_helper_process_a_module_forks_at_import_neither_fails_the_reload_nor_outlives_the_trial(daemon):
     """The trial waited for its pipe's end, which a forked helper held: every reload timed
     out, and the trial's helper was left running."""

@@ -21,7 +21,8 @@ This is the only module of ``supervisor.master`` that knows the others:
 * ``periodic``: schedules, pruning, queue samples;
 * ``locks``: the children's Redis locks, from the master's side;
 * ``control``: lost leases, cancel requests and paused queues, from the heartbeat;
-* ``orphans``: the jobs a claim given up on leased to us anyway, found and released.
+* ``orphans``: the jobs a claim given up on leased to us anyway, found and released;
+* ``reloads``: SIGHUP: the trial import (``trial``) while the loop serves on, then the new generation.
 """
 import collections
 import logging
@@ -31,7 +32,7 @@ import signal
 import socket
 import time
 
-from .. import config, jobref, protocol, registry, toolkit
+from .. import jobref, protocol, registry, toolkit
 from ..child import worker as child  # imported before the forks: the children share it
 from ..errors import BrokerBusy, BrokerError, BrokerUnusable, ConfigError
 from ..health import AlreadyRunning, HealthServer
@@ -52,14 +53,12 @@ from .outcomes import OutcomeWriter, attempt_info
 from .periodic import Periodic
 from .pool import Pool
 from .prefetch import Prefetch
+from .reloads import Reloads
 from .status import Status
 
 log = logging.getLogger("tangguh.arbiter")
 
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_RUNNING, EXIT_BOOT = 0, 1, 2, 3, 4
-# Settings a reload may not change: what they name was opened at start (the locks' Redis too).
-RESTART_ONLY = (("broker", "url"), ("toolkit", "redis_url"), ("supervisor", "socket"), ("supervisor", "socket_mode"),
-                ("supervisor", "socket_group"), ("metrics", "listen"))
 SETTINGS_CACHE = 1024  # (type, timeout, max_attempts) -> JobSettings of the current generation
 held = []  # SIGHUP, TTIN, TTOU that came while the handlers imported (master.run): acted on in start()
 
@@ -92,7 +91,7 @@ class Arbiter:
         # The wake-up pipe is made in start(); the heartbeat only writes to it once started.
         self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, None, list(b.queues),
                                    self.metrics.sample_queues)
-        self.endings = Endings(self)
+        self.endings, self.reloads = Endings(self), Reloads(self, trial.Trial)
         self.pool = Pool(cfg.supervisor, self.selector, self.heartbeat, run_child=self.run_child,
                          on_reply=self.endings.on_reply, on_lock=self.on_lock, on_exit=self.endings.on_child_exit,
                          on_boot_failed=self.on_boot_failed, count=count)
@@ -122,6 +121,7 @@ class Arbiter:
         while not self.finished():
             self.wait_and_read()
             self.handle_signals()
+            self.reloads.step()  # a trial import whose time ran out
             self.pool.reap()
             self.control.run(self.cfg.broker.queues, stopping=self.stopping is not None)
             overdue.kill_overdue(self.pool)
@@ -193,7 +193,8 @@ class Arbiter:
     def next_wakeup(self):
         """Seconds until the earliest instant some part needs the loop."""
         now = time.monotonic()
-        instants = [now + 1.0, self.writer.due_at(), self.stop_deadline, self.status.notifier.next_ping_at()]
+        instants = [now + 1.0, self.writer.due_at(), self.stop_deadline, self.status.notifier.next_ping_at(),
+                    self.reloads.due_at()]
         instants.extend(overdue.deadlines(self.pool))
         if self.stopping is None:
             # A WatchdogSec= under 2 s must not expire while we sleep: the ping is in the list.
@@ -230,7 +231,7 @@ class Arbiter:
             sig = self.signals.popleft()
             handler = {
                 signal.SIGTERM: self.handle_term, signal.SIGINT: self.handle_term,
-                signal.SIGQUIT: self.stop_fast, signal.SIGHUP: self.reload,
+                signal.SIGQUIT: self.stop_fast, signal.SIGHUP: self.reloads.request,
                 signal.SIGTTIN: lambda: self.resize(+1), signal.SIGTTOU: lambda: self.resize(-1),
             }.get(sig)
             if handler is not None:
@@ -260,6 +261,7 @@ class Arbiter:
         self.pool.kill_all(KILLED_SHUTDOWN)
 
     def begin_stop(self, how):
+        self.reloads.stop()
         self.stopping = how
         self.pool.stopping = True
         self.status.notifier.stopping()
@@ -278,55 +280,13 @@ class Arbiter:
         self.exit_code = EXIT_BOOT
         self.stop_fast()
 
-    # -- reload ----------------------------------------------------------------------------
-    def reload(self):
-        if self.stopping:
-            return
-        self.status.notifier.reloading()
-        try:
-            self.load_generation()
-        finally:
-            self.status.reloaded()
-
-    def load_generation(self):
-        try:
-            cfg = config.load(self.cfg.path)
-            for section, key in RESTART_ONLY:
-                if getattr(getattr(cfg, section), key) != getattr(getattr(self.cfg, section), key):
-                    raise ConfigError(f"{section}.{key}: changing it needs a restart, not a reload")
-            handlers, dropped = trial.load(cfg, self.generation + 1, self.handlers, self.heartbeat,
-                                           (self.sig_r, self.signals))
-        except Exception as exc:  # noqa: BLE001 - whatever a reload meets, the running generation goes on
-            self.reload_error = registry.reload_error_text(exc)
-            self.status.count("reload", "failed")
-            log.error("reload failed, keeping generation %d: %s", self.generation, self.reload_error,
-                      extra={"event": "reload_failed", "generation": self.generation})
-            return
-        self.cfg, self.handlers = cfg, handlers
-        toolkit.preload(cfg.toolkit)  # a database_url changed by the reload: its driver for the new children
-        self.generation += 1
-        self.settings_cache, self.reload_error = {}, None
-        self.dispatcher.configure(cfg, handlers)
-        self.periodic.configure(cfg, handlers)
-        registry.forget_generation(self.generation - 1)  # once nothing here holds its handlers
-        self.pool.cfg, self.pool.generation, self.pool.target = cfg.supervisor, self.generation, cfg.supervisor.workers
-        self.heartbeat.lease_seconds, self.heartbeat.queues = cfg.broker.lease_seconds, list(cfg.broker.queues)
-        self.heartbeat.interval = cfg.broker.heartbeat_seconds
-        logging.getLogger().setLevel(cfg.log.level.upper())
-        self.pool.retire_all(older_than=self.generation)
-        self.status.set_title()
-        self.status.count("reload", "ok")
-        log.log(logging.WARNING if dropped else logging.INFO, "reloaded: generation %d with %d handler types, %d workers"
-                " (the config's)%s", self.generation, len(handlers), self.pool.target, registry.dropped_note(dropped),
-                extra={"event": "reload", "generation": self.generation, "dropped_types": dropped})
-
     # -- children ----------------------------------------------------------------------------
     def run_child(self, sock, slot, cpu):
         """In a fresh child: close the master's descriptors, then serve jobs (never returns)."""
         self.health.close_in_child()
         if self.exporter is not None:
             self.exporter.close_in_child()
-        for fd in (self.sig_r, self.sig_w, self.wake_r, self.wake_w):
+        for fd in (self.sig_r, self.sig_w, self.wake_r, self.wake_w, *self.reloads.fds()):
             os.close(fd)
         self.link.close_in_child()
         self.selector.close()

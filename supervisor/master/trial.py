@@ -4,14 +4,15 @@ The master imports them itself only once that trial passed. A module that ends
 the process importing it (``os._exit``, a signal, a crash in a C extension) or
 that waits at import (a server it cannot reach) then fails the reload, with
 ``reload_error`` saying so, instead of ending the master and every running job
-with it, or freezing its loop for as long as the import takes.
+with it, or freezing its loop for as long as the import takes: the loop watches
+the trial's descriptors and serves on meanwhile (``reloads``).
 """
 import os
 import select
 import signal
 import time
 
-from .. import registry, scheduler
+from .. import registry
 from ..child import worker
 
 # The master's signals: a no-op handler each, the signal's number written to its self-pipe.
@@ -36,46 +37,108 @@ def _default_signals():
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
 
-def load(cfg, generation, current, heartbeat, signals=None):
-    """The next generation's ``(handlers, dropped types)`` (``registry.reload_handlers``), once a
-    trial import of ``cfg``'s handlers folder in a child process passed within its
-    ``supervisor.import_timeout``, and its schedules pass ``scheduler.check_schedules``.
+class Trial:
+    """A trial import of ``folder`` under way in a forked process: ``poll()`` says how it went.
 
-    ``signals``: the master's (self-pipe, pending deque): a stop signal that arrives during the
-    trial ends it and fails the reload, so the stop is not kept waiting."""
-    folder = cfg.supervisor.handlers
-    problem = trial(folder, generation, heartbeat, cfg.supervisor.import_timeout, signals)
-    if problem:
-        raise registry.HandlerLoadError(problem)
-    handlers, dropped = registry.reload_handlers(folder, generation, current)
-    scheduler.check_schedules(cfg, handlers)
-    return handlers, dropped
+    The master's loop watches ``fds()`` and looks again at ``due_at()``; ``wait()`` blocks
+    instead (the command line's trial). A fork the system refuses (TasksMax=) makes no
+    process: the trial has passed at once, and the master's own import is all there is."""
 
-
-def trial(folder, generation, heartbeat, timeout, signals=None):
-    """What went wrong importing ``folder`` in a forked process, or None when it imported."""
-    r, w = os.pipe()
-    master_pid = os.getpid()
-    running = heartbeat.thread is not None
-    heartbeat.stop()  # fork only while no other thread runs (docs/design.md, process-model rules)
-    try:
-        pid = os.fork()
-    except OSError:
-        pid = None  # no process to spare (TasksMax=): the master's own import is all there is
-    if pid == 0:
-        _import_and_leave(r, w, folder, generation, master_pid)
-    if running:
-        heartbeat.start()
-    os.close(w)
-    try:
-        return None if pid is None else _verdict(pid, r, timeout, signals)
-    finally:
-        os.close(r)
-        if pid:
+    def __init__(self, folder, generation, heartbeat, timeout):
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.out, self.eof, self.pidfd = b"", False, None
+        self.r, w = os.pipe()
+        master_pid = os.getpid()
+        running = heartbeat.thread is not None
+        heartbeat.stop()  # fork only while no other thread runs (docs/design.md, process-model rules)
+        try:
+            self.pid = os.fork()
+        except OSError:
+            self.pid = None
+        if self.pid == 0:
+            _import_and_leave(self.r, w, folder, generation, master_pid)
+        if running:
+            heartbeat.start()
+        self.group = self.pid  # the trial process leads a process group of its own (_import_and_leave)
+        os.close(w)
+        os.set_blocking(self.r, False)
+        if self.pid is not None:
             try:
-                os.killpg(pid, signal.SIGKILL)  # what a module started there (a helper process) goes too
+                self.pidfd = os.pidfd_open(self.pid)  # readable once the process itself has ended
+            except (AttributeError, OSError):  # not Linux 5.3+: looked at every 50 ms
+                pass
+
+    def fds(self):
+        return [fd for fd in (self.r, self.pidfd) if fd is not None]
+
+    def due_at(self):
+        """When the loop must look again without a descriptor saying so."""
+        return self.deadline if self.pidfd is not None else min(self.deadline, time.monotonic() + 0.05)
+
+    def poll(self):
+        """None while the import runs; once over, what went wrong, or "" when it imported (then
+        ``close()``). Over means the process itself ended (not its pipe: a helper process a
+        module forked may hold that open) or the time ran out."""
+        if self.pid is None:
+            return ""
+        self._read()
+        done, status = os.waitpid(self.pid, os.WNOHANG)
+        if not done:
+            if time.monotonic() < self.deadline:
+                return None
+            return (f"supervisor.handlers: importing the handler files took over {self.timeout:g}s"
+                    " (supervisor.import_timeout); a module waiting at import?")
+        self._read()  # what it wrote just before it left
+        self.pid = None  # reaped: close() ends only what it left behind
+        if self.out.startswith(b"imported\n"):
+            return ""  # imported, or failed as the master's own import will say in full
+        how = f"signal {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status) else \
+            f"exit code {os.WEXITSTATUS(status)}"
+        return f"supervisor.handlers: a handler module ended the process importing it ({how})"
+
+    def wait(self):
+        """``poll()``, blocking until the import is over; then ``close()``."""
+        try:
+            while (problem := self.poll()) is None:
+                select.select(self.fds(), [], [], max(0.0, self.due_at() - time.monotonic()))
+            return problem
+        finally:
+            self.close()
+
+    def close(self):
+        """Ends the trial: its process, what a module started there (a helper process: the
+        process group, which outlives its leader), its descriptors."""
+        if self.group is not None:
+            try:
+                os.killpg(self.group, signal.SIGKILL)
             except OSError:
                 pass
+            self.group = None
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)  # not in its group yet, if it was that quick
+            except OSError:
+                pass
+            os.waitpid(self.pid, 0)
+            self.pid = None
+        for fd in self.fds():
+            os.close(fd)
+        self.r = self.pidfd = None
+
+    def _read(self):
+        while self.r is not None and not self.eof:
+            try:
+                chunk = os.read(self.r, 4096)
+            except BlockingIOError:
+                return
+            self.out += chunk
+            self.eof = not chunk  # not the trial's end: a helper process a module forked may hold it open
+
+
+def trial(folder, generation, heartbeat, timeout):
+    """What went wrong importing ``folder`` in a forked process, or None when it imported."""
+    return Trial(folder, generation, heartbeat, timeout).wait() or None
 
 
 def _import_and_leave(r, w, folder, generation, master_pid):
@@ -95,61 +158,3 @@ def _import_and_leave(r, w, folder, generation, master_pid):
         code = 0
     finally:
         os._exit(code)  # never back into the master's code, no finalizer on what it inherited
-
-
-def _verdict(pid, r, timeout, signals):
-    """Waits for the trial process itself (not for its pipe's end: a helper process a module
-    forked may hold that open), for a stop signal, or for ``timeout``."""
-    deadline = time.monotonic() + timeout
-    watch = [r] + ([signals[0]] if signals else [])
-    try:
-        exited = os.pidfd_open(pid)
-        watch.append(exited)
-    except (AttributeError, OSError):  # not Linux 5.3+: look at the process every 50 ms
-        exited = None
-    out = b""
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return (f"supervisor.handlers: importing the handler files took over {timeout:g}s"
-                        " (supervisor.import_timeout); a module waiting at import?")
-            ready = select.select(watch, [], [], left if exited is not None else min(left, 0.05))[0]
-            if r in ready:
-                chunk = os.read(r, 4096)
-                out += chunk
-                if not chunk:
-                    watch.remove(r)  # its end: the process itself says when it is over
-            if signals and signals[0] in ready and _stop_among(signals):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return "supervisor.handlers: the reload gave way to a stop signal"
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-    finally:
-        if exited is not None:
-            os.close(exited)
-    os.set_blocking(r, False)
-    try:
-        out += os.read(r, 4096)  # what it wrote just before it left
-    except BlockingIOError:
-        pass
-    if out.startswith(b"imported\n"):
-        return None  # imported, or failed as the master's own import will say in full
-    how = f"signal {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status) else \
-        f"exit code {os.WEXITSTATUS(status)}"
-    return f"supervisor.handlers: a handler module ended the process importing it ({how})"
-
-
-def _stop_among(signals):
-    """Read the master's self-pipe (its bytes stay for the loop) and say whether a stop came."""
-    fd, pending = signals
-    try:
-        data = os.read(fd, 4096)
-    except BlockingIOError:
-        return False
-    pending.extend(data)
-    return any(sig in data for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT))
