@@ -1935,6 +1935,21 @@ MUTATIONS = [
              "        if self.under_way is not None:\n            self.again = True\n            return\n", "",
              ("tests/test_daemon.py", "-k", "serves_on_while"),
              "SIGHUPs during a reload make one more reload after it, not one each"),
+    Mutation("web-idle-connection-holds-a-slot", "supervisor/web/connections.py",
+             "        if self.cycle is None and not self.transport.is_closing():  # no request has begun on it\n",
+             "        if False:\n",
+             ("tests/test_web.py", "-k", "idle_and_slow"),
+             "a connection that sends no request head in time gives its slot back"),
+    Mutation("web-one-machine-holds-every-slot", "supervisor/web/connections.py",
+             "            if self.peers[self.peer] > PER_PEER:",
+             "            if False:",
+             ("tests/test_web.py", "-k", "idle_and_slow"),
+             "one other machine holds at most its share of the console's connections"),
+    Mutation("pool-takes-the-trials-exit", "supervisor/master/pool.py",
+             "                if exit_of is not None:\n                    exit_of(status)\n",
+             "",
+             ("tests/test_daemon.py", "-k", "reaping_of_any_child"),
+             "a reload's trial reaped by the pool's waitpid(-1) still gives its verdict; the master does not end"),
 ]
 
 

@@ -399,6 +399,29 @@ def test_the_loop_serves_on_while_a_reloads_trial_import_waits_and_hups_meanwhil
     daemon.assert_clean()
 
 
+@pytest.mark.parametrize("module, verdict", [("x = 1\n", ""), ("import os\nos._exit(3)\n", "exit code 3")])
+def test_a_trial_the_masters_reaping_of_any_child_took_first_still_gives_its_verdict(tmp_path, module, verdict):
+    """The pool reaps every child the master has (waitpid(-1)), the reload's trial process too
+    when it ends between the loop's look at the trial and the pool's turn: the trial's own
+    waitpid then raised ChildProcessError, which ended the master ("No child processes")."""
+    from supervisor.cli.common import _NoHeartbeat
+    from supervisor.master import trial as trial_module
+
+    (tmp_path / "handlers").mkdir()
+    (tmp_path / "handlers" / "m.py").write_text(module)
+    tried = trial_module.Trial(str(tmp_path / "handlers"), 2, _NoHeartbeat(), 30.0)
+    pool = Pool(SimpleNamespace(workers=1), *[None] * 8)
+    pool.others[tried.leader] = tried.exited
+    try:
+        wait_for(lambda: psutil.Process(tried.leader).status() == psutil.STATUS_ZOMBIE, message="the trial's end")
+        pool.reap()  # before the trial looks: its status goes to the trial
+        problem = tried.poll()
+        assert problem is not None and verdict in problem and (problem == "") == (verdict == "")
+    finally:
+        tried.close()
+    assert not pool.others
+
+
 def test_a_helper_process_a_module_forks_at_import_neither_fails_the_reload_nor_outlives_the_trial(daemon):
     """The trial waited for its pipe's end, which a forked helper held: every reload timed
     out, and the trial's helper was left running."""

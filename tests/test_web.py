@@ -578,3 +578,76 @@ def test_new_token_prints_a_block_that_pasted_into_the_config_admits_the_token(t
     cfg = config.from_dict(tomllib.loads('[web]\nlisten = "127.0.0.1:9465"\n' + block), str(tmp_path))
     assert cfg.web.tokens["deploy-script"]["role"] == "viewer"
     assert cfg.web.tokens["deploy-script"]["sha256"] == hashlib.sha256(token.encode()).hexdigest()
+
+
+def _other_address():
+    """An address of this machine that is not loopback: its connections count as another machine's."""
+    import ipaddress
+
+    import psutil
+
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family.name == "AF_INET" and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return None
+
+
+def test_idle_and_slow_connections_do_not_hold_the_console_and_one_machine_holds_its_share(tmp_path):
+    """200 sockets that sent nothing took every one of uvicorn's connection slots for as long
+    as they stayed open: every request, the login page's too, was a 503. A connection whose
+    request head is not complete within HEAD_SECONDS is closed now, and one machine holds at
+    most PER_PEER connections."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    from supervisor.web.connections import PER_PEER
+
+    from .daemon import daemon_env
+    from .servers import free_port
+
+    port = free_port()
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f'[broker]\nurl = "sqlite:///{tmp_path}/b.db"\n'
+                   f'[web.users.ada]\npassword = "{hashed(ADMIN_PW)}"\nrole = "admin"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "web", "-c", str(cfg), "--listen",
+                             f"0.0.0.0:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=daemon_env())
+    held = []
+
+    def login_page():
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/login", timeout=5).status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return None
+    try:
+        wait_for(lambda: login_page() == 200, timeout=30, message="the console up")
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(web_app.MAX_CONNECTIONS)]
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"GET /login HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the rest of its head
+        held.append(slow)
+        wait_for(lambda: login_page() == 200, timeout=30, message="the console serving past the idle sockets")
+        slow.settimeout(30)
+        assert slow.recv(1024) == b""  # closed, no answer
+        other = _other_address()
+        assert other is not None, "this test needs an address of this machine that is not loopback"
+        mine = [socket.create_connection((other, port)) for _ in range(PER_PEER + 4)]
+        held += mine
+        answered = 0
+        for s in mine:
+            s.settimeout(10)
+            try:
+                s.sendall(b"GET /login HTTP/1.1\r\nHost: console\r\n\r\n")
+                answered += s.recv(64).startswith(b"HTTP/1.1 200")
+            except OSError:  # reset: refused at once
+                pass
+        assert answered == PER_PEER
+    finally:
+        for s in held:
+            s.close()
+        proc.terminate()
+        proc.wait(10)

@@ -66,6 +66,7 @@ class Pool:
         self.run_child, self.on_reply, self.on_lock = run_child, on_reply, on_lock
         self.on_exit, self.on_boot_failed, self.count = on_exit, on_boot_failed, count
         self.children = {}  # pid -> Child
+        self.others = {}  # pid -> exited(status), for another process the master forked (a reload's trial)
         self.target, self.generation = cfg.workers, 1
         self.stopping, self.restarts, self.boot_failures, self.spawn_failures = False, 0, 0, 0
         self.next_spawn_at = 0.0
@@ -342,6 +343,9 @@ class Pool:
                 return
             c = self.children.pop(pid, None)
             if c is None:
+                exit_of = self.others.pop(pid, None)  # a reload's trial import: its verdict
+                if exit_of is not None:
+                    exit_of(status)
                 continue  # not ours (a handler's own subprocess): reaped so it leaves no zombie
             self.drain(c)
             self.unregister(c)

@@ -46,6 +46,8 @@ class Reloads:
         except Exception as exc:  # noqa: BLE001 - whatever a reload meets, the running generation goes on
             return self.failed(exc)
         self.under_way = (cfg, tried)
+        if tried.leader is not None:
+            m.pool.others[tried.leader] = tried.exited  # the pool reaps every child, this one too
         for fd in tried.fds():
             m.selector.register(fd, selectors.EVENT_READ, lambda _mask: self.step())
         self.step()
@@ -103,6 +105,7 @@ class Reloads:
         for fd in tried.fds():
             self.m.selector.unregister(fd)  # before its close: the number may be another's next
         tried.close()
+        self.m.pool.others.pop(tried.leader, None)
         self.under_way = None
 
     def apply(self, cfg, handlers, dropped):

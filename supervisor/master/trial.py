@@ -47,7 +47,7 @@ class Trial:
     def __init__(self, folder, generation, heartbeat, timeout):
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
-        self.out, self.eof, self.pidfd = b"", False, None
+        self.out, self.eof, self.pidfd, self.ended_with = b"", False, None, None
         self.r, w = os.pipe()
         master_pid = os.getpid()
         running = heartbeat.thread is not None
@@ -60,7 +60,9 @@ class Trial:
             _import_and_leave(self.r, w, folder, generation, master_pid)
         if running:
             heartbeat.start()
-        self.group = self.pid  # the trial process leads a process group of its own (_import_and_leave)
+        # It leads a process group of its own (_import_and_leave); the master's reaping of any
+        # child may take its exit status first, and hands it to ``exited``.
+        self.group = self.leader = self.pid
         os.close(w)
         os.set_blocking(self.r, False)
         if self.pid is not None:
@@ -83,7 +85,7 @@ class Trial:
         if self.pid is None:
             return ""
         self._read()
-        done, status = os.waitpid(self.pid, os.WNOHANG)
+        done, status = (self.pid, self.ended_with) if self.ended_with is not None else os.waitpid(self.pid, os.WNOHANG)
         if not done:
             if time.monotonic() < self.deadline:
                 return None
@@ -96,6 +98,10 @@ class Trial:
         how = f"signal {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status) else \
             f"exit code {os.WEXITSTATUS(status)}"
         return f"supervisor.handlers: a handler module ended the process importing it ({how})"
+
+    def exited(self, status):
+        """Its exit status, reaped by someone else (the master's pool reaps every child)."""
+        self.ended_with = status
 
     def wait(self):
         """``poll()``, blocking until the import is over; then ``close()``."""
@@ -116,11 +122,12 @@ class Trial:
                 pass
             self.group = None
         if self.pid is not None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)  # not in its group yet, if it was that quick
-            except OSError:
-                pass
-            os.waitpid(self.pid, 0)
+            if self.ended_with is None:  # else reaped by the master's pool: its pid may be another's now
+                try:
+                    os.kill(self.pid, signal.SIGKILL)  # not in its group yet, if it was that quick
+                    os.waitpid(self.pid, 0)
+                except OSError:
+                    pass
             self.pid = None
         for fd in self.fds():
             os.close(fd)

@@ -134,6 +134,9 @@ def serve(cfg, listen):
     host, port = auth.split_listen(listen)
     # The console's own log lines (actions, errors) go through the root logger set up by the CLI.
     # limit_concurrency: open connections (live streams included) are bounded; past it uvicorn answers 503.
+    # Bounded: no connection holds a slot without a request, nor another machine more than its share.
+    from .connections import Bounded
+
     uvicorn.run(build(cfg), host=host, port=port, log_config=None, access_log=False, proxy_headers=True,
                 forwarded_allow_ips="127.0.0.1", timeout_graceful_shutdown=2, server_header=False,
-                limit_concurrency=MAX_CONNECTIONS)
+                limit_concurrency=MAX_CONNECTIONS, http=Bounded)
