@@ -1849,7 +1849,7 @@ MUTATIONS = [
              ("tests/test_testing.py", "-k", "own_queue"),
              "a test config serves the queues its handlers name"),
     Mutation("prefetched-job-runs-past-its-expiry", "supervisor/master/dispatch.py",
-             "        if self.start_by:\n            self.give_back_late()\n",
+             "        if self.start_by and time.monotonic() >= self.next_late:\n            self.give_back_late()\n",
              "",
              ("tests/test_prefetch.py", "-k", "expiry_passes"),
              "a job a supervisor prefetched and held past its expiry ends expired, never run"),
@@ -1950,6 +1950,16 @@ MUTATIONS = [
              "",
              ("tests/test_daemon.py", "-k", "reaping_of_any_child"),
              "a reload's trial reaped by the pool's waitpid(-1) still gives its verdict; the master does not end"),
+    Mutation("start-by-left-behind-when-sent", "supervisor/master/dispatch.py",
+             "            if self.start_by:\n                self.start_by.pop(job.id, None)\n",
+             "",
+             ("tests/test_prefetch.py", "-k", "start_by_time_leaves"),
+             "a prefetched job's start-by time leaves with the job (sent to a child)"),
+    Mutation("start-by-left-behind-when-given-back", "supervisor/master/dispatch.py",
+             "                self.start_by.pop(job.id, None)\n                self.give_back(job)",
+             "                self.give_back(job)",
+             ("tests/test_prefetch.py", "-k", "start_by_time_leaves"),
+             "a prefetched job's start-by time leaves with the job (handed back)"),
 ]
 
 

@@ -46,7 +46,9 @@ class Dispatcher:
         self.give_back, self.on_started = give_back, on_started
         self.paused = set()  # queues not to claim from (job control: paused in the broker)
         self.prefetched = collections.deque()  # (job, settings), oldest first
-        self.start_by = {}  # job id -> monotonic time its expiry passes, for the prefetched jobs that have one
+        # job id -> monotonic time its expiry passes, for the prefetched jobs that have one (an entry
+        # leaves with its job); the soonest of them, so that a loop turn looks at none before then.
+        self.start_by, self.next_late = {}, float("inf")
         # After handing jobs back, claim no more than the idle children can take until a claim
         # brings a job its type lets wait here (short work at the head of the queue). Reopened at
         # each child's end instead, a backlog of long jobs was claimed whole and handed back at
@@ -127,7 +129,8 @@ class Dispatcher:
                 if self.room_closed and self.prefetch.keep(job.type) > 0:
                     self.room_closed = False
                 if job.expires_at is not None:
-                    self.start_by[job.id] = now + job.expires_at - (job.lease_until - b.lease_seconds)
+                    at = self.start_by[job.id] = now + job.expires_at - (job.lease_until - b.lease_seconds)
+                    self.next_late = min(self.next_late, at)
                 self.prefetched.append((job, settings))
                 self.recheck = True
         if jobs:
@@ -151,7 +154,7 @@ class Dispatcher:
         hold every waiting job behind it while a sibling child idles. A child
         whose last job ran long gets one job at a time.
         """
-        if self.start_by:
+        if self.start_by and time.monotonic() >= self.next_late:
             self.give_back_late()
         free = self.pool.free()
         soon = sum(1 for c in self.pool.live() if c.job is not None and len(c.queued) < self.prefetch.refill)
@@ -174,10 +177,9 @@ class Dispatcher:
         """Hand back the prefetched jobs whose expiry passed while they waited here."""
         now = time.monotonic()
         late = {job_id for job_id, at in self.start_by.items() if at <= now}
-        if not late:
-            return
-        for job_id in late:  # the ones no longer here (run, handed back, lost) are forgotten too
+        for job_id in late:
             del self.start_by[job_id]
+        self.next_late = min(self.start_by.values(), default=float("inf"))
         kept = collections.deque()
         for entry in self.prefetched:
             if entry[0].id in late:
@@ -226,6 +228,8 @@ class Dispatcher:
         sent = batch[:len(batch) - len(left)]
         for job, _ in sent:
             self.on_started(job)
+            if self.start_by:
+                self.start_by.pop(job.id, None)
         if sent:
             types = [job.type for job, _ in sent]
             before = self.prefetch.keep(types[0])
@@ -262,6 +266,7 @@ class Dispatcher:
             if left > 0:
                 kept.append((job, settings))
             else:
+                self.start_by.pop(job.id, None)
                 self.give_back(job)
                 self.room_closed = True
         self.prefetched = kept
@@ -270,6 +275,7 @@ class Dispatcher:
         """Every prefetched job, removed (to be released at a stop)."""
         jobs = [job for job, _ in self.prefetched]
         self.prefetched.clear()
+        self.start_by.clear()
         return jobs
 
     def take(self, lease):
@@ -277,6 +283,7 @@ class Dispatcher:
         for entry in self.prefetched:
             if entry[0].lease == lease:
                 self.prefetched.remove(entry)
+                self.start_by.pop(lease.job_id, None)
                 return entry
         return None
 
@@ -285,6 +292,7 @@ class Dispatcher:
         taken = [entry for entry in self.prefetched if entry[0].queue in queues]
         for entry in taken:
             self.prefetched.remove(entry)
+            self.start_by.pop(entry[0].id, None)
         return [job for job, _ in taken]
 
     def forget(self, lease):
@@ -292,6 +300,7 @@ class Dispatcher:
         for entry in list(self.prefetched):
             if entry[0].lease == lease:
                 self.prefetched.remove(entry)
+                self.start_by.pop(lease.job_id, None)
                 log.warning("lease lost on a prefetched job", extra=logs.job_fields(entry[0], event="lease_lost"))
                 return True
         return False
