@@ -1001,7 +1001,7 @@ MUTATIONS = [
              ("tests/test_daemon.py", "-k", "lets_go"),
              "a reload frees the old generation's modules at once, not at some later gc"),
     Mutation("child-dies-of-group-sighup", "supervisor/child/worker.py",
-             "    signal.signal(signal.SIGHUP, _not_ours)", "    signal.signal(signal.SIGHUP, signal.SIG_DFL)",
+             "    signal.signal(signal.SIGHUP, not_ours)", "    signal.signal(signal.SIGHUP, signal.SIG_DFL)",
              ("tests/test_daemon.py", "-k", "whole_group"),
              "a SIGHUP to the whole group reloads without ending running jobs"),
     Mutation("reload-drops-types-silently", "supervisor/registry.py",
@@ -1101,7 +1101,7 @@ MUTATIONS = [
              ("tests/test_master_robustness.py", "-k", "start_that_fails"),
              "a start that fails after a handler module started a thread still exits"),
     Mutation("children-ignore-sighup-for-their-programs", "supervisor/child/worker.py",
-             "    signal.signal(signal.SIGHUP, _not_ours)", "    signal.signal(signal.SIGHUP, signal.SIG_IGN)",
+             "    signal.signal(signal.SIGHUP, not_ours)", "    signal.signal(signal.SIGHUP, signal.SIG_IGN)",
              ("tests/test_daemon.py", "-k", "whole_group"),
              "a program a job starts does not inherit SIGHUP ignored"),
     Mutation("start-up-sighup-forgotten", "supervisor/master/arbiter.py",
@@ -1960,6 +1960,11 @@ MUTATIONS = [
              "                self.give_back(job)",
              ("tests/test_prefetch.py", "-k", "start_by_time_leaves"),
              "a prefetched job's start-by time leaves with the job (handed back)"),
+    Mutation("forked-child-dies-of-a-group-hup", "supervisor/master/trial.py",
+             "worker.not_ours if sig in (signal.SIGHUP, signal.SIGINT) else signal.SIG_DFL",
+             "signal.SIG_DFL",
+             ("tests/test_daemon.py", "-k", "storm_of_group_sighups"),
+             "a group SIGHUP ends no child of the master, not even one still starting"),
 ]
 
 

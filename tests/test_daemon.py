@@ -537,6 +537,37 @@ def test_a_sighup_to_the_whole_group_reloads_without_ending_running_jobs(daemon)
     daemon.assert_clean()
 
 
+def test_a_storm_of_group_sighups_ends_no_child_not_even_one_still_starting(tmp_path):
+    """Every process the master forks starts with signals of its own, not the master's; with
+    SIGHUP back at its default action there, a group SIGHUP that came between a child's fork and
+    its own handlers killed it: 619 children in 20 s of a storm, boot failures, reloads failed."""
+    import threading
+
+    d = Daemon(tmp_path, supervisor={"workers": 6})
+    storming = threading.Event()
+
+    def storm():
+        while not storming.wait(0.005):  # paced, not waited on: a hangup every 5 ms
+            os.killpg(d.proc.pid, signal.SIGHUP)
+    thread = threading.Thread(target=storm)
+    try:
+        d.start()
+        thread.start()
+        wait_for(lambda: d.status()["generation"] >= 40, timeout=60, message="forty reloads in the storm")
+        storming.set()
+        thread.join()
+        wait_for(lambda: len([w for w in d.status()["workers"] if w["state"] == "idle"]) == 6, timeout=30,
+                 message="the last generation's children up")
+        killed = [r for r in d.records() if r.get("signal") in (signal.SIGHUP, signal.SIGINT)]
+        assert killed == [] and not d.records(event="boot_failure") and not d.records(event="reload_failed")
+        assert d.wait_job(d.enqueue("noop")).state == "done"
+    finally:
+        storming.set()
+        if thread.is_alive():
+            thread.join()
+        d.stop()
+
+
 def _mapped(pid, library):
     """Whether a shared library whose file name contains ``library`` is mapped into ``pid``."""
     with open(f"/proc/{pid}/maps") as f:

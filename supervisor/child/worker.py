@@ -91,7 +91,7 @@ def place(slot, cpu):
                                                    cpu, exc, extra={"event": "cpu_affinity_refused", "slot": slot})
 
 
-def _not_ours(signum, frame):
+def not_ours(signum, frame):
     pass
 
 
@@ -103,8 +103,8 @@ def reset_signals():
     # A reload is the master's: a SIGHUP to the whole group (`systemctl kill -s HUP`, a hangup)
     # must not end the jobs running here; Ctrl-C is the master's too. Caught, not ignored: an
     # ignored signal stays ignored in every program a job starts.
-    signal.signal(signal.SIGHUP, _not_ours)
-    signal.signal(signal.SIGINT, _not_ours)
+    signal.signal(signal.SIGHUP, not_ours)
+    signal.signal(signal.SIGINT, not_ours)
     timeouts.install()
 
 

@@ -22,9 +22,11 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.
 
 def not_the_masters_in_forks(master_pid):
     """Every process the master forks (a child, a trial, a helper a handler module starts at a
-    reload's import) begins with the signals of a new process, not the master's: inherited, the
-    no-op handlers wrote each signal that helper got into the master's self-pipe, and a SIGTERM
-    sent to the helper alone stopped the master. (A child's own forks are the child's business.)"""
+    reload's import) begins with signals of its own, not the master's: inherited, the no-op
+    handlers wrote each signal that helper got into the master's self-pipe, and a SIGTERM sent to
+    the helper alone stopped the master. SIGHUP and SIGINT sent to the whole group (a reload by
+    `systemctl kill -s HUP`, Ctrl-C) are the master's: caught and dropped, as a child does once it
+    runs, so that neither ends a child still starting. (A child's own forks are its business.)"""
     def forked():
         if os.getppid() == master_pid:
             _default_signals()
@@ -34,7 +36,7 @@ def not_the_masters_in_forks(master_pid):
 def _default_signals():
     signal.set_wakeup_fd(-1)
     for sig in SIGNALS:
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        signal.signal(sig, worker.not_ours if sig in (signal.SIGHUP, signal.SIGINT) else signal.SIG_DFL)
 
 
 class Trial:
@@ -155,7 +157,6 @@ def _import_and_leave(r, w, folder, generation, master_pid):
         os.setpgid(0, 0)  # a group of its own: the master ends whatever the import started with it
         worker.set_parent_death_signal(master_pid)  # a master killed meanwhile leaves no import behind
         _default_signals()  # the master's self-pipe: a signal here is not the master's
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
         try:
             registry.load_handlers(folder, generation)
             report = b""
