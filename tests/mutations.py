@@ -1965,6 +1965,11 @@ MUTATIONS = [
              "signal.SIG_DFL",
              ("tests/test_daemon.py", "-k", "storm_of_group_sighups"),
              "a group SIGHUP ends no child of the master, not even one still starting"),
+    Mutation("ttin-during-a-reload-undone", "supervisor/master/arbiter.py",
+             "            if self.reloads.under_way is not None and sig in (signal.SIGTTIN, signal.SIGTTOU):",
+             "            if False:",
+             ("tests/test_daemon.py", "-k", "serves_on_while"),
+             "a SIGTTIN sent during a reload counts once the reload is over"),
 ]
 
 

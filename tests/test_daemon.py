@@ -374,7 +374,8 @@ def test_a_stop_signal_during_a_reloads_trial_import_is_not_kept_waiting(daemon)
 def test_the_loop_serves_on_while_a_reloads_trial_import_waits_and_hups_meanwhile_make_one_reload(daemon):
     """The trial import held the master's loop until it ended (up to import_timeout): no job
     ran, no hard timeout fired, status did not answer; and each SIGHUP sent meanwhile made a
-    reload of its own, one after another."""
+    reload of its own, one after another. A SIGTTIN sent meanwhile counts once the reloads are
+    over (acted on at once, the new generation's worker count undid it)."""
     slow, importing, release = (os.path.join(daemon.dir, name) for name in ("slow", "importing", "release"))
     with open(os.path.join(daemon.handlers, "waits.py"), "w") as f:
         f.write(f"import os, time\n\nif os.path.exists({slow!r}):\n    open({importing!r}, 'a').close()\n"
@@ -389,6 +390,7 @@ def test_the_loop_serves_on_while_a_reloads_trial_import_waits_and_hups_meanwhil
     wait_for(lambda: os.path.exists(importing), message="the trial import under way")
     daemon.signal(signal.SIGHUP)
     daemon.signal(signal.SIGHUP)
+    daemon.signal(signal.SIGTTIN)
     assert daemon.wait_job(daemon.enqueue("noop"), timeout=20).state == "done"  # served while it imports
     assert daemon.status()["generation"] == 1
     os.remove(slow)
@@ -396,6 +398,8 @@ def test_the_loop_serves_on_while_a_reloads_trial_import_waits_and_hups_meanwhil
     wait_for(lambda: daemon.status()["generation"] == 3, timeout=20, message="the reload, then one more")
     assert [r["generation"] for r in daemon.records(event="reload")] == [2, 3]
     assert daemon.status()["reload_error"] is None
+    wait_for(lambda: daemon.status()["target_workers"] == 3 and _idle(daemon, generation=3) == 3,
+             message="the SIGTTIN, after the reloads")
     daemon.assert_clean()
 
 

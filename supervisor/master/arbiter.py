@@ -229,6 +229,9 @@ class Arbiter:
     def handle_signals(self):
         while self.signals:
             sig = self.signals.popleft()
+            if self.reloads.under_way is not None and sig in (signal.SIGTTIN, signal.SIGTTOU):
+                self.reloads.held.append(sig)  # after the reload: its worker count would undo it
+                continue
             handler = {
                 signal.SIGTERM: self.handle_term, signal.SIGINT: self.handle_term,
                 signal.SIGQUIT: self.stop_fast, signal.SIGHUP: self.reloads.request,

@@ -5,8 +5,8 @@ serves on meanwhile: replies, hard timeouts, the health socket, claims, the
 watchdog's pings. It looks at the trial again when the trial's process ends or its
 ``supervisor.import_timeout`` runs out. Only once the trial passed does the master
 import the files itself and start the new generation. SIGHUPs that arrive during a
-reload make one more reload after it, not one each. A stop ends a trial under way
-and fails its reload.
+reload make one more reload after it, not one each; SIGTTIN and SIGTTOU wait for
+its end. A stop ends a trial under way and fails its reload.
 """
 import logging
 import selectors
@@ -27,6 +27,9 @@ class Reloads:
         self.begin_trial = begin_trial  # trial.Trial: (folder, generation, heartbeat, timeout)
         self.under_way = None  # (the new config, its trial.Trial)
         self.again = False  # a SIGHUP came during this reload: one more once it is over
+        # SIGTTIN/SIGTTOU that came during it: acted on once it is over, or the new generation's
+        # worker count (the config's) would undo them.
+        self.held = []
 
     def request(self):
         m = self.m
@@ -81,7 +84,7 @@ class Reloads:
 
     def stop(self):
         """A stop signal: the trial under way ends, its reload fails, none follows."""
-        self.again = False
+        self.again, self.held = False, []
         if self.under_way is not None:
             self._end_trial()
             self.failed(registry.HandlerLoadError("supervisor.handlers: the reload gave way to a stop signal"))
@@ -96,6 +99,8 @@ class Reloads:
 
     def ended(self):
         self.m.status.reloaded()
+        self.m.signals.extend(self.held)
+        self.held = []
         if self.again:
             self.again = False
             self.request()
