@@ -1970,6 +1970,11 @@ MUTATIONS = [
              "            if False:",
              ("tests/test_daemon.py", "-k", "serves_on_while"),
              "a SIGTTIN sent during a reload counts once the reload is over"),
+    Mutation("web-next-head-unbounded", "supervisor/web/connections.py",
+             "            self.head_timer = self.loop.call_later(self.timeout_keep_alive + HEAD_SECONDS, self.no_head)\n",
+             "            pass\n",
+             ("tests/test_web.py", "-k", "idle_and_slow"),
+             "the head of a connection's next request is bounded too, not only its first"),
 ]
 
 

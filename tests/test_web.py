@@ -633,6 +633,18 @@ def test_idle_and_slow_connections_do_not_hold_the_console_and_one_machine_holds
         wait_for(lambda: login_page() == 200, timeout=30, message="the console serving past the idle sockets")
         slow.settimeout(30)
         assert slow.recv(1024) == b""  # closed, no answer
+        # A first request answered, then the next head a byte at a time: that byte cancelled
+        # uvicorn's keep-alive wait, and nothing bounded the rest.
+        again = socket.create_connection(("127.0.0.1", port))
+        held.append(again)
+        again.settimeout(30)
+        again.sendall(b"GET /login HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answer = b""
+        while b"</html>" not in answer.lower():
+            answer += again.recv(65536)
+        again.sendall(b"G")
+        while again.recv(65536):  # closed, never answered
+            pass
         other = _other_address()
         assert other is not None, "this test needs an address of this machine that is not loopback"
         mine = [socket.create_connection((other, port)) for _ in range(PER_PEER + 4)]
