@@ -1936,7 +1936,7 @@ MUTATIONS = [
              ("tests/test_daemon.py", "-k", "serves_on_while"),
              "SIGHUPs during a reload make one more reload after it, not one each"),
     Mutation("web-idle-connection-holds-a-slot", "supervisor/web/connections.py",
-             "        if self.cycle is None and not self.transport.is_closing():  # no request has begun on it\n",
+             "        if self.cycle is self.waiting_after and not self.transport.is_closing():\n",
              "        if False:\n",
              ("tests/test_web.py", "-k", "idle_and_slow"),
              "a connection that sends no request head in time gives its slot back"),
