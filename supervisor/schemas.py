@@ -51,7 +51,7 @@ def dump(schema, value):
     if kind == "dataclass" and isinstance(value, schema):
         value = _as_json(value)
     elif kind == "pydantic" and isinstance(value, schema):
-        value = value.model_dump(mode="json", by_alias=True)  # model_validate reads a field's alias
+        value = _pydantic_payload(schema, value)
     elif kind == "msgspec" and isinstance(value, schema):
         import msgspec
 
@@ -63,6 +63,18 @@ def dump(schema, value):
     except SchemaError as exc:
         raise BadInput(f"payload: {exc}") from None
     return value
+
+
+def _pydantic_payload(schema, value):
+    """The instance under the names its model reads back (``model_validate``, in the child): a
+    field's names, or its aliases (``alias=`` is read back; a ``serialization_alias`` is not)."""
+    by_name = value.model_dump(mode="json")
+    try:
+        _load_pydantic(schema, by_name)
+    except SchemaError:
+        by_alias = value.model_dump(mode="json", by_alias=True)
+        return by_alias if by_alias != by_name else by_name  # the check below names what is wrong
+    return by_name
 
 
 def load(schema, payload):

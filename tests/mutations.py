@@ -1814,8 +1814,8 @@ MUTATIONS = [
              ("tests/test_client_threads.py", "-k", "relative_sqlite"),
              "a relative SQLite URL names one database for a client's whole life"),
     Mutation("schema-pydantic-dump-by-name", "supervisor/schemas.py",
-             "model_dump(mode=\"json\", by_alias=True)",
-             "model_dump(mode=\"json\")",
+             "        return by_alias if by_alias != by_name else by_name",
+             "        return by_name",
              ("tests/test_schemas.py", "-k", "field_aliases"),
              "a pydantic instance with field aliases is stored under the aliases its model reads"),
     Mutation("schema-set-loaded-as-list", "supervisor/schemas.py",
@@ -1975,6 +1975,11 @@ MUTATIONS = [
              "            pass\n",
              ("tests/test_web.py", "-k", "idle_and_slow"),
              "the head of a connection's next request is bounded too, not only its first"),
+    Mutation("schema-pydantic-dump-by-alias", "supervisor/schemas.py",
+             "        value = _pydantic_payload(schema, value)",
+             "        value = value.model_dump(mode=\"json\", by_alias=True)",
+             ("tests/test_schemas.py", "-k", "field_aliases"),
+             "a pydantic instance with an output-only alias is stored under the names its model reads"),
 ]
 
 
