@@ -1980,6 +1980,16 @@ MUTATIONS = [
              "        value = value.model_dump(mode=\"json\", by_alias=True)",
              ("tests/test_schemas.py", "-k", "field_aliases"),
              "a pydantic instance with an output-only alias is stored under the names its model reads"),
+    Mutation("status-watch-json-clears-the-screen", "supervisor/cli/daemon.py",
+             "            sys.stdout.write(json.dumps(reply, default=str) + \"\\n\")",
+             "            sys.stdout.write(\"\\033[H\\033[2J\" + json.dumps(reply, default=str) + \"\\n\")",
+             ("tests/test_cli.py", "-k", "watch_json"),
+             "status --watch --json writes one JSON object a line"),
+    Mutation("schedules-imports-handlers-in-process", "supervisor/cli/jobs.py",
+             "    handlers = import_handlers(cfg) if os.path.isdir(cfg.supervisor.handlers) else {}",
+             "    from .. import registry\n    handlers = registry.load_handlers(cfg.supervisor.handlers) if os.path.isdir(cfg.supervisor.handlers) else {}",
+             ("tests/test_cli.py", "-k", "schedules_imports"),
+             "tangguh schedules imports the handlers as run does: a trial first, their prints on stderr"),
 ]
 
 

@@ -568,6 +568,40 @@ def test_status_watch_redraws_from_the_socket(capsys, fake_supervisor, monkeypat
     assert requests == [{"cmd": "status"}] * 3
 
 
+def test_status_watch_json_writes_one_json_object_a_line(fake_supervisor):
+    """Each sample was written after a clear-screen sequence: no line of it was JSON, for jq or
+    any reader."""
+    cfg, requests = fake_supervisor
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "status", "--watch", "0.05", "--json", "-c", cfg],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert [json.loads(line) for line in lines] == [STATUS_REPLY] * 3
+
+
+def test_schedules_imports_the_handlers_as_run_does(tmp_path):
+    """`schedules` imported the handler files in its own process: what a module printed at import
+    went into `--json`'s stdout, and a module that called os._exit ended the command, exit 0,
+    nothing listed."""
+    handlers = tmp_path / "handlers"
+    handlers.mkdir()
+    (handlers / "noisy.py").write_text("import supervisor\n\nprint('hello from noisy import')\n\n"
+                                       "@supervisor.job('nightly', cron='0 3 * * *')\ndef nightly(ctx, payload):\n"
+                                       "    pass\n")
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f'[supervisor]\nhandlers = "handlers"\n[broker]\nurl = "sqlite:///{tmp_path}/b.db"\n')
+    done = tangguh_process("schedules", "--json", "-c", str(cfg))
+    assert done.returncode == 0, done.stderr
+    assert [s["name"] for s in json.loads(done.stdout)] == ["nightly"]
+    assert "hello from noisy import" in done.stderr
+    (handlers / "leaves.py").write_text("import os\n\nos._exit(0)\n")
+    done = tangguh_process("schedules", "--json", "-c", str(cfg))
+    assert done.returncode == 2 and "ended the process importing it" in done.stderr and done.stdout == ""
+
+
 def test_status_and_metrics_ask_the_health_socket(capsys, fake_supervisor):
     cfg, requests = fake_supervisor
     code, out, _ = tangguh(capsys, "status", "-c", cfg)

@@ -87,9 +87,8 @@ def cmd_status(args):
 
         return daemon_module("cli.watch").run(fetch, args.watch)
     try:
-        while True:
-            screen = json.dumps(reply, indent=2, default=str) if args.json else printable(render_status(reply))
-            sys.stdout.write("\033[H\033[2J" + screen + "\n")
+        while True:  # --json: one object a line (JSON Lines), for jq or a script; no screen to clear
+            sys.stdout.write(json.dumps(reply, default=str) + "\n")
             sys.stdout.flush()
             time.sleep(args.watch)
             try:

@@ -165,10 +165,11 @@ def cmd_stats(args):
 
 def cmd_schedules(args):
     """``[schedules.*]`` plus the handlers' ``cron=``; next runs by this host's clock."""
-    from .. import registry, scheduler
+    from .. import scheduler
 
     cfg = load_config(args)
-    handlers = registry.load_handlers(cfg.supervisor.handlers) if os.path.isdir(cfg.supervisor.handlers) else {}
+    # As `run` imports them: a trial first, what a module prints to stderr (--json is stdout's).
+    handlers = import_handlers(cfg) if os.path.isdir(cfg.supervisor.handlers) else {}
     listing = scheduler.Scheduler(scheduler.schedules_from(cfg, handlers), None).listing(time.time())
     for item in listing:
         item["next_run_iso"] = datetime.datetime.fromtimestamp(item["next_run"], datetime.timezone.utc).isoformat()
