@@ -1990,6 +1990,16 @@ MUTATIONS = [
              "    from .. import registry\n    handlers = registry.load_handlers(cfg.supervisor.handlers) if os.path.isdir(cfg.supervisor.handlers) else {}",
              ("tests/test_cli.py", "-k", "schedules_imports"),
              "tangguh schedules imports the handlers as run does: a trial first, their prints on stderr"),
+    Mutation("dlq-replay-rate-unbounded", "supervisor/cli/dlq.py",
+             "MIN_RATE = 0.01  # replays per second",
+             "MIN_RATE = 1e-320  # replays per second",
+             ("tests/test_cli.py", "-k", "dlq_usage_errors"),
+             "dlq replay refuses a rate it cannot pace before anything is replayed"),
+    Mutation("job-wait-deleted-exits-2", "supervisor/cli/control.py",
+             "            if client.broker.get(job_id) is None:  # an answer about the job, not the command line: exit 1",
+             "            if False:",
+             ("tests/test_cli_control.py", "-k", "deleted_while"),
+             "job --wait for a job deleted while it waits exits 1, not found"),
 ]
 
 

@@ -467,7 +467,8 @@ def test_dlq_replay_all_by_type_with_rate(capsys, cfg_path, broker):
     (["dlq", "replay"], "give job ids or --all"),
     (["dlq", "replay", "job_x", "--all"], "not both"),
     (["dlq", "replay", "job_x", "--type", "email"], "--type only goes with --all"),
-    (["dlq", "replay", "--all", "--rate", "0"], "--rate must be a positive number"),
+    (["dlq", "replay", "--all", "--rate", "0"], "--rate must be a number of replays per second, at least 0.01"),
+    (["dlq", "replay", "--all", "--rate", "1e-300"], "at least 0.01"),  # its pause overflowed the clock
     (["dlq", "purge", "--all"], "add --yes to confirm"),
     (["dlq", "purge", "--all", "--type", "email"], "add --yes to confirm"),
     (["dlq", "list", "--limit", "-1"], "--limit must be >= 0"),

@@ -126,6 +126,22 @@ def test_job_wait_exits_124_on_timeout_and_1_for_an_unknown_job(capsys, cfg_path
     assert code == 2 and "--timeout" in err
 
 
+def test_job_wait_for_a_job_deleted_while_it_waits_exits_1(capsys, cfg_path, broker, monkeypatch):
+    """The broker's "unknown job" came out as a usage error, exit 2 (nothing wrong with the
+    command line), where `tangguh job ID` of the same id exits 1, "not found"."""
+    from supervisor.client import Client
+
+    job_id = broker.enqueue(NewJob("email", {}))
+    real_wait = Client.wait
+
+    def discarded_first(client, *args):  # an operator's discard lands between the look and the wait
+        broker.discard([job_id])
+        return real_wait(client, *args)
+    monkeypatch.setattr(Client, "wait", discarded_first)
+    code, out, err = tangguh(capsys, "job", job_id, "--wait", "--timeout", "5", "-c", cfg_path)
+    assert code == 1 and err.strip() == f"tangguh: error: job {job_id} not found (deleted while waiting)", err
+
+
 def test_job_wait_with_an_infinite_timeout_waits_as_long_as_it_takes(capsys, cfg_path, broker):
     job_id = broker.enqueue(NewJob("email", {}))
     broker.cancel([job_id], "ops", None)

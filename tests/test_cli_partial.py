@@ -183,7 +183,7 @@ def test_a_closed_stdout_stops_a_bulk_action_and_ends_a_listing_quietly(cfg, bro
 @pytest.mark.parametrize("args,message", [
     (["dlq", "list", "--limit", str(10**22)], "--limit must be at most 1000"),
     (["status", "--watch", "inf", "--socket", "/nonexistent.sock"], "--watch"),
-    (["dlq", "replay", "--all", "--rate", "inf"], "--rate must be a positive number"),
+    (["dlq", "replay", "--all", "--rate", "inf"], "--rate must be a number of replays per second"),
     (["cancel", "--state", "", "--type", "email"], "--state"),
     (["jobs", "\x1b[31m" + "t" * 100_000], "characters cut"),
 ])

@@ -119,7 +119,12 @@ def wait_job(client, job_id, timeout):
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         step = WAIT_FOREVER_STEP if deadline is None else max(0.0, deadline - time.monotonic())
-        job = client.wait(job_id, step)
+        try:
+            job = client.wait(job_id, step)
+        except BadInput:
+            if client.broker.get(job_id) is None:  # an answer about the job, not the command line: exit 1
+                raise Failure(f"job {job_id} not found (deleted while waiting)") from None
+            raise
         if job is not None or deadline is not None:
             return job
 

@@ -20,6 +20,7 @@ from .output import one_line, print_json, printable, say, table, when
 from .progress import Progress
 
 NOT_DONE = ("conflict", "not_dead")  # the outcomes text mode lists by id; the rest is the summary's count
+MIN_RATE = 0.01  # replays per second, as the web console's replay: one in 100 s
 
 
 def cmd_dlq_list(args):
@@ -112,8 +113,9 @@ def _selection(args, verb):
 
 def cmd_dlq_replay(args):
     _selection(args, "replay")
-    if args.rate is not None and not 0 < args.rate < math.inf:
-        raise UsageError("dlq replay: --rate must be a positive number of replays per second")
+    if args.rate is not None and not MIN_RATE <= args.rate < math.inf:
+        # 1e-300 passed, replayed one job, then its pause overflowed the clock: "stopped after 1".
+        raise UsageError(f"dlq replay: --rate must be a number of replays per second, at least {MIN_RATE:g}")
     with open_client(args) as client:
         broker = client.broker
         batches, count, exact = selected(broker, args)
