@@ -2000,6 +2000,16 @@ MUTATIONS = [
              "            if False:",
              ("tests/test_cli_control.py", "-k", "deleted_while"),
              "job --wait for a job deleted while it waits exits 1, not found"),
+    Mutation("install-unit-takes-any-path", "supervisor/cli/install.py",
+             "        if not PLAIN_PATH.fullmatch(self.tangguh_bin):",
+             "        if False:",
+             ("tests/test_systemd.py", "-k", "refuses_bad"),
+             "config init --systemd refuses an --exec path ExecStart= would split, quote or expand"),
+    Mutation("install-unit-takes-any-account", "supervisor/cli/install.py",
+             "            if not ACCOUNT_NAME.fullmatch(name):",
+             "            if False:",
+             ("tests/test_systemd.py", "-k", "refuses_bad"),
+             "config init --systemd refuses a --user or --group that is no account name (a newline added unit lines)"),
 ]
 
 

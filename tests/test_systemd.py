@@ -580,6 +580,15 @@ def test_config_init_systemd_into_a_root_without_the_group_writes_the_files_for_
     (["config", "init"], "config init: give the PATH to write, or --systemd"),
     (["config", "init", "--systemd", "x.toml"], "takes no PATH"),
     (["config", "init", "--systemd", "--exec", "/home/me/venv/bin/tangguh", "--dry-run"], "ProtectHome=yes"),
+    # Written into the unit as they came: ExecStart= split the path, expanded %b, or a newline in
+    # --user added an ExecStartPre= of the caller's choosing.
+    (["config", "init", "--systemd", "--exec", "/opt/my venv/bin/tangguh", "--dry-run"], "would split, quote"),
+    (["config", "init", "--systemd", "--exec", "/opt/a%b$c/tangguh", "--dry-run"], "would split, quote"),
+    (["config", "init", "--systemd", "--exec", "/var/tmp/venv/bin/tangguh", "--dry-run"], "PrivateTmp=yes"),
+    (["config", "init", "--systemd", "--exec", "/opt/tangguh/venv/bin/tangguh", "--user",
+      "svc\nExecStartPre=/bin/sh -c true", "--dry-run"], "--user"),
+    (["config", "init", "--systemd", "--exec", "/opt/tangguh/venv/bin/tangguh", "--group", "Wheel Group",
+      "--dry-run"], "--group"),
 ])
 def test_config_init_systemd_refuses_bad_invocations(args, error):
     result = tangguh_cli(*args)

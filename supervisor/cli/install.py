@@ -22,6 +22,7 @@ alone; ``--dry-run`` only prints what would be done.
 import grp
 import os
 import pwd
+import re
 import shlex
 import shutil
 import subprocess
@@ -43,6 +44,12 @@ SERVICE_PATHS = {
     'socket = "tangguh.sock"': f'socket = "{SOCKET}"',
     'url = "sqlite:///tangguh.db"': f'url = "sqlite:///{STATE_DIR}/tangguh.db"',
 }
+
+
+# useradd's default NAME_REGEX: a name the unit's User=/Group= lines hold as they are.
+ACCOUNT_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+# Written into ExecStart= as it is: no character systemd would split at, quote or expand (%b, $X).
+PLAIN_PATH = re.compile(r"[A-Za-z0-9_./+@:,=-]+")
 
 
 class InstallError(TangguhError):
@@ -94,10 +101,19 @@ class Installer:
         self.tangguh_bin = tangguh_bin or default_tangguh_bin()
         if not os.path.isabs(self.tangguh_bin):
             raise InstallError(f"--exec {self.tangguh_bin}: must be an absolute path")
+        if not PLAIN_PATH.fullmatch(self.tangguh_bin):
+            raise InstallError(f"--exec {self.tangguh_bin!r}: ExecStart= would split, quote or expand it (a space,"
+                               " a quote, % or $); install under a plain path, e.g. /opt/tangguh/venv")
         if self.tangguh_bin.startswith(("/home/", "/root/", "/run/user/")):
             # The unit has ProtectHome=yes: the service could not even see it.
             raise InstallError(f"{self.tangguh_bin}: a venv under a home directory is invisible to the service "
                                "(ProtectHome=yes); install it under /opt, e.g. /opt/tangguh/venv")
+        if self.tangguh_bin.startswith(("/tmp/", "/var/tmp/")):
+            raise InstallError(f"{self.tangguh_bin}: a venv under /tmp or /var/tmp is invisible to the service"
+                               " (PrivateTmp=yes); install it under /opt, e.g. /opt/tangguh/venv")
+        for option, name in (("--user", user), ("--group", group)):
+            if not ACCOUNT_NAME.fullmatch(name):
+                raise InstallError(f"{option} {name!r}: not an account name (lowercase letters, digits, _ and -)")
         self.dry_run = dry_run
         self.out = out
         self.system = self.root == "/"  # accounts and systemctl only for the real system
