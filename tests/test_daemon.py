@@ -352,15 +352,24 @@ def test_a_handler_module_that_forks_at_import_leaves_one_master(daemon):
     assert all(s.in_flight == 0 for s in daemon.broker.stats(["default"]).values())
 
 
+def _a_module_that_waits_at_import(daemon):
+    """(slow, importing, release): while ``slow`` exists, importing the module marks
+    ``importing`` and waits (up to 60 s) for ``release``; the import timeout is longer."""
+    slow, importing, release = (os.path.join(daemon.dir, name) for name in ("slow", "importing", "release"))
+    with open(os.path.join(daemon.handlers, "waits.py"), "w") as f:
+        f.write(f"import os, time\n\nif os.path.exists({slow!r}):\n    open({importing!r}, 'a').close()\n"
+                f"    deadline = time.monotonic() + 60\n"
+                f"    while not os.path.exists({release!r}) and time.monotonic() < deadline:\n"
+                "        time.sleep(0.01)\n")
+    daemon.config["supervisor"]["import_timeout"] = 120.0
+    daemon.write_config()
+    return slow, importing, release
+
+
 def test_a_stop_signal_during_a_reloads_trial_import_is_not_kept_waiting(daemon):
     """The trial import held the master's loop until it ended: a SIGTERM waited for it (and
     then for the master's own import)."""
-    slow, importing = os.path.join(daemon.dir, "slow"), os.path.join(daemon.dir, "importing")
-    with open(os.path.join(daemon.handlers, "sleepy.py"), "w") as f:
-        f.write(f"import os, time\n\nif os.path.exists({slow!r}):\n    open({importing!r}, 'a').close()\n"
-                "    time.sleep(60)\n")
-    daemon.config["supervisor"]["import_timeout"] = 120.0
-    daemon.write_config()
+    slow, importing, _ = _a_module_that_waits_at_import(daemon)
     daemon.start()
     open(slow, "w").close()
     daemon.signal(signal.SIGHUP)
@@ -376,14 +385,7 @@ def test_the_loop_serves_on_while_a_reloads_trial_import_waits_and_hups_meanwhil
     ran, no hard timeout fired, status did not answer; and each SIGHUP sent meanwhile made a
     reload of its own, one after another. A SIGTTIN sent meanwhile counts once the reloads are
     over (acted on at once, the new generation's worker count undid it)."""
-    slow, importing, release = (os.path.join(daemon.dir, name) for name in ("slow", "importing", "release"))
-    with open(os.path.join(daemon.handlers, "waits.py"), "w") as f:
-        f.write(f"import os, time\n\nif os.path.exists({slow!r}):\n    open({importing!r}, 'a').close()\n"
-                f"    deadline = time.monotonic() + 60\n"
-                f"    while not os.path.exists({release!r}) and time.monotonic() < deadline:\n"
-                "        time.sleep(0.01)\n")
-    daemon.config["supervisor"]["import_timeout"] = 120.0
-    daemon.write_config()
+    slow, importing, release = _a_module_that_waits_at_import(daemon)
     daemon.start()
     open(slow, "w").close()
     daemon.signal(signal.SIGHUP)
