@@ -30,7 +30,8 @@ log = logging.getLogger("tangguh.arbiter")
 class Dispatcher:
     """Callbacks: ``hold(lease)`` the heartbeat starts renewing it; ``on_claimed(job)``
     logs a claim; ``on_started(job)`` counts an attempt that starts (a job sent to a child, or
-    one no handler takes; not one handed back unstarted, which the broker does not count); ``on_unknown(job, settings)`` a job no handler takes;
+    one no handler takes; not one handed back unstarted, which the broker does not count);
+    ``on_unknown(job, settings)`` a job no handler takes;
     ``settings_for(job)`` the rules to claim it under; ``on_expired(job_type)`` a
     job the claim ended ``expired`` (never run); ``give_back(job)`` releases a claimed
     job untouched (no attempt counted). ``prefetch`` is the ``Prefetch`` policy."""
