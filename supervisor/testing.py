@@ -235,7 +235,8 @@ def jobs_in_state(state=None, type=None, client=None):
                 if values:
                     sql += f" AND {column} IN ({','.join('?' * len(values))})"
                     args += values
-            ids = [row[0] for row in db.execute(sql + " ORDER BY id", args)]
+            # Oldest first: ids made in one millisecond need not sort so; the table's rows do.
+            ids = [row[0] for row in db.execute(sql + " ORDER BY queued_at, rowid", args)]
         finally:
             db.close()
         return [broker.get(job_id) for job_id in ids]

@@ -584,7 +584,6 @@ def test_config_init_systemd_into_a_root_without_the_group_writes_the_files_for_
     # --user added an ExecStartPre= of the caller's choosing.
     (["config", "init", "--systemd", "--exec", "/opt/my venv/bin/tangguh", "--dry-run"], "would split, quote"),
     (["config", "init", "--systemd", "--exec", "/opt/a%b$c/tangguh", "--dry-run"], "would split, quote"),
-    (["config", "init", "--systemd", "--exec", "/var/tmp/venv/bin/tangguh", "--dry-run"], "PrivateTmp=yes"),
     (["config", "init", "--systemd", "--exec", "/opt/tangguh/venv/bin/tangguh", "--user",
       "svc\nExecStartPre=/bin/sh -c true", "--dry-run"], "--user"),
     (["config", "init", "--systemd", "--exec", "/opt/tangguh/venv/bin/tangguh", "--group", "Wheel Group",
