@@ -136,6 +136,10 @@ class WebConfig:
                           default_factory=dict)
     redact: list = option(field_names, "payload/result fields masked on every page and API answer",
                           default_factory=list)
+    behind_proxy: bool = option(boolean, "take the client's address and scheme from X-Forwarded-For/-Proto"
+                                " sent from 127.0.0.1 (a reverse proxy on this machine); false: the console has"
+                                " no proxy, so a local process cannot choose the address the login throttle counts",
+                                default=True)
 
 
 @dataclasses.dataclass

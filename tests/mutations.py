@@ -2010,6 +2010,11 @@ MUTATIONS = [
              "            if False:",
              ("tests/test_systemd.py", "-k", "refuses_bad"),
              "config init --systemd refuses a --user or --group that is no account name (a newline added unit lines)"),
+    Mutation("web-trusts-forwarded-without-proxy", "supervisor/web/app.py",
+             "                proxy_headers=cfg.web.behind_proxy,",
+             "                proxy_headers=True,",
+             ("tests/test_web.py", "-k", "forwarded_address_only"),
+             "with behind_proxy = false the console still took X-Forwarded-For from 127.0.0.1, so a local guesser was never throttled"),
 ]
 
 

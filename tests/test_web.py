@@ -663,3 +663,44 @@ def test_idle_and_slow_connections_do_not_hold_the_console_and_one_machine_holds
             s.close()
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.parametrize("behind_proxy", [True, False])
+def test_the_login_throttle_counts_a_forwarded_address_only_behind_a_proxy(tmp_path, behind_proxy):
+    """A console with no proxy in front trusted X-Forwarded-For from 127.0.0.1 all the same:
+    a local process guessing passwords named a new address for each guess and was never held
+    off. With ``behind_proxy = false`` the throttle counts the connection's own address."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from .daemon import daemon_env
+    from .servers import free_port
+
+    port = free_port()
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f'[broker]\nurl = "sqlite:///{tmp_path}/b.db"\n[web]\nbehind_proxy = {str(behind_proxy).lower()}\n'
+                   f'[web.users.ada]\npassword = "{hashed(ADMIN_PW)}"\nrole = "admin"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "web", "-c", str(cfg), "--listen",
+                             f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=daemon_env())
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as guesser:
+            def up():
+                try:
+                    return guesser.get("/login").status_code == 200
+                except httpx.TransportError:
+                    return False
+            wait_for(up, timeout=30, message="the console up")
+            answers = []
+            for i in range(throttle.FAILURES + 1):
+                token = csrf_of(guesser.get("/login").text)
+                answers.append(guesser.post("/login", data={"name": "ada", "password": f"guess-{i}", "csrf": token},
+                                            headers={"X-Forwarded-For": f"192.0.2.{i + 1}"}).status_code)
+        assert answers[:throttle.FAILURES] == [401] * throttle.FAILURES
+        # Behind a proxy each forwarded address is a browser of its own; without one, one guesser.
+        assert answers[-1] == (401 if behind_proxy else 429)
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -137,6 +137,9 @@ def serve(cfg, listen):
     # Bounded: no connection holds a slot without a request, nor another machine more than its share.
     from .connections import Bounded
 
-    uvicorn.run(build(cfg), host=host, port=port, log_config=None, access_log=False, proxy_headers=True,
+    # proxy_headers: behind a proxy the throttle counts each browser's address, not the proxy's; without
+    # one, trusting the header would let any local process name a new address for every guess.
+    uvicorn.run(build(cfg), host=host, port=port, log_config=None, access_log=False,
+                proxy_headers=cfg.web.behind_proxy,
                 forwarded_allow_ips="127.0.0.1", timeout_graceful_shutdown=2, server_header=False,
                 limit_concurrency=MAX_CONNECTIONS, http=Bounded)
