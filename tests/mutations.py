@@ -2015,6 +2015,11 @@ MUTATIONS = [
              "                proxy_headers=True,",
              ("tests/test_web.py", "-k", "forwarded_address_only"),
              "with behind_proxy = false the console still took X-Forwarded-For from 127.0.0.1, so a local guesser was never throttled"),
+    Mutation('web-api-body-uncapped', 'supervisor/web/formbody.py',
+             '    return bytes(await _capped(request, limit, "the body"))',
+             '    return await request.body()',
+             ('tests/test_web.py', "-k", 'capped_body and sqlite'),
+             'an API body of any size was read whole (and a multipart one spooled to disk) before the endpoint refused it'),
 ]
 
 

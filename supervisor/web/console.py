@@ -3,7 +3,8 @@
 ``gate(kind)`` wraps an endpoint: it finds who is asking (``auth.identify``),
 sends a browser without a session to the login page (a script gets 401),
 refuses a change from a viewer (403), a page's form that is not a small
-urlencoded body (``formbody``: 415, 413, 400) or one without the CSRF token (403), and
+urlencoded body or an API body over its cap (``formbody``: 415, 413, 400),
+a change without the CSRF token (403), and
 turns whatever the endpoint raises into a page or JSON answer without a
 traceback: BadInput into 400 with its message, an outage into 503.
 """
@@ -23,7 +24,7 @@ from ..errors import BadInput, BrokerError
 from ..model import FINISHED
 from . import auth, csrf
 from .brokerio import BrokerPool, Fetch, unreachable, unsupported
-from .formbody import BodyRefused, read_form
+from .formbody import BodyRefused, read_form, read_json
 from .live import Sampler
 from .redact import Redactor
 from .throttle import LoginThrottle
@@ -93,13 +94,13 @@ def gate(kind="page", admin=False):
             if request.method == "POST":
                 if not identity.admin:
                     return refuse(console, request, kind, 403, "viewers cannot change anything")
-                if kind == "page":
-                    try:
+                try:
+                    if kind == "page":
                         form = await read_form(request)
-                    except BodyRefused as exc:
-                        return refuse(console, request, kind, exc.status, str(exc))
-                elif not request.headers.get("content-type", "").startswith("application/json"):
-                    form = await request.form()  # the API's own reader refuses it; the CSRF token may be in it
+                    else:  # the API's CSRF token comes in its header
+                        request.state.body = await read_json(request)
+                except BodyRefused as exc:
+                    return refuse(console, request, kind, exc.status, str(exc))
                 if not csrf.valid(request, identity, form):
                     return refuse(console, request, kind, 403, "missing or wrong CSRF token (reload the page)")
             try:
