@@ -205,6 +205,7 @@ class Scheduler:
                     self._failed(name, f"cannot enqueue: {exc}")
                     break
                 job_id = broker.enqueue_once(job, schedule=name)
+                self.failing.pop(name, None)  # recovered: its next failure is news again
                 done.append((name, tick, job_id))
                 if job_id is not None:
                     log.info("periodic job %s enqueued for %s", name, key,

@@ -2020,6 +2020,11 @@ MUTATIONS = [
              '    return await request.body()',
              ('tests/test_web.py', "-k", 'capped_body and sqlite'),
              'an API body of any size was read whole (and a multipart one spooled to disk) before the endpoint refused it'),
+    Mutation("schedule-failure-never-forgotten", "supervisor/scheduler.py",
+             "                self.failing.pop(name, None)  # recovered: its next failure is news again",
+             "                pass",
+             ("tests/test_scheduling.py", "-k", "recovers and sqlite"),
+             "a schedule that recovered kept its last failure, so the same failure coming back was never logged"),
 ]
 
 

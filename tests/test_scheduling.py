@@ -268,6 +268,28 @@ def test_a_tick_whose_job_is_refused_is_logged_once_not_at_every_tick(broker, ca
     assert len(failed) == 1 and "cannot enqueue: queue 'slow' is not one of" in failed[0], failed
 
 
+def test_a_schedule_that_recovers_has_its_next_failure_logged_again(broker, caplog):
+    """The once-only log of a failing schedule kept its last failure after the schedule
+    recovered, so the same failure coming back later was never logged."""
+    from supervisor import scheduler
+    from supervisor.errors import BadInput
+
+    sched = Scheduler(every_second(), None)
+    good = {0, 1, 3}  # ticks T0+0, +1 and +3 enqueue; +2 and +4 are refused alike
+
+    def new_job(schedule, key):
+        if round(scheduler.key_tick("beat", key) - T0) not in good:
+            raise BadInput("refused for this test")
+        return NewJob(schedule.type, {}, idempotency_key=key)
+
+    sched.new_job = new_job
+    with caplog.at_level("ERROR", logger="tangguh.scheduler"):
+        for k in range(5):
+            sched.tick(broker, now=T0 + k + 0.5)
+    failed = [r for r in caplog.records if getattr(r, "event", None) == "schedule_failed"]
+    assert len(failed) == 2, [r.getMessage() for r in failed]
+
+
 def test_a_wall_clock_step_forward_is_seen_at_the_next_clock_check(tmp_path, monkeypatch):
     """The wait until the next tick ran on the monotonic clock, computed once from the broker's
     time: after a wall-clock step forward (NTP, a VM resumed) an hourly tick came up to an
