@@ -827,6 +827,42 @@ def test_redis_failing_after_the_build_returns_the_value_built_once(tmp_path):
         server.stop()
 
 
+def test_a_redis_out_of_memory_reads_the_source_and_never_loses_a_value_built(tmp_path):
+    """maxmemory with noeviction (a broker's Redis): the fill lease's script was refused, and the
+    read failed instead of going to the database; refused at the store, the value built was thrown
+    away (the job failed, its retry built it again) and the lease held until its TTL."""
+    from .servers import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    client = server.client()
+    calls = []
+
+    def fill():
+        client.set("ballast", "x" * 1_000_000)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", client.info("memory")["used_memory"] + 1000)
+
+    def build_and_fill():
+        calls.append(1)
+        fill()  # the lease is taken; Redis fills up while the database is read
+        return "from the database"
+
+    try:
+        metrics = {}
+        cache = Cache(client, "p:", metrics)
+        assert cache.get_or_build("k", build_and_fill, ttl=10) == "from the database"
+        assert len(calls) == 1 and not client.exists("p:cache:k")
+        assert not client.exists("p:cache-lease:k")  # the next reader need not wait it out
+        assert cache.get_or_build("k2", lambda: "read directly", ttl=10) == "read directly"
+        assert metrics["cache_rebuild"] == 2
+        client.config_set("maxmemory", 0)
+        assert cache.get_or_build("k", lambda: "stored", ttl=10) == "stored"
+        assert client.exists("p:cache:k")
+    finally:
+        client.close()
+        server.stop()
+
+
 def test_transactions_do_not_nest(db):
     with transaction(db) as tx:
         with pytest.raises(RuntimeError, match="do not nest"):

@@ -39,10 +39,11 @@ Write (in the transaction that changes the data)::
   rollback. A tag of more than ``invalidate_batch`` (500) members goes in
   batches, one short script each (the Redis may be the broker's too); when
   the call returns, every entry filled under it before is gone.
-* With Redis unreachable, ``get_or_build`` returns ``builder()`` (nothing
-  stored); Redis failing after the builder ran (the store) leaves the value
-  unstored, never builds it twice. ``invalidate`` raises, so the job fails and
-  its retry, finding its idempotency record done, invalidates again.
+* With Redis unreachable, or refusing writes (out of memory under
+  ``noeviction``, a read-only replica), ``get_or_build`` returns ``builder()``
+  (nothing stored); Redis failing so after the builder ran (the store) leaves
+  the value unstored, never builds it twice. ``invalidate`` raises, so the
+  job fails and its retry, finding its idempotency record done, invalidates again.
 * Counters: ``cache_hit``, ``cache_miss``, ``cache_rebuild`` (the builder
   ran), ``cache_stale_served``.
 
@@ -65,6 +66,11 @@ from .. import protocol
 from .locks import RELEASE
 
 log = logging.getLogger("tangguh.cache")
+
+# Redis away, or answering but refusing to write: the cache is only a copy, so its reader goes to
+# the source of truth (an OOM under ``maxmemory`` + ``noeviction``, as on a broker's Redis, made
+# every read through the cache fail, and threw away a value already built, its lease held).
+UNAVAILABLE = (redis_py.ConnectionError, redis_py.TimeoutError, redis_py.OutOfMemoryError, redis_py.ReadOnlyError)
 
 # A lease taken also trims its tags: of 5 members drawn at random, those with neither an entry nor
 # a lease go (nothing of theirs is readable, and a new lease adds them again). As fills come, dead
@@ -211,12 +217,12 @@ class Cache:
 
         try:
             return self._get_or_build(key, build, ttl, tags, stale_ttl, wait)
-        except (redis_py.ConnectionError, redis_py.TimeoutError) as exc:
+        except UNAVAILABLE as exc:
             if ran:
                 raise  # raised by the builder itself: running it again would read (and do) it all twice
             # Cache-aside: with the cache away, read the source of truth. Nothing
             # is stored, so nothing stale can be left behind.
-            log.warning("cache unreachable, building %s directly: %s", key, exc)
+            log.warning("cache unavailable, building %s directly: %s", key, exc)
             _count(self.metrics, "cache_miss")
             _count(self.metrics, "cache_rebuild")
             return _round_trip(key, builder())
@@ -308,17 +314,22 @@ class Cache:
             # A value that cannot be stored fails like a builder that raised: the
             # lease goes now, or every other reader would wait it out and build
             # without storing until it expires.
-            try:
-                self.client.eval(RELEASE, 1, self._lease(key), token)  # a lock's release: the token's owner only
-            except redis_py.RedisError as exc:
-                log.warning("cannot release the fill lease of %s (it expires by itself): %s", key, exc)
+            self._release(key, token)
             raise
         try:
             self._store(key, entry, ms, token, tags)
-        except (redis_py.ConnectionError, redis_py.TimeoutError) as exc:
-            # The value is built: hand it over rather than build it again (the lease expires by itself).
-            log.warning("cache unreachable, %s not stored: %s", key, exc)
+        except UNAVAILABLE as exc:
+            # The value is built: hand it over rather than build it again.
+            log.warning("cache unavailable, %s not stored: %s", key, exc)
+            if not isinstance(exc, (redis_py.ConnectionError, redis_py.TimeoutError)):
+                self._release(key, token)  # Redis answers: the next reader need not wait the lease out
         return json.loads(entry)["v"]
+
+    def _release(self, key, token):
+        try:
+            self.client.eval(RELEASE, 1, self._lease(key), token)  # a lock's release: the token's owner only
+        except redis_py.RedisError as exc:
+            log.warning("cannot release the fill lease of %s (it expires by itself): %s", key, exc)
 
     def _entry(self, key, value, ttl, stale_ttl):
         """``(the JSON entry, its lifetime in ms)``; a value JSON cannot hold is a TypeError naming ``key``."""
