@@ -863,6 +863,38 @@ def test_a_redis_out_of_memory_reads_the_source_and_never_loses_a_value_built(tm
         server.stop()
 
 
+def _terminate(db_url, pid):
+    with toolkit.Database(db_url).connect() as admin:
+        admin.autocommit = True
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_for(lambda: not admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone(),
+                 timeout=10, message=f"backend {pid} to end")
+
+
+def test_a_connection_the_server_closed_while_idle_costs_no_job(db, handlers_db):
+    """A PostgreSQL restart, failover or terminated backend closed the child's idle connection:
+    the next job's transaction failed at its first statement (an attempt spent, in every child)."""
+    with transaction(db) as tx:
+        first = tx.scalar("SELECT pg_backend_pid()")
+    _terminate(handlers_db, first)
+    with transaction(db) as tx:
+        rec = Idempotency().begin(tx, "after-restart")
+        tx.execute("INSERT INTO invoices (id) VALUES (7)")
+        rec.complete("ok")
+        second = tx.scalar("SELECT pg_backend_pid()")
+    assert second != first
+    assert query(handlers_db, "SELECT status FROM idempotency_records WHERE key = 'after-restart'") == {"status": "done"}
+    # Lost after the first statement, the transaction fails: its first statement's work is gone.
+    with pytest.raises(psycopg.OperationalError):
+        with transaction(db) as tx:
+            tx.execute("INSERT INTO invoices (id) VALUES (8)")
+            _terminate(handlers_db, second)
+            tx.execute("INSERT INTO invoices (id) VALUES (9)")
+    assert query(handlers_db, "SELECT count(*) AS n FROM invoices WHERE id IN (8, 9)") == {"n": 0}
+    with transaction(db) as tx:
+        assert tx.scalar("SELECT count(*) FROM invoices") == 1
+
+
 def test_transactions_do_not_nest(db):
     with transaction(db) as tx:
         with pytest.raises(RuntimeError, match="do not nest"):

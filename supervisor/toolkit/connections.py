@@ -17,7 +17,9 @@ Connections open lazily, on a handler's first use, in the process that uses
 them: the master never opens one that a child could inherit (it forks). A
 connection found to belong to another process (after a fork) is forgotten,
 never closed (closing would end the parent's session), and a broken one is
-replaced on the next use.
+replaced on the next use: one the server closed while it sat idle (a restart,
+a failover, ``idle_session_timeout``) at the first statement of the next
+transaction, which then runs on the new one (``transaction.Transaction``).
 
 The child gets the settings through ``configure`` right after the fork; the
 CLI (``tangguh db migrate``) and scripts call ``configure`` themselves. The
@@ -194,6 +196,12 @@ class Database:
             self._conn = self.connect()  # a parent's connection is forgotten, not closed
             self._pid = os.getpid()
         return self._conn, self.kind
+
+    def reconnect(self, conn):
+        """A new connection in place of ``conn``, found broken (the first statement of a transaction)."""
+        if conn is self._conn:
+            self._conn = None
+        return self.connection()[0]
 
     def check(self, conn):
         """Forget ``conn`` if it broke (the next transaction reconnects)."""

@@ -36,18 +36,39 @@ class Transaction:
     sqlite3) for anything else. ``tx.kind`` is ``"postgres"`` or ``"sqlite"``.
     """
 
-    def __init__(self, conn, kind):
+    def __init__(self, conn, kind, reconnect=None):
         self.conn = conn
         self.kind = kind
         self.state = "open"  # open, committed, rolled_back
         self._after_commit = []
         self._before_commit = []
+        self._reconnect = reconnect  # reconnect(broken conn) -> a new one, for the first statement only
 
     def execute(self, sql, params=()):
         """Run one statement; return the driver's cursor."""
         if self.kind == "sqlite":
             sql = sql.replace("%s", "?")
             return self.conn.execute(sql, params)
+        if self._reconnect is not None:
+            return self._first(sql, params)
+        return self.conn.execute(sql, params)
+
+    def _first(self, sql, params):
+        """The transaction's first statement, once more on a new connection if the server had
+        closed this one while it sat idle between jobs (a restart, a failover, a terminated backend,
+        ``idle_session_timeout``): otherwise every child failed its next job, an attempt spent.
+        Nothing of this transaction was committed, so nothing of it happens twice. A connection
+        lost after the first statement still fails the transaction (its earlier work is gone)."""
+        import psycopg
+
+        reconnect, self._reconnect = self._reconnect, None
+        try:
+            return self.conn.execute(sql, params)
+        except psycopg.OperationalError as exc:
+            if not self.conn.broken:
+                raise
+            log.info("the handlers' database closed an idle connection (%s): reconnecting", exc)
+        self.conn = reconnect(self.conn)
         return self.conn.execute(sql, params)
 
     def fetchone(self, sql, params=()):
@@ -159,7 +180,7 @@ class transaction:  # noqa: N801 - used as a context manager, reads like a funct
         try:
             if kind == "sqlite":
                 conn.execute("BEGIN IMMEDIATE")  # take the write lock now: no upgrade deadlocks later
-            self.tx = Transaction(conn, kind)
+            self.tx = Transaction(conn, kind, self.db.reconnect if kind == "postgres" else None)
         except BaseException:
             # __exit__ will not run: a BEGIN that failed ("database is locked" after
             # the busy timeout, a JobTimeout while waiting) must not leave this
