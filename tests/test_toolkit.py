@@ -144,6 +144,31 @@ def test_begin_twice_in_one_transaction_returns_the_same_record(kind, handlers_d
         database.close()
 
 
+@pytest.mark.parametrize("kind", ["postgres", "sqlite"])
+def test_a_long_idempotency_key_guards_its_effect_on_both_databases(kind, handlers_db, tmp_path):
+    """A key derived from a big payload: PostgreSQL refused its index entry past 2704 bytes
+    (ProgramLimitExceeded at every attempt, the job dead and its effect never done); SQLite took it."""
+    import base64
+
+    url = handlers_db if kind == "postgres" else f"sqlite:///{tmp_path}/handlers.db"
+    toolkit.migrate(url)
+    database = toolkit.Database(url)
+    metrics = {}
+    payload = base64.b64encode(os.urandom(6000)).decode()  # incompressible
+    key, twin = f"report:{payload}", f"report:{payload[:-1]}x"  # same start, another key
+    try:
+        for k in (key, twin, key):
+            with transaction(database) as tx:
+                rec = Idempotency(metrics=metrics).begin(tx, k)
+                if not rec.done:
+                    rec.complete({"len": len(k)})
+        assert rec.done and rec.result == {"len": len(key)} and metrics == {"duplicates_suppressed": 1}
+        with transaction(database) as tx:
+            assert tx.scalar("SELECT count(*) FROM idempotency_records") == 2
+    finally:
+        database.close()
+
+
 def test_rollback_removes_the_record_with_the_effect(db):
     idem = Idempotency()
     with pytest.raises(RuntimeError):

@@ -28,7 +28,9 @@ rolls back with ``IdempotencyError``): a ``processing`` row that outlives its
 transaction would block the key for good.
 
 Table ``idempotency_records(key, status, result_ref, job_id, created_at,
-completed_at)`` (times: epoch seconds), created by ``tangguh db migrate``.
+completed_at)`` (times: epoch seconds), created by ``tangguh db migrate``. A
+key longer than ``MAX_KEY_BYTES`` is stored as its first 200 characters and
+its SHA-256 (``stored_key``; ``Record.key`` is that form).
 Done records older than ``toolkit.idempotency_retention`` seconds are pruned
 by the children, at most every ``PRUNE_EVERY`` seconds each; after that a
 very late duplicate would run again, so keep the retention longer than any
@@ -46,6 +48,7 @@ two job types enqueued with the same key share one record (the second finds
 the first's effect done), as the SQL brokers already treat them as one job
 while it is unfinished; give each effect a key of its own (``f"receipt:{order}"``).
 """
+import hashlib
 import json
 import logging
 import random
@@ -58,6 +61,11 @@ log = logging.getLogger("tangguh.idempotency")
 
 PRUNE_EVERY = 600.0
 PRUNE_BATCH = 1000
+# The longest key stored as it is (UTF-8 bytes). PostgreSQL's btree refuses a primary-key entry past
+# 2704 bytes, so a longer key (one derived from a big payload) failed every attempt there until the
+# job was dead (the effect never happened) while SQLite took it. A longer key is stored as its
+# first characters and the SHA-256 of all of it: one record per key, on both databases.
+MAX_KEY_BYTES = 2600
 
 _next_prune = 0.0
 
@@ -116,6 +124,7 @@ class Idempotency:
             # An int failed at complete() (text = smallint), a NUL or a lone surrogate in the driver.
             raise ValueError(f"idempotency key must be a non-empty string without NUL or lone surrogates,"
                              f" got {key!r}")
+        key = stored_key(key)
         # On the transaction, not on self: ctx.idempotency makes a new Idempotency per use.
         held = tx.__dict__.setdefault("_idempotency_records", {})
         if key in held:
@@ -175,6 +184,14 @@ class Idempotency:
         # and the child's next begin tries again.
         tx._idempotency_prune = True
         tx.after_commit(lambda: _prune_alone(tx.conn, tx.kind, self.retention))
+
+
+def stored_key(key):
+    """``key`` as ``idempotency_records`` holds it: itself, or past ``MAX_KEY_BYTES`` its start and digest."""
+    raw = key.encode()
+    if len(raw) <= MAX_KEY_BYTES:
+        return key
+    return f"{key[:200]}...sha256:{hashlib.sha256(raw).hexdigest()}"
 
 
 def prune(tx, retention, limit=PRUNE_BATCH):
