@@ -553,6 +553,46 @@ def test_expired_holder_cannot_release_the_new_lock_and_its_fenced_write_is_reje
 
 # -- cache -----------------------------------------------------------------------------------
 
+def _ringing_client(client, script):
+    """``client``'s pool, with the job's soft timeout (a real SIGALRM) ringing just as the reply
+    to ``script`` arrives: between the script that took a lock and the message to the master."""
+    import redis
+
+    class Ringing(redis.Redis):
+        def eval(self, body, *args):
+            result = super().eval(body, *args)
+            if body == script:
+                timeouts.arm(0.001)
+                wait_for(lambda: timeouts._pending is not None, timeout=5, message="the soft timeout")
+            return result
+
+    return Ringing(connection_pool=client.connection_pool)
+
+
+def test_a_soft_timeout_as_a_lock_or_fill_lease_is_taken_never_hides_it_from_the_master(rc):
+    """Raised between the script and the message, the timeout left a lock (or a fill lease) the
+    master never heard of: nobody freed it, the retry (every reader of the key) waited out its TTL."""
+    from supervisor.toolkit.cache import TAKE_LEASE
+    from supervisor.toolkit.locks import ACQUIRE
+
+    client, prefix = rc
+    told = []
+    timeouts.install()
+    try:
+        locks = Locks(_ringing_client(client, ACQUIRE), prefix, notify=told.append)
+        with pytest.raises(JobTimeout):
+            locks.acquire("export", ttl=30, wait=0)
+        token = client.get(f"{prefix}lock:export").decode()
+        assert told == [{"op": "lock", "key": f"{prefix}lock:export", "token": token, "ttl": 30.0}]
+        cache = Cache(_ringing_client(client, TAKE_LEASE), prefix, notify=told.append)
+        with pytest.raises(JobTimeout):
+            cache.get_or_build("summary", lambda: "built", ttl=60)
+        token = client.get(f"{prefix}cache-lease:summary").decode()
+        assert told[1:] == [{"op": "lock", "key": f"{prefix}cache-lease:summary", "token": token, "ttl": 10.0}]
+    finally:
+        timeouts.disarm()
+
+
 def test_cold_key_with_200_concurrent_readers_is_built_once(toolkit_redis, tmp_path, rc):
     client, prefix = rc
     go = tmp_path / "go"

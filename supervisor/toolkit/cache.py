@@ -63,6 +63,7 @@ import uuid
 import redis as redis_py
 
 from .. import protocol
+from ..child import timeouts
 from .locks import RELEASE
 
 log = logging.getLogger("tangguh.cache")
@@ -234,7 +235,7 @@ class Cache:
             _count(self.metrics, "cache_hit")
             return entry["v"]
         if entry is not None:  # stale, and the key tolerates it
-            token = self._take_lease(key, tags, ttl, stale_ttl, if_absent=False)
+            token = self._claim(key, tags, ttl, stale_ttl, if_absent=False)
             if token is None:
                 _count(self.metrics, "cache_stale_served")
                 return entry["v"]
@@ -246,7 +247,7 @@ class Cache:
             # Atomic with the check that the key is still absent: a builder that
             # stored between our read and this call must not be followed by a
             # second build.
-            token = self._take_lease(key, tags, ttl, stale_ttl)
+            token = self._claim(key, tags, ttl, stale_ttl)
             if token is not None:
                 return self._build(key, builder, ttl, stale_ttl, token, tags)
             entry = self._read(key)  # filled meanwhile, or being filled by another process
@@ -295,16 +296,24 @@ class Cache:
             return token
         return None
 
+    def _claim(self, key, tags, ttl, stale_ttl, if_absent=True):
+        """``_take_lease`` for a build, the master told of the lease in the same critical block: a
+        soft timeout or a cancel raised between the two left a lease nobody would free, and every
+        reader of the key waited ``wait`` and built unstored until it expired (a job's lease)."""
+        with timeouts.critical():
+            token = self._take_lease(key, tags, ttl, stale_ttl, if_absent)
+            if token is not None and self.notify is not None:
+                self.notify({"op": protocol.LOCK, "key": self._lease(key), "token": token, "ttl": self.lease_ttl})
+        return token
+
     def _build(self, key, builder, ttl, stale_ttl, token, tags):
-        """Run the builder under our lease; store its value only if the lease survived."""
+        """Run the builder under our lease (``_claim`` told the master); store its value only if the lease survived."""
         if self.notify is None:
             return self._build_leased(key, builder, ttl, stale_ttl, token, tags)
-        lease = {"key": self._lease(key), "token": token}
-        self.notify(dict(lease, op=protocol.LOCK, ttl=self.lease_ttl))
         try:
             return self._build_leased(key, builder, ttl, stale_ttl, token, tags)
         finally:
-            self.notify(dict(lease, op=protocol.UNLOCK))
+            self.notify({"op": protocol.UNLOCK, "key": self._lease(key), "token": token})
 
     def _build_leased(self, key, builder, ttl, stale_ttl, token, tags):
         _count(self.metrics, "cache_rebuild")

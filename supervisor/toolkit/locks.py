@@ -50,6 +50,7 @@ import time
 import uuid
 
 from .. import protocol
+from ..child import timeouts
 from ..retry import RetryLater
 
 log = logging.getLogger("tangguh.locks")
@@ -182,11 +183,16 @@ class Locks:
         started = time.monotonic()
         pause = 0.005
         while True:
-            fence = self.client.eval(ACQUIRE, 2, key, key + FENCE, token, ms, ms + FENCE_MARGIN * 1000)
+            # The master hears of every lock taken: a soft timeout or a cancel raised between the
+            # script and the message left a lock nobody would release, held to its TTL (the job's
+            # retry waited it out). Raised after the block, the master frees the lock with the job.
+            with timeouts.critical():
+                fence = self.client.eval(ACQUIRE, 2, key, key + FENCE, token, ms, ms + FENCE_MARGIN * 1000)
+                if fence is not None:
+                    self.notify({"op": protocol.LOCK, "key": key, "token": token, "ttl": ttl})
             if fence is not None:
                 count(self.metrics, "lock_acquired")
                 count(self.metrics, "lock_wait_seconds", time.monotonic() - started)
-                self.notify({"op": protocol.LOCK, "key": key, "token": token, "ttl": ttl})
                 return Lock(self, key, token, int(fence), ttl)
             left = started + wait - time.monotonic()
             if left <= 0:
