@@ -956,6 +956,15 @@ def test_a_connection_the_server_closed_while_idle_costs_no_job(db, handlers_db)
             _terminate(handlers_db, second)
             tx.execute("INSERT INTO invoices (id) VALUES (9)")
     assert query(handlers_db, "SELECT count(*) AS n FROM invoices WHERE id IN (8, 9)") == {"n": 0}
+    # The same when the first statement went through tx.conn itself: no silent reconnect either.
+    with transaction(db) as tx:
+        third = tx.scalar("SELECT pg_backend_pid()")
+    with pytest.raises(psycopg.OperationalError):
+        with transaction(db) as tx:
+            tx.conn.execute("INSERT INTO invoices (id) VALUES (10)")
+            _terminate(handlers_db, third)
+            tx.execute("INSERT INTO invoices (id) VALUES (11)")
+    assert query(handlers_db, "SELECT count(*) AS n FROM invoices WHERE id IN (10, 11)") == {"n": 0}
     with transaction(db) as tx:
         assert tx.scalar("SELECT count(*) FROM invoices") == 1
 

@@ -60,12 +60,16 @@ class Transaction:
         Nothing of this transaction was committed, so nothing of it happens twice. A connection
         lost after the first statement still fails the transaction (its earlier work is gone)."""
         import psycopg
+        from psycopg.pq import TransactionStatus
 
         reconnect, self._reconnect = self._reconnect, None
+        # Idle: no statement of this block ran yet, through ``tx.conn`` either (a handler may use it
+        # directly); one that did would be lost by a silent reconnect, half the block committed.
+        idle = self.conn.info.transaction_status == TransactionStatus.IDLE
         try:
             return self.conn.execute(sql, params)
         except psycopg.OperationalError as exc:
-            if not self.conn.broken:
+            if not (idle and self.conn.broken):
                 raise
             log.info("the handlers' database closed an idle connection (%s): reconnecting", exc)
         self.conn = reconnect(self.conn)
