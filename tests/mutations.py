@@ -2065,6 +2065,11 @@ MUTATIONS = [
              "        if True:",
              ("tests/test_toolkit.py", "-k", "soft_timeout_as_a_lock"),
              "a soft timeout between taking a fill lease and telling the master left it held"),
+    Mutation('lock-release-error-masks-body', 'supervisor/toolkit/locks.py',
+             '            if not isinstance(error, (redis_py.ConnectionError, redis_py.TimeoutError)):',
+             '            if True:',
+             ('tests/test_toolkit.py', "-k", 'release_redis_cannot_answer'),
+             "a lock release Redis could not answer replaced the body's exception (a Permanent retried) or failed a body that had done its work"),
 ]
 
 

@@ -928,6 +928,32 @@ def test_a_redis_out_of_memory_reads_the_source_and_never_loses_a_value_built(tm
         server.stop()
 
 
+def test_a_lock_release_redis_cannot_answer_leaves_the_bodys_outcome_alone(tmp_path):
+    """Redis gone before the ``with`` block's release: its ConnectionError replaced the body's own
+    exception (a Permanent was retried instead of dead-lettered) and failed a body that had done
+    its work. The lock expires, and the master frees it when the job ends."""
+    from supervisor.retry import Permanent
+
+    from .servers import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    client = server.client(socket_timeout=2, socket_connect_timeout=2)
+    try:
+        locks = Locks(client, "p:")
+        with pytest.raises(Permanent, match="bad invoice"):
+            with locks.acquire("invoice:1", ttl=30):
+                server.stop()
+                raise Permanent("bad invoice")
+        server.start()
+        with locks.acquire("invoice:2", ttl=30) as lock:
+            server.stop()
+            done = True
+        assert done and not lock.held
+    finally:
+        client.close()
+        server.stop()
+
+
 def _terminate(db_url, pid):
     with toolkit.Database(db_url).connect() as admin:
         admin.autocommit = True

@@ -130,8 +130,19 @@ class Lock:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.release()
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self.release()
+        except Exception as error:  # noqa: BLE001 - narrowed below: redis is imported by the client already
+            import redis as redis_py
+
+            if not isinstance(error, (redis_py.ConnectionError, redis_py.TimeoutError)):
+                raise
+            # Not the job's failure: the body's own exception (a Permanent, say) must stand, and
+            # a body that succeeded has done its work. The lock expires at its TTL, and the master,
+            # told of it at acquire, frees it when the job ends.
+            log.warning("cannot release lock %s (the master frees it when the job ends, or it expires): %s",
+                        self.key, error)
         return False
 
 
