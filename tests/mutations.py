@@ -2070,6 +2070,11 @@ MUTATIONS = [
              '            if True:',
              ('tests/test_toolkit.py', "-k", 'release_redis_cannot_answer'),
              "a lock release Redis could not answer replaced the body's exception (a Permanent retried) or failed a body that had done its work"),
+    Mutation('cache-wait-unchecked', 'supervisor/toolkit/cache.py',
+             '            _seconds("wait", wait, zero_ok=True)',
+             '            pass',
+             ('tests/test_toolkit.py', "-k", 'cache_ttl_no_entry'),
+             'a cache wait of NaN never ended, inf waited out the lease'),
 ]
 
 

@@ -824,6 +824,9 @@ def test_a_cache_ttl_no_entry_can_keep_or_a_value_nested_too_deep_is_refused_and
     for bad in (float("nan"), -1, 1e17):
         with pytest.raises(ValueError, match="cache stale_ttl must be"):
             cache.get_or_build("report", lambda: built.append(1), ttl=60, stale_ttl=bad)
+    for bad in (float("nan"), float("inf"), -1, "2"):  # NaN never ended a wait on another builder
+        with pytest.raises(ValueError, match="cache wait must be"):
+            cache.get_or_build("report", lambda: built.append(1), ttl=60, wait=bad)
     assert built == [] and not client.exists(prefix + "cache-lease:report")
     for bad in (float("nan"), 0, 1e17):  # by hand too: a lease no store() could fill
         with pytest.raises(ValueError, match="cache ttl must be"):

@@ -210,6 +210,8 @@ class Cache:
         """
         _seconds("ttl", ttl, zero_ok=False)
         _seconds("stale_ttl", stale_ttl, zero_ok=True)
+        if wait is not None:  # NaN never ended the wait on another builder; inf waited out its lease
+            _seconds("wait", wait, zero_ok=True)
         ran = []
 
         def build():
