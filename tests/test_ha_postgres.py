@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from supervisor.backends import open_broker
-from supervisor.errors import BrokerError
+from supervisor.errors import BrokerError, LeaseLost
 from supervisor.model import NewJob
 
 from .failover_flow import run_through_failover
@@ -90,3 +90,34 @@ def test_a_host_list_without_target_session_attrs_still_writes_to_the_primary(pa
         assert client.get(job_id).state == "queued"
     finally:
         client.close()
+
+
+def test_a_claim_lost_in_the_failover_gives_the_next_claim_another_token_so_the_old_ack_is_refused(pair_factory):
+    # The standby is down while the primary leases the job, then the primary crashes and the standby
+    # is promoted without that WAL: the job is queued there under its previous token. Its next claim
+    # must not hand out the lost claim's token: the first owner's ack would pass as the second's.
+    pair = pair_factory()
+    schema = f"t_{uuid.uuid4().hex[:8]}"
+    first = open_broker(f"{pair.primary.url()}?schema={schema}")
+    try:
+        first.migrate()
+        job_id = first.enqueue(NewJob("t", {}))
+        pair.wait_replicated()
+        pair.replica.stop()
+        [stale] = first.claim(["default"], 1, 60, "first")
+    finally:
+        first.close()
+    pair.primary.stop(mode="immediate")
+    pair.replica.start()
+    pair.promote()
+    second = open_broker(f"{pair.replica.url()}?schema={schema}")
+    try:
+        [live] = second.claim(["default"], 1, 60, "second")
+        assert live.id == stale.id == job_id
+        assert live.lease.token != stale.lease.token
+        with pytest.raises(LeaseLost):
+            second.ack(stale.lease, {"by": "first"})
+        second.ack(live.lease, {"by": "second"})
+        assert second.get(job_id).result == {"by": "second"}
+    finally:
+        second.close()

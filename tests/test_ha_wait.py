@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from supervisor.backends import open_broker
-from supervisor.errors import BrokerError
+from supervisor.errors import BrokerError, LeaseLost
 from supervisor.model import NewJob
 
 from .daemon import Daemon
@@ -89,3 +89,32 @@ def test_the_daemon_takes_redis_wait_replicas_from_its_config(pair, tmp_path):
     finally:
         d.kill_group()  # its shutdown would retry the unconfirmable write until its deadline
         d.stop()
+
+
+def test_a_claim_lost_in_the_failover_gives_the_next_claim_another_token_so_the_old_ack_is_refused(pair):
+    # The primary leases the job after the cut: the promoted replica has it queued under its previous
+    # token. Its next claim must not hand out the token the lost claim did: the first owner's ack
+    # (its run is still a run) would store its outcome over the second owner's live lease.
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    first = open_broker(f"{pair.primary.url}?prefix={prefix}")
+    replica = open_broker(f"{pair.replica.url}?prefix={prefix}")
+    try:
+        job_id = first.enqueue(NewJob("t", {}))
+        wait_for(lambda: replica.get(job_id) is not None, timeout=20, message="the job to reach the replica")
+        pair.link.cut()
+        [stale] = first.claim(["default"], 1, 60, "first")
+        pair.promote()
+    finally:
+        first.close()
+        replica.close()
+    second = open_broker(f"{pair.replica.url}?prefix={prefix}")
+    try:
+        [live] = second.claim(["default"], 1, 60, "second")
+        assert live.id == stale.id == job_id
+        assert live.lease.token != stale.lease.token
+        with pytest.raises(LeaseLost):
+            second.ack(stale.lease, {"by": "first"})
+        second.ack(live.lease, {"by": "second"})
+        assert second.get(job_id).result == {"by": "second"}
+    finally:
+        second.close()

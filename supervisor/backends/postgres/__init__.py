@@ -41,6 +41,7 @@ from . import schema, workflows
 from .connection import Connections, libpq_conninfo, quote, read_url
 from .deadlocks import deadlock_retried
 from .control import ControlMixin
+from .control_schema import LEASE_TOKEN
 from .producing import ProducingMixin
 from .ready import due_rows
 from .schema import migrations as _migrations  # looked up at each migrate: a test stands in older versions
@@ -165,7 +166,8 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
                     if ids:
                         cur = db.cursor(row_factory=dict_row)
                         cur.execute(
-                            f"UPDATE {t} j SET state = 'running', attempt = j.attempt + 1, token = j.token + 1,"
+                            f"UPDATE {t} j SET state = 'running', attempt = j.attempt + 1,"
+                            f" token = {LEASE_TOKEN.replace('v_now', 'c.now')},"
                             " lease_until = c.now + %(lease)s::float8, owner = %(owner)s::text,"
                             " history = j.history || jsonb_build_array(jsonb_build_object("
                             "  'attempt', j.attempt + 1, 'started_at', c.now, 'owner', %(owner)s::text))"

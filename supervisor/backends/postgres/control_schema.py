@@ -132,11 +132,18 @@ def claim_function(s):
         $body$"""
 
 
+# A lease's fencing token: one above the last, and no lower than the server's clock in units of
+# 2^-20 s (model.first_token's). Streaming replication is asynchronous: a claim the old primary
+# made may be missing on the promoted standby, whose next claim of the job would hand out the
+# lost claim's token again, and the first owner's renewals and outcome would pass as the second's.
+LEASE_TOKEN = "GREATEST(j.token + 1, floor(v_now * 1048576)::bigint)"
+
+
 def _lease(s, which):
     """The claim function's lease of ``v_queue``'s due jobs of the priorities ``which`` names.
     An equality on the priority keeps ``run_at <= v_now`` a bound of the index range."""
     return f"""UPDATE {s}.jobs j SET
-                        state = 'running', attempt = j.attempt + 1, token = j.token + 1,
+                        state = 'running', attempt = j.attempt + 1, token = {LEASE_TOKEN},
                         lease_until = v_now + p_lease, owner = p_owner,
                         history = j.history || jsonb_build_array(jsonb_build_object(
                             'attempt', j.attempt + 1, 'started_at', v_now, 'owner', p_owner))

@@ -158,6 +158,8 @@ def migrations(s):
         (12, [f"""CREATE TABLE {s}.schedule_ticks (
                 name text PRIMARY KEY,
                 key text NOT NULL)"""]),
+        # 13: a lease's token is no lower than the server's clock (control_schema.LEASE_TOKEN).
+        (13, [claim_function(s)]),
     ]
 
 

@@ -43,6 +43,14 @@ local function chosen_id_token(fields)
   end
 end
 
+-- A new lease's fencing token: one above the last, and no lower than this server's clock in
+-- units of 2^-20 s. Replication is asynchronous: a claim the old primary made may be missing
+-- on the promoted replica, whose next claim of the job would then hand out the lost claim's
+-- token again, and the first owner's renewals and outcome would pass as the second's.
+local function next_token(last)
+  return count_text(math.max((tonumber(last) or 0) + 1, math.floor(NOW * 1.048576)))
+end
+
 -- Ready jobs: score -priority; members "<16-digit run_at us><id>", so ZPOPMIN
 -- yields highest priority first, then oldest run_at, then id.
 local function make_ready(id, priority, run_us)
@@ -81,7 +89,7 @@ end
 -- from ``v`` with the lease put in, not read back: one HMGET a job, not two. Every value it
 -- writes goes into the hash and the row as the same string; ``lease_until`` is the lease's end as text.
 local function lease_row(key, v, lease_until, owner, owner_json)
-  local attempt, token = count_text((tonumber(v[ATTEMPT_AT]) or 0) + 1), count_text((tonumber(v[TOKEN_AT]) or 0) + 1)
+  local attempt, token = count_text((tonumber(v[ATTEMPT_AT]) or 0) + 1), next_token(v[TOKEN_AT])
   local open = '{"attempt":' .. attempt .. ',"started_at":' .. NOW_SECS .. ',"owner":' .. owner_json .. '}'
   redis.call('HSET', key, 'state', 'running', 'attempt', attempt, 'token', token, 'lease_until', lease_until,
     'owner', owner, 'open', open)

@@ -50,8 +50,8 @@ end
 
 local function lease_job(id, key)
   local attempt = redis.call('HINCRBY', key, 'attempt', 1)
-  redis.call('HINCRBY', key, 'token', 1)
-  redis.call('HSET', key, 'state', 'running', 'lease_until', until_text, 'owner', owner,
+  redis.call('HSET', key, 'token', next_token(redis.call('HGET', key, 'token')), 'state', 'running',
+    'lease_until', until_text, 'owner', owner,
     'open', '{"attempt":' .. attempt .. ',"started_at":' .. NOW_SECS .. ',"owner":' .. owner_json .. '}')
   redis.call('ZADD', LEASED, until_us, id)
   redis.call('ZREM', EXPIRING, id)  -- a started job cannot expire (see claim.lua)
