@@ -227,3 +227,13 @@ def test_enqueue_once_redis_py_sent_again_on_a_cluster_returns_the_job_it_stored
     assert cut.cut.is_set(), cut.describe()
     assert job_id is not None and client.get(job_id).payload == {"n": 1} and b.calls_resent == 1
     assert b.enqueue_once(NewJob("t", {"n": 2}, idempotency_key="report:2026-12-04")) is None  # once, still
+
+
+def test_a_cluster_url_naming_a_server_that_is_no_cluster_node_is_a_config_error(redis_url):
+    # Cluster mode off never turns on by itself: the URL was refused at once (BrokerUnusable, `run`
+    # exits 2), not reported "unreachable" and waited for as an outage.
+    from supervisor.errors import BrokerUnusable
+
+    host = redis_url.partition("://")[2].partition("/")[0]
+    with pytest.raises(BrokerUnusable, match="Cluster mode is not enabled"):
+        open_broker(f"redis+cluster://{host}/?prefix=p")

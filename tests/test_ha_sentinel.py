@@ -5,19 +5,21 @@ the supervisors, their heartbeats, their wake-ups and the test's own client all 
 Redis through ``redis+sentinel://`` and follow the failover without a restart.
 """
 import select
+import signal
 import uuid
 
 import pytest
 
+from supervisor import cli
 from supervisor.backends import open_broker
-from supervisor.errors import BrokerError
+from supervisor.errors import BrokerError, BrokerUnusable
 from supervisor.model import NewJob
 from supervisor.toolkit import open_redis
 from supervisor.toolkit.cache import Cache
 from supervisor.toolkit.locks import Locks
 
 from .failover_flow import run_through_failover
-from .ha_servers import SentinelSetup
+from .ha_servers import SERVICE, SentinelSetup
 from .util import wait_for
 
 pytestmark = pytest.mark.services
@@ -80,3 +82,44 @@ def _answers(client):
         return True
     except BrokerError:
         return False
+
+
+def _config_check(tmp_path, url, capsys):
+    (tmp_path / "handlers").mkdir(exist_ok=True)
+    path = tmp_path / "tangguh.toml"
+    path.write_text(f'[broker]\nurl = "{url}"\n')
+    code = cli.main(["config", "check", "-c", str(path)])
+    return code, capsys.readouterr().err
+
+
+def test_a_sentinel_url_naming_an_unknown_service_or_no_sentinel_is_a_config_error(sentinel, tmp_path, capsys):
+    # A typo in the service name (or a Redis server listed as a Sentinel) never starts working: it
+    # failed `config check` and `run` with an error at once, not a warning and an outage waited out.
+    hosts = ",".join(f"127.0.0.1:{s.port}" for s in sentinel.sentinels)
+    code, err = _config_check(tmp_path, f"redis+sentinel://{hosts}/no-such-service/0", capsys)
+    assert code == 2 and "no Sentinel monitors a service named 'no-such-service'" in err, err
+    assert err.count("\n") == 1
+    code, err = _config_check(tmp_path, f"redis+sentinel://127.0.0.1:{sentinel.primary.port}/{SERVICE}/0", capsys)
+    assert code == 2 and f"127.0.0.1:{sentinel.primary.port} is not a Sentinel" in err, err
+    code, err = _config_check(tmp_path, f"redis://127.0.0.1:{sentinel.sentinels[0].port}/0", capsys)
+    assert code == 2 and "unknown command" in err, err
+    code, err = _config_check(tmp_path, sentinel.url("p"), capsys)
+    assert (code, err) == (0, "")
+
+
+def test_a_primary_the_sentinels_hold_down_is_an_outage_in_one_short_line(sentinel):
+    # Mid-failover the Sentinels know the service but name no primary: waited out, not refused,
+    # and said without redis-py's repr of every Sentinel's client.
+    for node in sentinel.sentinels[1:]:
+        node.stop(signal.SIGKILL)  # one Sentinel of three: no quorum, no failover, the primary stays down
+    broker = open_broker(sentinel.url("p"))
+    try:
+        sentinel.primary.stop(signal.SIGKILL)
+        wait_for(lambda: sentinel.sentinels[0].client(decode_responses=True).sentinel_master(SERVICE)["is_sdown"],
+                 timeout=20, message="the sentinel to hold the primary down")
+        with pytest.raises(BrokerError) as info:
+            broker.now()
+        assert not isinstance(info.value, BrokerUnusable)
+        assert f"no primary for service '{SERVICE}' now" in str(info.value) and "<redis" not in str(info.value)
+    finally:
+        broker.close()

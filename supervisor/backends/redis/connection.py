@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
-from redis.sentinel import Sentinel
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from ...errors import BrokerError, BrokerUnusable
 from ...urls import redact
@@ -197,8 +197,53 @@ def _sentinel(url, parts, tls, userinfo, hosts, rest, options, overrides=None):
         sentinel_kw["username"] = own["sentinel_username"]
     if own.get("sentinel_password"):
         sentinel_kw["password"] = own["sentinel_password"]
-    sentinels = Sentinel(hosts, sentinel_kwargs=sentinel_kw, **kw)
+    sentinels = TellingSentinel(hosts, sentinel_kwargs=sentinel_kw, **kw)
     return sentinels.master_for(service, **kw), f"sentinel service {service}"
+
+
+class NoSuchService(MasterNotFoundError):
+    """The Sentinels that answered monitor no service of the URL's name, or the address is no
+    Sentinel at all: a URL that can never work, not a failover to wait out."""
+
+
+class TellingSentinel(Sentinel):
+    """redis-py's Sentinel, saying why it found no primary in one short line.
+
+    redis-py's own message is the same for a service no Sentinel monitors (a typo in the URL, for
+    ever) as for a primary the Sentinels hold down (a failover under way, seconds), and it shows the
+    repr of every Sentinel's client. Each Sentinel's answer is read from the same round trips.
+    """
+
+    def discover_master(self, service_name):
+        seen = []  # what each Sentinel said, "host:port: ..."
+        known = answered = 0
+        for number, sentinel in enumerate(self.sentinels):
+            kw = sentinel.connection_pool.connection_kwargs
+            where = f"{kw.get('host')}:{kw.get('port')}"
+            try:
+                masters = sentinel.sentinel_masters()
+            except redis.ResponseError as exc:
+                if "unknown command" in str(exc):
+                    raise NoSuchService(f"{where} is not a Sentinel (it refuses SENTINEL commands):"
+                                        " list the Sentinels' addresses, or use redis:// for one server") from None
+                seen.append(f"{where}: {exc}")
+                continue
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                seen.append(f"{where}: {exc}")
+                continue
+            answered += 1
+            state = masters.get(service_name)
+            if state is None:
+                continue
+            known += 1
+            if self.check_master_state(state, service_name):
+                self.sentinels[0], self.sentinels[number] = sentinel, self.sentinels[0]
+                return state["ip"], state["port"]
+            seen.append(f"{where}: primary {state['ip']}:{state['port']} is down or not yet agreed on")
+        if answered and not known:
+            raise NoSuchService(f"no Sentinel monitors a service named {service_name!r}"
+                                f" (the URL's path names the service: /<service name>/<db>)")
+        raise MasterNotFoundError(f"no primary for service {service_name!r} now: {'; '.join(seen)}")
 
 
 def _cluster(url, parts, tls, userinfo, hosts, rest):
@@ -263,5 +308,10 @@ def guard(method):
 
 def _unusable(exc):
     """Whether the server's answer says the URL can never work (a login it refuses, no such db number)."""
-    return (isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError))
-            or (isinstance(exc, redis.ResponseError) and "DB index is out of range" in str(exc)))
+    return (isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError,
+                             NoSuchService))
+            or (isinstance(exc, redis.ResponseError) and "DB index is out of range" in str(exc))
+            # A redis:// URL naming a Sentinel (no TIME, no EVALSHA...), or a server without them.
+            or (isinstance(exc, redis.ResponseError) and str(exc).startswith("unknown command"))
+            # A redis+cluster:// URL naming a server that is not a cluster node.
+            or (isinstance(exc, RedisClusterException) and "Cluster mode is not enabled" in str(exc)))
