@@ -59,6 +59,9 @@ class Heartbeat:
         self.sampled = None  # the queues it was last tried for: a reload that changes them samples at once
         self.next_sample_at = 0.0
         self.sampling = False  # in the broker's count now: stop() interrupts it (a fork waits for stop)
+        # Samples failed in a row: the first is logged, not each one of an outage (every 5 s while no
+        # job is held, as the beat only skips the sample when a renewal failed).
+        self.sample_failures = 0
 
     def hold(self, lease):
         with self.lock:
@@ -207,13 +210,19 @@ class Heartbeat:
             if self.stopping.is_set():
                 self.sampling = False
                 return  # interrupted for a fork: not a sample taken, due again once restarted
-            log.warning("queue sample not taken: %s", exc, extra={"event": "sample_failed"})
+            self.sample_failures += 1
+            log.log(logging.WARNING if self.sample_failures == 1 else logging.DEBUG,
+                    "queue sample not taken: %s", exc, extra={"event": "sample_failed"})
             stats = None
         finally:
             if self.sampling:
                 self.sampling = False
                 self.next_sample_at = started + max(SAMPLE_SECONDS, (clock() - started) / SAMPLE_SHARE)
         if stats is not None:
+            if self.sample_failures:
+                log.info("queue sample taken again after %d failed", self.sample_failures,
+                         extra={"event": "sample_resumed"})
+                self.sample_failures = 0
             self.queue_stats = stats
             self.on_sample(stats)
 

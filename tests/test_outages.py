@@ -553,3 +553,32 @@ def test_sigterm_stops_a_supervisor_whose_postgres_is_frozen_in_bounded_time(pos
         b.server.thaw()
         d.stop()
         c.stop()
+
+
+def test_an_idle_supervisors_queue_samples_log_an_outage_once_not_every_five_seconds(redis_broker, caplog):
+    """With no job held, a beat does not stop at a failed renewal: it went on to the queue sample,
+    which logged a warning every 5 s for as long as the broker was down (720 lines an hour)."""
+    from supervisor import heartbeat
+
+    taken = []
+    beat = heartbeat.Heartbeat(redis_broker.url, 30.0, 5.0, None, ["default"], on_sample=taken.append)
+    try:
+        redis_broker.server.stop()
+        with caplog.at_level("INFO", logger="tangguh.heartbeat"):
+            for _ in range(4):  # four samples due in turn, the broker down for each
+                beat.next_sample_at = 0.0
+                beat.sample()
+            assert taken == [] and caplog.text.count("queue sample not taken") == 1
+            redis_broker.server.start()
+            beat.next_sample_at = 0.0
+            beat.sample()
+            assert [set(stats) for stats in taken] == [{"default"}]
+            assert caplog.text.count("queue sample taken again after 4 failed") == 1
+            redis_broker.server.stop()
+            beat.next_sample_at = 0.0
+            beat.sample()  # the next outage is logged again
+            assert caplog.text.count("queue sample not taken") == 2
+    finally:
+        if redis_broker.server.proc.poll() is not None:
+            redis_broker.server.start()
+        beat.close()
