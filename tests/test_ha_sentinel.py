@@ -4,6 +4,8 @@ A real setup of one primary, one replica and three Sentinels (``tests/ha_servers
 the supervisors, their heartbeats, their wake-ups and the test's own client all reach
 Redis through ``redis+sentinel://`` and follow the failover without a restart.
 """
+import os
+import re
 import select
 import signal
 import uuid
@@ -13,11 +15,13 @@ import pytest
 from supervisor import cli
 from supervisor.backends import open_broker
 from supervisor.errors import BrokerError, BrokerUnusable
+from supervisor.health import request
 from supervisor.model import NewJob
 from supervisor.toolkit import open_redis
 from supervisor.toolkit.cache import Cache
 from supervisor.toolkit.locks import Locks
 
+from .daemon import Daemon
 from .failover_flow import run_through_failover
 from .ha_servers import SERVICE, SentinelSetup
 from .util import wait_for
@@ -123,3 +127,34 @@ def test_a_primary_the_sentinels_hold_down_is_an_outage_in_one_short_line(sentin
         assert f"no primary for service '{SERVICE}' now" in str(info.value) and "<redis" not in str(info.value)
     finally:
         broker.close()
+
+
+def test_status_answers_while_every_sentinel_and_the_primary_are_silent(sentinel, tmp_path):
+    """Sentinels that stop answering (a partition, a frozen host) each held a reconnect for a whole
+    socket_timeout, and redis-py's immediate retry asked them all again: 3 Sentinels, 30 s a try of the
+    main loop, and `tangguh status` (15 s) went unanswered. Each Sentinel now gets its share of the
+    timeout, and the retry does not ask them again."""
+    d = Daemon(tmp_path, broker_url=sentinel.url(f"t{uuid.uuid4().hex[:8]}"), supervisor={"workers": 1})
+    frozen = [node.proc.pid for node in [sentinel.primary, *sentinel.sentinels]]
+    try:
+        d.start()
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            # Asked over and over through three more reconnect tries: each request answered within the
+            # CLI's 15 s (request raises TimeoutError otherwise).
+            wait_for(lambda: request(d.socket, {"cmd": "status"}, timeout=15)["broker_down"]
+                     and _main_broker_errors(d) >= 4, timeout=120, message="three reconnect tries")
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: not d.status()["broker_down"], timeout=60, message="the broker seen back")
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+    finally:
+        d.stop()
+
+
+def _main_broker_errors(d):
+    text = request(d.socket, {"cmd": "metrics"}, timeout=15)["text"]
+    return float(re.search(r'^tangguh_broker_errors_total\{source="main"\} (\S+)$', text, re.M).group(1))

@@ -16,6 +16,7 @@ of redis-py's own (``socket_timeout``, ``socket_connect_timeout``,
 an error.
 """
 import functools
+import time
 import typing
 import urllib.parse
 
@@ -38,6 +39,8 @@ DONE_GRACE = 3600
 DEFAULT_WAIT_TIMEOUT = 1000  # ms WAIT gives the replicas to confirm a write
 OURS = {"prefix", "done_ttl", "wait_replicas", "wait_timeout"}
 SENTINEL_OPTIONS = {"sentinel_username", "sentinel_password"}
+SENTINEL_LEAST_TIMEOUT = 0.5  # seconds: a Sentinel's share of the timeouts is never less
+REASK_AFTER = 1.0  # seconds after the Sentinels named no primary before they are asked again
 
 
 def _defaults():
@@ -193,6 +196,11 @@ def _sentinel(url, parts, tls, userinfo, hosts, rest, options, overrides=None):
     kw = _kwargs(tls, userinfo, db, rest, overrides)
     own = dict(options)
     sentinel_kw = {k: kw[k] for k in ("socket_connect_timeout", "socket_timeout", "ssl") if k in kw}
+    for key in ("socket_connect_timeout", "socket_timeout"):
+        if sentinel_kw.get(key):
+            # Each Sentinel gets its share: with every one of them silent (a partition, a frozen host)
+            # asking them all takes one timeout, not one each. A live Sentinel answers in milliseconds.
+            sentinel_kw[key] = max(SENTINEL_LEAST_TIMEOUT, float(sentinel_kw[key]) / len(hosts))
     if own.get("sentinel_username"):
         sentinel_kw["username"] = own["sentinel_username"]
     if own.get("sentinel_password"):
@@ -214,7 +222,23 @@ class TellingSentinel(Sentinel):
     repr of every Sentinel's client. Each Sentinel's answer is read from the same round trips.
     """
 
+    failed = (float("-inf"), None)  # (monotonic end, message) of the last discovery that found no primary
+
     def discover_master(self, service_name):
+        at, message = self.failed
+        if time.monotonic() - at < REASK_AFTER:
+            # redis-py's immediate retry of the connection: the Sentinels were asked a moment ago, and
+            # silent ones would hold the caller a timeout more. The supervisor's backoff asks again.
+            raise MasterNotFoundError(message)
+        try:
+            return self._discover(service_name)
+        except NoSuchService:
+            raise
+        except MasterNotFoundError as exc:
+            self.failed = (time.monotonic(), str(exc))
+            raise
+
+    def _discover(self, service_name):
         seen = []  # what each Sentinel said, "host:port: ..."
         known = answered = 0
         for number, sentinel in enumerate(self.sentinels):
