@@ -804,3 +804,27 @@ def test_a_handlers_follow_up_enqueue_goes_to_its_supervisors_broker(tmp_path, m
         d.assert_clean()
     finally:
         d.stop()
+
+
+def test_signal_handlers_a_module_sets_at_a_reloads_import_do_not_replace_the_masters(daemon):
+    """The master imports a reload's modules itself, after its signal handlers are set: a module
+    that set its own there (SIGCHLD ignored, as some libraries do against zombies; SIGTERM at its
+    default action) replaced the master's. Its children were never reaped again (a killed one
+    never replaced, the retired generation listed for ever) and a SIGTERM ended the master at
+    once, no graceful stop. At start-up the same module did no harm: the master's came after."""
+    with open(os.path.join(daemon.handlers, "signals_at_import.py"), "w") as f:
+        f.write("import signal\n\nsignal.signal(signal.SIGCHLD, signal.SIG_IGN)\n"
+                "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n")
+    daemon.start()
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: _idle(daemon, generation=2) == 2 and len(daemon.status()["workers"]) == 2,
+             message="the new generation alone, the old one reaped")
+    victim = daemon.worker_pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: victim not in daemon.worker_pids() and _idle(daemon, generation=2) == 2,
+             message="the killed child reaped and replaced")
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+    daemon.signal(signal.SIGTERM)
+    assert daemon.proc.wait(timeout=20) == 0
+    assert daemon.records(event="stopping")
+    daemon.assert_clean()

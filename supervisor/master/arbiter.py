@@ -144,9 +144,7 @@ class Arbiter:
             os.set_blocking(fd, False)
         self.selector.register(self.sig_r, selectors.EVENT_READ, self.read_signals)
         self.selector.register(self.wake_r, selectors.EVENT_READ, self.read_wakeups)
-        for sig in trial.SIGNALS:
-            signal.signal(sig, lambda *_: None)  # the byte on the self-pipe is all we need
-        signal.set_wakeup_fd(self.sig_w)
+        self.catch_signals()
         trial.not_the_masters_in_forks(self.pid)
         self.signals.extend(held)  # a SIGHUP during start-up: a reload now
         if self.cfg.metrics.listen:
@@ -213,6 +211,14 @@ class Arbiter:
         log.info("supervisor stopped", extra={"event": "stop", "pid": self.pid, "exit_code": self.exit_code})
 
     # -- signals -------------------------------------------------------------------------
+    def catch_signals(self):
+        """The master's signals: at start, and again after a reload's own import, where a handler
+        module may have set its own (SIGCHLD ignored: no child reaped again; SIGTERM at its default
+        action: no graceful stop) over the master's, as it did at start-up before these."""
+        for sig in trial.SIGNALS:
+            signal.signal(sig, lambda *_: None)  # the byte on the self-pipe is all we need
+        signal.set_wakeup_fd(self.sig_w)
+
     def read_signals(self, _mask):
         try:
             data = os.read(self.sig_r, 4096)

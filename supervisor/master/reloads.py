@@ -74,8 +74,11 @@ class Reloads:
         try:
             if problem:
                 raise registry.HandlerLoadError(problem)
-            handlers, dropped = registry.reload_handlers(cfg.supervisor.handlers, self.m.generation + 1,
-                                                         self.m.handlers)
+            try:
+                handlers, dropped = registry.reload_handlers(cfg.supervisor.handlers, self.m.generation + 1,
+                                                             self.m.handlers)
+            finally:
+                self.m.catch_signals()  # a module may have set its own, failing or not
             scheduler.check_schedules(cfg, handlers)
         except Exception as exc:  # noqa: BLE001 - as above
             return self.failed(exc)
