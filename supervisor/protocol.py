@@ -49,26 +49,34 @@ JOB_FIELDS = ("id", "type", "queue", "payload", "attempt", "max_attempts", "reso
               "trace_id", "token", "parents")
 
 
-def run_message(job, max_attempts, soft_timeout):
-    """The RUN message that hands ``job`` to a child (the fields of ``JOB_FIELDS``)."""
+def run_message(job, max_attempts, soft_timeout, start_by=None):
+    """The RUN message that hands ``job`` to a child (the fields of ``JOB_FIELDS``); ``start_by``:
+    the instant (``time.monotonic()``, one clock for the whole host) past which the child must not
+    start it (its expiry), but answer it "skipped"."""
     fields = {"id": job.id, "type": job.type, "queue": job.queue, "payload": job.payload, "attempt": job.attempt,
               "max_attempts": max_attempts, "resource_id": job.resource_id,
               "idempotency_key": job.idempotency_key, "trace_id": job.trace_id, "token": job.token}
     if job.parents is not None:  # a job without dependencies: nothing to carry
         fields["parents"] = job.parents
-    return {"op": RUN, "soft_timeout": soft_timeout, "job": fields}
+    message = {"op": RUN, "soft_timeout": soft_timeout, "job": fields}
+    if start_by is not None:
+        message["start_by"] = start_by
+    return message
 
 
-def run_frame(batch):
-    """The framed RUN message of ``batch``: a list of (job, registry.JobSettings)."""
-    return encode(batch_message([run_message(j, s.max_attempts, s.soft_timeout) for j, s in batch]))
+def run_frame(batch, start_by=None):
+    """The framed RUN message of ``batch``: a list of (job, registry.JobSettings); ``start_by``:
+    job id -> its start-by instant (``run_message``), for the jobs that have one."""
+    start_by = start_by or {}
+    return encode(batch_message([run_message(j, s.max_attempts, s.soft_timeout, start_by.get(j.id))
+                                 for j, s in batch]))
 
 
 def batch_message(entries):
     """One RUN message for several jobs: ``entries`` are ``run_message`` dicts, run in order."""
     if len(entries) == 1:
         return entries[0]
-    return {"op": RUN, "batch": [{"soft_timeout": e["soft_timeout"], "job": e["job"]} for e in entries]}
+    return {"op": RUN, "batch": [{k: e[k] for k in ("soft_timeout", "job", "start_by") if k in e} for e in entries]}
 
 
 def skipped_reply(job):

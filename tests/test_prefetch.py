@@ -121,7 +121,7 @@ def test_larger_jobs_sent_look_again_at_what_waits_even_when_the_claims_stay_the
     class Pool:  # the dispatcher's one call here: a message of ``nbytes`` sent
         nbytes = 0
 
-        def run(self, c, batch):
+        def run(self, c, batch, start_by=None):
             c.sent_bytes = self.nbytes
             return []
 
@@ -164,7 +164,7 @@ def test_a_prefetched_jobs_start_by_time_leaves_with_the_job():
         def live(self):
             return []
 
-        def run(self, c, batch):
+        def run(self, c, batch, start_by=None):
             c.sent_bytes = 100
             return []
 
@@ -244,6 +244,39 @@ def test_a_prefetched_job_whose_expiry_passes_while_it_waits_ends_expired_never_
         open(release, "w").close()
         job = d.wait_job(late, states=("done", "expired"))
         assert (job.state, job.attempt) == ("expired", 0), job.history
+        assert d.wait_job(held).state == "done"
+        d.assert_clean()
+    finally:
+        open(release, "w").close()
+        d.stop()
+
+
+def test_a_batched_job_whose_expiry_passes_behind_a_long_job_of_its_batch_ends_expired_never_run(tmp_path, broker_url):
+    """Jobs of a short type go to a child in batches; one queued there behind a job of its batch
+    that turned out long started once that one ended, past its expiry, and ended done: only the
+    jobs waiting in the master were handed back. The child now skips a job whose start-by
+    instant passed, and the next claim ends it expired, no attempt spent."""
+    d = Daemon(tmp_path, broker_url, supervisor={"workers": 1})
+    release = d.marker("release")
+    try:
+        d.start()
+        for job_id in [d.enqueue("quick") for _ in range(20)]:
+            d.wait_job(job_id)
+
+        def batchable():
+            types = {t["type"]: t for t in d.status()["prefetch"]["types"]}
+            return "quick" in types and types["quick"]["average_seconds"] * 32 <= 0.05
+        wait_for(batchable, message="quick measured short enough to batch")
+        # One claim, one batch: the long one first (its priority), the expiring ones behind it.
+        ids = d.broker.enqueue_many([NewJob("quick", {"release": release}, priority=10)]
+                                    + [NewJob("quick", {}, expires_in=1.0) for _ in range(5)])
+        held, late = ids[0], ids[1:]
+        wait_for(lambda: d.job(held).state == "running" and d.status()["prefetched"] == 0,
+                 message="the long job running, the others queued in its child")
+        wait_for(lambda: d.broker.now() > max(d.job(j).expires_at for j in late) + 0.1, message="their expiry passed")
+        open(release, "w").close()
+        jobs = [d.wait_job(j, states=("done", "expired")) for j in late]
+        assert [(job.state, job.attempt) for job in jobs] == [("expired", 0)] * 5, [job.history for job in jobs]
         assert d.wait_job(held).state == "done"
         d.assert_clean()
     finally:

@@ -174,7 +174,13 @@ def serve(sock, slot, handlers, master_pid):
             # (the master asks for a SKIP first, so no job of a batch starts after it).
         if pending:
             idle = False
-            if not run_one(sock, slot, handlers, pending.popleft()):
+            entry = pending.popleft()
+            if entry.get("start_by") is not None and time.monotonic() >= entry["start_by"]:
+                # Its expiry passed while it waited behind the batch's jobs before it: "not
+                # started by then ends expired", so not started; the master hands it back.
+                send_reply(sock, protocol.skipped_reply(entry["job"]))
+                continue
+            if not run_one(sock, slot, handlers, entry):
                 return
 
 

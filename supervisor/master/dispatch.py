@@ -11,7 +11,8 @@ anyway, so a pause not yet seen here costs nothing but a wasted slot.
 
 A job with an expiry that waits here past it is handed back untouched, not run:
 the next claim ends it ``expired``, as it would have had it waited in the broker
-("a job not started by then ends expired"). Its deadline is reckoned on this
+("a job not started by then ends expired"); one queued in a child behind the jobs of its
+batch is skipped there and comes back the same way. Its deadline is reckoned on this
 machine's monotonic clock from the broker's clock at the claim (its lease's end
 less the lease), so the two machines' clocks need not agree.
 """
@@ -225,7 +226,10 @@ class Dispatcher:
 
     def send(self, c, batch):
         """``batch`` to child ``c``; returns what its pipe could not take. The prefetch learns the jobs' sizes."""
-        left = self.pool.run(c, batch)
+        # Their start-by instants go with them: one queued behind a job that turns out long must
+        # not start past its expiry in the child either (the child skips it; it comes back here).
+        due = {job.id: self.start_by[job.id] for job, _ in batch if job.id in self.start_by} if self.start_by else None
+        left = self.pool.run(c, batch, due)
         sent = batch[:len(batch) - len(left)]
         for job, _ in sent:
             self.on_started(job)

@@ -165,18 +165,19 @@ class Pool:
                                                    "generation": self.generation})
 
     # -- talking to children -------------------------------------------------------------
-    def run(self, c, batch):
+    def run(self, c, batch, start_by=None):
         """Hand ``batch`` (a list of (job, settings)) to child ``c``: one message, run in order.
         An idle child starts its first job now; a busy one queues them all behind its own.
+        ``start_by``: job id -> the instant past which the child skips it (protocol.run_message).
 
         A busy child reads nothing until its job ends, so a message to it must fit in its
         pipe (``room``): a longer one would block the master's send until the child read.
         Its first jobs that fit go; the rest are returned, to wait for a free child.
         """
-        left, frame = [], protocol.run_frame(batch)
+        left, frame = [], protocol.run_frame(batch, start_by)
         while c.job is not None and len(frame) > c.room and batch:
             batch, left = batch[:len(batch) // 2], batch[len(batch) // 2:] + left
-            frame = protocol.run_frame(batch)
+            frame = protocol.run_frame(batch, start_by)
         if not batch:
             return left
         if c.job is None:
