@@ -15,6 +15,7 @@ import supervisor
 from supervisor import protocol, toolkit
 from supervisor.child import timeouts
 from supervisor.child.context import Context
+from supervisor.model import NewJob
 
 from .daemon import Daemon, tangguh
 from .util import wait_for
@@ -315,3 +316,29 @@ def test_progress_is_checked_and_coalesced():
         assert sent[0] == {"op": "progress", "job_id": "job_1", "fraction": 0.0, "note": "x" * protocol.MAX_NOTE}
     finally:
         toolkit.attach_master(None)
+
+
+@pytest.mark.parametrize("queues", [["default"], ["other", "default"]])
+def test_a_dead_supervisors_job_in_a_paused_queue_has_its_lease_taken_back(tmp_path, broker_url, queues):
+    """A paused queue was left out of the claim: on Redis, whose claim looks only at the queues
+    it names, a dead supervisor's job there stayed running, its lease long expired, for the
+    whole pause (never dead-lettered, its waiters never told); with every queue of a supervisor
+    paused it made no claim at all, on any broker (a supervisor restarted after a crash left its
+    own last jobs running). The claim names paused queues too now: it leases none of their jobs."""
+    d = Daemon(tmp_path, broker_url, broker={"queues": queues})
+    try:
+        d.broker.migrate()
+        lost = d.broker.enqueue(NewJob("noop", {}, max_attempts=1))
+        waiting = d.broker.enqueue(NewJob("noop", {}))
+        assert [job.id for job in d.broker.claim(["default"], 1, 2.0, "ghost:1:0")] == [lost]  # then it died
+        d.broker.pause("default")
+        d.start()
+        wait_for(lambda: d.status()["paused_queues"] == ["default"], message="the pause seen")
+        job = d.wait_job(lost, states=("dead",), timeout=30)
+        assert job.history[-1]["outcome"] == "lease_expired"
+        assert d.job(waiting).state == "queued"  # paused: named in the claim, never leased
+        d.broker.resume("default")
+        assert d.wait_job(waiting).state == "done"
+        d.assert_clean()
+    finally:
+        d.stop()

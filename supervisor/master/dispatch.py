@@ -6,8 +6,8 @@ under (``registry.JobSettings``), so a reload between the claim and the
 verdict cannot change a running job's rules. While the queue is empty the
 claims back off up to ``poll_interval``; a broker wake-up (a notification, an
 inotify event) brings the next claim forward at once. Paused queues (as the
-heartbeat last read them) are left out of the claim; the broker refuses them
-anyway, so a pause not yet seen here costs nothing but a wasted slot.
+heartbeat last read them) come last in the claim: the broker leases nothing
+from them (a pause not yet seen here included), but tidies them as the others.
 
 A job with an expiry that waits here past it is handed back untouched, not run:
 the next claim ends it ``expired``, as it would have had it waited in the broker
@@ -104,7 +104,10 @@ class Dispatcher:
         if want <= 0 or now < self.next_claim_at:
             return
         b = self.cfg.broker
-        queues = [q for q in b.queues if q not in self.paused]
+        # Paused ones too, last: the broker leases none of their jobs, but takes back their expired
+        # leases and ends their jobs past expiry (Redis looks only at the queues a claim names: left
+        # out, a dead supervisor's job stayed running there for the whole pause, its waiters untold).
+        queues = [q for q in b.queues if q not in self.paused] + [q for q in b.queues if q in self.paused]
         try:
             # take_expired reads what this claim ended ``expired``: no round trip of its own.
             sent = Sendings(lambda br: (br.claim(queues, want, b.lease_seconds, self.owner, self.limits) if queues
