@@ -591,6 +591,12 @@ def test_ttin_and_ttou_change_the_worker_count(daemon):
     daemon.signal(signal.SIGTTOU)
     wait_for(lambda: len(daemon.worker_pids()) == 1, message="one child left")
     assert daemon.status()["target_workers"] == 1
+    # At the floor a SIGTTOU changes nothing, and the log must not claim it "lowered" the count.
+    daemon.signal(signal.SIGTTOU)
+    wait_for(lambda: len(daemon.records(event="ttou")) == 3, message="the third SIGTTOU's record")
+    assert [r["msg"] for r in daemon.records(event="ttou")] == [
+        "worker count lowered to 2", "worker count lowered to 1", "worker count stays at 1, the least (SIGTTOU ignored)"]
+    assert daemon.status()["target_workers"] == 1
     assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
     daemon.assert_clean()
 

@@ -253,7 +253,13 @@ class Arbiter:
             self.stop_fast()  # a second TERM/INT: the operator means it
 
     def resize(self, by):
-        log.info("worker count %s to %d", "raised" if by > 0 else "lowered", self.pool.resize(by),
+        before = self.pool.target
+        after = self.pool.resize(by)
+        if after == before:  # at the floor or the ceiling: say so, not "lowered to 1" once more
+            log.warning("worker count stays at %d, the %s (SIGTT%s ignored)", after, "most" if by > 0 else "least",
+                        "IN" if by > 0 else "OU", extra={"event": "ttin" if by > 0 else "ttou"})
+            return
+        log.info("worker count %s to %d", "raised" if by > 0 else "lowered", after,
                  extra={"event": "ttin" if by > 0 else "ttou"})
 
     # -- stopping ------------------------------------------------------------------------
