@@ -311,6 +311,8 @@ def check_host(cfg):
                           f" over the {SOCKET_PATH_MAX} a UNIX socket path may have")
     if not os.path.isdir(os.path.dirname(s.socket)):
         raise ConfigError(f"supervisor.socket: folder {os.path.dirname(s.socket)} does not exist")
+    from .health import socket_exists  # a file, folder or link there is refused at bind: say so here too
+    socket_exists(s.socket)
     if not os.path.isdir(s.handlers):
         raise ConfigError(f"supervisor.handlers: {s.handlers} is not a folder"
                           " (`tangguh config init PATH` writes a config and a handlers folder with an example)")

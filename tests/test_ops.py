@@ -121,6 +121,8 @@ def test_redis_url_that_can_never_work_exits_2_at_start(tmp_path, redis_url, man
     ("no_socket_dir", ["supervisor.socket: folder", "does not exist"]),
     ("no_handlers", ["supervisor.handlers", "tangguh config init"]),
     ("no_group", ["supervisor.socket_group: cannot give", "'tangguh-no-such-group': no such group"]),
+    # config check said ok, then run refused it: docs/operating.md promises the same line from both.
+    ("socket_is_a_file", ["supervisor.socket:", "exists and is not a socket; not replacing it"]),
 ])
 def test_config_check_catches_what_run_rejects_at_start(tmp_path, problem, words):
     options = {
@@ -128,7 +130,9 @@ def test_config_check_catches_what_run_rejects_at_start(tmp_path, problem, words
         "no_socket_dir": {"socket": str(tmp_path / "missing" / "t.sock")},
         "no_handlers": {"handlers": str(tmp_path / "no-handlers-here")},
         "no_group": {"socket_group": "tangguh-no-such-group"},
+        "socket_is_a_file": {"socket": str(tmp_path / "a-plain-file")},
     }[problem]
+    (tmp_path / "a-plain-file").write_text("kept\n")
     result, path = _run_once(tmp_path, f"sqlite:///{tmp_path}/broker.db", **options)
     _assert_refused(result, *words)
     check = tangguh("config", "check", "-c", str(path))
