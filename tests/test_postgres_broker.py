@@ -242,6 +242,11 @@ def test_db_migrate_and_run_exit_2_on_a_schema_that_is_not_tangguhs(postgres_url
     result = tangguh("db", "migrate", "-c", d.config_path)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "holds tables that are not Tangguh's" in result.stderr
+    # config check said ok and run then exited 2: it must say the same line (docs/operating.md), writing nothing.
+    check = tangguh("config", "check", "-c", d.config_path)
+    assert (check.returncode, check.stdout, check.stderr) == (2, "", result.stderr)
+    with psycopg.connect(postgres_url.partition("?")[0], autocommit=True) as conn:
+        assert _tables(conn, app_schema) == ["schema_version"]
     d.start(wait=False)
     try:
         assert d.wait_exit(timeout=30) == 2

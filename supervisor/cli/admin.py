@@ -34,6 +34,8 @@ def check_broker(url):
         broker = open_broker(url)
         try:
             broker.now()
+            if hasattr(broker, "check_schema"):
+                broker.check_schema()  # PostgreSQL: another application's tables under our names
         finally:
             broker.close()
     except BrokerUnusable as exc:

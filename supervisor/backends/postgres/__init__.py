@@ -88,6 +88,11 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
         with self._guard("migrate"), self._connections.patient() as db:
             schema.migrate(db, self.schema, _migrations(self._s))
 
+    def check_schema(self):
+        """ConfigError if ``migrate`` would refuse the schema as not Tangguh's; writes nothing."""
+        with self._guard("check"), self._connections.patient() as db, db.transaction():
+            schema.check(db, self.schema)
+
     def close(self):
         self._connections.close()
 

@@ -209,19 +209,33 @@ def _migrate(db, schema, s, versions):
     return current
 
 
+def check(db, schema):
+    """What ``migrate`` would refuse as someone else's schema, found without writing a thing
+    (``tangguh config check``: a config it passes must also start)."""
+    tables = {row[0] for row in db.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,))}
+    if VERSIONS not in tables:
+        _foreign(db, schema, tables)
+
+
 def _adopt(db, schema, tables):
     """Before its first migration here: a fresh schema, or one Tangguh made under the
     old version table name (renamed now). Anything else is someone else's schema."""
+    if _foreign(db, schema, tables):
+        db.execute(f"ALTER TABLE {quote(schema)}.schema_version RENAME TO {VERSIONS}")
+
+
+def _foreign(db, schema, tables):
+    """ConfigError if ``tables`` (a schema without Tangguh's version table) hold Tangguh's names
+    and are not Tangguh's; True for a schema Tangguh made under the old version table name."""
     ours = sorted(tables & {"schema_version", "jobs", "rate_buckets", "once_keys", "paused_queues", "supervisors",
                             "job_edges", "schedule_ticks"})
     if not ours:
-        return
+        return False
     if "schema_version" in tables and "jobs" in tables:
         columns = {row[0] for row in db.execute(
             "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = 'jobs'",
             (schema,))}
         if JOB_COLUMNS <= columns:
-            db.execute(f"ALTER TABLE {quote(schema)}.schema_version RENAME TO {VERSIONS}")
-            return
+            return True
     raise ConfigError(f"postgres broker schema {schema!r} holds tables that are not Tangguh's"
                       f" ({', '.join(ours)}): name a schema of Tangguh's own in the broker url (?schema=...)")
