@@ -116,6 +116,21 @@ def test_redis_url_that_can_never_work_exits_2_at_start(tmp_path, redis_url, man
     _assert_refused(result, "broker.url", *words)
 
 
+@pytest.mark.parametrize("query, words", [
+    ("bogus_option=1", ["unknown option(s) bogus_option"]),
+    ("busy_timeout=abc", ["busy_timeout must be seconds"]),
+    ("synchronous=off", ["synchronous must be full or normal"]),
+])
+def test_sqlite_url_that_can_never_work_exits_2_at_start_and_fails_config_check(tmp_path, query, words):
+    """As on Redis and PostgreSQL: it exited 1 (systemd restarted it) and config check said ok."""
+    result, path = _run_once(tmp_path, f"sqlite:///{tmp_path}/broker.db?{query}")
+    _assert_refused(result, "broker.url", *words)
+    check = tangguh("config", "check", "-c", str(path))
+    assert (check.returncode, check.stdout) == (2, "")
+    assert check.stderr == result.stderr.strip().splitlines()[-1] + "\n"
+    assert not (tmp_path / "broker.db").exists()
+
+
 @pytest.mark.parametrize("problem, words", [
     ("long_socket", ["supervisor.socket", "over the 107"]),
     ("no_socket_dir", ["supervisor.socket: folder", "does not exist"]),

@@ -26,9 +26,14 @@ def cmd_config_check(args):
 def check_broker(url):
     """One round trip to a broker server, as ``run`` makes at start: settings it refuses (an
     unknown option, database or login) fail the check as they fail ``run`` (exit 2); a server
-    that does not answer now is only a warning (``run`` waits it out). A SQLite file is left
-    alone: opening it would create it."""
+    that does not answer now is only a warning (``run`` waits it out). A SQLite URL is only
+    read (an unknown option, a bad busy_timeout): opening the file would create it."""
     if url.startswith("sqlite:"):
+        from ..backends.sqlite.database import read_url
+        try:
+            read_url(url)
+        except BrokerUnusable as exc:
+            raise ConfigError(f"broker.url: {exc}") from None
         return
     try:
         broker = open_broker(url)

@@ -4,7 +4,7 @@ import sqlite3
 import time
 import urllib.parse
 
-from ...errors import BrokerError
+from ...errors import BrokerError, BrokerUnusable
 
 
 BUSY_TIMEOUT = 30.0  # seconds a call waits for another process's write lock (URL option busy_timeout)
@@ -15,27 +15,27 @@ JOURNAL_SIZE_LIMIT = 64 * 2**20
 
 def read_url(url):
     """``(path, synchronous, busy_timeout)`` of ``sqlite:///path?synchronous=full|normal&busy_timeout=S``,
-    or BrokerError naming what is wrong."""
+    or BrokerUnusable naming what is wrong: no wait can fix a URL, so `run` exits 2 on it."""
     parts = urllib.parse.urlsplit(url)
     path = urllib.parse.unquote(parts.path)
     if parts.netloc not in ("", "localhost"):
-        raise BrokerError(f"sqlite url {url!r}: use sqlite:///path (three slashes)")
+        raise BrokerUnusable(f"sqlite url {url!r}: use sqlite:///path (three slashes)")
     path = path[1:]  # sqlite:///rel.db is relative, sqlite:////abs.db absolute
     if not path:
-        raise BrokerError(f"sqlite url {url!r} names no file")
+        raise BrokerUnusable(f"sqlite url {url!r} names no file")
     options = dict(urllib.parse.parse_qsl(parts.query))
     synchronous = options.pop("synchronous", "full").upper()
     if synchronous not in ("FULL", "NORMAL"):
-        raise BrokerError(f"sqlite url {url!r}: synchronous must be full or normal")
+        raise BrokerUnusable(f"sqlite url {url!r}: synchronous must be full or normal")
     busy_timeout = options.pop("busy_timeout", None)
     try:
         busy_timeout = BUSY_TIMEOUT if busy_timeout is None else float(busy_timeout)
     except ValueError:
         busy_timeout = -1.0
     if not 0 < busy_timeout <= 3600:
-        raise BrokerError(f"sqlite url {url!r}: busy_timeout must be seconds, more than 0 and at most 3600")
+        raise BrokerUnusable(f"sqlite url {url!r}: busy_timeout must be seconds, more than 0 and at most 3600")
     if options:
-        raise BrokerError(f"sqlite url {url!r}: unknown option(s) {', '.join(sorted(options))}")
+        raise BrokerUnusable(f"sqlite url {url!r}: unknown option(s) {', '.join(sorted(options))}")
     return path, synchronous, busy_timeout
 
 
