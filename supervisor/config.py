@@ -274,8 +274,8 @@ def resolve_broker_url(url, base_dir):
         return url
     parts = urllib.parse.urlsplit(url)
     path = urllib.parse.unquote(parts.path)[1:]
-    if not path:
-        raise ConfigError(f"broker.url: {url!r} names no database file")
+    if not path or parts.netloc not in ("", "localhost"):  # sqlite://var/x.db: the host "var" was dropped
+        raise ConfigError(f"broker.url: {url!r} names no database file (sqlite:///relative.db, sqlite:////abs.db)")
     path = os.path.normpath(os.path.join(base_dir, path))
     return "sqlite:///" + urllib.parse.quote(path) + ("?" + parts.query if parts.query else "")
 

@@ -115,6 +115,9 @@ BAD = [
     ("[broker]\nurl = \"ftp://x/y\"", "broker.url: unknown broker scheme 'ftp'"),
     ("[broker]\nurl = \"just-a-file.db\"", "broker.url: broker url is not a URL"),
     ("[broker]\nurl = \"sqlite:///\"", "broker.url: 'sqlite:///' names no database file"),
+    # Two slashes: the first folder was read as a host and dropped, and /var/lib/t.db became <config dir>/lib/t.db.
+    ("[broker]\nurl = \"sqlite://var/lib/t.db\"", "broker.url: 'sqlite://var/lib/t.db' names no database file"),
+    ("[toolkit]\ndatabase_url = \"sqlite://srv/app.db\"", "toolkit.database_url: 'sqlite://srv/app.db' names no"),
     ("[broker]\nlease_seconds = 5\nheartbeat_seconds = 5",
      "broker.heartbeat_seconds: must be shorter than broker.lease_seconds (5), got 5"),
     ("[jobs]\njitter = 1.5", "jobs.jitter: expected a number between 0 and 1, got 1.5"),
