@@ -38,6 +38,11 @@ def test_a_sentinel_url_names_the_service_the_db_and_the_sentinels_password():
     ("redis://h1/0?wait_replicas=1&wait_timeout=3000&socket_timeout=2.5",
      "wait_timeout (3000 ms) must be below socket_timeout (2.5 s)"),
     ("redis+sentinel://h1:port/svc", "invalid literal for int() with base 10: 'port'"),
+    # redis-py reads 0 as "fail at once": the supervisor showed BROKER DOWN for good, config check ok.
+    ("redis://h1/0?socket_timeout=0", "socket_timeout must be a positive number of seconds"),
+    ("redis://h1/0?socket_connect_timeout=0", "socket_connect_timeout must be a positive number of seconds"),
+    ("redis+sentinel://h1/svc?socket_timeout=nan", "socket_timeout must be a positive number of seconds"),
+    ("redis+cluster://h1:7000/?socket_connect_timeout=-1", "socket_connect_timeout must be a positive number"),
 ])
 def test_bad_ha_urls_are_one_line_errors(url, says):
     if "sentinel://" in url:  # a secret in the URL never shows in the message

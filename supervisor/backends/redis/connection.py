@@ -100,6 +100,12 @@ def connect(url):
         raise BrokerUnusable(f"redis url {redact(url)!r}: wait_replicas is not supported on a cluster"
                              " (WAIT must follow the write on the same node's connection)")
     rest = [(k, v) for k, v in options if k in REDIS_OPTIONS]
+    for key, value in rest:
+        # 0 is no "wait for ever" to redis-py: every connect or read fails at once (EAGAIN), so
+        # the supervisor waited out an outage that could never end, its config "ok".
+        if key in ("socket_timeout", "socket_connect_timeout") and _seconds(value) is not None and \
+                not _seconds(value) > 0:
+            raise BrokerUnusable(f"redis url {redact(url)!r}: {key} must be a positive number of seconds")
     if wait:
         # WAIT's reply comes after wait_timeout: a read limit below it cuts every unconfirmed
         # write off as an outage (the connection dropped, the claims held) instead of saying so.
@@ -131,6 +137,14 @@ def connect(url):
         raise BrokerUnusable(f"redis url {redact(url)!r}: {exc}") from None
     keep = not topology and "max_connections" not in dict(rest)
     return Connection(client, prefix, done_ttl, where, topology == "cluster", wait, keep)
+
+
+def _seconds(text):
+    """``text`` as a float, or None where redis-py is left to name a value that is not one."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def _whole(url, ours, key, default, least, what):
