@@ -86,3 +86,28 @@ def test_samples_keep_one_minute_and_the_loop_redraws_in_place():
     assert len(frames) == 3 and slept == [1.0, 1.0]
     assert "waiting for a second sample" in frames[0]
     assert "succeeded 60.0" in frames[1] and "succeeded 60.0" in frames[2]
+
+
+def test_rates_start_over_with_a_restarted_supervisor():
+    """A restart (a new pid, or pid 1 again in a container: a new start time) starts the samples over."""
+    def run_of(pid, started_at, seconds, succeeded):
+        reply = later(seconds, succeeded=succeeded)[1]
+        reply["pid"], reply["started_at"] = pid, started_at
+        return reply
+
+    replies = iter([RECORDED, later(1, succeeded=101)[1],  # the first run
+                    run_of(5000, T0 + 1.5, 2, 0), run_of(5000, T0 + 1.5, 3, 1), run_of(5000, T0 + 1.5, 4, 2)])
+    clock = iter([T0 + i for i in range(5)])
+    out = io.StringIO()
+    watch.run(lambda: next(replies), 1.0, out=out, clock=lambda: next(clock), sleep=lambda _: None, frames=5)
+    frames = out.getvalue().split(watch.CLEAR)[1:]
+    assert "succeeded 60.0" in frames[1]
+    assert "waiting for a second sample" in frames[2]  # the new run's first sample
+    # From its second sample on, the new run's rates: not held back a minute by the old run's samples.
+    assert "rates over the last 1.00s, per minute: succeeded 60.0" in frames[3]
+    assert "rates over the last 2.00s, per minute: succeeded 60.0" in frames[4]
+
+    # The same pid started again (a container's first process): its counters started over too.
+    now, newer = later(10, succeeded=1)
+    newer["started_at"] = T0 + 5
+    assert "rates: waiting for a second sample" in watch.render_watch(newer, now, older=(T0, RECORDED))

@@ -17,13 +17,21 @@ CLEAR = "\033[H\033[2J"
 RATES = ("succeeded", "failed", "retried", "dead", "timeouts", "crashed", "lease_lost")
 
 
+def same_run(a, b):
+    """Whether two status replies come from one run of one supervisor (its counters go on).
+
+    The pid alone does not tell: a supervisor that is a container's first process is
+    pid 1 after every restart. Its start time does."""
+    return a.get("pid") == b.get("pid") and a.get("started_at") == b.get("started_at")
+
+
 def rates(newer, older):
     """Per-minute rates of the counters between two ``(t, reply)`` samples, or None if unknown."""
     if older is None or newer is None:
         return None
     (t1, r1), (t0, r0) = newer, older
     c1, c0 = r1.get("counters") or {}, r0.get("counters") or {}
-    if t1 <= t0 or r1.get("pid") != r0.get("pid"):
+    if t1 <= t0 or not same_run(r1, r0):
         return None  # the same instant, or another supervisor (restarted): counters started over
     out = {}
     for name in RATES:
@@ -87,6 +95,10 @@ class Samples:
     def add(self, t, reply):
         if reply.get("error") and "workers" not in reply:
             return
+        if self.items and not same_run(self.items[-1][1], reply):
+            # Restarted: its counters started over. Kept, the old run's samples would stay the
+            # oldest for a whole window, and no rate could be shown until they left it.
+            self.items.clear()
         self.items.append((t, reply))
         while len(self.items) > 2 and self.items[1][0] <= t - self.window:
             self.items.popleft()  # keep one sample at or past the window's start
