@@ -6,19 +6,31 @@ for its whole line; garbage, JSON nested too deep, an unknown command or an
 oversize line gets an error reply, and no client can block or stop the loop
 (all client I/O is non-blocking, and a failure answering one client closes
 only that client).
+
+A daemon runs for months, and its socket file may be removed under it (an
+``rm``, a cleaned folder): ``tangguh status`` would find nobody, and a second
+``tangguh run`` would start beside it. Once a second the master looks at its
+path and binds a removed socket again. A path that names another socket by
+then is someone else's: left alone, and not unlinked at the stop.
 """
 import errno
 import grp
 import json
+import logging
 import os
+import selectors
 import socket
 import stat
 import struct
+import time
 
 from .errors import ConfigError, TangguhError
 from .oneshot import OneShotServer
 
 MAX_LINE = 64 * 1024
+PATH_CHECK_SECONDS = 1.0  # how often the master makes sure its socket file is still there
+
+log = logging.getLogger("tangguh.socket")
 
 
 class AlreadyRunning(TangguhError):
@@ -125,9 +137,48 @@ class HealthServer(OneShotServer):
     eof_ends_request = True  # a request line without its newline, then EOF: still answered
 
     def __init__(self, path, mode, selector, dispatch, client_timeout=5.0, group=""):
-        self.path = path
+        self.path, self.mode, self.group = path, mode, group
         self.dispatch = dispatch
         super().__init__(claim_path(path, mode, group), selector, client_timeout)
+        self.identity = _identity(path)  # of the file we bound: what the path must still name
+        self.check_at = time.monotonic() + PATH_CHECK_SECONDS
+        self.complained = None  # what the path named when we last logged about it (once per change)
+
+    def expire_clients(self):
+        super().expire_clients()
+        if time.monotonic() >= self.check_at:
+            self.check_at = time.monotonic() + PATH_CHECK_SECONDS
+            self.check_path()
+
+    def check_path(self):
+        """Bind again if our socket file was removed; leave a path another socket took alone."""
+        try:
+            found = _identity(self.path)
+        except OSError:
+            found = None
+        if found == self.identity:
+            return
+        if found is None:
+            try:
+                listener = claim_path(self.path, self.mode, self.group)
+            except (OSError, TangguhError) as exc:  # its folder gone too, or another daemon got there first
+                self._complain("gone", "health socket %s was removed and cannot be bound again: %s", self.path, exc)
+                return
+            self.selector.unregister(self.listener)
+            self.listener.close()  # the clients it accepted are sockets of their own: still answered
+            self.listener = listener
+            self.selector.register(listener, selectors.EVENT_READ, self._accept)
+            self.identity, self.complained = _identity(self.path), None
+            log.warning("health socket %s was removed while the supervisor ran: bound again", self.path,
+                        extra={"event": "socket_rebound"})
+            return
+        self._complain(found, "health socket %s now names another socket: tangguh status reaches that one,"
+                       " not this supervisor (pid %d)", self.path, os.getpid())
+
+    def _complain(self, what, message, *args):
+        if self.complained != what:
+            self.complained = what
+            log.error(message, *args, extra={"event": "socket_lost"})
 
     def complete(self, inbox):
         return inbox.find(b"\n")
@@ -161,8 +212,14 @@ class HealthServer(OneShotServer):
 
     def close(self, unlink=True):
         super().close()
-        if unlink:
-            try:
+        try:
+            if unlink and _identity(self.path) == self.identity:  # not another supervisor's socket
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        except FileNotFoundError:
+            pass
+
+
+def _identity(path):
+    """(device, inode) of the file at ``path`` (not followed if a link): FileNotFoundError if none."""
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino

@@ -726,6 +726,38 @@ def test_a_stale_socket_file_is_replaced(daemon):
     assert oct(os.stat(daemon.socket).st_mode & 0o777) == oct(0o660)
 
 
+def test_a_removed_socket_file_is_bound_again_and_a_stop_leaves_another_ones_socket(daemon):
+    """Months of running: the socket file removed under the master comes back, so status finds it
+    and a second supervisor still refuses; a path another socket took is never unlinked."""
+    daemon.start()
+    os.unlink(daemon.socket)
+    wait_for(lambda: os.path.exists(daemon.socket), message="the removed socket file bound again")
+    assert daemon.status()["ok"] and oct(os.stat(daemon.socket).st_mode & 0o777) == oct(0o660)
+    assert daemon.records(event="socket_rebound")
+    assert tangguh("run", "-c", daemon.config_path, timeout=30).returncode == 3  # not a second one beside it
+    assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+
+    other = socket.socket(socket.AF_UNIX)  # someone else's socket at the path now
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(daemon.socket)
+        try:
+            other.bind(daemon.socket)  # the master may have bound it again in between: once more
+            break
+        except OSError:
+            continue
+    other.listen(1)
+    wait_for(lambda: daemon.records(event="socket_lost"), message="the master to see its path taken")
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    assert os.path.exists(daemon.socket), "the stop unlinked another process's socket"
+    probe = socket.socket(socket.AF_UNIX)
+    probe.connect(daemon.socket)  # still the other one's, listening
+    probe.close()
+    other.close()
+    daemon.assert_clean()
+
+
 def test_a_handler_that_fails_to_import_is_a_startup_error(daemon):
     with open(os.path.join(daemon.handlers, "bad.py"), "w") as f:
         f.write("import supervisor\nx = 1\nraise RuntimeError('boom at import')\n")
