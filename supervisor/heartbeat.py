@@ -56,6 +56,9 @@ class Heartbeat:
         self.last_beat = time.monotonic()
         self.on_sample = on_sample  # on_sample({queue: QueueStats}): the queue gauges
         self.queue_stats = {}  # the last stats() sample, for status
+        # When it was taken (monotonic), and whether the tries since have failed: a count the broker
+        # gives up on leaves the last one standing, which status must not show as today's.
+        self.sampled_at, self.sample_failing = None, False
         self.sampled = None  # the queues it was last tried for: a reload that changes them samples at once
         self.next_sample_at = 0.0
         self.sampling = False  # in the broker's count now: stop() interrupts it (a fork waits for stop)
@@ -214,6 +217,7 @@ class Heartbeat:
             log.log(logging.WARNING if self.sample_failures == 1 else logging.DEBUG,
                     "queue sample not taken: %s", exc, extra={"event": "sample_failed"})
             stats = None
+            self.sample_failing = True
         finally:
             if self.sampling:
                 self.sampling = False
@@ -223,7 +227,7 @@ class Heartbeat:
                 log.info("queue sample taken again after %d failed", self.sample_failures,
                          extra={"event": "sample_resumed"})
                 self.sample_failures = 0
-            self.queue_stats = stats
+            self.queue_stats, self.sampled_at, self.sample_failing = stats, time.monotonic(), False
             self.on_sample(stats)
 
     def _call(self, fn):

@@ -926,6 +926,30 @@ def test_a_queue_sample_the_server_cannot_count_in_time_is_given_up_and_the_hear
     beat.close()
 
 
+def test_a_failing_queue_sample_leaves_the_last_counts_marked_with_their_age(pg, postgres_url):
+    """Status showed the last counts as if fresh while every later count was given up (a dead
+    letter queue grown past what the broker counts in time): DEAD 0 beside 3 million dead jobs."""
+    from supervisor import heartbeat
+    from supervisor.master.status import sampled_ago
+
+    beat = heartbeat.Heartbeat(postgres_url, 1.2, 1.0, None, ["default"], on_sample=lambda stats: None)
+    assert sampled_ago(beat) is None and not beat.sample_failing
+    beat.sample()
+    assert beat.queue_stats["default"].dead == 0 and not beat.sample_failing
+    taken_at = beat.sampled_at
+    pg.enqueue(new())
+    with psycopg.connect(postgres_url.split("?")[0]) as locker:
+        locker.execute(f"LOCK TABLE {pg._jobs} IN ACCESS EXCLUSIVE MODE")
+        beat.next_sample_at = 0.0
+        beat.sample()  # given up after 0.1 s
+    assert beat.sample_failing and beat.sampled_at == taken_at and beat.queue_stats["default"].ready == 0
+    assert sampled_ago(beat) >= 0
+    beat.next_sample_at = 0.0
+    beat.sample()
+    assert not beat.sample_failing and beat.queue_stats["default"].ready == 1 and beat.sampled_at > taken_at
+    beat.close()
+
+
 def test_a_wait_whose_listening_session_is_ended_reads_at_the_fallback_pace(pg, producer):
     """An idle reaper or a pooler ends the LISTEN session of a wait: it re-read the job as
     fast as the queries came back (4,000 a second, for the whole timeout)."""

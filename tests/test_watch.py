@@ -111,3 +111,16 @@ def test_rates_start_over_with_a_restarted_supervisor():
     now, newer = later(10, succeeded=1)
     newer["started_at"] = T0 + 5
     assert "rates: waiting for a second sample" in watch.render_watch(newer, now, older=(T0, RECORDED))
+
+
+def test_queue_counts_the_samples_fail_to_renew_say_how_old_they_are():
+    """A count the broker gives up on (millions of dead letters) leaves the last counts standing:
+    shown as they were, DEAD 2 could be days old. The screen says so."""
+    now, reply = later(0)
+    reply.update(queues_sampled_ago=3725.0, queues_sample_failing=True)
+    screen = watch.render_watch(reply, now)
+    assert "queue counts 1h02m old: the samples since failed (sample_failed in the log)" in screen
+    reply.update(queues={}, queues_sampled_ago=None)
+    assert "no queue counts yet: the samples failed" in watch.render_watch(reply, now)
+    reply.update(queues=RECORDED["queues"], queues_sampled_ago=2.0, queues_sample_failing=False)
+    assert "sample" not in watch.render_watch(reply, now).split("workers")[0]  # fresh counts: nothing to say

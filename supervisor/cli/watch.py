@@ -59,6 +59,13 @@ def render_watch(reply, now, older=None):
         rows = [[q, s.get("ready"), s.get("scheduled"), s.get("in_flight"), s.get("dead"),
                  duration(s.get("oldest_ready_age")) if s.get("ready") else "-"] for q, s in queues.items()]
         lines += ["", table(["QUEUE", "READY", "SCHEDULED", "IN FLIGHT", "DEAD", "OLDEST"], rows)]
+    if reply.get("queues_sample_failing"):
+        # The last counts stand while the new ones fail (a count the broker gives up on): say how old.
+        age = reply.get("queues_sampled_ago")
+        if queues and age is not None:
+            lines.append(f"queue counts {duration(age)} old: the samples since failed (sample_failed in the log)")
+        else:
+            lines += ["", "no queue counts yet: the samples failed (sample_failed in the log)"]
 
     workers = reply.get("workers") or []
     busy = sum(1 for w in workers if w.get("job_id"))

@@ -246,6 +246,7 @@ class Status:
             "orphans_released": m.orphans.released, "claims_unanswered": m.orphans.unanswered,
             "handlers": sorted(m.handlers),
             "queues": {q: s.to_dict() for q, s in m.heartbeat.queue_stats.items()},
+            "queues_sampled_ago": sampled_ago(m.heartbeat), "queues_sample_failing": m.heartbeat.sample_failing,
             "paused_queues": sorted(m.control.paused or ()),
             "metrics_listen": m.exporter.address if m.exporter is not None else None,
         }
@@ -258,6 +259,12 @@ class Status:
         return {"id": m.owner, "host": socket.gethostname(), "pid": m.pid, "version": __version__,
                 "started": m.started_at, "config": m.cfg.path, "queues": list(m.cfg.broker.queues),
                 "paused_queues": sorted(m.control.paused or ()), "workers": workers, "counters": dict(self.counters)}
+
+
+def sampled_ago(heartbeat):
+    """Seconds since the queue counts were sampled (None: never yet)."""
+    at = heartbeat.sampled_at
+    return None if at is None else round(time.monotonic() - at, 1)
 
 
 def child_view(c):
