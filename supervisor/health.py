@@ -13,6 +13,7 @@ A daemon runs for months, and its socket file may be removed under it (an
 path and binds a removed socket again. A path that names another socket by
 then is someone else's: left alone, and not unlinked at the stop.
 """
+import contextlib
 import errno
 import grp
 import json
@@ -96,12 +97,16 @@ def claim_path(path, mode, group=""):
         probe.settimeout(1.0)
         try:
             probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            os.unlink(path)
+        except (BlockingIOError, TimeoutError):
+            # A listener whose queue of connections is full (its loop held up, or a flood of
+            # clients): alive, not a crash's leftover.
+            raise AlreadyRunning(f"another supervisor is running on {path} (not taking connections"
+                                 " now: its connection queue is full)") from None
         except OSError as exc:
-            if exc.errno != errno.ECONNREFUSED:
+            if not isinstance(exc, FileNotFoundError) and exc.errno != errno.ECONNREFUSED:
                 raise
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):  # gone meanwhile: nothing to remove
+                os.unlink(path)
         else:
             raise AlreadyRunning(f"another supervisor is running on {path}")
         finally:

@@ -717,6 +717,32 @@ def test_a_second_supervisor_on_the_same_socket_refuses_to_start(daemon, tmp_pat
     daemon.assert_clean()
 
 
+def test_a_second_supervisor_refuses_to_start_while_the_first_takes_no_connections(daemon):
+    """A master whose loop is held up (here stopped) with its connection queue full is alive: the
+    second one's probe got EAGAIN and it failed with "Resource temporarily unavailable", exit 1."""
+    daemon.start()
+    daemon.signal(signal.SIGSTOP)
+    queued = []
+    try:
+        while True:  # fill its queue of connections: the next connect cannot wait, it fails
+            s = socket.socket(socket.AF_UNIX)
+            s.setblocking(False)
+            queued.append(s)
+            try:
+                s.connect(daemon.socket)
+            except BlockingIOError:
+                break
+        second = tangguh("run", "-c", daemon.config_path, timeout=30)
+    finally:
+        daemon.signal(signal.SIGCONT)
+        for s in queued:
+            s.close()
+    assert second.returncode == 3, second.stderr + second.stdout
+    assert "another supervisor is running" in second.stderr + second.stdout
+    assert daemon.status()["ok"] and os.path.exists(daemon.socket)
+    daemon.assert_clean()
+
+
 def test_a_stale_socket_file_is_replaced(daemon):
     s = socket.socket(socket.AF_UNIX)
     s.bind(daemon.socket)
