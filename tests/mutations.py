@@ -2190,6 +2190,11 @@ MUTATIONS = [
              "        except ():",
              ("tests/test_daemon.py", "-k", "second_supervisor_refuses_to_start_while_the_first_takes_no"),
              "a second run beside a master with a full connection queue failed with exit 1, not refused as another supervisor"),
+    Mutation('pg-bad-option-value-is-outage', 'supervisor/backends/postgres/connection.py',
+             "invalid (\\w+ )?value'",
+             "invalid (integer |sslmode )?value'",
+             ('tests/test_ops.py', "-k", 'postgres_url_that_can_never_work and words2'),
+             'a PostgreSQL URL with a libpq option value it refuses (target_session_attrs=bogus) was an outage waited out for ever'),
 ]
 
 

@@ -98,6 +98,8 @@ def _assert_refused(result, *words):
 @pytest.mark.parametrize("mangle, words", [
     (lambda u: _with(u, bogus_option=1, password=SECRET), ["unknown option(s) bogus_option"]),
     (lambda u: u.replace(":5432/", ":99999/"), ["invalid port number"]),
+    # A libpq option with a value it refuses was an outage: BROKER DOWN for good, config check only warned.
+    (lambda u: _with(u, target_session_attrs="bogus"), ['invalid target_session_attrs value: "bogus"']),
     (lambda u: u.replace("/test?", "/tangguh_no_such_database?"), ['database "tangguh_no_such_database" does not']),
     (lambda u: u.replace("postgresql://", f"postgressql://app:{SECRET}@"), ["unknown broker scheme 'postgressql'"]),
 ])

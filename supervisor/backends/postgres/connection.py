@@ -73,7 +73,7 @@ _CLOCK_RESYNC = 60.0
 # libpq's and the server's words for a connection that can never work as configured.
 # (A server starting up, full or shutting down is an outage, and so is a host
 # that does not answer: those are waited out.)
-_UNUSABLE = re.compile(r'invalid port number|invalid connection option|invalid (integer |sslmode )?value'
+_UNUSABLE = re.compile(r'invalid port number|invalid connection option|invalid (\w+ )?value'
                        r'|missing "=" after|database "[^"]*" does not exist|role "[^"]*" does not exist'
                        r'|password authentication failed|no pg_hba\.conf entry|no password supplied')
 
