@@ -22,6 +22,7 @@ dependencies: ``batch_status(broker, batch id)`` counts them.
 import collections
 import dataclasses
 
+from .backends.control import MAX_IDS
 from .dependencies import ON_COMPLETE, ON_SUCCESS
 from .errors import BadInput
 
@@ -140,4 +141,9 @@ def cancel_batch(client, batch, by=None):
     # Callbacks first: a member cancelled before them would release an on_complete.
     pending = [job_id for job_id in callbacks if job_id] + [
         member for member, (state, _) in record.parents.items() if state is None]
-    return client.cancel(pending, by=by, reason="batch cancelled")
+    # A cancel call takes at most MAX_IDS ids and a batch may hold MAX_PARENTS members: one call for
+    # them all refused a batch of 10,000 (BadInput, nothing cancelled). The first call holds the callbacks.
+    out = {}
+    for start in range(0, len(pending), MAX_IDS):
+        out.update(client.cancel(pending[start:start + MAX_IDS], by=by, reason="batch cancelled"))
+    return out
