@@ -206,6 +206,20 @@ def test_an_id_no_job_can_have_is_none_of_theirs(broker):
     assert (broker.get("a\x00b"), broker.get(5)) == (None, None)
 
 
+
+def test_a_value_and_a_field_of_that_value_select_no_job(broker):
+    """``customer`` equal to a value and ``customer.id`` to another: no payload has both.
+    PostgreSQL merged the two into one containment document, the later key overwriting the
+    value, and selected the jobs of customer 7 (a bulk cancel of that filter cancelled them)."""
+    nested = broker.enqueue(new(payload={"customer": {"id": 7}}))
+    plain = broker.enqueue(new(payload={"customer": 0}))
+    for f in (JobFilter(payload={"customer": 0, "customer.id": 7}),
+              JobFilter(payload={"customer.id": 7, "customer.id.x": 1})):
+        assert ids(all_pages(broker, f)) == []
+        assert broker.count(f).n == 0
+    assert ids(all_pages(broker, JobFilter(payload={"customer.id": 7}))) == [nested]
+    assert ids(all_pages(broker, JobFilter(payload={"customer": 0}))) == [plain]
+
 def test_count_is_exact_up_to_the_threshold_then_an_estimate(broker):
     broker.enqueue_many([new("a", {"k": i % 2}) for i in range(30)] + [new("b") for _ in range(5)])
     assert broker.count(JobFilter(type="a"), exact_up_to=30) == broker.count(JobFilter(type="a"))

@@ -58,16 +58,24 @@ _CLEARED_IF_PRESENT = ("cancel_request", "expires_at", "progress", "progress_not
 
 
 def containment(pairs):
-    """``(("a.b", 7), ("c", "x"))`` -> ``{"a": {"b": 7}, "c": "x"}`` (what ``@>`` compares with)."""
+    """``(("a.b", 7), ("c", "x"))`` -> ``{"a": {"b": 7}, "c": "x"}`` (what ``@>`` compares with).
+
+    None when two keys conflict (``a`` equal to a value and ``a.b`` to another: ``a`` cannot be
+    both, so no payload matches, as on the other brokers). Merged, the later key overwrote the
+    earlier one's value and the filter matched jobs it excludes; None dumps to JSON ``null``,
+    which no payload (an object) contains.
+    """
     doc = {}
     for key, value in pairs:
         node = doc
         parts = key.split(".")
         for part in parts[:-1]:
-            child = node.get(part)
+            child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                child = node[part] = {}
+                return None  # an earlier key set a value here
             node = child
+        if isinstance(node.get(parts[-1]), dict):
+            return None  # an earlier key went through here
         node[parts[-1]] = value
     return doc
 
