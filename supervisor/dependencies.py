@@ -16,6 +16,7 @@ the same enqueue nor stored already is refused by the broker (``unknown``).
 import heapq
 
 from .errors import BadInput
+from .jsonvalues import is_storable
 
 ON_SUCCESS, ON_COMPLETE = "success", "complete"
 ONS = (ON_SUCCESS, ON_COMPLETE)
@@ -63,7 +64,10 @@ def normalise(depends_on, job_id=None):
             raise BadInput(f"depends_on: {edge!r} is neither a job id nor an (id, on) pair")
         if on not in ONS:
             raise BadInput(f"depends_on: on={on!r} for {parent} must be 'success' or 'complete'")
-        if not parent or len(parent) > 255:
+        # No job has an id with a NUL or a lone surrogate: asked for, PostgreSQL failed the
+        # enqueue as an outage (BrokerError, "try again") and both servers' drivers raised
+        # UnicodeEncodeError, where SQLite answered "unknown job".
+        if not parent or len(parent) > 255 or not is_storable(parent):
             raise BadInput(f"depends_on: {parent!r} is not a job id")
         if parent == job_id:
             raise BadInput(f"job {job_id} depends on itself")

@@ -198,10 +198,16 @@ def test_a_workflow_is_stored_whole_or_not_at_all(broker):
 
 @pytest.mark.parametrize("edges", [
     "not a list", [42], [("job_x", "sometimes")], [("job_x",)], [["job_x", "success", 1]],
+    # No job can have these ids: PostgreSQL failed the enqueue as an outage (BrokerError, "try
+    # again") on the NUL, and Redis and PostgreSQL raised UnicodeEncodeError on the lone surrogate.
+    ["job\x00x"], [("job\ud800x", "complete")],
 ])
 def test_bad_dependencies_are_refused(broker, edges):
     with pytest.raises(BadInput, match="depends_on"):
         broker.enqueue(new(depends_on=edges))
+    with pytest.raises(BadInput, match="depends_on"):
+        broker.enqueue_many([new("parent", id="job_parent"),
+                             new(depends_on=["job_parent", *edges] if isinstance(edges, list) else edges)])
     assert claim_all(broker) == []
 
 
