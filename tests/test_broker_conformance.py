@@ -642,6 +642,12 @@ def test_a_limit_an_age_or_a_queue_name_no_call_can_use_is_refused_alike(broker)
     for bad in (-1, True, 2.5, "3"):
         with pytest.raises(BadInput, match="limit must be"):
             broker.dlq_list(limit=bad)
+    # A type no job can have (``dlq list --type`` with a byte that is no UTF-8): Redis listed
+    # nothing, SQLite raised UnicodeEncodeError, PostgreSQL failed as an outage on a NUL.
+    for bad in ("a\x00", "a\udcff", 7, "x" * 256):
+        with pytest.raises(BadInput, match="type filter must be"):
+            broker.dlq_list(type=bad)
+    assert len(broker.dlq_list(type="")) == 2  # no filter, as None (Redis listed the jobs of type "": none)
     assert len(broker.dlq_list(limit=0)) == 0 and len(broker.dlq_list(limit=None)) == 2
     for bad in (float("nan"), float("inf"), float("-inf"), None, "60", True):
         with pytest.raises(BadInput, match="done_older_than"):

@@ -41,6 +41,18 @@ def check_limit(limit):
     return limit
 
 
+def check_type(type):
+    """``dlq_list``'s ``type``: None (or "") for every type, else text a job's type can be, or
+    BadInput as a search's type filter. (A NUL or a lone surrogate, which ``dlq list --type``
+    passes for a byte that is no UTF-8: Redis listed nothing, SQLite raised UnicodeEncodeError,
+    PostgreSQL failed as an outage.)"""
+    if type is None or type == "":
+        return None
+    if not isinstance(type, str) or len(type) > MAX_NAME or not is_storable(type):
+        raise BadInput(f"type filter must be 1 to {MAX_NAME} characters, no NUL or lone surrogate, got {type!r}")
+    return type
+
+
 def check_age(seconds):
     """``prune``'s ``done_older_than``: a finite number of seconds (below 0: a cutoff ahead of now,
     everything finished so far), else BadInput rather than a cutoff no row can pass."""

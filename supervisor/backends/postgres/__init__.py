@@ -34,7 +34,7 @@ from psycopg.rows import dict_row, tuple_row
 from ...errors import BadInput, LeaseLost, NotDead
 from ...jsonvalues import info_json, is_storable, result_json
 from ...model import Job, QueueStats, check_queue
-from ..control import check_age, check_ids, check_limit
+from ..control import check_age, check_ids, check_limit, check_type
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, workflows
@@ -254,7 +254,7 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
 
     # -- dead letters -----------------------------------------------------
     def dlq_list(self, type=None, limit=100):
-        limit = check_limit(limit)
+        limit, type = check_limit(limit), check_type(type)
         sql = f"SELECT * FROM {self._jobs} WHERE state = 'dead'"
         params = []
         if type:

@@ -13,7 +13,7 @@ from .fields import check_script_reply, to_job
 class DeadLetters:
     @guard
     def dlq_list(self, type=None, limit=100):
-        limit = control.check_limit(limit)
+        limit, type = control.check_limit(limit), control.check_type(type)
         picked = []
         for queue in sorted(self.r.smembers(self.keys.queues)):
             picked.extend(self._dead_in(queue, type, limit))

@@ -19,7 +19,7 @@ import sqlite3
 from ...errors import BadInput, BrokerBusy, BrokerError, ConfigError, LeaseLost, NotDead, RolledBack
 from ...jsonvalues import entry_json, result_json
 from ...model import DEAD, DONE, QueueStats, check_queue
-from ..control import check_age, check_ids, check_limit
+from ..control import check_age, check_ids, check_limit, check_type
 from ..base import Broker
 from ..limits import Admission, active, refill
 from . import schema, wakeup, workflows
@@ -318,7 +318,7 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
 
     # -- dead letters -----------------------------------------------------
     def dlq_list(self, type=None, limit=100):
-        limit = check_limit(limit)
+        limit, type = check_limit(limit), check_type(type)
         sql = "SELECT * FROM jobs WHERE state = 'dead'"
         params = []
         if type:
