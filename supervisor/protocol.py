@@ -76,7 +76,9 @@ def batch_message(entries):
     """One RUN message for several jobs: ``entries`` are ``run_message`` dicts, run in order."""
     if len(entries) == 1:
         return entries[0]
-    return {"op": RUN, "batch": [{k: e[k] for k in ("soft_timeout", "job", "start_by") if k in e} for e in entries]}
+    for entry in entries:  # each made for this message: its "op" goes, the rest ("start_by" too) stays
+        del entry["op"]
+    return {"op": RUN, "batch": entries}
 
 
 def skipped_reply(job):
