@@ -718,6 +718,31 @@ def test_a_requeue_of_several_ids_whose_later_one_postgresql_aborts_runs_that_on
     assert {pg.get("job_A").state, pg.get("job_B").state} == {"queued"}
 
 
+def test_a_claim_under_limits_postgresql_aborts_to_break_a_deadlock_runs_again(pg):
+    """The claim under per-type limits is a transaction of several statements (its first one
+    reclaims expired leases, whose dead-lettering or cancel runs the workflow triggers: the
+    locks an ack takes, the ones that deadlock a cancel). PostgreSQL aborting it failed the
+    claim with BrokerError, which the supervisor reads as an outage ("broker unreachable,
+    pausing claims") where the plain claim runs again. (The abort is forced here by a trigger
+    raising deadlock_detected once, counted by a sequence, which no rollback takes back.)"""
+    kept = pg.enqueue(new())
+    pg._execute(f"CREATE SEQUENCE {pg.schema}.deadlock_once")
+    pg._execute(f"""CREATE FUNCTION {pg.schema}.deadlock_once() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.state = 'running' AND nextval('{pg.schema}.deadlock_once') = 1 THEN
+                RAISE EXCEPTION 'deadlock detected (forced)' USING ERRCODE = 'deadlock_detected';
+            END IF;
+            RETURN NEW;
+        END $$""")
+    pg._execute(f"CREATE TRIGGER deadlock_once BEFORE UPDATE ON {pg._jobs}"
+                f" FOR EACH ROW EXECUTE FUNCTION {pg.schema}.deadlock_once()")
+    limits = {"t": TypeLimits(max_concurrency=2, rate=(5, 1.0), exclusive=True)}
+    assert [job.id for job in pg.claim(Q, 5, 30, "w", limits=limits)] == [kept]
+    assert pg._execute(f"SELECT last_value FROM {pg.schema}.deadlock_once").fetchone()[0] >= 2  # ran twice
+    assert pg.get(kept).attempt == 1  # the aborted run left nothing behind
+    assert pg._execute(f"SELECT tokens FROM {pg.schema}.rate_buckets").fetchall() == [(4.0,)]
+
+
 @pytest.mark.parametrize("reopen", ["dlq_replay", "requeue"])
 def test_a_child_reopened_while_another_parent_ends_is_still_released(pg, postgres_url, concurrent, reopen):
     """J waits on P1 (success) and P2 (complete); P1 dead-lettered, so J was cancelled.

@@ -116,8 +116,7 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
             return []
         limits = active(limits)
         if limits:
-            with self._guard("claim"):
-                rows = self._claim_limited(queues, int(n), float(lease_seconds), owner, limits)
+            rows = self._claim_under_limits(queues, int(n), float(lease_seconds), owner, limits)
         else:
             rows = self._execute(self._sql.claim, (queues, int(n), float(lease_seconds), owner),
                                  row_factory=dict_row).fetchall()
@@ -127,6 +126,14 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
         jobs = self._leasable(rows)  # the expired ones are recorded, not leased
         jobs.sort(key=lambda j: (order[j.queue], -j.priority, j.run_at, j.id))
         return self._runnable(self._with_parents(jobs))
+
+    @deadlock_retried
+    def _claim_under_limits(self, queues, n, lease_seconds, owner, limits):
+        # Several statements in one transaction (the plain claim is one, run again by _execute):
+        # PostgreSQL aborting it to break a deadlock (its reclaim's workflow triggers against a
+        # cancel) is no outage; rolled back whole, it runs again.
+        with self._guard("claim"):
+            return self._claim_limited(queues, n, lease_seconds, owner, limits)
 
     def _claim_limited(self, queues, n, lease_seconds, owner, limits):
         """The claim under per-type limits, one transaction of a few statements.
