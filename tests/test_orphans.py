@@ -170,7 +170,7 @@ class Counted(list):
 
 
 def orphans_on(url, known=frozenset()):
-    link = BrokerLink(url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda: None,
+    link = BrokerLink(url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda queues: None,
                       on_down=lambda _: None, pid=os.getpid())
     return Orphans(link, "me:1", lambda: set(known), Counted())
 
@@ -224,7 +224,7 @@ def test_a_claim_tried_while_the_server_refuses_connections_is_not_a_claim_given
     from supervisor.master.prefetch import Prefetch
 
     cfg = config.from_dict({"supervisor": {"workers": 1}, "broker": {"url": url}})
-    link = BrokerLink(url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda: None,
+    link = BrokerLink(url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda queues: None,
                       on_down=lambda _: None, pid=os.getpid())
     pool = types.SimpleNamespace(target=1, free=lambda: ["an idle child"])
     d = Dispatcher(cfg, {}, "me:1", link, pool, Prefetch("auto", 1), hold=None, settings_for=None, on_claimed=None,

@@ -20,7 +20,7 @@ from .util import wait_for
 def w(sqlite_url):
     """A writer and its link on a fresh SQLite broker, with what it reports: the leases it unheld,
     the writes it stored, the leases it lost."""
-    link = BrokerLink(sqlite_url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda: None,
+    link = BrokerLink(sqlite_url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda queues: None,
                       on_down=lambda t: None, pid=0)
     unheld, stored, lost = [], [], []
     writer = OutcomeWriter(link, unhold=unheld.append, on_stored=stored.append, on_lost=lost.append)
@@ -172,7 +172,7 @@ def test_a_refused_write_that_an_earlier_sending_stored_counts_as_stored_and_a_t
     ``taken`` was taken over by owner "b" after its lease expired, and b stored the same outcome;
     ``retaken`` by this same owner under a new attempt, which stored it too: both are lost. Every
     broker's history names each attempt's number and owner, which tell them apart."""
-    link = BrokerLink(broker_url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda: None,
+    link = BrokerLink(broker_url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda queues: None,
                       on_down=lambda t: None, pid=0)
     stored, lost = [], []
     writer = OutcomeWriter(link, unhold=lambda lease: None, on_stored=stored.append, on_lost=lost.append)

@@ -435,6 +435,25 @@ def test_lost_listener_is_a_broker_error_then_listens_again(pg, other, producer)
     assert pg.drain_wakeups() == {"default"}
 
 
+def test_a_supervisor_is_not_woken_by_enqueues_to_queues_it_does_not_serve(postgres_url, tmp_path):
+    """Every supervisor of a schema LISTENs on one channel, each notification naming its queue.
+    The master woke at each and claimed: a supervisor serving "a" made one empty claim per job
+    enqueued to "b" (with N supervisors on their own queues, N claims per job enqueued)."""
+    d = Daemon(tmp_path, broker_url=postgres_url, supervisor={"poll_interval": 30.0},
+               broker={"queues": ["a"]}).start()
+    try:
+        broker = d.broker
+        before = d.status()["empty_polls"]
+        for n in range(50):
+            broker.enqueue(new({"n": n}, queue="b"))
+        # Notified after the 50 on one channel, so read after them: its job done, they were all seen.
+        last = broker.enqueue(NewJob("noop", {}, queue="a"))
+        wait_for(lambda: broker.get(last).state == "done", timeout=30, message="the job of queue a to run")
+        assert d.status()["empty_polls"] - before <= 5
+    finally:
+        d.stop()
+
+
 def test_concurrent_enqueues_with_one_key_store_one_job(pg, postgres_url):
     brokers = [open_broker(postgres_url) for _ in range(4)]
     barrier = threading.Barrier(len(brokers))

@@ -86,7 +86,7 @@ class Arbiter:
         self.status = Status(self, self.metrics, Notifier())
         count = self.status.count
         # The dispatcher, made below, is told of a wake-up (claim now) and of an outage (claim after its retry).
-        self.link = BrokerLink(b.url, b.migrate, self.selector, self.metrics, on_wakeup=lambda: self.dispatcher.wake(),
+        self.link = BrokerLink(b.url, b.migrate, self.selector, self.metrics, on_wakeup=lambda queues: self.dispatcher.wake(queues),
                                on_down=lambda retry_at: self.dispatcher.hold_claims_until(retry_at), pid=self.pid)
         # The wake-up pipe is made in start(); the heartbeat only writes to it once started.
         self.heartbeat = Heartbeat(b.url, b.lease_seconds, b.heartbeat_seconds, None, list(b.queues),

@@ -35,7 +35,9 @@ class BrokerLink:
         self.url, self.migrate = url, migrate
         self.selector = selector
         self.metrics = metrics
-        self.on_wakeup = on_wakeup  # the broker says new work is due (a notification, an inotify event)
+        # on_wakeup(queues): the broker says new work is due (a notification, an inotify event);
+        # queues: the ones it named, None when it cannot tell.
+        self.on_wakeup = on_wakeup
         self.on_down = on_down  # on_down(instant): do not claim before this monotonic instant
         self.pid = pid
         self.broker = None
@@ -73,11 +75,12 @@ class BrokerLink:
         return self.broker
 
     def _on_wakeup(self, _mask):
+        queues = None
         try:
-            self.broker.drain_wakeups()
+            queues = self.broker.drain_wakeups()  # PostgreSQL: the queues its notifications named
         except Exception:  # noqa: BLE001 - the listener broke: reconnect everything on the next call
             self.drop()
-        self.on_wakeup()
+        self.on_wakeup(queues)
 
     def call(self, fn, op="connect"):
         """Run ``fn(broker)``; on failure mark the broker down and reconnect later.

@@ -89,8 +89,13 @@ class Dispatcher:
     def due_at(self):
         return self.next_claim_at if self.capacity() > 0 else None
 
-    def wake(self):
-        """New work may be due: claim on the next loop turn."""
+    def wake(self, queues=None):
+        """New work may be due: claim on the next loop turn. ``queues``: the ones the broker's
+        notifications named (None or empty: it cannot tell)."""
+        if queues and not set(queues) & set(self.cfg.broker.queues):
+            # PostgreSQL notifies every supervisor of the schema of each enqueue, whatever its
+            # queue: each woke and claimed (an empty claim) per job enqueued to queues it never serves.
+            return
         self.next_claim_at = time.monotonic()
         self.empty_claims = 0
 
