@@ -2216,6 +2216,16 @@ MUTATIONS = [
              " or len(type) > MAX_NAME:",
              ("tests/test_broker_conformance.py", "-k", "a_limit_an_age_or_a_queue_name_no_call_can_use"),
              "dlq_list with a type no job can have was an internal error or an outage"),
+    Mutation("pg-limited-claim-deadlock-outage", "supervisor/backends/postgres/__init__.py",
+             "    @deadlock_retried\n    def _claim_under_limits(",
+             "    def _claim_under_limits(",
+             ("tests/test_postgres_broker.py", "-k", "claim_under_limits_postgresql_aborts_to_break_a_deadlock"),
+             "a limited claim PostgreSQL aborted to break a deadlock was read as an outage, claims paused"),
+    Mutation("pg-wakes-for-any-queue", "supervisor/master/dispatch.py",
+             "        if queues and not set(queues) & set(self.cfg.broker.queues):",
+             "        if False:",
+             ("tests/test_postgres_broker.py", "-k", "not_woken_by_enqueues_to_queues_it_does_not_serve"),
+             "a supervisor made an empty claim for every job enqueued to queues it does not serve"),
 ]
 
 
