@@ -13,6 +13,8 @@ import pytest
 from supervisor import cli, config
 from supervisor.errors import ConfigError
 
+from .util import url_with
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "config.example.toml")
 PACKAGED_EXAMPLE = os.path.join(ROOT, "supervisor", "data", "config.example.toml")
@@ -221,8 +223,8 @@ def test_config_check_asks_the_broker_server_what_run_would(capsys, tmp_path, re
     answer is a warning: `run` waits it out."""
     (tmp_path / "handlers").mkdir()
     refused = {f"{redis_url}&bogus=1": "unknown option(s) bogus",
-               redis_url.replace("/0?", "/99?"): "DB index is out of range",
-               postgres_url.replace("/test?", "/no_such_database?"): "no_such_database"}
+               url_with(redis_url, path="/99"): "DB index is out of range",
+               url_with(postgres_url, path="/no_such_database"): "no_such_database"}
     for url, said in refused.items():
         code, out, err = tangguh(capsys, "config", "check", "-c", write(tmp_path, f'[broker]\nurl = "{url}"\n'))
         assert (code, out) == (2, "") and err.startswith("tangguh: error: broker.url: ") and said in err, err
