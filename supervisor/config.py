@@ -302,9 +302,9 @@ SOCKET_PATH_MAX = 107
 
 def check_host(cfg):
     """What ``run`` needs from this machine beyond valid TOML: ConfigError naming the first gap.
-
-    ``config check`` runs it too, so a config it passes also starts.
-    """
+    ``config check`` runs it too, so a config it passes also starts."""
+    from .toolkit import check_urls  # the handlers' URLs: a gap there fails every job that uses them
+    check_urls(cfg.toolkit)
     s = cfg.supervisor
     if len(os.fsencode(s.socket)) > SOCKET_PATH_MAX:
         raise ConfigError(f"supervisor.socket: {s.socket} is {len(os.fsencode(s.socket))} bytes long,"

@@ -2226,6 +2226,16 @@ MUTATIONS = [
              "        if False:",
              ("tests/test_postgres_broker.py", "-k", "not_woken_by_enqueues_to_queues_it_does_not_serve"),
              "a supervisor made an empty claim for every job enqueued to queues it does not serve"),
+    Mutation("toolkit-urls-unchecked-at-start", "supervisor/config.py",
+             "    check_urls(cfg.toolkit)",
+             "    pass",
+             ("tests/test_ops.py", "-k", "toolkit_url_its_driver"),
+             "a toolkit URL its driver cannot use passed config check and run, failing every job that used it"),
+    Mutation("toolkit-urls-unchecked-at-reload", "supervisor/master/reloads.py",
+             "            toolkit.check_urls(cfg.toolkit)",
+             "            pass",
+             ("tests/test_ops.py", "-k", "toolkit_url_its_driver and toolkit2"),
+             "a reload brought in a toolkit URL its driver cannot use"),
 ]
 
 

@@ -133,6 +133,35 @@ def test_sqlite_url_that_can_never_work_exits_2_at_start_and_fails_config_check(
     assert not (tmp_path / "broker.db").exists()
 
 
+@pytest.mark.parametrize("toolkit, words", [
+    ({"redis_url": "redis://127.0.0.1:6379/0?prefix=app:&bogus=1"}, ["toolkit.redis_url: unknown option bogus"]),
+    ({"redis_url": "redis://127.0.0.1:6379/0?socket_timeout=soon"}, ["toolkit.redis_url:", "socket_timeout"]),
+    ({"database_url": "postgresql://app@127.0.0.1/app?schema=billing&bogus=1"},
+     ['toolkit.database_url: invalid connection option "bogus"']),
+])
+def test_a_toolkit_url_its_driver_cannot_use_fails_start_config_check_and_reload(tmp_path, toolkit, words):
+    """It passed config check and run; every job using ctx.lock, ctx.cache or ctx.transaction then
+    failed at its first use of the URL, one attempt after another."""
+    os.makedirs(tmp_path / "handlers", exist_ok=True)
+    path = tmp_path / "tangguh.toml"
+    with open(path, "wb") as f:
+        tomli_w.dump({"supervisor": {"socket": str(tmp_path / "t.sock")}, "toolkit": toolkit,
+                      "broker": {"url": f"sqlite:///{tmp_path}/broker.db"}, "log": {"format": "json"}}, f)
+    for args in (["config", "check"], ["run"]):
+        result = tangguh(*args, "-c", str(path), env=daemon_env())
+        _assert_refused(result, *words)
+    # The same URL brought in by a reload: the reload fails, the running generation stays.
+    d = Daemon(tmp_path / "reload").start()
+    try:
+        d.config["toolkit"] = toolkit
+        d.write_config()
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: d.status().get("reload_error"), timeout=30, message="the reload refused")
+        assert words[0] in d.status()["reload_error"] and d.status()["generation"] == 1
+    finally:
+        d.stop()
+
+
 @pytest.mark.parametrize("problem, words", [
     ("long_socket", ["supervisor.socket", "over the 107"]),
     ("no_socket_dir", ["supervisor.socket: folder", "does not exist"]),

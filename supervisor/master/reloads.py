@@ -41,6 +41,7 @@ class Reloads:
         m.status.notifier.reloading()
         try:
             cfg = config.load(m.cfg.path)
+            toolkit.check_urls(cfg.toolkit)
             for section, key in RESTART_ONLY:
                 if getattr(getattr(cfg, section), key) != getattr(getattr(m.cfg, section), key):
                     raise ConfigError(f"{section}.{key}: changing it needs a restart, not a reload")

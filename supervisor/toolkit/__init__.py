@@ -6,6 +6,6 @@ Redis connections, re-exported here), ``transaction`` (``ctx.transaction()``),
 advisory locks) and ``cache`` (``ctx.cache``). docs/safe-handlers.md shows
 them in use.
 """
-from .connections import (DEFAULT_RETENTION, Database, Settings, attach_master, configure,  # noqa: F401
+from .connections import (DEFAULT_RETENTION, Database, Settings, attach_master, check_urls, configure,  # noqa: F401
                           database, database_kind, migrate, notify_master, open_redis, preload, redis,
                           settings, split_query)

@@ -146,6 +146,28 @@ def open_redis(url, **kw):
     return redis_py.Redis.from_url(bare, **kw), mine.get("prefix", "")
 
 
+def check_urls(cfg):
+    """ConfigError naming a ``[toolkit]`` URL its driver can never use (an option it does not
+    know, a value it cannot read): said at start, at a reload and by ``config check``, not at
+    each handler's first use, job after job. Nothing is connected to."""
+    if cfg.redis_url:
+        try:
+            client, _ = open_redis(cfg.redis_url)
+            client.connection_pool.make_connection()  # builds one, unconnected: its options are read here
+        except (TypeError, ValueError) as exc:
+            said = re.search(r"unexpected keyword argument '([^']*)'", str(exc))
+            raise ConfigError(f"toolkit.redis_url: {'unknown option ' + said[1] if said else exc}") from None
+    if cfg.database_url and database_kind(cfg.database_url) == "postgres":
+        import psycopg
+
+        from ..backends.postgres import libpq_conninfo
+
+        try:
+            libpq_conninfo(cfg.database_url, ("schema",))
+        except psycopg.ProgrammingError as exc:
+            raise ConfigError(f"toolkit.database_url: {str(exc).strip()}") from None
+
+
 def database_kind(url):
     scheme = urllib.parse.urlsplit(url).scheme
     if scheme in ("postgresql", "postgres"):
