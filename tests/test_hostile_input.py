@@ -299,3 +299,16 @@ def test_a_thread_a_job_left_sending_progress_never_tears_a_later_jobs_reply(tmp
         serves_on(d, pids)
     finally:
         d.stop()
+
+
+def test_a_task_an_async_handler_leaves_running_does_not_fail_its_finished_job(tmp_path):
+    d = one_child(tmp_path)
+    try:
+        d.start()
+        pids = d.worker_pids()
+        job = d.wait_job(d.enqueue("async_stubborn", max_attempts=1))
+        assert (job.state, job.attempt, job.result) == ("done", 1, {"pid": pids[0]}), job.history
+        assert not d.records(event="timeout_kill")
+        serves_on(d, pids)
+    finally:
+        d.stop()

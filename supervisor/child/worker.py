@@ -251,9 +251,9 @@ def run_job(job, handlers, soft_timeout=None):
         timeouts.arm(soft_timeout)  # a SIGTERM the last job kept blocked raises JobTimeout here
         payload = schemas.for_handler(spec, job["payload"])  # the typed payload, or BadPayload
         if spec.is_async:
-            import asyncio  # the registry loaded it with the handler; a sync-only daemon never does
+            from . import aio  # asyncio: the registry loaded it with the handler; a sync-only daemon never does
 
-            result = asyncio.run(spec.fn(ctx, payload))
+            result = aio.run(spec.fn, ctx, payload)
         else:
             result = spec.fn(ctx, payload)
         if _pid is not None and os.getpid() != _pid:

@@ -1,4 +1,5 @@
 """Handlers whose errors, results, numbers, forks, signals and threads the supervisor must survive."""
+import asyncio
 import os
 import signal
 import sys
@@ -181,3 +182,19 @@ def start_reporter(ctx, payload):
 @supervisor.job("big_result")
 def big_result(ctx, payload):
     return {"blob": "b" * int(payload["size"])}
+
+
+# -- async handlers: what they leave running ------------------
+
+@supervisor.job("async_stubborn", timeout=4)
+async def async_stubborn(ctx, payload):
+    """Returns at once, leaving a task that swallows its cancel (a retry loop's bare except)."""
+    async def keep_going():
+        while True:
+            try:
+                await asyncio.sleep(0.05)
+            except BaseException:  # noqa: BLE001 - the handler bug under test
+                pass
+    asyncio.get_running_loop().create_task(keep_going())
+    await asyncio.sleep(0)
+    return {"pid": os.getpid()}
