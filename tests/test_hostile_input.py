@@ -301,6 +301,26 @@ def test_a_thread_a_job_left_sending_progress_never_tears_a_later_jobs_reply(tmp
         d.stop()
 
 
+def test_an_async_handler_sees_its_soft_timeout_and_its_cancel_at_the_await_where_it_waits(tmp_path):
+    d = one_child(tmp_path, cancel_grace=60.0)
+    try:
+        d.start()
+        pids = d.worker_pids()
+        marker = d.marker("naps")
+        job = d.wait_job(d.enqueue("async_sleeper", {"marker": marker, "seconds": 20}, max_attempts=1))
+        assert (job.state, job.reason, (job.error or {}).get("class")) == ("dead", "timeout", "JobTimeout")
+        assert read_lines(marker)[-1] == ["saw", "JobTimeout"]  # its except clause ran: it could clean up
+        nap = d.enqueue("async_napper", {"marker": marker, "seconds": 20})
+        wait_for(lambda: ["started", nap] in read_lines(marker), timeout=30, message="the nap to start")
+        assert tangguh("cancel", nap, "-c", d.config_path).returncode == 0
+        assert d.wait_job(nap, states=("cancelled", "done", "dead")).state == "cancelled"
+        assert read_lines(marker)[-1] == ["saw", "Cancelled"]
+        assert not d.records(event="cancel_kill")
+        serves_on(d, pids)
+    finally:
+        d.stop()
+
+
 def test_a_task_an_async_handler_leaves_running_does_not_fail_its_finished_job(tmp_path):
     d = one_child(tmp_path)
     try:

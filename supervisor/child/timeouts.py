@@ -45,6 +45,7 @@ _terminated = False  # the master sent SIGTERM: this child ends after its reply
 # The thread install() ran on (a child's main thread), else None: run_jobs in a test process never
 # installs, and may run its jobs on a thread that cannot set handlers.
 _installed_on = None
+_deliver = None  # while an async handler runs: takes the exception to its coroutine (child/aio.py)
 
 
 def _fire(exc):
@@ -52,7 +53,15 @@ def _fire(exc):
     if _depth > 0:
         _pending = _pending or exc  # the first one wins; the master judges the attempt anyway
         return
+    if _deliver is not None and _deliver(exc):
+        return  # thrown into the async handler's coroutine at the await where it waits
     raise exc
+
+
+def deliver_with(fn):
+    """``fn(exc)`` is offered each JobTimeout or Cancelled not deferred by ``critical()``; True: it took it."""
+    global _deliver
+    _deliver = fn
 
 
 def _on_alarm(signum, frame):

@@ -184,7 +184,31 @@ def big_result(ctx, payload):
     return {"blob": "b" * int(payload["size"])}
 
 
-# -- async handlers: what they leave running ------------------
+# -- async handlers: their timeouts, their cancels, what they leave running ------------------
+
+async def _nap(ctx, payload):
+    """Waits on the event loop (the usual place of an async handler) unless cut short; the
+    marker says what reached the coroutine."""
+    with open(payload["marker"], "a") as f:
+        f.write(f"started {ctx.job.id}\n")
+    try:
+        await asyncio.sleep(float(payload.get("seconds", 30)))
+    except (supervisor.JobTimeout, supervisor.Cancelled) as exc:
+        with open(payload["marker"], "a") as f:
+            f.write(f"saw {type(exc).__name__}\n")
+        raise
+    return {"slept": True}
+
+
+@supervisor.job("async_sleeper", soft_timeout=0.5, timeout=60)
+async def async_sleeper(ctx, payload):
+    return await _nap(ctx, payload)
+
+
+@supervisor.job("async_napper", timeout=120)
+async def async_napper(ctx, payload):
+    return await _nap(ctx, payload)
+
 
 @supervisor.job("async_stubborn", timeout=4)
 async def async_stubborn(ctx, payload):
