@@ -332,3 +332,17 @@ def test_a_task_an_async_handler_leaves_running_does_not_fail_its_finished_job(t
         serves_on(d, pids)
     finally:
         d.stop()
+
+
+def test_an_async_handler_under_a_sync_decorator_runs_and_its_result_is_stored(tmp_path):
+    d = one_child(tmp_path)
+    try:
+        d.start()
+        pids = d.worker_pids()
+        marker = d.marker("runs")
+        job = d.wait_job(d.enqueue("async_decorated", {"marker": marker}, max_attempts=1))
+        assert (job.state, job.attempt, job.result) == ("done", 1, {"pid": pids[0]}), job.history
+        assert read_lines(marker) == [["ran", job.id]]
+        serves_on(d, pids)
+    finally:
+        d.stop()

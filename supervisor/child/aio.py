@@ -50,10 +50,10 @@ async def _main(steps):
     return await steps
 
 
-def run(fn, ctx, payload):
-    """``fn(ctx, payload)``'s result, run on an event loop of its own (as ``asyncio.run`` would)."""
+def run(coro):
+    """The result of the handler's coroutine, run on an event loop of its own (as ``asyncio.run`` would)."""
     loop = asyncio.new_event_loop()
-    steps = _Steps(fn(ctx, payload))
+    steps = _Steps(coro)
     try:
         asyncio.set_event_loop(loop)  # asyncio.get_event_loop() in the handler, as under asyncio.run
         task = loop.create_task(_main(steps))

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import traceback
+import types
 
 import setproctitle
 
@@ -250,12 +251,13 @@ def run_job(job, handlers, soft_timeout=None):
     try:
         timeouts.arm(soft_timeout)  # a SIGTERM the last job kept blocked raises JobTimeout here
         payload = schemas.for_handler(spec, job["payload"])  # the typed payload, or BadPayload
-        if spec.is_async:
+        result = spec.fn(ctx, payload)
+        # An async def's coroutine, or one a plain (sync) decorator around an async def returned: never
+        # a result. Judged by the value, not spec.is_async, or it was failed unrun (BadInput, not JSON).
+        if type(result) is types.CoroutineType:
             from . import aio  # asyncio: the registry loaded it with the handler; a sync-only daemon never does
 
-            result = aio.run(spec.fn, ctx, payload)
-        else:
-            result = spec.fn(ctx, payload)
+            result = aio.run(result)
         if _pid is not None and os.getpid() != _pid:
             _leave_fork(None)
         timeouts.disarm()

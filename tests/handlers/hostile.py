@@ -1,5 +1,6 @@
 """Handlers whose errors, results, numbers, forks, signals and threads the supervisor must survive."""
 import asyncio
+import functools
 import os
 import signal
 import sys
@@ -220,5 +221,22 @@ async def async_stubborn(ctx, payload):
             except BaseException:  # noqa: BLE001 - the handler bug under test
                 pass
     asyncio.get_running_loop().create_task(keep_going())
+    await asyncio.sleep(0)
+    return {"pid": os.getpid()}
+
+
+def _traced(fn):
+    """A plain decorator (a tracer's, a logger's): sync, it returns what the function returns."""
+    @functools.wraps(fn)
+    def wrapper(ctx, payload):
+        return fn(ctx, payload)
+    return wrapper
+
+
+@supervisor.job("async_decorated")
+@_traced
+async def async_decorated(ctx, payload):
+    with open(payload["marker"], "a") as f:
+        f.write(f"ran {ctx.job.id}\n")
     await asyncio.sleep(0)
     return {"pid": os.getpid()}
