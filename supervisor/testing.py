@@ -140,6 +140,7 @@ def _attempt(job, cfg, handlers):
     with _soft_timeouts() as usable:
         reply = tracing.run_span(message["job"], lambda: child.run_job(message["job"], handlers,
                                                                        settings.soft_timeout if usable else None))
+    toolkit.end_job()  # as a child does after each job: a transaction it left open is rolled back
     reply = json.loads(child.reply_frame(reply)[4:])  # over the size limit: result_too_large, as in a child
     return verdict.judge(job.attempt, settings.max_attempts, verdict.Ending(reply=reply), backoff), reply
 

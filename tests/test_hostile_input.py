@@ -17,6 +17,7 @@ from supervisor.errors import BadInput
 from supervisor.model import NewJob, error_info
 
 from .daemon import Daemon, read_lines, tangguh
+from .toolkit_fixtures import handlers_db  # noqa: F401 - a fixture
 from .util import wait_for
 
 ESCAPE = "\x1b]0;pwned\x07\x1b[31m"  # sets the terminal title, turns the text red
@@ -343,6 +344,25 @@ def test_an_async_handler_under_a_sync_decorator_runs_and_its_result_is_stored(t
         job = d.wait_job(d.enqueue("async_decorated", {"marker": marker}, max_attempts=1))
         assert (job.state, job.attempt, job.result) == ("done", 1, {"pid": pids[0]}), job.history
         assert read_lines(marker) == [["ran", job.id]]
+        serves_on(d, pids)
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgres"])
+def test_a_transaction_cut_as_its_block_ends_is_rolled_back_and_the_next_jobs_run_theirs(tmp_path, db, request):
+    url = f"sqlite:///{tmp_path}/handlers.db" if db == "sqlite" else request.getfixturevalue("handlers_db")
+    d = Daemon(tmp_path, handler_files=("testjobs.py", "hostile.py"), supervisor={"workers": 1},
+               toolkit={"database_url": url})
+    try:
+        d.start()
+        pids = d.worker_pids()
+        job = d.wait_job(d.enqueue("tx_cut_as_it_ends", max_attempts=1))
+        assert (job.state, job.reason, (job.error or {}).get("class")) == ("dead", "timeout", "JobTimeout")
+        for _ in range(2):  # on the same child: its transactions run, and hold none of the cut job's writes
+            after = d.wait_job(d.enqueue("tx_effects", max_attempts=1))
+            assert (after.state, after.result) == ("done", {"jobs": [], "pid": pids[0]}), after.error
+        assert len(d.records(event="transaction_left_open")) == 1  # the cut job's, once
         serves_on(d, pids)
     finally:
         d.stop()

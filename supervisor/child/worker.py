@@ -192,6 +192,7 @@ def run_one(sock, slot, handlers, entry):
     reply = tracing.run_span(job, lambda: run_job(job, handlers, entry.get("soft_timeout")))
     try:
         with timeouts.critical():  # a SIGTERM now waits for the whole reply: never a torn frame
+            toolkit.end_job()  # a transaction the job left open: rolled back, not held while we idle
             send_reply(sock, reply)
     except JobTimeout:
         return False  # the reply is out; the master is stopping us (hard timeout crossed the reply)

@@ -7,5 +7,5 @@ advisory locks) and ``cache`` (``ctx.cache``). docs/safe-handlers.md shows
 them in use.
 """
 from .connections import (DEFAULT_RETENTION, Database, Settings, attach_master, check_urls, configure,  # noqa: F401
-                          database, database_kind, migrate, notify_master, open_redis, preload, redis,
+                          database, database_kind, end_job, migrate, notify_master, open_redis, preload, redis,
                           settings, split_query)

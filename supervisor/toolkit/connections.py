@@ -28,6 +28,7 @@ that one, with the codec every connection by host name loads: it opens nothing,
 so the children share their code.
 """
 import importlib
+import logging
 import os
 import re
 import urllib.parse
@@ -36,6 +37,8 @@ from ..errors import ConfigError, TangguhError
 
 DEFAULT_RETENTION = 7 * 86400.0
 DRIVERS = {"sqlite": "sqlite3", "postgres": "psycopg"}  # database_kind -> the module preload imports
+
+log = logging.getLogger("tangguh.toolkit")
 
 _settings = None
 _database = None
@@ -241,6 +244,45 @@ class Database:
         if self._conn is not None and self._pid == os.getpid():
             self._conn.close()
         self._conn = None
+
+    def end_job(self):
+        """After each job: roll back a transaction it left open; True when there was one.
+
+        A JobTimeout or Cancelled that lands as a ``ctx.transaction()`` block's ``__exit__``
+        starts (before its ``critical()``) leaves the block neither committed nor rolled back,
+        and still marked busy: every later block on this child was refused ("do not nest
+        them") while the idle child held its locks (SQLite's write lock: every other child's
+        blocks failed too), and on PostgreSQL the next COMMIT would have committed it. So
+        would a statement the job ran on ``tx.conn`` and never committed.
+        """
+        left, self.busy = getattr(self, "busy", False), False
+        conn = self._conn
+        if conn is None or self._pid != os.getpid():
+            return left
+        try:
+            if self.kind == "sqlite":
+                left = left or conn.in_transaction
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            else:
+                from psycopg.pq import TransactionStatus
+
+                if conn.info.transaction_status != TransactionStatus.IDLE:
+                    left = True
+                    conn.rollback()
+        except Exception:  # noqa: BLE001 - its state is unknown: the next block connects anew
+            left = True
+            self.discard(conn)
+        if left:
+            log.warning("a job left a transaction of the handlers' database open: rolled back",
+                        extra={"event": "transaction_left_open"})
+        return left
+
+
+def end_job():
+    """The child calls it after each job (``Database.end_job``); nothing to do where no block ran."""
+    if _database is not None:
+        _database.end_job()
 
 
 def migrate(url):

@@ -240,3 +240,34 @@ async def async_decorated(ctx, payload):
         f.write(f"ran {ctx.job.id}\n")
     await asyncio.sleep(0)
     return {"pid": os.getpid()}
+
+
+# -- a transaction cut as its block ends ----------------------------------------------------
+
+def _ring_as_the_block_ends(sig):
+    """Rings ``sig`` as ``ctx.transaction()``'s ``__exit__`` starts: a soft timeout or a cancel that
+    lands between the block's last statement and its commit (a race, made certain here)."""
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "__exit__" \
+                and frame.f_code.co_filename.endswith(os.path.join("toolkit", "transaction.py")):
+            sys.setprofile(None)
+            os.kill(os.getpid(), sig)
+    sys.setprofile(profile)
+
+
+@supervisor.job("tx_cut_as_it_ends", soft_timeout=60)
+def tx_cut_as_it_ends(ctx, payload):
+    try:
+        with ctx.transaction() as tx:
+            tx.execute("CREATE TABLE IF NOT EXISTS effects (job TEXT)")
+            tx.execute("INSERT INTO effects VALUES (%s)", (ctx.job.id,))
+            _ring_as_the_block_ends(signal.SIGALRM)
+    finally:
+        sys.setprofile(None)
+
+
+@supervisor.job("tx_effects")
+def tx_effects(ctx, payload):
+    with ctx.transaction() as tx:
+        tx.execute("CREATE TABLE IF NOT EXISTS effects (job TEXT)")
+        return {"jobs": [row["job"] for row in tx.fetchall("SELECT job FROM effects")], "pid": os.getpid()}
