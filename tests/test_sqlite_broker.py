@@ -48,6 +48,21 @@ def test_a_database_whose_jobs_table_is_not_tangguhs_is_refused(tmp_path):
         assert app.execute("SELECT title FROM jobs").fetchall() == [("the application's own",)]
 
 
+@pytest.mark.parametrize("table", ["supervisors", "paused_queues", "job_edges"])
+def test_an_application_table_of_one_of_tangguhs_other_names_is_refused(tmp_path, table):
+    """Only a foreign jobs table was refused: an application's own supervisors table was kept,
+    the daemon started, and its every heartbeat (or, for paused_queues, every claim) failed."""
+    path = tmp_path / "app.db"
+    with sqlite3.connect(path) as app:
+        app.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, name TEXT)")
+        app.execute(f"INSERT INTO {table} (name) VALUES ('the application''s own')")
+    with pytest.raises(ConfigError, match=f"has a {table} table that is not Tangguh's"):
+        open_broker(f"sqlite:///{path}")
+    with sqlite3.connect(path) as app:
+        assert app.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall() == [(table,)]
+        assert app.execute(f"SELECT name FROM {table}").fetchall() == [("the application's own",)]
+
+
 def test_a_full_database_is_a_broker_error_and_stores_nothing(tmp_path):
     with Client.from_url(f"sqlite:///{tmp_path}/full.db") as client:
         kept = client.enqueue("t", {})

@@ -1,8 +1,8 @@
 """The SQLite broker's tables: created where missing, never written into when foreign.
 
 Every statement is ``IF NOT EXISTS``, so migrating is idempotent and a newer
-table or index simply joins an older file. A ``jobs`` table that lacks
-Tangguh's columns belongs to someone else and is refused.
+table or index simply joins an older file. A table of one of Tangguh's names
+that lacks Tangguh's columns belongs to someone else and is refused.
 """
 from ...errors import ConfigError
 
@@ -76,15 +76,29 @@ CREATE INDEX IF NOT EXISTS jobs_stats ON jobs (queue, state, run_at);
 
 # The columns that make a jobs table Tangguh's.
 JOB_COLUMNS = {"id", "queue", "type", "payload", "state", "attempt", "token", "lease_until", "history"}
+# Every table of Tangguh's, with the columns it has had since it was first made (job_edges'
+# parent_gone came later: workflows.migrate adds it). An application's own "supervisors" or
+# "paused_queues" table was kept by CREATE TABLE IF NOT EXISTS: the daemon started, and every
+# heartbeat, or every claim, then failed on a missing column, an outage that never ended.
+TABLE_COLUMNS = {
+    "jobs": JOB_COLUMNS,
+    "rate_buckets": {"type", "tokens", "updated_at"},
+    "once_keys": {"key", "created_at"},
+    "schedule_ticks": {"name", "key"},
+    "paused_queues": {"queue", "paused_by", "paused_at"},
+    "supervisors": {"id", "record", "last_heartbeat", "ttl"},
+    "job_edges": {"parent", "child", "on_", "state", "result"},
+}
 
 
 def migrate(db, path):
     """Create what is missing; run inside the caller's write transaction."""
-    columns = {row["name"] for row in db.execute("PRAGMA table_info(jobs)")}
-    if columns and not JOB_COLUMNS <= columns:
-        # CREATE TABLE IF NOT EXISTS would keep it and write our jobs into it.
-        raise ConfigError(f"sqlite database {path} has a jobs table that is not Tangguh's:"
-                          " give the broker a database file of its own")
+    for table, ours in TABLE_COLUMNS.items():
+        columns = {row["name"] for row in db.execute(f"PRAGMA table_info({table})")}
+        if columns and not ours <= columns:
+            # CREATE TABLE IF NOT EXISTS would keep it and write our rows into it.
+            raise ConfigError(f"sqlite database {path} has a {table} table that is not Tangguh's:"
+                              " give the broker a database file of its own")
     for statement in (SCHEMA + SEARCH_INDEXES + STATS_INDEX).split(";"):
         if statement.strip():
             db.execute(statement)
