@@ -162,6 +162,26 @@ def test_a_toolkit_url_its_driver_cannot_use_fails_start_config_check_and_reload
         d.stop()
 
 
+@pytest.mark.parametrize("table", ["jobs", "supervisors"])
+def test_a_sqlite_file_holding_an_application_table_fails_config_check_as_run_refuses_it(tmp_path, table):
+    """run exited 2 on another application's table under one of Tangguh's names, while config
+    check, which only read the URL, said ok. The check opens the file read-only: it writes nothing."""
+    import sqlite3
+
+    db = tmp_path / "broker.db"
+    with sqlite3.connect(db) as app:
+        app.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, title TEXT)")
+    app.close()
+    result, path = _run_once(tmp_path, f"sqlite:///{db}")
+    _assert_refused(result, f"has a {table} table that is not Tangguh's")
+    check = tangguh("config", "check", "-c", str(path))
+    assert (check.returncode, check.stdout) == (2, "")
+    assert check.stderr == result.stderr.strip().splitlines()[-1] + "\n"
+    with sqlite3.connect(db) as app:
+        assert app.execute("SELECT name FROM sqlite_master").fetchall() == [(table,)]
+    app.close()
+
+
 @pytest.mark.parametrize("problem, words", [
     ("long_socket", ["supervisor.socket", "over the 107"]),
     ("no_socket_dir", ["supervisor.socket: folder", "does not exist"]),

@@ -27,11 +27,13 @@ def check_broker(url):
     """One round trip to a broker server, as ``run`` makes at start: settings it refuses (an
     unknown option, database or login) fail the check as they fail ``run`` (exit 2); a server
     that does not answer now is only a warning (``run`` waits it out). A SQLite URL is only
-    read (an unknown option, a bad busy_timeout): opening the file would create it."""
+    read (an unknown option, a bad busy_timeout), and an existing file only opened read-only
+    (another application's table under one of Tangguh's names): opening it to write would create it."""
     if url.startswith("sqlite:"):
+        from ..backends.sqlite import schema
         from ..backends.sqlite.database import read_url
         try:
-            read_url(url)
+            schema.check_file(read_url(url)[0])
         except BrokerUnusable as exc:
             raise ConfigError(f"broker.url: {exc}") from None
         return

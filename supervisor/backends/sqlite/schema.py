@@ -4,6 +4,10 @@ Every statement is ``IF NOT EXISTS``, so migrating is idempotent and a newer
 table or index simply joins an older file. A table of one of Tangguh's names
 that lacks Tangguh's columns belongs to someone else and is refused.
 """
+import os
+import sqlite3
+import urllib.parse
+
 from ...errors import ConfigError
 
 SCHEMA = """
@@ -91,14 +95,37 @@ TABLE_COLUMNS = {
 }
 
 
-def migrate(db, path):
-    """Create what is missing; run inside the caller's write transaction."""
+def check(db, path):
+    """ConfigError if a table of one of Tangguh's names is someone else's; reads only."""
     for table, ours in TABLE_COLUMNS.items():
-        columns = {row["name"] for row in db.execute(f"PRAGMA table_info({table})")}
+        columns = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}  # row[1]: the name
         if columns and not ours <= columns:
             # CREATE TABLE IF NOT EXISTS would keep it and write our rows into it.
             raise ConfigError(f"sqlite database {path} has a {table} table that is not Tangguh's:"
                               " give the broker a database file of its own")
+
+
+def check_file(path):
+    """``check`` on the file at ``path`` if there is one, opened read-only: ``config check``
+    said ok to a file whose foreign table then made ``run`` exit 2; it must not create the file.
+    A file it cannot read (not a database, locked) is left to ``run``, which names it."""
+    if not os.path.isfile(path):
+        return
+    try:
+        db = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return
+    try:
+        check(db, path)
+    except sqlite3.Error:
+        pass
+    finally:
+        db.close()
+
+
+def migrate(db, path):
+    """Create what is missing; run inside the caller's write transaction."""
+    check(db, path)
     for statement in (SCHEMA + SEARCH_INDEXES + STATS_INDEX).split(";"):
         if statement.strip():
             db.execute(statement)
