@@ -26,7 +26,8 @@ class BrokerUnusable(BrokerError):
 
 
 class BrokerBusy(BrokerError):
-    """The broker is there but another process holds it (a SQLite file locked past the busy timeout).
+    """The broker is there but another process holds it (a SQLite file locked past the busy timeout),
+    or its disk is full.
 
     An outage, not a setup error: a daemon that meets it at start runs on and waits.
     """

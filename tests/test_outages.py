@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import sqlite3
+import subprocess
 import time
 import uuid
 
@@ -422,6 +423,37 @@ def test_a_sqlite_file_locked_at_start_is_an_outage_the_supervisor_waits_out(tmp
         assert d.wait_exit() == 0
     finally:
         d.stop()
+
+
+def test_a_sqlite_disk_full_at_start_is_an_outage_the_supervisor_waits_out(tmp_path):
+    # A host that boots with its disk full: the supervisor exited 1 ("disk I/O error": no room
+    # for the shared-memory file), systemd gave up after five restarts, and it stayed down once
+    # space came back. A running supervisor waits a full disk out; a starting one must too.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    d = Daemon(tmp_path, broker_url=f"sqlite:///{disk}/broker.db")
+    try:
+        job_id = d.enqueue("noop", {})
+        d.broker.close()  # the last connection: the WAL and shared-memory files go
+        d._broker = None
+        with open(disk / "filler", "wb", buffering=0) as filler:
+            try:
+                while True:
+                    filler.write(b"\0" * 4096)
+            except OSError:  # no space left
+                pass
+        d.start()  # serving (children up, status answered) with no room on the disk
+        assert '"broker_down"' in d.logs() and "the disk is full" in d.logs() and d.proc.poll() is None
+        os.remove(disk / "filler")
+        assert d.wait_job(job_id).state == "done"
+        assert '"broker_up"' in d.logs()
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+    finally:
+        d.stop()
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "7200"])

@@ -26,7 +26,8 @@ from . import schema, wakeup, workflows
 from .control import _CLOSE_ENTRY, _LEASED, ControlMixin  # the statements' shared parts
 from .producing import ProducingMixin
 from .rows import claim_order as _claim_order, job as _job
-from .database import Transaction, busy, connect, errors, interrupted_after, let_go_inherited, read_url, truncate_wal
+from .database import (Transaction, busy, connect, disk_full, errors, interrupted_after, let_go_inherited,
+                       read_url, truncate_wal)
 from .ready import due_ids, due_rows
 from .search import SearchMixin
 
@@ -56,10 +57,15 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
         except (sqlite3.Error, BrokerError) as exc:
             if getattr(self, "db", None) is not None:
                 self.db.close()
-            if busy(exc if isinstance(exc, sqlite3.Error) else exc.__context__):
+            cause = exc if isinstance(exc, sqlite3.Error) else exc.__context__
+            if busy(cause):
                 # Another process held the write lock past the busy timeout: an outage to wait out.
                 raise BrokerBusy(f"sqlite database {path}: locked by another process for more than"
                                  f" {busy_timeout:g}s") from None
+            if disk_full(cause, folder):
+                # Also an outage: the daemon exited 1 on it ("disk I/O error"), and systemd gave
+                # up after five restarts, so it stayed down once space came back.
+                raise BrokerBusy(f"sqlite database {path}: the disk is full ({cause})") from None
             if isinstance(exc, BrokerError):
                 raise
             raise BrokerError(f"cannot open sqlite database {path}: {exc}") from None

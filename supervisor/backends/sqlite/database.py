@@ -1,5 +1,6 @@
 """The SQLite file: opening it, transactions, and SQLite's errors as BrokerError."""
 import contextlib
+import os
 import sqlite3
 import time
 import urllib.parse
@@ -11,6 +12,9 @@ BUSY_TIMEOUT = 30.0  # seconds a call waits for another process's write lock (UR
 # The WAL file never shrank after a burst: SQLite reuses it from the start once checkpointed, and
 # cuts it back to this size only when told to.
 JOURNAL_SIZE_LIMIT = 64 * 2**20
+# Free bytes under which an I/O error at open is taken for a full disk (the shared-memory file
+# alone needs 32 KiB, the WAL more).
+FULL_BELOW = 2**20
 
 
 def read_url(url):
@@ -148,3 +152,18 @@ def errors(path):
 def busy(exc):
     """True when ``exc`` is SQLite's "database is locked": another process held the lock too long."""
     return getattr(exc, "sqlite_errorname", "").startswith(("SQLITE_BUSY", "SQLITE_LOCKED"))
+
+
+def disk_full(exc, folder):
+    """True when ``exc`` comes of a full disk: SQLITE_FULL, or an I/O error (SQLite reports a
+    shared-memory file it cannot grow as SQLITE_IOERR_SHMSIZE) while ``folder`` has no room."""
+    name = getattr(exc, "sqlite_errorname", "")
+    if name.startswith("SQLITE_FULL"):
+        return True
+    if not name.startswith("SQLITE_IOERR"):
+        return False
+    try:
+        space = os.statvfs(folder)
+    except OSError:
+        return False
+    return space.f_bavail * space.f_frsize < FULL_BELOW
