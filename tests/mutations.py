@@ -2261,6 +2261,21 @@ MUTATIONS = [
              '                if False:',
              ('tests/test_hostile_input.py', "-k", 'transaction_cut_as_its_block_ends and postgres'),
              "on PostgreSQL a cut job's writes were committed by the next job"),
+    Mutation('sqlite-foreign-table-jobs-only', 'supervisor/backends/sqlite/schema.py',
+             'for table, ours in TABLE_COLUMNS.items():',
+             'for table, ours in [("jobs", JOB_COLUMNS)]:',
+             ('tests/test_sqlite_broker.py', "-k", 'application_table_of_one_of_tangguhs_other_names'),
+             "an application's table under another of Tangguh's names (supervisors, paused_queues) was taken for Tangguh's"),
+    Mutation("check-skips-sqlite-file", "supervisor/cli/admin.py",
+             "schema.check_file(read_url(url)[0])",
+             "read_url(url)",
+             ("tests/test_ops.py", "-k", "sqlite_file_holding_an_application_table"),
+             "config check said ok to a SQLite file run refuses"),
+    Mutation("sqlite-disk-full-exit-1", "supervisor/backends/sqlite/__init__.py",
+             "if disk_full(cause, folder):",
+             "if False:",
+             ("tests/test_outages.py", "-k", "sqlite_disk_full_at_start"),
+             "a full disk at start made the SQLite supervisor exit 1, systemd giving up after five restarts"),
 ]
 
 
