@@ -12,7 +12,9 @@ import os
 import signal
 import sqlite3
 
-from supervisor.errors import BrokerError
+import pytest
+
+from supervisor.errors import BrokerError, LeaseLost
 from supervisor.model import NewJob
 
 from .daemon import Daemon
@@ -86,3 +88,14 @@ def run_through_failover(tmp_path, url, client, fail, n=N_JOBS, lease_seconds=3.
     finally:
         for d in daemons:
             d.stop()
+
+
+def only_the_new_lease_acks(broker, stale, live, job_id):
+    """After a failover lost the claim ``stale``, the job claimed again as ``live``: another
+    token, so the first owner's ack is refused and the second's stands."""
+    assert live.id == stale.id == job_id
+    assert live.lease.token != stale.lease.token
+    with pytest.raises(LeaseLost):
+        broker.ack(stale.lease, {"by": "first"})
+    broker.ack(live.lease, {"by": "second"})
+    assert broker.get(job_id).result == {"by": "second"}

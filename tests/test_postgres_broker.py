@@ -722,19 +722,25 @@ def test_a_requeue_of_several_ids_whose_later_one_postgresql_aborts_runs_that_on
     pg.enqueue_many([new({"n": 1}, id="job_A"), new({"n": 2}, id="job_B")])
     for job in pg.claim(Q, 2, 30, "w"):
         pg.dead(job.lease, "failed", {"class": "E", "message": "m", "traceback": ""})
+    _deadlock_once(pg, "NEW.id = 'job_B'")
+    assert pg.requeue(["job_A", "job_B"]) == {"job_A": "queued", "job_B": "queued"}
+    assert pg._execute(f"SELECT last_value FROM {pg.schema}.deadlock_once").fetchone()[0] >= 2  # B ran twice
+    assert {pg.get("job_A").state, pg.get("job_B").state} == {"queued"}
+
+
+def _deadlock_once(pg, when):
+    """The first UPDATE of a job row matching ``when`` (SQL on NEW) aborts as a deadlock would;
+    a sequence counts the tries (no rollback takes it back): ``deadlock_tries``."""
     pg._execute(f"CREATE SEQUENCE {pg.schema}.deadlock_once")
     pg._execute(f"""CREATE FUNCTION {pg.schema}.deadlock_once() RETURNS trigger LANGUAGE plpgsql AS $$
         BEGIN
-            IF NEW.id = 'job_B' AND nextval('{pg.schema}.deadlock_once') = 1 THEN
+            IF {when} AND nextval('{pg.schema}.deadlock_once') = 1 THEN
                 RAISE EXCEPTION 'deadlock detected (forced)' USING ERRCODE = 'deadlock_detected';
             END IF;
             RETURN NEW;
         END $$""")
     pg._execute(f"CREATE TRIGGER deadlock_once BEFORE UPDATE ON {pg._jobs}"
                 f" FOR EACH ROW EXECUTE FUNCTION {pg.schema}.deadlock_once()")
-    assert pg.requeue(["job_A", "job_B"]) == {"job_A": "queued", "job_B": "queued"}
-    assert pg._execute(f"SELECT last_value FROM {pg.schema}.deadlock_once").fetchone()[0] >= 2  # B ran twice
-    assert {pg.get("job_A").state, pg.get("job_B").state} == {"queued"}
 
 
 def test_a_claim_under_limits_postgresql_aborts_to_break_a_deadlock_runs_again(pg):
@@ -745,16 +751,7 @@ def test_a_claim_under_limits_postgresql_aborts_to_break_a_deadlock_runs_again(p
     pausing claims") where the plain claim runs again. (The abort is forced here by a trigger
     raising deadlock_detected once, counted by a sequence, which no rollback takes back.)"""
     kept = pg.enqueue(new())
-    pg._execute(f"CREATE SEQUENCE {pg.schema}.deadlock_once")
-    pg._execute(f"""CREATE FUNCTION {pg.schema}.deadlock_once() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            IF NEW.state = 'running' AND nextval('{pg.schema}.deadlock_once') = 1 THEN
-                RAISE EXCEPTION 'deadlock detected (forced)' USING ERRCODE = 'deadlock_detected';
-            END IF;
-            RETURN NEW;
-        END $$""")
-    pg._execute(f"CREATE TRIGGER deadlock_once BEFORE UPDATE ON {pg._jobs}"
-                f" FOR EACH ROW EXECUTE FUNCTION {pg.schema}.deadlock_once()")
+    _deadlock_once(pg, "NEW.state = 'running'")
     limits = {"t": TypeLimits(max_concurrency=2, rate=(5, 1.0), exclusive=True)}
     assert [job.id for job in pg.claim(Q, 5, 30, "w", limits=limits)] == [kept]
     assert pg._execute(f"SELECT last_value FROM {pg.schema}.deadlock_once").fetchone()[0] >= 2  # ran twice
