@@ -241,6 +241,10 @@ def test_a_prefetched_job_whose_expiry_passes_while_it_waits_ends_expired_never_
         late = d.enqueue("noop", expires_in=0.5)
         wait_for(lambda: d.status()["prefetched"] == 1, message="the expiring job prefetched")
         wait_for(lambda: d.broker.now() > d.job(late).expires_at + 0.1, message="its expiry passed")
+        # Handed back by the master itself, while its child is still busy (the child would skip it
+        # too, but only once free): ended by the next claim.
+        wait_for(lambda: d.job(late).state == "expired", timeout=15, message="the late job ended while the child is busy")
+        assert d.job(held).state == "running"
         open(release, "w").close()
         job = d.wait_job(late, states=("done", "expired"))
         assert (job.state, job.attempt) == ("expired", 0), job.history
