@@ -410,12 +410,11 @@ def test_a_trial_the_masters_reaping_of_any_child_took_first_still_gives_its_ver
     """The pool reaps every child the master has (waitpid(-1)), the reload's trial process too
     when it ends between the loop's look at the trial and the pool's turn: the trial's own
     waitpid then raised ChildProcessError, which ended the master ("No child processes")."""
-    from supervisor.cli.common import _NoHeartbeat
     from supervisor.master import trial as trial_module
 
     (tmp_path / "handlers").mkdir()
     (tmp_path / "handlers" / "m.py").write_text(module)
-    tried = trial_module.Trial(str(tmp_path / "handlers"), 2, _NoHeartbeat(), 30.0)
+    tried = trial_module.Trial(str(tmp_path / "handlers"), 2, None, 30.0)
     pool = Pool(SimpleNamespace(workers=1), *[None] * 8)
     pool.others[tried.leader] = tried.exited
     try:
@@ -447,8 +446,8 @@ def test_a_helper_process_a_module_forks_at_import_neither_fails_the_reload_nor_
     def trial_helpers_alive():
         return [int(pid) for pid, parent in read_lines(helpers) if int(parent) != daemon.proc.pid and psutil.pid_exists(int(pid))
                 and psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE]
-    wait_for(lambda: len(read_lines(helpers)) == 3, message="a helper from the start, the trial, the reload")
-    wait_for(lambda: not trial_helpers_alive(), message="the trial's helper gone with it")
+    wait_for(lambda: len(read_lines(helpers)) == 4, message="a helper from each trial and each import")
+    wait_for(lambda: not trial_helpers_alive(), message="the trials' helpers gone with them")
     for pid, parent in read_lines(helpers):
         if int(parent) == daemon.proc.pid and psutil.pid_exists(int(pid)):
             os.kill(int(pid), signal.SIGKILL)  # the master's own: the module's business, not the test's
@@ -466,7 +465,7 @@ def test_a_signal_sent_to_a_helper_a_module_forked_at_a_reload_is_not_the_master
     daemon.start()
     daemon.signal(signal.SIGHUP)
     wait_for(lambda: daemon.status()["generation"] == 2, timeout=20, message="the reload")
-    wait_for(lambda: len(read_lines(helpers)) == 3, message="a helper from the start, the trial, the reload")
+    wait_for(lambda: len(read_lines(helpers)) == 4, message="a helper from each trial and each import")
     ours = [int(pid) for pid, parent in read_lines(helpers) if int(parent) == daemon.proc.pid]
     assert len(ours) == 2
 
@@ -501,8 +500,8 @@ def test_a_sighup_while_the_handlers_import_at_start_is_a_reload_afterwards(daem
     daemon at start-up: for systemd a clean exit, so no restart either."""
     importing, helper = os.path.join(daemon.dir, "importing"), os.path.join(daemon.dir, "helper")
     with open(os.path.join(daemon.handlers, "slow.py"), "w") as f:
-        f.write(f"import os, subprocess, time\n\nif not os.path.exists({helper!r}):  # a helper program, once\n"
-                f"    open({helper!r}, 'w').write(str(subprocess.Popen(['sleep', '60']).pid))\n"
+        f.write(f"import os, subprocess, time\n\nhelper = subprocess.Popen(['sleep', '60']).pid  # a helper program\n"
+                f"with open({helper!r}, 'a') as f:\n    f.write(f'{{helper}} {{os.getpid()}}\\n')\n"
                 f"open({importing!r}, 'a').close()\ntime.sleep(1.5)\n")
     daemon.start(wait=False)
     wait_for(lambda: os.path.exists(importing), message="the handlers to import")
@@ -510,11 +509,17 @@ def test_a_sighup_while_the_handlers_import_at_start_is_a_reload_afterwards(daem
     wait_for(daemon.ready, timeout=30, message="the daemon up despite the SIGHUP")
     wait_for(lambda: daemon.status()["generation"] == 2, message="the SIGHUP applied as a reload")
     assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
-    # The program a module started at import has every signal as a program should: none blocked.
-    pid = int(open(helper).read())
-    with open(f"/proc/{pid}/status") as f:
-        masks = dict(line.split(":\t") for line in f if line.startswith(("SigBlk", "SigIgn")))
-    os.kill(pid, signal.SIGKILL)
+    # The program a module started at the master's import has every signal as a program should:
+    # none blocked. (The trial's went with the trial.)
+    started = [(int(pid), int(parent)) for pid, parent in read_lines(helper)]
+    pid = next(pid for pid, parent in started if parent == daemon.proc.pid)  # its start-up import's
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = dict(line.split(":\t") for line in f if line.startswith(("SigBlk", "SigIgn")))
+    finally:
+        for other, _ in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(other, signal.SIGKILL)
     assert int(masks["SigBlk"], 16) == 0 and int(masks["SigIgn"], 16) & 1 == 0, masks
     daemon.assert_clean()
 
@@ -792,6 +797,24 @@ def test_a_handler_that_fails_to_import_is_a_startup_error(daemon):
     assert "bad.py:3" in out.stderr and "boom at import" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
+
+@pytest.mark.parametrize("module, says", [
+    ("import os\nos._exit(0)\n", "a handler module ended the process importing it (exit code 0)"),
+    ("import time\ntime.sleep(600)\n", "importing the handler files took over 2s"),
+])
+def test_a_handler_module_that_exits_or_hangs_at_import_is_a_startup_error(tmp_path, module, says):
+    """An ``os._exit(0)`` at import ended ``run`` with status 0 (systemd's Restart=on-failure
+    took it for a clean stop and left the service down); a module waiting at import held the
+    start for ever. The files are imported in a throwaway process first, as a reload does."""
+    d = Daemon(tmp_path, supervisor={"import_timeout": 2})
+    with open(os.path.join(d.handlers, "leaves.py"), "w") as f:
+        f.write(module)
+    out = tangguh("run", "-c", d.config_path)
+    assert out.returncode == 2, out
+    assert out.stderr.strip().splitlines() == [f"tangguh: error: supervisor.handlers: {says}"
+                                               + ("" if "exit" in says else " (supervisor.import_timeout);"
+                                                  " a module waiting at import?")]
+    assert not os.path.exists(d.socket)  # it never served
 
 def test_children_are_recycled_after_max_jobs(tmp_path):
     d = Daemon(tmp_path, supervisor={"workers": 1, "max_jobs_per_child": 3})

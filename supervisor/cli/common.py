@@ -46,18 +46,6 @@ def daemon_module(name):
         raise Failure(f"this installation has no supervisor.{name} ({exc})") from None
 
 
-class _NoHeartbeat:
-    """The trial import stops a master's heartbeat around its fork; a command has none."""
-
-    thread = None
-
-    def stop(self):
-        pass
-
-    def start(self):
-        pass
-
-
 def import_handlers(cfg):
     """The handlers of ``cfg``'s folder, imported in this process as ``run`` imports them: once a
     trial import in a throwaway process passed within ``supervisor.import_timeout`` (a module
@@ -76,7 +64,7 @@ def import_handlers(cfg):
     stdout = os.dup(1)
     os.dup2(2, 1)  # the trial process's stdout too
     try:
-        problem = trial.trial(cfg.supervisor.handlers, 0, _NoHeartbeat(), cfg.supervisor.import_timeout)
+        problem = trial.trial(cfg.supervisor.handlers, 0, None, cfg.supervisor.import_timeout)
     finally:
         os.dup2(stdout, 1)
         os.close(stdout)

@@ -1,9 +1,11 @@
 """The supervisor's master process, one role per module; ``arbiter`` wires them (docs/design.md)."""
+import os
 import signal
 import sys
 
 from .. import childlimits, config, logs, registry, scheduler
 from ..errors import BrokerError, ConfigError
+from . import trial
 from .arbiter import EXIT_BOOT, EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_RUNNING, Arbiter, held  # noqa: F401
 
 HELD_AT_START = (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU)  # their default ends us: noted until start()
@@ -28,6 +30,7 @@ def run(config_path=None):
 def _supervise(cfg):
     try:
         config.check_host(cfg)
+        _trial_import(cfg)
         handlers = registry.load_handlers(cfg.supervisor.handlers, generation=1)
         scheduler.check_schedules(cfg, handlers)  # a schedule none of whose ticks could run
     except ConfigError as exc:
@@ -43,3 +46,15 @@ def _supervise(cfg):
     except BrokerError as exc:
         print(f"tangguh: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _trial_import(cfg):
+    """The handler files imported first in a throwaway process, as a reload imports them: a
+    module that ended the process importing it (``os._exit(0)``) ended ``run`` with status 0,
+    which systemd's ``Restart=on-failure`` takes for a clean stop, and one that waited at import
+    held the start for ever. Either is now a start-up error (exit 2), within ``import_timeout``."""
+    if not os.path.isdir(cfg.supervisor.handlers):
+        return  # the folder's own error comes from the import itself
+    problem = trial.trial(cfg.supervisor.handlers, 1, None, cfg.supervisor.import_timeout)
+    if problem:
+        raise ConfigError(problem)

@@ -43,8 +43,9 @@ class Trial:
     """A trial import of ``folder`` under way in a forked process: ``poll()`` says how it went.
 
     The master's loop watches ``fds()`` and looks again at ``due_at()``; ``wait()`` blocks
-    instead (the command line's trial). A fork the system refuses (TasksMax=) makes no
-    process: the trial has passed at once, and the master's own import is all there is."""
+    instead (at start, and the command line's trial: ``heartbeat`` None, no thread to stop).
+    A fork the system refuses (TasksMax=) makes no process: the trial has passed at once,
+    and the master's own import is all there is."""
 
     def __init__(self, folder, generation, heartbeat, timeout):
         self.timeout = timeout
@@ -52,8 +53,9 @@ class Trial:
         self.out, self.eof, self.pidfd, self.ended_with = b"", False, None, None
         self.r, w = os.pipe()
         master_pid = os.getpid()
-        running = heartbeat.thread is not None
-        heartbeat.stop()  # fork only while no other thread runs (docs/design.md, process-model rules)
+        running = heartbeat is not None and heartbeat.thread is not None
+        if heartbeat is not None:
+            heartbeat.stop()  # fork only while no other thread runs (docs/design.md, process-model rules)
         try:
             self.pid = os.fork()
         except OSError:
@@ -146,7 +148,8 @@ class Trial:
 
 
 def trial(folder, generation, heartbeat, timeout):
-    """What went wrong importing ``folder`` in a forked process, or None when it imported."""
+    """What went wrong importing ``folder`` in a forked process, or None when it imported
+    (``heartbeat``: the master's, stopped around the fork, or None)."""
     return Trial(folder, generation, heartbeat, timeout).wait() or None
 
 
