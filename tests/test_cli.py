@@ -265,19 +265,21 @@ def test_enqueue_delay_queue_and_type_defaults_show_in_stats(capsys, cfg_path, b
     enqueue(capsys, cfg_path, "email", "{}", "--delay", "3600")
     report = enqueue(capsys, cfg_path, "report", "{}")
     assert (broker.get(report).queue, broker.get(report).max_attempts) == ("bulk", 2)
+    enqueue(capsys, cfg_path, "report", "{}", "--depends-on", ready)  # a callback: waiting, in bulk
     make_dead(broker)
     code, out, _ = tangguh(capsys, "stats", "-c", cfg_path)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["QUEUE", "READY", "SCHEDULED", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY", "PAUSED"]
-    assert lines[1].split()[:6] == ["default", "1", "1", "0", "1", "0"]
-    assert lines[2].split()[:6] == ["bulk", "1", "0", "0", "0", "0"]
+    assert lines[0].split() == ["QUEUE", "READY", "SCHEDULED", "WAITING", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY",
+                                "PAUSED"]
+    assert lines[1].split()[:7] == ["default", "1", "1", "0", "0", "1", "0"]
+    assert lines[2].split()[:7] == ["bulk", "1", "0", "1", "0", "0", "0"]
     ready_at = broker.get(ready).run_at
     wait_for(lambda: broker.now() > ready_at + 0.3, message="the ready job to wait 0.3 s")
     code, out, _ = tangguh(capsys, "stats", "--json", "-c", cfg_path)
     data = json.loads(out)
     assert data["default"]["ready"] == 1 and data["default"]["scheduled"] == 1 and data["default"]["dead"] == 1
-    assert data["bulk"]["ready"] == 1
+    assert data["bulk"]["ready"] == 1 and data["bulk"]["waiting"] == 1
     assert 0.3 <= data["default"]["oldest_ready_age"] < broker.now() - ready_at + 0.01
 
 

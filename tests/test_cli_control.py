@@ -170,7 +170,8 @@ def test_job_wait_as_a_process_is_woken_by_another_process_ack(tmp_path, cfg_pat
 # -- tangguh queue list|pause|resume ---------------------------------------------------
 
 def test_queue_pause_resume_and_list(capsys, cfg_path, broker):
-    broker.enqueue(NewJob("email", {}, queue="bulk"))
+    parent = broker.enqueue(NewJob("email", {}, queue="bulk"))
+    broker.enqueue(NewJob("email", {}, queue="bulk", depends_on=[parent]))
     code, out, err = tangguh(capsys, "queue", "pause", "bulk", "-c", cfg_path)
     assert code == 0, err
     assert "paused bulk" in out
@@ -178,8 +179,11 @@ def test_queue_pause_resume_and_list(capsys, cfg_path, broker):
     assert broker.claim(["bulk"], 5, 30, "w") == []
     code, out, err = tangguh(capsys, "queue", "list", "-c", cfg_path)
     assert code == 0, err
-    line = next(line for line in out.splitlines() if line.startswith("bulk"))
-    assert "paused" in line
+    header, *rows = out.splitlines()
+    line = next(line for line in rows if line.startswith("bulk"))
+    assert dict(zip(header.split(), line.split())) == {
+        "QUEUE": "bulk", "STATE": "paused", "PAUSED_BY": broker.paused()["bulk"]["by"], "READY": "1",
+        "SCHEDULED": "0", "WAITING": "1", "IN_FLIGHT": "0", "DEAD": "0", "CANCELLED": "0", "EXPIRED": "0"}
     code, out, _ = tangguh(capsys, "queue", "list", "--json", "-c", cfg_path)
     rows = {row["queue"]: row for row in json.loads(out)}
     assert rows["bulk"]["paused"] is True and rows["bulk"]["ready"] == 1

@@ -19,8 +19,8 @@ RECORDED = {
     "counters": {"succeeded": 100, "failed": 10, "retried": 8, "dead": 2, "timeouts": 1, "crashed": 0,
                  "lease_lost": 0},
     "handlers": ["send_email"],
-    "queues": {"default": {"queue": "default", "ready": 42, "scheduled": 3, "in_flight": 1, "dead": 2, "done": 900,
-                           "oldest_ready_age": 95.5},
+    "queues": {"default": {"queue": "default", "ready": 42, "scheduled": 3, "waiting": 7, "in_flight": 1, "dead": 2,
+                           "done": 900, "oldest_ready_age": 95.5},
                "low": {"queue": "low", "ready": 0, "scheduled": 0, "in_flight": 0, "dead": 0, "done": 0,
                        "oldest_ready_age": 0.0}},
     "metrics_listen": None,
@@ -37,11 +37,14 @@ def test_render_a_recorded_status_without_rates():
     screen = watch.render_watch(RECORDED, T0)
     lines = screen.splitlines()
     assert lines[0].startswith("tangguh  pid 4100  gen 2  up 1h02m  running")
-    # the queue table: depth and oldest age of the due jobs; no age when nothing is due
+    # the queue table: depth and oldest age of the due jobs; no age when nothing is due; callbacks
+    # waiting on their parents (a supervisor before the column: "-")
+    assert next(line for line in lines if line.startswith("QUEUE")).split() == [
+        "QUEUE", "READY", "SCHEDULED", "WAITING", "IN", "FLIGHT", "DEAD", "OLDEST"]
     default = next(line for line in lines if line.startswith("default")).split()
-    assert default == ["default", "42", "3", "1", "2", "1m35s"]
+    assert default == ["default", "42", "3", "7", "1", "2", "1m35s"]
     low = next(line for line in lines if line.startswith("low")).split()
-    assert low == ["low", "0", "0", "0", "0", "-"]
+    assert low == ["low", "0", "0", "-", "0", "0", "-"]
     assert "workers 2/2  busy 1  restarts 3" in screen
     busy = next(line for line in lines if "job_01JABCDEF" in line).split()
     assert busy == ["0", "4101", "busy", "send_email", "job_01JABCDEF", "2", "12.3s"]

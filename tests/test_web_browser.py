@@ -253,13 +253,17 @@ def test_the_overview_shows_a_queue_depth_change_live(admin):
     row = 'tr[data-queue="other"] [data-k="ready"]'
     wait_for(lambda: s.text(row) == "0", timeout=10, message="the other queue to show 0 ready")
     s.mark_page()
-    for i in range(3):
-        s.daemon.enqueue("noop", {"i": i}, queue="other")
+    first = [s.daemon.enqueue("noop", {"i": i}, queue="other") for i in range(3)][0]
     wait_for(lambda: s.text(row) == "3", timeout=10, message="the overview to show 3 ready without a reload")
+    waiting = 'tr[data-queue="other"] [data-k="waiting"]'
+    assert s.text(waiting) == "0"
+    s.daemon.enqueue("noop", {"callback": True}, queue="other", depends_on=[first])
+    wait_for(lambda: s.text(waiting) == "1", timeout=10, message="a callback waiting on its parent, live")
     assert s.same_page()
     assert s.text('tr[data-queue="other"] [data-k="paused"]') == "paused"
     s.broker.resume("other")
-    wait_for(lambda: s.text(row) == "0", timeout=20, message="the jobs to run once resumed")
+    wait_for(lambda: s.text(row) == "0" and s.text(waiting) == "0", timeout=20,
+             message="the jobs, the callback too, to run once resumed")
     wait_for(lambda: s.text('tr[data-queue="default"] [data-k="done"]') not in (None, "0"), timeout=20,
              message="done jobs on the overview")
     s.shot("overview")

@@ -60,10 +60,10 @@ def cmd_queue_list(args):
         print("no queues")
         return
     rows = [[q, "paused" if q in paused else "active", paused.get(q, {}).get("by") or "-", stats[q].ready,
-             stats[q].scheduled, stats[q].in_flight, stats[q].dead, stats[q].cancelled, stats[q].expired]
-            for q in names]
-    say(table(["QUEUE", "STATE", "PAUSED_BY", "READY", "SCHEDULED", "IN_FLIGHT", "DEAD", "CANCELLED", "EXPIRED"],
-              rows))
+             stats[q].scheduled, stats[q].waiting, stats[q].in_flight, stats[q].dead, stats[q].cancelled,
+             stats[q].expired] for q in names]
+    say(table(["QUEUE", "STATE", "PAUSED_BY", "READY", "SCHEDULED", "WAITING", "IN_FLIGHT", "DEAD", "CANCELLED",
+               "EXPIRED"], rows))
 
 
 def _known_queue(broker, name):

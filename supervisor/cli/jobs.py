@@ -157,8 +157,10 @@ def cmd_stats(args):
     if args.json:
         print_json({q: s.to_dict() for q, s in stats.items()})
         return
-    headers = ["QUEUE", "READY", "SCHEDULED", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY", "PAUSED"]
-    rows = [[q, s.ready, s.scheduled, s.in_flight, s.dead, s.done, duration(s.oldest_ready_age) if s.ready else "-",
+    # WAITING: callbacks whose parents have not all finished; without it a queue of them looked empty.
+    headers = ["QUEUE", "READY", "SCHEDULED", "WAITING", "IN_FLIGHT", "DEAD", "DONE", "OLDEST_READY", "PAUSED"]
+    rows = [[q, s.ready, s.scheduled, s.waiting, s.in_flight, s.dead, s.done,
+             duration(s.oldest_ready_age) if s.ready else "-",
              "paused" if s.paused else "-"] for q, s in stats.items()]
     say(table(headers, rows))
 

@@ -56,9 +56,9 @@ def render_watch(reply, now, older=None):
 
     queues = reply.get("queues") or {}
     if queues:
-        rows = [[q, s.get("ready"), s.get("scheduled"), s.get("in_flight"), s.get("dead"),
+        rows = [[q, s.get("ready"), s.get("scheduled"), s.get("waiting", "-"), s.get("in_flight"), s.get("dead"),
                  duration(s.get("oldest_ready_age")) if s.get("ready") else "-"] for q, s in queues.items()]
-        lines += ["", table(["QUEUE", "READY", "SCHEDULED", "IN FLIGHT", "DEAD", "OLDEST"], rows)]
+        lines += ["", table(["QUEUE", "READY", "SCHEDULED", "WAITING", "IN FLIGHT", "DEAD", "OLDEST"], rows)]
     if reply.get("queues_sample_failing"):
         # The last counts stand while the new ones fail (a count the broker gives up on): say how old.
         age = reply.get("queues_sampled_ago")

@@ -37,7 +37,7 @@ function confirmations() {
   });
 }
 
-const QUEUE_KEYS = ["ready", "scheduled", "in_flight", "retrying", "dead", "done", "cancelled"];
+const QUEUE_KEYS = ["ready", "scheduled", "waiting", "in_flight", "retrying", "dead", "done", "cancelled"];
 
 function queueRow(tbody, q) {
   let row = tbody.querySelector('tr[data-queue="' + CSS.escape(q.queue) + '"]');
