@@ -323,11 +323,14 @@ class HttpExporter(OneShotServer):
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def complete(self, inbox):
-        ends = [i for i in (inbox.find(b"\r\n\r\n"), inbox.find(b"\n\n")) if i >= 0]
+        start = len(inbox) - len(inbox.lstrip(b"\r\n"))  # empty lines before the request line (answer)
+        ends = [i for i in (inbox.find(b"\r\n\r\n", start), inbox.find(b"\n\n", start)) if i >= 0]
         return min(ends, default=-1)
 
     def answer(self, request):
-        line = request.split(b"\n", 1)[0].decode("latin-1").strip()
+        # HTTP/1.1 (RFC 9112, 2.2) has servers skip empty lines before the request line: a client
+        # may end the previous request's body with one more CRLF. Read as the line, it was a 400.
+        line = request.lstrip(b"\r\n").split(b"\n", 1)[0].decode("latin-1").strip()
         parts = line.split()
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
             return _http(400, "bad request\n")

@@ -196,6 +196,7 @@ def test_http_endpoint_answers_errors_and_stays_up(ran):
     for raw, expected in ((b"POST /metrics HTTP/1.0\r\n\r\n", b"HTTP/1.0 405"),
                               (b"GET /nope HTTP/1.0\r\n\r\n", b"HTTP/1.0 404"),
                               (b"garbage\r\n\r\n", b"HTTP/1.0 400"),
+                              (b"\r\n\r\nGET /metrics HTTP/1.0\r\n\r\n", b"HTTP/1.0 200"),  # empty lines first
                               (b"GET /metrics HTTP/1.0\r\nX: " + b"a" * 20000, b"HTTP/1.0 431"),
                               # whole, and over the 8 KiB limit: refused though one read holds it all
                               (b"GET /metrics HTTP/1.0\r\nX: " + b"a" * 9000 + b"\r\n\r\n", b"HTTP/1.0 431")):
