@@ -449,7 +449,10 @@ def test_a_supervisor_is_not_woken_by_enqueues_to_queues_it_does_not_serve(postg
         # Notified after the 50 on one channel, so read after them: its job done, they were all seen.
         last = broker.enqueue(NewJob("noop", {}, queue="a"))
         wait_for(lambda: broker.get(last).state == "done", timeout=30, message="the job of queue a to run")
-        assert d.status()["empty_polls"] - before <= 5
+        # Woken by each, it made 50 empty claims or more. Without them, the idle backoff's own
+        # (5 ms doubling up to poll_interval, from the start and again after the job of "a") make
+        # about a dozen in the seconds a loaded machine takes here: not a fixed few.
+        assert d.status()["empty_polls"] - before < 25
     finally:
         d.stop()
 
