@@ -21,6 +21,12 @@ Redis lock (``ctx.lock``)::
   and when the child dies the master releases them at once, so the next
   attempt does not wait out the TTL. A lock acquired by a child killed before
   its message reached the master lives until its TTL.
+* An acquire whose answer is lost (a stall past the client's socket timeout,
+  a cut connection: the server may have taken the lock) is asked once more
+  with the same owner token, which the script takes as already acquired (it
+  returns the fence that run got). The master is told of the token before
+  that second try, so a lock the server took is freed with the job even when
+  the second try fails too (the error is raised to the handler).
 * A lock can still expire under a holder that stalls (a long GC pause, a
   partitioned host). That is what the fence is for: the protected resource
   refuses a write whose fence is older than the last one it accepted::
@@ -67,8 +73,19 @@ FENCE_MARGIN = 3600
 # out before, as long as one name got fewer than 1,024 fences per ms, which its lock rules out.
 # Below 2**53 until the year 2248: exact in Lua's doubles. Formatted by hand: tostring keeps
 # 14 digits.
+#
+# A key that already holds this acquire's token is this acquire's own earlier run, whose answer
+# was lost (a stall past the socket timeout, a cut connection): taken, with the fence that run
+# got (no acquire could INCR since: the key stood), the TTL pushed back as a fresh SET would.
 ACQUIRE = """
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  local fence = tonumber(redis.call('GET', KEYS[2]))
+  if fence then
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
+    return fence
+  end
+elseif not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
 local now = redis.call('TIME')
 local floor = (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)) * 1024
 if (tonumber(redis.call('GET', KEYS[2])) or 0) < floor then
@@ -154,6 +171,13 @@ def check_ttl(ttl, name="ttl"):
     return float(ttl)
 
 
+def _unanswered(error):
+    """A redis-py error after which the server may have run the call: its answer never came."""
+    import redis as redis_py  # imported by the client already
+
+    return isinstance(error, (redis_py.ConnectionError, redis_py.TimeoutError))
+
+
 def _ms(seconds):
     return max(1, int(seconds * 1000))
 
@@ -193,13 +217,14 @@ class Locks:
         ms = _ms(ttl)
         started = time.monotonic()
         pause = 0.005
+        told = []  # the master has heard of this token already (an answer was lost)
         while True:
             # The master hears of every lock taken: a soft timeout or a cancel raised between the
             # script and the message left a lock nobody would release, held to its TTL (the job's
             # retry waited it out). Raised after the block, the master frees the lock with the job.
             with timeouts.critical():
-                fence = self.client.eval(ACQUIRE, 2, key, key + FENCE, token, ms, ms + FENCE_MARGIN * 1000)
-                if fence is not None:
+                fence = self._take(key, token, ms, ttl, told)
+                if fence is not None and not told:
                     self.notify({"op": protocol.LOCK, "key": key, "token": token, "ttl": ttl})
             if fence is not None:
                 count(self.metrics, "lock_acquired")
@@ -215,6 +240,23 @@ class Locks:
             pause = min(0.2, pause * 2)
 
     __call__ = acquire
+
+    def _take(self, key, token, ms, ttl, told):
+        """One run of the acquire script: its fence, or None (taken by another). An answer lost
+        (``ConnectionError``, ``TimeoutError``: the server may have run it) is asked once more with
+        the same token, which the script takes as ours. The master hears of the token first: if
+        the second try fails too, the lock the server may hold goes with the job, not at its TTL
+        (the master's release and extension compare the token: a lock not ours is left alone)."""
+        args = (ACQUIRE, 2, key, key + FENCE, token, ms, ms + FENCE_MARGIN * 1000)
+        try:
+            return self.client.eval(*args)
+        except Exception as error:  # noqa: BLE001 - narrowed below
+            if not _unanswered(error):
+                raise
+            log.warning("lock %s: no answer to its acquire, asked again (%s)", key, error)
+        self.notify({"op": protocol.LOCK, "key": key, "token": token, "ttl": ttl})
+        told.append(token)
+        return self.client.eval(*args)
 
 
 # -- PostgreSQL --------------------------------------------------------------------------

@@ -1,0 +1,73 @@
+"""The handler toolkit's Redis calls whose answer was lost after the server ran them.
+
+A stall past the client's ``socket_timeout`` or a connection cut between a
+request and its answer (``tests/replycut.py``, a relay in front of a real
+Redis): the server has run the script, the child never heard of it. For a lock
+that meant a key held by a token nobody knew, to its TTL, and a master that
+could not free it with the job.
+"""
+import urllib.parse
+
+import pytest
+
+from supervisor import protocol, toolkit
+from supervisor.master.locks import MasterLocks
+from supervisor.toolkit.locks import FENCE, Locks
+
+from .replycut import ReplyCut
+
+
+@pytest.fixture
+def through(redis_url):
+    """(the relay, a toolkit client through it with a short socket timeout, its prefix, a client straight to the server)."""
+    parts = urllib.parse.urlsplit(redis_url)
+    cut = ReplyCut(parts.hostname, parts.port or 6379)
+    userinfo = parts.netloc.rpartition("@")[0]
+    url = parts._replace(netloc=f"{userinfo + '@' if userinfo else ''}127.0.0.1:{cut.port}").geturl()
+    relayed, prefix = toolkit.open_redis(url, socket_timeout=0.5)
+    direct, _ = toolkit.open_redis(redis_url)
+    relayed.ping()  # connected: the next request is the one armed
+    yield cut, relayed, prefix, direct
+    relayed.close()
+    direct.close()
+    cut.close()
+
+
+@pytest.mark.services
+def test_a_lock_whose_acquire_answer_was_lost_is_taken_by_the_same_token_and_told_to_the_master(through):
+    """The script ran (the key held the child's token) and the answer never came: the acquire
+    raised TimeoutError (or waited out ``wait`` and raised LockBusy), the lock stayed to its TTL."""
+    cut, relayed, prefix, direct = through
+    told = []
+    locks = Locks(relayed, prefix, notify=told.append)
+    key = f"{prefix}lock:export"
+    cut.cut_next(key, hold=True)
+    lock = locks.acquire("export", ttl=30, wait=0)
+    assert cut.cut.is_set(), cut.describe()
+    assert direct.get(key).decode() == lock.token
+    assert lock.fence == int(direct.get(key + FENCE))  # the lost run's fence: no second one handed out
+    assert {"op": protocol.LOCK, "key": key, "token": lock.token, "ttl": 30.0} in told
+    assert lock.release() and not direct.exists(key)
+    assert told[-1] == {"op": protocol.UNLOCK, "key": key, "token": lock.token}
+
+
+@pytest.mark.services
+def test_a_lock_taken_by_an_acquire_that_then_failed_is_freed_by_the_master_with_the_job(through, redis_url):
+    """The answer lost and the next try refused: the acquire fails, but the master has heard of
+    the token the server may hold, and frees the lock when the job ends, not at its TTL."""
+    cut, relayed, prefix, direct = through
+    told = []
+    locks = Locks(relayed, prefix, notify=told.append)
+    key = f"{prefix}lock:export"
+    cut.cut_next(key, hold=True)
+    cut.refuse_next()  # the try again's new connection
+    import redis
+
+    with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
+        locks.acquire("export", ttl=30, wait=0)
+    assert cut.cut.is_set(), cut.describe()
+    token = direct.get(key).decode()
+    assert told == [{"op": protocol.LOCK, "key": key, "token": token, "ttl": 30.0}]
+    master = MasterLocks(redis_url)
+    master.on_message(4242, told[0])
+    assert master.release_child(4242) == 1 and not direct.exists(key)
