@@ -593,6 +593,60 @@ def test_a_soft_timeout_as_a_lock_or_fill_lease_is_taken_never_hides_it_from_the
         timeouts.disarm()
 
 
+def _ringing_pipe():
+    """(a notify writing each frame to a real socket pair in two writes, an UNLOCK's with the job's
+    soft timeout (a real SIGALRM) ringing between them; a function returning the messages the
+    master's end reads whole). Outside ``critical()`` the timeout is raised mid-frame: torn."""
+    import socket
+
+    from supervisor import protocol
+
+    child, master = socket.socketpair()
+
+    def notify(msg):
+        frame = protocol.encode(msg)
+        child.sendall(frame[:len(frame) // 2])
+        if msg["op"] == protocol.UNLOCK:
+            timeouts.arm(0.001)
+            wait_for(lambda: timeouts._pending is not None, timeout=5, message="the soft timeout")
+        child.sendall(frame[len(frame) // 2:])
+
+    def read():
+        child.close()
+        messages = []
+        try:
+            while (msg := protocol.recv(master)) is not None:
+                messages.append(msg)
+        except ValueError:  # the header of the frame after a torn one, read as its body
+            messages.append("a torn frame")
+        master.close()
+        return messages
+
+    return notify, read
+
+
+def test_a_soft_timeout_as_a_lock_or_fill_lease_is_freed_never_tears_the_unlock_frame(rc):
+    """The UNLOCK frame was sent outside ``critical()``: a soft timeout or a cancel raised in the
+    middle of its write left half a frame on the pipe (the master read garbage) and no UNLOCK."""
+    client, prefix = rc
+    timeouts.install()
+    try:
+        notify, read = _ringing_pipe()
+        lock = Locks(client, prefix, notify=notify).acquire("export", ttl=30, wait=0)
+        with pytest.raises(JobTimeout):
+            lock.release()
+        assert not client.exists(lock.key)
+        cache = Cache(client, prefix, notify=notify)
+        with pytest.raises(JobTimeout):
+            cache.get_or_build("summary", lambda: "built", ttl=60)
+        assert cache.get_or_build("summary", lambda: "rebuilt", ttl=60) == "built"
+        lease = f"{prefix}cache-lease:summary"
+        assert [m if isinstance(m, str) else (m["op"], m["key"]) for m in read()] == [
+            ("lock", lock.key), ("unlock", lock.key), ("lock", lease), ("unlock", lease)]
+    finally:
+        timeouts.disarm()
+
+
 def test_cold_key_with_200_concurrent_readers_is_built_once(toolkit_redis, tmp_path, rc):
     client, prefix = rc
     go = tmp_path / "go"

@@ -315,7 +315,8 @@ class Cache:
         try:
             return self._build_leased(key, builder, ttl, stale_ttl, token, tags)
         finally:
-            self.notify({"op": protocol.UNLOCK, "key": self._lease(key), "token": token})
+            with timeouts.critical():  # a soft timeout or a cancel raised mid-write tore the frame
+                self.notify({"op": protocol.UNLOCK, "key": self._lease(key), "token": token})
 
     def _build_leased(self, key, builder, ttl, stale_ttl, token, tags):
         _count(self.metrics, "cache_rebuild")

@@ -136,10 +136,13 @@ class Lock:
         if not self.held:
             return False
         self.held = False
-        ok = bool(self.locks.client.eval(RELEASE, 1, self.key, self.token))
-        # Deleted first: a child killed right here leaves the master a
-        # compare-and-delete that finds nothing, never a lock held to its TTL.
-        self.locks.notify({"op": protocol.UNLOCK, "key": self.key, "token": self.token})
+        # One critical block, as at acquire: a soft timeout or a cancel raised in the middle of
+        # the frame's write tore it (the master read garbage), or between the two lost the UNLOCK.
+        with timeouts.critical():
+            ok = bool(self.locks.client.eval(RELEASE, 1, self.key, self.token))
+            # Deleted first: a child killed right here leaves the master a
+            # compare-and-delete that finds nothing, never a lock held to its TTL.
+            self.locks.notify({"op": protocol.UNLOCK, "key": self.key, "token": self.token})
         if not ok:
             log.warning("lock %s expired before its release: another holder may have run", self.key)
         return ok
