@@ -851,6 +851,27 @@ def test_cache_unreachable_reads_the_source_and_invalidation_fails_loudly():
         cache.invalidate("k")
 
 
+def test_a_long_cache_key_or_lock_name_is_cut_in_the_log(rc, caplog):
+    """A 2 MB key made a 2 MB log line ("building ... directly", each time the cache was away)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    client, prefix = rc
+    huge = "k" * 2_000_000
+    away = Cache(redis.Redis(port=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)), "p:")
+    with caplog.at_level("WARNING", logger="tangguh"):
+        assert away.get_or_build(huge, lambda: "from the database", ttl=10) == "from the database"
+        lock = Locks(client, prefix).acquire(huge, ttl=0.1, wait=0)
+        wait_for(lambda: not client.exists(lock.key), timeout=5, message="the lock to expire")
+        assert not lock.release()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all(len(line) < 1000 for line in lines), [line[:300] for line in lines]
+    assert lines[0].startswith("cache unavailable, building " + "k" * 200 + "… (1999800 characters cut)")
+    key = f"{prefix}lock:{huge}"
+    assert lines[1].startswith(f"lock {key[:200]}… ({len(key) - 200} characters cut) expired before its release")
+
+
 def test_a_value_json_cannot_hold_fails_naming_the_key_and_frees_the_fill_lease(rc):
     from decimal import Decimal
 

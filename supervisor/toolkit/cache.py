@@ -64,6 +64,7 @@ import redis as redis_py
 
 from .. import protocol
 from ..child import timeouts
+from .locks import shown
 from .locks import RELEASE
 
 log = logging.getLogger("tangguh.cache")
@@ -225,7 +226,7 @@ class Cache:
                 raise  # raised by the builder itself: running it again would read (and do) it all twice
             # Cache-aside: with the cache away, read the source of truth. Nothing
             # is stored, so nothing stale can be left behind.
-            log.warning("cache unavailable, building %s directly: %s", key, exc)
+            log.warning("cache unavailable, building %s directly: %s", shown(key), exc)
             _count(self.metrics, "cache_miss")
             _count(self.metrics, "cache_rebuild")
             return _round_trip(key, builder())
@@ -332,7 +333,7 @@ class Cache:
             self._store(key, entry, ms, token, tags)
         except UNAVAILABLE as exc:
             # The value is built: hand it over rather than build it again.
-            log.warning("cache unavailable, %s not stored: %s", key, exc)
+            log.warning("cache unavailable, %s not stored: %s", shown(key), exc)
             if not isinstance(exc, (redis_py.ConnectionError, redis_py.TimeoutError)):
                 self._release(key, token)  # Redis answers: the next reader need not wait the lease out
         return json.loads(entry)["v"]
@@ -341,7 +342,7 @@ class Cache:
         try:
             self.client.eval(RELEASE, 1, self._lease(key), token)  # a lock's release: the token's owner only
         except redis_py.RedisError as exc:
-            log.warning("cannot release the fill lease of %s (it expires by itself): %s", key, exc)
+            log.warning("cannot release the fill lease of %s (it expires by itself): %s", shown(key), exc)
 
     def _entry(self, key, value, ttl, stale_ttl):
         """``(the JSON entry, its lifetime in ms)``; a value JSON cannot hold is a TypeError naming ``key``."""

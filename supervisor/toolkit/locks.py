@@ -56,6 +56,7 @@ import time
 import uuid
 
 from .. import protocol
+from ..jsonvalues import clip_start
 from ..child import timeouts
 from ..retry import RetryLater
 
@@ -66,6 +67,7 @@ MAX_TTL = 10 * 365 * 86400.0  # seconds: the longest lock TTL (a lock is for min
 # Seconds a fence counter outlives its lock's TTL: unused names' counters go, and only a clock
 # stepped back by more than this could then hand out a fence below an earlier one.
 FENCE_MARGIN = 3600
+SHOWN = 200  # characters of a key in a log line
 
 # The counter never lies below the server's clock in ms x 1024 (the broker's job tokens started
 # so; model.first_token counts 2**-20 s now, a separate sequence): a counter lost (a restart without persistence, an eviction, its TTL) or
@@ -144,7 +146,7 @@ class Lock:
             # compare-and-delete that finds nothing, never a lock held to its TTL.
             self.locks.notify({"op": protocol.UNLOCK, "key": self.key, "token": self.token})
         if not ok:
-            log.warning("lock %s expired before its release: another holder may have run", self.key)
+            log.warning("lock %s expired before its release: another holder may have run", shown(self.key))
         return ok
 
     def __enter__(self):
@@ -162,7 +164,7 @@ class Lock:
             # a body that succeeded has done its work. The lock expires at its TTL, and the master,
             # told of it at acquire, frees it when the job ends.
             log.warning("cannot release lock %s (the master frees it when the job ends, or it expires): %s",
-                        self.key, error)
+                        shown(self.key), error)
         return False
 
 
@@ -179,6 +181,12 @@ def _unanswered(error):
     import redis as redis_py  # imported by the client already
 
     return isinstance(error, (redis_py.ConnectionError, redis_py.TimeoutError))
+
+
+def shown(key):
+    """``key`` for a log line: its first ``SHOWN`` characters and how many were cut (a 2 MB
+    key made a 2 MB line, at every lock or cache call while Redis was away)."""
+    return clip_start(key, SHOWN)
 
 
 def _ms(seconds):
@@ -256,7 +264,7 @@ class Locks:
         except Exception as error:  # noqa: BLE001 - narrowed below
             if not _unanswered(error):
                 raise
-            log.warning("lock %s: no answer to its acquire, asked again (%s)", key, error)
+            log.warning("lock %s: no answer to its acquire, asked again (%s)", shown(key), error)
         self.notify({"op": protocol.LOCK, "key": key, "token": token, "ttl": ttl})
         told.append(token)
         return self.client.eval(*args)
