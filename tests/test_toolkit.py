@@ -1006,6 +1006,24 @@ def test_a_redis_out_of_memory_reads_the_source_and_never_loses_a_value_built(tm
         server.stop()
 
 
+def test_a_miss_whose_fill_lease_redis_refused_is_counted_once(tmp_path):
+    """The read answered (a miss, counted) and the lease's script was refused (out of memory): the
+    fall-back to the source counted the same miss a second time."""
+    from .servers import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    client = server.client()
+    try:
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)  # every write refused, reads answered
+        metrics = {}
+        assert Cache(client, "p:", metrics).get_or_build("k", lambda: "read directly", ttl=10) == "read directly"
+        assert metrics == {"cache_miss": 1, "cache_rebuild": 1}
+    finally:
+        client.close()
+        server.stop()
+
+
 def test_a_lock_release_redis_cannot_answer_leaves_the_bodys_outcome_alone(tmp_path):
     """Redis gone before the ``with`` block's release: its ConnectionError replaced the body's own
     exception (a Permanent was retried instead of dead-lettered) and failed a body that had done

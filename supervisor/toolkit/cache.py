@@ -213,25 +213,26 @@ class Cache:
         _seconds("stale_ttl", stale_ttl, zero_ok=True)
         if wait is not None:  # NaN never ended the wait on another builder; inf waited out its lease
             _seconds("wait", wait, zero_ok=True)
-        ran = []
+        ran, missed = [], []  # the builder ran; the miss is counted (the read answered)
 
         def build():
             ran.append(True)
             return builder()
 
         try:
-            return self._get_or_build(key, build, ttl, tags, stale_ttl, wait)
+            return self._get_or_build(key, build, ttl, tags, stale_ttl, wait, missed)
         except UNAVAILABLE as exc:
             if ran:
                 raise  # raised by the builder itself: running it again would read (and do) it all twice
             # Cache-aside: with the cache away, read the source of truth. Nothing
             # is stored, so nothing stale can be left behind.
             log.warning("cache unavailable, building %s directly: %s", shown(key), exc)
-            _count(self.metrics, "cache_miss")
+            if not missed:  # a read that answered (the lease's script failed) counted it: one miss
+                _count(self.metrics, "cache_miss")
             _count(self.metrics, "cache_rebuild")
             return _round_trip(key, builder())
 
-    def _get_or_build(self, key, builder, ttl, tags, stale_ttl, wait):
+    def _get_or_build(self, key, builder, ttl, tags, stale_ttl, wait, missed):
         wait = self.wait if wait is None else wait
         entry = self._read(key)
         if entry is not None and entry["fresh"] > time.time():
@@ -244,6 +245,7 @@ class Cache:
                 return entry["v"]
             return self._build(key, builder, ttl, stale_ttl, token, tags)
         _count(self.metrics, "cache_miss")
+        missed.append(True)
         deadline = time.monotonic() + wait
         pause = 0.005
         while True:
