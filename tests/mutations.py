@@ -2301,6 +2301,18 @@ MUTATIONS = [
              "if False:",
              ("tests/test_outages.py", "-k", "sqlite_disk_full_at_start"),
              "a full disk at start made the SQLite supervisor exit 1, systemd giving up after five restarts"),
+    Mutation("sqlite-requeue-under-failed-parent", "supervisor/backends/sqlite/search.py",
+             'elif "pending" in present and self.db.execute(', 'elif False and self.db.execute(',
+             ("tests/test_conformance_workflows.py", "-k", "sqlite and not_requeued_to_run"),
+             "a requeue made a child cancelled parent_failed runnable while its parent lay dead (SQLite)"),
+    Mutation("postgres-requeue-under-failed-parent", "supervisor/backends/postgres/search.py",
+             'if "pending" in self._columns(db) and db.execute(', 'if False and db.execute(',
+             ("tests/test_conformance_workflows.py", "-k", "postgres and not_requeued_to_run"),
+             "a requeue made a child cancelled parent_failed runnable while its parent lay dead (PostgreSQL)"),
+    Mutation("redis-requeue-under-failed-parent", "supervisor/backends/redis_lua/requeue.lua",
+             "  elseif f[4] and failed_parent(key, id) then", "  elseif false then",
+             ("tests/test_conformance_workflows.py", "-k", "redis and not_requeued_to_run"),
+             "a requeue made a child cancelled parent_failed runnable while its parent lay dead (Redis)"),
 ]
 
 

@@ -637,6 +637,37 @@ def test_a_requeued_child_waits_for_its_parents_not_finished_now(broker):
     assert [job.id for job in claim_all(broker)] == [child]
 
 
+def test_a_child_is_not_requeued_to_run_while_an_on_success_parent_lies_failed(broker):
+    """``tangguh retry --state cancelled`` made a callback cancelled ``parent_failed`` runnable while
+    its parent lay dead: it ran without its parent ever succeeding. A requeue now answers
+    ``parent_failed`` for a job with an ``on="success"`` parent that ended dead, cancelled or
+    expired, and leaves it as it was; replaying that parent reopens it, as before."""
+    parent = broker.enqueue(new(max_attempts=1))
+    child = broker.enqueue(new(depends_on=[parent]))
+    grandchild = broker.enqueue(new(depends_on=[child]))
+    held = broker.enqueue(new(depends_on=[parent]))
+    tolerant = broker.enqueue(new(depends_on=[(parent, "complete")]))
+    assert broker.cancel([held], "ops", "hold")[held] == "cancelled"  # an operator's, before the death
+    die(broker, claim_ids(broker)[parent])
+    assert broker.get(child).reason == "parent_failed"
+    # The grandchild's parent is cancelled, not dead: it fails it all the same.
+    assert broker.requeue([child, grandchild, held]) == {
+        child: "parent_failed", grandchild: "parent_failed", held: "parent_failed"}
+    for kid in (child, grandchild):
+        assert (broker.get(kid).state, broker.get(kid).reason) == ("cancelled", "parent_failed")
+    assert broker.get(held).state == "cancelled"
+    assert list(claim_ids(broker)) == [tolerant]  # on="complete": released by the death, as before
+    assert broker.stats(Q)["default"].waiting == 0
+    # The parent replayed reopens the child and its child; the one the operator cancelled can
+    # now go back, waiting for the parent.
+    assert broker.dlq_replay([parent]) == [parent]
+    assert [broker.get(i).state for i in (child, grandchild)] == ["waiting", "waiting"]
+    assert broker.requeue([held]) == {held: "waiting"}
+    broker.ack(claim_ids(broker)[parent].lease, "at last")
+    got = claim_ids(broker)
+    assert set(got) == {child, held} and got[child].parents == {parent: ("done", "at last")}
+
+
 def test_discarding_an_unfinished_parent_ends_it_for_its_children(broker):
     parent = broker.enqueue(new())
     child, always = broker.enqueue_many([new(depends_on=[parent]), new(depends_on=[(parent, "complete")])])

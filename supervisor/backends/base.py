@@ -266,10 +266,12 @@ class Broker(abc.ABC):
     def requeue(self, job_ids):
         """Put finished jobs back (dead, cancelled or expired -> ``queued``, attempt 0, history kept).
 
-        Returns ``{job_id: "queued" | "waiting" | "not_finished" | "done" | "unknown" | "conflict"}``;
-        ``"waiting"``: a workflow child whose parents have not all finished waits for them again
-        (its ``pending`` counts them); ``"conflict"``: an unfinished job holds its idempotency key,
-        it stays as it was.
+        Returns ``{job_id: "queued" | "waiting" | "not_finished" | "done" | "unknown" | "conflict"
+        | "parent_failed"}``; ``"waiting"``: a workflow child whose parents have not all finished
+        waits for them again (its ``pending`` counts them); ``"conflict"``: an unfinished job holds
+        its idempotency key, it stays as it was; ``"parent_failed"``: an ``on="success"`` parent
+        lies dead, cancelled or expired (still stored), it stays as it was (the parent's replay or
+        requeue reopens it).
         """
         raise NotImplementedError
 

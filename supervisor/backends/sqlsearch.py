@@ -5,6 +5,7 @@ Shared by SQLite and PostgreSQL (``mark`` is their placeholder, ``?`` or
 index, so a page is one range of one index and keyset pagination is a row
 comparison. Which index serves which filter is in docs/brokers.md.
 """
+from ..dependencies import ON_SUCCESS
 from .scan import ERROR_STATES
 
 # Filters an SQL broker always serves in SQL (by an index: see the schemas).
@@ -81,3 +82,13 @@ def requeue_waits(jobs, edges, mark):
     leaves a child an operator cancelled as it was). A deleted parent (``parent_gone``) ended."""
     which = f"child = {mark} AND NOT parent_gone AND {live_parent(jobs, edges)}"
     return f"SELECT count(*) FROM {edges} WHERE {which}", f"UPDATE {edges} SET state = NULL, result = NULL WHERE {which}"
+
+
+def failed_parent(jobs, edges, mark):
+    """SQL: one row when the job ``mark`` has an ``on="success"`` parent that ended dead, cancelled
+    or expired and is still stored. A requeue refuses it (``parent_failed``): run now, it would run
+    without that parent ever succeeding; waiting, it would wait for a job that runs only when
+    replayed or requeued, and that reopens it anyway."""
+    return (f"SELECT 1 FROM {edges} e JOIN {jobs} p ON p.id = e.parent WHERE e.child = {mark}"
+            f" AND e.on_ = '{ON_SUCCESS}' AND NOT e.parent_gone AND p.state IN ('dead', 'cancelled', 'expired')"
+            " LIMIT 1")

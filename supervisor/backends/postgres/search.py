@@ -228,6 +228,9 @@ class SearchMixin:
                     return "done"
                 if row[0] not in _REQUEUE_FROM:
                     return "not_finished"
+                if "pending" in self._columns(db) and db.execute(
+                        sqlsearch.failed_parent(self._jobs, f"{self._s}.job_edges", "%s"), (job_id,)).fetchone():
+                    return "parent_failed"
                 return self._put_back(db, job_id, cleared)
         except pgerrors.UniqueViolation:  # its idempotency key is held by an unfinished job
             return "conflict"

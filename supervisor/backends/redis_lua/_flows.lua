@@ -179,6 +179,20 @@ local function wait_again(ckey, child)
   return pending
 end
 
+-- Has the child an on="success" parent that ended dead, cancelled or expired and is still stored
+-- (its hash holds the edge)? A requeue refuses it (parent_failed), as the SQL brokers do: run now,
+-- it would run without that parent ever succeeding; a replay or requeue of the parent reopens it.
+local function failed_parent(ckey, child)
+  local cf = redis.call('HGETALL', ckey)
+  for j = 1, #cf, 2 do
+    if string.sub(cf[j], 1, 2) == 'd:' and cf[j + 1] == 'success' then
+      local p = redis.call('HMGET', JOB .. string.sub(cf[j], 3), 'state', 'k:' .. child)
+      if p[2] and (p[1] == 'dead' or p[1] == 'cancelled' or p[1] == 'expired') then return true end
+    end
+  end
+  return false
+end
+
 -- A finished job goes back (dlq replay): its waiting children wait on it
 -- again; the children it cancelled wait again unless another on="success"
 -- parent still failed them, and so on down the tree. A child's 'failing'

@@ -1,7 +1,8 @@
 -- requeue: ARGV[3..] = ids. Each dead, cancelled or expired job goes back queued,
 -- due now, attempt 0, history kept (a child with parents not finished now: waiting for
 -- them). Returns one outcome per id: 'queued', 'waiting', 'done',
--- 'not_finished', 'unknown' or 'conflict' (an unfinished job holds its idempotency key).
+-- 'not_finished', 'unknown', 'conflict' (an unfinished job holds its idempotency key) or
+-- 'parent_failed' (an on="success" parent lies dead, cancelled or expired: left as it was).
 -- A parent named with its child goes back first, so the child sees it unfinished and waits
 -- for it (parents_first); the answers keep the order given.
 local ids = {}
@@ -21,6 +22,8 @@ for _, at in ipairs(order) do
     out[at] = 'done'
   elseif state ~= 'dead' and state ~= 'cancelled' and state ~= 'expired' then
     out[at] = 'not_finished'
+  elseif f[4] and failed_parent(key, id) then
+    out[at] = 'parent_failed'
   else
     local holder = f[2] and redis.call('HGET', IDEM, f[2])
     local held = false

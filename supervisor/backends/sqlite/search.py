@@ -132,6 +132,9 @@ class SearchMixin:
                     out[job_id] = "done"
                 elif row["state"] not in _REQUEUE_FROM:
                     out[job_id] = "not_finished"
+                elif "pending" in present and self.db.execute(
+                        sqlsearch.failed_parent("jobs", "job_edges", "?"), (job_id,)).fetchone():
+                    out[job_id] = "parent_failed"
                 else:
                     try:
                         out[job_id] = self._put_back(job_id, now, present, cleared)
