@@ -566,6 +566,23 @@ def test_wait_refuses_an_unknown_id_or_a_bad_timeout(broker):
             broker.wait(job_id, bad)
 
 
+def test_wait_and_remove_supervisor_refuse_an_id_nothing_can_have(broker):
+    """Called on a broker directly (not through ``Client``), ``wait`` and ``remove_supervisor``
+    with an id no job or supervisor can have (a NUL, a lone surrogate, not text) raised
+    UnicodeEncodeError (SQLite, and Redis's ``remove_supervisor``), an outage (PostgreSQL), or
+    was read as an unknown id. Now the same BadInput as every other call, before anything is read
+    or written."""
+    broker.write_supervisor({"id": "s1"}, ttl=30)
+    for bad in ("a\x00b", "\ud800", "", 5, None, "x" * 1000):
+        with pytest.raises(BadInput, match="job id"):
+            broker.wait(bad, 0.1)
+        with pytest.raises(BadInput, match="supervisor id"):
+            broker.remove_supervisor(bad)
+        with pytest.raises(BadInput, match="supervisor id"):
+            broker.write_supervisor({"id": bad}, ttl=30)
+    assert [r["id"] for r in broker.supervisors()] == ["s1"]
+
+
 # -- supervisor records -----------------------------------------------------------
 
 def test_supervisor_records_show_gone_after_ttl_and_are_removed_later(broker, monkeypatch):

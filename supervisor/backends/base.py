@@ -283,7 +283,7 @@ class Broker(abc.ABC):
         """The job once it is finished (``model.FINISHED``), or None when ``timeout`` seconds pass first.
 
         Woken by the broker's own notification, never a busy poll. BadInput
-        for an id the broker does not hold.
+        for an id the broker does not hold, or no job can have (``control.check_id``).
         """
         raise NotImplementedError
 
@@ -300,7 +300,7 @@ class Broker(abc.ABC):
         raise NotImplementedError
 
     def remove_supervisor(self, supervisor_id):
-        """Forget one record (a supervisor stopping cleanly)."""
+        """Forget one record (a supervisor stopping cleanly); BadInput for an id no record can have."""
         raise NotImplementedError
 
     def wakeup_fd(self):

@@ -28,9 +28,17 @@ def check_ids(job_ids, most=MAX_IDS):
     if most is not None and len(job_ids) > most:
         raise BadInput(f"at most {MAX_IDS} job ids at once, got {len(job_ids)}")
     for job_id in job_ids:
-        if not isinstance(job_id, str) or not job_id or len(job_id) > MAX_NAME or not is_storable(job_id):
-            raise BadInput(f"job id must be a string of 1 to {MAX_NAME} characters (no NUL or lone surrogate), got {job_id!r}")
+        check_id(job_id)
     return list(dict.fromkeys(job_ids))
+
+
+def check_id(job_id, what="job"):
+    """One id a job (``what="supervisor"``: a supervisor record) can have, else BadInput: SQLite
+    raised UnicodeEncodeError on a lone surrogate, PostgreSQL failed on a NUL as an outage."""
+    if not isinstance(job_id, str) or not job_id or len(job_id) > MAX_NAME or not is_storable(job_id):
+        raise BadInput(f"{what} id must be a string of 1 to {MAX_NAME} characters (no NUL or lone surrogate),"
+                       f" got {job_id!r}")
+    return job_id
 
 
 def check_limit(limit):
@@ -107,9 +115,7 @@ def check_record(record, ttl):
     """``(id, record as JSON text)`` of a supervisor record, or BadInput."""
     if not isinstance(record, dict):
         raise BadInput("a supervisor record must be a JSON object")
-    sid = record.get("id")
-    if not isinstance(sid, str) or not sid or len(sid) > MAX_NAME:
-        raise BadInput(f"a supervisor record needs an id of 1 to {MAX_NAME} characters, got {sid!r}")
+    sid = check_id(record.get("id"), "supervisor")
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
         raise BadInput(f"ttl must be a positive number of seconds, got {ttl!r}")
     text = check_json(record, "supervisor record")

@@ -190,6 +190,7 @@ class ControlMixin(control.ExpiredLog):
 
     # -- wait ------------------------------------------------------------------
     def wait(self, job_id, timeout):
+        control.check_id(job_id)
         control.check_timeout(timeout)
         with self._guard("wait"):
             listener = self._connections.take_waiter(done_channel(self.schema))
@@ -246,4 +247,5 @@ class ControlMixin(control.ExpiredLog):
         return [control.shown_record(r["record"], r["last_heartbeat"], r["ttl"], r["now"]) for r in rows]
 
     def remove_supervisor(self, supervisor_id):
+        control.check_id(supervisor_id, "supervisor")
         self._execute(f"DELETE FROM {self._s}.supervisors WHERE id = %s", (supervisor_id,))

@@ -139,6 +139,7 @@ class ControlMixin(control.ExpiredLog):
     # -- wait ------------------------------------------------------------------
     @guard
     def wait(self, job_id, timeout):
+        control.check_id(job_id)
         control.check_timeout(timeout)
         channel = self._done_channel()
         pubsub, kept = self._wait_subscription(channel), False
@@ -228,6 +229,7 @@ class ControlMixin(control.ExpiredLog):
 
     @guard
     def remove_supervisor(self, supervisor_id):
+        control.check_id(supervisor_id, "supervisor")
         self.r.hdel(self._records_key, supervisor_id)
 
 

@@ -170,6 +170,8 @@ class ControlMixin(control.ExpiredLog):
 
     # -- wait ------------------------------------------------------------------
     def wait(self, job_id, timeout):
+        control.check_id(job_id)
+        control.check_timeout(timeout)
         fd = wakeup.watch_modifications([os.path.abspath(self.path) + "-wal"])
         settle_until = [0.0]
         try:
@@ -203,5 +205,6 @@ class ControlMixin(control.ExpiredLog):
         return [control.shown_record(r["record"], r["last_heartbeat"], r["ttl"], now) for r in rows]
 
     def remove_supervisor(self, supervisor_id):
+        control.check_id(supervisor_id, "supervisor")
         with self._write():
             self.db.execute("DELETE FROM supervisors WHERE id = ?", (supervisor_id,))
