@@ -2331,6 +2331,10 @@ MUTATIONS = [
              "        control.check_id(job_id)\n", "",
              (CONTROL, "-k", "redis and nothing_can_have"),
              "Redis's wait answered an id no job can have as an unknown one, not as an id refused before any read"),
+    Mutation("redis-resume-keeps-empty-queue-name", "supervisor/backends/redis_lua/resume.lua",
+             "if empty and KEYS[7] then", "if false then",
+             (CONTROL, "-k", "redis and resumed_with_nothing"),
+             "a paused empty queue, resumed, stayed in Redis's queues() until the next prune"),
 ]
 
 

@@ -331,6 +331,22 @@ def test_a_queue_whose_jobs_were_all_pruned_leaves_the_list_unless_paused(broker
     assert list(broker.paused()) == ["held"]
 
 
+def test_a_queue_paused_and_resumed_with_nothing_in_it_leaves_the_list_at_once(broker):
+    """``queues()`` lists the queues with jobs, paused, or served. A pause names an empty queue; its
+    resume left the name listed on Redis until the next prune (``tangguh queue list`` showed it,
+    ``tangguh queue pause`` took it as known) where the SQL brokers dropped it at once."""
+    broker.enqueue(new(queue="busy"))
+    for queue in ("idle", "busy"):
+        broker.pause(queue)
+    assert broker.queues() == ["busy", "idle"]
+    for queue in ("idle", "busy", "never"):
+        broker.resume(queue)
+    assert broker.queues() == ["busy"]
+    assert broker.paused() == {}
+    broker.pause("idle")  # named again by its next pause
+    assert broker.queues() == ["busy", "idle"] and list(broker.paused()) == ["idle"]
+
+
 # -- expiry ------------------------------------------------------------------------
 
 def test_a_job_due_past_its_expiry_ends_expired_without_an_attempt(broker):

@@ -104,7 +104,11 @@ class ControlMixin(control.ExpiredLog):
 
     @guard
     def resume(self, queue):
-        self.r.delete(self._paused_key(queue))
+        # An empty queue's name goes with its pause (resume.lua), as the SQL brokers list it no more.
+        if not self.cluster:
+            self._run_many([("resume", queue, [])], more_keys=(self.keys.queues,))
+        elif self._run("resume", queue, []):
+            self._forget_queue(queue)  # the set lies in another slot: as prune does (prune.py)
 
     @guard
     def paused(self, queues=None):

@@ -27,7 +27,7 @@ queue's keys share one Redis Cluster slot::
     P:{Q}:excls    set     the exclusive types with such a hash (prune sweeps them)
     P:{Q}:rate:T   hash    type T's token bucket: tokens, ts (us)
     P:queues       set     the queues enqueued to or paused (dlq_list, prune, get);
-                           prune takes out a queue with nothing left
+                           prune (and resume) takes out a queue with nothing left
     P:wakeup       channel published when a job becomes due now
 
 Scripts reach job hashes (and the ``run``/``excl``/``rate`` keys) by names

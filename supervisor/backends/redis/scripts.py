@@ -16,7 +16,7 @@ import re
 
 NAMES = ("enqueue", "claim", "extend", "ack", "retry", "dead", "release", "replay", "purge", "stats", "prune",
          "claim_limited", "enqueue_once", "ack_many", "requeue", "discard", "search_page", "search_states",
-         "search_sizes", "enqueue_flow", "queue_empty")
+         "search_sizes", "enqueue_flow", "queue_empty", "resume")
 # Job control's scripts (redis/control.py).
 CONTROL_NAMES = ("cancel", "renew", "cancelled", "mark_waited")
 # A script made of several files, run in order (the first may return early).
