@@ -64,8 +64,7 @@ import redis as redis_py
 
 from .. import protocol
 from ..child import timeouts
-from .locks import shown
-from .locks import RELEASE
+from .locks import RELEASE, shown
 
 log = logging.getLogger("tangguh.cache")
 

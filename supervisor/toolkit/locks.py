@@ -56,8 +56,8 @@ import time
 import uuid
 
 from .. import protocol
-from ..jsonvalues import clip_start
 from ..child import timeouts
+from ..jsonvalues import clip_start
 from ..retry import RetryLater
 
 log = logging.getLogger("tangguh.locks")
