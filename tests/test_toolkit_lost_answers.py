@@ -4,14 +4,17 @@ A stall past the client's ``socket_timeout`` or a connection cut between a
 request and its answer (``tests/replycut.py``, a relay in front of a real
 Redis): the server has run the script, the child never heard of it. For a lock
 that meant a key held by a token nobody knew, to its TTL, and a master that
-could not free it with the job.
+could not free it with the job; for a cache's fill lease, every reader of the
+key waiting ``wait`` and building without storing until the lease expired.
 """
+import json
 import urllib.parse
 
 import pytest
 
 from supervisor import protocol, toolkit
 from supervisor.master.locks import MasterLocks
+from supervisor.toolkit.cache import Cache
 from supervisor.toolkit.locks import FENCE, Locks
 
 from .replycut import ReplyCut
@@ -71,3 +74,41 @@ def test_a_lock_taken_by_an_acquire_that_then_failed_is_freed_by_the_master_with
     master = MasterLocks(redis_url)
     master.on_message(4242, told[0])
     assert master.release_child(4242) == 1 and not direct.exists(key)
+
+
+@pytest.mark.services
+def test_a_fill_lease_whose_answer_was_lost_is_taken_by_the_same_token_and_told_to_the_master(through):
+    """The lease script ran (the lease held the child's token) and the answer never came: the
+    reader built without storing, the lease stayed to its TTL unknown to the master, and every
+    other reader of the key waited ``wait`` and built without storing too."""
+    cut, relayed, prefix, direct = through
+    told = []
+    cache = Cache(relayed, prefix, notify=told.append)
+    lease = f"{prefix}cache-lease:summary"
+    cut.cut_next(lease, hold=True)
+    assert cache.get_or_build("summary", lambda: {"total": 3}, ttl=60, tags=["invoice"]) == {"total": 3}
+    assert cut.cut.is_set(), cut.describe()
+    assert json.loads(direct.get(f"{prefix}cache:summary"))["v"] == {"total": 3}  # stored under the lease
+    assert not direct.exists(lease)
+    token = told[0]["token"]
+    assert told == [{"op": protocol.LOCK, "key": lease, "token": token, "ttl": cache.lease_ttl},
+                    {"op": protocol.UNLOCK, "key": lease, "token": token}]
+
+
+@pytest.mark.services
+def test_a_fill_lease_taken_by_a_try_that_then_failed_is_freed_by_the_master_with_the_job(through, redis_url):
+    """The answer lost and the next try refused: the reader builds for itself (nothing stored),
+    but the master has heard of the token the server holds and frees the lease with the job."""
+    cut, relayed, prefix, direct = through
+    told = []
+    cache = Cache(relayed, prefix, notify=told.append)
+    lease = f"{prefix}cache-lease:summary"
+    cut.cut_next(lease, hold=True)
+    cut.refuse_next()  # the try again's new connection
+    assert cache.get_or_build("summary", lambda: {"total": 3}, ttl=60) == {"total": 3}
+    assert cut.cut.is_set(), cut.describe()
+    token = direct.get(lease).decode()
+    assert told == [{"op": protocol.LOCK, "key": lease, "token": token, "ttl": cache.lease_ttl}]
+    master = MasterLocks(redis_url)
+    master.on_message(4242, told[0])
+    assert master.release_child(4242) == 1 and not direct.exists(lease)

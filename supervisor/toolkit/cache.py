@@ -17,7 +17,8 @@ Write (in the transaction that changes the data)::
   reading the database; only the holder builds. Others poll for its value up
   to ``wait`` seconds, then build for themselves without storing. In a job,
   the master holds the lease like a lock: extended while the build runs,
-  freed at once if the child dies, so the next reader builds and stores.
+  freed at once if the child dies, so the next reader builds and stores. A
+  lease whose answer was lost is asked again with its token (as a lock).
 * **Fill leases cancelled by invalidation**: an invalidation deletes the
   entry *and* the outstanding fill lease; the store is a compare-and-set on
   the lease token, so a builder that read the old row before the writer
@@ -64,7 +65,7 @@ import redis as redis_py
 
 from .. import protocol
 from ..child import timeouts
-from .locks import RELEASE, shown
+from .locks import RELEASE, _unanswered, shown
 
 log = logging.getLogger("tangguh.cache")
 
@@ -76,7 +77,10 @@ UNAVAILABLE = (redis_py.ConnectionError, redis_py.TimeoutError, redis_py.OutOfMe
 # A lease taken also trims its tags: of 5 members drawn at random, those with neither an entry nor
 # a lease go (nothing of theirs is readable, and a new lease adds them again). As fills come, dead
 # members fall to about a fifth of a tag, instead of piling up until an invalidation.
+# A lease already holding our token is our own earlier run, whose answer was lost: taken (that run
+# registered the tags; no store could come since, the store needs this token).
 TAKE_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
 if ARGV[5] == 'absent' and redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local p = ARGV[6]
@@ -289,25 +293,42 @@ class Cache:
         raw = self.client.get(self._key(key))
         return None if raw is None else json.loads(raw)
 
-    def _take_lease(self, key, tags, ttl, stale_ttl, if_absent=True):
-        """Our fill-lease token, or None (another holds it, or ``if_absent`` and the key has a value)."""
+    def _take_lease(self, key, tags, ttl, stale_ttl, if_absent=True, tell=None):
+        """Our fill-lease token, or None (another holds it, or ``if_absent`` and the key has a value).
+
+        An answer lost (the server may have taken the lease) is asked once more with the same token,
+        which the script takes as ours; ``tell(token)`` first, so the master frees a lease the server
+        took even when the second try fails too (the reader then builds for itself, as a lock's acquire)."""
         token = uuid.uuid4().hex
         tag_ms = int((ttl + stale_ttl + self.lease_ttl) * 1000) + 1000
         keys = [self._lease(key), self._key(key)] + [self._tag(t) for t in tags]
         mode = "absent" if if_absent else "any"
-        if self.client.eval(TAKE_LEASE, len(keys), *keys, token, int(self.lease_ttl * 1000), key, tag_ms, mode,
-                            self.prefix) == 1:
-            return token
-        return None
+        args = (TAKE_LEASE, len(keys), *keys, token, int(self.lease_ttl * 1000), key, tag_ms, mode, self.prefix)
+        try:
+            taken = self.client.eval(*args)
+        except Exception as error:  # noqa: BLE001 - narrowed below
+            if not _unanswered(error):
+                raise
+            log.warning("fill lease of %s: no answer, asked again (%s)", shown(key), error)
+            if tell is not None:
+                tell(token)
+            taken = self.client.eval(*args)
+        return token if taken == 1 else None
 
     def _claim(self, key, tags, ttl, stale_ttl, if_absent=True):
         """``_take_lease`` for a build, the master told of the lease in the same critical block: a
         soft timeout or a cancel raised between the two left a lease nobody would free, and every
         reader of the key waited ``wait`` and built unstored until it expired (a job's lease)."""
+        told = []  # the master heard of the token already (an answer was lost)
+
+        def tell(token):
+            told.append(token)
+            self.notify({"op": protocol.LOCK, "key": self._lease(key), "token": token, "ttl": self.lease_ttl})
+
         with timeouts.critical():
-            token = self._take_lease(key, tags, ttl, stale_ttl, if_absent)
-            if token is not None and self.notify is not None:
-                self.notify({"op": protocol.LOCK, "key": self._lease(key), "token": token, "ttl": self.lease_ttl})
+            token = self._take_lease(key, tags, ttl, stale_ttl, if_absent, tell if self.notify else None)
+            if token is not None and self.notify is not None and not told:
+                tell(token)
         return token
 
     def _build(self, key, builder, ttl, stale_ttl, token, tags):
