@@ -16,6 +16,9 @@ from supervisor.model import NewJob, error_info
 
 from .daemon import tangguh
 
+REFUSED = ('the retry refuses any whose on="success" parent lies dead, cancelled or expired (parent_failed)'
+           " or whose idempotency key an unfinished job holds (conflict)")
+
 
 @pytest.fixture
 def cfg(tmp_path, broker_url):
@@ -141,7 +144,7 @@ def test_a_bulk_action_ctrl_c_ends_says_how_far_it_got_in_its_json_too(cfg, brok
 def test_retry_by_filter_requeues_only_what_it_can_with_a_dry_run_first(capsys, cfg, broker, jobs):
     before = snapshot(broker)
     code, out, _ = run(capsys, cfg, "retry", "--type", "report", "--dry-run")
-    assert code == 0 and out.strip() == "would retry 2 job(s)"
+    assert code == 0 and out.strip() == f"would retry 2 job(s), or fewer: {REFUSED}"
     assert snapshot(broker) == before
     code, out, _ = run(capsys, cfg, "retry", "--type", "report", "--rate", "50/s")
     assert code == 0
@@ -154,6 +157,25 @@ def test_retry_by_filter_requeues_only_what_it_can_with_a_dry_run_first(capsys, 
     got, summary = outcomes(out)
     assert got == {jobs["a"]: "not_finished", jobs["dead1"]: "not_finished", "job_nope": "unknown"}
     assert summary == {"verb": "retry", "count": 3, "outcomes": {"not_finished": 2, "unknown": 1}, "stopped": None}
+
+
+def test_a_retry_dry_run_says_the_retry_may_refuse_some_of_those_it_counts(capsys, cfg, broker):
+    """A dry run counts the jobs in a state a retry acts on. The retry refuses a job whose
+    on="success" parent lies dead, cancelled or expired (parent_failed), or whose idempotency key
+    an unfinished job holds (conflict): no broker call tells that beforehand (a job's record gives
+    its parents' ends, not each edge's on=), so "would retry 1 job(s)" came before "0 queued"."""
+    parent = broker.enqueue(NewJob("report", {"n": 1}, max_attempts=1))
+    child = broker.enqueue(NewJob("report", {"n": 2}, depends_on=[parent]))
+    [job] = broker.claim(["default"], 10, 300, "w")
+    broker.dead(job.lease, "exception", error_info("exception", "KeyError", "missing invoice"))
+    assert broker.get(child).state == "cancelled"
+    code, out, _ = run(capsys, cfg, "retry", "--state", "cancelled", "--dry-run")
+    assert code == 0 and out.strip() == f"would retry 1 job(s), or fewer: {REFUSED}"
+    code, out, _ = run(capsys, cfg, "retry", child, "--dry-run", "--json")
+    assert json.loads(out) == {"verb": "retry", "count": 1, "exact": True, "dry_run": True, "unknown": 0,
+                               "may_refuse": ["parent_failed", "conflict"]}
+    code, out, _ = run(capsys, cfg, "retry", "--state", "cancelled")
+    assert code == 0 and out.strip().splitlines() == [f"{child} parent_failed", "retry: 1 parent_failed"]
 
 
 def test_discard_by_payload_field_and_by_ids(capsys, cfg, broker, jobs):
@@ -184,7 +206,8 @@ def test_cancel_dry_run_counts_the_unfinished_jobs_it_would_cancel(capsys, cfg, 
     code, out, _ = run(capsys, cfg, "cancel", jobs["a"], jobs["dead1"], unknown, "--dry-run")
     assert code == 0 and out.strip() == "would cancel 1 job(s); 1 id(s) name no job"
     code, out, _ = run(capsys, cfg, "retry", jobs["a"], jobs["dead1"], jobs["dead2"], unknown, "--dry-run", "--json")
-    assert json.loads(out) == {"verb": "retry", "count": 2, "exact": True, "dry_run": True, "unknown": 1}
+    assert json.loads(out) == {"verb": "retry", "count": 2, "exact": True, "dry_run": True, "unknown": 1,
+                               "may_refuse": ["parent_failed", "conflict"]}
     code, out, _ = run(capsys, cfg, "discard", jobs["a"], jobs["dead1"], "--dry-run")
     assert out.strip() == "would discard 2 job(s)"
     assert snapshot(broker) == before

@@ -12,7 +12,8 @@ go), print one line per job (``ID OUTCOME``; ``--json``: one JSON object a
 line, then a summary object) as each batch is done, and with ``--rate`` pace
 themselves like ``dlq replay --rate``. A stop partway (broker gone, stdout
 closed) is ``stopped after N of M: REASON``, exit 1 (``progress``).
-``--dry-run`` prints how many jobs the selection holds and changes nothing.
+``--dry-run`` prints how many jobs the selection holds and changes nothing; for
+``retry`` that is an upper bound (``MAY_REFUSE``).
 """
 import re
 import time
@@ -35,6 +36,14 @@ DEFAULT_STATES = {
     "retry": ("dead", "cancelled", "expired"),
     "discard": (),
 }
+
+# What a retry (the broker's requeue) may answer for a job its dry run counted: an on="success"
+# parent lies dead, cancelled or expired; an unfinished job holds its idempotency key. A dry run
+# cannot tell them apart: a job's record gives its parents' ends but not each edge's on= (an
+# on="complete" child of a dead parent goes back), nor who holds a key.
+MAY_REFUSE = {"retry": ("parent_failed", "conflict")}
+REFUSED = ('the retry refuses any whose on="success" parent lies dead, cancelled or expired (parent_failed)'
+           " or whose idempotency key an unfinished job holds (conflict)")
 
 
 def add_commands(commands, command, as_json):
@@ -158,11 +167,14 @@ def cmd_bulk(args):
             if args.job_ids:  # named ones: those in a state the action changes, not every id given
                 selected, unknown = _would_act(broker, verb, list(dict.fromkeys(args.job_ids)))
                 named = {"unknown": unknown}
+            if verb in MAY_REFUSE:
+                named["may_refuse"] = list(MAY_REFUSE[verb])
             if args.json:
                 print_json({"verb": verb, "count": selected, "exact": exact, "dry_run": True, **named})
             else:
                 unknown_note = f"; {unknown} id(s) name no job" if unknown else ""
-                print(f"would {verb} {'' if exact else 'about '}{selected} job(s){unknown_note}")
+                refused_note = f", or fewer: {REFUSED}" if verb in MAY_REFUSE else ""
+                print(f"would {verb} {'' if exact else 'about '}{selected} job(s){refused_note}{unknown_note}")
             return
         act = _action(broker, verb, by or _user(), getattr(args, "reason", ""))
         progress = Progress(verb, args.json, selected, exact)
