@@ -65,7 +65,7 @@ import redis as redis_py
 
 from .. import protocol
 from ..child import timeouts
-from .locks import RELEASE, _unanswered, shown
+from .locks import RELEASE, shown, unanswered
 
 log = logging.getLogger("tangguh.cache")
 
@@ -307,7 +307,7 @@ class Cache:
         try:
             taken = self.client.eval(*args)
         except Exception as error:  # noqa: BLE001 - narrowed below
-            if not _unanswered(error):
+            if not unanswered(error):
                 raise
             log.warning("fill lease of %s: no answer, asked again (%s)", shown(key), error)
             if tell is not None:

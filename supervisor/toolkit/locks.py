@@ -176,7 +176,7 @@ def check_ttl(ttl, name="ttl"):
     return float(ttl)
 
 
-def _unanswered(error):
+def unanswered(error):
     """A redis-py error after which the server may have run the call: its answer never came."""
     import redis as redis_py  # imported by the client already
 
@@ -262,7 +262,7 @@ class Locks:
         try:
             return self.client.eval(*args)
         except Exception as error:  # noqa: BLE001 - narrowed below
-            if not _unanswered(error):
+            if not unanswered(error):
                 raise
             log.warning("lock %s: no answer to its acquire, asked again (%s)", shown(key), error)
         self.notify({"op": protocol.LOCK, "key": key, "token": token, "ttl": ttl})
