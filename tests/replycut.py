@@ -13,6 +13,7 @@ reached the server. Every other byte is relayed unchanged.
 import collections
 import socket
 import threading
+import urllib.parse
 
 
 class ReplyCut:
@@ -31,6 +32,15 @@ class ReplyCut:
         self.refused = 0
         self.seen = collections.deque(maxlen=20)  # (connection, request's head): for a failure's message
         threading.Thread(target=self._accept, daemon=True).start()
+
+    @classmethod
+    def of(cls, url):
+        """A relay to the Redis server ``url`` names, and that URL through it (its user,
+        password, database and options kept)."""
+        parts = urllib.parse.urlsplit(url)
+        cut = cls(parts.hostname, parts.port or 6379)
+        userinfo = parts.netloc.rpartition("@")[0]
+        return cut, parts._replace(netloc=f"{userinfo + '@' if userinfo else ''}127.0.0.1:{cut.port}").geturl()
 
     def cut_next(self, marker, hold=False):
         with self.lock:

@@ -10,7 +10,6 @@ run's jobs, leased and unseen, found and released by the supervisor) is in ``tes
 """
 import hashlib
 import signal
-import urllib.parse
 
 import pytest
 
@@ -36,10 +35,7 @@ def reply_cut(redis_url):
     """(the relay, the broker URL through it, a client straight to the server)."""
     from supervisor.backends.redis import scripts
 
-    parts = urllib.parse.urlsplit(redis_url)
-    cut = ReplyCut(parts.hostname, parts.port or 6379)
-    userinfo = parts.netloc.rpartition("@")[0]
-    through = parts._replace(netloc=f"{userinfo + '@' if userinfo else ''}127.0.0.1:{cut.port}").geturl()
+    cut, through = ReplyCut.of(redis_url)
     client = open_broker(redis_url)
     for name in ("claim", "ack_many", "dead", "enqueue_once", "replay", "purge"):  # loaded: the cut request runs, not a NOSCRIPT answer
         client.r.script_load(scripts.sources()[name])

@@ -8,7 +8,6 @@ could not free it with the job; for a cache's fill lease, every reader of the
 key waiting ``wait`` and building without storing until the lease expired.
 """
 import json
-import urllib.parse
 
 import pytest
 
@@ -23,10 +22,7 @@ from .replycut import ReplyCut
 @pytest.fixture
 def through(redis_url):
     """(the relay, a toolkit client through it with a short socket timeout, its prefix, a client straight to the server)."""
-    parts = urllib.parse.urlsplit(redis_url)
-    cut = ReplyCut(parts.hostname, parts.port or 6379)
-    userinfo = parts.netloc.rpartition("@")[0]
-    url = parts._replace(netloc=f"{userinfo + '@' if userinfo else ''}127.0.0.1:{cut.port}").geturl()
+    cut, url = ReplyCut.of(redis_url)
     relayed, prefix = toolkit.open_redis(url, socket_timeout=0.5)
     direct, _ = toolkit.open_redis(redis_url)
     relayed.ping()  # connected: the next request is the one armed
