@@ -795,6 +795,12 @@ MUTATIONS = [
              "            if not missed:  # a read", "            if True:  # a read",
              ("tests/test_toolkit.py", "-k", "counted_once or unreachable"),
              "a get_or_build whose fill lease Redis refused after its read counts one cache miss, not two"),
+    Mutation("master-locks-keyed-by-key-alone", "supervisor/master/locks.py",
+             "                self.held.setdefault(pid, {})[key, token] = ttl\n",
+             "                mine = self.held.setdefault(pid, {})\n                for other in [k for k in mine if k[0] == key]:\n"
+             "                    del mine[other]\n                mine[key, token] = ttl\n",
+             ("tests/test_toolkit_lost_answers.py", "-k", "second_acquire_of_a_held_name"),
+             "a lost-answer acquire's token, told to the master, does not replace the record of the lock the job holds"),
     Mutation("cache-store-leaves-tags-to-expire", "supervisor/toolkit/cache.py",
              "  if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[5]) then redis.call('PEXPIRE', KEYS[i], ARGV[5]) end\n",
              "", ("tests/test_toolkit.py", "-k", "outlives_its_tag"),

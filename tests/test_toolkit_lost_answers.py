@@ -14,7 +14,7 @@ import pytest
 from supervisor import protocol, toolkit
 from supervisor.master.locks import MasterLocks
 from supervisor.toolkit.cache import Cache
-from supervisor.toolkit.locks import FENCE, Locks
+from supervisor.toolkit.locks import FENCE, LockBusy, Locks
 
 from .replycut import ReplyCut
 
@@ -108,3 +108,28 @@ def test_a_fill_lease_taken_by_a_try_that_then_failed_is_freed_by_the_master_wit
     master = MasterLocks(redis_url)
     master.on_message(4242, told[0])
     assert master.release_child(4242) == 1 and not direct.exists(lease)
+
+
+@pytest.mark.services
+def test_a_lost_answer_to_a_second_acquire_of_a_held_name_leaves_the_masters_record_of_the_holder(through, redis_url):
+    """The job holds lock ``export``; another acquire of the same name in it (another thread) loses
+    its answer: the master hears of that acquire's token before its try again, which the held key
+    refuses. Keyed by the lock's key alone, that token replaced the holder's in the master's
+    record: the holder's lock was no longer extended with the job (it lapsed under it at its TTL)
+    nor freed at once when the child died."""
+    cut, relayed, prefix, direct = through
+    master = MasterLocks(redis_url)
+    locks = Locks(relayed, prefix, notify=lambda msg: master.on_message(4242, msg))
+    key = f"{prefix}lock:export"
+    held = locks.acquire("export", ttl=30, wait=0)
+    cut.cut_next(key, hold=True)
+    import redis
+
+    with pytest.raises((LockBusy, redis.ConnectionError, redis.TimeoutError)):
+        locks.acquire("export", ttl=30, wait=0)
+    assert cut.cut.is_set(), cut.describe()
+    assert direct.get(key).decode() == held.token
+    direct.pexpire(key, 5000)
+    master.extend_all()  # the heartbeat's: the holder's lock gets its TTL back
+    assert direct.pttl(key) > 10_000
+    assert master.release_child(4242) == 1 and not direct.exists(key)  # the child died: freed at once

@@ -26,7 +26,10 @@ class MasterLocks:
 
     def __init__(self, redis_url):
         self.redis_url = redis_url
-        self.held = {}  # pid -> {key: (token, ttl)}
+        # pid -> {(key, token): ttl}. By token too: an acquire whose answer was lost names its token
+        # before its try again, which a lock the same job holds under another token refuses; by key
+        # alone that token replaced the holder's, whose lock then went unextended and unreleased.
+        self.held = {}
         self.mutex = threading.Lock()
         self.released = 0  # locks released for dead children
         self.extended = 0
@@ -54,11 +57,10 @@ class MasterLocks:
             return
         with self.mutex:
             if msg["op"] == protocol.LOCK:
-                self.held.setdefault(pid, {})[key] = (token, ttl)
+                self.held.setdefault(pid, {})[key, token] = ttl
             else:
                 mine = self.held.get(pid, {})
-                if mine.get(key, (None,))[0] == token:
-                    del mine[key]
+                mine.pop((key, token), None)
                 if not mine:
                     self.held.pop(pid, None)
 
@@ -72,7 +74,7 @@ class MasterLocks:
         try:
             client = self._client()
             pipe = client.pipeline(transaction=False)
-            for key, (token, _) in mine.items():
+            for key, token in mine:
                 pipe.eval(RELEASE, 1, key, token)
             released = sum(1 for r in pipe.execute() if r)
         except Exception as exc:  # noqa: BLE001 - Redis away: the TTL frees them instead
@@ -89,7 +91,7 @@ class MasterLocks:
     def extend_all(self):
         """Extend every registered lock by its TTL in one pipelined round trip. Heartbeat thread."""
         with self.mutex:
-            entries = [(key, token, ttl) for mine in self.held.values() for key, (token, ttl) in mine.items()]
+            entries = [(key, token, ttl) for mine in self.held.values() for (key, token), ttl in mine.items()]
         if not entries:
             return
         client = None
