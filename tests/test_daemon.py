@@ -271,8 +271,8 @@ def test_sighup_with_a_broken_config_or_handler_keeps_serving(daemon, breakage):
             "bad_mark": "odd.py", "socket": "supervisor.socket: changing it needs a restart",
             "config": "", "huge_error": "loud.py:1: ValueError: xxx",
             "empty": "holds no job handler now",
-            "exits_at_import": "a handler module ended the process importing it (exit code 7)",
-            "waits_at_import": "importing the handler files took over 1s"}[breakage] in status["reload_error"]
+            "exits_at_import": "rude.py: the module ended the process importing it (exit code 7)",
+            "waits_at_import": "rude.py: importing it took over 1s"}[breakage] in status["reload_error"]
     assert len(status["reload_error"]) < 3000 and len(daemon.logs()) < 100_000
     assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
     daemon.assert_clean()
@@ -799,19 +799,23 @@ def test_a_handler_that_fails_to_import_is_a_startup_error(daemon):
 
 
 @pytest.mark.parametrize("module, says", [
-    ("import os\nos._exit(0)\n", "a handler module ended the process importing it (exit code 0)"),
-    ("import time\ntime.sleep(600)\n", "importing the handler files took over 2s"),
+    ("import os\nos._exit(0)\n", "the module ended the process importing it (exit code 0)"),
+    ("import time\ntime.sleep(600)\n", "importing it took over 2s"),
 ])
 def test_a_handler_module_that_exits_or_hangs_at_import_is_a_startup_error(tmp_path, module, says):
     """An ``os._exit(0)`` at import ended ``run`` with status 0 (systemd's Restart=on-failure
     took it for a clean stop and left the service down); a module waiting at import held the
-    start for ever. The files are imported in a throwaway process first, as a reload does."""
+    start for ever. The files are imported in a throwaway process first, as a reload does. The
+    line names the file: among many, "a handler module" left the operator to guess which."""
     d = Daemon(tmp_path, supervisor={"import_timeout": 2})
     with open(os.path.join(d.handlers, "leaves.py"), "w") as f:
         f.write(module)
+    with open(os.path.join(d.handlers, "zz_fine.py"), "w") as f:
+        f.write("X = 1\n")  # imported after it, if ever: not the one named
     out = tangguh("run", "-c", d.config_path)
     assert out.returncode == 2, out
-    assert out.stderr.strip().splitlines() == [f"tangguh: error: supervisor.handlers: {says}"
+    named = os.path.join(d.handlers, "leaves.py")
+    assert out.stderr.strip().splitlines() == [f"tangguh: error: supervisor.handlers: {named}: {says}"
                                                + ("" if "exit" in says else " (supervisor.import_timeout);"
                                                   " a module waiting at import?")]
     assert not os.path.exists(d.socket)  # it never served

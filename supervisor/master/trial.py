@@ -7,6 +7,7 @@ that waits at import (a server it cannot reach) then fails the reload, with
 with it, or freezing its loop for as long as the import takes: the loop watches
 the trial's descriptors and serves on meanwhile (``reloads``).
 """
+import json
 import os
 import select
 import signal
@@ -18,6 +19,7 @@ from ..child import worker
 # The master's signals: a no-op handler each, the signal's number written to its self-pipe.
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU,
            signal.SIGCHLD)
+IMPORTING, IMPORTED = b"importing ", b"imported"  # the trial's lines on its pipe
 
 
 def not_the_masters_in_forks(master_pid):
@@ -93,15 +95,25 @@ class Trial:
         if not done:
             if time.monotonic() < self.deadline:
                 return None
-            return (f"supervisor.handlers: importing the handler files took over {self.timeout:g}s"
-                    " (supervisor.import_timeout); a module waiting at import?")
+            at = self._importing()
+            return (f"supervisor.handlers: {at}: importing it took over {self.timeout:g}s" if at else
+                    f"supervisor.handlers: importing the handler files took over {self.timeout:g}s") + \
+                " (supervisor.import_timeout); a module waiting at import?"
         self._read()  # what it wrote just before it left
         self.pid = None  # reaped: close() ends only what it left behind
-        if self.out.startswith(b"imported\n"):
+        if IMPORTED in self.out.split(b"\n"):
             return ""  # imported, or failed as the master's own import will say in full
         how = f"signal {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status) else \
             f"exit code {os.WEXITSTATUS(status)}"
-        return f"supervisor.handlers: a handler module ended the process importing it ({how})"
+        at = self._importing()
+        return (f"supervisor.handlers: {at}: the module ended the process importing it ({how})" if at else
+                f"supervisor.handlers: a handler module ended the process importing it ({how})")
+
+    def _importing(self):
+        """The file the trial was importing when it ended or ran out of time (a line before each,
+        ``_import_and_leave``), or None: among many files, "a handler module" named none."""
+        lines = [line for line in self.out.split(b"\n") if line.startswith(IMPORTING)]
+        return json.loads(lines[-1][len(IMPORTING):]) if lines else None
 
     def exited(self, status):
         """Its exit status, reaped by someone else (the master's pool reaps every child)."""
@@ -160,12 +172,17 @@ def _import_and_leave(r, w, folder, generation, master_pid):
         os.setpgid(0, 0)  # a group of its own: the master ends whatever the import started with it
         worker.set_parent_death_signal(master_pid)  # a master killed meanwhile leaves no import behind
         _default_signals()  # the master's self-pipe: a signal here is not the master's
+        def importer(path, module_name):
+            # Its name first (JSON: one line, whatever the name holds), for the verdict to cite.
+            os.write(w, IMPORTING + json.dumps(path).encode() + b"\n")
+            return registry._import_path(path, module_name)  # the default, as load_handlers uses it
+
         try:
-            registry.load_handlers(folder, generation)
+            registry.load_handlers(folder, generation, importer)
             report = b""
         except BaseException as exc:  # noqa: BLE001 - the master's own import reports it in full
             report = type(exc).__name__.encode()
-        os.write(w, b"imported\n" + report)
+        os.write(w, IMPORTED + b"\n" + report)
         code = 0
     finally:
         os._exit(code)  # never back into the master's code, no finalizer on what it inherited
