@@ -495,6 +495,30 @@ def test_a_reload_that_drops_job_types_names_them(daemon):
     assert "no longer serves extra (their jobs claimed here are dead-lettered: unknown_type)" in record["msg"]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTTIN, signal.SIGTTOU])
+def test_a_worker_signal_sent_to_every_process_during_the_trial_import_does_not_stop_the_trial(daemon, sig):
+    """``systemctl kill -s TTIN`` signals every process of the service, the trial import's too. It
+    left it SIGTTIN's default action, which stops a process in a group that is not orphaned (the
+    trial's own, beside the master's): stopped, it ran out of ``import_timeout`` and the start
+    failed with exit 2, "a module waiting at import?" (a reload likewise). The trial catches the
+    master's worker signals as it catches SIGHUP; the master applies them once up."""
+    daemon.config["supervisor"]["import_timeout"] = 20
+    daemon.write_config()
+    importing = os.path.join(daemon.dir, "importing")
+    with open(os.path.join(daemon.handlers, "slow.py"), "w") as f:
+        f.write(f"import os, time\n\nopen({importing!r}, 'a').write(f'{{os.getpid()}}\\n')\ntime.sleep(1.5)\n")
+    daemon.start(wait=False)
+    wait_for(lambda: os.path.exists(importing), message="the trial to import")
+    trial_pid = int(read_lines(importing)[0][0])
+    assert trial_pid != daemon.proc.pid
+    for pid in (daemon.proc.pid, trial_pid):  # every process of the service, as systemctl kill does
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    wait_for(daemon.ready, timeout=15, message="the daemon up, its trial not stopped")
+    assert daemon.status()["target_workers"] == (3 if sig == signal.SIGTTIN else 1)
+    daemon.assert_clean()
+
+
 def test_a_sighup_while_the_handlers_import_at_start_is_a_reload_afterwards(daemon):
     """Before its signal handlers were set, a SIGHUP (logrotate, a deploy script) ended the
     daemon at start-up: for systemd a clean exit, so no restart either."""

@@ -19,6 +19,8 @@ from ..child import worker
 # The master's signals: a no-op handler each, the signal's number written to its self-pipe.
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU,
            signal.SIGCHLD)
+# Sent to every process of the service, they are for the master: caught and dropped elsewhere.
+THE_MASTERS = (signal.SIGHUP, signal.SIGINT, signal.SIGTTIN, signal.SIGTTOU)
 IMPORTING, IMPORTED = b"importing ", b"imported"  # the trial's lines on its pipe
 
 
@@ -28,7 +30,10 @@ def not_the_masters_in_forks(master_pid):
     handlers wrote each signal that helper got into the master's self-pipe, and a SIGTERM sent to
     the helper alone stopped the master. SIGHUP and SIGINT sent to the whole group (a reload by
     `systemctl kill -s HUP`, Ctrl-C) are the master's: caught and dropped, as a child does once it
-    runs, so that neither ends a child still starting. (A child's own forks are its business.)"""
+    runs, so that neither ends a child still starting. SIGTTIN and SIGTTOU likewise: `systemctl
+    kill -s TTIN` signals every process of the service, and their default action stopped the
+    trial (its own process group is not orphaned), which then ran out of its time and failed the
+    start or the reload. (A child's own forks are its business.)"""
     def forked():
         if os.getppid() == master_pid:
             _default_signals()
@@ -38,7 +43,7 @@ def not_the_masters_in_forks(master_pid):
 def _default_signals():
     signal.set_wakeup_fd(-1)
     for sig in SIGNALS:
-        signal.signal(sig, worker.not_ours if sig in (signal.SIGHUP, signal.SIGINT) else signal.SIG_DFL)
+        signal.signal(sig, worker.not_ours if sig in THE_MASTERS else signal.SIG_DFL)
 
 
 class Trial:
