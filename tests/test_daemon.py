@@ -453,6 +453,29 @@ def test_a_helper_process_a_module_forks_at_import_neither_fails_the_reload_nor_
             os.kill(int(pid), signal.SIGKILL)  # the master's own: the module's business, not the test's
 
 
+def test_a_helper_a_module_starts_in_a_session_of_its_own_does_not_outlive_the_trial(daemon):
+    """The trial ends what its import started by killing its process group: a helper started in a
+    session of its own (``subprocess.Popen(..., start_new_session=True)``, a sidecar server) left
+    that group and ran on, one more at every start and every reload. The trial ends its own
+    children before it leaves."""
+    helpers = os.path.join(daemon.dir, "helpers")
+    with open(os.path.join(daemon.handlers, "sidecar.py"), "w") as f:
+        f.write(f"import os, subprocess\n\nhelper = subprocess.Popen(['sleep', '60'], start_new_session=True).pid\n"
+                f"with open({helpers!r}, 'a') as f:\n    f.write(f'{{helper}} {{os.getpid()}}\\n')\n")
+    daemon.start()
+
+    def trial_helpers_alive():
+        return [int(pid) for pid, parent in read_lines(helpers) if int(parent) != daemon.proc.pid
+                and psutil.pid_exists(int(pid)) and psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE]
+    try:
+        assert len(read_lines(helpers)) == 2  # the trial's, the master's
+        wait_for(lambda: not trial_helpers_alive(), message="the trial's helper gone with it")
+    finally:
+        for pid, _ in read_lines(helpers):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
 def test_a_signal_sent_to_a_helper_a_module_forked_at_a_reload_is_not_the_masters(daemon):
     """The master imports a reload's modules after its signal handlers are in place: a helper
     forked there inherited them and the master's self-pipe, and a SIGTERM sent to that helper

@@ -187,7 +187,27 @@ def _import_and_leave(r, w, folder, generation, master_pid):
             report = b""
         except BaseException as exc:  # noqa: BLE001 - the master's own import reports it in full
             report = type(exc).__name__.encode()
+        _end_children()
         os.write(w, IMPORTED + b"\n" + report)
         code = 0
     finally:
         os._exit(code)  # never back into the master's code, no finalizer on what it inherited
+
+
+def _end_children():
+    """The helper processes the import started, ended. ``close()`` kills the trial's process
+    group, which a helper started in a session of its own (``start_new_session=True``, a sidecar
+    server) has left: it ran on, one more at every start and every reload. The trial is a fork
+    with no child of its own, so each child it has is a module's."""
+    pids = set()
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids.update(int(pid) for pid in f.read().split())
+    except OSError:  # no /proc (not Linux): the process group's kill is all there is
+        return
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
