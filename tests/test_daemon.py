@@ -429,13 +429,17 @@ def test_a_trial_the_masters_reaping_of_any_child_took_first_still_gives_its_ver
 
 def test_a_helper_process_a_module_forks_at_import_neither_fails_the_reload_nor_outlives_the_trial(daemon):
     """The trial waited for its pipe's end, which a forked helper held: every reload timed
-    out, and the trial's helper was left running."""
+    out, and the trial's helper was left running. The helper here is a grandchild (a library
+    that daemonises: its first fork leaves at once), so the trial's end of its own children does
+    not reach it: only its process group's kill does, and it holds the trial's pipe."""
     helpers = os.path.join(daemon.dir, "helpers")
     with open(os.path.join(daemon.handlers, "helper.py"), "w") as f:
-        # The importing process writes the helper's line, before its import ends: a helper killed
-        # with the trial before it was scheduled once would write none.
-        f.write(f"import os, time\n\nhelper = os.fork()\nif helper == 0:\n    time.sleep(60)\n    os._exit(0)\n"
-                f"with open({helpers!r}, 'a') as f:\n    f.write(f'{{helper}} {{os.getpid()}}\\n')\n")
+        # The first fork writes the helper's line (its parent: the importing process) and leaves
+        # before the import ends: a helper killed with the trial before it ran would write none.
+        f.write(f"import os, time\n\nfirst = os.fork()\nif first == 0:\n    helper = os.fork()\n"
+                f"    if helper == 0:\n        time.sleep(60)\n        os._exit(0)\n"
+                f"    with open({helpers!r}, 'a') as f:\n        f.write(f'{{helper}} {{os.getppid()}}\\n')\n"
+                f"    os._exit(0)\nos.waitpid(first, 0)\n")
     daemon.config["supervisor"]["import_timeout"] = 30.0
     daemon.write_config()
     daemon.start()
