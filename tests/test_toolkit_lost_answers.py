@@ -133,3 +133,21 @@ def test_a_lost_answer_to_a_second_acquire_of_a_held_name_leaves_the_masters_rec
     master.extend_all()  # the heartbeat's: the holder's lock gets its TTL back
     assert direct.pttl(key) > 10_000
     assert master.release_child(4242) == 1 and not direct.exists(key)  # the child died: freed at once
+
+
+
+@pytest.mark.services
+def test_a_refusal_at_connect_is_not_taken_for_a_lost_answer(redis_url):
+    """A wrong password is a ``ConnectionError`` to redis-py, but the server ran nothing: the
+    acquire was asked again (a second refusal) and the master told of a token no key holds."""
+    import redis
+
+    scheme, rest = redis_url.split("://", 1)
+    client, prefix = toolkit.open_redis(f"{scheme}://nobody:wrong@{rest}")
+    told = []
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            Locks(client, prefix, notify=told.append).acquire("export", ttl=30, wait=0)
+    finally:
+        client.close()
+    assert told == []

@@ -177,9 +177,16 @@ def check_ttl(ttl, name="ttl"):
 
 
 def unanswered(error):
-    """A redis-py error after which the server may have run the call: its answer never came."""
+    """A redis-py error after which the server may have run the call: its answer never came.
+    Not a refusal at connect (a wrong password, no right to the command, too many clients, a
+    server loading its data), which redis-py raises as a ``ConnectionError`` too: the server ran
+    nothing, and asking again would only fail again."""
     import redis as redis_py  # imported by the client already
 
+    refused = redis_py.exceptions
+    if isinstance(error, (refused.AuthenticationError, refused.AuthorizationError, refused.MaxClientsReachedError,
+                          refused.BusyLoadingError)):
+        return False
     return isinstance(error, (redis_py.ConnectionError, redis_py.TimeoutError))
 
 
