@@ -195,6 +195,17 @@ def test_discard_all_needs_all(capsys, cfg, broker, jobs):
     assert broker.count({}).n == 0
 
 
+def test_discard_by_filter_leaves_running_jobs_out_of_its_count_and_its_work(capsys, cfg, broker, jobs):
+    """Discard refuses a running job: a dry run by filter counted it all the same ("would discard
+    6", then "5 discarded, 1 running"). Without --state it now selects every state but running."""
+    running = broker.claim(["default"], 1, 300, "w")[0].id
+    code, out, _ = run(capsys, cfg, "discard", "--all", "--dry-run")
+    assert code == 0 and out.strip() == "would discard 5 job(s)"
+    code, out, _ = run(capsys, cfg, "discard", "--all")
+    assert code == 0 and out.strip().splitlines()[-1] == "discard: 5 discarded"
+    assert broker.get(running).state == "running" and broker.count({}).n == 1
+
+
 def test_cancel_dry_run_counts_the_unfinished_jobs_it_would_cancel(capsys, cfg, broker, jobs):
     before = snapshot(broker)
     code, out, _ = run(capsys, cfg, "cancel", "--all", "--dry-run")

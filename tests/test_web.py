@@ -510,6 +510,22 @@ def test_bad_input_to_the_api_is_a_400_not_an_error(console, how):
     assert "internal error" not in answer.text
 
 
+def test_a_filter_action_dry_run_names_a_retrys_refusals_and_refuses_an_unknown_action(console, broker):
+    """The count is what the filter selects; a retry of those may refuse some (parent_failed,
+    conflict), as the CLI's dry run says. An action name no action has counted all the same."""
+    dead_job(broker, {"n": 1})
+    login(console, "ada", ADMIN_PW)
+    token = csrf_of(console.get("/jobs").text)
+    ask = {"filter": {"state": ["dead"]}, "dry_run": True}
+    retry = console.post("/api/jobs/retry", json=ask, headers={"x-csrf-token": token})
+    assert retry.status_code == 200 and retry.json() == {"dry_run": True, "count": 1, "exact": True,
+                                                         "may_refuse": ["parent_failed", "conflict"]}
+    discard = console.post("/api/jobs/discard", json=ask, headers={"x-csrf-token": token})
+    assert discard.json() == {"dry_run": True, "count": 1, "exact": True}
+    bogus = console.post("/api/jobs/explode", json=ask, headers={"x-csrf-token": token})
+    assert bogus.status_code == 400 and "action must be one of" in bogus.text
+
+
 def test_a_logout_ends_the_session_even_for_a_copy_of_its_cookie(console):
     """The session cookie is signed, not stored: a copy taken before the logout (a shared
     machine, a stolen cookie) must not read pages or act for the rest of its twelve hours."""

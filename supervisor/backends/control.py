@@ -17,6 +17,13 @@ MAX_IDS = 10_000  # job ids in one cancel call
 GONE_FOR = 3600.0  # seconds a gone supervisor record is still shown before it is removed
 MAX_RECORD = 256 * 1024  # bytes of one supervisor record (a few hundred workers)
 EXPIRED_KEPT = 10_000  # expired (id, type) pairs an instance keeps for take_expired between calls
+# What a requeue may answer for a job in a state it acts on: an on="success" parent lies dead,
+# cancelled or expired; an unfinished job holds its idempotency key. A dry run (a count) cannot
+# tell them apart: a job's record gives its parents' ends but not each edge's on= (an
+# on="complete" child of a dead parent goes back), nor who holds a key.
+REQUEUE_REFUSALS = ("parent_failed", "conflict")
+REQUEUE_REFUSED = ('the retry refuses any whose on="success" parent lies dead, cancelled or expired (parent_failed)'
+                   " or whose idempotency key an unfinished job holds (conflict)")
 
 
 def check_ids(job_ids, most=MAX_IDS):

@@ -18,10 +18,10 @@ closed) is ``stopped after N of M: REASON``, exit 1 (``progress``).
 import re
 import time
 
-from ..backends.control import cancel_request
+from ..backends.control import REQUEUE_REFUSALS, REQUEUE_REFUSED as REFUSED, cancel_request
 from ..errors import BadInput
 from ..jobfilter import JobFilter, check_page, decode_cursor, parse_where
-from ..model import parse_rate
+from ..model import RUNNING, STATES, parse_rate
 from .common import UsageError, job_id, open_client
 from .output import one_line, print_json, say, table, when
 from .progress import Progress
@@ -34,16 +34,11 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 DEFAULT_STATES = {
     "cancel": ("waiting", "queued", "running", "retrying"),
     "retry": ("dead", "cancelled", "expired"),
-    "discard": (),
+    "discard": tuple(s for s in STATES if s != RUNNING),  # a running job is refused: not counted
 }
 
-# What a retry (the broker's requeue) may answer for a job its dry run counted: an on="success"
-# parent lies dead, cancelled or expired; an unfinished job holds its idempotency key. A dry run
-# cannot tell them apart: a job's record gives its parents' ends but not each edge's on= (an
-# on="complete" child of a dead parent goes back), nor who holds a key.
-MAY_REFUSE = {"retry": ("parent_failed", "conflict")}
-REFUSED = ('the retry refuses any whose on="success" parent lies dead, cancelled or expired (parent_failed)'
-           " or whose idempotency key an unfinished job holds (conflict)")
+# What a retry (the broker's requeue) may answer for a job its dry run counted (see REQUEUE_REFUSALS).
+MAY_REFUSE = {"retry": REQUEUE_REFUSALS}
 
 
 def add_commands(commands, command, as_json):

@@ -11,6 +11,7 @@ import time
 
 from starlette.responses import JSONResponse
 
+from ..backends.control import REQUEUE_REFUSALS
 from ..errors import BadInput
 from ..jobfilter import JobFilter
 from . import actions
@@ -108,6 +109,7 @@ async def schedules(request):
 async def jobs_action(request, form):
     """POST /api/jobs/{action} with ``{"ids": [...]}`` or ``{"filter": {...}}`` (JobFilter keys)."""
     c = console_of(request)
+    action = actions.check_action(request.path_params["action"])  # a dry run too: it counted for any name
     data = await body(request)
     ids, flt = data.get("ids"), data.get("filter")
     if (ids is None) == (flt is None):
@@ -115,7 +117,7 @@ async def jobs_action(request, form):
     if ids is not None:
         if not isinstance(ids, list):
             raise BadInput('"ids" must be a list of job ids')
-        outcome, more = await actions.bulk(c, request.state.identity, request.path_params["action"], ids=ids)
+        outcome, more = await actions.bulk(c, request.state.identity, action, ids=ids)
     else:
         flt = JobFilter.from_dict(flt)
         for key, _ in flt.payload:
@@ -125,8 +127,9 @@ async def jobs_action(request, form):
             raise BadInput("this filter selects every job: narrow it first")
         if data.get("dry_run"):
             n = await c.pool.call(lambda b: b.count(flt))
-            return answer({"dry_run": True, "count": n.n, "exact": n.exact})
-        outcome, more = await actions.bulk(c, request.state.identity, request.path_params["action"], flt=flt)
+            refusals = {"may_refuse": list(REQUEUE_REFUSALS)} if action == "retry" else {}
+            return answer({"dry_run": True, "count": n.n, "exact": n.exact, **refusals})
+        outcome, more = await actions.bulk(c, request.state.identity, action, flt=flt)
     return answer({"outcome": outcome, "more": more})
 
 
