@@ -518,10 +518,13 @@ class Soak(ControlFaults):
         and the fault would then prove nothing.
         """
         busy = []
+        # Not one killed already: its master may not have reaped it yet (seen: a stall "landed" on
+        # the pid of a child SIGKILLed 10 ms before, and its attempt ended crashed, not renewed).
+        gone = self.stalled.keys() | {pid for pid, _, _ in self.child_kills}
         for sup in self.up():
             st = sup.status()
             if st:
-                busy += [(sup, w) for w in st["workers"] if w["state"] == "busy" and w["pid"] not in self.stalled]
+                busy += [(sup, w) for w in st["workers"] if w["state"] == "busy" and w["pid"] not in gone]
         long = [(sup, w) for sup, w in busy if w["job_type"] in LONG_JOBS]
         return self.rng_faults.choice(long or busy) if busy else None
 
