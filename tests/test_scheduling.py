@@ -698,3 +698,31 @@ def test_the_look_back_reads_its_schedules_record_by_name_without_a_scan(broker,
         assert seen == ["hget"]
     else:
         assert len(seen) == 1 and re.search(r"FROM \S*schedule_ticks WHERE name = ", seen[0]), seen
+
+
+@pytest.mark.parametrize("backend", ["redis", "postgres"])
+def test_a_wall_clock_step_forward_after_the_broker_clock_was_read_fires_no_tick_early(
+        backend, request, monkeypatch):
+    """The Redis and PostgreSQL brokers' ``now()`` was the local wall clock plus the server's
+    offset, read again only every 30 (60) s. A local clock that was behind (a VM restored from a
+    snapshot) and then stepped forward (NTP, the guest agent) took ``now()`` that far past the
+    server's clock until the next read: a check then enqueued a daily tick an hour early, and the
+    ticks in between were never enqueued. The offset is now from the monotonic clock, which no
+    wall-clock step moves."""
+    import time as real_time
+
+    from supervisor.backends import open_broker
+
+    broker = open_broker(request.getfixturevalue(f"{backend}_url"))
+    broker.migrate()
+    wall = real_time.time
+    monkeypatch.setattr(real_time, "time", lambda: wall() - 3600)  # the local clock an hour behind
+    true_now = broker.now()  # the broker reads the server's clock: right, whatever ours says
+    # A daily tick 30 minutes from now (UTC): none of its ticks falls within the next minutes.
+    soon = datetime.datetime.fromtimestamp(true_now + 1800, datetime.timezone.utc)
+    sched = Scheduler({"daily": Schedule("daily", f"{soon.minute} {soon.hour} * * *", "t", {})}, new_job)
+    sched.tick(broker)  # a new schedule's first check: it starts from now
+    monkeypatch.setattr(real_time, "time", wall)  # the local clock steps an hour forward, corrected
+    assert sched.tick(broker) == []  # the tick half an hour ahead is not due
+    assert broker.now() < true_now + 600
+    broker.close()

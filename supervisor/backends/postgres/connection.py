@@ -70,6 +70,14 @@ _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _LIBPQ_PARAMS = frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults())
 _CLOCK_RESYNC = 60.0
 
+
+def _local_clock():
+    """What the server's clock is measured against: the monotonic clock, not the wall clock. A
+    wall clock stepped forward after a read (it was behind: a VM restored from a snapshot) took
+    now() that far past the server's until the next read, and the schedules enqueued ticks early."""
+    return time.monotonic()
+
+
 # libpq's and the server's words for a connection that can never work as configured.
 # (A server starting up, full or shutting down is an outage, and so is a host
 # that does not answer: those are waited out.)
@@ -198,7 +206,7 @@ class Connections:
         self.listener = None
         self.waiter = None  # the connection the last wait LISTENed on, kept for the next
         self._pid = os.getpid()
-        self._offset = 0.0
+        self._offset = time.time() - _local_clock()  # the local wall clock until the server's is read
         self._synced = float("-inf")
 
     def _connect(self):
@@ -239,7 +247,7 @@ class Connections:
         # Measured after the reply arrives, so the estimate errs low (by at most one round trip):
         # once now() has passed a point, the server's clock has passed it too.
         server = db.execute("SELECT date_part('epoch', clock_timestamp())").fetchone()[0]
-        self._offset = server - time.time()
+        self._offset = server - _local_clock()
         self._synced = time.monotonic()
 
     @contextlib.contextmanager
@@ -274,7 +282,7 @@ class Connections:
                 self._sync_clock(self.db)
             except psycopg.Error:
                 pass  # keep the last offset; the next real call reports the outage
-        return time.time() + self._offset
+        return _local_clock() + self._offset
 
     def close(self):
         if self._pid != os.getpid():

@@ -102,9 +102,13 @@ class RedisBroker(workflows.Workflows, Claims, ScriptCalls, ControlMixin, Search
             seconds, micros = self.r.time()
             # The server read its clock before we got the reply: measuring against
             # the local time after the reply errs early, never ahead of the server.
-            self._offset = seconds + micros / 1e6 - time.time()
+            # Against the monotonic clock, not the wall clock: a wall clock stepped
+            # forward after this read (it was behind: a VM restored from a snapshot)
+            # took now() that far past the server's until the next read, and the
+            # schedules enqueued ticks early (docs/scheduling.md).
+            self._offset = seconds + micros / 1e6 - time.monotonic()
             self._synced = mono
-        return time.time() + self._offset
+        return time.monotonic() + self._offset
 
     def close(self):
         if self._pubsub is not None:
