@@ -750,3 +750,27 @@ def test_the_api_reads_a_capped_body_as_json_only(tmp_path, broker):
                                headers={**bearer, "content-type": "application/x-www-form-urlencoded"})
         assert replayed.status_code == 200, replayed.text
     assert broker.get(job_id).state == "queued" and "default" in broker.paused()
+
+
+def test_run_now_works_for_a_schedule_whose_name_holds_url_characters(tmp_path, broker):
+    """The run button's form posted to ``/schedules/<name>/run`` with the name as it is: a
+    schedule named ``reports/daily``, ``a?b``, ``50%`` or ``x#1`` (any TOML key is a schedule
+    name) was not found (404) or ran nothing. The name is now percent-encoded in the link."""
+    import html
+
+    cfg = make_config(tmp_path, broker.url)
+    names = ["reports/daily", "a?b", "50%", "x#1", "sp ace"]
+    cfg.schedules = config.from_dict({"schedules": {n: {"cron": "0 3 * * *", "type": "export", "payload": {"n": n}}
+                                                    for n in names}}, str(tmp_path)).schedules
+    with TestClient(web_app.build(cfg, sample_interval=0.05)) as client:
+        login(client, "ada", ADMIN_PW)
+        page = client.get("/schedules").text
+        token = csrf_of(page)
+        actions = [html.unescape(a) for a in re.findall(r'<form method="post" action="([^"]*)"', page)
+                   if "/schedules/" in a]
+        assert len(actions) == len(names)
+        for action in actions:
+            done = client.post(action, data={"csrf": token}, follow_redirects=False)
+            assert done.status_code == 303, (action, done.status_code)
+    payloads = sorted(j.payload["n"] for j in broker.search({}, limit=100).jobs)
+    assert payloads == sorted(names)

@@ -54,7 +54,8 @@ def routes():
         Route("/queues", pages.queues, methods=get),
         Route("/queues/{action}", actions.queue_post, methods=post),
         Route("/schedules", pages.schedules, methods=get),
-        Route("/schedules/{name}/run", actions.schedule_post, methods=post),
+        # Any TOML key is a schedule name: the link percent-encodes it, and a "/" in it stays one.
+        Route("/schedules/{name:path}/run", actions.schedule_post, methods=post),
         Route("/supervisors", pages.supervisors, methods=get),
         Route("/login", pages.login_form, methods=get),
         Route("/login", pages.login, methods=post),
