@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 
-from . import config as config_module, protocol, registry, toolkit, tracing
+from . import config as config_module, jobref, protocol, registry, toolkit, tracing
 from .child import worker as child
 from .jobref import default_client
 from .master import verdict
@@ -76,7 +76,8 @@ def run_jobs(client=None, until="idle", *, handlers=None, queues=None, max_runs=
 
     ``until="idle"``: until no job is due and none it retried is waiting; an int: at most that
     many attempts. ``handlers``: a folder, or handler functions and modules (default: the
-    client's config's handlers folder). ``client``: default ``supervisor.configure``'s.
+    client's config's handlers folder). ``client``: default ``supervisor.configure``'s; with no
+    default set, it is the default while the jobs run (a handler's follow-up ``.enqueue()``).
     """
     client = client or default_client()
     cfg = client.config or config_module.from_dict({})
@@ -87,6 +88,11 @@ def run_jobs(client=None, until="idle", *, handlers=None, queues=None, max_runs=
     toolkit.configure(cfg.toolkit)
     queues = list(queues or client.queues)
     ran = []
+    # As a daemon's child does (``configure_unless_set``): with no default client chosen, a
+    # handler's follow-up ``.enqueue()`` goes to the broker its job came from, here ``client``.
+    lent = jobref.save() is None and jobref._from_environment() is None
+    if lent:
+        jobref.configure(client=client)
     try:
         while len(ran) < limit:
             jobs = broker.claim(queues, 1, cfg.broker.lease_seconds, "run_jobs",
@@ -111,6 +117,8 @@ def run_jobs(client=None, until="idle", *, handlers=None, queues=None, max_runs=
                            f"{outcome.error_class}: {outcome.message}" if outcome.failed else "",
                            outcome.delay if outcome.op == RETRY else None))
     finally:
+        if lent:
+            jobref.restore(None)
         broker.close()
     return ran
 

@@ -2402,6 +2402,10 @@ MUTATIONS = [
              "if empty and KEYS[7] then", "if false then",
              (CONTROL, "-k", "redis and resumed_with_nothing"),
              "a paused empty queue, resumed, stayed in Redis's queues() until the next prune"),
+    Mutation("run-jobs-lends-no-default-client", "supervisor/testing.py",
+             "    if lent:\n        jobref.configure(client=client)\n", "",
+             ("tests/test_testing.py", "-k", "follow_up"),
+             "with no default client set, a handler's follow-up .enqueue() in run_jobs goes to run_jobs's client"),
 ]
 
 

@@ -255,6 +255,30 @@ def test_run_jobs_without_a_client_says_how_to_configure_one(monkeypatch):
         supervisor.jobref.restore(before)
 
 
+@supervisor.job("hand_on")
+def hand_on(ctx, payload):
+    return {"next": outcomes.greet.enqueue({"name": payload["name"]})}
+
+
+def test_a_follow_up_enqueue_goes_to_the_client_run_jobs_was_given(tangguh_config, monkeypatch):
+    """With no default client set, a handler's follow-up `.enqueue()` failed in run_jobs with
+    "no default client" (retried, then dead), where in a daemon's child it goes to the broker
+    the job came from: run_jobs lends it the client it runs jobs from, and only while it runs."""
+    monkeypatch.delenv("TANGGUH_CONFIG", raising=False)
+    monkeypatch.delenv("TANGGUH_BROKER_URL", raising=False)
+    before = supervisor.jobref.save()
+    supervisor.configure()
+    try:
+        with supervisor.Client.from_config(tangguh_config) as client:
+            client.enqueue("hand_on", {"name": "ada"})
+            ran = testing.run_jobs(client, handlers=[hand_on, outcomes.greet])
+            assert [(r.type, r.outcome) for r in ran] == [("hand_on", "done"), ("greet", "done")]
+            assert ran[0].result == {"next": ran[1].job_id}
+        assert supervisor.jobref.save() is None
+    finally:
+        supervisor.jobref.restore(before)
+
+
 def test_run_jobs_needs_a_sqlite_broker(redis_url):
     with supervisor.Client.from_url(redis_url) as client, pytest.raises(ValueError, match="SQLite broker"):
         testing.run_jobs(client)
