@@ -69,7 +69,7 @@ class Client:
             url = _absolute_sqlite(url)
         self.url = url
         self.config = config
-        self.queues = list(queues or (config.broker.queues if config else [DEFAULT_QUEUE]))
+        self.queues = _queue_list(queues) or list(config.broker.queues if config else [DEFAULT_QUEUE])
         # Only a client made from a config knows the set of queues the supervisors serve.
         self.strict_queues = config is not None or queues is not None
         self._broker = None
@@ -254,8 +254,8 @@ class Client:
         return self._run("get", _one_id(job_id))
 
     def stats(self, queues=None):
-        """``{queue: QueueStats}`` for ``queues`` (default: the client's queues)."""
-        return self._run("stats", list(queues or self.queues))
+        """``{queue: QueueStats}`` for ``queues``, a name or a list (default: the client's queues)."""
+        return self._run("stats", _queue_list(queues) or list(self.queues))
 
     def wait(self, job_id, timeout):
         """The job once it is finished (done, dead, cancelled or expired), or None after ``timeout`` seconds.
@@ -316,6 +316,10 @@ class Client:
     def discard(self, job_ids):
         """Delete jobs that are not running; ``{id: outcome}``."""
         return self._run("discard", _ids(job_ids))
+
+
+def _queue_list(queues):  # one name given as a string is that queue, not its letters
+    return [queues] if isinstance(queues, str) else list(queues or ())
 
 
 def _one_id(job_id):

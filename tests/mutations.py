@@ -2406,6 +2406,11 @@ MUTATIONS = [
              "    if lent:\n        jobref.configure(client=client)\n", "",
              ("tests/test_testing.py", "-k", "follow_up"),
              "with no default client set, a handler's follow-up .enqueue() in run_jobs goes to run_jobs's client"),
+    Mutation("client-queue-string-split-into-letters", "supervisor/client.py",
+             "    return [queues] if isinstance(queues, str) else list(queues or ())",
+             "    return list(queues or ())",
+             ("tests/test_client_threads.py", "-k", "letters"),
+             "a queue given as a string (Client queues=, stats) is that queue, not its letters"),
 ]
 
 

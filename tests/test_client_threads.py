@@ -196,3 +196,16 @@ def test_a_wait_with_a_bad_timeout_is_refused_for_a_finished_job_too(broker_url)
         for timeout in (-5, float("nan"), float("inf"), "1"):
             with pytest.raises(BadInput, match="timeout must be a number of seconds >= 0"):
                 client.wait(job_id, timeout)
+
+
+def test_a_queue_named_by_a_string_is_that_queue_not_its_letters(broker_url):
+    """stats("emails") answered for the queues "e", "m", "a"... (each empty: a silently wrong
+    count), and Client.from_url(url, queues="emails") served those letters: every enqueue to
+    "emails" was refused as not one of the client's queues."""
+    with open_broker(broker_url) as broker:
+        broker.migrate()
+    with Client.from_url(broker_url, queues="emails") as client:
+        assert client.queues == ["emails"]
+        client.enqueue("t", {}, queue="emails")
+        stats = client.stats("emails")
+        assert list(stats) == ["emails"] and stats["emails"].ready == 1
