@@ -75,7 +75,7 @@ def run_jobs(client=None, until="idle", *, handlers=None, queues=None, max_runs=
     """Run queued jobs in-process, in claim order; return a list of ``Ran``, one per attempt.
 
     ``until="idle"``: until no job is due and none it retried is waiting; an int: at most that
-    many attempts. ``handlers``: a folder, or handler functions and modules (default: the
+    many attempts. ``queues``: a name or a list (default: the client's). ``handlers``: a folder, or handler functions and modules (default: the
     client's config's handlers folder). ``client``: default ``supervisor.configure``'s; with no
     default set, it is the default while the jobs run (a handler's follow-up ``.enqueue()``).
     """
@@ -86,7 +86,7 @@ def run_jobs(client=None, until="idle", *, handlers=None, queues=None, max_runs=
     broker = _own_broker(client.url)
     on_test_clock(client)
     toolkit.configure(cfg.toolkit)
-    queues = list(queues or client.queues)
+    queues = [queues] if isinstance(queues, str) else list(queues or client.queues)  # a name: not its letters
     ran = []
     # As a daemon's child does (``configure_unless_set``): with no default client chosen, a
     # handler's follow-up ``.enqueue()`` goes to the broker its job came from, here ``client``.

@@ -2411,6 +2411,11 @@ MUTATIONS = [
              "    return list(queues or ())",
              ("tests/test_client_threads.py", "-k", "letters"),
              "a queue given as a string (Client queues=, stats) is that queue, not its letters"),
+    Mutation("run-jobs-queue-string-split-into-letters", "supervisor/testing.py",
+             "    queues = [queues] if isinstance(queues, str) else list(queues or client.queues)",
+             "    queues = list(queues or client.queues)",
+             ("tests/test_testing.py", "-k", "one_queue_as"),
+             "run_jobs(queues=\"emails\") runs that queue, not queues named by its letters"),
 ]
 
 

@@ -115,6 +115,13 @@ def test_a_handler_decorated_with_its_own_queue_is_enqueued_and_run_in_a_test(ta
     assert [(r.job_id, r.result) for r in testing.run_jobs(tangguh_client)] == [(job_id, {"queue": "emails"})]
 
 
+def test_run_jobs_given_one_queue_as_a_string_runs_that_queue(tangguh_client):
+    """queues="emails" was taken letter by letter: run_jobs claimed from "e", "m"... and ran nothing."""
+    outcomes.greet.enqueue({"name": "ada"})
+    job_id = outcomes.notify.enqueue({})
+    assert [r.job_id for r in testing.run_jobs(tangguh_client, queues="emails")] == [job_id]
+
+
 def test_a_soft_timeout_in_process(tangguh_client):
     job_id = tangguh_client.enqueue("slow", {})
     (ran,) = testing.run_jobs(tangguh_client)
