@@ -12,7 +12,8 @@ Dataclasses and TypedDicts are checked here against their annotations: the
 JSON types (str, int, float, bool, None), ``list[...]``, ``dict[str, ...]``,
 ``tuple[X, ...]`` and ``tuple[X, Y]`` (a JSON list; the handler gets a tuple),
 ``set[X]`` and ``frozenset[X]`` (a JSON list; the handler gets the set),
-``X | None``, ``Literal[...]``, ``Any``, and nested dataclasses or TypedDicts.
+``X | None``, ``Literal[...]``, ``Any``, and nested dataclasses or TypedDicts (their
+``NotRequired``/``Required`` keys too, under ``from __future__ import annotations`` as well).
 An annotation outside that set is accepted as it comes. A dataclass's
 ``field(init=False)`` is not part of its payload (the class computes it), and a
 ValueError or TypeError the schema's own code raises as it builds the object
@@ -180,7 +181,7 @@ def _check_record(tp, value, path):
         names = {f.name for f in fields}
         computed = {f.name for f in dataclasses.fields(tp) if not f.init}
     else:
-        required, names, computed = set(tp.__required_keys__), set(hints), set()
+        required, names, computed = _required_keys(tp), set(hints), set()
     prefix = f"{path}." if path else ""
     for key in value:
         if key in computed:
@@ -197,6 +198,20 @@ def _check_record(tp, value, path):
         return tp(**checked)
     except (ValueError, TypeError) as exc:  # its __post_init__ refused the values: the payload's fault
         raise SchemaError(f"{path + ': ' if path else ''}{_refused(tp, exc)}") from None
+
+
+def _required_keys(tp):
+    """A TypedDict's required keys. ``__required_keys__`` alone is wrong under ``from __future__
+    import annotations`` on Python 3.11: the class cannot see a ``NotRequired[...]`` or
+    ``Required[...]`` inside a string, so the annotations' own marks decide where they are."""
+    required = set(tp.__required_keys__)
+    for key, hint in typing.get_type_hints(tp, include_extras=True).items():
+        mark = typing.get_origin(hint)
+        if mark is typing.NotRequired:
+            required.discard(key)
+        elif mark is typing.Required:
+            required.add(key)
+    return required
 
 
 def _refused(schema, exc):

@@ -2416,6 +2416,10 @@ MUTATIONS = [
              "    queues = list(queues or client.queues)",
              ("tests/test_testing.py", "-k", "one_queue_as"),
              "run_jobs(queues=\"emails\") runs that queue, not queues named by its letters"),
+    Mutation("schema-typeddict-marks-in-strings-ignored", "supervisor/schemas.py",
+             "        mark = typing.get_origin(hint)\n", "        mark = None\n",
+             ("tests/test_schemas.py", "-k", "postponed"),
+             "a TypedDict's NotRequired/Required keys hold under from __future__ import annotations"),
 ]
 
 

@@ -85,6 +85,50 @@ def test_typed_dicts():
         schemas.dump(Refund, {})
 
 
+def test_typed_dict_keys_marked_not_required_under_postponed_annotations(tmp_path):
+    """With `from __future__ import annotations` (Python 3.11 reads the marks in strings wrong),
+    a NotRequired key was required ("reason: missing") and a Required key of a total=False
+    TypedDict was optional: payloads the schema declares valid were refused, and invalid ones let in."""
+    (tmp_path / "refunds.py").write_text(textwrap.dedent("""
+        from __future__ import annotations
+        from typing import NotRequired, Required, TypedDict
+        import supervisor
+
+        class Refund(TypedDict):
+            order_id: int
+            reason: NotRequired[str]
+
+        class Partial(TypedDict, total=False):
+            order_id: Required[int]
+            amount: float
+
+        class Wider(Refund, total=False):
+            note: str
+
+        @supervisor.job("refund", payload=Refund)
+        def refund(ctx, payload):
+            return payload
+
+        @supervisor.job("partial", payload=Partial)
+        def partial(ctx, payload):
+            return payload
+
+        @supervisor.job("wider", payload=Wider)
+        def wider(ctx, payload):
+            return payload
+    """))
+    specs = registry.load_handlers(str(tmp_path))
+    refund, partial, wider = (specs[t].payload for t in ("refund", "partial", "wider"))
+    assert schemas.dump(refund, {"order_id": 1}) == {"order_id": 1}
+    assert schemas.load(refund, {"order_id": 1}) == {"order_id": 1}
+    assert schemas.dump(partial, {"order_id": 1}) == {"order_id": 1}
+    with pytest.raises(BadInput, match="payload: order_id: missing"):
+        schemas.dump(partial, {"amount": 1.5})
+    assert schemas.dump(wider, {"order_id": 1}) == {"order_id": 1}
+    with pytest.raises(BadInput, match="payload: order_id: missing"):
+        schemas.dump(wider, {"note": "x"})
+
+
 @dataclasses.dataclass
 class Shape:
     pair: tuple[int, str]
