@@ -14,12 +14,14 @@ JSON types (str, int, float, bool, None), ``list[...]``, ``dict[str, ...]``,
 ``set[X]`` and ``frozenset[X]`` (a JSON list; the handler gets the set),
 ``X | None``, ``Literal[...]``, ``Any``, and nested dataclasses or TypedDicts (their
 ``NotRequired``/``Required`` keys too, under ``from __future__ import annotations`` as well).
-An annotation outside that set is accepted as it comes. A dataclass's
+An annotation outside that set is accepted as it comes, and so is one naming
+what the module imports only for a type checker (``if TYPE_CHECKING:``). A dataclass's
 ``field(init=False)`` is not part of its payload (the class computes it), and a
 ValueError or TypeError the schema's own code raises as it builds the object
 (``__post_init__``, a validator) is a payload that does not match, like any other.
 """
 import dataclasses
+import sys
 import types
 import typing
 
@@ -173,7 +175,7 @@ def _check_record(tp, value, path):
     where = path or "payload"
     if not isinstance(value, dict):
         raise SchemaError(f"{where}: expected an object ({tp.__name__}), got {_json_name(value)}")
-    hints = typing.get_type_hints(tp)
+    hints = _hints(tp)
     if dataclasses.is_dataclass(tp):
         fields = [f for f in dataclasses.fields(tp) if f.init]
         required = {f.name for f in fields if f.default is dataclasses.MISSING
@@ -200,12 +202,34 @@ def _check_record(tp, value, path):
         raise SchemaError(f"{path + ': ' if path else ''}{_refused(tp, exc)}") from None
 
 
+def _hints(tp, extras=False):
+    """The resolved annotations of a dataclass or TypedDict. One that names what the module does
+    not hold at run time (imported under ``if TYPE_CHECKING:``) is ``Any``, accepted as it comes
+    like any annotation this checker does not know, and the other fields are still checked: it
+    failed every check with NameError, a traceback at enqueue and a retried job in the child."""
+    try:
+        return typing.get_type_hints(tp, include_extras=extras)
+    except Exception:  # noqa: BLE001 - NameError, or a string that is no expression: one at a time below
+        pass
+    hints = {}
+    for klass in reversed(tp.__mro__):
+        module = sys.modules.get(klass.__module__)
+        scope = (vars(module) if module is not None else {}, dict(vars(klass)))
+        for name, annotation in vars(klass).get("__annotations__", {}).items():
+            one = type("annotation", (), {"__annotations__": {name: annotation}})
+            try:
+                hints[name] = typing.get_type_hints(one, *scope, include_extras=extras)[name]
+            except Exception:  # noqa: BLE001 - as above
+                hints[name] = typing.Any
+    return hints
+
+
 def _required_keys(tp):
     """A TypedDict's required keys. ``__required_keys__`` alone is wrong under ``from __future__
     import annotations`` on Python 3.11: the class cannot see a ``NotRequired[...]`` or
     ``Required[...]`` inside a string, so the annotations' own marks decide where they are."""
     required = set(tp.__required_keys__)
-    for key, hint in typing.get_type_hints(tp, include_extras=True).items():
+    for key, hint in _hints(tp, extras=True).items():
         mark = typing.get_origin(hint)
         if mark is typing.NotRequired:
             required.discard(key)

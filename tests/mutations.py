@@ -2420,6 +2420,10 @@ MUTATIONS = [
              "        mark = typing.get_origin(hint)\n", "        mark = None\n",
              ("tests/test_schemas.py", "-k", "postponed"),
              "a TypedDict's NotRequired/Required keys hold under from __future__ import annotations"),
+    Mutation("schema-unresolvable-annotation-raises", "supervisor/schemas.py",
+             "                hints[name] = typing.Any\n", "                raise\n",
+             ("tests/test_schemas.py", "-k", "type_checker"),
+             "a field annotated with a name only a type checker sees is accepted as it comes, not a NameError"),
 ]
 
 

@@ -129,6 +129,46 @@ def test_typed_dict_keys_marked_not_required_under_postponed_annotations(tmp_pat
         schemas.dump(wider, {"note": "x"})
 
 
+def test_an_annotation_only_a_type_checker_can_resolve_is_accepted_as_it_comes(tmp_path, client):
+    """A field annotated with a name imported under `if TYPE_CHECKING:` made every check raise
+    NameError: a traceback at enqueue, and in the child an exception retried to dead. An
+    annotation the checker does not know is accepted as it comes; the other fields are checked."""
+    (tmp_path / "payments.py").write_text(textwrap.dedent("""
+        from __future__ import annotations
+        import dataclasses
+        from typing import TYPE_CHECKING, NotRequired, TypedDict
+        import supervisor
+        if TYPE_CHECKING:
+            from decimal import Decimal
+
+        @dataclasses.dataclass
+        class Payment:
+            amount: Decimal
+            order_id: int
+
+        class Refund(TypedDict):
+            amount: Decimal
+            reason: NotRequired[str]
+
+        @supervisor.job("pay", payload=Payment)
+        def pay(ctx, payment):
+            return {"amount": payment.amount, "order_id": payment.order_id}
+
+        @supervisor.job("refund", payload=Refund)
+        def refund(ctx, payload):
+            return payload
+    """))
+    specs = registry.load_handlers(str(tmp_path))
+    payment, refund = specs["pay"].payload, specs["refund"].payload
+    job_id = supervisor.JobRef("pay", payload=payment).enqueue({"amount": "9.99", "order_id": 7}, client=client)
+    assert schemas.for_handler(specs["pay"], client.get(job_id).payload) == payment("9.99", 7)
+    with pytest.raises(BadInput, match="payload: order_id: expected int, got str"):
+        schemas.dump(payment, {"amount": "9.99", "order_id": "7"})
+    assert schemas.dump(refund, {"amount": "1"}) == {"amount": "1"}
+    with pytest.raises(BadInput, match="payload: reason: expected str, got int"):
+        schemas.dump(refund, {"amount": "1", "reason": 2})
+
+
 @dataclasses.dataclass
 class Shape:
     pair: tuple[int, str]
