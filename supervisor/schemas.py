@@ -16,7 +16,8 @@ JSON types (str, int, float, bool, None), ``list[...]``, ``dict[str, ...]``,
 ``NotRequired``/``Required`` keys too, under ``from __future__ import annotations`` as well).
 An annotation outside that set is accepted as it comes, and so is one naming
 what the module imports only for a type checker (``if TYPE_CHECKING:``). A dataclass's
-``field(init=False)`` is not part of its payload (the class computes it), and a
+``field(init=False)`` is not part of its payload (the class computes it), an
+``InitVar`` is (its constructor takes it), and a
 ValueError or TypeError the schema's own code raises as it builds the object
 (``__post_init__``, a validator) is a payload that does not match, like any other.
 """
@@ -126,6 +127,8 @@ def _check(tp, value, path):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is typing.Any or isinstance(tp, typing.TypeVar):
         return value
+    if isinstance(tp, dataclasses.InitVar):
+        return _check(tp.type, value, path)
     if origin in (typing.Union, types.UnionType):
         for option in args:
             try:
@@ -177,7 +180,9 @@ def _check_record(tp, value, path):
         raise SchemaError(f"{where}: expected an object ({tp.__name__}), got {_json_name(value)}")
     hints = _hints(tp)
     if dataclasses.is_dataclass(tp):
-        fields = [f for f in dataclasses.fields(tp) if f.init]
+        # An InitVar is no field (``fields`` leaves it out), but its constructor takes it: a payload key.
+        init_vars = [f for f in tp.__dataclass_fields__.values() if isinstance(hints.get(f.name), dataclasses.InitVar)]
+        fields = [f for f in dataclasses.fields(tp) if f.init] + init_vars
         required = {f.name for f in fields if f.default is dataclasses.MISSING
                     and f.default_factory is dataclasses.MISSING}
         names = {f.name for f in fields}

@@ -2424,6 +2424,11 @@ MUTATIONS = [
              "                hints[name] = typing.Any\n", "                raise\n",
              ("tests/test_schemas.py", "-k", "type_checker"),
              "a field annotated with a name only a type checker sees is accepted as it comes, not a NameError"),
+    Mutation("schema-init-var-not-a-payload-key", "supervisor/schemas.py",
+             "        fields = [f for f in dataclasses.fields(tp) if f.init] + init_vars\n",
+             "        fields = [f for f in dataclasses.fields(tp) if f.init]\n",
+             ("tests/test_schemas.py", "-k", "init_var"),
+             "a dataclass InitVar is a payload key its constructor receives"),
 ]
 
 

@@ -170,6 +170,30 @@ def test_an_annotation_only_a_type_checker_can_resolve_is_accepted_as_it_comes(t
 
 
 @dataclasses.dataclass
+class Priced:
+    cents: int
+    currency: dataclasses.InitVar[str]
+    rate: dataclasses.InitVar[float] = 1.0
+
+    def __post_init__(self, currency, rate):
+        self.cents = round(self.cents * rate)
+        self.label = f"{self.cents} {currency}"
+
+
+def test_a_dataclass_init_var_is_a_payload_field_its_constructor_takes(client):
+    """An InitVar is an argument of the constructor, so of the payload; it was refused as an
+    "unknown field" (and a required one as missing from the constructor): no payload matched."""
+    job_id = supervisor.JobRef("price", payload=Priced).enqueue({"cents": 100, "currency": "EUR", "rate": 1.5},
+                                                                client=client)
+    priced = schemas.load(Priced, client.get(job_id).payload)
+    assert (priced.cents, priced.label) == (150, "150 EUR")
+    with pytest.raises(BadInput, match="payload: currency: missing"):
+        schemas.dump(Priced, {"cents": 100})
+    with pytest.raises(BadInput, match="payload: rate: expected float, got str"):
+        schemas.dump(Priced, {"cents": 100, "currency": "EUR", "rate": "x"})
+
+
+@dataclasses.dataclass
 class Shape:
     pair: tuple[int, str]
     points: tuple[int, ...] = ()
