@@ -28,9 +28,11 @@ def tangguh_handlers(request):
 
 @pytest.fixture
 def tangguh_config(tmp_path, tangguh_handlers):
-    """The path of a config for this test: a fresh SQLite broker, the handlers folder, short backoffs."""
+    """The path of a config for this test: a fresh SQLite broker, the handlers folder, short backoffs.
+    The test starts on real time: what an earlier test's ``run_jobs`` skipped is not carried over."""
     from . import testing
 
+    testing.clock.offset = 0.0
     return testing.write_config(str(tmp_path), tangguh_handlers)
 
 
@@ -54,7 +56,6 @@ def tangguh_client(tangguh_config, tangguh_broker):
     client = Client.from_config(tangguh_config)
     before = jobref.save()
     jobref.configure(client=client)
-    testing.clock.offset = 0.0
     testing.on_test_clock(client)
     yield client
     jobref.restore(before)

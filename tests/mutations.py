@@ -2429,6 +2429,10 @@ MUTATIONS = [
              "        fields = [f for f in dataclasses.fields(tp) if f.init]\n",
              ("tests/test_schemas.py", "-k", "init_var"),
              "a dataclass InitVar is a payload key its constructor receives"),
+    Mutation("test-clock-carried-across-tests", "supervisor/pytest_plugin.py",
+             "    testing.clock.offset = 0.0\n", "",
+             ("tests/test_testing.py", "-k", "real_time"),
+             "each test on the tangguh_* fixtures starts on real time, not on the clock an earlier test moved"),
 ]
 
 

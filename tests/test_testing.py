@@ -1,7 +1,9 @@
 """supervisor.testing and its pytest fixtures: run_jobs in-process against a real supervisor."""
 import os
 import shutil
+import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -105,6 +107,34 @@ def test_after_a_skipped_backoff_the_producer_stamps_on_the_clock_the_jobs_saw(t
         assert client.get(soon).state == "done"
         testing.clock.advance(60)
         assert [r.job_id for r in testing.run_jobs(client)] == [later]
+
+
+def test_each_test_of_an_application_starts_on_real_time(tmp_path):
+    """The clock run_jobs moves is the process's: only the tangguh_client fixture put it back, so
+    after one test skipped an hour's backoff, a later test on tangguh_config (its own client) ran
+    a job delayed by a minute at once, without the clock.advance that production needs."""
+    (tmp_path / "handlers").mkdir()
+    shutil.copy(os.path.join(HERE, "handlers", "outcomes.py"), tmp_path / "handlers")
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntangguh_handlers = handlers\n")
+    (tmp_path / "test_app.py").write_text(textwrap.dedent("""
+        import supervisor
+        from supervisor import testing
+
+        def test_one_skips_an_hour(tangguh_config):
+            with supervisor.Client.from_config(tangguh_config) as client:
+                client.enqueue("flaky", {"succeed_on": 2})
+                testing.run_jobs(client)
+            testing.clock.advance(3600)
+
+        def test_two_delays_a_minute(tangguh_config):
+            with supervisor.Client.from_config(tangguh_config) as client:
+                client.enqueue("greet", {"name": "ada"}, delay=60)
+                assert testing.run_jobs(client) == []
+    """))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           "-p", "no:randomly", "test_app.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_a_handler_decorated_with_its_own_queue_is_enqueued_and_run_in_a_test(tangguh_client, tangguh_config):
