@@ -49,7 +49,7 @@ def job(type_name, *, timeout=None, soft_timeout=None, max_attempts=None, queue=
     handler receives the typed object (``supervisor.schemas``).
 
     The keyword values are defaults; ``[jobs.types.<type_name>]`` in the
-    config overrides them. ``max_concurrency``, ``rate_limit`` (``"100/m"``)
+    config overrides them. Each is checked as that config key is (``ValueError``). ``max_concurrency``, ``rate_limit`` (``"100/m"``)
     and ``exclusive`` are enforced by the broker at claim time;
     ``cron`` enqueues a job of this type (payload ``{}``) at every tick, as a
     schedule named after the type (docs/scheduling.md).
@@ -58,7 +58,12 @@ def job(type_name, *, timeout=None, soft_timeout=None, max_attempts=None, queue=
         raise ValueError("job type must be a non-empty string")
     from . import checks
 
-    for key, value, check in (("max_concurrency", max_concurrency, checks.positive_int),
+    # The checks of the same keys in [jobs.types.<type>]: a timeout="30" taken as it was passed every
+    # check and run_jobs, then killed the master (float + str) at the first job of the type.
+    for key, value, check in (("timeout", timeout, checks.positive_number),
+                              ("soft_timeout", soft_timeout, checks.non_negative_number),
+                              ("max_attempts", max_attempts, checks.positive_int),
+                              ("max_concurrency", max_concurrency, checks.positive_int),
                               ("rate_limit", rate_limit, checks.rate), ("cron", cron, checks.cron)):
         if value is not None:
             try:

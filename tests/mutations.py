@@ -2433,6 +2433,11 @@ MUTATIONS = [
              "    testing.clock.offset = 0.0\n", "",
              ("tests/test_testing.py", "-k", "real_time"),
              "each test on the tangguh_* fixtures starts on real time, not on the clock an earlier test moved"),
+    Mutation("decorator-timeout-unchecked", "supervisor/registry.py",
+             '    for key, value, check in (("timeout", timeout, checks.positive_number),\n',
+             '    for key, value, check in (("timeout", None, checks.positive_number),\n',
+             ("tests/test_jobref.py", "-k", "wrong_kind and timeout"),
+             "a decorator's timeout of the wrong kind is refused at import, not a master crash at the first job"),
 ]
 
 

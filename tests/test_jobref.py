@@ -1,4 +1,6 @@
 """Enqueue through the handler: ``@supervisor.job`` objects and ``supervisor.JobRef``."""
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -136,3 +138,34 @@ def test_configure_takes_one_source(sqlite_url):
     with pytest.raises(ValueError):
         supervisor.configure(url=sqlite_url, config="x.toml")
     assert jobref.NO_CLIENT.startswith("no default client")
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("timeout", "30", "timeout: expected a positive number, got '30'"),
+    ("timeout", 0, "timeout: expected a positive number, got 0"),
+    ("soft_timeout", -1, "soft_timeout: expected a number >= 0, got -1"),
+    ("max_attempts", 0, "max_attempts: expected a positive integer, got 0"),
+    ("max_attempts", 2.5, "max_attempts: expected a positive integer, got 2.5"),
+])
+def test_a_decorator_setting_of_the_wrong_kind_is_refused_where_it_is_written(tmp_path, key, value, message):
+    """@supervisor.job("x", timeout="30") was taken as it was: `tangguh config check` said ok,
+    run_jobs ran the job, and the daemon's master died (exit 1, "unsupported operand type(s)
+    for +: 'float' and 'str'") at the first job of the type, leaving it leased."""
+    with pytest.raises(ValueError) as err:
+        supervisor.job("x", **{key: value})
+    assert str(err.value) == f"job 'x': {message}"
+    (tmp_path / "handlers").mkdir()
+    (tmp_path / "handlers" / "slow.py").write_text(textwrap.dedent(f"""
+        import supervisor
+
+        @supervisor.job("slow", {key}={value!r})
+        def slow(ctx, payload):
+            return None
+    """))
+    config = tmp_path / "tangguh.toml"
+    config.write_text(f'[supervisor]\nhandlers = "{tmp_path / "handlers"}"\n'
+                      f'[broker]\nurl = "sqlite:///{tmp_path / "broker.db"}"\n')
+    done = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "check", "-c", str(config)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"slow.py:4: ValueError: job 'slow': {key}: " in done.stderr
