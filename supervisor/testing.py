@@ -75,8 +75,8 @@ def run_jobs(client=None, until="idle", *, handlers=None, queues=None, max_runs=
     """Run queued jobs in-process, in claim order; return a list of ``Ran``, one per attempt.
 
     ``until="idle"``: until no job is due and none it retried is waiting; an int: at most that
-    many attempts. ``queues``: a name or a list (default: the client's). ``handlers``: a folder, or handler functions and modules (default: the
-    client's config's handlers folder). ``client``: default ``supervisor.configure``'s; with no
+    many attempts. ``queues``: a name or a list (default: the client's). ``handlers``: a folder,
+    a handler or module, or a list of them (default: the client's config's handlers folder). ``client``: default ``supervisor.configure``'s; with no
     default set, it is the default while the jobs run (a handler's follow-up ``.enqueue()``).
     """
     client = client or default_client()
@@ -198,10 +198,15 @@ def _handlers(given, cfg):
         return registry.load_handlers(folder, importer=_imported_or_fresh)
     if isinstance(given, dict):
         return given
+    if callable(given) or isinstance(given, type(sys)):
+        given = [given]  # one handler, or one module
     specs = {}
     for item in given:
-        values = vars(item).values() if isinstance(item, type(sys)) else [item]
-        for value in values:
+        is_module = isinstance(item, type(sys))
+        if not is_module and getattr(item, registry._MARK, None) is None:
+            # Dropped, its jobs would end unknown_type: a test of a handler that never ran.
+            raise ValueError(f"run_jobs(handlers=...): {item!r} is not a handler made by @supervisor.job")
+        for value in vars(item).values() if is_module else [item]:
             meta = getattr(value, registry._MARK, None)
             if meta is not None:
                 fn = getattr(value, "__wrapped__", value)

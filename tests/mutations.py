@@ -2438,6 +2438,15 @@ MUTATIONS = [
              '    for key, value, check in (("timeout", None, checks.positive_number),\n',
              ("tests/test_jobref.py", "-k", "wrong_kind and timeout"),
              "a decorator's timeout of the wrong kind is refused at import, not a master crash at the first job"),
+    Mutation("run-jobs-one-handler-not-iterable", "supervisor/testing.py",
+             "        given = [given]  # one handler, or one module\n", "        pass\n",
+             ("tests/test_testing.py", "-k", "one_handler_or_module"),
+             "run_jobs(handlers=) takes one handler or module as well as a list"),
+    Mutation("run-jobs-plain-function-dropped", "supervisor/testing.py",
+             "        if not is_module and getattr(item, registry._MARK, None) is None:",
+             "        if False:",
+             ("tests/test_testing.py", "-k", "one_handler_or_module"),
+             "run_jobs(handlers=[...]) refuses a function that is no handler instead of dropping it"),
 ]
 
 

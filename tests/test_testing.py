@@ -174,6 +174,21 @@ def test_handlers_given_as_functions(tangguh_client):
     assert ran.result == {"hello": "x"}
 
 
+def test_handlers_given_as_one_handler_or_module_and_a_plain_function_refused(tangguh_client):
+    """handlers=greet (one handler, or one module) failed with "'Handler' object is not iterable";
+    a plain function in the list was dropped without a word, its jobs dead as unknown_type."""
+    first = outcomes.greet.enqueue({"name": "x"})
+    assert [r.job_id for r in testing.run_jobs(tangguh_client, handlers=outcomes.greet)] == [first]
+    second = outcomes.greet.enqueue({"name": "y"})
+    assert [r.job_id for r in testing.run_jobs(tangguh_client, handlers=outcomes)] == [second]
+
+    def undecorated(ctx, payload):
+        return None
+
+    with pytest.raises(ValueError, match=r"run_jobs\(handlers=...\): .*undecorated.* is not a handler made by"):
+        testing.run_jobs(tangguh_client, handlers=[outcomes.greet, undecorated])
+
+
 @supervisor.job("big_result", max_attempts=3)
 def big_result(ctx, payload):
     return {"blob": "x" * protocol.MAX_MESSAGE}
