@@ -56,7 +56,13 @@ class Supervisor:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "-c", self.config_path],
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        _wait(self._ready, timeout, "the supervisor to start its workers")
+        try:
+            _wait(self._ready, timeout, "the supervisor to start its workers")
+        except BaseException:
+            # Nobody stops a supervisor whose start failed (a fixture that raised has no teardown),
+            # and in a session of its own the test run's end does not reach it either.
+            self._kill()
+            raise
         return self
 
     def _ready(self):
@@ -115,12 +121,15 @@ class Supervisor:
             if leased:
                 raise AssertionError(f"jobs still leased after the supervisor stopped: {leased}")
         finally:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
-            self.proc = None
+            self._kill()
+
+    def _kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self.proc = None
 
 
 def _group_alive(pgid):

@@ -2447,6 +2447,10 @@ MUTATIONS = [
              "        if False:",
              ("tests/test_testing.py", "-k", "one_handler_or_module"),
              "run_jobs(handlers=[...]) refuses a function that is no handler instead of dropping it"),
+    Mutation("test-supervisor-left-running-after-failed-start", "supervisor/testdaemon.py",
+             "            self._kill()\n            raise\n", "            raise\n",
+             ("tests/test_testing.py", "-k", "not_left_running"),
+             "a test supervisor that does not start in time is killed, not left running"),
 ]
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import psutil
 import pytest
 
 import supervisor
@@ -13,6 +14,7 @@ from supervisor.errors import ConfigError
 from supervisor.model import NewJob
 
 from .handlers import outcomes
+from .util import wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -293,6 +295,24 @@ def test_wait_job_returns_a_cancelled_job_and_a_timeout_names_the_state(tangguh_
 def test_a_hard_timeout_with_a_real_supervisor(tangguh_client, tangguh_supervisor):
     job = tangguh_supervisor.wait_job(outcomes.stuck.enqueue({}))
     assert (job.state, job.reason, job.error["class"]) == ("dead", "timeout", "HardTimeout")
+
+
+def test_a_supervisor_that_does_not_start_in_time_is_not_left_running(tangguh_config):
+    """start() timed out with an AssertionError and left `tangguh run` going: in a session of its
+    own, the test run's end did not reach it, and the fixture never got to stop it."""
+
+    def running():
+        return [p for p in psutil.process_iter(["cmdline"]) if tangguh_config in (p.info["cmdline"] or [])]
+
+    sup = testing.Supervisor(tangguh_config)
+    with pytest.raises(AssertionError, match="timed out after 0s waiting for the supervisor to start"):
+        sup.start(timeout=0)
+    try:
+        assert sup.proc is None
+        wait_for(lambda: not running(), message="the supervisor that did not start to be gone")
+    finally:
+        for p in running():
+            p.kill()
 
 
 def test_run_jobs_without_a_client_says_how_to_configure_one(monkeypatch):
