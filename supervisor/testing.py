@@ -76,10 +76,17 @@ def run_jobs(client=None, until="idle", *, handlers=None, queues=None, max_runs=
 
     ``until="idle"``: until no job is due and none it retried is waiting; an int: at most that
     many attempts. ``queues``: a name or a list (default: the client's). ``handlers``: a folder,
-    a handler or module, or a list of them (default: the client's config's handlers folder). ``client``: default ``supervisor.configure``'s; with no
-    default set, it is the default while the jobs run (a handler's follow-up ``.enqueue()``).
+    a handler or module, or a list of them (default: the client's config's handlers folder).
+    ``client``: default ``supervisor.configure``'s; with no default set, it is the default while
+    the jobs run (a handler's follow-up ``.enqueue()``). Called from a coroutine (an async
+    test), the jobs run on a thread of their own.
     """
-    client = client or default_client()
+    client = client or default_client()  # this thread's (a default made from a URL is one per thread)
+    if _in_event_loop():
+        # An async handler runs on a loop of its own, as in a daemon's child, and a thread that
+        # runs a loop already cannot run another: each such job failed "Cannot run the event
+        # loop while another loop is running". (No soft timeout off the main thread.)
+        return _on_a_thread(run_jobs, client, until, handlers=handlers, queues=queues, max_runs=max_runs)
     cfg = client.config or config_module.from_dict({})
     handlers = _handlers(handlers, cfg)
     limit = max_runs if until == "idle" else int(until)
@@ -121,6 +128,38 @@ def run_jobs(client=None, until="idle", *, handlers=None, queues=None, max_runs=
             jobref.restore(None)
         broker.close()
     return ran
+
+
+def _in_event_loop():
+    if "asyncio" not in sys.modules:  # nothing imported it: no loop runs
+        return False
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _on_a_thread(fn, *args, **kwargs):
+    """``fn(...)`` on a new thread, in a copy of this context; its result, or its exception raised here."""
+    import contextvars
+
+    context, out = contextvars.copy_context(), {}
+
+    def target():
+        try:
+            out["value"] = context.run(fn, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, name="run_jobs")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def _next_retry(broker, queues):

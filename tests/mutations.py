@@ -2451,6 +2451,10 @@ MUTATIONS = [
              "            self._kill()\n            raise\n", "            raise\n",
              ("tests/test_testing.py", "-k", "not_left_running"),
              "a test supervisor that does not start in time is killed, not left running"),
+    Mutation("run-jobs-async-handlers-on-the-tests-loop", "supervisor/testing.py",
+             "    if _in_event_loop():\n", "    if False:\n",
+             ("tests/test_testing.py", "-k", "async_test"),
+             "run_jobs called from a coroutine runs async handlers on a loop of their own, as the daemon does"),
 ]
 
 

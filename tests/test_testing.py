@@ -1,4 +1,5 @@
 """supervisor.testing and its pytest fixtures: run_jobs in-process against a real supervisor."""
+import asyncio
 import os
 import shutil
 import subprocess
@@ -189,6 +190,25 @@ def test_handlers_given_as_one_handler_or_module_and_a_plain_function_refused(ta
 
     with pytest.raises(ValueError, match=r"run_jobs\(handlers=...\): .*undecorated.* is not a handler made by"):
         testing.run_jobs(tangguh_client, handlers=[outcomes.greet, undecorated])
+
+
+@supervisor.job("fetch_async", max_attempts=2)
+async def fetch_async(ctx, payload):
+    await asyncio.sleep(0)
+    return {"fetched": payload["url"]}
+
+
+def test_run_jobs_from_an_async_test_runs_async_handlers_as_the_daemon_does(tangguh_client):
+    """Called from a coroutine (an async test: pytest-asyncio, anyio, a FastAPI app's tests), every
+    async handler failed "Cannot run the event loop while another loop is running", retried to
+    dead, where the daemon's child runs it on a loop of its own."""
+    job_id = tangguh_client.enqueue("fetch_async", {"url": "/a"})
+
+    async def test_body():
+        return testing.run_jobs(tangguh_client, handlers=[fetch_async])
+
+    (ran,) = asyncio.run(test_body())
+    assert (ran.job_id, ran.outcome, ran.result) == (job_id, "done", {"fetched": "/a"})
 
 
 @supervisor.job("big_result", max_attempts=3)
