@@ -5,7 +5,8 @@ the broker's claim, the child's ``run_job`` (context, toolkit, soft timeout,
 payload schema), the master's verdict (retry policy, dead-lettering) and the
 broker writes. Only the clock differs: the broker reads ``clock``, and when
 nothing is due but a job is waiting out a retry backoff, the clock jumps to
-it, so a retry path runs in no time. It needs a SQLite broker (the
+it (or to the next token of a ``rate_limit`` that holds due jobs back), so a retry path runs
+in no time. It needs a SQLite broker (the
 ``tangguh_broker`` fixture); a job enqueued with a ``delay`` waits for
 ``testing.clock.advance(seconds)``. The client's broker reads the same clock
 (``on_test_clock``: the ``tangguh_client`` fixture's, and ``run_jobs``'s client), so
@@ -100,16 +101,21 @@ def run_jobs(client=None, until="idle", *, handlers=None, queues=None, max_runs=
     lent = jobref.save() is None and jobref._from_environment() is None
     if lent:
         jobref.configure(client=client)
+    limits = registry.type_limits(cfg, handlers) or None
+    waited_for_token = False
     try:
         while len(ran) < limit:
-            jobs = broker.claim(queues, 1, cfg.broker.lease_seconds, "run_jobs",
-                                registry.type_limits(cfg, handlers) or None)
+            jobs = broker.claim(queues, 1, cfg.broker.lease_seconds, "run_jobs", limits)
             if not jobs:
                 due = _next_retry(broker, queues)
+                if due is None and not waited_for_token:
+                    # Due jobs a rate_limit holds back: the daemon runs them as tokens come back.
+                    due, waited_for_token = _next_token(broker, queues, limits), True
                 if due is None:
                     break
-                clock.advance(due - clock.now())  # the backoff passes at once
+                clock.advance(due - clock.now())  # the backoff (or the wait for a token) passes at once
                 continue
+            waited_for_token = False
             job = jobs[0]
             outcome, reply = _attempt(job, cfg, handlers)
             write = Write(job, outcome.op, info={"host": socket.gethostname(), "runner": "run_jobs"})
@@ -172,6 +178,25 @@ def _next_retry(broker, queues):
     finally:
         db.close()
     return due
+
+
+def _next_token(broker, queues, limits):
+    """When a due job that only its type's rate_limit holds back gets a token, or None."""
+    rates = {t: lim.rate for t, lim in (limits or {}).items() if lim.rate is not None}
+    if not rates:
+        return None
+    db = sqlite3.connect(f"file:{broker.path}?mode=ro", uri=True)
+    try:
+        marks, types = ",".join("?" * len(queues)), sorted(rates)
+        held = [row[0] for row in db.execute(
+            f"SELECT DISTINCT type FROM jobs WHERE state = 'queued' AND run_at <= ? AND queue IN ({marks})"
+            f" AND queue NOT IN (SELECT queue FROM paused_queues) AND type IN ({','.join('?' * len(types))})",
+            [clock.now(), *queues, *types])]
+    finally:
+        db.close()
+    if not held:
+        return None
+    return clock.now() + min(rates[t][1] / rates[t][0] for t in held)  # a bucket refills a token in per / count
 
 
 def _attempt(job, cfg, handlers):

@@ -2455,6 +2455,11 @@ MUTATIONS = [
              "    if _in_event_loop():\n", "    if False:\n",
              ("tests/test_testing.py", "-k", "async_test"),
              "run_jobs called from a coroutine runs async handlers on a loop of their own, as the daemon does"),
+    Mutation("run-jobs-stops-at-a-rate-limit", "supervisor/testing.py",
+             "due, waited_for_token = _next_token(broker, queues, limits), True",
+             "due, waited_for_token = None, True",
+             ("tests/test_testing.py", "-k", "rate_limit"),
+             "run_jobs runs the jobs a rate_limit holds back, its clock jumping to the next token"),
 ]
 
 

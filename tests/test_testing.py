@@ -211,6 +211,22 @@ def test_run_jobs_from_an_async_test_runs_async_handlers_as_the_daemon_does(tang
     assert (ran.job_id, ran.outcome, ran.result) == (job_id, "done", {"fetched": "/a"})
 
 
+@supervisor.job("texted", rate_limit="1/m")
+def texted(ctx, payload):
+    return {"to": payload["to"]}
+
+
+def test_jobs_held_back_by_a_rate_limit_run_as_the_daemon_runs_them(tangguh_client):
+    """Past the bucket's first token run_jobs stopped, the rest of a rate-limited type left
+    queued, where the daemon runs them as tokens come back: the clock now jumps to the next
+    token as it jumps over a backoff."""
+    ids = [tangguh_client.enqueue("texted", {"to": n}) for n in range(3)]
+    ran = testing.run_jobs(tangguh_client, handlers=[texted])
+    assert [(r.job_id, r.outcome) for r in ran] == [(i, "done") for i in ids]
+    starts = [tangguh_client.get(i).history[0]["started_at"] for i in ids]
+    assert starts[1] - starts[0] >= 60 and starts[2] - starts[1] >= 60  # one a minute, on the test's clock
+
+
 @supervisor.job("big_result", max_attempts=3)
 def big_result(ctx, payload):
     return {"blob": "x" * protocol.MAX_MESSAGE}
