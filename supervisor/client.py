@@ -42,6 +42,7 @@ from .backends.base import open_broker, scheme_of
 from .backends.control import check_ids, check_timeout
 from .errors import BadInput, BrokerError
 from .jobfilter import JobFilter, check_page, decode_cursor
+from .jobref import job_args, type_name
 from .logs import job_fields
 from .model import FINISHED, NewJob, trace_made
 from .waitbrokers import WaitBrokers
@@ -137,6 +138,7 @@ class Client:
                 max_attempts=None, timeout=None, trace_id=None, priority=0, expires_in=None,
                 depends_on=()):
         """The validated ``NewJob`` that ``enqueue`` would store (raises ``BadInput``)."""
+        type, payload, queue = job_args(self, type, payload, queue)  # a handler: as its .enqueue (jobref)
         overrides = self.config.job_type(type) if self.config is not None and isinstance(type, str) else None
         if queue is None:
             queue = (overrides and overrides.queue) or self.default_queue()
@@ -163,7 +165,7 @@ class Client:
         ``expired`` instead of running. ``depends_on``: job ids (or ``(id, on)``) it waits for
         (``supervisor.workflows``). ``broker_kwargs`` go to the broker, e.g. ``conn=`` for
         PostgreSQL's transactional enqueue."""
-        with tracing.enqueue_span([type], queue) as span:  # OpenTelemetry, when installed
+        with tracing.enqueue_span([type_name(type)], queue) as span:  # OpenTelemetry, when installed
             job = self.new_job(type, payload, queue=queue, resource_id=resource_id, idempotency_key=idempotency_key,
                                delay=delay, max_attempts=max_attempts, timeout=timeout,
                                trace_id=trace_id or span.traceparent, priority=priority, expires_in=expires_in,
@@ -188,7 +190,7 @@ class Client:
                 raise BadInput(f"job {i}: {exc}") from None
         if not items:
             return []
-        with tracing.enqueue_span([args[0] for args, _ in items]) as span:  # OpenTelemetry, when installed
+        with tracing.enqueue_span([type_name(args[0]) for args, _ in items]) as span:  # OpenTelemetry, when installed
             new_jobs = []
             traceparent = span.traceparent
             for i, (args, options) in enumerate(items):

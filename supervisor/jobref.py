@@ -85,6 +85,20 @@ def _from_environment():
     return None
 
 
+def job_args(client, type, payload, queue):
+    """``(type, payload, queue)`` for ``Client.new_job``: a handler or ``JobRef`` given as the type
+    (``client.enqueue(send_receipt, ...)``, a workflow's step) is its type name, its payload checked
+    against its schema and its decorator's queue applied, as its own ``.enqueue`` does."""
+    if not isinstance(type, JobRef):
+        return type, payload, queue
+    return type.type, type.payload_of(payload), type._options(client, {"queue": queue}).get("queue")
+
+
+def type_name(type):
+    """A job type as a span names it: a handler's or ``JobRef``'s own type."""
+    return type.type if isinstance(type, JobRef) else type
+
+
 class JobRef:
     """A job type to enqueue: ``JobRef("send_receipt").enqueue({"order_id": 7})``."""
 

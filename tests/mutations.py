@@ -2460,6 +2460,11 @@ MUTATIONS = [
              "due, waited_for_token = None, True",
              ("tests/test_testing.py", "-k", "rate_limit"),
              "run_jobs runs the jobs a rate_limit holds back, its clock jumping to the next token"),
+    Mutation("client-handler-type-not-a-job-ref", "supervisor/jobref.py",
+             "    if not isinstance(type, JobRef):\n        return type, payload, queue\n",
+             "    return type, payload, queue\n",
+             ("tests/test_schemas.py", "-k", "workflow_step"),
+             "a handler given to client.enqueue or as a workflow step is its type, its schema checked"),
 ]
 
 

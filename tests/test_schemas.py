@@ -501,3 +501,18 @@ def test_a_result_with_a_non_string_key_fails_its_attempt_saying_where():
     reply = run(int_keys, {})
     assert (reply["ok"], reply["kind"], reply["error_class"]) == (False, protocol.EXCEPTION, "BadInput")
     assert reply["message"] == "handler result.by_id: the key 1 is int, not a string (JSON object keys are strings)"
+
+
+def test_a_client_enqueue_or_workflow_step_given_the_handler_checks_its_schema(client):
+    """client.chain([(send_receipt, ...)]) was refused ("job type must be a non-empty string"), so
+    a workflow named its steps by string and no step's payload was checked at enqueue: a bad one
+    was stored and found in the child (bad_payload) after the steps before it had run."""
+    with pytest.raises(BadInput, match=r"^chain step 1: payload: order_id: expected int, got str$"):
+        client.chain([(send_receipt, Receipt(7, "a@b")), (send_receipt, {"order_id": "8", "email": "c@d"})])
+    assert client.stats(["default"])["default"].ready == 0
+    first, second = client.chain([(send_receipt, Receipt(7, "a@b")), (refund, {"order_id": 7})])
+    assert [(j.type, j.payload["order_id"]) for j in map(client.get, (first, second))] == [
+        ("send_receipt", 7), ("refund", 7)]
+    assert client.get(client.enqueue(refund, {"order_id": 8})).type == "refund"
+    with pytest.raises(BadInput, match="^payload: reason: expected str, got int$"):
+        client.enqueue(refund, {"order_id": 8, "reason": 1})
