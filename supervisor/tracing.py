@@ -81,7 +81,9 @@ def enqueue_span(type_names, queue=None):
 
 @contextlib.contextmanager
 def _traced(trace, type_names, queue):
-    names = sorted(set(type_names))
+    # The types are not checked yet (that is the enqueue's, inside this span): one that is no
+    # string (a list, a dict) is no name, and failed here as a raw TypeError, not BadInput.
+    names = sorted({t for t in type_names if isinstance(t, str)})
     name = f"tangguh.enqueue {names[0]}" if len(names) == 1 else "tangguh.enqueue"
     attributes = {"messaging.system": "tangguh", "messaging.operation.type": "send", "tangguh.job.type": names}
     if queue:

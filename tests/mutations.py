@@ -2465,6 +2465,11 @@ MUTATIONS = [
              "    return type, payload, queue\n",
              ("tests/test_schemas.py", "-k", "workflow_step"),
              "a handler given to client.enqueue or as a workflow step is its type, its schema checked"),
+    Mutation("trace-span-sorts-unchecked-types", "supervisor/tracing.py",
+             "    names = sorted({t for t in type_names if isinstance(t, str)})",
+             "    names = sorted(set(type_names))",
+             ("tests/test_tracing.py", "-k", "bad_job_type"),
+             "with tracing on, a job type that is no string is one BadInput line, not a TypeError from the span"),
 ]
 
 

@@ -148,3 +148,33 @@ def test_without_opentelemetry_nothing_changes(sqlite_url, blocked):
     with open_broker(sqlite_url) as broker:
         trace_id = broker.get(job_id).trace_id
     assert len(trace_id) == 32 and int(trace_id, 16) >= 0 and sdk_loaded == "False"
+
+
+BAD_TYPES = """
+import sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from supervisor.client import Client
+from supervisor.errors import BadInput
+
+trace.set_tracer_provider(TracerProvider())
+client = Client.from_url(sys.argv[1])
+for call in (lambda: client.enqueue(["charge"], {}), lambda: client.enqueue_many([("a", {}), (5, {})]),
+             lambda: client.enqueue_many([("a", {}), ({"x": 1}, {})])):
+    try:
+        call()
+    except BadInput as exc:
+        print(exc)
+"""
+
+
+def test_a_bad_job_type_is_one_bad_input_line_with_tracing_on(sqlite_url):
+    """With an SDK configured the enqueue's span sorted and hashed the types before they were
+    checked: a list or dict as a type raised "unhashable type", a mix of types "'<' not
+    supported", raw TypeErrors instead of the BadInput every other path gives."""
+    out = subprocess.run([sys.executable, "-c", BAD_TYPES, sqlite_url], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["job type must be a non-empty string"] + [
+        "job 1: job type must be a non-empty string"] * 2
