@@ -90,6 +90,15 @@ def job(type_name, *, timeout=None, soft_timeout=None, max_attempts=None, queue=
     return mark
 
 
+def handler_function(value):
+    """What runs a job for ``value``, a marked object: the function under a ``Handler``, else
+    ``value`` itself. Not ``__wrapped__``: a decorator put above ``@supervisor.job`` copies
+    the mark with ``functools.wraps``, and the function under it skipped that decorator."""
+    from .jobref import Handler
+
+    return value.fn if isinstance(value, Handler) else value
+
+
 class HandlerLoadError(ConfigError):
     """A handler file failed to import, or two handlers claim one type."""
 
@@ -116,7 +125,7 @@ def load_handlers(folder, generation=0, importer=None):
             if meta is None or id(value) in seen or not callable(value):
                 continue
             seen.add(id(value))
-            fn = getattr(value, "__wrapped__", value)  # the function itself, under the Handler
+            fn = handler_function(value)
             try:
                 spec = HandlerSpec(fn=fn, is_async=inspect.iscoroutinefunction(fn), source=path, **meta)
             except TypeError as exc:

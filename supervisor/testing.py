@@ -273,7 +273,7 @@ def _handlers(given, cfg):
         for value in vars(item).values() if is_module else [item]:
             meta = getattr(value, registry._MARK, None)
             if meta is not None:
-                fn = getattr(value, "__wrapped__", value)
+                fn = registry.handler_function(value)
                 specs[meta["type"]] = registry.HandlerSpec(fn=fn, is_async=_is_async(fn), **meta)
     return specs
 

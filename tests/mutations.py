@@ -2470,6 +2470,11 @@ MUTATIONS = [
              "    names = sorted(set(type_names))",
              ("tests/test_tracing.py", "-k", "bad_job_type"),
              "with tracing on, a job type that is no string is one BadInput line, not a TypeError from the span"),
+    Mutation("loader-skips-outer-decorator", "supervisor/registry.py",
+             "    return value.fn if isinstance(value, Handler) else value\n",
+             "    return getattr(value, \"__wrapped__\", value)\n",
+             ("tests/test_jobref.py", "-k", "not_skipped"),
+             "a decorator above @supervisor.job runs, in the daemon and in run_jobs"),
 ]
 
 

@@ -169,3 +169,34 @@ def test_a_decorator_setting_of_the_wrong_kind_is_refused_where_it_is_written(tm
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"slow.py:4: ValueError: job 'slow': {key}: " in done.stderr
+
+
+def test_a_decorator_above_the_job_decorator_is_not_skipped(tmp_path, sqlite_url):
+    """@functools.wraps copies the handler's mark onto a decorator put above @supervisor.job; the
+    loader then took the function under `__wrapped__`, the Handler, and ran it without the outer
+    decorator (its retry wrapper, its connection cleanup) in the daemon and in run_jobs alike."""
+    (tmp_path / "wrapped.py").write_text(textwrap.dedent("""
+        import functools
+        import supervisor
+
+        def outermost(fn):
+            @functools.wraps(fn)
+            def run(ctx, payload):
+                return {"outer": fn(ctx, payload)}
+            return run
+
+        @outermost
+        @supervisor.job("wrapped")
+        def wrapped(ctx, payload):
+            return "inner"
+    """))
+    spec = registry.load_handlers(str(tmp_path))["wrapped"]
+    assert spec.fn(None, {}) == {"outer": "inner"}
+    from supervisor import testing
+
+    module = sys.modules[spec.fn.__module__]
+    with Client.from_url(sqlite_url) as client:
+        client.enqueue("wrapped", {})
+        client.enqueue("wrapped", {})
+        assert [r.result for r in testing.run_jobs(client, handlers=str(tmp_path), until=1)] == [{"outer": "inner"}]
+        assert [r.result for r in testing.run_jobs(client, handlers=[module.wrapped])] == [{"outer": "inner"}]
