@@ -12,8 +12,9 @@ Dataclasses and TypedDicts are checked here against their annotations: the
 JSON types (str, int, float, bool, None), ``list[...]``, ``dict[str, ...]``,
 ``tuple[X, ...]`` and ``tuple[X, Y]`` (a JSON list; the handler gets a tuple),
 ``set[X]`` and ``frozenset[X]`` (a JSON list; the handler gets the set),
-``X | None``, ``Literal[...]``, ``Any``, and nested dataclasses or TypedDicts (their
-``NotRequired``/``Required`` keys too, under ``from __future__ import annotations`` as well).
+``X | None``, ``Literal[...]``, ``Any``, a ``NewType`` of any of these, and nested
+dataclasses or TypedDicts (their ``NotRequired``/``Required`` keys too, under
+``from __future__ import annotations`` as well).
 An annotation outside that set is accepted as it comes, and so is one naming
 what the module imports only for a type checker (``if TYPE_CHECKING:``). A dataclass's
 ``field(init=False)`` is not part of its payload (the class computes it), an
@@ -129,6 +130,8 @@ def _check(tp, value, path):
         return value
     if isinstance(tp, dataclasses.InitVar):
         return _check(tp.type, value, path)
+    if isinstance(tp, typing.NewType):  # OrderId = NewType("OrderId", int): an int
+        return _check(tp.__supertype__, value, path)
     if origin in (typing.Union, types.UnionType):
         for option in args:
             try:

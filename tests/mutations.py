@@ -2475,6 +2475,10 @@ MUTATIONS = [
              "    return getattr(value, \"__wrapped__\", value)\n",
              ("tests/test_jobref.py", "-k", "not_skipped"),
              "a decorator above @supervisor.job runs, in the daemon and in run_jobs"),
+    Mutation("schema-new-type-unchecked", "supervisor/schemas.py",
+             "    if isinstance(tp, typing.NewType):", "    if False:",
+             ("tests/test_schemas.py", "-k", "new_type"),
+             "a NewType field is checked as the type it names"),
 ]
 
 

@@ -3,7 +3,7 @@ import dataclasses
 import subprocess
 import sys
 import textwrap
-from typing import Literal, NotRequired, TypedDict
+from typing import Literal, NewType, NotRequired, TypedDict
 
 import pytest
 
@@ -516,3 +516,22 @@ def test_a_client_enqueue_or_workflow_step_given_the_handler_checks_its_schema(c
     assert client.get(client.enqueue(refund, {"order_id": 8})).type == "refund"
     with pytest.raises(BadInput, match="^payload: reason: expected str, got int$"):
         client.enqueue(refund, {"order_id": 8, "reason": 1})
+
+
+OrderId = NewType("OrderId", int)
+
+
+@dataclasses.dataclass
+class Shipment:
+    order_id: OrderId
+    tracking: list[OrderId] = dataclasses.field(default_factory=list)
+
+
+def test_a_new_type_is_checked_as_the_type_it_names():
+    """`OrderId = NewType("OrderId", int)` was an annotation the checker did not know: a payload
+    with "order_id": "7" was stored, and the handler got a str where its schema says an int."""
+    assert schemas.dump(Shipment, {"order_id": 7, "tracking": [1]}) == {"order_id": 7, "tracking": [1]}
+    with pytest.raises(BadInput, match="^payload: order_id: expected int, got str$"):
+        schemas.dump(Shipment, {"order_id": "7"})
+    with pytest.raises(SchemaError, match=r"^tracking\[0\]: expected int, got bool$"):
+        schemas.load(Shipment, {"order_id": 7, "tracking": [True]})
