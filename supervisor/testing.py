@@ -298,8 +298,10 @@ def _is_async(fn):
 # -- assertions ------------------------------------------------------------------------------------
 def jobs_in_state(state=None, type=None, client=None):
     """The stored jobs (``model.Job``) in ``state`` ("queued", "retrying", "done", "dead"..., or a tuple of
-    states), of ``type``, oldest first. Reads the SQLite broker's file."""
+    states), of ``type`` (a name, a handler or ``JobRef``, or a tuple of them), oldest first. Reads the
+    SQLite broker's file."""
     client = client or default_client()
+    type = _type_names(type)
     from .backends.base import open_broker
 
     with open_broker(client.url) as broker:
@@ -324,6 +326,15 @@ def jobs_in_state(state=None, type=None, client=None):
 ENQUEUED = (WAITING, QUEUED, RETRYING)
 
 
+def _type_names(types):
+    """Job type names: a handler or ``JobRef`` is its type (``assert_enqueued(send_receipt)``)."""
+    if isinstance(types, jobref.JobRef):
+        return types.type
+    if types is None or isinstance(types, str):
+        return types
+    return [t.type if isinstance(t, jobref.JobRef) else t for t in types]
+
+
 def _matching(type, where, client, state=ENQUEUED):
     where = where or {}
     return [job for job in jobs_in_state(state, type, client)
@@ -340,6 +351,7 @@ def assert_enqueued(type, where=None, count=1, client=None):
 
     Enqueued: stored and still to run (``ENQUEUED``: waiting on its parents, queued, or retrying).
     """
+    type = _type_names(type)  # the handler's name in the message, not its repr
     found = _matching(type, where, client)
     if len(found) != count:
         stored = [(j.state, j.payload) for j in jobs_in_state(ENQUEUED, type, client)]

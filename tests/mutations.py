@@ -2479,6 +2479,10 @@ MUTATIONS = [
              "    if isinstance(tp, typing.NewType):", "    if False:",
              ("tests/test_schemas.py", "-k", "new_type"),
              "a NewType field is checked as the type it names"),
+    Mutation("assertions-refuse-the-handler-as-type", "supervisor/testing.py",
+             "    if isinstance(types, jobref.JobRef):\n        return types.type\n", "",
+             ("tests/test_testing.py", "-k", "handler_as_the_job_type"),
+             "assert_enqueued and jobs_in_state take the handler (or a JobRef) as the job type"),
 ]
 
 

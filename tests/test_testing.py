@@ -304,6 +304,16 @@ def test_assertions_on_enqueued_jobs(tangguh_client):
     testing.assert_not_enqueued("greet")
 
 
+def test_assertions_take_the_handler_as_the_job_type(tangguh_client):
+    """assert_enqueued(send_receipt) (the handler the test enqueued through) failed with
+    "'Handler' object is not iterable"; jobs_in_state(type=greet) too."""
+    outcomes.greet.enqueue({"name": "ada"})
+    testing.assert_enqueued(outcomes.greet, where={"name": "ada"})
+    testing.assert_not_enqueued(supervisor.JobRef("broken"))
+    testing.run_jobs(tangguh_client)
+    assert [j.type for j in testing.jobs_in_state("done", outcomes.greet)] == ["greet"]
+
+
 def test_assertions_see_jobs_waiting_on_parents_and_retrying(tangguh_client):
     charge, email = tangguh_client.chain([("flaky", {"succeed_on": 2}), ("greet", {"name": "ada"})])
     assert tangguh_client.get(email).state == "waiting"
