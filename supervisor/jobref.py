@@ -105,6 +105,13 @@ class JobRef:
     def __init__(self, type_name, *, payload=None, queue=None):
         if not isinstance(type_name, str) or not type_name.strip():
             raise ValueError("job type must be a non-empty string")
+        if payload is not None:  # here, not at every enqueue (a ValueError there, where BadInput is caught)
+            from . import schemas
+
+            try:
+                schemas.kind_of(payload)
+            except ValueError as exc:
+                raise ValueError(f"job {type_name!r}: {exc}") from None
         self.type = type_name
         self.payload_schema = payload
         self.queue = queue

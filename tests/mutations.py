@@ -2483,6 +2483,10 @@ MUTATIONS = [
              "    if isinstance(types, jobref.JobRef):\n        return types.type\n", "",
              ("tests/test_testing.py", "-k", "handler_as_the_job_type"),
              "assert_enqueued and jobs_in_state take the handler (or a JobRef) as the job type"),
+    Mutation("job-ref-schema-unchecked", "supervisor/jobref.py",
+             "        if payload is not None:  # here, not at every enqueue", "        if False:  # here, not at every enqueue",
+             ("tests/test_jobref.py", "-k", "where_it_is_made"),
+             "a JobRef whose payload schema is not one is refused where it is made"),
 ]
 
 

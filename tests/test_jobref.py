@@ -200,3 +200,10 @@ def test_a_decorator_above_the_job_decorator_is_not_skipped(tmp_path, sqlite_url
         client.enqueue("wrapped", {})
         assert [r.result for r in testing.run_jobs(client, handlers=str(tmp_path), until=1)] == [{"outer": "inner"}]
         assert [r.result for r in testing.run_jobs(client, handlers=[module.wrapped])] == [{"outer": "inner"}]
+
+
+def test_a_job_ref_with_a_schema_that_is_not_one_is_refused_where_it_is_made():
+    """JobRef("t", payload=int) was made, and every enqueue then raised a ValueError, which a
+    producer catching BadInput (the FastAPI recipe's 422) let through as a 500."""
+    with pytest.raises(ValueError, match="^job 'refund': payload schema must be a dataclass, a TypedDict"):
+        supervisor.JobRef("refund", payload=int)
