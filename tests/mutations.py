@@ -2487,6 +2487,10 @@ MUTATIONS = [
              "        if payload is not None:  # here, not at every enqueue", "        if False:  # here, not at every enqueue",
              ("tests/test_jobref.py", "-k", "where_it_is_made"),
              "a JobRef whose payload schema is not one is refused where it is made"),
+    Mutation("decorator-queue-unchecked", "supervisor/registry.py",
+             '                              ("queue", queue, checks.queue_name),\n', "",
+             ("tests/test_jobref.py", "-k", "wrong_kind and queue"),
+             "a decorator's queue no producer can name is refused at import"),
 ]
 
 

@@ -146,11 +146,13 @@ def test_configure_takes_one_source(sqlite_url):
     ("soft_timeout", -1, "soft_timeout: expected a number >= 0, got -1"),
     ("max_attempts", 0, "max_attempts: expected a positive integer, got 0"),
     ("max_attempts", 2.5, "max_attempts: expected a positive integer, got 2.5"),
+    ("queue", "e-mails!", "queue: expected a queue name (1 to 64 letters, digits or _ . : -), got 'e-mails!'"),
 ])
 def test_a_decorator_setting_of_the_wrong_kind_is_refused_where_it_is_written(tmp_path, key, value, message):
     """@supervisor.job("x", timeout="30") was taken as it was: `tangguh config check` said ok,
     run_jobs ran the job, and the daemon's master died (exit 1, "unsupported operand type(s)
-    for +: 'float' and 'str'") at the first job of the type, leaving it leased."""
+    for +: 'float' and 'str'") at the first job of the type, leaving it leased. A queue no
+    producer can name passed the check and the start too, then refused every enqueue and tick."""
     with pytest.raises(ValueError) as err:
         supervisor.job("x", **{key: value})
     assert str(err.value) == f"job 'x': {message}"
