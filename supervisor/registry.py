@@ -63,7 +63,7 @@ def job(type_name, *, timeout=None, soft_timeout=None, max_attempts=None, queue=
     for key, value, check in (("timeout", timeout, checks.positive_number),
                               ("soft_timeout", soft_timeout, checks.non_negative_number),
                               ("max_attempts", max_attempts, checks.positive_int),
-                              ("queue", queue, checks.queue_name),
+                              ("queue", queue, checks.queue_name), ("exclusive", exclusive, checks.boolean),
                               ("max_concurrency", max_concurrency, checks.positive_int),
                               ("rate_limit", rate_limit, checks.rate), ("cron", cron, checks.cron)):
         if value is not None:

@@ -2488,9 +2488,13 @@ MUTATIONS = [
              ("tests/test_jobref.py", "-k", "where_it_is_made"),
              "a JobRef whose payload schema is not one is refused where it is made"),
     Mutation("decorator-queue-unchecked", "supervisor/registry.py",
-             '                              ("queue", queue, checks.queue_name),\n', "",
+             '("queue", queue, checks.queue_name),', '("queue", None, checks.queue_name),',
              ("tests/test_jobref.py", "-k", "wrong_kind and queue"),
              "a decorator's queue no producer can name is refused at import"),
+    Mutation("decorator-exclusive-coerced", "supervisor/registry.py",
+             '("exclusive", exclusive, checks.boolean)', '("exclusive", None, checks.boolean)',
+             ("tests/test_jobref.py", "-k", "wrong_kind and exclusive"),
+             "a decorator's exclusive that is no bool is refused, not taken as bool(value)"),
 ]
 
 

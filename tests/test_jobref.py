@@ -147,12 +147,14 @@ def test_configure_takes_one_source(sqlite_url):
     ("max_attempts", 0, "max_attempts: expected a positive integer, got 0"),
     ("max_attempts", 2.5, "max_attempts: expected a positive integer, got 2.5"),
     ("queue", "e-mails!", "queue: expected a queue name (1 to 64 letters, digits or _ . : -), got 'e-mails!'"),
+    ("exclusive", "no", "exclusive: expected true or false, got 'no'"),
 ])
 def test_a_decorator_setting_of_the_wrong_kind_is_refused_where_it_is_written(tmp_path, key, value, message):
     """@supervisor.job("x", timeout="30") was taken as it was: `tangguh config check` said ok,
     run_jobs ran the job, and the daemon's master died (exit 1, "unsupported operand type(s)
     for +: 'float' and 'str'") at the first job of the type, leaving it leased. A queue no
-    producer can name passed the check and the start too, then refused every enqueue and tick."""
+    producer can name passed the check and the start too, then refused every enqueue and tick;
+    exclusive="no" was bool("no"): exclusive."""
     with pytest.raises(ValueError) as err:
         supervisor.job("x", **{key: value})
     assert str(err.value) == f"job 'x': {message}"
