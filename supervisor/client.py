@@ -40,7 +40,7 @@ from . import config as config_module
 from . import tracing
 from .backends.base import open_broker, scheme_of
 from .backends.control import check_ids, check_timeout
-from .errors import BadInput, BrokerError
+from .errors import BadInput, BrokerError, ConfigError
 from .jobfilter import JobFilter, check_page, decode_cursor
 from .jobref import job_args, type_name
 from .logs import job_fields
@@ -90,7 +90,11 @@ class Client:
     def from_config(cls, path=None):
         """A client for the broker a config file names (default: the usual config locations).
 
-        ``path`` may also be an already loaded ``config.Config``. Raises ``ConfigError``."""
+        ``path`` may also be an already loaded ``config.Config``. Raises ``ConfigError``, also for no
+        config file at all (the defaults would enqueue into a new ./tangguh.db no supervisor reads)."""
+        if not isinstance(path, config_module.Config) and config_module.find_config(path) is None:
+            raise ConfigError(f"no config file: neither {' nor '.join(config_module.DEFAULT_PATHS)} exists"
+                              f" (here: {os.getcwd()}); pass the config's path, or use Client.from_url(url)")
         cfg = path if isinstance(path, config_module.Config) else config_module.load(path)
         return cls(cfg.broker.url, config=cfg)
 

@@ -2495,6 +2495,11 @@ MUTATIONS = [
              '("exclusive", exclusive, checks.boolean)', '("exclusive", None, checks.boolean)',
              ("tests/test_jobref.py", "-k", "wrong_kind and exclusive"),
              "a decorator's exclusive that is no bool is refused, not taken as bool(value)"),
+    Mutation("client-from-no-config-file-uses-defaults", "supervisor/client.py",
+             "        if not isinstance(path, config_module.Config) and config_module.find_config(path) is None:",
+             "        if False:",
+             ("tests/test_client_threads.py", "-k", "no_config_file"),
+             "Client.from_config() with no config file is refused, not sent to a new ./tangguh.db"),
 ]
 
 

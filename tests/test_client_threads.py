@@ -1,5 +1,6 @@
 """One ``Client`` shared by many threads: a module-level client in a threaded web app, or the
 default client set with ``supervisor.configure(client=...)``, which every thread gets."""
+import os
 import threading
 
 import pytest
@@ -10,7 +11,7 @@ from supervisor.backends import open_broker
 from supervisor import client as client_module
 from supervisor import waitbrokers
 from supervisor.client import Client
-from supervisor.errors import BadInput
+from supervisor.errors import BadInput, ConfigError
 from supervisor.jobfilter import JobFilter
 from supervisor.model import NewJob
 
@@ -209,3 +210,24 @@ def test_a_queue_named_by_a_string_is_that_queue_not_its_letters(broker_url):
         client.enqueue("t", {}, queue="emails")
         stats = client.stats("emails")
         assert list(stats) == ["emails"] and stats["emails"].ready == 1
+
+
+def test_a_client_from_no_config_file_is_refused_not_pointed_at_a_new_sqlite_file(tmp_path, monkeypatch):
+    """With neither ./tangguh.toml nor /etc/tangguh/config.toml there, Client.from_config() took
+    the built-in defaults: a producer (a web app started in another directory, a container
+    without the file) enqueued into a new ./tangguh.db that no supervisor reads, without a word."""
+    if os.path.exists("/etc/tangguh/config.toml"):
+        pytest.skip("this machine has /etc/tangguh/config.toml")
+    monkeypatch.chdir(tmp_path)
+    for call in (lambda: Client.from_config(), lambda: Client.from_config("")):
+        with pytest.raises(ConfigError, match=r"no config file: neither ./tangguh.toml nor /etc/tangguh/config.toml"):
+            call()
+    monkeypatch.setenv("TANGGUH_CONFIG", "")
+    saved = jobref.save()
+    supervisor.configure(config="")
+    try:
+        with pytest.raises(ConfigError, match="no config file"):
+            supervisor.JobRef("t").enqueue({})
+    finally:
+        jobref.restore(saved)
+    assert list(tmp_path.iterdir()) == []
