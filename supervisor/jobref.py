@@ -126,7 +126,8 @@ class JobRef:
         return client.enqueue(self.type, self.payload_of(payload), **self._options(client, options))
 
     def enqueue_many(self, payloads, *, client=None, **options):
-        """Store one job per payload in one round trip; ``options`` apply to each. All are checked first."""
+        """Store one job per payload in one round trip; ``options`` apply to each (so an
+        ``idempotency_key``, which would make them one job, only with one payload). All are checked first."""
         from .client import JOB_OPTIONS
         from .errors import BadInput
 
@@ -139,6 +140,10 @@ class JobRef:
                 items.append((self.type, self.payload_of(payload), job_options))
             except BadInput as exc:
                 raise BadInput(f"job {i}: {exc}") from None
+        if len(items) > 1 and job_options.get("idempotency_key") is not None:
+            # Applied to each, one key makes the batch one job: the others deduplicated into it.
+            raise BadInput(f"idempotency_key= would make the {len(items)} jobs one (each is deduplicated into the"
+                           " first): give each job its own key with Client.enqueue_many")
         return client.enqueue_many(items, **broker_kwargs)
 
     def payload_of(self, payload):

@@ -2500,6 +2500,11 @@ MUTATIONS = [
              "        if False:",
              ("tests/test_client_threads.py", "-k", "no_config_file"),
              "Client.from_config() with no config file is refused, not sent to a new ./tangguh.db"),
+    Mutation("enqueue-many-one-key-collapses", "supervisor/jobref.py",
+             '        if len(items) > 1 and job_options.get("idempotency_key") is not None:',
+             '        if False:',
+             ("tests/test_jobref.py", "-k", "collapsed"),
+             "Handler.enqueue_many refuses one idempotency_key for many payloads instead of storing one job"),
 ]
 
 

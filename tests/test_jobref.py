@@ -211,3 +211,14 @@ def test_a_job_ref_with_a_schema_that_is_not_one_is_refused_where_it_is_made():
     producer catching BadInput (the FastAPI recipe's 422) let through as a 500."""
     with pytest.raises(ValueError, match="^job 'refund': payload schema must be a dataclass, a TypedDict"):
         supervisor.JobRef("refund", payload=int)
+
+
+def test_one_idempotency_key_for_many_payloads_is_refused_not_collapsed(sqlite_url):
+    """enqueue_many applies its options to each job: one idempotency_key made every job of the
+    batch the first one (three receipts asked for, one stored, its id returned three times)."""
+    with Client.from_url(sqlite_url) as client:
+        with pytest.raises(BadInput, match="idempotency_key= would make the 2 jobs one"):
+            send_receipt.enqueue_many([{"order_id": 1}, {"order_id": 2}], client=client, idempotency_key="batch:42")
+        assert client.stats("default")["default"].ready == 0
+        (only,) = send_receipt.enqueue_many([{"order_id": 1}], client=client, idempotency_key="receipt:1")
+        assert client.get(only).idempotency_key == "receipt:1"
