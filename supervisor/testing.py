@@ -225,12 +225,18 @@ class _soft_timeouts:
         if self.usable:
             from .child.timeouts import _on_alarm
 
+            # The process has one such timer, and a test may be using it (pytest-timeout's signal
+            # method): the job's replaced it and then cleared it, and a hung test was never stopped.
+            self.timer, self.started = signal.getitimer(signal.ITIMER_REAL), time.monotonic()
             self.previous = signal.signal(signal.SIGALRM, _on_alarm)
         return self.usable
 
     def __exit__(self, *exc):
         if self.usable:
             signal.signal(signal.SIGALRM, self.previous)
+            left, interval = self.timer
+            if left > 0:  # due meanwhile: at once, to the test's own handler
+                signal.setitimer(signal.ITIMER_REAL, max(left - (time.monotonic() - self.started), 0.001), interval)
 
 
 def _own_broker(url):

@@ -2505,6 +2505,10 @@ MUTATIONS = [
              '        if False:',
              ("tests/test_jobref.py", "-k", "collapsed"),
              "Handler.enqueue_many refuses one idempotency_key for many payloads instead of storing one job"),
+    Mutation("run-jobs-clears-the-tests-alarm", "supervisor/testing.py",
+             "            if left > 0:  # due meanwhile", "            if False:  # due meanwhile",
+             ("tests/test_testing.py", "-k", "own_alarm"),
+             "run_jobs's soft timeout leaves a timer the test set (pytest-timeout) running"),
 ]
 
 

@@ -2,6 +2,7 @@
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -160,6 +161,22 @@ def test_a_soft_timeout_in_process(tangguh_client):
     (ran,) = testing.run_jobs(tangguh_client)
     assert (ran.outcome, ran.reason, ran.error) == ("dead", "timeout", "JobTimeout: soft timeout")
     assert tangguh_client.get(job_id).state == "dead"
+
+
+def test_a_soft_timeout_in_process_leaves_the_tests_own_alarm_set(tangguh_client):
+    """The soft timeout's timer is the process's one ITIMER_REAL: pytest-timeout's (signal method)
+    was replaced by the job's and then cleared, so a test that hung after run_jobs was never
+    stopped. The test's own timer now runs on, less the time the job took."""
+    tangguh_client.enqueue("slow", {})
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    signal.setitimer(signal.ITIMER_REAL, 3600)  # as pytest-timeout arms it
+    try:
+        (ran,) = testing.run_jobs(tangguh_client)
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert ran.reason == "timeout" and 0 < left <= 3600
 
 
 def test_until_a_number_of_attempts_and_unknown_types(tangguh_client):
