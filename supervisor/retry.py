@@ -4,6 +4,7 @@ A handler that raises anything else is retried with exponential backoff and
 jitter until the job's ``max_attempts``, then dead-lettered (reason
 ``exception``).
 """
+import datetime
 import random
 
 from .child.timeouts import JobTimeout  # noqa: F401 - where handlers have imported it from
@@ -22,11 +23,20 @@ class Transient(Exception):
 
 
 class RetryLater(Exception):
-    """Retry after ``delay`` seconds instead of the computed backoff."""
+    """Retry after ``delay`` seconds (a number, or a ``timedelta``) instead of the computed backoff;
+    without one (or one that is no number of seconds), the usual backoff."""
 
-    def __init__(self, delay, message=""):
-        super().__init__(message or f"retry in {delay}s")
-        self.delay = float(delay)
+    def __init__(self, delay=None, message=""):
+        if isinstance(delay, datetime.timedelta):
+            delay = delay.total_seconds()
+        try:
+            delay = float(delay)
+        except (TypeError, ValueError):
+            # Raised here it replaced the RetryLater (RetryLater(timedelta(minutes=5)) failed as a
+            # TypeError of the constructor); the child gives a delay that is no number the backoff.
+            delay = None
+        super().__init__(message or (f"retry in {delay:g}s" if delay is not None else "retry later"))
+        self.delay = delay
 
 
 # 2.0 ** 1024 overflows a float: every exponent stops here, long after any cap is reached.

@@ -1,5 +1,6 @@
 """supervisor.testing and its pytest fixtures: run_jobs in-process against a real supervisor."""
 import asyncio
+import datetime
 import os
 import shutil
 import signal
@@ -177,6 +178,25 @@ def test_a_soft_timeout_in_process_leaves_the_tests_own_alarm_set(tangguh_client
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert ran.reason == "timeout" and 0 < left <= 3600
+
+
+@supervisor.job("later")
+def later(ctx, payload):
+    delays = {"timedelta": datetime.timedelta(minutes=2), "text": "soon", "none": None}
+    raise supervisor.RetryLater(delays[payload["as"]])
+
+
+def test_retry_later_takes_a_timedelta_and_a_delay_that_is_no_number_gets_the_backoff(tangguh_client):
+    """RetryLater(timedelta(minutes=2)) raised TypeError in its own constructor: the job failed as a
+    TypeError with the backoff, not as the handler's RetryLater; so did RetryLater("soon"), for which
+    the README promises the usual backoff."""
+    ids = {kind: tangguh_client.enqueue("later", {"as": kind}) for kind in ("timedelta", "text", "none")}
+    ran = {r.job_id: r for r in testing.run_jobs(tangguh_client, handlers=[later], until=3)}
+    assert (ran[ids["timedelta"]].outcome, ran[ids["timedelta"]].delay) == ("retry", 120.0)
+    assert ran[ids["timedelta"]].error == "RetryLater: retry in 120s"
+    for kind in ("text", "none"):
+        assert (ran[ids[kind]].outcome, ran[ids[kind]].error) == ("retry", "RetryLater: retry later")
+        assert ran[ids[kind]].delay is not None and ran[ids[kind]].delay != 120.0  # the backoff
 
 
 def test_until_a_number_of_attempts_and_unknown_types(tangguh_client):
