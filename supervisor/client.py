@@ -39,7 +39,7 @@ import weakref
 from . import config as config_module
 from . import tracing
 from .backends.base import open_broker, scheme_of
-from .backends.control import check_ids, check_timeout
+from .backends.control import check_ids, check_timeout, listed
 from .errors import BadInput, BrokerError, ConfigError
 from .jobfilter import JobFilter, check_page, decode_cursor
 from .jobref import job_args, type_name
@@ -284,7 +284,7 @@ class Client:
 
         A waiting job ends ``cancelled`` now; a running one is asked to stop (its
         supervisor learns of it at its next heartbeat)."""
-        return self._run("cancel", [job_ids] if isinstance(job_ids, str) else list(job_ids), by, reason)
+        return self._run("cancel", listed(job_ids, "job ids"), by, reason)
 
     def pause(self, queue, by=None):
         """Stop every supervisor sharing the broker from claiming from ``queue`` (running jobs finish)."""
@@ -363,9 +363,7 @@ def _filter(filter, fields):
 
 
 def _ids(job_ids):
-    if isinstance(job_ids, str):
-        job_ids = [job_ids]
-    job_ids = list(job_ids)
+    job_ids = listed(job_ids, "job ids")
     if not all(isinstance(i, str) and i for i in job_ids):
         raise BadInput("job ids must be non-empty strings")
     return job_ids

@@ -73,7 +73,10 @@ def _step(client, item, what, depends_on=()):
 
 def chain(client, steps, on=ON_SUCCESS):
     """Each step depends on the previous one (``on``: "success", or "complete" to run on regardless)."""
-    steps = list(steps)
+    try:
+        steps = list(steps)
+    except TypeError:  # chain(None): a TypeError, where every other bad input is one BadInput line
+        raise BadInput(f"a chain's steps must be a list of jobs, got {type(steps).__name__}") from None
     if not steps:
         raise BadInput("a chain needs at least one step")
     jobs = []

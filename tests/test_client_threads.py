@@ -187,6 +187,18 @@ def test_an_id_no_job_can_have_is_one_bad_input_line_on_every_broker(broker_url,
                 call()
 
 
+@pytest.mark.parametrize("bad", [5, None, 1.5])
+def test_ids_or_steps_that_are_no_list_are_one_bad_input_line(broker_url, bad):
+    """cancel(5), requeue(None), discard(None) and chain(None) raised raw TypeErrors ("'int'
+    object is not iterable") where every other bad input is one BadInput line."""
+    with Client.from_url(broker_url) as client:
+        for call in (lambda: client.cancel(bad), lambda: client.requeue(bad), lambda: client.discard(bad)):
+            with pytest.raises(BadInput, match="job ids must be a list"):
+                call()
+        with pytest.raises(BadInput, match="a chain's steps must be a list of jobs"):
+            client.chain(bad)
+
+
 def test_a_wait_with_a_bad_timeout_is_refused_for_a_finished_job_too(broker_url):
     with open_broker(broker_url) as broker:
         broker.migrate()

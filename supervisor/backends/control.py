@@ -29,14 +29,23 @@ REQUEUE_REFUSED = ('the retry refuses any whose on="success" parent lies dead, c
 def check_ids(job_ids, most=MAX_IDS):
     """A list of job ids (strings), each once, or BadInput. ``most=None``: any number (the dead
     letters' calls take a whole selection: the console replays a group of any size)."""
-    if isinstance(job_ids, str):
-        job_ids = [job_ids]
-    job_ids = list(job_ids)
+    job_ids = listed(job_ids, "job ids")
     if most is not None and len(job_ids) > most:
         raise BadInput(f"at most {MAX_IDS} job ids at once, got {len(job_ids)}")
     for job_id in job_ids:
         check_id(job_id)
     return list(dict.fromkeys(job_ids))
+
+
+def listed(values, what):
+    """``values`` as a list: one string is itself (an id, not its letters), and what is no list
+    at all (``cancel(5)``, ``requeue(None)``) BadInput, not a TypeError from deep inside."""
+    if isinstance(values, str):
+        return [values]
+    try:
+        return list(values)
+    except TypeError:
+        raise BadInput(f"{what} must be a list (or one string), got {type(values).__name__}") from None
 
 
 def check_id(job_id, what="job"):
