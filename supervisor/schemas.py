@@ -6,7 +6,8 @@ two only when the application has them installed: Tangguh does not depend on
 either). The producer's payload is checked by ``dump`` (``BadInput`` naming the
 field and the expected type, nothing stored); the child checks the stored
 payload again with ``load`` (``BadPayload``: dead at once, never retried) and
-hands the handler the typed object.
+hands the handler the typed object. The child leaves out a stored key its dataclass or
+TypedDict no longer has (the jobs an older release queued); the producer's check refuses it.
 
 Dataclasses and TypedDicts are checked here against their annotations: the
 JSON types (str, int, float, bool, None), ``list[...]``, ``dict[str, ...]``,
@@ -82,14 +83,17 @@ def _pydantic_payload(schema, value):
     return by_name
 
 
-def load(schema, payload):
-    """The typed object for a stored ``payload``; raises ``SchemaError``."""
+def load(schema, payload, stored=False):
+    """The typed object for ``payload``; raises ``SchemaError``. A ``stored`` payload (the child's,
+    written by whatever release enqueued it) may hold keys its dataclass or TypedDict no longer
+    has: they are left out, as pydantic and msgspec leave them by default, so a release that drops
+    a field does not dead-letter the jobs queued before it. A producer's payload is checked whole."""
     kind = kind_of(schema)
     if kind == "pydantic":
         return _load_pydantic(schema, payload)
     if kind == "msgspec":
         return _load_msgspec(schema, payload)
-    return _check(schema, payload, "")
+    return _check(schema, payload, "", stored)
 
 
 def _load_pydantic(schema, payload):
@@ -122,20 +126,20 @@ def _name(tp):
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _check(tp, value, path):
+def _check(tp, value, path, stored=False):
     """``value`` checked against the annotation ``tp``; dataclasses are built, the rest returned as is."""
     where = path or "payload"
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is typing.Any or isinstance(tp, typing.TypeVar):
         return value
     if isinstance(tp, dataclasses.InitVar):
-        return _check(tp.type, value, path)
+        return _check(tp.type, value, path, stored)
     if isinstance(tp, typing.NewType):  # OrderId = NewType("OrderId", int): an int
-        return _check(tp.__supertype__, value, path)
+        return _check(tp.__supertype__, value, path, stored)
     if origin in (typing.Union, types.UnionType):
         for option in args:
             try:
-                return _check(option, value, path)
+                return _check(option, value, path, stored)
             except SchemaError:
                 continue
         raise SchemaError(f"{where}: expected {' | '.join(_name(a) for a in args)}, got {_json_name(value)}")
@@ -145,7 +149,7 @@ def _check(tp, value, path):
             raise SchemaError(f"{where}: expected one of {', '.join(repr(a) for a in args)}, got {value!r}")
         return value
     if isinstance(tp, type) and (dataclasses.is_dataclass(tp) or typing.is_typeddict(tp)):
-        return _check_record(tp, value, path)
+        return _check_record(tp, value, path, stored)
     if origin in (list, tuple, set, frozenset) or tp in (list, tuple):
         if not isinstance(value, list):
             raise SchemaError(f"{where}: expected a list, got {_json_name(value)}")
@@ -154,9 +158,10 @@ def _check(tp, value, path):
             if len(value) != len(args):
                 raise SchemaError(f"{where}: expected a list of {len(args)} items"
                                   f" ({', '.join(_name(a) for a in args)}), got {len(value)}")
-            return tuple(_check(item, v, f"{path}[{i}]") for i, (item, v) in enumerate(zip(args, value)))
+            return tuple(_check(item, v, f"{path}[{i}]", stored)
+                         for i, (item, v) in enumerate(zip(args, value)))
         item = args[0] if args else typing.Any
-        items = [_check(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        items = [_check(item, v, f"{path}[{i}]", stored) for i, v in enumerate(value)]
         if origin in (set, frozenset):
             return _as_set(origin, items, where)
         return tuple(items) if origin is tuple or tp is tuple else items
@@ -164,11 +169,14 @@ def _check(tp, value, path):
         if not isinstance(value, dict):
             raise SchemaError(f"{where}: expected an object, got {_json_name(value)}")
         item = args[1] if len(args) == 2 else typing.Any
-        return {k: _check(item, v, f"{path}.{k}" if path else k) for k, v in value.items()}
+        return {k: _check(item, v, f"{path}.{k}" if path else k, stored) for k, v in value.items()}
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SchemaError(f"{where}: expected float, got {_json_name(value)}")
-        return value
+        try:
+            return float(value)  # JSON's 1 is a float field's 1.0, as pydantic and msgspec hand it over
+        except OverflowError:
+            raise SchemaError(f"{where}: {value} is too large for a float") from None
     if tp in (int, str, bool, type(None)) or tp is None:
         tp = type(None) if tp is None else tp
         if type(value) is not tp:  # bool is an int in Python, never in a payload
@@ -177,7 +185,7 @@ def _check(tp, value, path):
     return value  # an annotation this checker does not know: accepted as it comes
 
 
-def _check_record(tp, value, path):
+def _check_record(tp, value, path, stored=False):
     where = path or "payload"
     if not isinstance(value, dict):
         raise SchemaError(f"{where}: expected an object ({tp.__name__}), got {_json_name(value)}")
@@ -193,6 +201,8 @@ def _check_record(tp, value, path):
     else:
         required, names, computed = _required_keys(tp), set(hints), set()
     prefix = f"{path}." if path else ""
+    if stored:
+        value = {key: v for key, v in value.items() if key in names}
     for key in value:
         if key in computed:
             raise SchemaError(f"{prefix}{key}: not an init field of {tp.__name__} (field(init=False)),"
@@ -201,7 +211,7 @@ def _check_record(tp, value, path):
             raise SchemaError(f"{prefix}{key}: unknown field of {tp.__name__}")
     for key in sorted(required - set(value)):
         raise SchemaError(f"{prefix}{key}: missing (expected {_name(hints.get(key, typing.Any))})")
-    checked = {key: _check(hints.get(key, typing.Any), v, prefix + key) for key, v in value.items()}
+    checked = {key: _check(hints.get(key, typing.Any), v, prefix + key, stored) for key, v in value.items()}
     if not dataclasses.is_dataclass(tp):
         return checked
     try:
@@ -313,6 +323,6 @@ def for_handler(spec, payload):
     from .retry import BadPayload
 
     try:
-        return load(spec.payload, payload)
+        return load(spec.payload, payload, stored=True)
     except SchemaError as exc:
         raise BadPayload(f"payload: {exc}") from None

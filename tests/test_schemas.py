@@ -1,5 +1,7 @@
 """Payload schemas: checked at enqueue (BadInput, nothing stored), in the child (BadPayload), by the CLI."""
 import dataclasses
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,6 +14,8 @@ from supervisor import child, protocol, registry, schemas
 from supervisor.client import Client
 from supervisor.errors import BadInput
 from supervisor.schemas import SchemaError
+
+from .daemon import Daemon
 
 
 @dataclasses.dataclass
@@ -535,3 +539,61 @@ def test_a_new_type_is_checked_as_the_type_it_names():
         schemas.dump(Shipment, {"order_id": "7"})
     with pytest.raises(SchemaError, match=r"^tracking\[0\]: expected int, got bool$"):
         schemas.load(Shipment, {"order_id": 7, "tracking": [True]})
+
+
+def test_a_stored_payload_may_hold_fields_the_schema_dropped_since_it_was_enqueued():
+    """A release that drops a field (a rolling deploy): jobs enqueued before it still carry the
+    key. The producer's check refuses an unknown key (a typo); the child leaves it out, as pydantic
+    and msgspec do, instead of dead-lettering every job queued under the old release."""
+    old = {"order_id": 7, "email": "a@b", "retired": 1, "lines": [{"sku": "x", "quantity": 1, "bin": "A4"}]}
+    assert run(send_receipt, old)["result"] == {"kind": "Receipt", "skus": ["x"]}
+    assert run(refund, {"order_id": 1, "retired": True})["result"] == {"order_id": 1}
+    with pytest.raises(BadInput, match="retired: unknown field of Receipt"):
+        schemas.dump(Receipt, old)
+    bad = run(send_receipt, {"order_id": 7, "email": 3, "retired": 1})  # a known field still checked
+    assert (bad["kind"], bad["message"]) == (protocol.BAD_PAYLOAD, "payload: email: expected str, got int")
+
+
+def test_a_float_field_given_a_json_integer_hands_the_handler_a_float():
+    @supervisor.job("amount_type", payload=Receipt)
+    def amount_type(ctx, payload):
+        return type(payload.amount).__name__
+
+    assert run(amount_type, {"order_id": 7, "email": "a@b", "amount": 2})["result"] == "float"
+    assert schemas.dump(Receipt, {"order_id": 7, "email": "a@b", "amount": 2})["amount"] == 2  # stored as sent
+    with pytest.raises(SchemaError, match=r"amount: 1{400} is too large for a float"):
+        schemas.load(Receipt, {"order_id": 7, "email": "a@b", "amount": int("1" * 400)})
+
+
+DEPLOYED = textwrap.dedent("""
+    import dataclasses
+    import supervisor
+
+    @dataclasses.dataclass
+    class Receipt:
+        order_id: int{field}
+
+    @supervisor.job("deployed_receipt", payload=Receipt)
+    def deployed_receipt(ctx, payload):
+        return payload.order_id
+""")
+
+
+def test_jobs_queued_before_a_release_dropped_a_field_run_after_it(tmp_path):
+    """The real daemon: a job stored by the old release's schema (with ``channel``), then the
+    handler module without that field, then ``tangguh run``: the job is done, not dead."""
+    d = Daemon(tmp_path, handler_files=())
+    with open(os.path.join(d.handlers, "deployed.py"), "w") as f:
+        f.write(DEPLOYED.format(field="\n    channel: str = 'mail'"))
+    importing = subprocess.run([sys.executable, "-c", "import deployed, json; print(json.dumps(deployed.Receipt"
+                                "(7, 'sms').__dict__))"], cwd=d.handlers, capture_output=True, text=True, timeout=60)
+    job_id = d.enqueue("deployed_receipt", json.loads(importing.stdout))  # what the old producer stored
+    with open(os.path.join(d.handlers, "deployed.py"), "w") as f:
+        f.write(DEPLOYED.format(field=""))
+    d.start()
+    try:
+        job = d.wait_job(job_id)
+        assert (job.state, job.result, job.payload) == ("done", 7, {"order_id": 7, "channel": "sms"})
+        d.assert_clean()
+    finally:
+        d.stop()
