@@ -70,7 +70,7 @@ class Client:
             url = _absolute_sqlite(url)
         self.url = url
         self.config = config
-        self.queues = _queue_list(queues) or list(config.broker.queues if config else [DEFAULT_QUEUE])
+        self.queues = queue_list(queues) or list(config.broker.queues if config else [DEFAULT_QUEUE])
         # Only a client made from a config knows the set of queues the supervisors serve.
         self.strict_queues = config is not None or queues is not None
         self._broker = None
@@ -261,7 +261,7 @@ class Client:
 
     def stats(self, queues=None):
         """``{queue: QueueStats}`` for ``queues``, a name or a list (default: the client's queues)."""
-        return self._run("stats", _queue_list(queues) or list(self.queues))
+        return self._run("stats", queue_list(queues) or list(self.queues))
 
     def wait(self, job_id, timeout):
         """The job once it is finished (done, dead, cancelled or expired), or None after ``timeout`` seconds.
@@ -324,8 +324,10 @@ class Client:
         return self._run("discard", _ids(job_ids))
 
 
-def _queue_list(queues):  # one name given as a string is that queue, not its letters
-    return [queues] if isinstance(queues, str) else list(queues or ())
+def queue_list(queues):
+    """Queues given to a client call: one name is that queue (not its letters), None none, what is
+    no list (``queues=5``) BadInput."""
+    return [] if queues is None else listed(queues, "queues")
 
 
 def _one_id(job_id):

@@ -30,6 +30,7 @@ import time
 
 from . import config as config_module, jobref, protocol, registry, toolkit, tracing
 from .child import worker as child
+from .client import queue_list
 from .jobref import default_client
 from .master import verdict
 from .master.outcomes import Write
@@ -94,7 +95,7 @@ def run_jobs(client=None, until="idle", *, handlers=None, queues=None, max_runs=
     broker = _own_broker(client.url)
     on_test_clock(client)
     toolkit.configure(cfg.toolkit)
-    queues = [queues] if isinstance(queues, str) else list(queues or client.queues)  # a name: not its letters
+    queues = queue_list(queues) or list(client.queues)
     ran = []
     # As a daemon's child does (``configure_unless_set``): with no default client chosen, a
     # handler's follow-up ``.enqueue()`` goes to the broker its job came from, here ``client``.

@@ -199,6 +199,19 @@ def test_ids_or_steps_that_are_no_list_are_one_bad_input_line(broker_url, bad):
             client.chain(bad)
 
 
+@pytest.mark.parametrize("bad", [5, 1.5, object()])
+def test_queues_that_are_no_list_are_one_bad_input_line(sqlite_url, bad):
+    """Client(queues=5), stats(5) and run_jobs(queues=5) raised "'int' object is not iterable"."""
+    from supervisor.testing import run_jobs
+
+    with Client.from_url(sqlite_url) as client:
+        for call in (lambda: Client.from_url(sqlite_url, queues=bad), lambda: client.stats(bad),
+                     lambda: run_jobs(client, queues=bad)):
+            with pytest.raises(BadInput, match="queues must be a list"):
+                call()
+        assert list(client.stats("default")) == ["default"]  # one name is that queue, not its letters
+
+
 def test_a_wait_with_a_bad_timeout_is_refused_for_a_finished_job_too(broker_url):
     with open_broker(broker_url) as broker:
         broker.migrate()
