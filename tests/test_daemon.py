@@ -510,6 +510,41 @@ def test_a_signal_sent_to_a_helper_a_module_forked_at_a_reload_is_not_the_master
     assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
 
 
+def test_a_helper_a_module_forked_at_a_reload_does_not_hold_the_masters_listeners(daemon):
+    """A reload's modules are imported by a master that has its socket and metrics port open: a
+    helper forked there held both, so once the master was killed (the OOM killer, kill -9)
+    a new ``tangguh run`` exited 3, "another supervisor is running", and status calls hung on
+    a socket nobody answered. Every process the master forks closes its listeners at once."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    daemon.config["metrics"] = {"listen": f"127.0.0.1:{port}"}
+    daemon.write_config()
+    helpers = os.path.join(daemon.dir, "helpers")
+    with open(os.path.join(daemon.handlers, "helper.py"), "w") as f:
+        f.write(f"import os, time\n\nhelper = os.fork()\nif helper == 0:\n    time.sleep(120)\n    os._exit(0)\n"
+                f"with open({helpers!r}, 'a') as f:\n    f.write(f'{{helper}} {{os.getpid()}}\\n')\n")
+    daemon.start()
+    try:
+        daemon.signal(signal.SIGHUP)
+        wait_for(lambda: daemon.status()["generation"] == 2, timeout=20, message="the reload")
+        wait_for(lambda: len(read_lines(helpers)) == 4, message="a helper from each trial and each import")
+        first = daemon.proc.pid
+        os.kill(first, signal.SIGKILL)
+        daemon.proc.wait(10)
+        daemon.start()  # waits for a status answer: it exited 3 before
+        assert daemon.status()["pid"] not in (first, None)
+        assert daemon.wait_job(daemon.enqueue("noop")).state == "done"
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as http:
+            http.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            assert b" 200 " in http.recv(64).split(b"\r\n")[0]  # the new master's endpoint
+        assert not daemon.records(event="metrics_failed")
+    finally:
+        for pid, _ in read_lines(helpers):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
 def test_a_reload_that_drops_job_types_names_them(daemon):
     with open(os.path.join(daemon.handlers, "extra.py"), "w") as f:
         f.write("import supervisor\n\n@supervisor.job('extra')\ndef extra(ctx, payload):\n    pass\n")

@@ -145,7 +145,7 @@ class Arbiter:
         self.selector.register(self.sig_r, selectors.EVENT_READ, self.read_signals)
         self.selector.register(self.wake_r, selectors.EVENT_READ, self.read_wakeups)
         self.catch_signals()
-        trial.not_the_masters_in_forks(self.pid)
+        trial.not_the_masters_in_forks(self.pid, lambda: [s for s in (self.health, self.exporter) if s is not None])
         self.signals.extend(held)  # a SIGHUP during start-up: a reload now
         if self.cfg.metrics.listen:
             try:

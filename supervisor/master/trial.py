@@ -24,7 +24,7 @@ THE_MASTERS = (signal.SIGHUP, signal.SIGINT, signal.SIGTTIN, signal.SIGTTOU)
 IMPORTING, IMPORTED = b"importing ", b"imported"  # the trial's lines on its pipe
 
 
-def not_the_masters_in_forks(master_pid):
+def not_the_masters_in_forks(master_pid, listeners):
     """Every process the master forks (a child, a trial, a helper a handler module starts at a
     reload's import) begins with signals of its own, not the master's: inherited, the no-op
     handlers wrote each signal that helper got into the master's self-pipe, and a SIGTERM sent to
@@ -33,10 +33,17 @@ def not_the_masters_in_forks(master_pid):
     runs, so that neither ends a child still starting. SIGTTIN and SIGTTOU likewise: `systemctl
     kill -s TTIN` signals every process of the service, and their default action stopped the
     trial (its own process group is not orphaned), which then ran out of its time and failed the
-    start or the reload. (A child's own forks are its business.)"""
+    start or the reload. (A child's own forks are its business.)
+
+    Nor does such a process keep the master's ``listeners()`` (the health socket, the metrics
+    port): a helper forked by a reload's import held them, and once the master was killed a new
+    master found its socket taking connections nobody answered ("another supervisor is running",
+    exit 3) and its port taken."""
     def forked():
         if os.getppid() == master_pid:
             _default_signals()
+            for server in listeners():
+                server.close_in_child()
     os.register_at_fork(after_in_child=forked)
 
 
