@@ -104,6 +104,17 @@ class HandlerLoadError(ConfigError):
     """A handler file failed to import, or two handlers claim one type."""
 
 
+def _where(spec):
+    """``/srv/handlers/billing.py:12 (charge)``: a handler's file, the line of its definition, its name."""
+    try:
+        fn = inspect.unwrap(spec.fn)
+    except ValueError:  # a __wrapped__ cycle
+        fn = spec.fn
+    code = getattr(fn, "__code__", None)
+    line = f":{code.co_firstlineno}" if code is not None else ""
+    return f"{spec.source}{line} ({getattr(fn, '__qualname__', fn)})"
+
+
 def load_handlers(folder, generation=0, importer=None):
     """Import every ``*.py`` in ``folder``; return ``{type: HandlerSpec}``.
 
@@ -136,7 +147,7 @@ def load_handlers(folder, generation=0, importer=None):
                 import asyncio  # noqa: F401 - loaded here, before the fork, so children share it
             other = handlers.get(spec.type)
             if other is not None and other.fn is not fn:
-                raise HandlerLoadError(f"job type {spec.type!r} has two handlers: {other.source} and {path}")
+                raise HandlerLoadError(f"job type {spec.type!r} has two handlers: {_where(other)} and {_where(spec)}")
             handlers[spec.type] = spec
     return handlers
 

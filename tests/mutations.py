@@ -2547,6 +2547,10 @@ MUTATIONS = [
              "            if left > 0:  # due meanwhile", "            if False:  # due meanwhile",
              ("tests/test_testing.py", "-k", "own_alarm"),
              "run_jobs's soft timeout leaves a timer the test set (pytest-timeout) running"),
+    Mutation("two-handlers-named-without-lines", "supervisor/registry.py",
+             "has two handlers: {_where(other)} and {_where(spec)}", "has two handlers: {other.source} and {path}",
+             ("tests/test_jobref.py", "-k", "two_handlers"),
+             "two handlers for one type are named by file and line, not by two identical file names"),
 ]
 
 

@@ -59,6 +59,26 @@ def test_the_loader_still_finds_decorated_handlers(tmp_path):
     assert handlers["b"].is_async and not handlers["a"].is_async
 
 
+def test_two_handlers_for_one_type_are_named_by_file_and_line(tmp_path):
+    """Both in one file, the error said "h.py and h.py": the README promises the file and line."""
+    (tmp_path / "h.py").write_text(textwrap.dedent("""
+        import supervisor
+
+        @supervisor.job("x")
+        def first(ctx, payload):
+            return 1
+
+
+        @supervisor.job("x")
+        def second(ctx, payload):
+            return 2
+    """))
+    with pytest.raises(registry.HandlerLoadError) as caught:
+        registry.load_handlers(str(tmp_path))
+    path = tmp_path / "h.py"
+    assert str(caught.value) == f"job type 'x' has two handlers: {path}:4 (first) and {path}:9 (second)"
+
+
 def test_a_handler_file_may_hold_a_lazy_proxy_that_raises_on_any_attribute(tmp_path):
     """Django's ``settings`` without DJANGO_SETTINGS_MODULE, a werkzeug ``LocalProxy`` outside
     a request: looking for the handler mark on them raised, which ended the master on SIGHUP."""
