@@ -106,3 +106,21 @@ def test_every_metric_in_operating_md_is_defined_and_every_defined_one_is_listed
     listed = set(re.findall(r"^\| `(tangguh_[a-z_]+)", read(os.path.join(ROOT, "docs", "operating.md")), re.M))
     # Counter families (the live ones) are defined without the _total prometheus_client adds.
     assert {m[:-len("_total")] if m[:-len("_total")] in defined else m for m in listed} == defined
+
+
+def test_every_function_design_md_cites_is_defined_where_it_says():
+    """docs/design.md's crash matrix says where each row is decided (`verdict.judge`,
+    `reloads.Reloads.step`): a function renamed or moved must take its citation along."""
+    sources = {}
+    for path in glob.glob(os.path.join(ROOT, "supervisor", "**", "*.py"), recursive=True):
+        sources[os.path.basename(path)[:-3]] = sources.get(os.path.basename(path)[:-3], "") + read(path)
+    checked = 0
+    text = read(os.path.join(ROOT, "docs", "design.md"))
+    for match in re.finditer(r"`([a-z_]+)\.([A-Za-z_]+)(?:\.([A-Za-z_]+))?`", text):
+        module, name, member = match.groups()
+        if module not in sources or name in ("py", "toml") or (module in config.SECTIONS and name in fields(config.SECTIONS[module])):
+            continue  # no module, a file name, or a config key (`broker.url`)
+        where = f"design.md:{text[:match.start()].count(chr(10)) + 1}: {match.group(0)}"
+        assert re.search(rf"^\s*(def|class) {member or name}\b|^{name} = ", sources[module], re.M), where
+        checked += 1
+    assert checked >= 40
