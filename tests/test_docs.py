@@ -124,3 +124,35 @@ def test_every_function_design_md_cites_is_defined_where_it_says():
         assert re.search(rf"^\s*(def|class) {member or name}\b|^{name} = ", sources[module], re.M), where
         checked += 1
     assert checked >= 40
+
+
+def test_the_readmes_status_reply_uses_only_recorded_keys():
+    """The README shows `{"cmd": "status"}`'s reply; every key it shows is one the daemon
+    sends (tests/fixtures/surface.json, recorded by tests/test_surface.py from a real one)."""
+    import json
+
+    from .test_surface import FIXTURE, shape
+
+    readme = read(DOCS[0])
+    block = readme[readme.index('`{"cmd": "status"}` →'):]
+    block = block[block.index("```json\n") + len("```json\n"):]
+    shown = shape(json.loads(block[:block.index("```")].replace("job_01J...", "job_01J")))
+    recorded = json.loads(read(FIXTURE))["status"]
+
+    def extra(a, b, path=""):
+        if isinstance(a, dict):
+            return [k for key in a for k in ([f"{path}{key}"] if key not in b else extra(a[key], b[key], f"{path}{key}."))]
+        if isinstance(a, list) and a:
+            return extra(a[0], b[0], path)
+        return []
+
+    assert extra(shown, recorded) == []
+
+
+def test_design_mds_command_line_contract_lists_every_command():
+    text = read(os.path.join(ROOT, "docs", "design.md"))
+    contract = text[text.index("- The command line `tangguh`:"):]
+    contract = contract[:contract.index("Every command takes")]
+    listed = {words.split()[0] for words in re.findall(r"`([a-z][a-z |]*)`", contract)}
+    commands = {words[0] for words in parsers_of(build_parser()) if len(words) == 1}
+    assert listed - {"tangguh"} == commands
