@@ -19,7 +19,8 @@ from receipts import Receipt, send_receipt  # noqa: E402 - the producer imports 
 
 @contextlib.asynccontextmanager
 async def lifespan(app):
-    # From TANGGUH_CONFIG (or TANGGUH_BROKER_URL); the connection opens on first use.
+    # From TANGGUH_CONFIG, else ./tangguh.toml or /etc/tangguh/config.toml (TANGGUH_BROKER_URL is not
+    # read here: use Client.from_url for a bare URL); the connection opens on first use.
     with supervisor.Client.from_config(os.environ.get("TANGGUH_CONFIG")) as client:
         app.state.tangguh = client
         yield
