@@ -2551,6 +2551,10 @@ MUTATIONS = [
              "has two handlers: {_where(other)} and {_where(spec)}", "has two handlers: {other.source} and {path}",
              ("tests/test_jobref.py", "-k", "two_handlers"),
              "two handlers for one type are named by file and line, not by two identical file names"),
+    Mutation("install-exec-under-tmp", "supervisor/cli/install.py",
+             '        if self.tangguh_bin.startswith(("/tmp/", "/var/tmp/")):', "        if False:",
+             ("tests/test_systemd.py", "-k", "refuses_bad"),
+             "config init --systemd refuses an --exec under /tmp or /var/tmp, which PrivateTmp=yes hides"),
 ]
 
 

@@ -580,6 +580,9 @@ def test_config_init_systemd_into_a_root_without_the_group_writes_the_files_for_
     (["config", "init"], "config init: give the PATH to write, or --systemd"),
     (["config", "init", "--systemd", "x.toml"], "takes no PATH"),
     (["config", "init", "--systemd", "--exec", "/home/me/venv/bin/tangguh", "--dry-run"], "ProtectHome=yes"),
+    # docs/service.md: /tmp and /var/tmp are hidden too (PrivateTmp=yes): the unit started, 203/EXEC.
+    (["config", "init", "--systemd", "--exec", "/tmp/venv/bin/tangguh", "--dry-run"], "PrivateTmp=yes"),
+    (["config", "init", "--systemd", "--exec", "/var/tmp/venv/bin/tangguh", "--dry-run"], "PrivateTmp=yes"),
     # Written into the unit as they came: ExecStart= split the path, expanded %b, or a newline in
     # --user added an ExecStartPre= of the caller's choosing.
     (["config", "init", "--systemd", "--exec", "/opt/my venv/bin/tangguh", "--dry-run"], "would split, quote"),

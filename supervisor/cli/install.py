@@ -108,6 +108,10 @@ class Installer:
             # The unit has ProtectHome=yes: the service could not even see it.
             raise InstallError(f"{self.tangguh_bin}: a venv under a home directory is invisible to the service "
                                "(ProtectHome=yes); install it under /opt, e.g. /opt/tangguh/venv")
+        if self.tangguh_bin.startswith(("/tmp/", "/var/tmp/")):
+            # PrivateTmp=yes: the service gets empty ones of its own, so ExecStart= failed (203/EXEC).
+            raise InstallError(f"{self.tangguh_bin}: a venv under /tmp or /var/tmp is invisible to the service "
+                               "(PrivateTmp=yes); install it under /opt, e.g. /opt/tangguh/venv")
         for option, name in (("--user", user), ("--group", group)):
             if not ACCOUNT_NAME.fullmatch(name):
                 raise InstallError(f"{option} {name!r}: not an account name (lowercase letters, digits, _ and -)")
