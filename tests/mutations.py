@@ -2554,6 +2554,10 @@ MUTATIONS = [
              '        if self.tangguh_bin.startswith(("/tmp/", "/var/tmp/")):', "        if False:",
              ("tests/test_systemd.py", "-k", "refuses_bad"),
              "config init --systemd refuses an --exec under /tmp or /var/tmp, which PrivateTmp=yes hides"),
+    Mutation("child-std-fds-left-closed", "supervisor/child/timeouts.py",
+             "    _put_back_std()\n", "",
+             ("tests/test_master_robustness.py", "-k", "stdin_stdout_and_stderr"),
+             "fds 0-2 a job closed are put back before the next job on its child"),
 ]
 
 

@@ -620,6 +620,25 @@ def test_the_next_job_on_a_child_runs_under_the_signals_the_child_started_with(t
         d.stop()
 
 
+def test_the_next_job_on_a_child_has_the_stdin_stdout_and_stderr_the_child_started_with(tmp_path):
+    """A job that closes fds 0-2 (a daemonising idiom) left the next job on its child without them:
+    its print() failed with EBADF (the job dead as an OSError), its log lines were lost, and the
+    next file it opened took fd 1 or 2 and got the child's log lines written into it."""
+    d = Daemon(tmp_path, supervisor={"workers": 1})
+    try:
+        d.start()
+        spoil, look = d.broker.enqueue_many([NewJob("std_fds", {"spoil": True}, priority=2),
+                                             NewJob("std_fds", {}, priority=1)])
+        spoiled, looked = d.wait_job(spoil), d.wait_job(look)
+        assert spoiled.state == "done", spoiled.error
+        assert looked.state == "done", looked.error
+        assert looked.result == {"pid": spoiled.result["pid"], "open": [0, 1, 2]}  # the same child
+        wait_for(lambda: "std_fds prints" in d.logs() and "std_fds logs" in d.logs())
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
 def test_an_exception_that_cannot_be_printed_is_an_exception_not_a_crash(daemon):
     daemon.start()
     job = daemon.wait_job(daemon.enqueue("unprintable", {}, max_attempts=2))

@@ -11,6 +11,7 @@ safe point (``tangguh cancel``; docs/design.md, "One job's way").
 """
 import _signal  # the signal module's wrappers turn every answer into an enum: ~2 us a job more
 import contextlib
+import os
 import signal
 import threading
 
@@ -94,15 +95,40 @@ _SIGNALS = tuple(sig for sig, _ in _HANDLERS)
 # own takes the master's signals to the group. Taken as the child starts, put back before each job.
 _KEPT = (signal.SIGPIPE, signal.SIGCHLD, signal.SIGHUP, signal.SIGINT)
 _kept = ()
+# stdin, stdout and stderr as the child started, each beside a copy of it: a job that closed one
+# (a daemonising idiom) left the next jobs on this child failing every print() (EBADF), their log
+# lines lost, and the next file they opened taking fd 1 or 2 and the child's log lines with it.
+_std = ()
 
 
 def install():
-    """Install the child's SIGALRM, SIGTERM and cancel handlers; note the dispositions of ``_KEPT``."""
-    global _installed_on, _kept
+    """Install the child's SIGALRM, SIGTERM and cancel handlers; note the dispositions of ``_KEPT``
+    and keep a copy of fds 0-2."""
+    global _installed_on, _kept, _std
     for sig, handler in _HANDLERS:
         signal.signal(sig, handler)
     _kept = tuple((sig, _signal.getsignal(sig)) for sig in _KEPT)
+    _std = tuple((fd, copy) for fd, copy in ((fd, _copy(fd)) for fd in (0, 1, 2)) if copy is not None)
     _installed_on = threading.get_ident()
+
+
+def _copy(fd):
+    try:
+        return os.dup(fd)  # close-on-exec: a program a job starts does not inherit it
+    except OSError:
+        return None  # the master runs without it: nothing to put back
+
+
+def _put_back_std():
+    """Reopen fds 0-2 a job closed; one it opened again itself (a file of its own) stays."""
+    for fd, copy in _std:
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                os.dup2(copy, fd)
+            except OSError:
+                pass  # the job closed the copy too: the job runs as it left them
 
 
 def _restore():
@@ -114,6 +140,7 @@ def _restore():
     for sig, handler in _kept:
         if _signal.getsignal(sig) != handler:
             signal.signal(sig, handler)
+    _put_back_std()
     # What rang while blocked is handled here: stale alarms and bells are ignored (no job is
     # running), a SIGTERM raises JobTimeout into the job about to start.
     _signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)

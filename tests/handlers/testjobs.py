@@ -186,3 +186,25 @@ def signals(ctx, payload):
     return {"pid": os.getpid(), "pipe": signal.getsignal(signal.SIGPIPE).name,
             "hup_ignored": signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
             "false_exits": subprocess.run(["false"]).returncode}
+
+
+@supervisor.job("std_fds")
+def std_fds(ctx, payload):
+    """``spoil``: close stdin, stdout and stderr (a daemonising idiom); else report which of them
+    are open and that a line can be printed and logged."""
+    if payload.get("spoil"):
+        for fd in (0, 1, 2):
+            os.close(fd)
+        return {"pid": os.getpid()}
+    opened = [fd for fd in (0, 1, 2) if _is_open(fd)]
+    print("std_fds prints", flush=True)
+    ctx.log.warning("std_fds logs")
+    return {"pid": os.getpid(), "open": opened}
+
+
+def _is_open(fd):
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
