@@ -8,7 +8,7 @@ import math
 import re
 import urllib.parse
 
-from .model import QUEUE_NAME, QUEUE_RULE
+from .model import MAX_TIMEOUT, QUEUE_NAME, QUEUE_RULE
 
 
 def _num(v):
@@ -52,6 +52,20 @@ def positive_number(v):
     if _num(v) and v > 0:
         return float(v)
     raise ValueError("expected a positive number")
+
+
+def timeout_seconds(v):
+    # What an enqueue's timeout may be: past it a soft timeout's timer overflowed (setitimer), and
+    # every job of the type failed as an OverflowError before its handler ran.
+    if _num(v) and 0 < v <= MAX_TIMEOUT:
+        return float(v)
+    raise ValueError(f"expected a positive number of seconds up to {MAX_TIMEOUT:.0f} (a year)")
+
+
+def soft_timeout_seconds(v):
+    if _num(v) and 0 <= v <= MAX_TIMEOUT:
+        return float(v)
+    raise ValueError(f"expected a number of seconds >= 0 and up to {MAX_TIMEOUT:.0f} (a year)")
 
 
 def poll_interval(v):

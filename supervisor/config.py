@@ -14,8 +14,8 @@ import urllib.parse
 
 from .checks import (Unshown, boolean, cron, field_names, fraction, group_name, listen_address, name,
                      non_negative_int, non_negative_number, one_of, poll_interval, positive_int, positive_number,
-                     prefetch_setting, queue_name, queue_names, rate, string, table, timezone, url_of, web_accounts,
-                     worker_count)
+                     prefetch_setting, queue_name, queue_names, rate, soft_timeout_seconds, string, table,
+                     timeout_seconds, timezone, url_of, web_accounts, worker_count)
 from . import urls
 from .errors import BadInput, ConfigError
 from .scheduler import catch_up_count
@@ -68,8 +68,8 @@ class BrokerConfig:
 
 @dataclasses.dataclass
 class JobsConfig:
-    timeout: float = option(positive_number, "hard timeout: the child is killed", default=300.0)
-    soft_timeout: float = option(non_negative_number, "JobTimeout raised in the handler (0: off)", default=0.0)
+    timeout: float = option(timeout_seconds, "hard timeout: the child is killed", default=300.0)
+    soft_timeout: float = option(soft_timeout_seconds, "JobTimeout raised in the handler (0: off)", default=0.0)
     max_attempts: int = option(positive_int, "attempts before dead-lettering", default=5)
     backoff_base: float = option(non_negative_number, "first retry delay, doubled per attempt", default=1.0)
     backoff_cap: float = option(non_negative_number, "longest retry delay", default=300.0)
@@ -81,8 +81,8 @@ class JobsConfig:
 class JobTypeConfig:
     """Overrides for one job type; None means 'use the decorator, then [jobs]'."""
 
-    timeout: float | None = option(positive_number, "hard timeout", default=None)
-    soft_timeout: float | None = option(non_negative_number, "soft timeout", default=None)
+    timeout: float | None = option(timeout_seconds, "hard timeout", default=None)
+    soft_timeout: float | None = option(soft_timeout_seconds, "soft timeout", default=None)
     max_attempts: int | None = option(positive_int, "attempts", default=None)
     queue: str | None = option(queue_name, "queue this type is enqueued to", default=None)
     max_concurrency: int | None = option(positive_int, "most jobs of the type running at once", default=None)

@@ -60,8 +60,8 @@ def job(type_name, *, timeout=None, soft_timeout=None, max_attempts=None, queue=
 
     # The checks of the same keys in [jobs.types.<type>]: a timeout="30" taken as it was passed every
     # check and run_jobs, then killed the master (float + str) at the first job of the type.
-    for key, value, check in (("timeout", timeout, checks.positive_number),
-                              ("soft_timeout", soft_timeout, checks.non_negative_number),
+    for key, value, check in (("timeout", timeout, checks.timeout_seconds),
+                              ("soft_timeout", soft_timeout, checks.soft_timeout_seconds),
                               ("max_attempts", max_attempts, checks.positive_int),
                               ("queue", queue, checks.queue_name), ("exclusive", exclusive, checks.boolean),
                               ("max_concurrency", max_concurrency, checks.positive_int),

@@ -2471,8 +2471,8 @@ MUTATIONS = [
              ("tests/test_testing.py", "-k", "real_time"),
              "each test on the tangguh_* fixtures starts on real time, not on the clock an earlier test moved"),
     Mutation("decorator-timeout-unchecked", "supervisor/registry.py",
-             '    for key, value, check in (("timeout", timeout, checks.positive_number),\n',
-             '    for key, value, check in (("timeout", None, checks.positive_number),\n',
+             '    for key, value, check in (("timeout", timeout, checks.timeout_seconds),\n',
+             '    for key, value, check in (("timeout", None, checks.timeout_seconds),\n',
              ("tests/test_jobref.py", "-k", "wrong_kind and timeout"),
              "a decorator's timeout of the wrong kind is refused at import, not a master crash at the first job"),
     Mutation("run-jobs-one-handler-not-iterable", "supervisor/testing.py",
@@ -2558,6 +2558,10 @@ MUTATIONS = [
              "    _put_back_std()\n", "",
              ("tests/test_master_robustness.py", "-k", "stdin_stdout_and_stderr"),
              "fds 0-2 a job closed are put back before the next job on its child"),
+    Mutation("soft-timeout-unbounded", "supervisor/checks.py",
+             "    if _num(v) and 0 <= v <= MAX_TIMEOUT:", "    if _num(v) and 0 <= v:",
+             ("tests/test_config.py", "tests/test_jobref.py", "-k", "bad_values or wrong_kind"),
+             "a soft timeout past a year (its timer overflows) is refused in the config and the decorator"),
 ]
 
 

@@ -125,7 +125,14 @@ BAD = [
     ("[jobs]\njitter = 1.5", "jobs.jitter: expected a number between 0 and 1, got 1.5"),
     ("[jobs]\nmax_attempts = 0", "jobs.max_attempts: expected a positive integer, got 0"),
     ("[jobs]\ntypes = 3", "jobs.types: expected a table"),
-    ("[jobs.types.mail]\ntimeout = -1", "jobs.types.mail.timeout: expected a positive number, got -1"),
+    ("[jobs.types.mail]\ntimeout = -1", "jobs.types.mail.timeout: expected a positive number of seconds up to"
+     " 31536000 (a year), got -1"),
+    # Past what an enqueue's timeout may be: a soft timeout's timer overflowed (setitimer) and every
+    # job failed as an OverflowError before its handler ran.
+    ("[jobs]\nsoft_timeout = 1e300", "jobs.soft_timeout: expected a number of seconds >= 0 and up to 31536000"),
+    ("[jobs.types.mail]\nsoft_timeout = 1e12", "jobs.types.mail.soft_timeout: expected a number of seconds >= 0"),
+    ("[jobs]\ntimeout = 1e300", "jobs.timeout: expected a positive number of seconds up to 31536000 (a year)"),
+    ("[jobs.types.mail]\ntimeout = 31536001", "jobs.types.mail.timeout: expected a positive number of seconds"),
     ("[jobs.types.mail]\nqueue = \"\"", 'jobs.types.mail.queue: expected a queue name (1 to 64 letters, digits or'
      ' _ . : -), got ""'),
     # Braces are a Redis hash tag: such a queue broke every claim that reached it.

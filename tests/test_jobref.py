@@ -161,9 +161,13 @@ def test_configure_takes_one_source(sqlite_url):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("timeout", "30", "timeout: expected a positive number, got '30'"),
-    ("timeout", 0, "timeout: expected a positive number, got 0"),
-    ("soft_timeout", -1, "soft_timeout: expected a number >= 0, got -1"),
+    ("timeout", "30", "timeout: expected a positive number of seconds up to 31536000 (a year), got '30'"),
+    ("timeout", 0, "timeout: expected a positive number of seconds up to 31536000 (a year), got 0"),
+    ("soft_timeout", -1, "soft_timeout: expected a number of seconds >= 0 and up to 31536000 (a year), got -1"),
+    # Its timer overflowed (setitimer): every job of the type failed as an OverflowError, unrun.
+    ("soft_timeout", 1e300,
+     "soft_timeout: expected a number of seconds >= 0 and up to 31536000 (a year), got 1e+300"),
+    ("timeout", 1e300, "timeout: expected a positive number of seconds up to 31536000 (a year), got 1e+300"),
     ("max_attempts", 0, "max_attempts: expected a positive integer, got 0"),
     ("max_attempts", 2.5, "max_attempts: expected a positive integer, got 2.5"),
     ("queue", "e-mails!", "queue: expected a queue name (1 to 64 letters, digits or _ . : -), got 'e-mails!'"),
