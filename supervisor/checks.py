@@ -8,7 +8,7 @@ import math
 import re
 import urllib.parse
 
-from .model import MAX_TIMEOUT, QUEUE_NAME, QUEUE_RULE
+from .model import MAX_DELAY, MAX_TIMEOUT, QUEUE_NAME, QUEUE_RULE
 
 
 def _num(v):
@@ -66,6 +66,13 @@ def soft_timeout_seconds(v):
     if _num(v) and 0 <= v <= MAX_TIMEOUT:
         return float(v)
     raise ValueError(f"expected a number of seconds >= 0 and up to {MAX_TIMEOUT:.0f} (a year)")
+
+
+def delay_seconds(v):
+    # What an enqueue's delay or a RetryLater may be: a backoff past it put a retry off for ever.
+    if _num(v) and 0 <= v <= MAX_DELAY:
+        return float(v)
+    raise ValueError(f"expected a number of seconds >= 0 and up to {MAX_DELAY:.0f} (ten years)")
 
 
 def poll_interval(v):

@@ -12,7 +12,7 @@ import re
 import tomllib
 import urllib.parse
 
-from .checks import (Unshown, boolean, cron, field_names, fraction, group_name, listen_address, name,
+from .checks import (Unshown, boolean, cron, delay_seconds, field_names, fraction, group_name, listen_address, name,
                      non_negative_int, non_negative_number, one_of, poll_interval, positive_int, positive_number,
                      prefetch_setting, queue_name, queue_names, rate, soft_timeout_seconds, string, table,
                      timeout_seconds, timezone, url_of, web_accounts, worker_count)
@@ -71,8 +71,8 @@ class JobsConfig:
     timeout: float = option(timeout_seconds, "hard timeout: the child is killed", default=300.0)
     soft_timeout: float = option(soft_timeout_seconds, "JobTimeout raised in the handler (0: off)", default=0.0)
     max_attempts: int = option(positive_int, "attempts before dead-lettering", default=5)
-    backoff_base: float = option(non_negative_number, "first retry delay, doubled per attempt", default=1.0)
-    backoff_cap: float = option(non_negative_number, "longest retry delay", default=300.0)
+    backoff_base: float = option(delay_seconds, "first retry delay, doubled per attempt", default=1.0)
+    backoff_cap: float = option(delay_seconds, "longest retry delay", default=300.0)
     jitter: float = option(fraction, "fraction of a retry delay taken off at random", default=0.5)
     types: dict = option(dict, "per-type overrides", default_factory=dict)
 

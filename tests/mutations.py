@@ -2562,6 +2562,10 @@ MUTATIONS = [
              "    if _num(v) and 0 <= v <= MAX_TIMEOUT:", "    if _num(v) and 0 <= v:",
              ("tests/test_config.py", "tests/test_jobref.py", "-k", "bad_values or wrong_kind"),
              "a soft timeout past a year (its timer overflows) is refused in the config and the decorator"),
+    Mutation("backoff-cap-unbounded", "supervisor/config.py",
+             'option(delay_seconds, "longest retry delay"', 'option(non_negative_number, "longest retry delay"',
+             ("tests/test_config.py", "-k", "bad_values"),
+             "a backoff_cap past ten years (a retry put off for ever) is refused"),
 ]
 
 

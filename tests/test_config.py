@@ -123,6 +123,10 @@ BAD = [
     ("[broker]\nlease_seconds = 5\nheartbeat_seconds = 5",
      "broker.heartbeat_seconds: must be shorter than broker.lease_seconds (5), got 5"),
     ("[jobs]\njitter = 1.5", "jobs.jitter: expected a number between 0 and 1, got 1.5"),
+    # A retry was put off past the ten years an enqueue's delay or a RetryLater may have (run_at
+    # 9e299: never run, and the console's job page failed with an internal error).
+    ("[jobs]\nbackoff_cap = 1e308", "jobs.backoff_cap: expected a number of seconds >= 0 and up to 315360000"),
+    ("[jobs]\nbackoff_base = 1e300", "jobs.backoff_base: expected a number of seconds >= 0 and up to 315360000"),
     ("[jobs]\nmax_attempts = 0", "jobs.max_attempts: expected a positive integer, got 0"),
     ("[jobs]\ntypes = 3", "jobs.types: expected a table"),
     ("[jobs.types.mail]\ntimeout = -1", "jobs.types.mail.timeout: expected a positive number of seconds up to"
