@@ -37,6 +37,7 @@ MAX_NOTE = 200  # characters of a progress note kept
 EXCEPTION, PERMANENT, BAD_PAYLOAD, RETRY_LATER, TIMEOUT, RESULT_TOO_LARGE = (
     "exception", "permanent", "bad_payload", "retry_later", "timeout", "result_too_large")
 CRASHED, UNKNOWN_TYPE = "crashed", "unknown_type"
+LEASE_EXPIRED = "lease_expired"  # the broker's claim took back the attempt's lease (master: not run again)
 CANCELLED = "cancelled"  # the handler raised ``Cancelled`` (the attempt ends the job ``cancelled``)
 
 # Why the master kills a child.

@@ -2566,6 +2566,11 @@ MUTATIONS = [
              'option(delay_seconds, "longest retry delay"', 'option(non_negative_number, "longest retry delay"',
              ("tests/test_config.py", "-k", "bad_values"),
              "a backoff_cap past ten years (a retry put off for ever) is refused"),
+    Mutation("expired-lease-runs-past-type-attempts", "supervisor/master/dispatch.py",
+             "            if job.type not in self.handlers or past_attempts(job, settings):",
+             "            if job.type not in self.handlers:",
+             ("tests/test_leases.py", "-k", "past_its_types"),
+             "a job whose lease expired on the last attempt its type allows is dead-lettered, not run again"),
 ]
 
 

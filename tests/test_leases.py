@@ -154,3 +154,34 @@ def test_leases_are_renewed_while_children_are_forked_faster_than_the_heartbeat(
     finally:
         open(release, "w").close()
         d.stop()
+
+
+def test_a_job_whose_lease_ran_out_on_its_last_attempt_is_not_run_past_its_types_max_attempts(tmp_path, broker_url):
+    """The claim that takes back an expired lease dead-letters a job only at the max_attempts
+    stored with it (5: `tangguh enqueue` and Client.enqueue know no decorator). A job whose type
+    allows one attempt ([jobs.types.<t>] or @job) and that takes its master down (a handler that
+    kills it, a host OOM) was run again by the next supervisor, up to five times, each run
+    taking that supervisor down too. Past its type's attempts it is now dead-lettered unrun."""
+    rules = dict(broker={"lease_seconds": 1.0, "heartbeat_seconds": 0.2},
+                 jobs={"types": {"hold": {"max_attempts": 1}}})
+    first = Daemon(tmp_path / "a", broker_url=broker_url, **rules)
+    second = Daemon(tmp_path / "b", broker_url=broker_url, **rules)
+    marker, release = str(tmp_path / "m"), str(tmp_path / "release")
+    try:
+        first.start()
+        job_id = first.enqueue("hold", {"marker": marker, "release": release, "max_wait": 60}, max_attempts=5)
+        wait_for(lambda: read_lines(marker), message="attempt 1 running")
+        first.signal(signal.SIGKILL)  # what a handler that kills its master does
+        first.wait_exit()
+        open(release, "w").close()  # a second run would end at once, done
+        second.start()
+        job = second.wait_job(job_id)
+        assert (job.state, job.reason) == ("dead", "lease_expired"), job
+        assert [line[0] for line in read_lines(marker)] == ["started"]  # run once
+        assert job.error["message"] == ("attempt 2 is past the 1 attempt(s) its type allows; the lease of attempt 1"
+                                        " expired")
+        second.assert_clean()
+    finally:
+        open(release, "w").close()
+        first.stop()
+        second.stop()

@@ -38,7 +38,7 @@ from ..errors import BrokerBusy, BrokerError, BrokerUnusable, ConfigError
 from ..health import AlreadyRunning, HealthServer
 from ..heartbeat import Heartbeat
 from ..metrics import HttpExporter, Metrics
-from ..protocol import KILLED_SHUTDOWN, UNKNOWN_TYPE
+from ..protocol import KILLED_SHUTDOWN, LEASE_EXPIRED, UNKNOWN_TYPE
 from ..retry import next_delay
 from ..sdnotify import Notifier
 from ..urls import redact
@@ -346,8 +346,14 @@ class Arbiter:
         self.writer.add(job, outcome, attempt_info(c, reply))
 
     def on_unknown_type(self, job, settings):
-        outcome = verdict.failure(job.attempt, settings.max_attempts, UNKNOWN_TYPE, "UnknownType",
-                                  f"no handler for job type {job.type!r}", self.backoff)
+        """A claimed job no child runs: no handler takes its type, or it is ``past_attempts``."""
+        if job.type in self.handlers:
+            outcome = verdict.failure(job.attempt, settings.max_attempts, LEASE_EXPIRED, "",
+                                      f"attempt {job.attempt} is past the {settings.max_attempts} attempt(s) its type"
+                                      f" allows; the lease of attempt {job.attempt - 1} expired", self.backoff)
+        else:
+            outcome = verdict.failure(job.attempt, settings.max_attempts, UNKNOWN_TYPE, "UnknownType",
+                                      f"no handler for job type {job.type!r}", self.backoff)
         self.status.outcome(job, outcome)
         self.writer.add(job, outcome, attempt_info())
 

@@ -28,11 +28,24 @@ from ..retry import backoff
 log = logging.getLogger("tangguh.arbiter")
 
 
+def past_attempts(job, settings):
+    """The claim took back the expired lease of this job's last attempt its type allows.
+
+    The broker's claim dead-letters such a job only at the ``max_attempts`` stored with it
+    (``tangguh enqueue`` and ``Client.enqueue`` know no decorator): one whose handler took its
+    master down ran again on the next supervisor, up to that count, past its type's.
+    """
+    if len(job.history) < 2 or job.attempt <= settings.max_attempts:  # a first attempt: most jobs
+        return False
+    before = job.history[-2]  # the entry the claim closed; a hand-edited one may be anything
+    return isinstance(before, dict) and before.get("outcome") == "lease_expired"
+
+
 class Dispatcher:
     """Callbacks: ``hold(lease)`` the heartbeat starts renewing it; ``on_claimed(job)``
     logs a claim; ``on_started(job)`` counts an attempt that starts (a job sent to a child, or
     one no handler takes; not one handed back unstarted, which the broker does not count);
-    ``on_unknown(job, settings)`` a job no handler takes;
+    ``on_unknown(job, settings)`` a job no handler takes, or one ``past_attempts`` (not run);
     ``settings_for(job)`` the rules to claim it under; ``on_expired(job_type)`` a
     job the claim ended ``expired`` (never run); ``give_back(job)`` releases a claimed
     job untouched (no attempt counted). ``prefetch`` is the ``Prefetch`` policy."""
@@ -132,7 +145,7 @@ class Dispatcher:
             self.hold(job.lease)
             self.on_claimed(job)
             settings = self.settings_for(job)
-            if job.type not in self.handlers:
+            if job.type not in self.handlers or past_attempts(job, settings):
                 self.on_started(job)
                 self.on_unknown(job, settings)
             else:
