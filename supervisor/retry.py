@@ -8,6 +8,7 @@ import datetime
 import random
 
 from .child.timeouts import JobTimeout  # noqa: F401 - where handlers have imported it from
+from .model import MAX_DELAY
 
 
 class Permanent(Exception):
@@ -31,6 +32,10 @@ class RetryLater(Exception):
             delay = delay.total_seconds()
         try:
             delay = float(delay)
+        except OverflowError:
+            # An int no float holds (RetryLater(2 ** 1100) failed as an OverflowError of the
+            # constructor): the longest delay, as for 1e300.
+            delay = MAX_DELAY
         except (TypeError, ValueError):
             # Raised here it replaced the RetryLater (RetryLater(timedelta(minutes=5)) failed as a
             # TypeError of the constructor); the child gives a delay that is no number the backoff.

@@ -2571,6 +2571,10 @@ MUTATIONS = [
              "            if job.type not in self.handlers:",
              ("tests/test_leases.py", "-k", "past_its_types"),
              "a job whose lease expired on the last attempt its type allows is dead-lettered, not run again"),
+    Mutation("retry-later-huge-int-overflows", "supervisor/retry.py",
+             "        except OverflowError:\n", "        except ZeroDivisionError:\n",
+             ("tests/test_testing.py", "-k", "retry_later_takes"),
+             "RetryLater(2 ** 1100) is still a RetryLater (the backoff), not an OverflowError"),
 ]
 
 

@@ -14,7 +14,7 @@ import pytest
 import supervisor
 from supervisor import protocol, testing
 from supervisor.errors import ConfigError
-from supervisor.model import NewJob
+from supervisor.model import MAX_DELAY, NewJob
 
 from .handlers import outcomes
 from .util import wait_for
@@ -182,18 +182,21 @@ def test_a_soft_timeout_in_process_leaves_the_tests_own_alarm_set(tangguh_client
 
 @supervisor.job("later")
 def later(ctx, payload):
-    delays = {"timedelta": datetime.timedelta(minutes=2), "text": "soon", "none": None}
+    delays = {"timedelta": datetime.timedelta(minutes=2), "text": "soon", "none": None, "huge": 2 ** 1100}
     raise supervisor.RetryLater(delays[payload["as"]])
 
 
 def test_retry_later_takes_a_timedelta_and_a_delay_that_is_no_number_gets_the_backoff(tangguh_client):
     """RetryLater(timedelta(minutes=2)) raised TypeError in its own constructor: the job failed as a
     TypeError with the backoff, not as the handler's RetryLater; so did RetryLater("soon"), for which
-    the README promises the usual backoff."""
-    ids = {kind: tangguh_client.enqueue("later", {"as": kind}) for kind in ("timedelta", "text", "none")}
-    ran = {r.job_id: r for r in testing.run_jobs(tangguh_client, handlers=[later], until=3)}
+    the README promises the usual backoff. An int no float holds (RetryLater(2 ** attempts) past
+    attempt 1023) failed as an OverflowError; it is the longest delay, ten years, as 1e300 is."""
+    kinds = ("timedelta", "text", "none", "huge")
+    ids = {kind: tangguh_client.enqueue("later", {"as": kind}) for kind in kinds}
+    ran = {r.job_id: r for r in testing.run_jobs(tangguh_client, handlers=[later], until=len(kinds))}
     assert (ran[ids["timedelta"]].outcome, ran[ids["timedelta"]].delay) == ("retry", 120.0)
     assert ran[ids["timedelta"]].error == "RetryLater: retry in 120s"
+    assert (ran[ids["huge"]].outcome, ran[ids["huge"]].delay) == ("retry", MAX_DELAY)
     for kind in ("text", "none"):
         assert (ran[ids[kind]].outcome, ran[ids[kind]].error) == ("retry", "RetryLater: retry later")
         assert ran[ids[kind]].delay is not None and ran[ids[kind]].delay != 120.0  # the backoff
