@@ -210,19 +210,25 @@ def _attempt(job, cfg, handlers):
                                f"no handler for job type {job.type!r}", backoff), None
     message = protocol.run_message(job, settings.max_attempts, settings.soft_timeout)
     message = json.loads(protocol.encode(message)[4:])  # what crosses the pipe is JSON
-    with _soft_timeouts() as usable:
+    with _soft_timeouts() as guard:
         reply = tracing.run_span(message["job"], lambda: child.run_job(message["job"], handlers,
-                                                                       settings.soft_timeout if usable else None))
+                                                                       settings.soft_timeout if guard.usable else None))
+    if guard.interrupted:
+        # Ctrl-C: the handler saw a KeyboardInterrupt, the test is what was interrupted (it failed the
+        # attempt, the job ran again and pytest went on with the next test).
+        raise KeyboardInterrupt
     toolkit.end_job()  # as a child does after each job: a transaction it left open is rolled back
     reply = json.loads(child.reply_frame(reply)[4:])  # over the size limit: result_too_large, as in a child
     return verdict.judge(job.attempt, settings.max_attempts, verdict.Ending(reply=reply), backoff), reply
 
 
 class _soft_timeouts:
-    """The child's SIGALRM handler for the soft timeout, while one attempt runs (main thread only)."""
+    """The child's SIGALRM handler for the soft timeout, while one attempt runs (main thread only);
+    ``interrupted``: a SIGINT (Ctrl-C) came meanwhile."""
 
     def __enter__(self):
         self.usable = threading.current_thread() is threading.main_thread()
+        self.interrupted = False
         if self.usable:
             from .child.timeouts import _on_alarm
 
@@ -230,11 +236,20 @@ class _soft_timeouts:
             # method): the job's replaced it and then cleared it, and a hung test was never stopped.
             self.timer, self.started = signal.getitimer(signal.ITIMER_REAL), time.monotonic()
             self.previous = signal.signal(signal.SIGALRM, _on_alarm)
-        return self.usable
+            self.previous_int = signal.getsignal(signal.SIGINT)
+            if self.previous_int is signal.default_int_handler:  # not a test's own, nor ignored (in the background)
+                signal.signal(signal.SIGINT, self._on_interrupt)
+        return self
+
+    def _on_interrupt(self, signum, frame):
+        self.interrupted = True
+        signal.default_int_handler(signum, frame)  # KeyboardInterrupt in the handler: it ends the attempt
 
     def __exit__(self, *exc):
         if self.usable:
             signal.signal(signal.SIGALRM, self.previous)
+            if self.previous_int is signal.default_int_handler:
+                signal.signal(signal.SIGINT, self.previous_int)
             left, interval = self.timer
             if left > 0:  # due meanwhile: at once, to the test's own handler
                 signal.setitimer(signal.ITIMER_REAL, max(left - (time.monotonic() - self.started), 0.001), interval)

@@ -2575,6 +2575,10 @@ MUTATIONS = [
              "        except OverflowError:\n", "        except ZeroDivisionError:\n",
              ("tests/test_testing.py", "-k", "retry_later_takes"),
              "RetryLater(2 ** 1100) is still a RetryLater (the backoff), not an OverflowError"),
+    Mutation("run-jobs-swallows-ctrl-c", "supervisor/testing.py",
+             "    if guard.interrupted:\n", "    if False:\n",
+             ("tests/test_testing.py", "-k", "ctrl_c"),
+             "Ctrl-C while run_jobs runs a handler stops the test, not just that attempt"),
 ]
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -178,6 +179,32 @@ def test_a_soft_timeout_in_process_leaves_the_tests_own_alarm_set(tangguh_client
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert ran.reason == "timeout" and 0 < left <= 3600
+
+
+@supervisor.job("interrupted", max_attempts=3)
+def interrupted(ctx, payload):
+    if payload.get("ctrl_c"):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C on the terminal, while the handler runs
+        time.sleep(5)
+    raise KeyboardInterrupt  # a handler's own: a failed attempt, as in the daemon
+
+
+def test_ctrl_c_while_run_jobs_runs_a_handler_stops_the_test(tangguh_client):
+    """Ctrl-C while a handler ran in run_jobs was the handler's KeyboardInterrupt: a failed attempt,
+    the job run again, and pytest went on with the next test as if nothing had been pressed. It is
+    raised from run_jobs now; a KeyboardInterrupt the handler raises itself stays a failed attempt."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in an interactive pytest
+    try:
+        tangguh_client.enqueue("interrupted", {})
+        (ran,) = testing.run_jobs(tangguh_client, handlers=[interrupted], until=1)
+        assert (ran.outcome, ran.error) == ("retry", "KeyboardInterrupt: ")
+        job_id = tangguh_client.enqueue("interrupted", {"ctrl_c": True}, priority=5)
+        with pytest.raises(KeyboardInterrupt):
+            testing.run_jobs(tangguh_client, handlers=[interrupted], until=1)
+        assert tangguh_client.get(job_id).attempt == 1  # not run again
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @supervisor.job("later")
