@@ -48,7 +48,7 @@ class SupervisorConfig:
                                ' supervisor\'s that the fewest children hold; "off": where the kernel puts it',
                                default="off")
     poll_interval: float = option(poll_interval, "longest wait between claims when idle", default=0.5)
-    import_timeout: float = option(positive_number, "seconds the trial import of the handler files may take",
+    import_timeout: float = option(timeout_seconds, "seconds the trial import of the handler files may take",
                                    default=30.0)
 
 

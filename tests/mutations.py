@@ -2579,6 +2579,10 @@ MUTATIONS = [
              "    if guard.interrupted:\n", "    if False:\n",
              ("tests/test_testing.py", "-k", "ctrl_c"),
              "Ctrl-C while run_jobs runs a handler stops the test, not just that attempt"),
+    Mutation("import-timeout-unbounded", "supervisor/config.py",
+             'import_timeout: float = option(timeout_seconds,', 'import_timeout: float = option(positive_number,',
+             ("tests/test_config.py", "-k", "bad_values"),
+             "an import_timeout the trial import's wait cannot hold is refused naming the key"),
 ]
 
 

@@ -103,6 +103,9 @@ BAD = [
     ("[supervisor]\nhandlers = 3", "supervisor.handlers: expected a string, got 3"),
     ("[supervisor]\ngraceful_timeout = 0", "supervisor.graceful_timeout: expected a positive number"),
     ("[supervisor]\npoll_interval = nan", "supervisor.poll_interval: expected a number of seconds >= 0.001"),
+    # `tangguh run` and `config check` failed with "internal error: OverflowError" (the trial import's wait).
+    ("[supervisor]\nimport_timeout = 1e300", "supervisor.import_timeout: expected a positive number of seconds up"
+     " to 31536000 (a year), got 1e+300"),
     # An idle master polling every microsecond spun a core.
     ("[supervisor]\npoll_interval = 0.000001", "supervisor.poll_interval: expected a number of seconds >= 0.001"),
     ("[broker]\nlease_seconds = \"abc\"", 'broker.lease_seconds: expected a positive number, got "abc"'),
