@@ -639,6 +639,18 @@ def test_the_next_job_on_a_child_has_the_stdin_stdout_and_stderr_the_child_start
         d.stop()
 
 
+def test_a_child_that_cannot_even_print_its_failure_exits_non_zero(daemon):
+    """A job that closed every descriptor, its pipe and stderr among them: the child's reply
+    failed, then so did printing why, before its exit code was set: "exit code 0" was recorded,
+    which reads as a child that ended normally."""
+    daemon.start()
+    job = daemon.wait_job(daemon.enqueue("std_fds", {"all": True}, max_attempts=1))
+    assert (job.state, job.reason) == ("dead", "crashed")
+    assert job.error["message"] == "child died mid-job (exit code 1)", job.error
+    serves_a_job(daemon)
+    daemon.assert_clean()
+
+
 def test_an_exception_that_cannot_be_printed_is_an_exception_not_a_crash(daemon):
     daemon.start()
     job = daemon.wait_job(daemon.enqueue("unprintable", {}, max_attempts=2))

@@ -131,8 +131,8 @@ def main(sock, slot, handlers, master_pid, cpu=None):
         toolkit.attach_master(lambda msg: send_frame(sock, protocol.encode(msg)))  # ctx.lock registers its locks
         serve(sock, slot, handlers, master_pid)
     except BaseException:  # noqa: BLE001 - a child must never unwind into the master's code
+        code = 1  # first: printing fails too when the job closed stderr
         traceback.print_exc()
-        code = 1
     finally:
         os._exit(code)
 
