@@ -224,6 +224,24 @@ def test_cancel_dry_run_counts_the_unfinished_jobs_it_would_cancel(capsys, cfg, 
     assert snapshot(broker) == before
 
 
+def test_a_dry_run_by_state_counts_only_the_jobs_the_action_changes(capsys, cfg, broker, jobs):
+    """`--state` names what to look at, not what the action can do: "cancel --state dead --dry-run"
+    said "would cancel 2 job(s)" and the cancel then answered "2 already_dead", and a discard dry
+    run by a running state counted jobs the discard refuses. By ids it counted only those it changes."""
+    running = broker.claim(["default"], 1, 300, "w")[0].id
+    code, out, _ = run(capsys, cfg, "cancel", "--state", "dead", "--dry-run")
+    assert code == 0 and out.strip() == "would cancel 0 job(s)"
+    code, out, _ = run(capsys, cfg, "cancel", "--state", "dead,queued", "--dry-run", "--json")
+    assert json.loads(out) == {"verb": "cancel", "count": 3, "exact": True, "dry_run": True}
+    code, out, _ = run(capsys, cfg, "discard", "--state", "running", "--dry-run")
+    assert code == 0 and out.strip() == "would discard 0 job(s)"
+    code, out, _ = run(capsys, cfg, "retry", "--state", "queued,dead", "--dry-run", "--json")
+    assert json.loads(out)["count"] == 2
+    code, out, _ = run(capsys, cfg, "cancel", "--state", "dead")
+    assert code == 0 and out.strip().splitlines()[-1] == "cancel: 2 already_dead"
+    assert broker.get(running).state == "running"
+
+
 def test_the_client_searches_counts_requeues_and_discards(broker_url, broker, jobs):
     with Client.from_url(broker_url) as client:
         page = client.search(type="email", limit=1)

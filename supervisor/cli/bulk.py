@@ -157,6 +157,9 @@ def cmd_bulk(args):
             f = _with_times(f, broker, since, until)
             count = broker.count(f)
             batches, selected, exact = pages(broker, f), count.n, count.exact
+        if args.dry_run and not args.job_ids and args.state:
+            # --state says where to look, not what the action changes: only those are counted.
+            selected, exact = _count_acting(broker, verb, f)
         if args.dry_run:
             unknown, named = 0, {}
             if args.job_ids:  # named ones: those in a state the action changes, not every id given
@@ -200,6 +203,15 @@ def _would_act(broker, verb, ids):
         elif job.state != "running" if verb == "discard" else job.state in DEFAULT_STATES[verb]:
             acts += 1
     return acts, unknown
+
+
+def _count_acting(broker, verb, f):
+    """(how many, exact) of the jobs ``f`` selects in a state the action changes."""
+    states = [s for s in f.state if s in DEFAULT_STATES[verb]]
+    if not states:  # no state it acts on (an empty state filter would mean every state)
+        return 0, True
+    count = broker.count(JobFilter.from_dict(dict(f.to_dict(), state=states)))
+    return count.n, count.exact
 
 
 def pages(broker, f):
