@@ -126,6 +126,15 @@ def test_job_wait_exits_124_on_timeout_and_1_for_an_unknown_job(capsys, cfg_path
     assert code == 2 and "--timeout" in err
 
 
+def test_job_timeout_without_wait_is_a_usage_error(capsys, cfg_path, broker):
+    """`job ID --timeout 60` (the --wait forgotten) printed the job at once and exited 0, as if it
+    had finished within the minute; a negative --timeout passed the same way."""
+    job_id = broker.enqueue(NewJob("email", {}))
+    for timeout in ("60", "-3"):
+        code, out, err = tangguh(capsys, "job", job_id, "--timeout", timeout, "-c", cfg_path)
+        assert (code, out) == (2, "") and err.strip() == "tangguh: error: job: --timeout only goes with --wait"
+
+
 def test_job_wait_for_a_job_deleted_while_it_waits_exits_1(capsys, cfg_path, broker, monkeypatch):
     """The broker's "unknown job" came out as a usage error, exit 2 (nothing wrong with the
     command line), where `tangguh job ID` of the same id exits 1, "not found"."""

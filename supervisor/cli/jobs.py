@@ -8,7 +8,7 @@ from .. import schemas
 from ..errors import BadInput
 from ..model import MAX_DEPTH
 from . import control
-from .common import Failure, import_handlers, load_config, open_client
+from .common import Failure, UsageError, import_handlers, load_config, open_client
 from .flows import render_parents
 from .output import duration, one_line, print_json, say, table, when
 
@@ -63,6 +63,9 @@ def get_job(broker, job_id):
 
 def cmd_job(args):
     code = 0
+    # Else `job ID --timeout 60` printed the job at once and exited 0, as if it had finished.
+    if getattr(args, "timeout", None) is not None and not getattr(args, "wait", False):
+        raise UsageError("job: --timeout only goes with --wait")
     with open_client(args) as client:
         if getattr(args, "wait", False):
             job = control.wait_job(client, args.job_id, args.timeout)
