@@ -201,6 +201,21 @@ def test_queue_pause_resume_and_list(capsys, cfg_path, broker):
     assert broker.paused() == {}
 
 
+def test_a_configured_queue_can_be_paused_before_it_holds_a_job(capsys, cfg_path, broker):
+    """A queue of the config's broker.queues was "unknown" until a job or a running supervisor
+    named it: `queue pause bulk` before starting the supervisors of a deploy was exit 2."""
+    code, out, err = tangguh(capsys, "queue", "pause", "bulk", "-c", cfg_path)
+    assert code == 0 and err == "" and "paused bulk" in out
+    assert list(broker.paused()) == ["bulk"]
+    broker.enqueue(NewJob("email", {}, queue="bulk"))
+    assert broker.claim(["bulk"], 5, 30, "w") == []
+    code, out, err = tangguh(capsys, "queue", "resume", "bulk", "-c", cfg_path)
+    assert code == 0 and broker.paused() == {}
+    code, out, err = tangguh(capsys, "queue", "pause", "nosuch", "-c", cfg_path)
+    assert code == 2
+    assert err.strip() == "tangguh: error: unknown queue 'nosuch' (the broker and the config know bulk, default)"
+
+
 @pytest.mark.parametrize("name", ["nosuch", "bad name!"])
 def test_pausing_an_unknown_or_malformed_queue_is_exit_2_and_changes_nothing(capsys, cfg_path, broker, name):
     broker.enqueue(NewJob("email", {}))

@@ -66,23 +66,25 @@ def cmd_queue_list(args):
                "EXPIRED"], rows))
 
 
-def _known_queue(broker, name):
+def _known_queue(client, name):
+    """A queue the broker knows (its jobs, pauses, supervisors) or the config names: a configured
+    queue can be paused before its first job or supervisor (a deploy's supervisors stopped)."""
     check_queue(name)
-    known = broker.queues()
+    known = sorted(set(client.broker.queues()) | set(client.queues))
     if name not in known:
-        raise BadInput(f"unknown queue {name!r} (the broker knows {', '.join(known) or 'no queue'})")
+        raise BadInput(f"unknown queue {name!r} (the broker and the config know {', '.join(known) or 'no queue'})")
 
 
 def cmd_queue_pause(args):
     with open_client(args) as client:
-        _known_queue(client.broker, args.name)
+        _known_queue(client, args.name)
         client.pause(args.name, by=operator())
     print(f"paused {args.name}: supervisors stop claiming from it within one poll; running jobs finish")
 
 
 def cmd_queue_resume(args):
     with open_client(args) as client:
-        _known_queue(client.broker, args.name)
+        _known_queue(client, args.name)
         client.resume(args.name)
     print(f"resumed {args.name}")
 
