@@ -27,6 +27,7 @@ from .output import one_line, print_json, say, table, when
 from .progress import Progress
 
 PAGE = 500
+MIN_RATE = 1 / 3600  # jobs per second: the slowest "N/h" says
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -243,6 +244,8 @@ def _rate(text):
         raise BadInput(f"--rate: {exc}") from None
     if not per_second > 0:
         raise BadInput(f"--rate must be more than 0, got {text!r}")
+    if per_second < MIN_RATE:  # 1e-13 acted on one job, then its pause overflowed the clock
+        raise BadInput(f"--rate must be at least 1/h (a bare number is per second), got {text!r}")
     return per_second
 
 
