@@ -98,6 +98,8 @@ def test_jobs_lists_by_filter_and_pages_with_the_printed_cursor(capsys, cfg, job
     (["jobs", "--cursor", "garbage"], "bad cursor"),
     (["jobs", "--limit", "0"], "limit must be"),
     (["jobs", "--since", "yesterday"], "--since expects a duration"),
+    # So many digits that the number is infinite: "queued_after must be a number of epoch seconds, got -inf".
+    (["cancel", "--until", "9" * 400 + "d"], "--until expects a duration"),
     (["retry", "--type", "report", "--rate", "fast"], "--rate"),
     # Below one an hour: the pause before the second job overflowed the clock ("stopped after 1").
     (["retry", "--type", "report", "--rate", "0.0000000000001"], "--rate must be at least 1/h"),

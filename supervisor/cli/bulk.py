@@ -15,6 +15,7 @@ closed) is ``stopped after N of M: REASON``, exit 1 (``progress``).
 ``--dry-run`` prints how many jobs the selection holds and changes nothing; for
 ``retry`` that is an upper bound (``MAY_REFUSE``).
 """
+import math
 import re
 import time
 
@@ -81,9 +82,10 @@ def _filters(p):
 
 def parse_duration(text, option):
     m = _DURATION.fullmatch(text.strip()) if isinstance(text, str) else None
-    if not m:
+    seconds = float(m.group(1)) * _UNITS[m.group(2)] if m else None
+    if seconds is None or not math.isfinite(seconds):  # 400 digits are an infinite float
         raise BadInput(f"{option} expects a duration like 90s, 15m, 2h or 7d, got {text!r}")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    return seconds
 
 
 def filter_of(args, default_states=()):
