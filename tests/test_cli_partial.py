@@ -180,6 +180,21 @@ def test_a_closed_stdout_stops_a_bulk_action_and_ends_a_listing_quietly(cfg, bro
 
 
 @pytest.mark.parametrize("broker_url", ["sqlite"], indirect=True)
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_under_stdout_stops_a_json_bulk_action_saying_how_far_it_got(cfg, broker):
+    """`cancel --json > file` on a full disk: the JSON summary after the failed write failed too, and
+    that second error came out alone ("No space left on device"), not how far the action got."""
+    broker.enqueue_many([NewJob("email", {"i": i}) for i in range(3)])
+    for extra in ([], ["--json"]):
+        with open("/dev/full", "w") as full:
+            proc = process(cfg, "cancel", "--type", "email", *extra, stdout=full)
+            err = proc.stderr.read()
+        assert (proc.wait(timeout=60), err) == (
+            1, "tangguh: error: stopped after 3 of 3: [Errno 28] No space left on device\n"), extra
+        broker.requeue([job.id for job in broker.search({"state": "cancelled"}).jobs])
+
+
+@pytest.mark.parametrize("broker_url", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("args,message", [
     (["dlq", "list", "--limit", str(10**22)], "--limit must be at most 1000"),
     (["status", "--watch", "inf", "--socket", "/nonexistent.sock"], "--watch"),

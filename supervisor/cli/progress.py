@@ -96,3 +96,5 @@ class Progress:
                 print(json.dumps(self.summary(reason)), flush=True)
             except BrokenPipeError:
                 stdout_gone()
+            except OSError:  # the failed write that stopped it fails again (a full disk): stderr says it
+                pass
