@@ -180,6 +180,23 @@ def test_a_closed_stdout_stops_a_bulk_action_and_ends_a_listing_quietly(cfg, bro
 
 
 @pytest.mark.parametrize("broker_url", ["sqlite"], indirect=True)
+def test_a_stream_closed_before_the_start_is_written_to_nowhere(cfg, broker):
+    """`tangguh cancel ID >&-` cancelled the job, then failed with a traceback (Python makes a closed
+    stdout None); with `2>&-` the error line went to stdout, where `id=$(...)` would take it."""
+    job_id = broker.enqueue(NewJob("email", {}))
+
+    def closed(fd, *args):
+        proc = subprocess.run([sys.executable, "-m", "supervisor.cli", "-c", cfg, *args], capture_output=True,
+                              text=True, preexec_fn=lambda: os.close(fd), timeout=60)
+        return proc.returncode, proc.stdout, proc.stderr
+
+    assert closed(1, "cancel", job_id) == (0, "", "")
+    assert broker.get(job_id).state == "cancelled"
+    assert closed(1, "jobs", "--json") == (0, "", "")
+    assert closed(2, "job", "job_nope") == (1, "", "")
+
+
+@pytest.mark.parametrize("broker_url", ["sqlite"], indirect=True)
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_disk_under_stdout_stops_a_json_bulk_action_saying_how_far_it_got(cfg, broker):
     """`cancel --json > file` on a full disk: the JSON summary after the failed write failed too, and

@@ -30,6 +30,9 @@ class _Parser(argparse.ArgumentParser):
 # -- entry point ----------------------------------------------------------------
 
 def main(argv=None):
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:  # closed by the caller (`>&-`): written to nowhere, as print() does
+            setattr(sys, name, open(os.devnull, "w"))  # (else a traceback, or errors printed on stdout)
     for stream in (sys.stdout, sys.stderr):
         # A job's text may hold what the terminal's encoding cannot show (a lone
         # surrogate): show it escaped rather than fail the whole listing.
