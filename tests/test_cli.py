@@ -311,6 +311,8 @@ BAD_ENQUEUES = {
     "timeout of 1e300 seconds": (["--timeout", "1e300"], 2, "timeout must be a positive number of seconds up to"),
     "8 KB idempotency key": (["--idempotency-key", "k" * 8192], 2, "idempotency_key is 8192 characters long"),
     "8 KB resource id": (["--resource-id", "r" * 8192], 2, "resource_id is 8192 characters long"),
+    # An unset variable (`--idempotency-key "$KEY"`): every such job was the first one, the rest dropped.
+    "empty idempotency key": (["--idempotency-key", " "], 2, "--idempotency-key needs a key"),
 }
 
 

@@ -38,6 +38,9 @@ def parse_payload(text):
 
 
 def cmd_enqueue(args):
+    if args.idempotency_key is not None and not args.idempotency_key.strip():
+        # An unset variable (`--idempotency-key "$KEY"`): every job enqueued so would be the first one.
+        raise BadInput("--idempotency-key needs a key (an empty one makes every job given it one job)")
     payload = parse_payload(args.payload)
     cfg = load_config(args)
     payload, handler_queue = schemas.check_cli_payload(lambda: import_handlers(cfg), args.type, payload)
