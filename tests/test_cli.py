@@ -476,6 +476,8 @@ def test_dlq_replay_all_by_type_with_rate(capsys, cfg_path, broker):
     (["dlq", "purge", "--all"], "add --yes to confirm"),
     (["dlq", "purge", "--all", "--type", "email"], "add --yes to confirm"),
     (["dlq", "list", "--limit", "-1"], "--limit must be >= 0"),
+    # An unset variable: it listed every dead job, as if they were all of the type meant.
+    (["dlq", "list", "--type", ""], "type filter must be 1 to 255 characters"),
 ])
 def test_dlq_usage_errors_change_nothing(capsys, cfg_path, broker, argv, message):
     dead = make_dead(broker)

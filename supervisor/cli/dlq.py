@@ -28,6 +28,7 @@ def cmd_dlq_list(args):
         raise UsageError("dlq list: --limit must be >= 0")
     if args.limit > MAX_LIMIT:
         raise UsageError(f"dlq list: --limit must be at most {MAX_LIMIT} (0 lists every dead job, page by page)")
+    JobFilter(state="dead", type=args.type)  # checked as --limit 0 checks it: `--type ''` was no filter at all
     with open_client(args) as client:
         if args.limit:
             _print_list(args, [client.broker.dlq_list(type=args.type, limit=args.limit)])
