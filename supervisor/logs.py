@@ -87,15 +87,27 @@ def to_journal(stream, env=None):
     return (st.st_dev, st.st_ino) == (dev, ino)
 
 
+_ours = []  # the handler setup() made: a reload's log.format is applied to it
+
+
 def setup(level="info", fmt="auto", stream=None):
     stream = stream or sys.stderr
-    if fmt == "auto":
-        fmt = "text" if stream.isatty() else "json"
     handler = logging.StreamHandler(stream)
-    formatter = JsonFormatter() if fmt == "json" else TextFormatter()
-    handler.setFormatter(JournalPrefix(formatter) if to_journal(stream) else formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(level.upper())
+    _ours[:] = [handler]
+    reconfigure(level, fmt)
+
+
+def reconfigure(level, fmt):
+    """``[log]`` of a reloaded config: the level, and the format of setup()'s handler (one a
+    handler module added is left as it is)."""
+    for handler in _ours:
+        stream = handler.stream
+        if fmt == "auto":
+            fmt = "text" if stream.isatty() else "json"
+        formatter = JsonFormatter() if fmt == "json" else TextFormatter()
+        handler.setFormatter(JournalPrefix(formatter) if to_journal(stream) else formatter)
+    logging.getLogger().setLevel(level.upper())

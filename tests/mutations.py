@@ -2626,6 +2626,11 @@ MUTATIONS = [
              'import_timeout: float = option(timeout_seconds,', 'import_timeout: float = option(positive_number,',
              ("tests/test_config.py", "-k", "bad_values"),
              "an import_timeout the trial import's wait cannot hold is refused naming the key"),
+    Mutation("reload-keeps-the-log-format", "supervisor/master/reloads.py",
+             "        logs.reconfigure(cfg.log.level, cfg.log.format)",
+             "        logging.getLogger().setLevel(cfg.log.level.upper())",
+             ("tests/test_daemon.py", "-k", "new_log_format"),
+             "a reload applies the config's log.format"),
 ]
 
 

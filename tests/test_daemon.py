@@ -229,6 +229,24 @@ def test_sighup_applies_a_new_worker_count(daemon):
     daemon.assert_clean()
 
 
+def test_sighup_applies_a_new_log_format(daemon):
+    """log.format changed by a reload was kept as it was without a word (the reload said it re-read
+    the config): a switch to text for a look at the journal, or back to JSON, needed a restart."""
+    daemon.start()
+    daemon.config["log"]["format"] = "text"
+    daemon.write_config()
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: daemon.status()["generation"] == 2, message="generation 2")
+    wait_for(lambda: "reloaded: generation 2" in daemon.logs(), message="the reload's log line")
+    line = next(line for line in daemon.logs().splitlines() if "reloaded: generation 2" in line)
+    assert not line.startswith("{") and " INFO " in line, line
+    daemon.config["log"]["format"] = "json"
+    daemon.write_config()
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: daemon.records(event="reload", generation=3), message="generation 3's reload logged as JSON")
+    daemon.assert_clean()
+
+
 @pytest.mark.parametrize("breakage", ["config", "handler", "huge_number", "bad_mark", "socket", "huge_error", "empty",
                                       "exits_at_import", "waits_at_import"])
 def test_sighup_with_a_broken_config_or_handler_keeps_serving(daemon, breakage):

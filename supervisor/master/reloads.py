@@ -11,7 +11,7 @@ its end. A stop ends a trial under way and fails its reload.
 import logging
 import selectors
 
-from .. import config, registry, scheduler, toolkit
+from .. import config, logs, registry, scheduler, toolkit
 from ..errors import ConfigError
 
 log = logging.getLogger("tangguh.arbiter")
@@ -130,7 +130,7 @@ class Reloads:
         m.pool.cfg, m.pool.generation, m.pool.target = cfg.supervisor, m.generation, cfg.supervisor.workers
         m.heartbeat.lease_seconds, m.heartbeat.queues = cfg.broker.lease_seconds, list(cfg.broker.queues)
         m.heartbeat.interval = cfg.broker.heartbeat_seconds
-        logging.getLogger().setLevel(cfg.log.level.upper())
+        logs.reconfigure(cfg.log.level, cfg.log.format)
         m.pool.retire_all(older_than=m.generation)
         m.status.set_title()
         m.status.count("reload", "ok")
