@@ -2631,6 +2631,11 @@ MUTATIONS = [
              "        logging.getLogger().setLevel(cfg.log.level.upper())",
              ("tests/test_daemon.py", "-k", "new_log_format"),
              "a reload applies the config's log.format"),
+    Mutation("reload-names-url-for-wait-replicas", "supervisor/master/reloads.py",
+             'RESTART_ONLY = (("broker", "redis_wait_replicas"), ("broker", "url"),',
+             'RESTART_ONLY = (("broker", "url"),',
+             ("tests/test_daemon.py", "-k", "redis_wait_replicas"),
+             "a reload refused for broker.redis_wait_replicas names that key, not broker.url"),
 ]
 
 

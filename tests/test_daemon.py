@@ -296,6 +296,24 @@ def test_sighup_with_a_broken_config_or_handler_keeps_serving(daemon, breakage):
     daemon.assert_clean()
 
 
+def test_a_reload_refused_for_redis_wait_replicas_names_that_key(tmp_path, redis_url):
+    """broker.redis_wait_replicas is carried in the broker URL: a reload that changed it was refused
+    as "broker.url: changing it needs a restart", naming a key the operator had not touched."""
+    d = Daemon(tmp_path, broker_url=redis_url)
+    try:
+        d.start()
+        d.config["broker"]["redis_wait_replicas"] = 1
+        d.write_config()
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: d.status()["reload_error"], message="the reload refused")
+        status = d.status()
+        assert status["reload_error"] == "broker.redis_wait_replicas: changing it needs a restart, not a reload"
+        assert status["generation"] == 1
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
 @pytest.mark.parametrize("kind", ["def", "async def"])
 def test_a_new_handler_file_runs_after_sighup(daemon, kind):
     """A plain or an async handler. asyncio (2 MiB with its C module) is loaded by the

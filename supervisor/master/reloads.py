@@ -17,8 +17,9 @@ from ..errors import ConfigError
 log = logging.getLogger("tangguh.arbiter")
 
 # Settings a reload may not change: what they name was opened at start (the locks' Redis too).
-RESTART_ONLY = (("broker", "url"), ("toolkit", "redis_url"), ("supervisor", "socket"), ("supervisor", "socket_mode"),
-                ("supervisor", "socket_group"), ("metrics", "listen"))
+# redis_wait_replicas before url, which carries it (config.with_wait_replicas): the key changed is named.
+RESTART_ONLY = (("broker", "redis_wait_replicas"), ("broker", "url"), ("toolkit", "redis_url"),
+                ("supervisor", "socket"), ("supervisor", "socket_mode"), ("supervisor", "socket_group"), ("metrics", "listen"))
 
 
 class Reloads:
