@@ -300,16 +300,16 @@ def with_wait_replicas(url, replicas):
 SOCKET_PATH_MAX = 107
 
 
-def check_host(cfg):
-    """What ``run`` needs from this machine beyond valid TOML: ConfigError naming the first gap.
-    ``config check`` runs it too, so a config it passes also starts."""
+def check_host(cfg, run_makes=None):
+    """What ``run`` needs from this machine beyond valid TOML: ConfigError naming the first gap. ``config
+    check`` runs it too, so a config it passes also starts (``run_makes(folder)``: a socket folder systemd makes)."""
     from .toolkit import check_urls  # the handlers' URLs: a gap there fails every job that uses them
     check_urls(cfg.toolkit)
     s = cfg.supervisor
     if len(os.fsencode(s.socket)) > SOCKET_PATH_MAX:
         raise ConfigError(f"supervisor.socket: {s.socket} is {len(os.fsencode(s.socket))} bytes long,"
                           f" over the {SOCKET_PATH_MAX} a UNIX socket path may have")
-    if not os.path.isdir(os.path.dirname(s.socket)):
+    if not os.path.isdir(os.path.dirname(s.socket)) and not (run_makes and run_makes(os.path.dirname(s.socket))):
         raise ConfigError(f"supervisor.socket: folder {os.path.dirname(s.socket)} does not exist")
     from .health import socket_exists  # a file, folder or link there is refused at bind: say so here too
     socket_exists(s.socket)

@@ -16,11 +16,21 @@ EXAMPLE_HANDLERS = os.path.join(DATA, "handlers", "examples.py")
 
 def cmd_config_check(args):
     cfg = config_module.load(args.config)  # no file: the defaults, and it says so
-    config_module.check_host(cfg)
+    config_module.check_host(cfg, run_makes=made_by_systemd)
     # The handlers as `run` imports them: their schedules' jobs and payloads must be storable and pass their schemas.
     scheduler.check_schedules(cfg, import_handlers(cfg))
     check_broker(cfg.broker.url)
     print(f"ok: {cfg.path or 'no config file found, built-in defaults'}")
+
+
+def made_by_systemd(folder):
+    """Whether a missing socket folder is one under /run, which systemd makes as the service starts
+    (the unit's ``RuntimeDirectory=``) and which is gone while it is stopped: warned of, not refused."""
+    if not os.path.realpath(folder).startswith("/run/"):
+        return False
+    print(f"{PROG}: warning: supervisor.socket: folder {printable(folder)} does not exist now; `tangguh run`"
+          " needs it there (systemd makes it as the service starts: the unit's RuntimeDirectory=)", file=sys.stderr)
+    return True
 
 
 def check_broker(url):
