@@ -41,6 +41,13 @@ def non_negative_int(v):
     raise ValueError("expected an integer >= 0")
 
 
+def file_mode(v):
+    """Permission bits: 600 written for 0o600 was taken modulo 0o1000 (--x-wx---)."""
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 0o777:
+        return v
+    raise ValueError("expected a file mode from 0o000 to 0o777 (octal, as 0o660)")
+
+
 def prefetch_setting(v):
     """``"auto"`` (per job type, from its run times) or a fixed count >= 0."""
     if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):

@@ -13,6 +13,7 @@ import tomllib
 import urllib.parse
 
 from .checks import (Unshown, boolean, cron, delay_seconds, field_names, fraction, group_name, listen_address, name,
+from .checks import (Unshown, boolean, cron, field_names, file_mode, fraction, group_name, listen_address, name,
                      non_negative_int, non_negative_number, one_of, poll_interval, positive_int, positive_number,
                      prefetch_setting, queue_name, queue_names, rate, soft_timeout_seconds, string, table,
                      timeout_seconds, timezone, url_of, web_accounts, worker_count)
@@ -35,7 +36,7 @@ class SupervisorConfig:
     workers: int = option(worker_count, "child worker processes", default=2)
     handlers: str = option(string, "folder of handler modules (*.py)", default="handlers")
     socket: str = option(string, "health socket path", default="tangguh.sock")
-    socket_mode: int = option(non_negative_int, "health socket file mode", default=0o660)
+    socket_mode: int = option(file_mode, "health socket file mode", default=0o660)
     socket_group: str = option(group_name, "group the health socket is given (empty: the daemon's own)", default="")
     graceful_timeout: float = option(positive_number, "seconds running jobs get to finish on SIGTERM", default=30.0)
     kill_grace: float = option(positive_number, "seconds between SIGTERM and SIGKILL of a child", default=0.5)

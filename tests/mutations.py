@@ -2641,6 +2641,11 @@ MUTATIONS = [
              '    return False\n',
              ("tests/test_ops.py", "-k", "systemd_makes_at_start"),
              "config check passes the installed config before the first start (/run/tangguh made by systemd)"),
+    Mutation("socket-mode-taken-modulo", "supervisor/checks.py",
+             "    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 0o777:",
+             "    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v:",
+             ("tests/test_config.py", "-k", "socket_mode"),
+             "a socket_mode written in decimal (600) is refused, not taken modulo 0o1000"),
 ]
 
 

@@ -99,7 +99,11 @@ BAD = [
     ("[supervisor]\nworkers = true", "supervisor.workers: expected an integer from 1 to 1024, got true"),
     ("[supervisor]\nworkers = 2.5", "supervisor.workers: expected an integer from 1 to 1024, got 2.5"),
     ("[supervisor]\nworkers = 5000", "supervisor.workers: expected an integer from 1 to 1024, got 5000"),
-    ("[supervisor]\nsocket_mode = -1", "supervisor.socket_mode: expected an integer >= 0"),
+    ("[supervisor]\nsocket_mode = -1", "supervisor.socket_mode: expected a file mode from 0o000 to 0o777"),
+    # Written in decimal (600 for 0o600), a mode was taken modulo 0o1000: the socket came out --x-wx---,
+    # closed to its owner, the service's user, and open to its group.
+    ("[supervisor]\nsocket_mode = 600", "supervisor.socket_mode: expected a file mode from 0o000 to 0o777 (octal, as"
+                                       " 0o660), got 600"),
     ("[supervisor]\nhandlers = 3", "supervisor.handlers: expected a string, got 3"),
     ("[supervisor]\ngraceful_timeout = 0", "supervisor.graceful_timeout: expected a positive number"),
     ("[supervisor]\npoll_interval = nan", "supervisor.poll_interval: expected a number of seconds >= 0.001"),
