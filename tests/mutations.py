@@ -2646,6 +2646,11 @@ MUTATIONS = [
              "    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v:",
              ("tests/test_config.py", "-k", "socket_mode"),
              "a socket_mode written in decimal (600) is refused, not taken modulo 0o1000"),
+    Mutation("cli-waits-for-handler-threads", "supervisor/cli/common.py",
+             "        HANDLER_THREADS.extend(t for t in threading.enumerate() if t not in before and not t.daemon)",
+             "        pass",
+             ("tests/test_cli.py", "-k", "thread_a_handler_module"),
+             "a command that imports the handlers does not wait at exit for a thread one started"),
 ]
 
 

@@ -205,6 +205,28 @@ def test_a_handler_module_that_exits_hangs_or_prints_at_import_cannot_fool_enque
         assert check.stderr.count("\n") == 1 and "supervisor.handlers" in check.stderr, check.stderr
 
 
+def test_a_thread_a_handler_module_starts_at_import_does_not_keep_a_command_waiting(tmp_path):
+    """A module that starts a thread at import (a metrics pusher, a consumer) without daemon=True:
+    `config check`, `enqueue` and `schedules` had answered, then Python waited for the thread at
+    exit, and the command hung for as long as it ran (for ever, for a poller). The daemon does not
+    wait for such threads; neither does the command line."""
+    handlers = tmp_path / "handlers"
+    handlers.mkdir()
+    (handlers / "jobs.py").write_text("import supervisor, threading, time\n\n"
+                                      "threading.Thread(target=time.sleep, args=(3600,), name='pusher').start()\n\n"
+                                      "@supervisor.job('noop')\ndef noop(ctx, p):\n    return 1\n")
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f'[supervisor]\nhandlers = "{handlers}"\nsocket = "{tmp_path / "t.sock"}"\n'
+                   f'[broker]\nurl = "sqlite:///{tmp_path / "b.db"}"\n')
+    check = tangguh_process("-c", cfg, "config", "check")
+    assert (check.returncode, check.stdout) == (0, f"ok: {cfg}\n"), check
+    assert "not waiting for 1 thread(s) a handler module started: pusher" in check.stderr
+    out = tangguh_process("-c", cfg, "enqueue", "noop")
+    assert out.returncode == 0 and out.stdout.startswith("job_") and out.stdout.count("\n") == 1, out
+    listing = tangguh_process("-c", cfg, "schedules", "--json")
+    assert (listing.returncode, json.loads(listing.stdout)) == (0, []), listing
+
+
 @pytest.mark.parametrize("argv", [["job"], ["batch"], ["retry"], ["discard"], ["cancel"], ["dlq", "show"],
                                   ["dlq", "replay"], ["dlq", "purge"]], ids=lambda a: "-".join(a))
 def test_an_id_argument_no_job_can_have_is_a_usage_error(capsys, cfg_path, broker, argv):

@@ -11,12 +11,13 @@ usage or config error (nothing written), 141 stdout closed by its reader
 checked before the broker is opened, so a rejected command writes nothing.
 """
 import argparse
+import atexit
 import contextlib
 import os
 import sys
 
 from ..errors import BadInput, ConfigError, NotDead, TangguhError
-from .common import PROG, Failure, UsageError, job_id
+from .common import HANDLER_THREADS, PROG, Failure, UsageError, job_id
 from .output import printable
 from .progress import stdout_gone
 
@@ -33,6 +34,22 @@ def main(argv=None):
     for name in ("stdout", "stderr"):
         if getattr(sys, name) is None:  # closed by the caller (`>&-`): written to nowhere, as print() does
             setattr(sys, name, open(os.devnull, "w"))  # (else a traceback, or errors printed on stdout)
+    code = _main(argv)
+    # A thread a handler module started at import (config check, enqueue, schedules import them)
+    # kept the command waiting at exit, its answer given, for as long as the thread ran.
+    stuck = [t.name for t in HANDLER_THREADS if t.is_alive()]
+    if not stuck:
+        return code
+    print(f"{PROG}: warning: not waiting for {len(stuck)} thread(s) a handler module started:"
+          f" {printable(', '.join(stuck))}", file=sys.stderr)
+    atexit._run_exitfuncs()  # as at a normal exit, but for the wait
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+def _main(argv):
     for stream in (sys.stdout, sys.stderr):
         # A job's text may hold what the terminal's encoding cannot show (a lone
         # surrogate): show it escaped rather than fail the whole listing.

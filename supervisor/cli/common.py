@@ -54,6 +54,7 @@ def import_handlers(cfg):
     Raises ``registry.HandlerLoadError``."""
     import contextlib
     import sys
+    import threading
 
     from .. import registry
     from ..master import trial
@@ -70,8 +71,15 @@ def import_handlers(cfg):
         os.close(stdout)
     if problem:
         raise registry.HandlerLoadError(problem)
-    with contextlib.redirect_stdout(sys.stderr):
-        return registry.load_handlers(cfg.supervisor.handlers)
+    before = set(threading.enumerate())
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return registry.load_handlers(cfg.supervisor.handlers)
+    finally:  # not waited for at exit, as the daemon does not wait for them (main)
+        HANDLER_THREADS.extend(t for t in threading.enumerate() if t not in before and not t.daemon)
+
+
+HANDLER_THREADS = []  # the threads handler modules started at import, without daemon=True
 
 
 def job_id(text):
