@@ -2651,6 +2651,11 @@ MUTATIONS = [
              "        pass",
              ("tests/test_cli.py", "-k", "thread_a_handler_module"),
              "a command that imports the handlers does not wait at exit for a thread one started"),
+    Mutation("trial-out-of-time-leaves-helpers", "supervisor/master/trial.py",
+             "            if self.pid is not None and self.ended_with is None:\n",
+             "            if False:\n",
+             ("tests/test_daemon.py", "-k", "never_finished_its_import"),
+             "a helper in a session of its own ends with a trial that ran out of time or met a stop"),
 ]
 
 

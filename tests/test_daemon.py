@@ -516,6 +516,37 @@ def test_a_helper_a_module_starts_in_a_session_of_its_own_does_not_outlive_the_t
                 os.kill(int(pid), signal.SIGKILL)
 
 
+@pytest.mark.parametrize("end", ["import_timeout", "stop"])
+def test_a_helper_in_a_session_of_its_own_ends_with_a_trial_that_never_finished_its_import(daemon, end):
+    """The trial's own children were ended only when its import finished: a trial that ran out of
+    import_timeout, or that a stop signal ended, was killed with its process group, and a helper
+    its module had started in a session of its own ran on, one more at every such reload."""
+    helpers = os.path.join(daemon.dir, "helpers")
+    daemon.config["supervisor"]["import_timeout"] = 2.0
+    daemon.write_config()
+    daemon.start()
+    with open(os.path.join(daemon.handlers, "sidecar.py"), "w") as f:
+        f.write(f"import subprocess, time\n\nhelper = subprocess.Popen(['sleep', '60'], start_new_session=True).pid\n"
+                f"with open({helpers!r}, 'a') as f:\n    f.write(f'{{helper}}\\n')\ntime.sleep(3600)\n")
+
+    def alive():
+        return [int(pid) for (pid,) in read_lines(helpers) if psutil.pid_exists(int(pid))
+                and psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE]
+    try:
+        daemon.signal(signal.SIGHUP)
+        wait_for(lambda: read_lines(helpers), message="the trial's helper started")
+        if end == "stop":
+            daemon.signal(signal.SIGTERM)
+            assert daemon.proc.wait(timeout=20) == 0
+        else:
+            wait_for(lambda: daemon.records(event="reload_failed"), message="the trial out of time")
+        wait_for(lambda: not alive(), message="the trial's helper gone with it")
+    finally:
+        for (pid,) in read_lines(helpers):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
 def test_a_signal_sent_to_a_helper_a_module_forked_at_a_reload_is_not_the_masters(daemon):
     """The master imports a reload's modules after its signal handlers are in place: a helper
     forked there inherited them and the master's self-pipe, and a SIGTERM sent to that helper

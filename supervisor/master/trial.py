@@ -144,6 +144,8 @@ class Trial:
         """Ends the trial: its process, what a module started there (a helper process: the
         process group, which outlives its leader), its descriptors."""
         if self.group is not None:
+            if self.pid is not None and self.ended_with is None:
+                _end_children(self.pid)  # its import never finished (out of time, a stop): it could not
             try:
                 os.killpg(self.group, signal.SIGKILL)
             except OSError:
@@ -194,22 +196,23 @@ def _import_and_leave(r, w, folder, generation, master_pid):
             report = b""
         except BaseException as exc:  # noqa: BLE001 - the master's own import reports it in full
             report = type(exc).__name__.encode()
-        _end_children()
+        _end_children("self")
         os.write(w, IMPORTED + b"\n" + report)
         code = 0
     finally:
         os._exit(code)  # never back into the master's code, no finalizer on what it inherited
 
 
-def _end_children():
-    """The helper processes the import started, ended. ``close()`` kills the trial's process
-    group, which a helper started in a session of its own (``start_new_session=True``, a sidecar
-    server) has left: it ran on, one more at every start and every reload. The trial is a fork
-    with no child of its own, so each child it has is a module's."""
+def _end_children(pid):
+    """The helper processes the import started, ended (by the trial, or by ``close()`` while the
+    trial, ``pid``, still runs). ``close()`` kills the trial's process group, which a helper started
+    in a session of its own (``start_new_session=True``, a sidecar server) has left: it ran on, one
+    more at every start and every reload. The trial is a fork with no child of its own, so each
+    child it has is a module's."""
     pids = set()
     try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as f:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
                 pids.update(int(pid) for pid in f.read().split())
     except OSError:  # no /proc (not Linux): the process group's kill is all there is
         return
