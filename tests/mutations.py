@@ -672,7 +672,7 @@ MUTATIONS = [
              ("tests/test_daemon.py", "-k", "worker_signal_sent_to_every_process"),
              "systemctl kill -s TTIN during the trial import does not stop the trial and fail the start"),
     Mutation("trial-leaves-its-session-helpers", "supervisor/master/trial.py",
-             "        _end_children()\n", "",
+             "        _end_children(\"self\")\n", "",
              ("tests/test_daemon.py", "-k", "session_of_its_own"),
              "a helper a module starts in a session of its own at the trial import ends with the trial"),
     Mutation("cli-stats-waiting-shown-as-zero", "supervisor/cli/jobs.py",
