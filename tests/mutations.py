@@ -2656,10 +2656,6 @@ MUTATIONS = [
              "            if False:\n",
              ("tests/test_daemon.py", "-k", "never_finished_its_import"),
              "a helper in a session of its own ends with a trial that ran out of time or met a stop"),
-    Mutation("trial-wait-overflows", "supervisor/master/trial.py",
-             "min(60.0, max(0.0, self.due_at() - time.monotonic()))", "max(0.0, self.due_at() - time.monotonic())",
-             ("tests/test_daemon.py", "-k", "too_long_to_wait_on"),
-             "an import_timeout of 1e300 is no limit, not an OverflowError at start and in config check"),
 ]
 
 

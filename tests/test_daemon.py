@@ -973,23 +973,6 @@ def test_a_handler_module_that_exits_or_hangs_at_import_is_a_startup_error(tmp_p
                                                   " a module waiting at import?")]
     assert not os.path.exists(d.socket)  # it never served
 
-def test_an_import_timeout_too_long_to_wait_on_is_no_limit(tmp_path):
-    """A huge supervisor.import_timeout (1e300: no limit) passed the config's check, then the wait
-    for the trial import overflowed: run and config check failed with "internal error:
-    OverflowError", run with exit 1, which systemd restarts. It now waits as long as the import takes."""
-    d = Daemon(tmp_path, supervisor={"import_timeout": 1e300})
-    try:
-        check = tangguh("config", "check", "-c", d.config_path)
-        assert (check.returncode, check.stderr) == (0, ""), check
-        d.start()
-        d.signal(signal.SIGHUP)
-        wait_for(lambda: d.status()["generation"] == 2, message="a reload")
-        assert d.wait_job(d.enqueue("noop")).state == "done"
-        d.assert_clean()
-    finally:
-        d.stop()
-
-
 def test_children_are_recycled_after_max_jobs(tmp_path):
     d = Daemon(tmp_path, supervisor={"workers": 1, "max_jobs_per_child": 3})
     try:

@@ -135,8 +135,7 @@ class Trial:
         """``poll()``, blocking until the import is over; then ``close()``."""
         try:
             while (problem := self.poll()) is None:
-                # At most a minute at a time: an import_timeout of 1e300 (no limit) overflowed select.
-                select.select(self.fds(), [], [], min(60.0, max(0.0, self.due_at() - time.monotonic())))
+                select.select(self.fds(), [], [], max(0.0, self.due_at() - time.monotonic()))
             return problem
         finally:
             self.close()
