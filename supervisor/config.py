@@ -13,10 +13,9 @@ import tomllib
 import urllib.parse
 
 from .checks import (Unshown, boolean, cron, delay_seconds, field_names, file_mode, fraction, group_name,
-                     listen_address, name,
-                     non_negative_int, non_negative_number, one_of, poll_interval, positive_int, positive_number,
-                     prefetch_setting, queue_name, queue_names, rate, soft_timeout_seconds, string, table,
-                     timeout_seconds, timezone, url_of, web_accounts, worker_count)
+                     listen_address, name, non_negative_int, non_negative_number, one_of, poll_interval, positive_int,
+                     positive_number, prefetch_setting, queue_name, queue_names, rate, soft_timeout_seconds, string,
+                     table, timeout_seconds, timezone, url_of, web_accounts, worker_count)
 from . import urls
 from .errors import BadInput, ConfigError
 from .scheduler import catch_up_count
