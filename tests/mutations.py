@@ -503,6 +503,10 @@ MUTATIONS = [
              "        return auth.check_password(self.web, name, password)",
              ("tests/test_web.py", "-k", "never_holds_up and sqlite"),
              "a password check never holds up the console's other requests"),
+    Mutation("web-job-stream-silent-outage", "supervisor/web/live.py",
+             "            yield event(\"problems\", {\"problems\": trouble})\n", "            pass\n",
+             ("tests/test_web.py", "-k", "live_updates_say"),
+             "a job page's live updates say when the broker is unreachable, and when it is back"),
     # The handler toolkit (review of the toolkit and the application-side API).
     Mutation("sqlite-failed-begin-stays-busy", "supervisor/toolkit/transaction.py",
              "            self.db.busy = False\n            if kind == \"sqlite\" and conn.in_transaction",

@@ -25,6 +25,7 @@ from supervisor.web import app as web_app  # noqa: E402
 from supervisor.web import auth, throttle  # noqa: E402
 
 from .daemon import tangguh  # noqa: E402
+from .servers import private_redis  # noqa: E402,F401 - a fixture
 from .util import wait_for  # noqa: E402
 
 SECRET = "4111-1111-1111-1111"
@@ -308,6 +309,57 @@ def test_every_page_renders_with_a_banner_while_the_broker_is_down(tmp_path):
         assert client.get("/api/queues").status_code == 503
         token = csrf_of(client.get("/queues").text)
         assert client.post("/queues/pause", data={"csrf": token, "queue": "default"}).status_code in (501, 503)
+
+
+def test_a_job_pages_live_updates_say_when_the_broker_goes_away_and_comes_back(private_redis):
+    """The job page's stream read nothing during an outage and said nothing: the page kept showing
+    the last state and progress as current. It now sends the outage as a banner, cleared after it."""
+    import asyncio
+    import uuid
+
+    from supervisor.backends.base import open_broker
+    from supervisor.model import FINISHED
+    from supervisor.web import live
+    from supervisor.web.brokerio import BrokerPool
+    from supervisor.web.console import pretty, when
+    from supervisor.web.redact import Redactor
+
+    url = f"{private_redis.url}?prefix=t{uuid.uuid4().hex[:10]}"
+    broker = open_broker(url)
+    job_id = broker.enqueue(NewJob("export", {"customer_id": 1}).validate())
+    broker.close()
+
+    class Open:  # the browser stays on the page
+        async def is_disconnected(self):
+            return False
+
+    async def watch():
+        pool = BrokerPool(url)
+        stream = live.job_stream(Open(), pool, Redactor([]), job_id, FINISHED, when, pretty, interval=0.05)
+        seen = []
+
+        async def until(name, check=lambda data: True):
+            while True:
+                text = await asyncio.wait_for(stream.__anext__(), 30)
+                kind, data = text.split("\n")[0][len("event: "):], json.loads(text.split("\n")[1][len("data: "):])
+                seen.append(kind)
+                if kind == name and check(data):
+                    return data
+
+        try:
+            assert (await until("job"))["state"] == "queued"
+            await asyncio.to_thread(private_redis.stop)
+            down = await until("problems", lambda d: d["problems"])
+            assert "unreachable" in down["problems"][0]
+            await asyncio.to_thread(private_redis.start)
+            assert await until("problems") == {"problems": []}
+        finally:
+            await stream.aclose()
+            pool.close()
+        return seen
+
+    seen = asyncio.run(watch())
+    assert "gone" not in seen and seen.count("job") == 1
 
 
 def test_an_unexpected_error_is_a_page_without_a_traceback(tmp_path, monkeypatch):

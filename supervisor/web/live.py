@@ -133,11 +133,18 @@ async def overview_stream(request, sampler):
 
 
 async def job_stream(request, pool, redactor, job_id, finished_states, when, pretty, interval=INTERVAL):
-    """The job's state and progress whenever they change; ends once it is finished."""
-    last = None
+    """The job's state and progress whenever they change; ends once it is finished.
+
+    An outage is a ``problems`` event (and an empty one when it ends): the page says so
+    instead of showing the last state and progress as if they were current.
+    """
+    last, trouble = None, None  # the first read says either way: a banner from before it may be stale
     while not await request.is_disconnected():
         fetch = Fetch(pool)
         job = await fetch("reading jobs", lambda b: b.get(job_id))
+        if fetch.problems != trouble:
+            trouble = fetch.problems
+            yield event("problems", {"problems": trouble})
         if job is None and not fetch.problems:
             yield event("gone", {"id": job_id})
             return

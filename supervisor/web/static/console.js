@@ -165,6 +165,8 @@ function jobPage() {
       if (cancel) cancel.closest("form").hidden = true;
     }
   });
+  // The broker unreachable (its state and progress are stale), or back (an empty list).
+  source.addEventListener("problems", function (ev) { setBanners(JSON.parse(ev.data).problems); });
   source.addEventListener("gone", function () {
     source.close();
     setBanners(["This job no longer exists (deleted or pruned)."]);
