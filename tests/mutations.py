@@ -507,6 +507,11 @@ MUTATIONS = [
              "            yield event(\"problems\", {\"problems\": trouble})\n", "            pass\n",
              ("tests/test_web.py", "-k", "live_updates_say"),
              "a job page's live updates say when the broker is unreachable, and when it is back"),
+    Mutation("web-login-drops-the-filter", "supervisor/web/console.py",
+             "    return request.url.path + (\"?\" + request.url.query if request.url.query else \"\")\n",
+             "    return request.url.path\n",
+             ("tests/test_web.py", "-k", "comes_back_after and sqlite"),
+             "a link opened without a session comes back after the login with its query"),
     # The handler toolkit (review of the toolkit and the application-side API).
     Mutation("sqlite-failed-begin-stays-busy", "supervisor/toolkit/transaction.py",
              "            self.db.busy = False\n            if kind == \"sqlite\" and conn.in_transaction",

@@ -124,6 +124,31 @@ def test_pages_need_a_login_and_a_wrong_password_is_refused(console):
         assert "ada" in page.text
 
 
+def test_a_link_opened_without_a_session_comes_back_after_the_login_with_its_filter(console, broker):
+    """The login sent a deep link (an alert's /jobs?state=dead&type=export) to /jobs, its filter dropped,
+    and a form posted after the session ended to its action's URL, which answers POST only (405)."""
+    asked = console.get("/jobs?state=dead&type=export", follow_redirects=False)
+    assert asked.status_code == 303
+    page = console.get(asked.headers["location"])
+    nxt = re.search(r'name="next" value="([^"]+)"', page.text).group(1).replace("&amp;", "&")
+    assert nxt == "/jobs?state=dead&type=export"
+    token = csrf_of(page.text)
+    done = console.post("/login", data={"name": "ada", "password": ADMIN_PW, "csrf": token, "next": nxt},
+                        follow_redirects=False)
+    assert done.headers["location"] == "/jobs?state=dead&type=export"
+    job_id = dead_job(broker, {"customer_id": 1})
+    console.cookies.clear()  # the session ended while the job's page was open: its Retry is posted
+    posted = console.post(f"/jobs/{job_id}/retry", data={"csrf": token}, follow_redirects=False,
+                          headers={"referer": f"http://testserver/jobs/{job_id}"})
+    assert posted.status_code == 303
+    back = console.get(posted.headers["location"])
+    assert re.search(r'name="next" value="([^"]+)"', back.text).group(1) == f"/jobs/{job_id}"
+    other = console.post(f"/jobs/{job_id}/retry", data={"csrf": token}, follow_redirects=False,
+                         headers={"referer": "http://elsewhere.example/jobs"})
+    assert other.headers["location"] == "/login?next=/"
+    assert broker.get(job_id).state == "dead"
+
+
 def test_failed_logins_from_one_address_are_throttled_without_locking_out_others(tmp_path, caplog):
     cfg = make_config(tmp_path, f"sqlite:///{tmp_path}/throttle.db")
     app = web_app.build(cfg, sample_interval=0.05)

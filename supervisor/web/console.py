@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+from urllib.parse import quote, urlsplit
 
 from starlette.responses import JSONResponse, RedirectResponse
 from starlette.templating import Jinja2Templates
@@ -89,7 +90,7 @@ def gate(kind="page", admin=False):
             if identity is None:
                 if kind == "api":
                     return JSONResponse({"error": "authentication required"}, status_code=401)
-                return RedirectResponse("/login?next=" + request.url.path, status_code=303)
+                return RedirectResponse("/login?next=" + quote(back_after_login(request), safe="/"), status_code=303)
             form = None
             if request.method == "POST":
                 if not identity.admin:
@@ -113,6 +114,18 @@ def gate(kind="page", admin=False):
                 return refuse(console, request, kind, 501, unsupported("this operation"))
         return run
     return wrap
+
+
+def back_after_login(request):
+    """Where the login page sends the browser: the page asked for, its filter too (a link from an
+    alert to /jobs?state=dead&queue=billing). A form posted after the session ended goes back to
+    the page the form was on, not to its action, which answers POST only."""
+    if request.method != "GET":
+        referer = urlsplit(request.headers.get("referer", ""))
+        if referer.netloc != request.headers.get("host") or not referer.path.startswith("/"):
+            return "/"
+        return referer.path + ("?" + referer.query if referer.query else "")
+    return request.url.path + ("?" + request.url.query if request.url.query else "")
 
 
 def refuse(console, request, kind, status, message):
