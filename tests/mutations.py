@@ -512,6 +512,10 @@ MUTATIONS = [
              "    return request.url.path\n",
              ("tests/test_web.py", "-k", "comes_back_after and sqlite"),
              "a link opened without a session comes back after the login with its query"),
+    Mutation("web-stream-outlives-session", "supervisor/web/app.py",
+             "            if auth.identify(request, c.web, c.sessions) is None:", "            if False:",
+             ("tests/test_web.py", "-k", "ends_with_the_session"),
+             "a live stream ends with the session that opened it (a logout)"),
     # The handler toolkit (review of the toolkit and the application-side API).
     Mutation("sqlite-failed-begin-stays-busy", "supervisor/toolkit/transaction.py",
              "            self.db.busy = False\n            if kind == \"sqlite\" and conn.in_transaction",

@@ -619,6 +619,50 @@ def test_a_logout_ends_the_session_even_for_a_copy_of_its_cookie(console):
     assert console.get("/api/supervisors").status_code == 200
 
 
+def test_a_live_stream_ends_with_the_session_that_opened_it(tmp_path):
+    """The gate checked the session once, when the stream opened: after a logout (or twelve hours)
+    a page left open, or a copy of the cookie, kept receiving every queue and supervisor for as
+    long as it stayed connected. The stream now ends with its session."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from .daemon import daemon_env
+    from .servers import free_port
+
+    port = free_port()
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f'[broker]\nurl = "sqlite:///{tmp_path}/b.db"\n'
+                   f'[web.users.ada]\npassword = "{hashed(ADMIN_PW)}"\nrole = "admin"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "web", "-c", str(cfg), "--listen",
+                             f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=daemon_env())
+
+    def up():
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/login", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+    try:
+        wait_for(up, timeout=30, message="the console up")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as browser:
+            assert login(browser, "ada", ADMIN_PW).status_code == 303
+            token = csrf_of(browser.get("/").text)
+            with browser.stream("GET", "/events/overview") as stream:
+                lines = stream.iter_lines()
+                assert next(line for line in lines if line.startswith("event:")) == "event: overview"
+                assert browser.post("/logout", data={"csrf": token}).status_code == 303
+                after, deadline = 0, time.monotonic() + 20
+                for line in lines:  # until the console ends the stream
+                    after += line.startswith("event:")
+                    assert time.monotonic() < deadline, f"{after} events sent after the logout, and more coming"
+            assert after <= 1  # one may have been on its way
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_the_live_sessions_stay_bounded_and_forget_expired_ones():
     sessions = auth.Sessions(max_age=3600, most=3)
     first, *rest = [sessions.start() for _ in range(4)]

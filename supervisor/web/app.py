@@ -28,17 +28,31 @@ log = logging.getLogger("tangguh.web")
 MAX_CONNECTIONS = 200
 
 
+async def while_logged_in(request, stream):
+    """The stream's events while its session lasts: the gate let it in once, and a stream stays open
+    for hours, past a logout (a copy of the cookie too) or the session's end. Nothing is sent after."""
+    c = request.app.state.console
+    try:
+        async for chunk in stream:
+            if auth.identify(request, c.web, c.sessions) is None:
+                return
+            yield chunk
+    finally:
+        await stream.aclose()
+
+
 @gate()
 async def overview_events(request):
     c = request.app.state.console
-    return StreamingResponse(live.overview_stream(request, c.sampler), media_type="text/event-stream")
+    stream = live.overview_stream(request, c.sampler)
+    return StreamingResponse(while_logged_in(request, stream), media_type="text/event-stream")
 
 
 @gate()
 async def job_events(request):
     c = request.app.state.console
     stream = live.job_stream(request, c.pool, c.redactor, request.path_params["job_id"], FINISHED, when, pretty)
-    return StreamingResponse(stream, media_type="text/event-stream")
+    return StreamingResponse(while_logged_in(request, stream), media_type="text/event-stream")
 
 
 def routes():
