@@ -311,6 +311,26 @@ def test_a_redacted_field_never_appears_in_a_page_or_an_api_answer(console, brok
 
 # -- trouble ---------------------------------------------------------------------------
 
+@pytest.mark.parametrize("job_id", ["order/42", "inv#7", "a?b=1", "50%"])
+def test_a_job_whose_id_the_caller_chose_is_reached_from_its_links_and_acted_on(console, broker, job_id):
+    """An id from NewJob(id=...) may hold any character: its links went to /jobs/inv (no job inv),
+    /jobs/a (no job a) or, with a '/', to no route at all: the job could not be opened, retried or
+    deleted from the console."""
+    broker.enqueue(NewJob("export", {"customer_id": 1}, id=job_id).validate())
+    (claimed,) = broker.claim(["default"], 1, 30, "test")
+    broker.dead(claimed.lease, "exception", error_info("exception", "ValueError", "boom", "Traceback"))
+    login(console, "ada", ADMIN_PW)
+    listed = console.get("/jobs", params={"state": "dead"}).text
+    href = re.search(r'<a href="([^"]+)" class="mono">' + re.escape(job_id.replace("&", "&amp;")), listed).group(1)
+    page = console.get(href)
+    assert page.status_code == 200 and f'data-job-id="{job_id}"' in page.text
+    assert console.get(href.replace("/jobs/", "/api/jobs/")).json()["id"] == job_id
+    action = re.search(r'<form method="post" action="([^"]+/retry)"', page.text).group(1)
+    retried = console.post(action, data={"csrf": csrf_of(page.text)}, follow_redirects=False)
+    assert retried.status_code == 303 and broker.get(job_id).state == "queued"
+    assert f'data-job-id="{job_id}"' in console.get(retried.headers["location"]).text
+
+
 def test_unknown_job_is_a_404_page_and_a_bad_filter_an_inline_error(console):
     login(console, "ada", ADMIN_PW)
     missing = console.get("/jobs/job_doesnotexist")

@@ -8,6 +8,7 @@ broker thread for an hour; the answer says when more remain.
 import asyncio
 import collections
 import time
+from urllib.parse import quote
 
 from starlette.responses import RedirectResponse
 
@@ -148,7 +149,7 @@ async def job_post(request, form):
     if action == "delete" and outcome == "discarded":
         return RedirectResponse("/jobs", status_code=303)
     target = outcome.split()[-1] if outcome.startswith("enqueued ") else job_id
-    return RedirectResponse("/jobs/" + target, status_code=303)
+    return RedirectResponse("/jobs/" + quote(target, safe=""), status_code=303)
 
 
 # -- dead letters --------------------------------------------------------------------
@@ -294,4 +295,4 @@ async def schedule_post(request, form):
     c = request.app.state.console
     job_id = await run_schedule(c, request.state.identity, request.path_params["name"])
     flash(request, f"enqueued {job_id}")
-    return RedirectResponse("/jobs/" + job_id, status_code=303)
+    return RedirectResponse("/jobs/" + quote(job_id, safe=""), status_code=303)
