@@ -524,6 +524,10 @@ MUTATIONS = [
              'Route("/jobs/{job_id:path}", pages.job, methods=get)', 'Route("/jobs/{job_id}", pages.job, methods=get)',
              ("tests/test_web.py", "-k", "caller_chose and sqlite"),
              "a job whose id the caller chose with a '/' in it has a page"),
+    Mutation("web-hidden-form-shown", "supervisor/web/static/console.css",
+             "[hidden] { display: none !important; }", "",
+             ("tests/test_web_browser.py", "-k", "sqlite and cancel_a_running"),
+             "a job page's Cancel button goes once its live update says the job finished"),
     # The handler toolkit (review of the toolkit and the application-side API).
     Mutation("sqlite-failed-begin-stays-busy", "supervisor/toolkit/transaction.py",
              "            self.db.busy = False\n            if kind == \"sqlite\" and conn.in_transaction",

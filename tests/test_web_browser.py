@@ -304,6 +304,8 @@ def test_cancel_a_running_job_and_watch_it_become_cancelled_without_a_reload(adm
     wait_for(lambda: s.text("#job-state") == "cancelled", timeout=20, message="the page to show cancelled")
     assert s.same_page()
     assert "ops" in s.text("#job-cancel-request")
+    # A finished job has nothing to cancel: the button goes (the page's CSS kept it shown).
+    wait_for(lambda: not s.find("#job-cancel").is_displayed(), timeout=10, message="the cancel button to go")
 
     clicked = s.daemon.enqueue("long_export", {"max_wait": 60})
     wait_for(lambda: s.daemon.job(clicked).state == "running", timeout=20, message="the second job to run")
