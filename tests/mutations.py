@@ -528,6 +528,11 @@ MUTATIONS = [
              "[hidden] { display: none !important; }", "",
              ("tests/test_web_browser.py", "-k", "sqlite and cancel_a_running"),
              "a job page's Cancel button goes once its live update says the job finished"),
+    Mutation("web-cancel-by-none", "supervisor/web/templates/job.html",
+             "cancel requested{% if job.cancel_request.by %} by {{ job.cancel_request.by }}{% endif %}",
+             "cancel requested by {{ job.cancel_request.by }}",
+             ("tests/test_web.py", "-k", "nobody_in_particular and sqlite"),
+             "a cancel that names no one reads 'cancel requested', not 'by None'"),
     # The handler toolkit (review of the toolkit and the application-side API).
     Mutation("sqlite-failed-begin-stays-busy", "supervisor/toolkit/transaction.py",
              "            self.db.busy = False\n            if kind == \"sqlite\" and conn.in_transaction",

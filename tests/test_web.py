@@ -331,6 +331,16 @@ def test_a_job_whose_id_the_caller_chose_is_reached_from_its_links_and_acted_on(
     assert f'data-job-id="{job_id}"' in console.get(retried.headers["location"]).text
 
 
+def test_a_cancel_requested_by_nobody_in_particular_says_no_none(console, broker):
+    """Client.cancel(ids) names no one: the job page said 'cancel requested by None' ('by null' live)."""
+    job_id = broker.enqueue(NewJob("export", {"customer_id": 1}).validate())
+    broker.claim(["default"], 1, 30, "test")
+    assert broker.cancel([job_id], None, None) == {job_id: "requested"}
+    login(console, "ada", ADMIN_PW)
+    shown = re.search(r'<div id="job-cancel-request" class="muted">([^<]*)</div>', console.get(f"/jobs/{job_id}").text)
+    assert shown.group(1) == "cancel requested"
+
+
 def test_unknown_job_is_a_404_page_and_a_bad_filter_an_inline_error(console):
     login(console, "ada", ADMIN_PW)
     missing = console.get("/jobs/job_doesnotexist")

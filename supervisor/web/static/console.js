@@ -155,7 +155,7 @@ function jobPage() {
     text(document.getElementById("job-progress-note"), job.progress_note || "");
     const req = job.cancel_request;
     text(document.getElementById("job-cancel-request"),
-         req ? "cancel requested by " + req.by + (req.reason ? ": " + req.reason : "") : "");
+         req ? "cancel requested" + (req.by ? " by " + req.by : "") + (req.reason ? ": " + req.reason : "") : "");
     text(document.getElementById("job-finished"), job.finished_text);
     text(document.getElementById("result"), job.result_text);
     if (["done", "dead", "cancelled", "expired"].indexOf(job.state) >= 0) {
