@@ -533,6 +533,10 @@ MUTATIONS = [
              "cancel requested by {{ job.cancel_request.by }}",
              ("tests/test_web.py", "-k", "nobody_in_particular and sqlite"),
              "a cancel that names no one reads 'cancel requested', not 'by None'"),
+    Mutation("web-long-error-overflows", "supervisor/web/static/console.css",
+             ".facts > div, .error-card p, main h1 { overflow-wrap: anywhere; }", "",
+             ("tests/test_web_browser.py", "-k", "sqlite and long_unbroken"),
+             "a long unbroken error message or resource wraps inside the job page"),
     # The handler toolkit (review of the toolkit and the application-side API).
     Mutation("sqlite-failed-begin-stays-busy", "supervisor/toolkit/transaction.py",
              "            self.db.busy = False\n            if kind == \"sqlite\" and conn.in_transaction",

@@ -339,6 +339,23 @@ def test_replay_a_dead_letter_and_see_it_done(admin):
     assert s.browser_errors() == []
 
 
+def test_a_long_unbroken_error_and_resource_wrap_inside_the_job_page(admin):
+    """An error message with no space in it (a URL, a blob, an id list) ran off the card: the
+    job page scrolled sideways for metres, the buttons and facts a screen away from the error."""
+    s = admin
+    failing = os.path.join(s.daemon.dir, "export-fails-long")
+    open(failing, "w").close()
+    job_id = s.daemon.enqueue("export", {"customer_id": "c" * 3000, "fail_while": failing}, max_attempts=1,
+                              resource_id="r" * 200)
+    assert s.daemon.wait_job(job_id).state == "dead"
+    os.unlink(failing)
+    s.open(f"/jobs/{job_id}")
+    wait_for(lambda: "export failed" in (s.text(".error-card p") or ""), timeout=10, message="the error shown")
+    s.shot("job-long-error")
+    assert s.driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+    assert s.browser_errors() == []
+
+
 def test_pause_a_queue_see_no_job_of_it_start_and_resume_it(admin):
     s = admin
     s.open("/queues")
