@@ -537,6 +537,10 @@ MUTATIONS = [
              ".facts > div, .error-card p, main h1 { overflow-wrap: anywhere; }", "",
              ("tests/test_web_browser.py", "-k", "sqlite and long_unbroken"),
              "a long unbroken error message or resource wraps inside the job page"),
+    Mutation("web-live-stop-unsaid", "supervisor/web/static/console.js",
+             "  if (source.readyState === EventSource.CLOSED) {", "  if (false) {",
+             ("tests/test_web_browser.py", "-k", "sqlite and stop_for_good"),
+             "an open page says when its live updates have stopped for good"),
     # The handler toolkit (review of the toolkit and the application-side API).
     Mutation("sqlite-failed-begin-stays-busy", "supervisor/toolkit/transaction.py",
              "            self.db.busy = False\n            if kind == \"sqlite\" and conn.in_transaction",

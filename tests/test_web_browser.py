@@ -270,6 +270,21 @@ def test_the_overview_shows_a_queue_depth_change_live(admin):
     assert s.browser_errors() == []
 
 
+def test_an_open_overview_says_when_its_live_updates_stop_for_good(admin):
+    """Logged out in another tab (or the console restarted with new keys), the stream is refused and
+    the browser gives up on it: the figures froze with only the live dot going grey."""
+    s = admin
+    s.open("/")
+    wait_for(lambda: "on" in (s.find("#live-dot").get_attribute("class") or ""), timeout=10, message="live")
+    s.mark_page()
+    try:
+        assert s.post("/logout", {"csrf": s.find("input[name=csrf]").get_attribute("value")}) in (0, 303)
+        wait_for(lambda: "reload the page" in (s.text("#banners") or ""), timeout=20, message="the stopped banner")
+        assert s.same_page()
+    finally:
+        s.login("ada", ADMIN_PW)
+
+
 def test_find_a_job_by_a_payload_field_open_it_and_see_its_traceback(admin):
     s = admin
     job_id = s.daemon.enqueue("poison", {"customer_id": 4242, "card_number": SECRET}, max_attempts=1)

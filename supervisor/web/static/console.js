@@ -133,7 +133,16 @@ function overview() {
   source.onerror = function () {
     const dot = document.getElementById("live-dot");
     if (dot) dot.classList.remove("on");
+    stopped(source);
   };
+}
+
+// The browser retries a dropped stream by itself; one it gave up on (the session ended, the
+// console restarted with new keys) never updates again: say so rather than show stale figures.
+function stopped(source) {
+  if (source.readyState === EventSource.CLOSED) {
+    setBanners(["Live updates stopped (logged out, or the console restarted): reload the page."]);
+  }
 }
 
 function jobPage() {
@@ -167,6 +176,7 @@ function jobPage() {
   });
   // The broker unreachable (its state and progress are stale), or back (an empty list).
   source.addEventListener("problems", function (ev) { setBanners(JSON.parse(ev.data).problems); });
+  source.onerror = function () { stopped(source); };
   source.addEventListener("gone", function () {
     source.close();
     setBanners(["This job no longer exists (deleted or pruned)."]);
