@@ -541,6 +541,10 @@ MUTATIONS = [
              "  if (source.readyState === EventSource.CLOSED) {", "  if (false) {",
              ("tests/test_web_browser.py", "-k", "sqlite and stop_for_good"),
              "an open page says when its live updates have stopped for good"),
+    Mutation("web-purge-selected-unasked", "supervisor/web/templates/dead.html",
+             ' data-confirm="Purge the selected dead jobs for good?"', "",
+             ("tests/test_web_browser.py", "-k", "sqlite and purging_selected"),
+             "purging the selected dead letters asks first"),
     # The handler toolkit (review of the toolkit and the application-side API).
     Mutation("sqlite-failed-begin-stays-busy", "supervisor/toolkit/transaction.py",
              "            self.db.busy = False\n            if kind == \"sqlite\" and conn.in_transaction",

@@ -371,6 +371,27 @@ def test_a_long_unbroken_error_and_resource_wrap_inside_the_job_page(admin):
     assert s.browser_errors() == []
 
 
+def test_purging_selected_dead_letters_asks_first(admin):
+    """Every other button that destroys asks first; Purge selected deleted the ticked dead letters
+    (all fifty after 'select this page') at the first click."""
+    s = admin
+    failing = os.path.join(s.daemon.dir, "export-fails-purge")
+    open(failing, "w").close()
+    job_id = s.daemon.enqueue("export", {"customer_id": 98, "fail_while": failing}, max_attempts=1)
+    assert s.daemon.wait_job(job_id).state == "dead"
+    os.unlink(failing)
+    s.open("/dead")
+    s.find(f'input.pick[value="{job_id}"]').click()
+    s.find("#purge-selected").click()
+    s.driver.switch_to.alert.dismiss()  # no alert (no question asked) fails here
+    assert s.daemon.job(job_id).state == "dead"
+    s.find("#purge-selected").click()
+    s.driver.switch_to.alert.accept()
+    wait_for(lambda: "1 purged" in (s.text(".flash") or ""), timeout=10, message="the purge's message")
+    assert s.daemon.job(job_id) is None
+    assert s.browser_errors() == []
+
+
 def test_pause_a_queue_see_no_job_of_it_start_and_resume_it(admin):
     s = admin
     s.open("/queues")

@@ -31,6 +31,12 @@ function confirmations() {
       if (!window.confirm(form.dataset.confirm)) ev.preventDefault();
     });
   });
+  // A button that destroys, beside one that does not, in one form (purge selected, replay selected).
+  document.querySelectorAll("button[data-confirm]").forEach(function (button) {
+    button.addEventListener("click", function (ev) {
+      if (!window.confirm(button.dataset.confirm)) ev.preventDefault();
+    });
+  });
   const all = document.getElementById("select-page");
   if (all) all.addEventListener("change", function () {
     document.querySelectorAll("input.pick").forEach(function (box) { box.checked = all.checked; });
