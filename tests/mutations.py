@@ -545,6 +545,11 @@ MUTATIONS = [
              ' data-confirm="Purge the selected dead jobs for good?"', "",
              ("tests/test_web_browser.py", "-k", "sqlite and purging_selected"),
              "purging the selected dead letters asks first"),
+    Mutation("web-outage-blanks-overview", "supervisor/web/live.py",
+             '            rows, supervisors = self.snapshot["queues"], self.snapshot["supervisors"]',
+             "            rows = []",
+             ("tests/test_web.py", "-k", "last_figures"),
+             "an outage keeps the overview's last queues and supervisors under its banner"),
     # The handler toolkit (review of the toolkit and the application-side API).
     Mutation("sqlite-failed-begin-stays-busy", "supervisor/toolkit/transaction.py",
              "            self.db.busy = False\n            if kind == \"sqlite\" and conn.in_transaction",

@@ -417,6 +417,41 @@ def test_a_job_pages_live_updates_say_when_the_broker_goes_away_and_comes_back(p
     assert "gone" not in seen and seen.count("job") == 1
 
 
+def test_an_outage_keeps_the_overviews_last_figures_under_its_banner(private_redis):
+    """The sampler replaced the queues and supervisors with nothing while the broker was unreachable:
+    the overview's live update said 'No supervisor records.', as if every supervisor had gone."""
+    import asyncio
+    import uuid
+
+    from supervisor.backends.base import open_broker
+    from supervisor.web.brokerio import BrokerPool
+    from supervisor.web.live import Sampler
+
+    url = f"{private_redis.url}?prefix=t{uuid.uuid4().hex[:10]}"
+    broker = open_broker(url)
+    broker.enqueue(NewJob("export", {"customer_id": 1}).validate())
+    broker.write_supervisor({"id": "host-a:1", "host": "host-a", "pid": 1, "queues": ["default"]}, ttl=30)
+    broker.close()
+
+    async def outage():
+        pool = BrokerPool(url)
+        sampler = Sampler(pool, ["default"], interval=0.05)
+        try:
+            before = await sampler.sample()
+            await asyncio.to_thread(private_redis.stop)
+            during = await sampler.sample()
+        finally:
+            await asyncio.to_thread(private_redis.start)
+            pool.close()
+        return before, during
+
+    before, during = asyncio.run(outage())
+    assert before["problems"] == [] and [(q["queue"], q["ready"]) for q in before["queues"]] == [("default", 1)]
+    assert [r["host"] for r in before["supervisors"]] == ["host-a"]
+    assert "unreachable" in during["problems"][0]
+    assert during["queues"] == before["queues"] and during["supervisors"] == before["supervisors"]
+
+
 def test_an_unexpected_error_is_a_page_without_a_traceback(tmp_path, monkeypatch):
     from supervisor.web import pages
 

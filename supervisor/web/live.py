@@ -68,7 +68,9 @@ class Sampler:
             supervisors = await fetch("supervisor records", lambda b: b.supervisors(), default=[])
             self.history.append((time.time(), sum(r["done"] for r in rows), sum(r["dead"] for r in rows)))
         now = time.time()
-        rows = rows or []
+        if rows is None:  # unreachable: the last figures read, under the banner that says they may be stale
+            # ("No supervisor records" during an outage read as every supervisor gone)
+            rows, supervisors = self.snapshot["queues"], self.snapshot["supervisors"]
         self.snapshot = {"at": now, "queues": rows, "supervisors": supervisors, "problems": fetch.problems,
                          "series": series(self.history, now)}
         self.version += 1
