@@ -550,6 +550,10 @@ MUTATIONS = [
              "            rows = []",
              ("tests/test_web.py", "-k", "last_figures"),
              "an outage keeps the overview's last queues and supervisors under its banner"),
+    Mutation("web-banner-double-stop", "supervisor/web/brokerio.py",
+             '[:300].rstrip(".")', "[:300]",
+             ("tests/test_web.py", "-k", "banner_while"),
+             "the outage banner ends the driver's sentence once ('refused. Figures', not 'refused.. Figures')"),
     # The handler toolkit (review of the toolkit and the application-side API).
     Mutation("sqlite-failed-begin-stays-busy", "supervisor/toolkit/transaction.py",
              "            self.db.busy = False\n            if kind == \"sqlite\" and conn.in_transaction",

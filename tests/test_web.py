@@ -359,6 +359,7 @@ def test_every_page_renders_with_a_banner_while_the_broker_is_down(tmp_path):
             page = client.get(path)
             assert page.status_code == 200, path
             assert "unreachable" in page.text, path
+            assert "Connection refused. Figures" in page.text, path  # one full stop (it read "refused.. Figures")
             assert "Traceback" not in page.text
         assert client.get("/jobs/job_x").status_code == 503
         assert client.get("/api/queues").status_code == 503

@@ -77,7 +77,8 @@ class BrokerPool:
 
 
 def unreachable(exc):
-    return f"The broker is unreachable: {' '.join(str(exc).split())[:300]}. Figures shown may be missing or stale."
+    why = " ".join(str(exc).split())[:300].rstrip(".")  # a driver's message often ends a sentence already
+    return f"The broker is unreachable: {why}. Figures shown may be missing or stale."
 
 
 def unsupported(what):
