@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import resource
+import signal
 import sys
 import threading
 
@@ -30,6 +31,20 @@ def check_descriptors(reserve=DESCRIPTOR_RESERVE):
     if used + reserve > soft:
         raise OSError(errno.EMFILE, f"{used} of {soft} file descriptors in use, {reserve} kept for the broker"
                                     " and the socket (LimitNOFILE= raises the limit)")
+
+
+def how_it_ended(status):
+    """A ``waitpid`` status as a log's words: ``"signal SIGKILL"``, ``"exit code 3"``. A real-time
+    signal (their default action ends a process) has no ``signal.Signals`` member past SIGRTMIN
+    and SIGRTMAX: named from those, never a ValueError in the master's loop."""
+    if not os.WIFSIGNALED(status):
+        return f"exit code {os.WEXITSTATUS(status)}"
+    sig = os.WTERMSIG(status)
+    try:
+        return f"signal {signal.Signals(sig).name}"
+    except ValueError:
+        low, high = signal.SIGRTMIN, signal.SIGRTMAX
+        return f"signal SIGRTMIN+{sig - low}" if low < sig < high else f"signal {sig}"
 
 
 def recycle_reason(cfg, c):

@@ -2707,6 +2707,11 @@ MUTATIONS = [
              "            if False:\n",
              ("tests/test_daemon.py", "-k", "never_finished_its_import"),
              "a helper in a session of its own ends with a trial that ran out of time or met a stop"),
+    Mutation("realtime-signal-unnamed", "supervisor/childlimits.py",
+             '    try:\n        return f"signal {signal.Signals(sig).name}"\n    except ValueError:\n',
+             '    if True:\n        return f"signal {signal.Signals(sig).name}"\n    else:\n',
+             ("tests/test_master_robustness.py", "tests/test_daemon.py", "-k", "real_time or (exits_or_hangs and SIGRT)"),
+             "a child or a trial import ended by a real-time signal is a crash, not the master's end"),
 ]
 
 

@@ -954,6 +954,8 @@ def test_a_handler_that_fails_to_import_is_a_startup_error(daemon):
 @pytest.mark.parametrize("module, says", [
     ("import os\nos._exit(0)\n", "the module ended the process importing it (exit code 0)"),
     ("import time\ntime.sleep(600)\n", "importing it took over 2s"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGRTMIN + 6)\n",
+     "the module ended the process importing it (signal SIGRTMIN+6)"),
 ])
 def test_a_handler_module_that_exits_or_hangs_at_import_is_a_startup_error(tmp_path, module, says):
     """An ``os._exit(0)`` at import ended ``run`` with status 0 (systemd's Restart=on-failure
@@ -969,7 +971,7 @@ def test_a_handler_module_that_exits_or_hangs_at_import_is_a_startup_error(tmp_p
     assert out.returncode == 2, out
     named = os.path.join(d.handlers, "leaves.py")
     assert out.stderr.strip().splitlines() == [f"tangguh: error: supervisor.handlers: {named}: {says}"
-                                               + ("" if "exit" in says else " (supervisor.import_timeout);"
+                                               + ("" if "ended the process" in says else " (supervisor.import_timeout);"
                                                   " a module waiting at import?")]
     assert not os.path.exists(d.socket)  # it never served
 

@@ -634,6 +634,19 @@ def test_the_next_job_on_a_child_has_the_stdin_stdout_and_stderr_the_child_start
         assert looked.state == "done", looked.error
         assert looked.result == {"pid": spoiled.result["pid"], "open": [0, 1, 2]}  # the same child
         wait_for(lambda: "std_fds prints" in d.logs() and "std_fds logs" in d.logs())
+def test_a_child_ended_by_a_real_time_signal_is_a_crash_and_the_master_serves_on(tmp_path):
+    """A child a real-time signal ended (SIGRTMIN+6: no ``signal.Signals`` member names it) took the
+    master down with it: "internal error: ValueError: 40 is not a valid Signals", every job of the
+    supervisor left leased, and the job on its next claim did it again."""
+    d = Daemon(tmp_path, handler_files=("testjobs.py", "hostile.py"))
+    try:
+        d.start()
+        job = d.wait_job(d.enqueue("realtime_signal", {}, max_attempts=1))
+        assert (job.state, job.reason) == ("dead", "crashed"), job
+        assert "signal SIGRTMIN+6" in job.error["message"], job.error
+        status = d.status()
+        assert status["counters"]["crashed"] == 1 and status["restarts"] == 1
+        serves_a_job(d)
         d.assert_clean()
     finally:
         d.stop()

@@ -370,7 +370,7 @@ class Pool:
     def exited(self, c, status):
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
-        how = f"signal {signal.Signals(sig).name}" if sig else f"exit code {code}"
+        how = childlimits.how_it_ended(status)
         fields = {"slot": c.slot, "pid": c.pid, "signal": sig, "exit_code": code}
         if not self.stopping and not c.retiring:
             self.restarts += 1

@@ -13,7 +13,7 @@ import select
 import signal
 import time
 
-from .. import registry
+from .. import childlimits, registry
 from ..child import worker
 
 # The master's signals: a no-op handler each, the signal's number written to its self-pipe.
@@ -115,8 +115,7 @@ class Trial:
         self.pid = None  # reaped: close() ends only what it left behind
         if IMPORTED in self.out.split(b"\n"):
             return ""  # imported, or failed as the master's own import will say in full
-        how = f"signal {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status) else \
-            f"exit code {os.WEXITSTATUS(status)}"
+        how = childlimits.how_it_ended(status)
         at = self._importing()
         return (f"supervisor.handlers: {at}: the module ended the process importing it ({how})" if at else
                 f"supervisor.handlers: a handler module ended the process importing it ({how})")

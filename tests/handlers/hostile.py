@@ -102,6 +102,14 @@ def shifty_result(ctx, payload):
 
 # -- processes and signals a job leaves behind -------------------------------------------
 
+@supervisor.job("realtime_signal")
+def realtime_signal(ctx, payload):
+    """Ends its child with a real-time signal (their default action ends the process), which no
+    ``signal.Signals`` member names."""
+    os.kill(os.getpid(), signal.SIGRTMIN + int(payload.get("plus", 6)))
+    time.sleep(5)
+
+
 @supervisor.job("fork_and_wait")
 def fork_and_wait(ctx, payload):
     """Forks the usual way; the forked process ends as payload["end"] says, the handler waits for it."""
