@@ -2712,6 +2712,10 @@ MUTATIONS = [
              '    if True:\n        return f"signal {signal.Signals(sig).name}"\n    else:\n',
              ("tests/test_master_robustness.py", "tests/test_daemon.py", "-k", "real_time or (exits_or_hangs and SIGRT)"),
              "a child or a trial import ended by a real-time signal is a crash, not the master's end"),
+    Mutation("hard-timeout-sigkill-every-turn", "supervisor/master/overdue.py",
+             "            c.deadline = None\n", "",
+             ("tests/test_master_robustness.py", "-k", "slow_to_die"),
+             "a child killed past its hard timeout that is slow to die does not spin the master's loop"),
 ]
 
 

@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -662,6 +663,53 @@ def test_a_child_that_cannot_even_print_its_failure_exits_non_zero(daemon):
     assert job.error["message"] == "child died mid-job (exit code 1)", job.error
     serves_a_job(daemon)
     daemon.assert_clean()
+# A process that ptrace-seizes a pid and holds it until its stdin closes: a debugger attached to a
+# child. The child's death then goes to the tracer first; the master cannot reap it meanwhile, as
+# while a child killed in uninterruptible sleep (a hung NFS read) has not died yet.
+TRACER = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.ptrace(0x4206, int(sys.argv[1]), 0, 0), flush=True)  # PTRACE_SEIZE
+sys.stdin.read()
+"""
+
+
+def test_a_child_killed_past_its_hard_timeout_that_is_slow_to_die_does_not_spin_the_master(tmp_path):
+    """Once the SIGKILL after the hard timeout's grace was sent, its instant stayed the loop's next
+    wake-up, in the past: until the child was reaped the loop turned without sleeping, a CPU at
+    100 % (a child in a hung NFS read, a debugger attached), sending SIGKILL each turn."""
+    import psutil
+
+    d = Daemon(tmp_path, supervisor={"workers": 1, "kill_grace": 0.2})
+    tracer = None
+    try:
+        d.start()
+        marker, release = d.marker("m"), d.marker("release")
+        job_id = d.enqueue("hold", {"marker": marker, "release": release}, max_attempts=1, timeout=1.0)
+        pid = int(wait_for(lambda: read_lines(marker), message="the job to start")[0][2])
+        tracer = subprocess.Popen([sys.executable, "-c", TRACER, str(pid)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        if tracer.stdout.readline().strip() != "0":
+            pytest.skip("ptrace is not allowed here")
+        child = psutil.Process(pid)
+        wait_for(lambda: child.status() == psutil.STATUS_ZOMBIE, message="the child killed past its hard timeout")
+        master = psutil.Process(d.proc.pid)
+        used = sum(master.cpu_times()[:2])
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 4.0:  # the master serves meanwhile
+            assert d.status()["ok"]
+            time.sleep(0.2)
+        assert sum(master.cpu_times()[:2]) - used < 0.4, "the master's loop spun while the child was unreaped"
+        tracer.stdin.close()  # detached: the master reaps the child now
+        job = d.wait_job(job_id)
+        assert (job.state, job.reason) == ("dead", "timeout"), job
+        serves_a_job(d)
+        d.assert_clean()
+    finally:
+        if tracer is not None:
+            tracer.kill()
+            tracer.wait()
+        d.stop()
 
 
 def test_an_exception_that_cannot_be_printed_is_an_exception_not_a_crash(daemon):

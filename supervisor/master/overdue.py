@@ -1,7 +1,8 @@
 """Hard timeouts and cancel deadlines: when the loop must be awake, and the kills once they pass.
 
 A child's job has a deadline from the instant it starts there (pool.py,
-``Pool.start``): past it, SIGTERM, then SIGKILL after ``kill_grace``. A job
+``Pool.start``): past it, SIGTERM, then SIGKILL after ``kill_grace``, once (a SIGKILL stays
+pending until the child dies; the reaping notices it). A job
 still running ``cancel_grace`` after its cancel was sent is killed at once.
 The pool's reaping then judges the job as it would any death.
 """
@@ -44,3 +45,7 @@ def kill_overdue(pool):
             pool.kill(c, KILLED_TIMEOUT, signal.SIGTERM)
         elif now >= c.term_at + grace:
             pool.kill(c, KILLED_TIMEOUT, signal.SIGKILL)
+            # Sent once: the loop must not wake for this instant again. A child slow to die (in a
+            # hung NFS read, a debugger attached) kept it the next wake-up, in the past: the loop
+            # spun, a CPU at 100 %, until the child was reaped.
+            c.deadline = None
