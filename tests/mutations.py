@@ -2716,6 +2716,10 @@ MUTATIONS = [
              "            c.deadline = None\n", "",
              ("tests/test_master_robustness.py", "-k", "slow_to_die"),
              "a child killed past its hard timeout that is slow to die does not spin the master's loop"),
+    Mutation("claim-woken-in-an-outage-spins", "supervisor/master/dispatch.py",
+             "                self.next_claim_at = max(self.next_claim_at, self.link.retry_at)\n", "",
+             ("tests/test_outages.py", "-k", "claim_woken"),
+             "a claim woken while the broker is down waits for the link's next try, not a spinning loop"),
 ]
 
 

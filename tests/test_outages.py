@@ -614,3 +614,31 @@ def test_an_idle_supervisors_queue_samples_log_an_outage_once_not_every_five_sec
         if redis_broker.server.proc.poll() is not None:
             redis_broker.server.start()
         beat.close()
+
+
+def test_a_claim_woken_while_the_broker_is_down_waits_for_the_links_next_try():
+    """A prefetched job whose expiry passed while it waited is handed back and the claim woken
+    (the claim ends it expired). While the broker was down that claim was deferred by the link
+    and left its due instant in the past: the loop's select() returned at once, every turn, a
+    CPU spinning until the link's next try (up to 10 s)."""
+    import selectors
+    import types
+
+    from supervisor import config
+    from supervisor.master.brokerlink import BrokerLink
+    from supervisor.master.dispatch import Dispatcher
+    from supervisor.master.prefetch import Prefetch
+    from supervisor.metrics import Metrics
+
+    url = "redis://127.0.0.1:1/0?socket_connect_timeout=0.5"  # nothing listens on port 1
+    cfg = config.from_dict({"supervisor": {"workers": 1}, "broker": {"url": url}})
+    link = BrokerLink(url, True, selectors.DefaultSelector(), Metrics(), on_wakeup=lambda queues: None,
+                      on_down=lambda at: d.hold_claims_until(at), pid=os.getpid())
+    pool = types.SimpleNamespace(target=1, free=lambda: ["an idle child"])
+    d = Dispatcher(cfg, {}, "me:1", link, pool, Prefetch("auto", 1), hold=None, settings_for=None, on_claimed=None,
+                   on_unknown=None, on_expired=None, give_back=None, on_started=None)
+    d.claim()  # its try fails: claims wait for the link's next try
+    assert link.down and d.due_at() >= link.retry_at > time.monotonic()
+    d.wake()  # as give_back_late does
+    d.claim()  # deferred by the link: no try before its next
+    assert link.failures == 1 and d.due_at() >= link.retry_at > time.monotonic()

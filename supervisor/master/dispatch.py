@@ -136,6 +136,10 @@ class Dispatcher:
             # or could not open a connection for (a server refusing connections all through an outage).
             if sent.reached and queues:
                 self.on_unanswered(queues)
+            if self.link.down:
+                # Not before the link's next try: a claim woken meanwhile (a late job handed back)
+                # and deferred left its instant in the past, and the loop's select() returned at once.
+                self.next_claim_at = max(self.next_claim_at, self.link.retry_at)
             return
         if sent.twice:  # its first sending may have leased jobs too, which we never saw
             self.on_unanswered(queues)
