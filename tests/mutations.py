@@ -2720,6 +2720,10 @@ MUTATIONS = [
              "                self.next_claim_at = max(self.next_claim_at, self.link.retry_at)\n", "",
              ("tests/test_outages.py", "-k", "claim_woken"),
              "a claim woken while the broker is down waits for the link's next try, not a spinning loop"),
+    Mutation("lock-extension-outage-logged-every-beat", "supervisor/master/locks.py",
+             "logging.WARNING if self.extend_failures == 1 else logging.DEBUG", "logging.WARNING",
+             ("tests/test_outages.py", "-k", "lock_extensions"),
+             "a toolkit Redis outage under held locks is logged once, not every heartbeat"),
 ]
 
 

@@ -642,3 +642,23 @@ def test_a_claim_woken_while_the_broker_is_down_waits_for_the_links_next_try():
     d.wake()  # as give_back_late does
     d.claim()  # deferred by the link: no try before its next
     assert link.failures == 1 and d.due_at() >= link.retry_at > time.monotonic()
+
+
+def test_the_lock_extensions_of_a_redis_outage_log_it_once_not_every_beat(redis_url, caplog):
+    """A job holding a ``ctx.lock`` while the toolkit's Redis is down: every beat's extension
+    failed and logged a warning (720 lines an hour at the default beat, for as long as it lasted)."""
+    from supervisor import protocol
+    from supervisor.master.locks import MasterLocks
+
+    master = MasterLocks("redis://127.0.0.1:1/0")  # nothing listens on port 1
+    master.on_message(4242, {"op": protocol.LOCK, "key": "review:lock:export", "token": "t", "ttl": 30.0})
+    with caplog.at_level("INFO", logger="tangguh.locks"):
+        for _ in range(4):  # four beats, Redis down for each
+            master.extend_all()
+        assert caplog.text.count("lock extension failed") == 1
+        master.redis_url = redis_url  # Redis is back
+        master.extend_all()
+        assert caplog.text.count("lock extensions work again after 4 failed") == 1
+        master.redis_url = "redis://127.0.0.1:1/0"
+        master.extend_all()  # the next outage is logged again
+        assert caplog.text.count("lock extension failed") == 2

@@ -33,6 +33,8 @@ class MasterLocks:
         self.mutex = threading.Lock()
         self.released = 0  # locks released for dead children
         self.extended = 0
+        # Beats whose extension failed in a row: the first is logged, not each one of an outage.
+        self.extend_failures = 0
 
     def _client(self):
         from ..toolkit import open_redis
@@ -102,7 +104,14 @@ class MasterLocks:
                 pipe.eval(EXTEND, 1, key, token, int(ttl * 1000))
             self.extended += sum(1 for r in pipe.execute() if r)
         except Exception as exc:  # noqa: BLE001 - a Redis error must not kill the heartbeat
-            log.warning("lock extension failed: %s: %s", type(exc).__name__, exc)
+            self.extend_failures += 1
+            log.log(logging.WARNING if self.extend_failures == 1 else logging.DEBUG,
+                    "lock extension failed: %s: %s", type(exc).__name__, exc, extra={"event": "lock_extend_failed"})
+            return
         finally:
             if client is not None:
                 client.close()
+        if self.extend_failures:
+            log.info("lock extensions work again after %d failed", self.extend_failures,
+                     extra={"event": "lock_extend_resumed"})
+            self.extend_failures = 0
