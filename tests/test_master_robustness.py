@@ -635,6 +635,11 @@ def test_the_next_job_on_a_child_has_the_stdin_stdout_and_stderr_the_child_start
         assert looked.state == "done", looked.error
         assert looked.result == {"pid": spoiled.result["pid"], "open": [0, 1, 2]}  # the same child
         wait_for(lambda: "std_fds prints" in d.logs() and "std_fds logs" in d.logs())
+        d.assert_clean()
+    finally:
+        d.stop()
+
+
 def test_a_child_ended_by_a_real_time_signal_is_a_crash_and_the_master_serves_on(tmp_path):
     """A child a real-time signal ended (SIGRTMIN+6: no ``signal.Signals`` member names it) took the
     master down with it: "internal error: ValueError: 40 is not a valid Signals", every job of the
@@ -663,6 +668,8 @@ def test_a_child_that_cannot_even_print_its_failure_exits_non_zero(daemon):
     assert job.error["message"] == "child died mid-job (exit code 1)", job.error
     serves_a_job(daemon)
     daemon.assert_clean()
+
+
 # A process that ptrace-seizes a pid and holds it until its stdin closes: a debugger attached to a
 # child. The child's death then goes to the tracer first; the master cannot reap it meanwhile, as
 # while a child killed in uninterruptible sleep (a hung NFS read) has not died yet.
