@@ -669,6 +669,30 @@ def test_a_filter_action_dry_run_names_a_retrys_refusals_and_refuses_an_unknown_
     assert bogus.status_code == 400 and "action must be one of" in bogus.text
 
 
+def test_a_filter_action_counts_and_walks_only_the_jobs_it_changes(console, broker):
+    """A filter without a state (type=export) counted every job it selects, done and dead too:
+    "cancel: 3 jobs" for one queued job, the rest answered already_dead. And the capped run walked
+    them all: with more finished jobs than the cap, the queued ones after them were never reached,
+    whatever the number of runs."""
+    from supervisor.web.actions import act_on_filter
+    from supervisor.jobfilter import JobFilter
+
+    dead_job(broker, {"n": 1})
+    dead_job(broker, {"n": 2})
+    queued = broker.enqueue(NewJob("export", {"n": 3}).validate())
+    login(console, "ada", ADMIN_PW)
+    token = csrf_of(console.get("/jobs").text)
+    ask = {"filter": {"type": "export"}, "dry_run": True}
+    cancel = console.post("/api/jobs/cancel", json=ask, headers={"x-csrf-token": token})
+    assert cancel.json() == {"dry_run": True, "count": 1, "exact": True}
+    retry = console.post("/api/jobs/retry", json=ask, headers={"x-csrf-token": token})
+    assert retry.json()["count"] == 2
+    page = console.post("/jobs/bulk", data={"csrf": token, "action": "cancel", "scope": "filter", "type": "export"})
+    assert 'id="confirm-count">1<' in page.text, page.text
+    assert act_on_filter(broker, "cancel", JobFilter(type="export"), "test", cap=2) == ({queued: "cancelled"}, False)
+    assert act_on_filter(broker, "cancel", JobFilter(state=("done",)), "test") == ({}, False)  # no state it changes
+
+
 def test_a_logout_ends_the_session_even_for_a_copy_of_its_cookie(console):
     """The session cookie is signed, not stored: a copy taken before the logout (a shared
     machine, a stolen cookie) must not read pages or act for the rest of its twelve hours."""

@@ -5,12 +5,13 @@ cancel, pause, renew and the supervisor records refuse the same input on every
 backend.
 """
 import collections
+import dataclasses
 import json
 import math
 import time
 
 from ..errors import BadInput
-from ..model import FINISHED, MAX_NAME, check_json, is_storable, storable
+from ..model import FINISHED, MAX_NAME, RUNNING, STATES, check_json, is_storable, storable
 
 MAX_NOTE = 200  # characters of a progress note kept (a handler may send anything)
 MAX_IDS = 10_000  # job ids in one cancel call
@@ -24,6 +25,22 @@ EXPIRED_KEPT = 10_000  # expired (id, type) pairs an instance keeps for take_exp
 REQUEUE_REFUSALS = ("parent_failed", "conflict")
 REQUEUE_REFUSED = ('the retry refuses any whose on="success" parent lies dead, cancelled or expired (parent_failed)'
                    " or whose idempotency key an unfinished job holds (conflict)")
+
+
+# The states a bulk action changes a job in (a running job's discard is refused): a filter's other
+# states are not looked at, so a dry run counts only what would change, and a capped run is not
+# spent answering "already_done" to finished jobs while the ones to act on wait past the cap.
+ACTING_STATES = {
+    "cancel": ("waiting", "queued", "running", "retrying"),
+    "retry": ("dead", "cancelled", "expired"),
+    "discard": tuple(s for s in STATES if s != RUNNING),
+}
+
+
+def acting(action, flt):
+    """The ``JobFilter`` ``flt`` narrowed to the states ``action`` changes; None if it leaves none."""
+    states = tuple(s for s in (flt.state or STATES) if s in ACTING_STATES[action])
+    return dataclasses.replace(flt, state=states) if states else None
 
 
 def check_ids(job_ids, most=MAX_IDS):

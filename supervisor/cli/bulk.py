@@ -19,10 +19,10 @@ import math
 import re
 import time
 
-from ..backends.control import REQUEUE_REFUSALS, REQUEUE_REFUSED as REFUSED, cancel_request
+from ..backends.control import ACTING_STATES, REQUEUE_REFUSALS, REQUEUE_REFUSED as REFUSED, cancel_request
 from ..errors import BadInput
 from ..jobfilter import JobFilter, check_page, decode_cursor, parse_where
-from ..model import RUNNING, STATES, parse_rate
+from ..model import parse_rate
 from .common import UsageError, job_id, open_client
 from .output import one_line, print_json, say, table, when
 from .progress import Progress
@@ -33,11 +33,7 @@ _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 # Which states a bulk action looks at when --state is not given: the ones it can act on.
-DEFAULT_STATES = {
-    "cancel": ("waiting", "queued", "running", "retrying"),
-    "retry": ("dead", "cancelled", "expired"),
-    "discard": tuple(s for s in STATES if s != RUNNING),  # a running job is refused: not counted
-}
+DEFAULT_STATES = ACTING_STATES
 
 # What a retry (the broker's requeue) may answer for a job its dry run counted (see REQUEUE_REFUSALS).
 MAY_REFUSE = {"retry": REQUEUE_REFUSALS}

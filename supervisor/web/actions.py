@@ -12,6 +12,7 @@ from urllib.parse import quote
 
 from starlette.responses import RedirectResponse
 
+from ..backends.control import acting
 from ..errors import BadInput
 from ..model import NewJob, check_queue
 from .console import gate
@@ -31,8 +32,11 @@ def act(broker, action, ids, by):
 
 
 def act_on_filter(broker, action, flt, by, cap=BULK_CAP):
-    """``act`` on every job ``flt`` selects, page by page, up to ``cap``; returns (results, more left)."""
-    results, cursor = {}, None
+    """``act`` on every job ``flt`` selects in a state ``action`` changes, page by page, up to
+    ``cap``; returns (results, more left)."""
+    results, cursor, flt = {}, None, acting(action, flt)
+    if flt is None:
+        return results, False
     while len(results) < cap:
         page = broker.search(flt, cursor, min(500, cap - len(results)), "oldest")
         if not page.jobs:
@@ -42,6 +46,15 @@ def act_on_filter(broker, action, flt, by, cap=BULK_CAP):
         if not cursor:
             return results, False
     return results, True
+
+
+def count_acting(broker, action, flt):
+    """(how many, exact) of the jobs ``flt`` selects that ``action`` would change."""
+    flt = acting(action, flt)
+    if flt is None:
+        return 0, True
+    count = broker.count(flt)
+    return count.n, count.exact
 
 
 def summary(results):
@@ -103,8 +116,7 @@ async def jobs_bulk(request, form):
     back = "/jobs?" + query_string(values)
     if form.get("confirmed") != "yes":
         if flt is not None:
-            count = await c.pool.call(lambda b: b.count(flt))
-            n, exact = count.n, count.exact
+            n, exact = await c.pool.call(count_acting, action, flt)
         else:
             n, exact = len(ids), True
         return c.render(request, "confirm.html", action=action, n=n, exact=exact, scope=form.get("scope"),

@@ -126,9 +126,9 @@ async def jobs_action(request, form):
         if not flt:
             raise BadInput("this filter selects every job: narrow it first")
         if data.get("dry_run"):
-            n = await c.pool.call(lambda b: b.count(flt))
+            n, exact = await c.pool.call(actions.count_acting, action, flt)
             refusals = {"may_refuse": list(REQUEUE_REFUSALS)} if action == "retry" else {}
-            return answer({"dry_run": True, "count": n.n, "exact": n.exact, **refusals})
+            return answer({"dry_run": True, "count": n, "exact": exact, **refusals})
         outcome, more = await actions.bulk(c, request.state.identity, action, flt=flt)
     return answer({"outcome": outcome, "more": more})
 
