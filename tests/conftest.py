@@ -8,6 +8,7 @@ unreachable its tests are skipped with the reason, unless
 """
 import importlib.util
 import os
+import signal
 import uuid
 
 import pytest
@@ -87,3 +88,23 @@ def broker(broker_url):
     b.migrate()
     yield b
     b.close()
+
+
+@pytest.fixture(autouse=True)
+def _child_timeouts_left_as_found():
+    """A test that installs a child's signal handlers in the test process (``timeouts.install()``)
+    left them, and its note of SIGINT's handler, to every later test of the process: each job
+    run_jobs ran put that note back, and a Ctrl-C in a later test went unnoticed. Undone here."""
+    from supervisor.child import timeouts
+
+    watched = (signal.SIGALRM, signal.SIGTERM, timeouts.CANCEL_SIGNAL, *timeouts._KEPT)
+    before = {sig: signal.getsignal(sig) for sig in watched}
+    yield
+    if timeouts._installed_on is None:
+        return
+    for sig, handler in before.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+    for _, copy in timeouts._std:
+        os.close(copy)
+    timeouts._installed_on, timeouts._kept, timeouts._std = None, (), ()
