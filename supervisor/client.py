@@ -380,6 +380,8 @@ def _job_args(item):
         except KeyError as exc:
             raise BadInput(f"missing {exc.args[0]!r}") from None
     elif isinstance(item, (tuple, list)) and len(item) in (2, 3):
+        if len(item) == 3 and not isinstance(item[2], dict):  # dict(5): a raw TypeError, not BadInput
+            raise BadInput(f"options must be a dict, got {type(item[2]).__name__}")
         args, item = tuple(item[:2]), dict(item[2]) if len(item) == 3 else {}
     else:
         raise BadInput("expected a dict or a (type, payload[, options]) tuple")

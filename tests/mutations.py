@@ -2733,6 +2733,11 @@ MUTATIONS = [
              "logging.WARNING if self.extend_failures == 1 else logging.DEBUG", "logging.WARNING",
              ("tests/test_outages.py", "-k", "lock_extensions"),
              "a toolkit Redis outage under held locks is logged once, not every heartbeat"),
+    Mutation("step-options-not-dict-typeerror", "supervisor/client.py",
+             "        if len(item) == 3 and not isinstance(item[2], dict):",
+             "        if False:",
+             ("tests/test_conformance_workflows.py", "-k", "sqlite and bad_groups"),
+             "a step's options that are no dict are one BadInput line, not a raw TypeError"),
 ]
 
 

@@ -336,6 +336,9 @@ def test_a_group_callback_runs_once_after_every_member(client, broker):
     ([("render", {})], 42, "then must be a job"),
     ([("render", {})], ("summary", "not a dict"), "then: payload must be a JSON object"),
     ([("render", {}), 7], None, "member 1 must be a job"),
+    # Options that are no dict raised a raw TypeError ("'int' object is not iterable").
+    ([("render", {}, 5)], None, "member 0: options must be a dict, got int"),
+    ([("render", {})], ("summary", {}, "queue"), "then: options must be a dict, got str"),
 ])
 def test_bad_groups_are_refused_and_store_nothing(client, broker, members, then, match):
     with pytest.raises(BadInput, match=match):
