@@ -22,7 +22,7 @@ dependencies: ``batch_status(broker, batch id)`` counts them.
 import collections
 import dataclasses
 
-from .backends.control import MAX_IDS
+from .backends.control import MAX_IDS, check_id
 from .dependencies import ON_COMPLETE, ON_SUCCESS
 from .errors import BadInput
 
@@ -119,7 +119,7 @@ def _members(client, members, what):
 
 def batch_status(broker, batch_id):
     """The counts of a batch (or of any job's dependencies); BadInput for an id that has none."""
-    job = broker.get(batch_id)
+    job = broker.get(check_id(batch_id))  # as Client.get: a list was an outage on SQLite, a TypeError on Redis
     if job is None or job.parents is None:
         raise BadInput(f"no batch {batch_id} (its id is the id of its first callback)")
     states = collections.Counter(state for state, _ in job.parents.values())

@@ -2738,6 +2738,10 @@ MUTATIONS = [
              "        if False:",
              ("tests/test_conformance_workflows.py", "-k", "sqlite and bad_groups"),
              "a step's options that are no dict are one BadInput line, not a raw TypeError"),
+    Mutation("batch-status-id-unchecked", "supervisor/workflows.py",
+             "    job = broker.get(check_id(batch_id))", "    job = broker.get(batch_id)",
+             ("tests/test_conformance_workflows.py", "-k", "batch_status_of_an_id"),
+             "batch_status of an id no job can have is BadInput, not an outage or a raw TypeError"),
 ]
 
 

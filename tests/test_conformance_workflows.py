@@ -392,6 +392,16 @@ def test_a_batch_needs_a_callback(client):
         client.batch([("export", {})])
 
 
+@pytest.mark.parametrize("bad", [["job_x"], {"id": 1}, "\ud800", 5])
+def test_batch_status_of_an_id_no_job_can_have_is_one_badinput_line(broker, bad):
+    # SQLite answered a list with BrokerError (an outage: "try again") and a lone surrogate with
+    # UnicodeEncodeError, Redis a list with a raw TypeError: the id is checked as client.get checks it.
+    from supervisor.workflows import batch_status
+
+    with pytest.raises(BadInput, match="job id must be a string"):
+        batch_status(broker, bad)
+
+
 # -- job control meets workflows: cancel and expiry cascade ------------------------------
 
 def test_cancelling_a_parent_cancels_its_children_and_releases_complete_ones(broker):
