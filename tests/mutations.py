@@ -2742,6 +2742,11 @@ MUTATIONS = [
              "    job = broker.get(check_id(batch_id))", "    job = broker.get(batch_id)",
              ("tests/test_conformance_workflows.py", "-k", "batch_status_of_an_id"),
              "batch_status of an id no job can have is BadInput, not an outage or a raw TypeError"),
+    Mutation("redis-replay-reopens-before-the-rest-hold-their-keys", "supervisor/backends/redis_lua/replay.lua",
+             "    make_ready(id, redis.call('HGET', key, 'priority'), NOW)\n  end\nend\n",
+             "    make_ready(id, redis.call('HGET', key, 'priority'), NOW)\n  end\n  reopen(id)\nend\n",
+             ("tests/test_conformance_workflows.py", "-k", "redis and one_replay_of_a_parent"),
+             "one replay of a parent and a dead job with its child's key makes one holder of that key (Redis)"),
 ]
 
 

@@ -181,6 +181,31 @@ def test_replay_leaves_cancelled_a_child_whose_idempotency_key_another_job_took(
     assert broker.enqueue(new("fourth", idempotency_key="invoice-7")) == child
 
 
+def test_one_replay_of_a_parent_and_a_dead_job_with_its_childs_key_makes_one_holder(broker):
+    """The key's dead holder replayed in the same call as the parent: Redis reopened the child
+    (the key looked free, its holder still dead) and then put the holder back too, two unfinished
+    jobs with one key, both run. Every replayed job now holds its key before a child reopens, as
+    on PostgreSQL; SQLite refuses the call (BadInput, nothing replayed), as the CLI's replay then
+    sends it one id at a time."""
+    parent = broker.enqueue(new("parent", max_attempts=1))
+    child = broker.enqueue(new("child", idempotency_key="invoice-8", depends_on=[parent]))
+    die(broker, claim_ids(broker)[parent])
+    other = broker.enqueue(new("other", max_attempts=1, idempotency_key="invoice-8"))
+    die(broker, claim_ids(broker)[other])
+    try:
+        replayed = broker.dlq_replay([parent, other])
+    except BadInput:
+        replayed = None
+    states = {i: broker.get(i).state for i in (parent, child, other)}
+    if replayed is None:
+        assert states == {parent: "dead", child: "cancelled", other: "dead"}
+        return
+    assert replayed == [parent, other]
+    assert states == {parent: "queued", child: "cancelled", other: "queued"}
+    assert broker.get(child).cancel_request["key_held_by"] == other
+    assert set(claim_ids(broker)) == {parent, other}
+
+
 # -- atomic enqueue, refusals ------------------------------------------------------
 
 def test_a_workflow_is_stored_whole_or_not_at_all(broker):

@@ -21,7 +21,8 @@ end
 -- parents not finished now (one replayed since it died, say) rather than run before them.
 local ids = {}
 for k = 3, #ARGV do ids[#ids + 1] = ARGV[k] end
-for _, at in ipairs(parents_first(ids)) do
+local order = parents_first(ids)
+for _, at in ipairs(order) do
   local id = ids[at]
   local key = JOB .. id
   local child = redis.call('HEXISTS', key, 'pending') == 1
@@ -39,7 +40,10 @@ for _, at in ipairs(parents_first(ids)) do
   else
     make_ready(id, redis.call('HGET', key, 'priority'), NOW)
   end
-  reopen(id)
 end
+-- Every replayed job holds its key before any child reopens (as on PostgreSQL, whose triggers run
+-- after the statement): a child reopened by one of them while another, later in the call, still lay
+-- dead took that job's key, and the later one took it too: two unfinished holders of one key.
+for _, at in ipairs(order) do reopen(ids[at]) end
 redis.call('PUBLISH', CHANNEL, '1')
 return {'ok'}
