@@ -73,6 +73,8 @@ def _step(client, item, what, depends_on=()):
 
 def chain(client, steps, on=ON_SUCCESS):
     """Each step depends on the previous one (``on``: "success", or "complete" to run on regardless)."""
+    if isinstance(steps, (str, bytes, dict)):  # iterated: its letters or keys, "chain step 0 ... got str"
+        raise BadInput(f"a chain's steps must be a list of jobs, got {type(steps).__name__}")
     try:
         steps = list(steps)
     except TypeError:  # chain(None): a TypeError, where every other bad input is one BadInput line

@@ -2747,6 +2747,10 @@ MUTATIONS = [
              "    make_ready(id, redis.call('HGET', key, 'priority'), NOW)\n  end\n  reopen(id)\nend\n",
              ("tests/test_conformance_workflows.py", "-k", "redis and one_replay_of_a_parent"),
              "one replay of a parent and a dead job with its child's key makes one holder of that key (Redis)"),
+    Mutation("chain-of-a-dict-iterates-its-keys", "supervisor/workflows.py",
+             "    if isinstance(steps, (str, bytes, dict)):", "    if False:",
+             ("tests/test_conformance_workflows.py", "-k", "sqlite and chain_given_one_job"),
+             "a chain given one job (a dict) or a string is refused naming that, not its first key or letter"),
 ]
 
 

@@ -412,6 +412,14 @@ def test_a_batch_counts_its_members_and_fires_each_callback_once(client, broker)
     assert broker.get(batch.on_complete).state == "done"  # ran once, not again
 
 
+@pytest.mark.parametrize("steps", [{"type": "fetch", "payload": {}}, "fetch"])
+def test_a_chain_given_one_job_or_a_string_names_that_not_a_letter_or_key(client, broker, steps):
+    # Iterated, a dict gave its keys and a string its letters: "chain step 0 must be a job ..., got str".
+    with pytest.raises(BadInput, match=f"a chain's steps must be a list of jobs, got {type(steps).__name__}"):
+        client.chain(steps)
+    assert claim_all(broker) == []
+
+
 def test_a_batch_needs_a_callback(client):
     with pytest.raises(BadInput, match="on_success or on_complete"):
         client.batch([("export", {})])
