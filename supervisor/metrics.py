@@ -58,6 +58,7 @@ class Metrics:
         self.queue_scheduled = g("tangguh_queue_scheduled_jobs", "Jobs delayed or waiting for a retry backoff",
                                  ("queue",))
         self.queue_in_flight = g("tangguh_queue_in_flight_jobs", "Jobs leased by any supervisor", ("queue",))
+        self.queue_waiting = g("tangguh_queue_waiting_jobs", "Workflow jobs waiting on their parents", ("queue",))
         self.queue_dead = g("tangguh_queue_dead_jobs", "Jobs in the dead-letter queue", ("queue",))
         self.queue_oldest = g("tangguh_queue_oldest_ready_age_seconds",
                               "Seconds the oldest due job has waited (0 when none is due)", ("queue",))
@@ -169,8 +170,8 @@ class Metrics:
         alert on them would never clear.
         """
         for queue in self.sampled_queues - set(stats):
-            for gauge in (self.queue_ready, self.queue_scheduled, self.queue_in_flight, self.queue_dead,
-                          self.queue_oldest, self.queue_paused):
+            for gauge in (self.queue_ready, self.queue_scheduled, self.queue_in_flight, self.queue_waiting,
+                          self.queue_dead, self.queue_oldest, self.queue_paused):
                 try:
                     gauge.remove(queue)
                 except KeyError:
@@ -180,6 +181,7 @@ class Metrics:
             self.queue_ready.labels(queue).set(s.ready)
             self.queue_scheduled.labels(queue).set(s.scheduled)
             self.queue_in_flight.labels(queue).set(s.in_flight)
+            self.queue_waiting.labels(queue).set(s.waiting)
             self.queue_dead.labels(queue).set(s.dead)
             self.queue_oldest.labels(queue).set(s.oldest_ready_age)
             # Also here, not only when the paused set changes: a queue a reload brings back is paused already.

@@ -77,12 +77,13 @@ class Notifier:
             return None
         return time.monotonic() if self.last_ping is None else self.last_ping + self.watchdog_every
 
-    def watchdog(self):
-        """Call from the main loop each turn; pings at most every half period."""
+    def watchdog(self, now_anyway=False):
+        """Call from the main loop each turn; pings at most every half period. ``now_anyway``:
+        before the loop is held up (the master's own import at a reload), whatever the time."""
         if self.watchdog_every is None:
             return
         now = time.monotonic()
-        if self.last_ping is None or now - self.last_ping >= self.watchdog_every:
+        if now_anyway or self.last_ping is None or now - self.last_ping >= self.watchdog_every:
             self.last_ping = now
             self.send("WATCHDOG=1")
 

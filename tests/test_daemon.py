@@ -866,6 +866,22 @@ def test_sigquit_stops_at_once_and_releases_the_running_job(daemon):
     daemon.assert_clean()
 
 
+def test_a_sighup_during_a_graceful_stop_is_ignored_saying_so(daemon):
+    """A HUP sent while the master finished its jobs before exiting was dropped without a word: an
+    operator who reloaded then saw neither a reload nor a refusal in the log."""
+    daemon.start()
+    marker, release = daemon.marker("m"), daemon.marker("release")
+    job_id = daemon.enqueue("hold", {"marker": marker, "release": release, "max_wait": 60})
+    wait_for(lambda: read_lines(marker), message="job to start")
+    daemon.signal(signal.SIGTERM)
+    wait_for(lambda: daemon.records(event="stopping"), message="the graceful stop")
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: daemon.records(event="reload_ignored"), message="the HUP said to be ignored")
+    open(release, "w").close()
+    assert daemon.wait_exit() == 0
+    assert daemon.job(job_id).state == "done" and not daemon.records(event="reload")
+
+
 def test_a_second_supervisor_on_the_same_socket_refuses_to_start(daemon, tmp_path):
     daemon.start()
     second = tangguh("run", "-c", daemon.config_path, timeout=30)

@@ -247,7 +247,8 @@ def test_supervisor_events_are_one_record_each_with_slot_and_pid(ran):
 
 
 QUEUE_GAUGES = ("tangguh_queue_ready_jobs", "tangguh_queue_scheduled_jobs", "tangguh_queue_in_flight_jobs",
-                "tangguh_queue_dead_jobs", "tangguh_queue_oldest_ready_age_seconds", "tangguh_queue_paused")
+                "tangguh_queue_waiting_jobs", "tangguh_queue_dead_jobs", "tangguh_queue_oldest_ready_age_seconds",
+                "tangguh_queue_paused")
 
 
 def queue_series(d, queue):
@@ -414,6 +415,7 @@ def test_queue_sample_sets_the_gauges(tmp_path):
     broker.dead(job.lease, "permanent", {})
     broker.enqueue(NewJob("a", {}, queue="other"))
     [job] = broker.claim(["other"], 1, 30, "me")
+    broker.enqueue(NewJob("callback", {}, queue="other", depends_on=[job.id]))  # waits on the running one
     wait_for(lambda: broker.stats(["default"])["default"].oldest_ready_age > 0, message="the ready jobs to age")
     m = Metrics()
     m.sample_queues(broker.stats(["default", "other"]))
@@ -423,6 +425,8 @@ def test_queue_sample_sets_the_gauges(tmp_path):
     assert value(s, "tangguh_queue_oldest_ready_age_seconds", queue="default") > 0
     assert value(s, "tangguh_queue_dead_jobs", queue="other") == 1
     assert value(s, "tangguh_queue_in_flight_jobs", queue="other") == 1
+    assert value(s, "tangguh_queue_waiting_jobs", queue="other") == 1
+    assert value(s, "tangguh_queue_waiting_jobs", queue="default") == 0
     assert value(s, "tangguh_queue_oldest_ready_age_seconds", queue="other") == 0
     assert value(s, "tangguh_queue_sample_timestamp_seconds") > 0
     broker.close()

@@ -139,6 +139,22 @@ def test_ready_comes_with_the_children_the_system_lets_it_fork(notify, daemon):
     assert daemon.wait_exit() == 0
 
 
+def test_the_watchdog_is_pinged_before_the_masters_own_import_at_a_reload(notify, daemon, monkeypatch):
+    """The master's own import of a reload's modules holds the loop as long as the trial's took;
+    the last ping could be nearly half a period old by then, so a slow import (import_timeout
+    raised) passed WatchdogSec= and systemd killed a master that was reloading. A ping now goes
+    just before that import: between RELOADING=1 and READY=1, with pings due only every 300 s."""
+    monkeypatch.setenv("WATCHDOG_USEC", str(600_000_000))
+    daemon.start()
+    ready = notify.wait("READY=1")
+    daemon.signal(signal.SIGHUP)
+    reloading = notify.wait("RELOADING=1", after=ready)
+    reloaded = notify.wait("READY=1", after=reloading)
+    assert notify.lines()[reloading:reloaded].count("WATCHDOG=1") == 1
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+
+
 def test_ready_status_watchdog_reload_and_stopping_in_order(systemd, daemon):
     daemon.start()
     ready = systemd.wait("READY=1")

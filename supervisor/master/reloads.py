@@ -35,6 +35,7 @@ class Reloads:
     def request(self):
         m = self.m
         if m.stopping:
+            log.info("reload ignored: the supervisor is stopping", extra={"event": "reload_ignored"})
             return
         if self.under_way is not None:
             self.again = True
@@ -76,6 +77,9 @@ class Reloads:
         try:
             if problem:
                 raise registry.HandlerLoadError(problem)
+            # The master's own import holds the loop, and its pings, as long as the trial took: a full
+            # watchdog period from now, not what is left of one (WatchdogSec= cut a slow reload short).
+            self.m.status.notifier.watchdog(now_anyway=True)
             try:
                 handlers, dropped = registry.reload_handlers(cfg.supervisor.handlers, self.m.generation + 1,
                                                              self.m.handlers)
