@@ -325,8 +325,7 @@ class Client:
 
 
 def queue_list(queues):
-    """Queues given to a client call: one name is that queue (not its letters), None none, what is
-    no list (``queues=5``) BadInput."""
+    """Queues given to a call: one name is that queue (not its letters); ``queues=5`` BadInput."""
     return [] if queues is None else listed(queues, "queues")
 
 
