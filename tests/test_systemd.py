@@ -400,6 +400,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT_PATH = os.path.join(ROOT, "systemd", "tangguh.service")
 SECURITY_THRESHOLD = 2.0  # systemd-analyze security's exposure, 0 (best) to 10; ours is 1.5
 VENV_TANGGUH = os.path.join(os.path.dirname(sys.executable), "tangguh")
+# Where a service's venv goes. Not this one's: a checkout under /tmp or a home (CI's, a
+# developer's) is refused as an ExecStart= the unit's PrivateTmp= and ProtectHome= would hide.
+SERVICE_TANGGUH = "/opt/tangguh/venv/bin/tangguh"
 
 
 def unit_settings(text):
@@ -523,7 +526,8 @@ def test_config_init_systemd_installs_into_a_root(tmp_path):
     user = pwd.getpwuid(os.geteuid()).pw_name
     group = other_group() if os.geteuid() == 0 else grp.getgrgid(os.getegid())
     root = tmp_path / "root"
-    result = tangguh_cli("config", "init", "--systemd", "--root", str(root), "--user", user, "--group", group.gr_name)
+    result = tangguh_cli("config", "init", "--systemd", "--root", str(root), "--user", user, "--group", group.gr_name,
+                         "--exec", SERVICE_TANGGUH)
     assert result.returncode == 0, result.stderr
 
     def stat(path):
@@ -541,7 +545,8 @@ def test_config_init_systemd_installs_into_a_root(tmp_path):
     assert (cfg.supervisor.handlers, cfg.supervisor.socket) == (install.HANDLERS, install.SOCKET)
     assert cfg.broker.url == f"sqlite:///{install.STATE_DIR}/tangguh.db"
     unit = (root / "etc/systemd/system/tangguh.service").read_text()
-    assert setting(unit, "ExecStart") == f"{VENV_TANGGUH} run -c {install.CONFIG}"
+    assert setting(unit, "ExecStart") == f"{SERVICE_TANGGUH} run -c {install.CONFIG}"
+    assert install.default_tangguh_bin() == VENV_TANGGUH  # with no --exec: this venv's
     assert (setting(unit, "User"), setting(unit, "Group")) == (user, group.gr_name)
     assert "systemctl enable --now tangguh" in result.stdout
 
@@ -549,7 +554,8 @@ def test_config_init_systemd_installs_into_a_root(tmp_path):
     (root / "etc/tangguh/config.toml").write_text("[supervisor]\nworkers = 8\n")
     (root / "etc/tangguh/handlers/mine.py").write_text("# mine\n")
     (root / "etc/systemd/system/tangguh.service").write_text("stale\n")
-    result = tangguh_cli("config", "init", "--systemd", "--root", str(root), "--user", user, "--group", group.gr_name)
+    result = tangguh_cli("config", "init", "--systemd", "--root", str(root), "--user", user, "--group", group.gr_name,
+                         "--exec", SERVICE_TANGGUH)
     assert result.returncode == 0, result.stderr
     assert (root / "etc/tangguh/config.toml").read_text() == "[supervisor]\nworkers = 8\n"
     assert (root / "etc/tangguh/handlers/mine.py").read_text() == "# mine\n"
@@ -559,7 +565,7 @@ def test_config_init_systemd_installs_into_a_root(tmp_path):
 
 def test_config_init_systemd_dry_run_prints_the_plan_and_touches_nothing(tmp_path):
     root = tmp_path / "root"
-    result = tangguh_cli("config", "init", "--systemd", "--dry-run", "--root", str(root),
+    result = tangguh_cli("config", "init", "--systemd", "--dry-run", "--root", str(root), "--exec", SERVICE_TANGGUH,
                          "--user", "tangguh-test-nobody", "--group", "tangguh-test-nogroup")
     assert result.returncode == 0, result.stderr
     # Under --root no account is made, dry run or not: the plan says so.
@@ -570,7 +576,7 @@ def test_config_init_systemd_dry_run_prints_the_plan_and_touches_nothing(tmp_pat
     assert f"would write {root}/etc/systemd/system/tangguh.service (mode 0644)" in result.stdout
     assert not root.exists()
     # On the running system it would make them.
-    result = tangguh_cli("config", "init", "--systemd", "--dry-run",
+    result = tangguh_cli("config", "init", "--systemd", "--dry-run", "--exec", SERVICE_TANGGUH,
                          "--user", "tangguh-test-nobody", "--group", "tangguh-test-nogroup")
     assert result.returncode == 0, result.stderr
     assert "would run: groupadd --system tangguh-test-nogroup" in result.stdout
@@ -583,7 +589,7 @@ def test_config_init_systemd_into_a_root_without_the_group_writes_the_files_for_
     # For a package: the group is the target system's, made by its installation. This one
     # failed after making half the tree, while its --dry-run had predicted success.
     root = tmp_path / "root"
-    result = tangguh_cli("config", "init", "--systemd", "--root", str(root),
+    result = tangguh_cli("config", "init", "--systemd", "--root", str(root), "--exec", SERVICE_TANGGUH,
                          "--user", "tangguh-test-nobody", "--group", "tangguh-test-nogroup")
     assert result.returncode == 0, result.stderr
     assert "group left as is: no group tangguh-test-nogroup here" in result.stdout
