@@ -8,7 +8,7 @@ import math
 import re
 import urllib.parse
 
-from .model import MAX_DELAY, MAX_TIMEOUT, QUEUE_NAME, QUEUE_RULE
+from .model import MAX_DELAY, MAX_INT, MAX_TIMEOUT, QUEUE_NAME, QUEUE_RULE
 
 
 def _num(v):
@@ -18,10 +18,16 @@ def _num(v):
         return False
 
 
+# Counts fit a 32-bit column, as an enqueue's max_attempts must: 10**30 jobs prefetched or running at
+# once failed every claim (an integer SQLite and PostgreSQL cannot bind), the claims read as an outage.
+def _count(v, low):
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= MAX_INT
+
+
 def positive_int(v):
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+    if _count(v, 1):
         return v
-    raise ValueError("expected a positive integer")
+    raise ValueError(f"expected a positive integer up to {MAX_INT}")
 
 
 # Children per supervisor, from the config or SIGTTIN: each costs the master a descriptor
@@ -36,9 +42,9 @@ def worker_count(v):
 
 
 def non_negative_int(v):
-    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+    if _count(v, 0):
         return v
-    raise ValueError("expected an integer >= 0")
+    raise ValueError(f"expected an integer from 0 to {MAX_INT}")
 
 
 def file_mode(v):
@@ -50,15 +56,28 @@ def file_mode(v):
 
 def prefetch_setting(v):
     """``"auto"`` (per job type, from its run times) or a fixed count >= 0."""
-    if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+    if v == "auto" or _count(v, 0):
         return v
-    raise ValueError('expected "auto" or an integer >= 0')
+    raise ValueError(f'expected "auto" or an integer from 0 to {MAX_INT}')
 
 
-def positive_number(v):
-    if _num(v) and v > 0:
-        return float(v)
-    raise ValueError("expected a positive number")
+DAY = 86400.0
+
+
+def seconds_up_to(most, said, zero=False):
+    """Seconds above 0 (or 0 too, with ``zero``) and up to ``most``: a wait on 1e299 s overflowed (the
+    heartbeat thread died on its Event.wait, a lease's time stamp was out of range)."""
+    def check(v):
+        if _num(v) and (v > 0 or (zero and v == 0)) and v <= most:
+            return float(v) + 0.0  # -0.0 is 0
+        raise ValueError(f"expected a number of seconds from 0 to {most:.0f} ({said})" if zero else
+                         f"expected a positive number of seconds up to {most:.0f} ({said})")
+    return check
+
+
+up_to_a_day = seconds_up_to(DAY, "a day")
+retention_seconds = seconds_up_to(MAX_DELAY, "ten years", zero=True)
+up_to_ten_years = seconds_up_to(MAX_DELAY, "ten years")
 
 
 def timeout_seconds(v):
@@ -84,15 +103,9 @@ def delay_seconds(v):
 
 def poll_interval(v):
     # Below this an idle master polls so often it spins a core (a microsecond: 16,000 empty claims a second).
-    if _num(v) and v >= 0.001:
+    if _num(v) and 0.001 <= v <= 3600:
         return float(v)
-    raise ValueError("expected a number of seconds >= 0.001")
-
-
-def non_negative_number(v):
-    if _num(v) and v >= 0:
-        return float(v)
-    raise ValueError("expected a number >= 0")
+    raise ValueError("expected a number of seconds >= 0.001 and up to 3600 (an hour)")
 
 
 def fraction(v):

@@ -1,7 +1,7 @@
 """Configuration: TOML in, validated dataclasses out.
 
 Every key has a default, so an empty file is a valid config. Errors name the
-key path (``broker.lease_seconds: expected a positive number, got "abc"``);
+key path (``broker.lease_seconds: expected a positive number of seconds up to 86400 (a day), got "abc"``);
 unknown keys are errors too, because a misspelt key silently ignored is a
 setting the operator believes in and does not have. Relative paths resolve
 against the folder of the config file.
@@ -13,9 +13,9 @@ import tomllib
 import urllib.parse
 
 from .checks import (Unshown, boolean, cron, delay_seconds, field_names, file_mode, fraction, group_name,
-                     listen_address, name, non_negative_int, non_negative_number, one_of, poll_interval, positive_int,
-                     positive_number, prefetch_setting, queue_name, queue_names, rate, soft_timeout_seconds, string,
-                     table, timeout_seconds, timezone, url_of, web_accounts, worker_count)
+                     listen_address, name, non_negative_int, one_of, poll_interval, positive_int,
+                     prefetch_setting, retention_seconds, queue_name, queue_names, rate, soft_timeout_seconds, string,
+                     table, timeout_seconds, timezone, up_to_a_day, up_to_ten_years, url_of, web_accounts, worker_count)
 from . import urls
 from .errors import BadInput, ConfigError
 from .scheduler import catch_up_count
@@ -37,9 +37,9 @@ class SupervisorConfig:
     socket: str = option(string, "health socket path", default="tangguh.sock")
     socket_mode: int = option(file_mode, "health socket file mode", default=0o660)
     socket_group: str = option(group_name, "group the health socket is given (empty: the daemon's own)", default="")
-    graceful_timeout: float = option(positive_number, "seconds running jobs get to finish on SIGTERM", default=30.0)
-    kill_grace: float = option(positive_number, "seconds between SIGTERM and SIGKILL of a child", default=0.5)
-    cancel_grace: float = option(positive_number, "seconds a cancelled job's handler gets to stop before its"
+    graceful_timeout: float = option(up_to_a_day, "seconds running jobs get to finish on SIGTERM", default=30.0)
+    kill_grace: float = option(up_to_a_day, "seconds between SIGTERM and SIGKILL of a child", default=0.5)
+    cancel_grace: float = option(up_to_a_day, "seconds a cancelled job's handler gets to stop before its"
                                  " child is killed", default=10.0)
     max_jobs_per_child: int = option(non_negative_int, "recycle a child after this many jobs (0: never)", default=0)
     max_child_rss_mb: int = option(non_negative_int, "recycle a child above this RSS (0: never)", default=0)
@@ -56,12 +56,12 @@ class SupervisorConfig:
 class BrokerConfig:
     url: str = option(string, "sqlite:///file.db, redis://..., postgresql://...", default="sqlite:///tangguh.db")
     queues: list = option(queue_names, "queues served, in order of precedence", default_factory=lambda: ["default"])
-    lease_seconds: float = option(positive_number, "how long a claim holds a job without renewal", default=30.0)
-    heartbeat_seconds: float = option(positive_number, "how often held leases are renewed", default=5.0)
+    lease_seconds: float = option(up_to_a_day, "how long a claim holds a job without renewal", default=30.0)
+    heartbeat_seconds: float = option(up_to_a_day, "how often held leases are renewed", default=5.0)
     prefetch: int | str = option(prefetch_setting, '"auto" (per job type, from its run times) or jobs claimed '
                                  "beyond the idle children", default="auto")
     migrate: bool = option(boolean, "create/upgrade broker tables at start", default=True)
-    retention: float = option(non_negative_number, "seconds done jobs are kept (0: forever)", default=7 * 86400.0)
+    retention: float = option(retention_seconds, "seconds done jobs are kept (0: forever)", default=7 * 86400.0)
     redis_wait_replicas: int = option(non_negative_int, "Redis replicas that must confirm each enqueue and outcome"
                                       " write (WAIT; 0: none)", default=0)
 
@@ -121,7 +121,7 @@ class ToolkitConfig:
                                "handlers' database for ctx.transaction/idempotency (empty: none)", default="")
     redis_url: str = option(url_of("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel"),
                             "Redis for ctx.lock and ctx.cache (empty: none)", default="")
-    idempotency_retention: float = option(positive_number, "seconds done idempotency records are kept",
+    idempotency_retention: float = option(up_to_ten_years, "seconds done idempotency records are kept",
                                           default=7 * 86400.0)
 
 

@@ -2678,7 +2678,7 @@ MUTATIONS = [
              ("tests/test_config.py", "tests/test_jobref.py", "-k", "bad_values or wrong_kind"),
              "a soft timeout past a year (its timer overflows) is refused in the config and the decorator"),
     Mutation("backoff-cap-unbounded", "supervisor/config.py",
-             'option(delay_seconds, "longest retry delay"', 'option(non_negative_number, "longest retry delay"',
+             'option(delay_seconds, "longest retry delay"', 'option(float, "longest retry delay"',
              ("tests/test_config.py", "-k", "bad_values"),
              "a backoff_cap past ten years (a retry put off for ever) is refused"),
     Mutation("expired-lease-runs-past-type-attempts", "supervisor/master/dispatch.py",
@@ -2695,7 +2695,7 @@ MUTATIONS = [
              ("tests/test_testing.py", "-k", "ctrl_c"),
              "Ctrl-C while run_jobs runs a handler stops the test, not just that attempt"),
     Mutation("import-timeout-unbounded", "supervisor/config.py",
-             'import_timeout: float = option(timeout_seconds,', 'import_timeout: float = option(positive_number,',
+             'import_timeout: float = option(timeout_seconds,', 'import_timeout: float = option(float,',
              ("tests/test_config.py", "-k", "bad_values"),
              "an import_timeout the trial import's wait cannot hold is refused naming the key"),
     Mutation("reload-keeps-the-log-format", "supervisor/master/reloads.py",
@@ -2763,6 +2763,15 @@ MUTATIONS = [
              "    if isinstance(steps, (str, bytes, dict)):", "    if False:",
              ("tests/test_conformance_workflows.py", "-k", "sqlite and chain_given_one_job"),
              "a chain given one job (a dict) or a string is refused naming that, not its first key or letter"),
+    Mutation("config-seconds-unbounded", "supervisor/checks.py",
+             "(v > 0 or (zero and v == 0)) and v <= most:", "(v > 0 or (zero and v == 0)):",
+             ("tests/test_config_bounds.py", "-k", "refuses or reload"),
+             "a lease, heartbeat, grace or retention past its bound (1e299 s: the heartbeat thread's wait"
+             " overflowed) is refused by config check, run and a reload, which keeps the old config serving"),
+    Mutation("config-counts-unbounded", "supervisor/checks.py",
+             "low <= v <= MAX_INT", "low <= v",
+             ("tests/test_config_bounds.py", "-k", "refuses_a_value"),
+             "a count past a 32-bit integer (a prefetch of 10**30 failed every claim) is refused naming the key"),
 ]
 
 

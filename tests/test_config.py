@@ -112,14 +112,15 @@ BAD = [
      " to 31536000 (a year), got 1e+300"),
     # An idle master polling every microsecond spun a core.
     ("[supervisor]\npoll_interval = 0.000001", "supervisor.poll_interval: expected a number of seconds >= 0.001"),
-    ("[broker]\nlease_seconds = \"abc\"", 'broker.lease_seconds: expected a positive number, got "abc"'),
+    ("[broker]\nlease_seconds = \"abc\"",
+     'broker.lease_seconds: expected a positive number of seconds up to 86400 (a day), got "abc"'),
     ("[broker]\nqueues = []", "broker.queues: expected a non-empty list of distinct names"),
     ("[broker]\nqueues = [\"a\", \"a\"]", "broker.queues: expected a non-empty list of distinct names"),
     ("[broker]\nqueues = \"default\"", "broker.queues: expected a non-empty list"),
     ("[broker]\nmigrate = \"yes\"", 'broker.migrate: expected true or false, got "yes"'),
-    ("[broker]\nprefetch = -1", 'broker.prefetch: expected "auto" or an integer >= 0, got -1'),
-    ('[broker]\nprefetch = "some"', 'broker.prefetch: expected "auto" or an integer >= 0, got "some"'),
-    ("[broker]\nretention = -1.0", "broker.retention: expected a number >= 0"),
+    ("[broker]\nprefetch = -1", 'broker.prefetch: expected "auto" or an integer from 0 to 2147483647, got -1'),
+    ('[broker]\nprefetch = "some"', 'broker.prefetch: expected "auto" or an integer from 0 to 2147483647, got "some"'),
+    ("[broker]\nretention = -1.0", "broker.retention: expected a number of seconds from 0 to 315360000"),
     ("[broker]\nurl = 5", "broker.url: expected a string, got 5"),
     ("[broker]\nurl = \"ftp://x/y\"", "broker.url: unknown broker scheme 'ftp'"),
     ("[broker]\nurl = \"just-a-file.db\"", "broker.url: broker url is not a URL"),
@@ -134,7 +135,7 @@ BAD = [
     # 9e299: never run, and the console's job page failed with an internal error).
     ("[jobs]\nbackoff_cap = 1e308", "jobs.backoff_cap: expected a number of seconds >= 0 and up to 315360000"),
     ("[jobs]\nbackoff_base = 1e300", "jobs.backoff_base: expected a number of seconds >= 0 and up to 315360000"),
-    ("[jobs]\nmax_attempts = 0", "jobs.max_attempts: expected a positive integer, got 0"),
+    ("[jobs]\nmax_attempts = 0", "jobs.max_attempts: expected a positive integer up to 2147483647, got 0"),
     ("[jobs]\ntypes = 3", "jobs.types: expected a table"),
     ("[jobs.types.mail]\ntimeout = -1", "jobs.types.mail.timeout: expected a positive number of seconds up to"
      " 31536000 (a year), got -1"),
@@ -228,7 +229,8 @@ def test_config_check(capsys, tmp_path):
     bad = write(tmp_path, "[broker]\nlease_seconds = \"abc\"\n", name="bad.toml")
     code, out, err = tangguh(capsys, "config", "check", "-c", bad)
     assert (code, out) == (2, "")
-    assert err == 'tangguh: error: broker.lease_seconds: expected a positive number, got "abc"\n'
+    assert err == ('tangguh: error: broker.lease_seconds: expected a positive number of seconds up to 86400'
+                   ' (a day), got "abc"\n')
     code, out, err = tangguh(capsys, "config", "check", "-c", tmp_path / "missing.toml")
     assert code == 2 and err == f"tangguh: error: {tmp_path / 'missing.toml'}: no such config file\n"
     code, out, err = tangguh(capsys, "config", "check", "-c", write(tmp_path, "[x\n", name="broken.toml"))

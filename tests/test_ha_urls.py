@@ -87,7 +87,8 @@ def test_redis_wait_replicas_is_folded_into_the_broker_url(tmp_path):
      "broker.redis_wait_replicas: only for a redis:// or redis+sentinel:// broker, not sqlite://"),
     ('url = "redis+cluster://h:7000/"\nredis_wait_replicas = 1',
      "broker.redis_wait_replicas: only for a redis:// or redis+sentinel:// broker, not redis+cluster://"),
-    ('url = "redis://h/0"\nredis_wait_replicas = -1', "broker.redis_wait_replicas: expected an integer >= 0, got -1"),
+    ('url = "redis://h/0"\nredis_wait_replicas = -1',
+     "broker.redis_wait_replicas: expected an integer from 0 to 2147483647, got -1"),
     ('url = "redis://h/0?wait_replicas=2"\nredis_wait_replicas = 1',
      "broker.redis_wait_replicas: 1 but broker.url says wait_replicas=2"),
 ])

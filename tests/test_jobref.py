@@ -168,8 +168,8 @@ def test_configure_takes_one_source(sqlite_url):
     ("soft_timeout", 1e300,
      "soft_timeout: expected a number of seconds >= 0 and up to 31536000 (a year), got 1e+300"),
     ("timeout", 1e300, "timeout: expected a positive number of seconds up to 31536000 (a year), got 1e+300"),
-    ("max_attempts", 0, "max_attempts: expected a positive integer, got 0"),
-    ("max_attempts", 2.5, "max_attempts: expected a positive integer, got 2.5"),
+    ("max_attempts", 0, "max_attempts: expected a positive integer up to 2147483647, got 0"),
+    ("max_attempts", 2.5, "max_attempts: expected a positive integer up to 2147483647, got 2.5"),
     ("queue", "e-mails!", "queue: expected a queue name (1 to 64 letters, digits or _ . : -), got 'e-mails!'"),
     ("exclusive", "no", "exclusive: expected true or false, got 'no'"),
 ])
