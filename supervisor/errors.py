@@ -56,3 +56,12 @@ class LeaseLost(TangguhError):
 
 class NotDead(TangguhError):
     """dlq_replay/dlq_purge was asked about a job that is not dead-lettered."""
+
+
+class StopSignal(BaseException):
+    """SIGTERM, SIGINT or SIGQUIT while the master starts: raised out of the handler files' import
+    (a BaseException, so that a module's ``except Exception`` does not take it for its own)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum

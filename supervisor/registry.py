@@ -14,7 +14,7 @@ import os
 import sys
 import traceback
 
-from .errors import ConfigError, TangguhError
+from .errors import ConfigError, StopSignal, TangguhError
 from .jsonvalues import clip_start
 
 _MARK = "__tangguh_job__"
@@ -195,6 +195,9 @@ def _import_path(path, module_name):
     pid = os.getpid()
     try:
         spec.loader.exec_module(module)
+    except StopSignal:  # a stop while the master starts: not the file's failure (exit 2), a stop
+        sys.modules.pop(module_name, None)
+        raise
     except BaseException as exc:  # noqa: BLE001 - any failure of a handler file is a load error
         sys.modules.pop(module_name, None)
         raise HandlerLoadError(_describe(path, exc)) from None

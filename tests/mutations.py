@@ -1150,6 +1150,7 @@ MUTATIONS = [
              ("tests/test_daemon.py", "-k", "forks_at_import"),
              "a process a handler module forks at import never runs on as a second master"),
     Mutation("sighup-at-start-ends-daemon", "supervisor/master/__init__.py",
+             "        # Noted, not blocked: a blocked signal stays blocked in every program a module starts.\n"
              "        signal.signal(sig, lambda signum, _frame: held.append(signum))", "        pass",
              ("tests/test_daemon.py", "-k", "while_the_handlers_import"),
              "a SIGHUP during start-up is a reload afterwards, not the daemon's end"),
@@ -2772,6 +2773,16 @@ MUTATIONS = [
              "low <= v <= MAX_INT", "low <= v",
              ("tests/test_config_bounds.py", "-k", "refuses_a_value"),
              "a count past a 32-bit integer (a prefetch of 10**30 failed every claim) is refused naming the key"),
+    Mutation("start-up-stop-signal-at-its-default", "supervisor/master/__init__.py",
+             "        signal.signal(sig, _stop_at_start)\n", "        pass\n",
+             ("tests/test_startup_signals.py", "-k", "trial"),
+             "SIGTERM/INT/QUIT while the handler files import stops the start cleanly (logged, exit 0),"
+             " not the master ended by the signal or a traceback"),
+    Mutation("start-up-stop-in-own-import-is-a-load-error", "supervisor/registry.py",
+             "    except StopSignal:  # a stop", "    except ZeroDivisionError:  # a stop",
+             ("tests/test_startup_signals.py", "-k", "master"),
+             "a stop signal during the master's own import of the handler files is a stop (exit 0),"
+             " not a handler file's load error (exit 2)"),
 ]
 
 
