@@ -376,8 +376,7 @@ def load(path=None):
     command line refuses that for every command but ``config show``/``check``: cli.common)."""
     found = find_config(path)
     if found is None:
-        cfg = from_dict({}, os.getcwd())
-        return cfg
+        return from_dict({}, os.getcwd())
     try:
         with open(found, "rb") as f:
             text = f.read(MAX_CONFIG_BYTES + 1)  # /dev/zero, a log file named by mistake: not all of it
@@ -390,11 +389,11 @@ def load(path=None):
         raise ConfigError(f"{found}: no such config file") from None
     except OSError as exc:
         raise ConfigError(f"{found}: cannot read: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{found}: invalid TOML: {exc}") from None
     except UnicodeDecodeError as exc:  # TOML is UTF-8: a file saved as Latin-1 (an accent in a comment)
         raise ConfigError(f"{found}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r});"
                           " save it as UTF-8") from None
+    except ValueError as exc:  # TOMLDecodeError, and an integer past Python's 4300 digits: a bare ValueError
+        raise ConfigError(f"{found}: invalid TOML: {str(exc).split('; use sys.')[0]}") from None
     cfg = from_dict(data, os.path.dirname(os.path.abspath(found)))
     cfg.path = os.path.abspath(found)
     return cfg

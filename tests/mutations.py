@@ -2783,6 +2783,10 @@ MUTATIONS = [
              ("tests/test_startup_signals.py", "-k", "master"),
              "a stop signal during the master's own import of the handler files is a stop (exit 0),"
              " not a handler file's load error (exit 2)"),
+    Mutation("config-too-long-integer-internal-error", "supervisor/config.py",
+             "    except ValueError as exc:  # TOMLDecodeError,", "    except tomllib.TOMLDecodeError as exc:  #",
+             ("tests/test_config_bounds.py", "-k", "too_long"),
+             "an integer of 5000 digits in the config is invalid TOML naming the file, not an internal error"),
 ]
 
 

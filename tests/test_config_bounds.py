@@ -110,3 +110,11 @@ def test_a_reload_to_a_value_past_its_bound_is_refused_and_the_old_config_serves
     daemon.signal(signal.SIGTERM)
     assert daemon.wait_exit() == 0
     daemon.assert_clean()
+
+
+def test_an_integer_too_long_to_read_is_invalid_toml_not_an_internal_error(capsys, tmp_path):
+    # Past Python's 4300 digits, tomllib raised a bare ValueError: "internal error", exit 1.
+    path = write(tmp_path, "broker.prefetch", "9" * 5000)
+    assert cli.main(["config", "check", "-c", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tangguh: error: {path}: invalid TOML: ") and "5000 digits" in err and err.count("\n") == 1
