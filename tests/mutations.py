@@ -2787,6 +2787,16 @@ MUTATIONS = [
              "    except ValueError as exc:  # TOMLDecodeError,", "    except tomllib.TOMLDecodeError as exc:  #",
              ("tests/test_config_bounds.py", "-k", "too_long"),
              "an integer of 5000 digits in the config is invalid TOML naming the file, not an internal error"),
+    Mutation("web-state-filter-keeps-one-state", "supervisor/web/templates/jobs.html",
+             '{% if s in values.state %} checked{% endif %}',
+             '{% if s == (values.state or [""])[-1] %} checked{% endif %}',
+             ("tests/test_web_filters.py", "-k", "sqlite and chosen_state"),
+             "the Jobs filter form keeps every state of its URL ticked, not only one (as a single select did)"),
+    Mutation("web-no-idempotency-key-field", "supervisor/web/templates/jobs.html",
+             '  <label>Idempotency key <input name="idempotency_key" id="f-key" value="{{ values.idempotency_key }}">'
+             '</label>\n', "",
+             ("tests/test_web_filters.py", "-k", "sqlite and chosen_state"),
+             "the Jobs filter has an idempotency key field that shows the key searched, escaped"),
 ]
 
 
