@@ -2797,6 +2797,19 @@ MUTATIONS = [
              '</label>\n', "",
              ("tests/test_web_filters.py", "-k", "sqlite and chosen_state"),
              "the Jobs filter has an idempotency key field that shows the key searched, escaped"),
+    Mutation("web-confirm-cancel-drops-order", "supervisor/web/actions.py",
+             '    back = "/jobs?" + query_string(values, order=order)\n',
+             '    back = "/jobs?" + query_string(values)\n',
+             ("tests/test_web_filters.py", "-k", "sqlite and cancel_link"),
+             "the bulk confirmation's Cancel and the page after the action keep the Jobs page's order"),
+    Mutation("web-bulk-form-drops-order", "supervisor/web/templates/jobs.html",
+             '  <input type="hidden" name="order" value="{{ order }}">\n', "",
+             ("tests/test_web_filters.py", "-k", "sqlite and cancel_link"),
+             "the Jobs page's bulk form sends its order on to the confirmation"),
+    Mutation("web-filter-form-drops-order", "supervisor/web/templates/jobs.html",
+             '<select name="order" id="f-order">', '<select id="f-order">',
+             ("tests/test_web_browser.py", "-k", "sqlite and two_states"),
+             "searching again from the Jobs filter form keeps the page's order"),
 ]
 
 

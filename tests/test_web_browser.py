@@ -413,6 +413,39 @@ def test_pause_a_queue_see_no_job_of_it_start_and_resume_it(admin):
     assert s.daemon.wait_job(held).state == "done"
 
 
+def test_a_filter_of_two_states_and_a_key_survives_a_new_search_and_the_bulk_confirmations_cancel(admin):
+    """A URL with two states (as the API and the command line take them) lost the second when its
+    form was searched again; the key had no field; the confirmation's Cancel lost the order."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    from selenium.webdriver.support.ui import Select
+
+    s = admin
+    key = f'k-"<i>{uuid.uuid4().hex[:8]}&amp;'
+    job_id = s.daemon.enqueue("noop", {"keyed": True}, idempotency_key=key, delay=3600)
+    s.daemon.enqueue("noop", {"keyed": False}, delay=3600)
+    s.open("/jobs?state=queued&state=retrying&order=oldest")
+    ticked = [box.get_attribute("value") for box in s.driver.find_elements(By.CSS_SELECTOR, "#f-state input:checked")]
+    assert ticked == ["queued", "retrying"]
+    s.find("#f-key").send_keys(key)
+    s.find("#search-button").click()
+    wait_for(lambda: s.links("#jobs-table a") == [job_id], timeout=10, message="the keyed job alone")
+    asked = sorted(parse_qsl(urlsplit(s.driver.current_url).query))
+    assert [v for k, v in asked if k == "state"] == ["queued", "retrying"]
+    assert ("idempotency_key", key) in asked and ("order", "oldest") in asked
+    assert s.find("#f-key").get_attribute("value") == key
+    s.shot("jobs-filter")
+    Select(s.find("#bulk-scope")).select_by_value("filter")
+    s.find("#bulk-cancel").click()
+    wait_for(lambda: s.text("#confirm-count") == "1", timeout=10, message="the confirmation")
+    s.shot("confirm")
+    s.find("#confirm-back").click()
+    wait_for(lambda: s.text("h1") == "Jobs", timeout=10, message="back on the Jobs page")
+    assert sorted(parse_qsl(urlsplit(s.driver.current_url).query)) == asked
+    assert s.daemon.job(job_id).state == "queued"
+    assert s.browser_errors() == []
+
+
 def test_a_viewer_sees_no_action_buttons_and_posts_without_the_token_are_refused(stack):
     s = stack
     job_id = s.daemon.enqueue("noop", {"x": 1})

@@ -4,6 +4,7 @@ browser in tests/test_web_browser.py).
 """
 import html
 import re
+from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 
@@ -25,6 +26,21 @@ def console(tmp_path, broker):
         yield client
 
 
+def hidden_fields(page, form_id):
+    """The (name, value) pairs of a form's hidden inputs, as a browser would send them."""
+    form = re.search(rf'<form[^>]*id="{form_id}".*?</form>', page, re.S).group(0)
+    return [(html.unescape(n), html.unescape(v))
+            for n, v in re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', form)]
+
+
+def as_form(pairs):
+    """Pairs as the test client posts them: a name repeated is one key with a list."""
+    form = {}
+    for name, value in pairs:
+        form.setdefault(name, []).append(value)
+    return form
+
+
 def test_every_chosen_state_and_an_idempotency_key_stay_in_the_filter_form_escaped(console, broker):
     mine = broker.enqueue(NewJob("export", {"n": 1}, idempotency_key=HOSTILE_KEY).validate())
     other = broker.enqueue(NewJob("export", {"n": 2}, idempotency_key="another").validate())
@@ -37,3 +53,25 @@ def test_every_chosen_state_and_an_idempotency_key_stay_in_the_filter_form_escap
     assert html.unescape(key) == HOSTILE_KEY
     assert "<script>alert" not in page
     assert mine in page and other not in page
+
+
+def test_the_confirmations_cancel_link_keeps_the_order_and_every_filter_field(console, broker):
+    job_id = broker.enqueue(NewJob("export", {"n": 1}, idempotency_key="k-7", delay=3600).validate())
+    login(console, "ada", ADMIN_PW)
+    asked = [("state", "queued"), ("state", "retrying"), ("queue", "default"), ("type", "export"),
+             ("idempotency_key", "k-7"), ("since", "1d"), ("where", "n=1"), ("order", "oldest")]
+    page = console.get("/jobs", params=asked).text
+    assert job_id in page
+    form = hidden_fields(page, "bulk-form")
+    confirm = console.post("/jobs/bulk", data=as_form(form + [("action", "cancel"), ("scope", "filter")]))
+    assert confirm.status_code == 200 and re.search(r'id="confirm-count">1<', confirm.text)
+    back = html.unescape(re.search(r'<a href="([^"]+)" class="button" id="confirm-back">', confirm.text).group(1))
+    assert urlsplit(back).path == "/jobs" and sorted(parse_qsl(urlsplit(back).query)) == sorted(asked)
+    done = console.post("/jobs/bulk", data=as_form(hidden_fields(confirm.text, "confirm-form")),
+                        follow_redirects=False)
+    assert done.status_code == 303 and sorted(parse_qsl(urlsplit(done.headers["location"]).query)) == sorted(asked)
+    assert broker.get(job_id).state == "cancelled"
+    # An order that is none of the two is left out of the link rather than carried on.
+    bad = console.post("/jobs/bulk", data=as_form([*form, ("action", "cancel"), ("scope", "filter"),
+                                                   ("order", "<b>sideways</b>")]))
+    assert "order=" not in re.search(r'href="([^"]+)" class="button" id="confirm-back"', bad.text).group(1)

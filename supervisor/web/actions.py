@@ -14,6 +14,7 @@ from starlette.responses import RedirectResponse
 
 from ..backends.control import acting
 from ..errors import BadInput
+from ..jobfilter import ORDERS
 from ..model import NewJob, check_queue
 from .console import gate
 from .forms import form_values, job_filter, query_string
@@ -113,14 +114,16 @@ async def jobs_bulk(request, form):
         ids = check_ids(form.getlist("ids"))
         if not ids:
             raise BadInput("no job selected")
-    back = "/jobs?" + query_string(values)
+    # The page's order goes back with its filter; anything else than an order the search takes is dropped.
+    order = form.get("order") if form.get("order") in ORDERS else None
+    back = "/jobs?" + query_string(values, order=order)
     if form.get("confirmed") != "yes":
         if flt is not None:
             n, exact = await c.pool.call(count_acting, action, flt)
         else:
             n, exact = len(ids), True
         return c.render(request, "confirm.html", action=action, n=n, exact=exact, scope=form.get("scope"),
-                        ids=ids or [], values=values, back=back, cap=BULK_CAP)
+                        ids=ids or [], values=values, order=order, back=back, cap=BULK_CAP)
     outcome, more = await bulk(c, request.state.identity, action, ids=ids, flt=flt)
     flash(request, f"{action}: {describe(outcome, more)}")
     return RedirectResponse(back, status_code=303)
