@@ -446,6 +446,18 @@ def test_a_filter_of_two_states_and_a_key_survives_a_new_search_and_the_bulk_con
     assert s.browser_errors() == []
 
 
+def test_a_queue_paused_from_the_command_line_with_no_job_shows_and_resume_all_resumes_it(admin):
+    s = admin
+    s.broker.pause("ghost", "cli")
+    s.open("/queues")
+    assert (s.text('tr[data-queue="ghost"] .queue-state') or "").startswith("paused by cli")
+    s.shot("queues-ghost")
+    s.find("#resume-all").click()
+    wait_for(lambda: s.broker.paused() == {}, timeout=10, message="every queue resumed")
+    assert s.find('tr[data-queue="default"] .queue-state').text == "running"
+    assert s.browser_errors() == []
+
+
 def test_a_viewer_sees_no_action_buttons_and_posts_without_the_token_are_refused(stack):
     s = stack
     job_id = s.daemon.enqueue("noop", {"x": 1})

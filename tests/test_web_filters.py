@@ -15,7 +15,8 @@ from starlette.testclient import TestClient  # noqa: E402
 from supervisor.model import NewJob  # noqa: E402
 from supervisor.web import app as web_app  # noqa: E402
 
-from .test_web import ADMIN_PW, login, make_config  # noqa: E402
+from .test_web import ADMIN_PW, csrf_of, login, make_config  # noqa: E402
+from .util import wait_for  # noqa: E402
 
 HOSTILE_KEY = '"><script>alert(1)</script>&amp;'
 
@@ -75,3 +76,20 @@ def test_the_confirmations_cancel_link_keeps_the_order_and_every_filter_field(co
     bad = console.post("/jobs/bulk", data=as_form([*form, ("action", "cancel"), ("scope", "filter"),
                                                    ("order", "<b>sideways</b>")]))
     assert "order=" not in re.search(r'href="([^"]+)" class="button" id="confirm-back"', bad.text).group(1)
+
+
+def test_a_paused_queue_the_last_sample_did_not_list_is_shown_and_resumed_by_resume_all(tmp_path, broker):
+    # Paused from the command line after the console's last sample (here: its only one), in a queue
+    # no job was ever in and the config does not name: the page and Resume all must still see it.
+    broker.pause("busy", "cli")
+    with TestClient(web_app.build(make_config(tmp_path, broker.url), sample_interval=3600)) as client:
+        sampler = client.app.state.console.sampler
+        wait_for(lambda: sampler.snapshot["at"] is not None, timeout=10, message="the console's first sample")
+        broker.pause("ghost", "cli")
+        login(client, "ada", ADMIN_PW)
+        page = client.get("/queues").text
+        for name in ("busy", "ghost"):
+            row = re.search(rf'<tr data-queue="{name}">.*?</tr>', page, re.S)
+            assert row and "paused" in row.group(0) and f'id="resume-{name}"' in row.group(0), name
+        done = client.post("/queues/resume", data={"csrf": csrf_of(page)}, follow_redirects=False)
+        assert done.status_code == 303 and broker.paused() == {}

@@ -274,6 +274,10 @@ async def queue_action(console, identity, action, queue):
         raise BadInput(f"unknown action {action!r} (pause or resume)")
     names = [check_queue(queue)] if queue else [r["queue"] for r in console.sampler.snapshot["queues"]] or list(
         console.cfg.broker.queues)
+    if not queue and action == "resume":
+        # Every pause the broker holds, read now: one made since the last sample is resumed too.
+        paused = await console.pool.call(lambda b: b.paused())
+        names += [q for q in paused if q not in names]
     for name in names:
         if action == "pause":
             await console.pool.call(lambda b, q=name: b.pause(q, identity.name))

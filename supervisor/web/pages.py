@@ -11,6 +11,7 @@ from . import auth, csrf
 from .console import gate, refuse
 from .formbody import LOGIN_LIMIT, BodyRefused, read_form
 from .forms import form_values, job_filter, query_string
+from .live import queue_rows
 
 PAGE_SIZE = 50
 DEAD_LISTED = 300  # dead letters grouped on the page: the most recent ones, a bounded read
@@ -124,6 +125,15 @@ async def queues(request):
     # Counts from the sampler (a second old; counting is what a deep queue makes slow), pauses read now.
     paused = await fetch("pausing queues", lambda b: b.paused(), default=None)
     rows = c.sampler.queue_rows(paused or {}) if paused is not None else c.sampler.snapshot["queues"]
+    # Paused since the last sample (from the command line, a queue no job was ever in): on-call
+    # must see every pause, so its counts are read now rather than a second later.
+    missing = [q for q in paused or {} if q not in {r["queue"] for r in rows}]
+    if missing:
+        stats = await fetch("queue statistics", lambda b: b.stats(missing), default=None)
+        rows = rows + (queue_rows(stats, paused) if stats else
+                       [{"queue": q, "ready": "-", "scheduled": "-", "in_flight": "-", "oldest_ready_age": None,
+                         "paused": True}
+                        for q in missing])
     return c.render(request, "queues.html", problems=fetch.problems, rows=rows, paused=paused or {},
                     at=c.sampler.snapshot["at"])
 
