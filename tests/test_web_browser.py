@@ -446,6 +446,23 @@ def test_a_filter_of_two_states_and_a_key_survives_a_new_search_and_the_bulk_con
     assert s.browser_errors() == []
 
 
+def test_a_workflow_childs_page_lists_its_parents_and_links_to_them(admin):
+    s = admin
+    first = s.daemon.enqueue("noop", {"step": 1})
+    assert s.daemon.wait_job(first).state == "done"
+    later = s.daemon.enqueue("noop", {"step": 2}, delay=3600)
+    child = s.daemon.enqueue("noop", {"step": 3}, depends_on=[first, later])
+    s.open(f"/jobs/{child}")
+    rows = s.driver.find_elements(By.CSS_SELECTOR, "#parents tbody tr")
+    got = sorted((r.find_element(By.CSS_SELECTOR, "a").text, r.find_element(By.CSS_SELECTOR, ".state").text)
+                 for r in rows)
+    assert got == sorted([(first, "done"), (later, "queued")])
+    s.shot("job-parents")
+    s.driver.find_element(By.LINK_TEXT, later).click()
+    wait_for(lambda: s.text("h1") == later, timeout=10, message="the parent's page")
+    assert s.browser_errors() == []
+
+
 def test_a_queue_paused_from_the_command_line_with_no_job_shows_and_resume_all_resumes_it(admin):
     s = admin
     s.broker.pause("ghost", "cli")

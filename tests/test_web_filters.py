@@ -93,3 +93,24 @@ def test_a_paused_queue_the_last_sample_did_not_list_is_shown_and_resumed_by_res
             assert row and "paused" in row.group(0) and f'id="resume-{name}"' in row.group(0), name
         done = client.post("/queues/resume", data={"csrf": csrf_of(page)}, follow_redirects=False)
         assert done.status_code == 303 and broker.paused() == {}
+
+
+def test_a_job_page_lists_its_parents_with_links_and_their_states(console, broker):
+    done = broker.enqueue(NewJob("charge", {"n": 1}).validate())
+    (claimed,) = broker.claim(["default"], 1, 30, "test")
+    broker.ack(claimed.lease, {"ok": True})
+    hostile = broker.enqueue(NewJob("charge", {"n": 2}, id="<b>p&2</b>", delay=3600).validate())
+    child = broker.enqueue(NewJob("receipt", {"n": 3}, depends_on=[done, hostile]).validate())
+    plain = broker.enqueue(NewJob("receipt", {"n": 4}).validate())
+    login(console, "ada", ADMIN_PW)
+    page = console.get(f"/jobs/{child}").text
+    rows = re.findall(r'<tr><td><a href="([^"]+)" class="mono">([^<]*)</a></td>'
+                      r'<td><span class="state state-(\w+)">', page)
+    assert sorted(rows) == sorted([(f"/jobs/{done}", done, "done"),
+                                   ("/jobs/%3Cb%3Ep%262%3C/b%3E", "&lt;b&gt;p&amp;2&lt;/b&gt;", "queued")])
+    assert "<b>p&2" not in page
+    assert 'id="parents"' not in console.get(f"/jobs/{plain}").text
+    assert broker.discard([done]) == {done: "discarded"}  # pruned since: its end as the child saw it
+    gone = re.search(rf'<a href="/jobs/{done}" class="mono">{done}</a></td><td>(.*?)</td><td>(.*?)</td>',
+                     console.get(f"/jobs/{child}").text)
+    assert "record gone" in gone.group(1) and gone.group(2) == "done"

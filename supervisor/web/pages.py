@@ -14,6 +14,7 @@ from .forms import form_values, job_filter, query_string
 from .live import queue_rows
 
 PAGE_SIZE = 50
+PARENTS_SHOWN = 100  # a job's parents listed on its page
 DEAD_LISTED = 300  # dead letters grouped on the page: the most recent ones, a bounded read
 
 
@@ -77,7 +78,29 @@ async def job(request):
                             message=f"job {job_id} cannot be read while the broker is unreachable")
         return c.render(request, "error.html", status=404, code=404, message=f"no job {job_id}")
     d = c.redactor.job_dict(found)
-    return c.render(request, "job.html", problems=fetch.problems, job=d, attempts=attempts(d["history"]))
+    parents = await parent_rows(fetch, d.get("parents"))
+    return c.render(request, "job.html", problems=fetch.problems, job=d, attempts=attempts(d["history"]),
+                    parents=parents, parents_total=len(d.get("parents") or ()))
+
+
+def _states_now(broker, ids):
+    out = {}
+    for parent_id in ids:
+        job = broker.get(parent_id)
+        out[parent_id] = job.state if job is not None else None
+    return out
+
+
+async def parent_rows(fetch, parents):
+    """The jobs a workflow child waits (or waited) on, each with its state now and the end its edge
+    recorded; a parent pruned since shows its recorded end. At most ``PARENTS_SHOWN`` (a group's
+    callback may have thousands): one read each."""
+    if not parents:
+        return []
+    shown = sorted(parents)[:PARENTS_SHOWN]
+    now = await fetch("reading jobs", _states_now, shown, default=None)  # None: unreadable, not gone
+    return [{"id": p, "state": (now or {}).get(p), "gone": now is not None and now.get(p) is None,
+             "ended": parents[p][0]} for p in shown]
 
 
 def attempts(history):
