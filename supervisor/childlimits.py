@@ -1,6 +1,6 @@
 """What a child may cost the master: the descriptors its fork takes, the jobs and
-the memory it may run up before it is recycled; and what a fork needs: no other
-thread running in the master."""
+the memory it may run up before it is recycled, the processes its jobs start (they
+end with it); and what a fork needs: no other thread running in the master."""
 import atexit
 import errno
 import logging
@@ -31,6 +31,48 @@ def check_descriptors(reserve=DESCRIPTOR_RESERVE):
     if used + reserve > soft:
         raise OSError(errno.EMFILE, f"{used} of {soft} file descriptors in use, {reserve} kept for the broker"
                                     " and the socket (LimitNOFILE= raises the limit)")
+
+
+def own_session():
+    """In a child just forked: lead a session of its own, which every process a job starts there
+    joins. The master signals that session's group, so a kill ends them with the child: orphaned,
+    a `sleep 1000` or a multiprocessing pool ran on under init after every hard timeout. A session
+    rather than a group in the master's: that group is not orphaned, so SIGTTIN to every process
+    (`systemctl kill -s TTIN`) or a read from the terminal would stop a job's processes; a session
+    of its own has no terminal either, so Ctrl-C stays the master's alone."""
+    try:
+        os.setsid()
+    except OSError:
+        pass  # refused (a seccomp filter): its kills reach the child alone, as before
+
+
+def signal_child(pid, sig):
+    """``sig`` to a child and the processes its jobs started (its session's group); to the child
+    alone when it has no session yet (forked an instant ago). Never raises: it may be gone."""
+    for send in (os.killpg, os.kill):
+        try:
+            send(pid, sig)
+            return
+        except OSError:
+            pass
+
+
+def reap_any(ours):
+    """Reap an ended child process: ``(pid, status)``, ``(0, 0)`` when none has ended
+    (``ChildProcessError`` when there is none). What one of ``ours`` (pids) left running in its
+    session is killed first, while its zombie still holds the pid: reaped, the pid could name
+    another process's group by the time the SIGKILL went."""
+    if not hasattr(os, "waitid"):  # not Linux: the group outlives its leader, its id unused meanwhile
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid in ours:
+            signal_child(pid, signal.SIGKILL)
+        return pid, status
+    ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if ended is None or ended.si_pid == 0:
+        return 0, 0
+    if ended.si_pid in ours:
+        signal_child(ended.si_pid, signal.SIGKILL)
+    return os.waitpid(ended.si_pid, 0)
 
 
 def how_it_ended(status):

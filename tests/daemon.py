@@ -95,10 +95,11 @@ class Daemon:
     def kill_group(self):
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pgid in [self.proc.pid, *self.group()]:  # each child leads a session of its own
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -122,11 +123,14 @@ class Daemon:
 
     # -- processes ----------------------------------------------------------------------
     def group(self):
-        """Live processes in the daemon's process group (master and children)."""
+        """Live processes of the daemon: its process group (the master), and each child's session
+        (a child leads one, and what its jobs start is in it)."""
+        sessions = {r["pid"] for r in self.records(event="spawn")}
         out = []
         for p in psutil.process_iter(["pid", "status"]):
             try:
-                if os.getpgid(p.pid) == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                ours = os.getpgid(p.pid) == self.proc.pid or os.getsid(p.pid) in sessions
+                if ours and p.status() != psutil.STATUS_ZOMBIE:
                     out.append(p.pid)
             except (ProcessLookupError, psutil.Error):
                 pass

@@ -2826,6 +2826,15 @@ MUTATIONS = [
              '<select name="order" id="f-order">', '<select id="f-order">',
              ("tests/test_web_browser.py", "-k", "sqlite and two_states"),
              "searching again from the Jobs filter form keeps the page's order"),
+    Mutation("child-in-the-masters-session", "supervisor/childlimits.py",
+             "        os.setsid()\n", "        pass\n",
+             ("tests/test_descendants.py",),
+             "the processes a job starts end with its child: killed past its hard timeout, at a stop's"
+             " deadline, or dead by itself"),
+    Mutation("dead-childs-leftovers-live-on", "supervisor/childlimits.py",
+             "    if ended.si_pid in ours:\n        signal_child(ended.si_pid, signal.SIGKILL)\n", "",
+             ("tests/test_descendants.py", "-k", "by_itself"),
+             "a child that dies by itself takes the processes its job started with it"),
 ]
 
 

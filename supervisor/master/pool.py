@@ -148,6 +148,7 @@ class Pool:
             # From here on this is the child: whatever happens, it must never
             # return into the master's loop.
             try:
+                childlimits.own_session()  # first: a kill of its session's group must reach what its jobs start
                 parent_sock.close()
                 for c in self.children.values():
                     c.sock.close()
@@ -257,10 +258,7 @@ class Pool:
     def kill(self, c, reason, sig=signal.SIGKILL):
         if c.kill_reason is None or reason == KILLED_LEASE_LOST:
             c.kill_reason = reason  # a lost lease wins: its outcome must be dropped, whatever else happened
-        try:
-            os.kill(c.pid, sig)
-        except ProcessLookupError:
-            pass
+        childlimits.signal_child(c.pid, sig)  # and the processes its jobs started
 
     def cancel(self, c, request, waited=0.0):
         """Tell ``c`` its job is cancelled (CANCEL frame + signal); ``cancel_grace`` counts from the request."""
@@ -337,7 +335,7 @@ class Pool:
     def reap(self):
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status = childlimits.reap_any(self.children)  # what a child left running dies with it
             except ChildProcessError:
                 return
             if pid == 0:
