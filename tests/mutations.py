@@ -2835,6 +2835,14 @@ MUTATIONS = [
              "    if ended.si_pid in ours:\n        signal_child(ended.si_pid, signal.SIGKILL)\n", "",
              ("tests/test_descendants.py", "-k", "by_itself"),
              "a child that dies by itself takes the processes its job started with it"),
+    Mutation("watch-samples-on-the-wall-clock", "supervisor/cli/watch.py",
+             "            at = clock()\n", "            at = wall()\n",
+             ("tests/test_watch.py", "-k", "step_of_the_wall_clock"),
+             "status --watch shows rates across a step of the wall clock"),
+    Mutation("watch-sleeps-a-whole-interval", "supervisor/cli/watch.py",
+             "                sleep(due - now)\n", "                sleep(interval)\n",
+             ("tests/test_watch.py", "-k", "keep_their_interval"),
+             "status --watch redraws every interval, not every interval plus the answer's time"),
 ]
 
 

@@ -1,6 +1,7 @@
 """``tangguh status --watch``: rendering of recorded status replies, rates from two samples, the redraw loop."""
 import copy
 import io
+import time
 
 from supervisor.cli import watch
 
@@ -25,6 +26,23 @@ RECORDED = {
                        "oldest_ready_age": 0.0}},
     "metrics_listen": None,
 }
+
+
+class Clock:
+    """A monotonic clock that moves only when slept on (or told to: ``advance``)."""
+
+    def __init__(self, t):
+        self.t, self.slept = t, []
+
+    def __call__(self):
+        return self.t
+
+    def sleep(self, seconds):
+        self.slept.append(round(seconds, 6))
+        self.t += seconds
+
+    def advance(self, seconds):
+        self.t += seconds
 
 
 def later(seconds, **counters):
@@ -82,11 +100,10 @@ def test_samples_keep_one_minute_and_the_loop_redraws_in_place():
     assert samples.items[-1][0] == T0 + 90  # errors are not samples
 
     replies = iter([RECORDED, later(1, succeeded=101)[1], later(2, succeeded=102)[1]])
-    clock = iter([T0, T0 + 1, T0 + 2])
-    slept, out = [], io.StringIO()
-    watch.run(lambda: next(replies), 1.0, out=out, clock=lambda: next(clock), sleep=slept.append, frames=3)
+    clock, out = Clock(T0), io.StringIO()
+    watch.run(lambda: next(replies), 1.0, out=out, clock=clock, sleep=clock.sleep, frames=3)
     frames = out.getvalue().split(watch.CLEAR)[1:]
-    assert len(frames) == 3 and slept == [1.0, 1.0]
+    assert len(frames) == 3 and clock.slept == [1.0, 1.0]
     assert "waiting for a second sample" in frames[0]
     assert "succeeded 60.0" in frames[1] and "succeeded 60.0" in frames[2]
 
@@ -100,9 +117,8 @@ def test_rates_start_over_with_a_restarted_supervisor():
 
     replies = iter([RECORDED, later(1, succeeded=101)[1],  # the first run
                     run_of(5000, T0 + 1.5, 2, 0), run_of(5000, T0 + 1.5, 3, 1), run_of(5000, T0 + 1.5, 4, 2)])
-    clock = iter([T0 + i for i in range(5)])
-    out = io.StringIO()
-    watch.run(lambda: next(replies), 1.0, out=out, clock=lambda: next(clock), sleep=lambda _: None, frames=5)
+    clock, out = Clock(T0), io.StringIO()
+    watch.run(lambda: next(replies), 1.0, out=out, clock=clock, sleep=clock.sleep, frames=5)
     frames = out.getvalue().split(watch.CLEAR)[1:]
     assert "succeeded 60.0" in frames[1]
     assert "waiting for a second sample" in frames[2]  # the new run's first sample
@@ -127,3 +143,35 @@ def test_queue_counts_the_samples_fail_to_renew_say_how_old_they_are():
     assert "no queue counts yet: the samples failed" in watch.render_watch(reply, now)
     reply.update(queues=RECORDED["queues"], queues_sampled_ago=2.0, queues_sample_failing=False)
     assert "sample" not in watch.render_watch(reply, now).split("workers")[0]  # fresh counts: nothing to say
+
+
+def test_a_step_of_the_wall_clock_neither_stalls_the_rates_nor_the_redraws():
+    """The samples were timed on the wall clock: set back an hour (NTP, by hand), every later
+    sample was older than the first, no rate was shown for an hour and none left the window
+    (a reply kept every second); set forward, the rates were spread over the step."""
+    replies = iter([RECORDED, later(1, succeeded=101)[1], later(2, succeeded=102)[1]])
+    clock, out = Clock(500.0), io.StringIO()
+    wall = lambda: T0 + clock() - 500.0 - (3600 if clock() >= 501.0 else 0)  # noqa: E731 - set back an hour
+    watch.run(lambda: next(replies), 1.0, out=out, clock=clock, sleep=clock.sleep, frames=3, wall=wall)
+    frames = out.getvalue().split(watch.CLEAR)[1:]
+    assert "succeeded 60.0" in frames[1] and "succeeded 60.0" in frames[2]
+    assert "rates over the last 2.00s" in frames[2]
+    stamp = lambda t: time.strftime("%H:%M:%S", time.localtime(t))  # noqa: E731
+    assert stamp(T0 + 1 - 3600) in frames[1].splitlines()[0]  # the screen says the wall time it is
+    assert clock.slept == [1.0, 1.0]
+
+
+def test_redraws_keep_their_interval_whatever_fetching_takes():
+    """Slept a whole interval after each screen, a watch over a slow socket drew every interval
+    plus the answer's time; one late past a whole interval is followed by one interval, not a burst."""
+    answer_takes = iter([0.3, 0.3, 2.5, 0.1])
+    clock, out = Clock(500.0), io.StringIO()
+
+    def fetch():
+        clock.advance(next(answer_takes))
+        return RECORDED
+
+    watch.run(fetch, 1.0, out=out, clock=clock, sleep=clock.sleep, frames=4)
+    assert clock.slept == [0.7, 0.7, 1.0]
+    assert watch.next_tick(10.0, 10.4, 1.0) == 11.0
+    assert watch.next_tick(10.0, 13.5, 1.0) == 14.5  # late: from now, not 11, 12, 13 at once

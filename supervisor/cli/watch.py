@@ -3,7 +3,9 @@
 ``render_watch`` is pure (a status reply, an earlier one, the time in; text
 out). Rates are the difference of the status ``counters`` between the newest
 sample and the oldest one kept from the last minute, so they need no metric
-history in the daemon. The screen is redrawn with two plain ANSI sequences
+history in the daemon. Samples and redraws are timed on the monotonic clock;
+the wall clock only labels the screen, so a step of it (NTP, a manual set)
+neither stalls the rates nor holds back or hurries a redraw. The screen is redrawn with two plain ANSI sequences
 (home, clear): no curses, no terminal database.
 """
 import collections
@@ -40,8 +42,10 @@ def rates(newer, older):
     return out
 
 
-def render_watch(reply, now, older=None):
-    """One screen for ``reply`` (a status reply sampled at ``now``); ``older`` is ``(t, reply)`` or None."""
+def render_watch(reply, now, older=None, at=None):
+    """One screen for ``reply`` (a status reply sampled at ``now``, wall time); ``older`` is
+    ``(t, reply)`` or None, ``t`` on the clock of ``at``: this sample's instant (default ``now``)."""
+    at = now if at is None else at
     stamp = time.strftime("%H:%M:%S", time.localtime(now))
     if reply.get("error") and "workers" not in reply:
         return f"tangguh status --watch  {stamp}\nerror: {reply['error']}"
@@ -78,12 +82,12 @@ def render_watch(reply, now, older=None):
                 for w in workers]
         lines.append(table(["SLOT", "PID", "STATE", "TYPE", "JOB", "ATTEMPT", "ELAPSED"], rows))
 
-    per_minute = rates((now, reply), older)
+    per_minute = rates((at, reply), older)
     lines.append("")
     if per_minute is None:
         lines.append("rates: waiting for a second sample")
     else:
-        span = now - older[0]
+        span = at - older[0]
         lines.append(f"rates over the last {duration(span)}, per minute: "
                      + "  ".join(f"{name} {per_minute[name]:.1f}" for name in RATES if name in per_minute))
     counters = reply.get("counters") or {}
@@ -114,22 +118,34 @@ class Samples:
         return self.items[0] if self.items else None
 
 
-def run(fetch, interval=1.0, out=None, clock=time.time, sleep=time.sleep, frames=None):
-    """Redraw every ``interval`` seconds until Ctrl-C (or ``frames`` screens, for tests)."""
+def next_tick(due, now, interval):
+    """When the redraw after the one due at ``due`` is due, ``now`` being the monotonic time:
+    ``interval`` later, however long fetching and drawing took; ``interval`` from now when that
+    has passed already (a slow answer, a suspended laptop), not a burst of late screens."""
+    due += interval
+    return due if due > now else now + interval
+
+
+def run(fetch, interval=1.0, out=None, clock=time.monotonic, sleep=time.sleep, frames=None, wall=time.time):
+    """Redraw every ``interval`` seconds until Ctrl-C (or ``frames`` screens, for tests).
+    ``clock`` (monotonic) times the samples and the redraws; ``wall`` only labels the screen."""
     out = out or sys.stdout
     samples = Samples()
     drawn = 0
+    due = clock()
     try:
         while frames is None or drawn < frames:
-            now = clock()
+            at = clock()
             reply = fetch()
             older = samples.oldest()
-            samples.add(now, reply)
-            out.write(CLEAR + render_watch(reply, now, older) + "\n")
+            samples.add(at, reply)
+            out.write(CLEAR + render_watch(reply, wall(), older, at=at) + "\n")
             out.flush()
             drawn += 1
             if frames is None or drawn < frames:
-                sleep(interval)
+                now = clock()
+                due = next_tick(due, now, interval)
+                sleep(due - now)
     except KeyboardInterrupt:
         out.write("\n")
     return 0
