@@ -15,7 +15,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -684,7 +683,9 @@ sys.stdin.read()
 def test_a_child_killed_past_its_hard_timeout_that_is_slow_to_die_does_not_spin_the_master(tmp_path):
     """Once the SIGKILL after the hard timeout's grace was sent, its instant stayed the loop's next
     wake-up, in the past: until the child was reaped the loop turned without sleeping, a CPU at
-    100 % (a child in a hung NFS read, a debugger attached), sending SIGKILL each turn."""
+    100 % (a child in a hung NFS read, a debugger attached), sending SIGKILL each turn. Counted,
+    not timed: each status request is a turn of the loop at least, and a turn that sends SIGKILL
+    logs it (the master's CPU time over a window, as this test measured it, a loaded machine blurs)."""
     import psutil
 
     d = Daemon(tmp_path, supervisor={"workers": 1, "kill_grace": 0.2})
@@ -700,13 +701,11 @@ def test_a_child_killed_past_its_hard_timeout_that_is_slow_to_die_does_not_spin_
             pytest.skip("ptrace is not allowed here")
         child = psutil.Process(pid)
         wait_for(lambda: child.status() == psutil.STATUS_ZOMBIE, message="the child killed past its hard timeout")
-        master = psutil.Process(d.proc.pid)
-        used = sum(master.cpu_times()[:2])
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 4.0:  # the master serves meanwhile
+        for _ in range(10):  # the master serves meanwhile, ten turns of its loop at least
             assert d.status()["ok"]
-            time.sleep(0.2)
-        assert sum(master.cpu_times()[:2]) - used < 0.4, "the master's loop spun while the child was unreaped"
+        sigkills = d.records(event="timeout_sigkill", pid=pid)
+        assert len(sigkills) == 1, f"SIGKILL sent {len(sigkills)} times: the loop turned on the past deadline"
+        assert child.status() == psutil.STATUS_ZOMBIE  # not reaped yet all along: the tracer holds it
         tracer.stdin.close()  # detached: the master reaps the child now
         job = d.wait_job(job_id)
         assert (job.state, job.reason) == ("dead", "timeout"), job

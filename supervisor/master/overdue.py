@@ -44,6 +44,9 @@ def kill_overdue(pool):
                                           signal=int(signal.SIGTERM)))
             pool.kill(c, KILLED_TIMEOUT, signal.SIGTERM)
         elif now >= c.term_at + grace:
+            log.warning("worker %d still running %.1fs after SIGTERM: SIGKILL", c.slot, grace,
+                        extra=logs.job_fields(c.job, event="timeout_sigkill", slot=c.slot, pid=c.pid,
+                                              signal=int(signal.SIGKILL)))
             pool.kill(c, KILLED_TIMEOUT, signal.SIGKILL)
             # Sent once: the loop must not wake for this instant again. A child slow to die (in a
             # hung NFS read, a debugger attached) kept it the next wake-up, in the past: the loop
