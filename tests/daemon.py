@@ -95,10 +95,14 @@ class Daemon:
     def kill_group(self):
         if self.proc is None:
             return
-        for pgid in [self.proc.pid, *self.group()]:  # each child leads a session of its own
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in self.group():  # each child leads a session of its own, with what its jobs started
             try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
         try:
             self.proc.wait(10)

@@ -2843,6 +2843,10 @@ MUTATIONS = [
              "                sleep(due - now)\n", "                sleep(interval)\n",
              ("tests/test_watch.py", "-k", "keep_their_interval"),
              "status --watch redraws every interval, not every interval plus the answer's time"),
+    Mutation("child-in-a-group-of-the-masters-session", "supervisor/childlimits.py",
+             "        os.setsid()\n", "        os.setpgid(0, 0)\n",
+             ("tests/test_descendants.py", "-k", "sigttin"),
+             "a SIGTTIN to every process of the service (`systemctl kill -s TTIN`) stops no job's process"),
 ]
 
 

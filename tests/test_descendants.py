@@ -99,3 +99,31 @@ def test_a_child_killed_at_the_graceful_stop_deadline_takes_what_its_job_started
         d.assert_clean()
     finally:
         d.stop()
+
+
+def pending(pid):
+    """The signals pending for a process (its own and its thread group's), as a bit mask."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    return int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+
+
+def test_a_sigttin_to_every_process_of_the_service_stops_no_job_process(tmp_path):
+    """`systemctl kill -s TTIN` signals every process of the unit. A child in a process group of
+    its own inside the master's session (not orphaned) would have its job's processes stopped by
+    it, where in the master's group they ignored it; a session of its own is an orphaned group."""
+    d = leaver(tmp_path, graceful_timeout=0.5)
+    try:
+        d.start()
+        marker = d.marker("m")
+        d.enqueue("leave_behind", {"marker": marker}, timeout=600.0)
+        helper, _, child = started_helper(d, marker)
+        for pid in (d.proc.pid, child, helper):
+            os.kill(pid, signal.SIGTTIN)
+        bit = 1 << (signal.SIGTTIN - 1)
+        wait_for(lambda: not pending(helper) & bit and not pending(child) & bit, message="SIGTTIN taken")
+        assert psutil.Process(helper).status() != psutil.STATUS_STOPPED
+        assert psutil.Process(child).status() != psutil.STATUS_STOPPED
+        wait_for(lambda: d.status()["target_workers"] == 2, message="the master's SIGTTIN")
+    finally:
+        d.stop()
