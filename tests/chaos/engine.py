@@ -146,10 +146,21 @@ class Sup:
         self.lives = []
         self.hup_good = 0
         self.hup_broken = 0
+        self.workers_seen = set()  # every child pid a status named
 
     @property
     def life(self):
         return self.lives[-1]
+
+    def sessions(self):
+        """The children of its lives, each the leader of a session of its own: those its live
+        master has now, and those a status of any life showed (the log, at "warning", has no
+        spawn records)."""
+        try:
+            now = {p.pid for p in psutil.Process(self.life.pid).children()}
+        except psutil.Error:
+            now = set()
+        return now | self.workers_seen
 
     def start(self):
         self.daemon.start(wait=False)
@@ -163,6 +174,7 @@ class Sup:
             return None
         if st.get("pid") == self.life.pid:
             self.life.last = st
+            self.workers_seen.update(w["pid"] for w in st.get("workers") or ())
             return st
         return None
 
@@ -836,7 +848,7 @@ class Soak(ControlFaults):
         self.locks_at_rest = self.lock_keys()
         for sup in self.sups:
             sup.life.final = sup.status(timeout=5)
-            sup.group_at_rest = group_members(sup.life.pgid)
+            sup.group_at_rest = group_members(sup.life.pgid, sup.sessions())
 
     def why_unquiet(self):
         """What a failed quiescence found, for the report: each master's process state (a stop
@@ -997,12 +1009,13 @@ class Soak(ControlFaults):
                 strays[f"s{sup.index}"] = sorted(extra)
         check("at rest, each supervisor's group is exactly its master and its children", not strays, f"{strays}")
         pgids = [life.pgid for sup in self.sups for life in sup.lives]
+        sessions = {pid for sup in self.sups for pid in sup.sessions()}  # every child's, of every life
         try:
-            wait_for(lambda: not any(group_members(g) for g in pgids), timeout=10, interval=0.2,
+            wait_for(lambda: not any(group_members(g, sessions) for g in pgids), timeout=10, interval=0.2,
                      message="every process group of the soak to be empty")
             left = {}
         except AssertionError:
-            left = {g: group_members(g) for g in pgids if group_members(g)}
+            left = {g: group_members(g, sessions) for g in pgids if group_members(g, sessions)}
         check("no orphan process (every group of every incarnation empty after stop)", not left, f"{left}")
         codes = {f"s{sup.index}": sup.life.exit_code for sup in self.sups}
         check("every SIGTERM (graceful restarts, final stop) ends its supervisor with exit 0",
@@ -1269,12 +1282,14 @@ class Effects:
         self.conn = None
 
 
-def group_members(pgid):
-    """Live (non-zombie) processes in process group ``pgid``."""
+def group_members(pgid, sessions=()):
+    """Live (non-zombie) processes in process group ``pgid`` (a master's) or in one of ``sessions``
+    (its children's: each leads one, and what its jobs start is in it)."""
     out = []
     for p in psutil.process_iter(["pid", "status"]):
         try:
-            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+            ours = os.getpgid(p.pid) == pgid or os.getsid(p.pid) in sessions
+            if ours and p.info["status"] != psutil.STATUS_ZOMBIE:
                 out.append(p.pid)
         except (ProcessLookupError, psutil.Error):
             pass
