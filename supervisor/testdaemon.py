@@ -104,13 +104,14 @@ class Supervisor:
         if self.proc is None:
             return
         try:
+            workers = _workers(self.proc.pid)  # each leads a session of its own: not in the group
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGTERM)
             code = self.proc.wait(timeout)
             if code != 0:
                 raise AssertionError(f"the supervisor exited with {code}:\n{self.logs()}")
-            leftovers = _wait(lambda: not _group_alive(self.proc.pid) or None, 5, "its workers to exit",
-                              fail=False)
+            leftovers = _wait(lambda: not (_group_alive(self.proc.pid) or _any_alive(workers)) or None, 5,
+                              "its workers to exit", fail=False)
             if leftovers is None:
                 raise AssertionError("workers of the supervisor outlived it")
             from .backends.base import open_broker
@@ -130,6 +131,28 @@ class Supervisor:
             pass
         self.proc.wait(10)
         self.proc = None
+
+
+def _workers(pid):
+    """The processes the master ``pid`` runs now (its children and what their jobs started)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _any_alive(processes):
+    import psutil
+
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:  # is_running: the pid not reused
+                return True
+        except psutil.Error:
+            pass
+    return False
 
 
 def _group_alive(pgid):

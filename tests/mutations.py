@@ -2847,6 +2847,11 @@ MUTATIONS = [
              "        os.setsid()\n", "        os.setpgid(0, 0)\n",
              ("tests/test_descendants.py", "-k", "sigttin"),
              "a SIGTTIN to every process of the service (`systemctl kill -s TTIN`) stops no job's process"),
+    Mutation("test-supervisor-stop-misses-a-sessions-leftover", "supervisor/testdaemon.py",
+             " or _any_alive(workers)", "",
+             ("tests/test_testing.py", "-k", "outlives"),
+             "testing.Supervisor.stop() fails when a process of the supervisor outlives it, children"
+             " (sessions of their own, out of the master's group) and what their jobs started included"),
 ]
 
 

@@ -467,3 +467,34 @@ def test_a_follow_up_enqueue_goes_to_the_client_run_jobs_was_given(tangguh_confi
 def test_run_jobs_needs_a_sqlite_broker(redis_url):
     with supervisor.Client.from_url(redis_url) as client, pytest.raises(ValueError, match="SQLite broker"):
         testing.run_jobs(client)
+
+
+def test_stop_fails_when_a_process_a_job_started_outlives_the_supervisor(tmp_path):
+    """Children lead sessions of their own, out of the master's process group: Supervisor.stop()
+    looked only at that group, so it passed whatever outlived it. A job that detaches a helper
+    (start_new_session=True: the child's kill does not reach it) must fail the stop."""
+    handlers = tmp_path / "handlers"
+    handlers.mkdir()
+    pid_file = tmp_path / "helper.pid"
+    (handlers / "detach.py").write_text(textwrap.dedent(f"""
+        import subprocess
+        from supervisor import job
+
+        @job("detach")
+        def detach(ctx, payload):
+            p = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+            open({str(pid_file)!r}, "w").write(str(p.pid))
+    """))
+    config = testing.write_config(str(tmp_path), str(handlers))
+    sup = testing.Supervisor(config).start()
+    helper = None
+    try:
+        with supervisor.Client.from_config(config) as client:
+            assert sup.wait_job(client.enqueue("detach", {})).state == "done"
+        helper = psutil.Process(int(pid_file.read_text()))
+        with pytest.raises(AssertionError, match="outlived it"):
+            sup.stop()
+    finally:
+        if helper is not None:
+            helper.kill()
+        sup.stop()
