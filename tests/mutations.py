@@ -1993,13 +1993,15 @@ MUTATIONS = [
              ("tests/test_conformance_workflows.py", "-k", "sqlite and replayed_since"),
              "a replayed child waits for its parents not finished now, as a requeue (SQLite)"),
     Mutation("postgres-replay-child-runs-before-its-parent", "supervisor/backends/postgres/__init__.py",
-             "                        ([i for i in job_ids if i not in children], self.channel),\n"
-             "                    )\n"
+             "                        plain, kin = [i for i in job_ids if i not in children], []\n"
+             "                    hold(plain, lambda: update(plain))\n"
+             "                    for job_id in kin:\n"
+             "                        hold([job_id], lambda: update([job_id]))\n"
              "                    # Then the workflow children, as a requeue puts them back (search.py): parents\n"
              "                    # first, each waiting for its parents not finished now.\n"
              "                    if children:\n",
-             "                        (job_ids, self.channel),\n"
-             "                    )\n"
+             "                        plain, kin = list(job_ids), []\n"
+             "                    hold(plain, lambda: update(plain))\n"
              "                    if False:\n",
              ("tests/test_conformance_workflows.py", "-k", "postgres and replayed_since"),
              "a replayed child waits for its parents not finished now, as a requeue (PostgreSQL)"),
@@ -2852,6 +2854,21 @@ MUTATIONS = [
              ("tests/test_testing.py", "-k", "outlives"),
              "testing.Supervisor.stop() fails when a process of the supervisor outlives it, children"
              " (sessions of their own, out of the master's group) and what their jobs started included"),
+    Mutation("sqlite-replay-refuses-a-key-its-own-reopen-took", "supervisor/backends/sqlite/workflows.py",
+             "        if row is None or row[\"id\"] not in candidates:", "        if True:",
+             ("tests/test_conformance_workflows.py", "-k", "sqlite and one_replay_of_a_parent"),
+             "a replay of a parent and the dead holder of its cancelled child's key is accepted (SQLite)"),
+    Mutation("postgres-replay-refuses-a-key-its-own-reopen-took", "supervisor/backends/postgres/replaykeys.py",
+             "    taken = [(job_id, holder) for job_id, holder in rows if holder in reopened]",
+             "    taken = []",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and one_replay_of_a_parent"),
+             "a replay of a parent and the dead holder (a workflow child) of its cancelled child's key is accepted"
+             " (PostgreSQL)"),
+    Mutation("postgres-replay-reopens-in-table-order", "supervisor/backends/postgres/__init__.py",
+             "                    if len(kin) > 1 and (reopened or replaykeys.keyed_children(db, self._s, kin)):",
+             "                    if False:",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and two_cancelled_children_with_one_key"),
+             "of two cancelled children with one key, the first-named parent's reopens (PostgreSQL)"),
 ]
 
 

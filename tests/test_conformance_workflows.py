@@ -181,29 +181,64 @@ def test_replay_leaves_cancelled_a_child_whose_idempotency_key_another_job_took(
     assert broker.enqueue(new("fourth", idempotency_key="invoice-7")) == child
 
 
-def test_one_replay_of_a_parent_and_a_dead_job_with_its_childs_key_makes_one_holder(broker):
-    """The key's dead holder replayed in the same call as the parent: Redis reopened the child
-    (the key looked free, its holder still dead) and then put the holder back too, two unfinished
-    jobs with one key, both run. Every replayed job now holds its key before a child reopens, as
-    on PostgreSQL; SQLite refuses the call (BadInput, nothing replayed), as the CLI's replay then
-    sends it one id at a time."""
-    parent = broker.enqueue(new("parent", max_attempts=1))
+def _dead(broker, type_, **kw):
+    job = broker.enqueue(new(type_, max_attempts=1, **kw))
+    die(broker, claim_ids(broker)[job])
+    return job
+
+
+@pytest.mark.parametrize("order", ["parent first", "holder first"])
+@pytest.mark.parametrize("holder_is", ["a plain job", "a workflow child", "a workflow parent"])
+def test_one_replay_of_a_parent_and_a_dead_job_with_its_childs_key_makes_one_holder(broker, order, holder_is):
+    """A "mixed" replay: a parent and, in the same call, the dead holder of its cancelled child's
+    key (a plain job, a member of another workflow, another workflow's parent). Every broker
+    replays both and leaves the child cancelled naming the holder, whatever the order of the
+    ids: Redis once reopened the child and put the holder back too (two unfinished holders of
+    one key), SQLite refused the call when the parent came first, PostgreSQL when the holder was
+    a workflow child (BadInput, nothing replayed)."""
+    parent = _dead(broker, "parent")
     child = broker.enqueue(new("child", idempotency_key="invoice-8", depends_on=[parent]))
-    die(broker, claim_ids(broker)[parent])
-    other = broker.enqueue(new("other", max_attempts=1, idempotency_key="invoice-8"))
-    die(broker, claim_ids(broker)[other])
-    try:
-        replayed = broker.dlq_replay([parent, other])
-    except BadInput:
-        replayed = None
-    states = {i: broker.get(i).state for i in (parent, child, other)}
-    if replayed is None:
-        assert states == {parent: "dead", child: "cancelled", other: "dead"}
-        return
-    assert replayed == [parent, other]
-    assert states == {parent: "queued", child: "cancelled", other: "queued"}
-    assert broker.get(child).cancel_request["key_held_by"] == other
-    assert set(claim_ids(broker)) == {parent, other}
+    assert broker.get(child).state == "cancelled"
+    kids = []
+    if holder_is == "a workflow child":
+        first = broker.enqueue(new("first"))
+        broker.ack(claim_ids(broker)[first].lease)
+        other = broker.enqueue(new("other", max_attempts=1, idempotency_key="invoice-8", depends_on=[first]))
+        die(broker, claim_ids(broker)[other])
+    else:
+        other = _dead(broker, "other", idempotency_key="invoice-8")
+        if holder_is == "a workflow parent":
+            kids = [broker.enqueue(new("kid", depends_on=[other]))]
+    ids = [parent, other] if order == "parent first" else [other, parent]
+    assert broker.dlq_replay(ids) == ids
+    assert {i: broker.get(i).state for i in (parent, child, other)} == {
+        parent: "queued", child: "cancelled", other: "queued"}
+    got = broker.get(child)
+    assert (got.reason, got.cancel_request["key_held_by"]) == ("parent_failed", other)
+    assert [broker.get(kid).state for kid in kids] == ["waiting"] * len(kids)
+    assert broker.enqueue(new("third", idempotency_key="invoice-8")) == other
+    jobs = claim_ids(broker)
+    assert set(jobs) == {parent, other}
+    broker.ack(jobs[parent].lease)
+    assert broker.get(child).state == "cancelled"  # its key is still held: it never runs
+    broker.ack(jobs[other].lease)
+    assert set(claim_ids(broker)) == set(kids)
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_of_two_cancelled_children_with_one_key_the_first_named_parents_reopens(broker, order):
+    """Two dead parents, each with a cancelled child, the children sharing an idempotency key,
+    replayed in one call: the child of the parent named first reopens and holds the key, the
+    other stays cancelled naming it, on every broker. PostgreSQL reopened whichever its
+    statement met first (the table's order), Redis and SQLite the call's."""
+    parents = [_dead(broker, "parent", id=f"job_parent_{i}") for i in range(2)]
+    children = [broker.enqueue(new("child", idempotency_key="invoice-9", depends_on=[p])) for p in parents]
+    first, second = order
+    assert broker.dlq_replay([parents[first], parents[second]]) == [parents[first], parents[second]]
+    assert broker.get(children[first]).state == "waiting"
+    got = broker.get(children[second])
+    assert (got.state, got.cancel_request["key_held_by"]) == ("cancelled", children[first])
+    assert broker.enqueue(new("third", idempotency_key="invoice-9")) == children[first]
 
 
 # -- atomic enqueue, refusals ------------------------------------------------------

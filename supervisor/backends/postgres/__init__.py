@@ -37,7 +37,7 @@ from ...model import Job, QueueStats, check_queue
 from ..control import check_age, check_ids, check_limit, check_type
 from ..base import Broker
 from ..limits import Admission, active, refill
-from . import schema, workflows
+from . import replaykeys, schema, workflows
 from .connection import Connections, libpq_conninfo, quote, read_url
 from .deadlocks import deadlock_retried
 from .control import ControlMixin
@@ -293,18 +293,34 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
                 with db.transaction():
                     parents, children = self._require_dead(db, job_ids)
                     self._lock_children(db, parents)  # reopened: before any of them
-                    db.execute(
-                        f"UPDATE {self._jobs} SET state = 'queued', attempt = 0, run_at = {NOW}, reason = NULL,"
-                        " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL,"
-                        " expires_at = NULL WHERE id = ANY(%s::text[])"
-                        " RETURNING pg_notify(%s, queue)",
-                        ([i for i in job_ids if i not in children], self.channel),
-                    )
+                    reopened = replaykeys.candidates(db, self._jobs, job_ids) if parents or children else {}
+
+                    def update(ids):
+                        return db.execute(
+                            f"UPDATE {self._jobs} SET state = 'queued', attempt = 0, run_at = {NOW}, reason = NULL,"
+                            " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL,"
+                            " expires_at = NULL WHERE id = ANY(%s::text[])"
+                            " RETURNING pg_notify(%s, queue)", (ids, self.channel))
+
+                    def hold(ids, run):
+                        return replaykeys.put_back(db, self._jobs, reopened, ids, run)
+                    kin = [i for i in parents if i not in children]
+                    if len(kin) > 1 and (reopened or replaykeys.keyed_children(db, self._s, kin)):
+                        # A parent a statement, in the call's order: their children reopen in that
+                        # order (one statement met the rows in the table's order, which then chose
+                        # which of two cancelled children with one key reopened).
+                        kin = [i for i in job_ids if i in kin]
+                        plain = [i for i in job_ids if i not in children and i not in kin]
+                    else:
+                        plain, kin = [i for i in job_ids if i not in children], []
+                    hold(plain, lambda: update(plain))
+                    for job_id in kin:
+                        hold([job_id], lambda: update([job_id]))
                     # Then the workflow children, as a requeue puts them back (search.py): parents
                     # first, each waiting for its parents not finished now.
                     if children:
                         self._put_back_children(db, [i for i in job_ids if i in children],
-                                                ("cancel_request", "expires_at"))
+                                                ("cancel_request", "expires_at"), hold)
             except pgerrors.UniqueViolation:
                 held = self._first_held_key(db, job_ids)
                 raise BadInput(f"cannot replay {held}: its idempotency key is held by an unfinished job") from None

@@ -228,3 +228,31 @@ class Workflows:
             result = json.loads(row["result"]) if row["result"] is not None else None
             by_id[row["child"]].parents[row["parent"]] = (row["state"], result)
         return jobs
+
+    def _reopen_candidates(self, job_ids):
+        """The cancelled children a replay of ``job_ids`` may reopen with one of their keys:
+        ``{id: (finished_at, cancel_request)}`` as they are before it (``_take_key_back``)."""
+        return {row["id"]: (row["finished_at"], row["cancel_request"]) for row in self.db.execute(
+            f"SELECT id, finished_at, cancel_request FROM jobs WHERE state = 'cancelled' AND reason = '{PARENT_FAILED}'"
+            " AND idempotency_key IN (SELECT idempotency_key FROM jobs WHERE id IN (SELECT value FROM json_each(?)))",
+            (json.dumps(job_ids),))}
+
+    def _take_key_back(self, job_id, candidates):
+        """``job_id``'s key is held by a child this replay reopened (an earlier id's, its holder
+        still dead then): that child goes back to how it was, cancelled, naming ``job_id``, as
+        if every replayed job held its key before any child reopened (as on Redis, and on
+        PostgreSQL). False when another job holds the key: the replay is refused."""
+        row = self.db.execute(f"SELECT h.id FROM jobs j JOIN jobs h ON h.idempotency_key = j.idempotency_key"
+                              f" AND h.state IN {_UNFINISHED} WHERE j.id = ?", (job_id,)).fetchone()
+        if row is None or row["id"] not in candidates:
+            return False
+        finished_at, request = candidates[row["id"]]
+        # Its end settles what its reopening reopened below it (flow_finish).
+        self.db.execute(f"UPDATE jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = ?,"
+                        f" cancel_request = json_set(?, '$.{KEY_HELD_BY}', ?) WHERE id = ?",
+                        (finished_at, request or json.dumps(cancelled_by_workflow(finished_at)), job_id, row["id"]))
+        self.db.execute(f"UPDATE jobs SET cancel_request = json_set(cancel_request, '$.{KEY_HELD_BY}', ?)"
+                        f" WHERE state = 'cancelled' AND json_extract(cancel_request, '$.{KEY_HELD_BY}') = ?"
+                        " AND idempotency_key = (SELECT idempotency_key FROM jobs WHERE id = ?)",
+                        (job_id, row["id"], job_id))
+        return True
