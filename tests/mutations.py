@@ -1993,16 +1993,14 @@ MUTATIONS = [
              ("tests/test_conformance_workflows.py", "-k", "sqlite and replayed_since"),
              "a replayed child waits for its parents not finished now, as a requeue (SQLite)"),
     Mutation("postgres-replay-child-runs-before-its-parent", "supervisor/backends/postgres/__init__.py",
-             "                        plain, kin = [i for i in job_ids if i not in children], []\n"
-             "                    hold(plain, lambda: update(plain))\n"
-             "                    for job_id in kin:\n"
-             "                        hold([job_id], lambda: update([job_id]))\n"
-             "                    # Then the workflow children, as a requeue puts them back (search.py): parents\n"
-             "                    # first, each waiting for its parents not finished now.\n"
-             "                    if children:\n",
-             "                        plain, kin = list(job_ids), []\n"
-             "                    hold(plain, lambda: update(plain))\n"
-             "                    if False:\n",
+             "                        plain = [i for i in job_ids if i not in children]\n"
+             "                        hold(plain, lambda: update(plain))\n"
+             "                        # Then the workflow children, as a requeue puts them back (search.py):\n"
+             "                        # parents first, each waiting for its parents not finished now.\n"
+             "                        if children:\n",
+             "                        plain = list(job_ids)\n"
+             "                        hold(plain, lambda: update(plain))\n"
+             "                        if False:\n",
              ("tests/test_conformance_workflows.py", "-k", "postgres and replayed_since"),
              "a replayed child waits for its parents not finished now, as a requeue (PostgreSQL)"),
     Mutation("postgres-flow-resend-of-made-ids", "supervisor/backends/postgres/workflows.py",
@@ -2865,10 +2863,24 @@ MUTATIONS = [
              "a replay of a parent and the dead holder (a workflow child) of its cancelled child's key is accepted"
              " (PostgreSQL)"),
     Mutation("postgres-replay-reopens-in-table-order", "supervisor/backends/postgres/__init__.py",
-             "                    if len(kin) > 1 and (reopened or replaykeys.keyed_children(db, self._s, kin)):",
+             "                    if len(kin) > 1 and replaykeys.keyed_descendants(db, self._s, kin):",
              "                    if False:",
              ("tests/test_conformance_workflows.py", "-k", "postgres and two_cancelled_children_with_one_key"),
              "of two cancelled children with one key, the first-named parent's reopens (PostgreSQL)"),
+    Mutation("postgres-replay-orders-only-the-direct-children", "supervisor/backends/postgres/replaykeys.py",
+             "        \" AND c.state = 'cancelled' AND c.reason = %s)\"",
+             "        \" AND c.state = 'cancelled' AND c.reason = %s AND c.idempotency_key IS NOT NULL)\"",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and two_cancelled_children_with_one_key"),
+             "of two cancelled grandchildren with one key, the first-named parent's reopens (PostgreSQL)"),
+    Mutation("postgres-replay-puts-children-back-in-table-order", "supervisor/backends/postgres/__init__.py",
+             "                            hold([job_id], lambda: self._put_back_level(db, [job_id], cleared)\n"
+             "                                 if job_id in children else update([job_id]))",
+             "                            if job_id not in children:\n"
+             "                                hold([job_id], lambda: update([job_id]))\n"
+             "                        self._put_back_children(db, [i for i in job_ids if i in children], cleared, hold)",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and two_cancelled_children_with_one_key"),
+             "of two cancelled children of replayed workflow children with one key, the first-named's reopens"
+             " (PostgreSQL)"),
 ]
 
 

@@ -225,14 +225,35 @@ def test_one_replay_of_a_parent_and_a_dead_job_with_its_childs_key_makes_one_hol
     assert set(claim_ids(broker)) == set(kids)
 
 
+def _two_replayable_parents(broker, shape):
+    """Two dead jobs and, for each, the cancelled job a replay of it would reopen that has the
+    key "invoice-9" (its child, or its grandchild under a child without a key)."""
+    if shape == "workflow children":  # themselves children of done parents
+        roots = [broker.enqueue(new("root", id=f"job_root_{i}")) for i in range(2)]
+        parents = [broker.enqueue(new("parent", max_attempts=1, id=f"job_parent_{i}", depends_on=[r]))
+                   for i, r in enumerate(roots)]
+        jobs = claim_ids(broker)
+        for root in roots:
+            broker.ack(jobs[root].lease)
+        jobs = claim_ids(broker)
+        for parent in parents:
+            die(broker, jobs[parent])
+    else:
+        parents = [_dead(broker, "parent", id=f"job_parent_{i}") for i in range(2)]
+    if shape == "grandchildren":
+        middles = [broker.enqueue(new("middle", depends_on=[p])) for p in parents]
+        return parents, [broker.enqueue(new("child", idempotency_key="invoice-9", depends_on=[m])) for m in middles]
+    return parents, [broker.enqueue(new("child", idempotency_key="invoice-9", depends_on=[p])) for p in parents]
+
+
+@pytest.mark.parametrize("shape", ["plain parents", "workflow children", "grandchildren"])
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
-def test_of_two_cancelled_children_with_one_key_the_first_named_parents_reopens(broker, order):
-    """Two dead parents, each with a cancelled child, the children sharing an idempotency key,
-    replayed in one call: the child of the parent named first reopens and holds the key, the
-    other stays cancelled naming it, on every broker. PostgreSQL reopened whichever its
-    statement met first (the table's order), Redis and SQLite the call's."""
-    parents = [_dead(broker, "parent", id=f"job_parent_{i}") for i in range(2)]
-    children = [broker.enqueue(new("child", idempotency_key="invoice-9", depends_on=[p])) for p in parents]
+def test_of_two_cancelled_children_with_one_key_the_first_named_parents_reopens(broker, order, shape):
+    """Two dead parents, each with a cancelled child (or grandchild), the children sharing an
+    idempotency key, replayed in one call: the child of the parent named first reopens and
+    holds the key, the other stays cancelled naming it, on every broker. PostgreSQL reopened
+    whichever its statement met first (the table's order), Redis and SQLite the call's."""
+    parents, children = _two_replayable_parents(broker, shape)
     first, second = order
     assert broker.dlq_replay([parents[first], parents[second]]) == [parents[first], parents[second]]
     assert broker.get(children[first]).state == "waiting"

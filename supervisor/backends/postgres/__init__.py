@@ -304,23 +304,23 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
 
                     def hold(ids, run):
                         return replaykeys.put_back(db, self._jobs, reopened, ids, run)
-                    kin = [i for i in parents if i not in children]
-                    if len(kin) > 1 and (reopened or replaykeys.keyed_children(db, self._s, kin)):
-                        # A parent a statement, in the call's order: their children reopen in that
-                        # order (one statement met the rows in the table's order, which then chose
-                        # which of two cancelled children with one key reopened).
-                        kin = [i for i in job_ids if i in kin]
+                    cleared, kin = ("cancel_request", "expires_at"), set(parents)
+                    if len(kin) > 1 and replaykeys.keyed_descendants(db, self._s, kin):
+                        # A parent a statement, in the order the other brokers reopen theirs (the
+                        # call's, parents first): one statement met the rows in the table's order,
+                        # which then chose which of two cancelled children with one key reopened.
                         plain = [i for i in job_ids if i not in children and i not in kin]
+                        hold(plain, lambda: update(plain))
+                        for job_id in self._parents_first(db, [i for i in job_ids if i in kin or i in children]):
+                            hold([job_id], lambda: self._put_back_level(db, [job_id], cleared)
+                                 if job_id in children else update([job_id]))
                     else:
-                        plain, kin = [i for i in job_ids if i not in children], []
-                    hold(plain, lambda: update(plain))
-                    for job_id in kin:
-                        hold([job_id], lambda: update([job_id]))
-                    # Then the workflow children, as a requeue puts them back (search.py): parents
-                    # first, each waiting for its parents not finished now.
-                    if children:
-                        self._put_back_children(db, [i for i in job_ids if i in children],
-                                                ("cancel_request", "expires_at"), hold)
+                        plain = [i for i in job_ids if i not in children]
+                        hold(plain, lambda: update(plain))
+                        # Then the workflow children, as a requeue puts them back (search.py):
+                        # parents first, each waiting for its parents not finished now.
+                        if children:
+                            self._put_back_children(db, [i for i in job_ids if i in children], cleared, hold)
             except pgerrors.UniqueViolation:
                 held = self._first_held_key(db, job_ids)
                 raise BadInput(f"cannot replay {held}: its idempotency key is held by an unfinished job") from None

@@ -55,10 +55,13 @@ def _take_keys_back(db, jobs, reopened, ids):
     return bool(taken)
 
 
-def keyed_children(db, s, parents):
-    """Whether a child ``parents`` cancelled has an idempotency key (which another reopened child
-    may share): the replay then reopens them one parent after another, in the call's order."""
-    return db.execute(f"SELECT 1 FROM {s}.job_edges e JOIN {s}.jobs c ON c.id = e.child"
-                      " WHERE e.parent = ANY(%s::text[]) AND NOT e.parent_gone AND c.state = 'cancelled'"
-                      " AND c.reason = %s AND c.idempotency_key IS NOT NULL LIMIT 1",
-                      (list(parents), PARENT_FAILED)).fetchone() is not None
+def keyed_descendants(db, s, parents):
+    """Whether a job the reopens of ``parents`` may reach (their cancelled children, theirs, and
+    so on) has an idempotency key, which another reopened job may share: the replay then
+    reopens them one parent after another, in the call's order."""
+    return db.execute(
+        f"WITH RECURSIVE d(id) AS (SELECT unnest(%s::text[]) UNION SELECT e.child FROM d"
+        f" JOIN {s}.job_edges e ON e.parent = d.id AND NOT e.parent_gone JOIN {s}.jobs c ON c.id = e.child"
+        " AND c.state = 'cancelled' AND c.reason = %s)"
+        f" SELECT 1 FROM d JOIN {s}.jobs j ON j.id = d.id WHERE j.state = 'cancelled'"
+        " AND j.idempotency_key IS NOT NULL LIMIT 1", (list(parents), PARENT_FAILED)).fetchone() is not None

@@ -271,14 +271,14 @@ class SearchMixin:
         for parent, child in edges:
             if parent in waits and parent != child:
                 waits[child].add(parent)
-        live = sqlsearch.live_parent(self._jobs, "e")
         while waits:
             level = [child for child, parents in waits.items() if not parents & waits.keys()] or list(waits)
-            hold(level, lambda: self._put_back_level(db, level, cleared, live))
+            hold(level, lambda: self._put_back_level(db, level, cleared))
             for child in level:
                 del waits[child]
 
-    def _put_back_level(self, db, level, cleared, live):
+    def _put_back_level(self, db, level, cleared):
+        live = sqlsearch.live_parent(self._jobs, "e")
         db.execute(
             f"WITH w AS (SELECT c.id, (SELECT count(*) FROM {self._s}.job_edges e WHERE e.child = c.id"
             f" AND NOT e.parent_gone AND {live}) AS n FROM unnest(%s::text[]) AS c(id))"
