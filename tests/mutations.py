@@ -1994,12 +1994,12 @@ MUTATIONS = [
              "a replayed child waits for its parents not finished now, as a requeue (SQLite)"),
     Mutation("postgres-replay-child-runs-before-its-parent", "supervisor/backends/postgres/__init__.py",
              "                        plain = [i for i in job_ids if i not in children]\n"
-             "                        hold(plain, lambda: update(plain))\n"
+             "                        update(plain)\n"
              "                        # Then the workflow children, as a requeue puts them back (search.py):\n"
              "                        # parents first, each waiting for its parents not finished now.\n"
              "                        if children:\n",
              "                        plain = list(job_ids)\n"
-             "                        hold(plain, lambda: update(plain))\n"
+             "                        update(plain)\n"
              "                        if False:\n",
              ("tests/test_conformance_workflows.py", "-k", "postgres and replayed_since"),
              "a replayed child waits for its parents not finished now, as a requeue (PostgreSQL)"),
@@ -2854,11 +2854,12 @@ MUTATIONS = [
              " (sessions of their own, out of the master's group) and what their jobs started included"),
     Mutation("sqlite-replay-refuses-a-key-its-own-reopen-took", "supervisor/backends/sqlite/workflows.py",
              "        if row is None or row[\"id\"] not in candidates:", "        if True:",
+    Mutation("sqlite-replay-reopens-before-the-rest-hold-their-keys", "supervisor/backends/sqlite/workflows.py",
+             "                            [(row[\"id\"],) for row in rows])", "                            [])",
              ("tests/test_conformance_workflows.py", "-k", "sqlite and one_replay_of_a_parent"),
              "a replay of a parent and the dead holder of its cancelled child's key is accepted (SQLite)"),
-    Mutation("postgres-replay-refuses-a-key-its-own-reopen-took", "supervisor/backends/postgres/replaykeys.py",
-             "    taken = [(job_id, holder) for job_id, holder in rows if holder in reopened]",
-             "    taken = []",
+    Mutation("postgres-replay-reopens-before-the-rest-hold-their-keys", "supervisor/backends/postgres/replaykeys.py",
+             "    if rows:\n", "    if False:\n",
              ("tests/test_conformance_workflows.py", "-k", "postgres and one_replay_of_a_parent"),
              "a replay of a parent and the dead holder (a workflow child) of its cancelled child's key is accepted"
              " (PostgreSQL)"),
@@ -2873,14 +2874,24 @@ MUTATIONS = [
              ("tests/test_conformance_workflows.py", "-k", "postgres and two_cancelled_children_with_one_key"),
              "of two cancelled grandchildren with one key, the first-named parent's reopens (PostgreSQL)"),
     Mutation("postgres-replay-puts-children-back-in-table-order", "supervisor/backends/postgres/__init__.py",
-             "                            hold([job_id], lambda: self._put_back_level(db, [job_id], cleared)\n"
-             "                                 if job_id in children else update([job_id]))",
+             "                            if job_id in children:\n"
+             "                                self._put_back_level(db, [job_id], cleared)\n"
+             "                            else:\n"
+             "                                update([job_id])",
              "                            if job_id not in children:\n"
-             "                                hold([job_id], lambda: update([job_id]))\n"
-             "                        self._put_back_children(db, [i for i in job_ids if i in children], cleared, hold)",
+             "                                update([job_id])\n"
+             "                        self._put_back_children(db, [i for i in job_ids if i in children], cleared)",
              ("tests/test_conformance_workflows.py", "-k", "postgres and two_cancelled_children_with_one_key"),
              "of two cancelled children of replayed workflow children with one key, the first-named's reopens"
              " (PostgreSQL)"),
+    Mutation("sqlite-replay-leaves-its-key-holds-behind", "supervisor/backends/sqlite/workflows.py",
+             "        self.db.execute(f\"DELETE FROM job_edges WHERE parent = '{HOLD}'\")\n", "",
+             ("tests/test_conformance_workflows.py", "-k", "sqlite and one_replay_of_a_parent"),
+             "a child a replay kept cancelled for its key names the holder, and no stray edge stays (SQLite)"),
+    Mutation("postgres-replay-leaves-its-key-holds-behind", "supervisor/backends/postgres/replaykeys.py",
+             "    db.execute(f\"DELETE FROM {s}.job_edges WHERE parent = %s\", (HOLD,))\n", "",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and one_replay_of_a_parent"),
+             "a child a replay kept cancelled for its key names the holder, and no stray edge stays (PostgreSQL)"),
 ]
 
 

@@ -195,10 +195,13 @@ def test_one_replay_of_a_parent_and_a_dead_job_with_its_childs_key_makes_one_hol
     replays both and leaves the child cancelled naming the holder, whatever the order of the
     ids: Redis once reopened the child and put the holder back too (two unfinished holders of
     one key), SQLite refused the call when the parent came first, PostgreSQL when the holder was
-    a workflow child (BadInput, nothing replayed)."""
+    a workflow child (BadInput, nothing replayed). The child is never reopened: its own children
+    stay as they were."""
     parent = _dead(broker, "parent")
     child = broker.enqueue(new("child", idempotency_key="invoice-8", depends_on=[parent]))
-    assert broker.get(child).state == "cancelled"
+    grandchild = broker.enqueue(new("grandchild", depends_on=[child]))
+    assert broker.get(child).state == broker.get(grandchild).state == "cancelled"
+    ended = broker.get(grandchild).finished_at
     kids = []
     if holder_is == "a workflow child":
         first = broker.enqueue(new("first"))
@@ -216,6 +219,8 @@ def test_one_replay_of_a_parent_and_a_dead_job_with_its_childs_key_makes_one_hol
     got = broker.get(child)
     assert (got.reason, got.cancel_request["key_held_by"]) == ("parent_failed", other)
     assert [broker.get(kid).state for kid in kids] == ["waiting"] * len(kids)
+    # Never reopened, the child's own children are as they were (not cancelled a second time).
+    assert (broker.get(grandchild).state, broker.get(grandchild).finished_at) == ("cancelled", ended)
     assert broker.enqueue(new("third", idempotency_key="invoice-8")) == other
     jobs = claim_ids(broker)
     assert set(jobs) == {parent, other}

@@ -293,7 +293,7 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
                 with db.transaction():
                     parents, children = self._require_dead(db, job_ids)
                     self._lock_children(db, parents)  # reopened: before any of them
-                    reopened = replaykeys.candidates(db, self._jobs, job_ids) if parents or children else {}
+                    kept = replaykeys.hold(db, self._s, job_ids) if parents or children else None
 
                     def update(ids):
                         return db.execute(
@@ -301,26 +301,27 @@ class PostgresBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMi
                             " finished_at = NULL, lease_until = NULL, owner = NULL, cancel_request = NULL,"
                             " expires_at = NULL WHERE id = ANY(%s::text[])"
                             " RETURNING pg_notify(%s, queue)", (ids, self.channel))
-
-                    def hold(ids, run):
-                        return replaykeys.put_back(db, self._jobs, reopened, ids, run)
                     cleared, kin = ("cancel_request", "expires_at"), set(parents)
                     if len(kin) > 1 and replaykeys.keyed_descendants(db, self._s, kin):
                         # A parent a statement, in the order the other brokers reopen theirs (the
                         # call's, parents first): one statement met the rows in the table's order,
                         # which then chose which of two cancelled children with one key reopened.
                         plain = [i for i in job_ids if i not in children and i not in kin]
-                        hold(plain, lambda: update(plain))
+                        update(plain)
                         for job_id in self._parents_first(db, [i for i in job_ids if i in kin or i in children]):
-                            hold([job_id], lambda: self._put_back_level(db, [job_id], cleared)
-                                 if job_id in children else update([job_id]))
+                            if job_id in children:
+                                self._put_back_level(db, [job_id], cleared)
+                            else:
+                                update([job_id])
                     else:
                         plain = [i for i in job_ids if i not in children]
-                        hold(plain, lambda: update(plain))
+                        update(plain)
                         # Then the workflow children, as a requeue puts them back (search.py):
                         # parents first, each waiting for its parents not finished now.
                         if children:
-                            self._put_back_children(db, [i for i in job_ids if i in children], cleared, hold)
+                            self._put_back_children(db, [i for i in job_ids if i in children], cleared)
+                    if kept is not None:
+                        replaykeys.release(db, self._s, kept)
             except pgerrors.UniqueViolation:
                 held = self._first_held_key(db, job_ids)
                 raise BadInput(f"cannot replay {held}: its idempotency key is held by an unfinished job") from None

@@ -1,58 +1,44 @@
 """A dead-letter replay on PostgreSQL: every replayed job holds its idempotency key before any
-child a replayed parent reopens, whatever the order of the ids and of its statements.
+child a replayed parent reopens, and reopens run in the order the other brokers run theirs.
 
-The replay puts its jobs back in several statements (the plain jobs at once, then each parent,
+The replay puts its jobs back in several statements (the plain jobs at once, then the parents,
 then the workflow children a level at a time), and a parent's reopen runs after its own
-statement. A child one of them reopened may so hold the key of a job a later statement puts
-back (its holder was still dead): that statement's unique violation undoes it alone (a
-savepoint), the child goes back to how it was, cancelled, naming the job, and the statement
-runs again, as Redis and SQLite do. Any other holder refuses the replay.
+statement: a child it reopened could take the key of a job a later statement puts back (its
+holder still dead then), whose statement then failed. ``hold`` keeps those children out of
+every reopen of the call, as Redis and SQLite do.
 """
-import json
-
-from psycopg import errors as pgerrors
-
-from ...dependencies import KEY_HELD_BY, PARENT_FAILED, cancelled_by_workflow
+from ...dependencies import KEY_HELD_BY, ON_SUCCESS, PARENT_FAILED
 from .statements import UNFINISHED
 
-
-def candidates(db, jobs, job_ids):
-    """The cancelled children a replay of ``job_ids`` may reopen with one of their keys:
-    ``{id: (finished_at, cancel_request)}`` as they are before it."""
-    return {row[0]: (row[1], row[2]) for row in db.execute(
-        f"SELECT id, finished_at, cancel_request FROM {jobs} WHERE state = 'cancelled' AND reason = %s"
-        f" AND idempotency_key IN (SELECT idempotency_key FROM {jobs} WHERE id = ANY(%s::text[]))",
-        (PARENT_FAILED, list(job_ids))).fetchall()}
+_FAILED_EDGE = f"on_ = '{ON_SUCCESS}' AND state IS NOT NULL AND state <> 'done'"  # as workflows.py
+HOLD = ""  # the parent of the edges ``hold`` adds: no job has this id
 
 
-def put_back(db, jobs, reopened, ids, run):
-    """``run()`` (the statement putting ``ids`` back), again after each child of ``reopened``
-    holding one of their keys is cancelled again; UniqueViolation for any other holder."""
-    while True:
-        try:
-            with db.transaction():
-                return run()
-        except pgerrors.UniqueViolation:
-            if not _take_keys_back(db, jobs, reopened, ids):
-                raise
+def hold(db, s, job_ids):
+    """A cancelled child with the key of one of ``job_ids`` gets a failed edge of no job's, so no
+    reopen reaches it (the replayed job takes its key). Returns those a failed parent of their
+    own kept cancelled (``release``)."""
+    rows = db.execute(
+        f"SELECT id, EXISTS (SELECT 1 FROM {s}.job_edges WHERE child = j.id AND {_FAILED_EDGE}) FROM {s}.jobs j"
+        " WHERE state = 'cancelled' AND reason = %s AND idempotency_key IN"
+        f" (SELECT idempotency_key FROM {s}.jobs WHERE id = ANY(%s::text[])) ORDER BY id",  # two replays: one order
+        (PARENT_FAILED, list(job_ids))).fetchall()
+    if rows:
+        db.execute(f"INSERT INTO {s}.job_edges (parent, child, on_, state) SELECT %s, c, %s, 'dead'"
+                   " FROM unnest(%s::text[]) AS c", (HOLD, ON_SUCCESS, [row[0] for row in rows]))
+    return [row[0] for row in rows if row[1]]
 
 
-def _take_keys_back(db, jobs, reopened, ids):
-    rows = db.execute(f"SELECT j.id, h.id FROM {jobs} j JOIN {jobs} h ON h.idempotency_key = j.idempotency_key"
-                      f" AND h.state IN {UNFINISHED} WHERE j.id = ANY(%s::text[])", (list(ids),)).fetchall()
-    taken = [(job_id, holder) for job_id, holder in rows if holder in reopened]
-    for job_id, holder in taken:
-        finished_at, request = reopened[holder]
-        # Its end settles what its reopening reopened below it (flow_finish).
-        db.execute(f"UPDATE {jobs} SET state = 'cancelled', reason = %s, finished_at = %s,"
-                   " cancel_request = %s::jsonb || jsonb_build_object(%s::text, %s::text) WHERE id = %s",
-                   (PARENT_FAILED, finished_at, json.dumps(request or cancelled_by_workflow(finished_at)),
-                    KEY_HELD_BY, job_id, holder))
-        db.execute(f"UPDATE {jobs} SET cancel_request = cancel_request || jsonb_build_object(%s::text, %s::text)"
-                   " WHERE state = 'cancelled' AND cancel_request ->> %s = %s"
-                   f" AND idempotency_key = (SELECT idempotency_key FROM {jobs} WHERE id = %s)",
-                   (KEY_HELD_BY, job_id, KEY_HELD_BY, holder, job_id))
-    return bool(taken)
+def release(db, s, held):
+    """After the put-backs: ``hold``'s edges go, and a child no failed parent keeps cancelled now
+    (its own were replayed) names its key's holder, as a reopen does."""
+    db.execute(f"DELETE FROM {s}.job_edges WHERE parent = %s", (HOLD,))
+    if held:
+        db.execute(
+            f"UPDATE {s}.jobs j SET cancel_request = j.cancel_request || jsonb_build_object(%s::text,"
+            f" (SELECT h.id FROM {s}.jobs h WHERE h.idempotency_key = j.idempotency_key AND h.state IN {UNFINISHED}))"
+            f" WHERE id = ANY(%s::text[]) AND NOT EXISTS (SELECT 1 FROM {s}.job_edges WHERE child = j.id AND {_FAILED_EDGE})",
+            (KEY_HELD_BY, held))
 
 
 def keyed_descendants(db, s, parents):

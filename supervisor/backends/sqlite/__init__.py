@@ -344,15 +344,14 @@ class SQLiteBroker(ProducingMixin, workflows.Workflows, ControlMixin, SearchMixi
         with self._write():
             self._require_dead(job_ids)
             present = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
-            candidates = self._reopen_candidates(job_ids) if "pending" in present else {}
+            held = self._hold_keys(job_ids) if "pending" in present else None
             for job_id in self._parents_first(job_ids, present):  # as a requeue (search.py)
-                while True:
-                    try:
-                        self._put_back(job_id, now, present, ("cancel_request", "expires_at"))
-                        break
-                    except sqlite3.IntegrityError:  # the failed statement alone is undone
-                        if not self._take_key_back(job_id, candidates):
-                            raise BadInput(f"cannot replay {job_id}: its idempotency key is held by an unfinished job") from None
+                try:
+                    self._put_back(job_id, now, present, ("cancel_request", "expires_at"))
+                except sqlite3.IntegrityError:
+                    raise BadInput(f"cannot replay {job_id}: its idempotency key is held by an unfinished job") from None
+            if held is not None:
+                self._release_keys(held)
         return list(job_ids)
 
     def dlq_purge(self, job_ids):

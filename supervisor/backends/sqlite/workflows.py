@@ -42,6 +42,7 @@ _NOW = "(julianday('now') - 2440587.5) * 86400.0"
 
 
 _FAILED_EDGE = f"on_ = '{ON_SUCCESS}' AND state IS NOT NULL AND state <> 'done'"
+HOLD = ""  # the parent of the edges a replay holds keys with (``_hold_keys``): no job has this id
 
 
 def _reopenable(j):
@@ -229,30 +230,28 @@ class Workflows:
             by_id[row["child"]].parents[row["parent"]] = (row["state"], result)
         return jobs
 
-    def _reopen_candidates(self, job_ids):
-        """The cancelled children a replay of ``job_ids`` may reopen with one of their keys:
-        ``{id: (finished_at, cancel_request)}`` as they are before it (``_take_key_back``)."""
-        return {row["id"]: (row["finished_at"], row["cancel_request"]) for row in self.db.execute(
-            f"SELECT id, finished_at, cancel_request FROM jobs WHERE state = 'cancelled' AND reason = '{PARENT_FAILED}'"
-            " AND idempotency_key IN (SELECT idempotency_key FROM jobs WHERE id IN (SELECT value FROM json_each(?)))",
-            (json.dumps(job_ids),))}
+    def _hold_keys(self, job_ids):
+        """Before a replay of ``job_ids`` puts any back: a cancelled child with the key of one of
+        them gets a failed edge of no job's, so no reopen in the call reaches it. Reopened by a
+        parent put back before the key's holder (still dead), it took the key, and the holder's
+        put-back then failed: every replayed job holds its key before any child reopens, as on
+        Redis and PostgreSQL. Returns those a failed parent of their own kept cancelled."""
+        # Through the key's index (+: not jobs_search_state, every cancelled job).
+        rows = self.db.execute(
+            f"SELECT DISTINCT c.id, EXISTS (SELECT 1 FROM job_edges WHERE child = c.id AND {_FAILED_EDGE}) AS failed"
+            " FROM jobs r JOIN jobs c ON c.idempotency_key = r.idempotency_key WHERE r.id IN"
+            f" (SELECT value FROM json_each(?)) AND +c.state = 'cancelled' AND +c.reason = '{PARENT_FAILED}'",
+            (json.dumps(job_ids),)).fetchall()
+        self.db.executemany(f"INSERT INTO job_edges (parent, child, on_, state) VALUES ('{HOLD}', ?, '{ON_SUCCESS}', 'dead')",
+                            [(row["id"],) for row in rows])
+        return [row["id"] for row in rows if row["failed"]]
 
-    def _take_key_back(self, job_id, candidates):
-        """``job_id``'s key is held by a child this replay reopened (an earlier id's, its holder
-        still dead then): that child goes back to how it was, cancelled, naming ``job_id``, as
-        if every replayed job held its key before any child reopened (as on Redis, and on
-        PostgreSQL). False when another job holds the key: the replay is refused."""
-        row = self.db.execute(f"SELECT h.id FROM jobs j JOIN jobs h ON h.idempotency_key = j.idempotency_key"
-                              f" AND h.state IN {_UNFINISHED} WHERE j.id = ?", (job_id,)).fetchone()
-        if row is None or row["id"] not in candidates:
-            return False
-        finished_at, request = candidates[row["id"]]
-        # Its end settles what its reopening reopened below it (flow_finish).
-        self.db.execute(f"UPDATE jobs SET state = 'cancelled', reason = '{PARENT_FAILED}', finished_at = ?,"
-                        f" cancel_request = json_set(?, '$.{KEY_HELD_BY}', ?) WHERE id = ?",
-                        (finished_at, request or json.dumps(cancelled_by_workflow(finished_at)), job_id, row["id"]))
-        self.db.execute(f"UPDATE jobs SET cancel_request = json_set(cancel_request, '$.{KEY_HELD_BY}', ?)"
-                        f" WHERE state = 'cancelled' AND json_extract(cancel_request, '$.{KEY_HELD_BY}') = ?"
-                        " AND idempotency_key = (SELECT idempotency_key FROM jobs WHERE id = ?)",
-                        (job_id, row["id"], job_id))
-        return True
+    def _release_keys(self, held):
+        """After the put-backs: the edges ``_hold_keys`` added go, and a child no failed parent
+        keeps cancelled now (its own were replayed) names its key's holder, as a reopen does."""
+        self.db.execute(f"DELETE FROM job_edges WHERE parent = '{HOLD}'")
+        self.db.execute(
+            f"UPDATE jobs SET cancel_request = json_set(cancel_request, '$.{KEY_HELD_BY}', (SELECT h.id FROM jobs h"
+            f" WHERE h.idempotency_key = jobs.idempotency_key AND h.state IN {_UNFINISHED}))"
+            " WHERE id IN (SELECT value FROM json_each(?))"
+            f" AND NOT EXISTS (SELECT 1 FROM job_edges WHERE child = jobs.id AND {_FAILED_EDGE})", (json.dumps(held),))
