@@ -2852,8 +2852,6 @@ MUTATIONS = [
              ("tests/test_testing.py", "-k", "outlives"),
              "testing.Supervisor.stop() fails when a process of the supervisor outlives it, children"
              " (sessions of their own, out of the master's group) and what their jobs started included"),
-    Mutation("sqlite-replay-refuses-a-key-its-own-reopen-took", "supervisor/backends/sqlite/workflows.py",
-             "        if row is None or row[\"id\"] not in candidates:", "        if True:",
     Mutation("sqlite-replay-reopens-before-the-rest-hold-their-keys", "supervisor/backends/sqlite/workflows.py",
              "                            [(row[\"id\"],) for row in rows])", "                            [])",
              ("tests/test_conformance_workflows.py", "-k", "sqlite and one_replay_of_a_parent"),
