@@ -2890,6 +2890,10 @@ MUTATIONS = [
              "    db.execute(f\"DELETE FROM {s}.job_edges WHERE parent = %s\", (HOLD,))\n", "",
              ("tests/test_conformance_workflows.py", "-k", "postgres and one_replay_of_a_parent"),
              "a child a replay kept cancelled for its key names the holder, and no stray edge stays (PostgreSQL)"),
+    Mutation("redis-cancel-one-script-per-queue", "supervisor/backends/redis/control.py",
+             "for i in range(0, len(ids), CANCEL_SCRIPT_IDS)]", "for i in range(0, len(ids), 10_000)]",
+             ("tests/test_redis_big_groups.py", "-k", "scripts_of_at_most_a_chunk"),
+             "a cancel of a big batch runs as scripts of at most CANCEL_SCRIPT_IDS ids: Redis blocked no longer"),
 ]
 
 

@@ -1,0 +1,114 @@
+"""The longest single script call (Redis blocks every other client meanwhile) of each operation on one big group.
+
+    python -m bench.group_cost [--members 100000]
+
+Starts a private redis-server (``redis-server`` on the PATH, a free port, nothing
+saved, ``slowlog-log-slower-than 0``) and runs, on one group of ``--members`` jobs
+with one callback: the enqueue, claiming and acking every member (the last ack
+releases the callback), reading the callback (``batch_status``), claiming it,
+cancelling a second such group (``cancel_batch``), replaying its dead members, and
+discarding a callback with all its parents. For each, prints the number of script
+calls and the longest one (the server's own clock, SLOWLOG): the time Redis
+answered nobody else.
+"""
+import argparse
+import time
+
+import redis
+
+from bench.script_cost import free_port
+from supervisor import workflows
+from supervisor.backends import open_broker
+from supervisor.client import Client
+
+
+def longest(r):
+    """(calls, longest µs, its command) of the scripts since the last call; resets the log."""
+    log = [e for e in r.slowlog_get(1_000_000) if e["command"].split(b" ", 1)[0].upper() in (b"EVALSHA", b"EVAL")]
+    r.slowlog_reset()
+    if not log:
+        return 0, 0, ""
+    top = max(log, key=lambda e: e["duration"])
+    return len(log), top["duration"], top["command"][:40].decode(errors="replace")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--members", type=int, default=100_000)
+    args = ap.parse_args(argv)
+    n = args.members
+    port = free_port()
+    import subprocess
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--slowlog-log-slower-than", "0",
+                               "--slowlog-max-len", "1000000"], stdout=subprocess.DEVNULL)
+    rows = []
+
+    def phase(name, fn):
+        longest(r)
+        t0 = time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t0
+        calls, us, cmd = longest(r)
+        rows.append((name, calls, us, wall))
+        print(f"{name}: {calls} script calls, longest {us / 1000:.1f} ms, wall {wall:.1f} s", flush=True)
+
+    try:
+        r = redis.Redis(port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        url = f"redis://127.0.0.1:{port}/0?prefix=group-cost"
+        with open_broker(url) as b:
+            b.migrate()
+        client, broker = Client.from_url(url), open_broker(url)
+        members = [("bench", {"i": i}) for i in range(n)]
+        flow = {}
+        phase("enqueue group", lambda: flow.update(a=client.group(members, then=("bench", {}))))
+        info = {"host": "h", "pid": 1, "slot": 0, "duration": 0.001}
+
+        def run_all():
+            while True:
+                got = broker.claim(["default"], 1000, 60, "bench:1:g")
+                if not got:
+                    return
+                broker.ack_many([(j.lease, None, info) for j in got])
+        phase("claim + ack every member (the last releases the callback)", run_all)
+        phase("batch_status (get the callback)", lambda: workflows.batch_status(broker, flow["a"].then))
+        batch = {}
+        phase("enqueue batch", lambda: batch.update(b=client.batch(members, on_success=("bench", {}))))
+        phase("cancel_batch", lambda: workflows.cancel_batch(client, batch["b"].id, by="bench"))
+        phase("discard the cancelled callback", lambda: broker.discard([batch["b"].id]))
+        dead = {}
+        phase("enqueue batch 2", lambda: dead.update(b=client.batch(members, on_success=("bench", {}))))
+
+        def kill_all():
+            while True:
+                got = broker.claim(["default"], 1000, 60, "bench:1:g")
+                if not got:
+                    return
+                for j in got:
+                    broker.dead(j.lease, "failed", {"type": "E", "message": "x"}, info)
+        phase("every member dead (first cancels the callback)", kill_all)
+        ids = dead["b"].members
+        phase("dlq_replay every member, 10,000 a call",
+              lambda: [broker.dlq_replay(ids[i:i + 10_000]) for i in range(0, len(ids), 10_000)])
+        client.close()
+        broker.close()
+    finally:
+        server.terminate()
+        server.wait(10)
+    print(f"\n{n} members")
+    print("| operation | script calls | longest call ms | wall s |\n| --- | ---: | ---: | ---: |")
+    for name, calls, us, wall in rows:
+        print(f"| {name} | {calls} | {us / 1000:.1f} | {wall:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
