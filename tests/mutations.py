@@ -2894,6 +2894,10 @@ MUTATIONS = [
              "for i in range(0, len(ids), CANCEL_SCRIPT_IDS)]", "for i in range(0, len(ids), 10_000)]",
              ("tests/test_redis_big_groups.py", "-k", "scripts_of_at_most_a_chunk"),
              "a cancel of a big batch runs as scripts of at most CANCEL_SCRIPT_IDS ids: Redis blocked no longer"),
+    Mutation("redis-unlink-takes-every-edge", "supervisor/backends/redis_lua/_flows.lua",
+             "'COUNT', UNLINK_PAGE)[2]", "'COUNT', 100000000)[2]",
+             ("tests/test_redis_big_groups.py", "-k", "unlinks_a_page"),
+             "deleting a callback of many parents takes at most a page of its edges off them in one script"),
 ]
 
 
