@@ -2898,6 +2898,18 @@ MUTATIONS = [
              "'COUNT', UNLINK_PAGE)[2]", "'COUNT', 100000000)[2]",
              ("tests/test_redis_big_groups.py", "-k", "unlinks_a_page"),
              "deleting a callback of many parents takes at most a page of its edges off them in one script"),
+    Mutation("redis-discard-frees-a-big-hash-inline", "supervisor/backends/redis_lua/discard.lua",
+             "    redis.call('UNLINK', key)", "    redis.call('DEL', key)",
+             ("tests/test_redis_big_groups.py", "-k", "discarding_a_callback"),
+             "a discarded job's big hash (a group's callback) is freed in the background, Redis not held"),
+    Mutation("redis-prune-frees-a-big-done-hash-inline", "supervisor/backends/redis_lua/prune.lua",
+             "\n  deleted = deleted + redis.call('UNLINK', JOB .. id)", "\n  deleted = deleted + redis.call('DEL', JOB .. id)",
+             ("tests/test_redis_big_groups.py", "-k", "pruning_a_done_callback"),
+             "a pruned done job's big hash (a group's callback) is freed in the background, Redis not held"),
+    Mutation("redis-purge-frees-a-big-hash-inline", "supervisor/backends/redis_lua/purge.lua",
+             "  redis.call('UNLINK', JOB .. ARGV[k])", "  redis.call('DEL', JOB .. ARGV[k])",
+             ("tests/test_redis_big_groups.py", "-k", "purging_a_callback"),
+             "a purged job's big hash (a group's callback) is freed in the background, Redis not held"),
 ]
 
 

@@ -19,7 +19,7 @@ for k = 3, #ARGV do
       settle(id, 'cancelled', nil)
     end
     unlink(key, id)
-    redis.call('DEL', key)
+    redis.call('UNLINK', key)  -- a callback's hash of 100,000 parents took 0.2 s to free inline
     out[#out + 1] = 'discarded'
   end
 end

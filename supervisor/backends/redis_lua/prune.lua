@@ -18,7 +18,7 @@ unread, removed = unread - #ids, #ids
 for _, id in ipairs(ids) do
   unindex_job(id, redis.call('HMGET', JOB .. id, 'queued_at', 'type'))
   unlink(JOB .. id, id)
-  deleted = deleted + redis.call('DEL', JOB .. id)
+  deleted = deleted + redis.call('UNLINK', JOB .. id)  -- a big hash (a group's callback) freed in the background
   redis.call('ZREM', DONE, id)
   redis.call('ZREM', EXPIRING, id)  -- an entry a claim of an older version left behind
 end
@@ -50,7 +50,7 @@ for _, z in ipairs({CANCELLED_Z, EXPIRED_Z}) do
       if z == CANCELLED_Z then release_kept(JOB .. id) end
       unindex_job(id, redis.call('HMGET', JOB .. id, 'queued_at', 'type'))
       unlink(JOB .. id, id)
-      deleted = deleted + redis.call('DEL', JOB .. id)
+      deleted = deleted + redis.call('UNLINK', JOB .. id)  -- a big hash (a group's callback) freed in the background
       redis.call('ZREM', z, id)
       removed = removed + 1
     end

@@ -7,7 +7,7 @@ end
 for k = 3, #ARGV do
   unindex_job(ARGV[k], redis.call('HMGET', JOB .. ARGV[k], 'queued_at', 'type'))
   unlink(JOB .. ARGV[k], ARGV[k])
-  redis.call('DEL', JOB .. ARGV[k])
+  redis.call('UNLINK', JOB .. ARGV[k])  -- freed in the background: a group's callback is big
   redis.call('ZREM', DEAD, ARGV[k])
 end
 return {'ok', #ARGV - 2}
