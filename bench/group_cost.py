@@ -5,11 +5,11 @@
 Starts a private redis-server (``redis-server`` on the PATH, a free port, nothing
 saved, ``slowlog-log-slower-than 0``) and runs, on one group of ``--members`` jobs
 with one callback: the enqueue, claiming and acking every member (the last ack
-releases the callback), reading the callback (``batch_status``), claiming it,
-cancelling a second such group (``cancel_batch``), replaying its dead members, and
-discarding a callback with all its parents. For each, prints the number of script
-calls and the longest one (the server's own clock, SLOWLOG): the time Redis
-answered nobody else.
+releases the callback), reading the callback (``batch_status``), claiming it, pruning
+the group; cancelling a second one (``cancel_batch``) and discarding it; replaying a
+third one's dead members, purging them, requeueing its callback. For each, prints the
+number of script calls and the longest command (the server's own clock, SLOWLOG): the
+time Redis answered nobody else.
 """
 import argparse
 import time
@@ -24,12 +24,13 @@ from supervisor.client import Client
 
 def longest(r):
     """(calls, longest µs, its command) of the scripts since the last call; resets the log."""
-    log = [e for e in r.slowlog_get(1_000_000) if e["command"].split(b" ", 1)[0].upper() in (b"EVALSHA", b"EVAL")]
+    log = r.slowlog_get(1_000_000)
     r.slowlog_reset()
+    scripts = [e for e in log if e["command"].split(b" ", 1)[0].upper() in (b"EVALSHA", b"EVAL")]
     if not log:
         return 0, 0, ""
     top = max(log, key=lambda e: e["duration"])
-    return len(log), top["duration"], top["command"][:40].decode(errors="replace")
+    return len(scripts), top["duration"], top["command"].split(b" ", 1)[0].decode(errors="replace")
 
 
 def main(argv=None):
@@ -50,8 +51,8 @@ def main(argv=None):
         fn()
         wall = time.perf_counter() - t0
         calls, us, cmd = longest(r)
-        rows.append((name, calls, us, wall))
-        print(f"{name}: {calls} script calls, longest {us / 1000:.1f} ms, wall {wall:.1f} s", flush=True)
+        rows.append((name, calls, us, cmd, wall))
+        print(f"{name}: {calls} script calls, longest {us / 1000:.1f} ms ({cmd}), wall {wall:.1f} s", flush=True)
 
     try:
         r = redis.Redis(port=port)
@@ -64,7 +65,7 @@ def main(argv=None):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-        url = f"redis://127.0.0.1:{port}/0?prefix=group-cost"
+        url = f"redis://127.0.0.1:{port}/0?prefix=group-cost&socket_timeout=120"
         with open_broker(url) as b:
             b.migrate()
         client, broker = Client.from_url(url), open_broker(url)
@@ -73,41 +74,46 @@ def main(argv=None):
         phase("enqueue group", lambda: flow.update(a=client.group(members, then=("bench", {}))))
         info = {"host": "h", "pid": 1, "slot": 0, "duration": 0.001}
 
-        def run_all():
-            while True:
-                got = broker.claim(["default"], 1000, 60, "bench:1:g")
-                if not got:
-                    return
-                broker.ack_many([(j.lease, None, info) for j in got])
-        phase("claim + ack every member (the last releases the callback)", run_all)
-        phase("batch_status (get the callback)", lambda: workflows.batch_status(broker, flow["a"].then))
+        def run(ids, dead=False):
+            left = len(ids)
+            while left:
+                got = broker.claim(["default"], min(1000, left), 600, "bench:1:g")
+                left -= len(got)
+                for j in got:
+                    assert j.id in ids
+                if dead:
+                    for j in got:
+                        broker.dead(j.lease, "failed", {"type": "E", "message": "x"}, info)
+                else:
+                    broker.ack_many([(j.lease, None, info) for j in got])
+
+        a = flow["a"]
+        phase("claim + ack every member (the last releases the callback)", lambda: run(set(a.ids)))
+        phase("batch_status (get the callback)", lambda: workflows.batch_status(broker, a.then))
+        phase("claim + ack the callback (its claim carries every parent's end)", lambda: run({a.then}))
+        phase("prune the done group", lambda: [broker.prune(0) for _ in range(300)])
         batch = {}
         phase("enqueue batch", lambda: batch.update(b=client.batch(members, on_success=("bench", {}))))
         phase("cancel_batch", lambda: workflows.cancel_batch(client, batch["b"].id, by="bench"))
         phase("discard the cancelled callback", lambda: broker.discard([batch["b"].id]))
-        dead = {}
-        phase("enqueue batch 2", lambda: dead.update(b=client.batch(members, on_success=("bench", {}))))
-
-        def kill_all():
-            while True:
-                got = broker.claim(["default"], 1000, 60, "bench:1:g")
-                if not got:
-                    return
-                for j in got:
-                    broker.dead(j.lease, "failed", {"type": "E", "message": "x"}, info)
-        phase("every member dead (first cancels the callback)", kill_all)
-        ids = dead["b"].members
-        phase("dlq_replay every member, 10,000 a call",
-              lambda: [broker.dlq_replay(ids[i:i + 10_000]) for i in range(0, len(ids), 10_000)])
+        phase("discard the cancelled members, 10,000 a call",
+              lambda: [broker.discard(batch["b"].members[i:i + 10_000]) for i in range(0, n, 10_000)])
+        phase("enqueue batch 3", lambda: batch.update(c=client.batch(members, on_success=("bench", {}))))
+        c = batch["c"]
+        phase("every member dead (the first cancels the callback)", lambda: run(set(c.members), dead=True))
+        phase("dlq_replay every member, one call", lambda: broker.dlq_replay(c.members))
+        phase("every member dead again", lambda: run(set(c.members), dead=True))
+        phase("dlq_purge every member, one call", lambda: broker.dlq_purge(c.members))
+        phase("requeue the cancelled callback", lambda: broker.requeue([c.on_success]))
         client.close()
         broker.close()
     finally:
         server.terminate()
         server.wait(10)
     print(f"\n{n} members")
-    print("| operation | script calls | longest call ms | wall s |\n| --- | ---: | ---: | ---: |")
-    for name, calls, us, wall in rows:
-        print(f"| {name} | {calls} | {us / 1000:.1f} | {wall:.1f} |")
+    print("| operation | script calls logged | longest command ms | it was | wall s |\n| --- | ---: | ---: | --- | ---: |")
+    for name, calls, us, cmd, wall in rows:
+        print(f"| {name} | {calls} | {us / 1000:.1f} | {cmd} | {wall:.1f} |")
 
 
 if __name__ == "__main__":
