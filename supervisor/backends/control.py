@@ -43,6 +43,16 @@ def acting(action, flt):
     return dataclasses.replace(flt, state=states) if states else None
 
 
+def count_acting(broker, action, flt):
+    """(how many, exact) of the jobs ``flt`` selects that ``action`` would change: what a dry run
+    (the CLI's ``--dry-run``, the console's confirmation) says."""
+    flt = acting(action, flt)
+    if flt is None:
+        return 0, True
+    count = broker.count(flt)
+    return count.n, count.exact
+
+
 def check_ids(job_ids, most=MAX_IDS):
     """A list of job ids (strings), each once, or BadInput. ``most=None``: any number (the dead
     letters' calls take a whole selection: the console replays a group of any size)."""

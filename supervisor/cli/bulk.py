@@ -19,7 +19,8 @@ import math
 import re
 import time
 
-from ..backends.control import ACTING_STATES, REQUEUE_REFUSALS, REQUEUE_REFUSED as REFUSED, cancel_request
+from ..backends.control import (ACTING_STATES, REQUEUE_REFUSALS, REQUEUE_REFUSED as REFUSED, cancel_request,
+                                count_acting)
 from ..errors import BadInput
 from ..jobfilter import JobFilter, check_page, decode_cursor, parse_where
 from ..model import parse_rate
@@ -31,9 +32,6 @@ PAGE = 500
 MIN_RATE = 1 / 3600  # jobs per second: the slowest "N/h" says
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-# Which states a bulk action looks at when --state is not given: the ones it can act on.
-DEFAULT_STATES = ACTING_STATES
 
 # What a retry (the broker's requeue) may answer for a job its dry run counted (see REQUEUE_REFUSALS).
 MAY_REFUSE = {"retry": REQUEUE_REFUSALS}
@@ -137,7 +135,8 @@ def cmd_jobs(args):
 
 def cmd_bulk(args):
     verb = args.verb
-    f, since, until, filtered = filter_of(args, DEFAULT_STATES[verb] if not args.state else ())
+    # Without --state, a bulk action looks at the states it can act on.
+    f, since, until, filtered = filter_of(args, ACTING_STATES[verb] if not args.state else ())
     if args.job_ids and filtered:
         raise UsageError(f"{verb}: give job ids or filters, not both")
     if args.job_ids and args.all:
@@ -158,7 +157,7 @@ def cmd_bulk(args):
             batches, selected, exact = pages(broker, f), count.n, count.exact
         if args.dry_run and not args.job_ids and args.state:
             # --state says where to look, not what the action changes: only those are counted.
-            selected, exact = _count_acting(broker, verb, f)
+            selected, exact = count_acting(broker, verb, f)
         if args.dry_run:
             unknown, named = 0, {}
             if args.job_ids:  # named ones: those in a state the action changes, not every id given
@@ -199,18 +198,9 @@ def _would_act(broker, verb, ids):
         job = broker.get(one)
         if job is None:
             unknown += 1
-        elif job.state != "running" if verb == "discard" else job.state in DEFAULT_STATES[verb]:
+        elif job.state != "running" if verb == "discard" else job.state in ACTING_STATES[verb]:
             acts += 1
     return acts, unknown
-
-
-def _count_acting(broker, verb, f):
-    """(how many, exact) of the jobs ``f`` selects in a state the action changes."""
-    states = [s for s in f.state if s in DEFAULT_STATES[verb]]
-    if not states:  # no state it acts on (an empty state filter would mean every state)
-        return 0, True
-    count = broker.count(JobFilter.from_dict(dict(f.to_dict(), state=states)))
-    return count.n, count.exact
 
 
 def pages(broker, f):

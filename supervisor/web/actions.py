@@ -12,7 +12,7 @@ from urllib.parse import quote
 
 from starlette.responses import RedirectResponse
 
-from ..backends.control import acting
+from ..backends.control import acting, count_acting
 from ..errors import BadInput
 from ..jobfilter import ORDERS
 from ..model import NewJob, check_queue
@@ -47,15 +47,6 @@ def act_on_filter(broker, action, flt, by, cap=BULK_CAP):
         if not cursor:
             return results, False
     return results, True
-
-
-def count_acting(broker, action, flt):
-    """(how many, exact) of the jobs ``flt`` selects that ``action`` would change."""
-    flt = acting(action, flt)
-    if flt is None:
-        return 0, True
-    count = broker.count(flt)
-    return count.n, count.exact
 
 
 def summary(results):

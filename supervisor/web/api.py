@@ -11,7 +11,7 @@ import time
 
 from starlette.responses import JSONResponse
 
-from ..backends.control import REQUEUE_REFUSALS
+from ..backends.control import REQUEUE_REFUSALS, count_acting
 from ..errors import BadInput
 from ..jobfilter import JobFilter
 from . import actions
@@ -126,7 +126,7 @@ async def jobs_action(request, form):
         if not flt:
             raise BadInput("this filter selects every job: narrow it first")
         if data.get("dry_run"):
-            n, exact = await c.pool.call(actions.count_acting, action, flt)
+            n, exact = await c.pool.call(count_acting, action, flt)
             refusals = {"may_refuse": list(REQUEUE_REFUSALS)} if action == "retry" else {}
             return answer({"dry_run": True, "count": n, "exact": exact, **refusals})
         outcome, more = await actions.bulk(c, request.state.identity, action, flt=flt)
