@@ -14,6 +14,15 @@ from .errors import BadInput
 from .jsonvalues import is_storable
 from .model import STATES, check_queue
 
+# Not a state of its own but the part of two that ``stats`` counts apart: queued or retrying
+# jobs due later (delayed, or waiting out a retry backoff), by the broker's clock. A filter
+# names it beside the states.
+SCHEDULED = "scheduled"
+DUE_LATER = ("queued", "retrying")
+FILTER_STATES = STATES + (SCHEDULED,)
+# What the other counts shown beside them (stats, queues, the console) select.
+_COUNTS = {"ready": "of the queued and retrying jobs that are due (queued and retrying, less scheduled)",
+           "in_flight": "of state running", "in-flight": "of state running"}
 ORDERS = ("newest", "oldest")
 MAX_LIMIT = 1000
 MAX_PAYLOAD_FIELDS = 32  # payload fields a filter compares
@@ -47,8 +56,9 @@ class JobFilter:
             raise BadInput(f"state filter must be a state or a list of states, got {self.state!r}")
         state = (self.state,) if isinstance(self.state, str) else tuple(self.state or ())
         for s in state:
-            if not isinstance(s, str) or s not in STATES:
-                raise BadInput(f"unknown state {s!r} (expected one of {', '.join(STATES)})")
+            if not isinstance(s, str) or s not in FILTER_STATES:
+                hint = f"; the {s} count is {_COUNTS[s]}" if s in _COUNTS else ""
+                raise BadInput(f"unknown state {s!r} (expected one of {', '.join(FILTER_STATES)}{hint})")
         object.__setattr__(self, "state", tuple(dict.fromkeys(state)))
         if self.queue is not None:
             check_queue(self.queue)

@@ -106,6 +106,9 @@ def test_jobs_lists_by_filter_and_pages_with_the_printed_cursor(capsys, cfg, job
     (["discard"], "--all for every job"),
     (["retry", "--state", "dead", "job_1"], "not both"),
     (["cancel", "--state", "bogus", "--dry-run"], "unknown state 'bogus'"),
+    # Counts `status`/`queues` show that are no state: the error says what selects them.
+    (["jobs", "--state", "in_flight"], "the in_flight count is of state running"),
+    (["discard", "--state", "ready"], "the ready count is of the queued and retrying jobs that are due"),
 ])
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(capsys, cfg, broker, jobs, args, message):
     before = snapshot(broker)
@@ -279,3 +282,20 @@ def test_cancel_by_filter_prints_each_outcome_and_records_who_and_why(capsys, cf
     assert outcomes(out)[0] == {other: "already_cancelled", jobs["dead1"]: "already_dead", "job_nope": "unknown"}
     code, out, _ = run(capsys, cfg, "retry", "--state", "cancelled")
     assert out.strip().splitlines()[-1] == "retry: 1 queued" and broker.get(other).state == "queued"
+
+
+def test_state_scheduled_lists_and_cancels_the_jobs_the_scheduled_column_counts(capsys, cfg, broker, jobs):
+    """`queue list` and `stats` show a SCHEDULED column; `jobs --state scheduled` said "unknown state"."""
+    later = broker.enqueue(NewJob("email", {"n": 1}, delay=3600))
+    code, out, _ = run(capsys, cfg, "queue", "list", "--json")
+    assert [q["scheduled"] for q in json.loads(out) if q["queue"] == "default"] == [1]
+    code, out, err = run(capsys, cfg, "jobs", "--state", "scheduled", "--json")
+    assert code == 0 and [j["id"] for j in json.loads(out)["jobs"]] == [later], err
+    code, out, _ = run(capsys, cfg, "retry", "--state", "scheduled", "--dry-run")
+    assert code == 0 and out.strip().startswith("would retry 0 job(s)")
+    code, out, _ = run(capsys, cfg, "cancel", "--state", "scheduled", "--dry-run")
+    assert code == 0 and out.strip() == "would cancel 1 job(s)"
+    before = {j.id: j.state for j in broker.search({}, limit=1000).jobs}
+    code, out, _ = run(capsys, cfg, "cancel", "--state", "scheduled")
+    assert code == 0 and out.strip().splitlines() == [f"{later} cancelled", "cancel: 1 cancelled"]
+    assert {j.id: j.state for j in broker.search({}, limit=1000).jobs} == dict(before, **{later: "cancelled"})

@@ -329,3 +329,41 @@ def test_requeue_and_discard_take_cancelled_and_expired_jobs(broker):
     broker.cancel([again], "ops", "")
     assert broker.discard([again]) == {again: "discarded"}
     assert broker.get(again) is None and broker.count(JobFilter(state=["cancelled"])).n == 0
+
+
+def test_scheduled_selects_the_queued_and_retrying_jobs_due_later_as_stats_counts_them(broker):
+    """`tangguh status`/`queues` show a scheduled count (queued or retrying, run_at ahead of the
+    broker's clock), and `jobs --state scheduled` was "unknown state". It selects those jobs on
+    every broker, beside the states (a union) and under the other filters."""
+    made = {name: broker.enqueue(new(type_="sms" if name == "dead" else "t")) for name in ("backoff", "retry_due", "dead")}
+    by_id = {v: k for k, v in made.items()}
+    for job in broker.claim(["default"], 10, 300, "w"):
+        name = by_id[job.id]
+        if name == "dead":
+            broker.dead(job.lease, "exception", error_info("exception", "ValueError", "slow"))
+        else:
+            run_at = broker.now() + (3600 if name == "backoff" else -1)
+            broker.retry(job.lease, run_at, error_info("exception", "TimeoutError", "gateway slow"))
+    made["due"] = broker.enqueue(new())
+    made["later"] = broker.enqueue(new(delay=3600))
+    made["later_mail"] = broker.enqueue(new(type_="x", queue="mail", delay=3600))
+    assert broker.get(made["retry_due"]).state == "retrying" and broker.get(made["backoff"]).state == "retrying"
+
+    def selected(**spec):
+        f = JobFilter(**spec)
+        got = ids(all_pages(broker, f, limit=1))
+        assert ids(all_pages(broker, f, limit=50, order="oldest")) == got[::-1]
+        count = broker.count(f)
+        assert count.exact and count.n == len(got)
+        return sorted(by_name[i] for i in got)
+
+    by_name = {v: k for k, v in made.items()}
+    stats = broker.stats(Q)
+    assert (stats["default"].scheduled, stats["mail"].scheduled) == (2, 1)
+    assert selected(state="scheduled") == ["backoff", "later", "later_mail"]
+    assert selected(state="scheduled", queue="default") == ["backoff", "later"]
+    assert selected(state="scheduled", type="x") == ["later_mail"]
+    assert selected(state=["scheduled", "dead"]) == ["backoff", "dead", "later", "later_mail"]
+    assert selected(state=["queued", "scheduled"]) == ["backoff", "due", "later", "later_mail"]
+    assert selected(state="scheduled", error="gateway") == ["backoff"]
+    assert selected(state=["scheduled", "dead"], error="slow") == ["backoff", "dead"]

@@ -693,6 +693,17 @@ def test_a_filter_action_counts_and_walks_only_the_jobs_it_changes(console, brok
     assert act_on_filter(broker, "cancel", JobFilter(state=("done",)), "test") == ({}, False)  # no state it changes
 
 
+def test_the_jobs_filter_offers_scheduled_as_the_overview_counts_it(console, broker):
+    """The overview and the queues page show a Scheduled column; the Jobs filter had no such state."""
+    due = broker.enqueue(NewJob("export", {"n": 1}).validate())
+    later = broker.enqueue(NewJob("export", {"n": 2}, delay=3600).validate())
+    login(console, "ada", ADMIN_PW)
+    page = console.get("/jobs", params={"state": "scheduled"})
+    assert page.status_code == 200 and "<option selected>scheduled</option>" in page.text
+    assert later in page.text and due not in page.text
+    assert [j["id"] for j in console.get("/api/jobs", params={"state": "scheduled"}).json()["jobs"]] == [later]
+
+
 def test_a_logout_ends_the_session_even_for_a_copy_of_its_cookie(console):
     """The session cookie is signed, not stored: a copy taken before the logout (a shared
     machine, a stolen cookie) must not read pages or act for the rest of its twelve hours."""

@@ -11,6 +11,7 @@ import math
 import time
 
 from ..errors import BadInput
+from ..jobfilter import FILTER_STATES, SCHEDULED
 from ..model import FINISHED, MAX_NAME, RUNNING, STATES, check_json, is_storable, storable
 
 MAX_NOTE = 200  # characters of a progress note kept (a handler may send anything)
@@ -31,9 +32,9 @@ REQUEUE_REFUSED = ('the retry refuses any whose on="success" parent lies dead, c
 # states are not looked at, so a dry run counts only what would change, and a capped run is not
 # spent answering "already_done" to finished jobs while the ones to act on wait past the cap.
 ACTING_STATES = {
-    "cancel": ("waiting", "queued", "running", "retrying"),
+    "cancel": ("waiting", "queued", "running", "retrying", SCHEDULED),
     "retry": ("dead", "cancelled", "expired"),
-    "discard": tuple(s for s in STATES if s != RUNNING),
+    "discard": tuple(s for s in FILTER_STATES if s != RUNNING),
 }
 
 

@@ -11,7 +11,7 @@ empty) with a ``next_cursor`` that continues the walk where it stopped.
 """
 from .. import jobfilter
 from ..errors import BadInput
-from ..jobfilter import Count, Page, check_page, decode_cursor, encode_cursor, matches_payload
+from ..jobfilter import SCHEDULED, Count, Page, check_page, decode_cursor, encode_cursor, matches_payload
 from ..model import load_json
 
 SCAN_BOUND = 5000  # rows checked row by row per search or count call
@@ -47,7 +47,8 @@ def matches(f, row, post):
             if row.get("state") not in ERROR_STATES or not error_matches(row.get("error"), f.error):
                 return False
         elif name == "state":
-            if row.get("state") not in f.state:
+            # "later": the broker's verdict on run_at against its clock (a queued or retrying job due later)
+            if row.get("state") not in f.state and not (SCHEDULED in f.state and row.get("later")):
                 return False
         elif name in ("queued_after", "finished_after"):
             value = _number(row.get(name.split("_")[0] + "_at"))

@@ -6,6 +6,7 @@ index, so a page is one range of one index and keyset pagination is a row
 comparison. Which index serves which filter is in docs/brokers.md.
 """
 from ..dependencies import ON_SUCCESS
+from ..jobfilter import DUE_LATER, SCHEDULED
 from .scan import ERROR_STATES
 
 # Filters an SQL broker always serves in SQL (by an index: see the schemas).
@@ -17,15 +18,21 @@ _RANGES = (("queued_after", "queued_at >="), ("queued_before", "queued_at <"),
            ("finished_after", "finished_at >="), ("finished_before", "finished_at <"))
 
 
-def where(f, mark):
-    """(clauses, params) of the filters in ``SERVED``; the error filter also narrows to its states."""
+def where(f, mark, now):
+    """(clauses, params) of the filters in ``SERVED``; the error filter also narrows to its states.
+    ``now``: (SQL, params) of the broker's clock, which ``scheduled`` compares run_at with."""
     clauses, params = [], []
     states = f.state
     if f.error is not None:
-        states = tuple(s for s in (states or ERROR_STATES) if s in ERROR_STATES) or ("-none-",)
+        states = tuple(s for s in (states or ERROR_STATES) if s in ERROR_STATES or s == SCHEDULED) or ("-none-",)
     if states:
-        clauses.append(f"state IN ({', '.join([mark] * len(states))})")
-        params += states
+        named = [s for s in states if s != SCHEDULED]
+        arms = [f"state IN ({', '.join([mark] * len(named))})"] if named else []
+        params += named
+        if SCHEDULED in states:
+            arms.append(f"(state IN {DUE_LATER!r} AND run_at > {now[0]})")
+            params += now[1]
+        clauses.append(arms[0] if len(arms) == 1 else f"({' OR '.join(arms)})")
     for name in ("queue", "type", "resource_id", "idempotency_key"):
         value = getattr(f, name)
         if value is not None:

@@ -22,7 +22,7 @@ import time
 from ..backends.control import (ACTING_STATES, REQUEUE_REFUSALS, REQUEUE_REFUSED as REFUSED, cancel_request,
                                 count_acting)
 from ..errors import BadInput
-from ..jobfilter import JobFilter, check_page, decode_cursor, parse_where
+from ..jobfilter import FILTER_STATES, JobFilter, check_page, decode_cursor, parse_where
 from ..model import parse_rate
 from .common import UsageError, job_id, open_client
 from .output import one_line, print_json, say, table, when
@@ -62,7 +62,9 @@ def add_commands(commands, command, as_json):
 
 
 def _filters(p):
-    p.add_argument("--state", action="append", metavar="S", help="state (repeat or comma-separate for several)")
+    p.add_argument("--state", action="append", metavar="S",
+                   help=f"{', '.join(FILTER_STATES)} (repeat or comma-separate for several; scheduled: queued or"
+                   " retrying, due later)")
     p.add_argument("--queue", metavar="Q")
     p.add_argument("--type", metavar="T")
     p.add_argument("--resource-id", metavar="R")

@@ -61,9 +61,9 @@ async def jobs(request):
 
 
 def _states():
-    from ..model import STATES
+    from ..jobfilter import FILTER_STATES
 
-    return STATES
+    return FILTER_STATES
 
 
 @gate()

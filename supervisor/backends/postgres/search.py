@@ -82,7 +82,7 @@ def containment(pairs):
 
 class SearchMixin:
     def _search_where(self, f):
-        clauses, params = sqlsearch.where(f, "%s")
+        clauses, params = sqlsearch.where(f, "%s", (NOW, []))
         if f.payload:
             clauses.append("(payload::jsonb) @> %s::jsonb")
             params.append(json.dumps(containment(f.payload)))
@@ -118,7 +118,7 @@ class SearchMixin:
 
     def _walk_sql(self, f, after, order, columns, n):
         """(SQL, params) of a batch of the walk in the key's order, the payload compared per row."""
-        clauses, params = sqlsearch.where(f, "%s")
+        clauses, params = sqlsearch.where(f, "%s", (NOW, []))
         more, more_params, order_by = sqlsearch.keyset(after, order, "%s")
         columns = columns.removesuffix(", payload") + ", (payload::jsonb) @> %s::jsonb AS payload_ok"
         return (sqlsearch.select(self._jobs, columns, clauses + more, order_by, "%s"),

@@ -28,7 +28,7 @@ lexicographic bounds). A state filter on dead, done, cancelled, expired or
 running jobs reads those states' own sorted sets instead, while they hold at
 most ``STATE_DRIVE_MAX`` jobs (then a type filter is checked row by row).
 Every other filter (resource_id, idempotency_key, finished range, error,
-payload fields; queued and retrying states) is a bounded scan of the index
+payload fields; queued, retrying and scheduled states) is a bounded scan of the index
 read: a batch at a time with each job's fields (``search_page.lua``, one call
 per queue and batch), checked here, at most ``scan.SCAN_BOUND`` jobs per call;
 past it the page comes back short with a cursor that continues. Without a
@@ -41,7 +41,7 @@ number times the share of scanned jobs that matched, marked ``exact=False``.
 """
 import json
 
-from ...jobfilter import Count
+from ...jobfilter import DUE_LATER, SCHEDULED, Count
 from .. import control, scan
 from .connection import guard
 from .fields import to_job
@@ -107,10 +107,12 @@ class SearchMixin:
 
     def _fetcher(self, f, order, with_fields):
         queues = self._search_queues(f)
+        # "scheduled": queued or retrying with run_at past this clock, as stats counts them
+        now = self.now() if SCHEDULED in f.state else None
 
         def fetch(after, n):
             low, high = self._lex_range(f, after, order)
-            fields = _FIELDS if with_fields else ()
+            fields = (_FIELDS + ("run_at",) if now is not None else _FIELDS) if with_fields else ()
             width = 1 + len(fields)
             calls = [("search_page", queue, [low, high, order, n, f.type or "", *fields]) for queue in queues]
             rows = []
@@ -119,6 +121,8 @@ class SearchMixin:
                     m = flat[i]
                     row = {"id": m[16:], "queued_at": int(m[:16]) / 1e6, "queue": queue, "_member": m}
                     row.update(zip(fields, flat[i + 1:i + width]))
+                    if now is not None:
+                        row["later"] = row["state"] in DUE_LATER and float(row["run_at"] or 0) > now
                     rows.append(row)
             if len(queues) > 1:
                 rows.sort(key=lambda r: r["_member"], reverse=order == "newest")

@@ -61,7 +61,7 @@ def payload_check(pairs):
 
 class SearchMixin:
     def _where(self, f, after, order):
-        clauses, params = sqlsearch.where(f, "?")
+        clauses, params = sqlsearch.where(f, "?", ("?", [self.now()]))
         more, more_params, order_by = sqlsearch.keyset(after, order, "?")
         return clauses + more, params + more_params, order_by
 
@@ -105,7 +105,7 @@ class SearchMixin:
     def count(self, filter, exact_up_to=10_000):
         f, _ = scan.start(filter, None, 1, "newest")
         post = scan.post_names(f, sqlsearch.SERVED)
-        clauses, params = sqlsearch.where(f, "?")
+        clauses, params = sqlsearch.where(f, "?", ("?", [self.now()]))
 
         def indexed_count(cap=None):
             inner = sqlsearch.select("jobs", "1", clauses, "", "?" if cap is not None else None)
