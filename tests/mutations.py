@@ -2253,8 +2253,8 @@ MUTATIONS = [
              ("tests/test_systemd.py", "-k", "refuses_bad"),
              "config init --systemd refuses a --user or --group that is no account name (a newline added unit lines)"),
     Mutation("web-trusts-forwarded-without-proxy", "supervisor/web/app.py",
-             "                proxy_headers=cfg.web.behind_proxy,",
-             "                proxy_headers=True,",
+             "proxy_headers=cfg.web.behind_proxy,",
+             "proxy_headers=True,",
              ("tests/test_web.py", "-k", "forwarded_address_only"),
              "with behind_proxy = false the console still took X-Forwarded-For from 127.0.0.1, so a local guesser was never throttled"),
     Mutation('web-api-body-uncapped', 'supervisor/web/formbody.py',
@@ -2938,6 +2938,11 @@ MUTATIONS = [
              "    from ..model import STATES\n\n    return STATES",
              ("tests/test_web.py", "-k", "sqlite and offers_scheduled"),
              "the console's Jobs filter offers scheduled, as the overview's Scheduled column counts"),
+    Mutation("web-busy-address-unnamed", "supervisor/cli/web.py",
+             "        sock = app.bind(listen)\n    except OSError as exc:",
+             "        sock = app.bind(listen)\n    except ValueError as exc:",
+             ("tests/test_web.py", "-k", "busy_address"),
+             "tangguh web on a port another process holds: one line naming host:port and the cause, exit 1"),
 ]
 
 

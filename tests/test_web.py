@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import re
+import socket
 import tomllib
 
 import pytest
@@ -97,6 +98,21 @@ def test_a_non_loopback_address_without_users_is_refused_and_nothing_listens(tmp
     bad = tangguh("web", "-c", str(cfg), "--listen", "nowhere")
     assert bad.returncode == 2 and "--listen" in bad.stderr
     assert auth.refuse_unsafe(make_config(tmp_path, "sqlite:///x.db").web, "0.0.0.0:9466") is None
+
+
+def test_a_busy_address_is_one_line_naming_it_and_exit_1(tmp_path):
+    """A port another process holds: uvicorn logged the bind error among its start-up lines (after
+    "web console listening on ...") and exited 3, a code the CLI does not have."""
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f'[broker]\nurl = "sqlite:///{tmp_path}/b.db"\n')
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        listen = f"127.0.0.1:{held.getsockname()[1]}"
+        done = tangguh("web", "-c", str(cfg), "--listen", listen, timeout=15)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1 and f"cannot listen on {listen}: address already in use" in done.stderr
+    assert "listening" not in done.stderr
 
 
 @pytest.mark.parametrize("ending", ["\n", "\r\n"])  # a line from a file saved on Windows: the CR was hashed

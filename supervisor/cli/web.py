@@ -1,4 +1,5 @@
 """``tangguh web``: the console, and the two helpers that make its credentials."""
+import errno
 import getpass
 import logging
 import sys
@@ -31,11 +32,22 @@ def cmd_web(args):
     problem = auth.refuse_unsafe(cfg.web, listen)
     if problem:
         raise ConfigError(problem)
+    try:
+        sock = app.bind(listen)
+    except OSError as exc:
+        cause = (exc.strerror or str(exc)).lower()
+        if exc.errno in (errno.EACCES, errno.EPERM):  # a port below 1024: no restart makes it allowed
+            raise ConfigError(f"web: cannot listen on {listen}: {cause}") from None
+        # Another process holds it (the console stopping, another service), or the address is not
+        # up yet: exit 1, which systemd restarts, not 2.
+        raise Failure(f"web: cannot listen on {listen}: {cause}") from None
     logs.setup(cfg.log.level, cfg.log.format)
     log.info("web console listening on http://%s (%s)", listen,
              "users and tokens from the config" if auth.auth_configured(cfg.web) else "open: loopback only",
              extra={"event": "web_start"})
-    app.serve(cfg, listen)
+    with sock:
+        if not app.serve(cfg, sock):
+            raise Failure("web: the console did not start (its log says why)")
 
 
 def _read_secret(prompt):

@@ -144,10 +144,28 @@ def error_page(request, status, message):
     return console.render(request, "error.html", status=status, code=status, message=message)
 
 
-def serve(cfg, listen):
-    import uvicorn
+def bind(listen):
+    """The console's socket, bound before anything is served or logged: a busy address is then
+    the caller's one error line (uvicorn logged it among its start-up lines and exited 3). OSError."""
+    import socket
 
     host, port = auth.split_listen(listen)
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait TIME_WAIT
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(cfg, sock):
+    """Serve the console on ``bind``'s socket until stopped; False if it did not start."""
+    import uvicorn
+
     # The console's own log lines (actions, errors) go through the root logger set up by the CLI.
     # limit_concurrency: open connections (live streams included) are bounded; past it uvicorn answers 503.
     # Bounded: no connection holds a slot without a request, nor another machine more than its share.
@@ -155,7 +173,9 @@ def serve(cfg, listen):
 
     # proxy_headers: behind a proxy the throttle counts each browser's address, not the proxy's; without
     # one, trusting the header would let any local process name a new address for every guess.
-    uvicorn.run(build(cfg), host=host, port=port, log_config=None, access_log=False,
-                proxy_headers=cfg.web.behind_proxy,
-                forwarded_allow_ips="127.0.0.1", timeout_graceful_shutdown=2, server_header=False,
-                limit_concurrency=MAX_CONNECTIONS, http=Bounded)
+    server = uvicorn.Server(uvicorn.Config(
+        build(cfg), log_config=None, access_log=False, proxy_headers=cfg.web.behind_proxy,
+        forwarded_allow_ips="127.0.0.1", timeout_graceful_shutdown=2, server_header=False,
+        limit_concurrency=MAX_CONNECTIONS, http=Bounded))
+    server.run(sockets=[sock])
+    return server.started
