@@ -2943,6 +2943,14 @@ MUTATIONS = [
              "        sock = app.bind(listen)\n    except ValueError as exc:",
              ("tests/test_web.py", "-k", "busy_address"),
              "tangguh web on a port another process holds: one line naming host:port and the cause, exit 1"),
+    Mutation("cli-enqueue-empty-queue-takes-the-types", "supervisor/cli/jobs.py",
+             "    if args.queue is not None and not args.queue.strip():", "    if False:",
+             ("tests/test_cli.py", "-k", "bad_enqueue and empty and queue"),
+             "tangguh enqueue refuses an empty --queue (an unset variable) instead of using the type's queue"),
+    Mutation("cli-enqueue-empty-resource-id-shared", "supervisor/cli/jobs.py",
+             "    if args.resource_id is not None and not args.resource_id.strip():", "    if False:",
+             ("tests/test_cli.py", "-k", "bad_enqueue and empty and resource"),
+             "tangguh enqueue refuses an empty --resource-id instead of making every such job share resource \"\""),
 ]
 
 

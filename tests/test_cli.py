@@ -335,6 +335,10 @@ BAD_ENQUEUES = {
     "8 KB resource id": (["--resource-id", "r" * 8192], 2, "resource_id is 8192 characters long"),
     # An unset variable (`--idempotency-key "$KEY"`): every such job was the first one, the rest dropped.
     "empty idempotency key": (["--idempotency-key", " "], 2, "--idempotency-key needs a key"),
+    # The same unset variable: the job went to the type's queue, or joined every job of resource ""
+    # (one at a time under exclusive = true), which no --resource-id filter can find.
+    "empty queue": (["--queue", ""], 2, "--queue needs a queue name"),
+    "empty resource id": (["--resource-id", " "], 2, "--resource-id needs an id"),
 }
 
 

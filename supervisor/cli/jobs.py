@@ -41,6 +41,11 @@ def cmd_enqueue(args):
     if args.idempotency_key is not None and not args.idempotency_key.strip():
         # An unset variable (`--idempotency-key "$KEY"`): every job enqueued so would be the first one.
         raise BadInput("--idempotency-key needs a key (an empty one makes every job given it one job)")
+    if args.queue is not None and not args.queue.strip():  # the same: the type's queue was taken instead
+        raise BadInput("--queue needs a queue name (leave it out for the type's queue)")
+    if args.resource_id is not None and not args.resource_id.strip():
+        # The same: every job given it shared resource "" (one at a time for an exclusive type).
+        raise BadInput("--resource-id needs an id (an empty one makes every job given it share one resource)")
     payload = parse_payload(args.payload)
     cfg = load_config(args)
     payload, handler_queue = schemas.check_cli_payload(lambda: import_handlers(cfg), args.type, payload)
