@@ -244,11 +244,24 @@ def url_of(*schemes):
 
 def listen_address(v):
     """``host:port`` for a listening socket (``[::1]:9465`` for IPv6)."""
+    return _host_port(v, lowest=1)
+
+
+def _host_port(v, lowest, any_host=False):
     if isinstance(v, str):
-        host, _, port = v.rpartition(":")
-        if host and port.isdigit() and 0 < int(port) < 65536:
+        host, colon, port = v.rpartition(":")
+        # Brackets both or neither: "[::1:80" was read as ::1 port 80, the bracket dropped.
+        bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if colon and (bare or any_host) and not set("[]") & set(bare) and port.isdigit() and lowest <= int(port) < 65536:
             return v
     raise ValueError('expected "host:port", such as "127.0.0.1:9465"')
+
+
+def metrics_listen(v):
+    """``[metrics] listen``: empty (no endpoint) or ``host:port`` (``:port``: every address; port 0:
+    one the system picks). A bad one passed ``config check``, and ``run`` served no metrics, an
+    error in its log."""
+    return _host_port(v, lowest=0, any_host=True) if string(v) else v
 
 
 WEB_ROLES = ("admin", "viewer")

@@ -13,7 +13,7 @@ import tomllib
 import urllib.parse
 
 from .checks import (Unshown, boolean, cron, delay_seconds, field_names, file_mode, fraction, group_name,
-                     listen_address, name, non_negative_int, one_of, poll_interval, positive_int,
+                     listen_address, metrics_listen, name, non_negative_int, one_of, poll_interval, positive_int,
                      prefetch_setting, retention_seconds, queue_name, queue_names, rate, soft_timeout_seconds, string,
                      table, timeout_seconds, timezone, up_to_a_day, up_to_ten_years, url_of, web_accounts, worker_count)
 from . import urls
@@ -110,7 +110,7 @@ class LogConfig:
 
 @dataclasses.dataclass
 class MetricsConfig:
-    listen: str = option(string, "host:port for HTTP /metrics (empty: off)", default="")
+    listen: str = option(metrics_listen, "host:port for HTTP /metrics (empty: off)", default="")
 
 
 @dataclasses.dataclass

@@ -2951,6 +2951,15 @@ MUTATIONS = [
              "    if args.resource_id is not None and not args.resource_id.strip():", "    if False:",
              ("tests/test_cli.py", "-k", "bad_enqueue and empty and resource"),
              "tangguh enqueue refuses an empty --resource-id instead of making every such job share resource \"\""),
+    Mutation("listen-address-drops-a-lone-bracket", "supervisor/checks.py",
+             '        bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host\n',
+             '        bare = host.strip("[]")\n',
+             ("tests/test_config.py", "-k", "bad_values_name"),
+             "a listen address with one bracket ([::1:80) is a config error, not served on ::1 port 80"),
+    Mutation("metrics-listen-any-string", "supervisor/config.py",
+             "option(metrics_listen,", "option(string,",
+             ("tests/test_config.py", "-k", "bad_values_name"),
+             "config check refuses a metrics.listen that is no host:port (run served no metrics, logging it)"),
 ]
 
 

@@ -161,6 +161,12 @@ BAD = [
     ("[log]\nlevel = \"loud\"", "log.level: expected one of 'debug', 'info', 'warning', 'error', got \"loud\""),
     ("[log]\nformat = 1", "log.format: expected one of"),
     ("[metrics]\nlisten = 9100", "metrics.listen: expected a string, got 9100"),
+    # Passed `config check`; `run` then logged "metrics endpoint not started" and served no metrics.
+    ("[metrics]\nlisten = \"9100\"", "metrics.listen: expected \"host:port\""),
+    ("[metrics]\nlisten = \"[::1:9100\"", "metrics.listen: expected \"host:port\""),
+    # Read as ::1 port 80 (the bracket dropped): a typo served on an address nobody named.
+    ("[web]\nlisten = \"[::1:80\"", "web.listen: expected \"host:port\""),
+    ("[web]\nlisten = \"::1]:80\"", "web.listen: expected \"host:port\""),
     ("broker = 3", "broker: expected a table"),
 ]
 

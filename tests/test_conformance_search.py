@@ -335,7 +335,8 @@ def test_scheduled_selects_the_queued_and_retrying_jobs_due_later_as_stats_count
     """`tangguh status`/`queues` show a scheduled count (queued or retrying, run_at ahead of the
     broker's clock), and `jobs --state scheduled` was "unknown state". It selects those jobs on
     every broker, beside the states (a union) and under the other filters."""
-    made = {name: broker.enqueue(new(type_="sms" if name == "dead" else "t")) for name in ("backoff", "retry_due", "dead")}
+    made = {name: broker.enqueue(new(type_="sms" if name == "dead" else "t"))
+            for name in ("backoff", "retry_due", "dead")}
     by_id = {v: k for k, v in made.items()}
     for job in broker.claim(["default"], 10, 300, "w"):
         name = by_id[job.id]

@@ -97,6 +97,9 @@ def test_a_non_loopback_address_without_users_is_refused_and_nothing_listens(tmp
     assert done.stderr.count("\n") == 1 and "not a loopback address" in done.stderr
     bad = tangguh("web", "-c", str(cfg), "--listen", "nowhere")
     assert bad.returncode == 2 and "--listen" in bad.stderr
+    # Was served on [::1]:9466, the bracket dropped.
+    bad = tangguh("web", "-c", str(cfg), "--listen", "[::1:9466", timeout=15)
+    assert bad.returncode == 2 and "--listen: expected \"host:port\"" in bad.stderr
     assert auth.refuse_unsafe(make_config(tmp_path, "sqlite:///x.db").web, "0.0.0.0:9466") is None
 
 
