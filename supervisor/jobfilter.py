@@ -137,6 +137,21 @@ def parse_where(text):
     return key, value
 
 
+def parse_wheres(texts, check=None):
+    """``{key: value}`` of several ``parse_where`` texts, ``check(key)`` called on each. A key
+    given twice is BadInput: the second value replaced the first, and a bulk action by that
+    filter took the jobs of one value without a word about the other."""
+    payload = {}
+    for text in texts:
+        key, value = parse_where(text)
+        if key in payload:
+            raise BadInput(f"payload.{key} given twice ({payload[key]!r} and {value!r}): a job's field has one value")
+        if check is not None:
+            check(key)
+        payload[key] = value
+    return payload
+
+
 def payload_value(payload, dotted):
     """The value at a dotted key, or a sentinel that equals nothing."""
     node = payload

@@ -2960,6 +2960,10 @@ MUTATIONS = [
              "option(metrics_listen,", "option(string,",
              ("tests/test_config.py", "-k", "bad_values_name"),
              "config check refuses a metrics.listen that is no host:port (run served no metrics, logging it)"),
+    Mutation("where-key-twice-keeps-the-last", "supervisor/jobfilter.py",
+             "        if key in payload:\n", "        if False:\n",
+             ("tests/test_cli_bulk.py", "-k", "sqlite and bad_input_is_one_line"),
+             "--where (or a console where line) naming one payload key twice is refused, not its last value kept"),
 ]
 
 

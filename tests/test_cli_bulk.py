@@ -109,6 +109,8 @@ def test_jobs_lists_by_filter_and_pages_with_the_printed_cursor(capsys, cfg, job
     # Counts `status`/`queues` show that are no state: the error says what selects them.
     (["jobs", "--state", "in_flight"], "the in_flight count is of state running"),
     (["discard", "--state", "ready"], "the ready count is of the queued and retrying jobs that are due"),
+    # The second value replaced the first: the discard took the jobs of order 8 alone, without a word.
+    (["discard", "--where", "payload.order.id=7", "--where", "payload.order.id=8"], "payload.order.id given twice"),
 ])
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(capsys, cfg, broker, jobs, args, message):
     before = snapshot(broker)

@@ -368,6 +368,9 @@ def test_unknown_job_is_a_404_page_and_a_bad_filter_an_inline_error(console):
     bad = console.get("/jobs", params={"state": "exploded", "since": "yesterday"})
     assert bad.status_code == 200 and 'id="filter-error"' in bad.text
     assert console.get("/jobs", params={"where": "a.=1"}).status_code == 200
+    twice = console.get("/jobs", params={"where": "a=1\na=2"})  # the second value replaced the first
+    assert 'id="filter-error"' in twice.text and "payload.a given twice" in twice.text
+    assert console.get("/api/jobs", params={"where": "a=1\na=2"}).status_code == 400
 
 
 def test_every_page_renders_with_a_banner_while_the_broker_is_down(tmp_path):

@@ -22,7 +22,7 @@ import time
 from ..backends.control import (ACTING_STATES, REQUEUE_REFUSALS, REQUEUE_REFUSED as REFUSED, cancel_request,
                                 count_acting)
 from ..errors import BadInput
-from ..jobfilter import FILTER_STATES, JobFilter, check_page, decode_cursor, parse_where
+from ..jobfilter import FILTER_STATES, JobFilter, check_page, decode_cursor, parse_wheres
 from ..model import parse_rate
 from .common import UsageError, job_id, open_client
 from .output import one_line, print_json, say, table, when
@@ -89,7 +89,7 @@ def filter_of(args, default_states=()):
     states = [s.strip() for item in args.state or () for s in item.split(",")]
     if "" in states:  # else `--state ''` (an unset variable) would quietly widen the selection to every state
         raise BadInput("--state needs a state name (repeat --state or comma-separate for several)")
-    payload = dict(parse_where(w) for w in args.where or ())
+    payload = parse_wheres(args.where or ())
     fields = dict(state=tuple(states) or tuple(default_states), queue=args.queue, type=args.type,
                   resource_id=args.resource_id, idempotency_key=args.idempotency_key, error=args.error,
                   payload=payload)

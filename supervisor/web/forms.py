@@ -10,7 +10,7 @@ import datetime
 import re
 
 from ..errors import BadInput
-from ..jobfilter import JobFilter, parse_where
+from ..jobfilter import JobFilter, parse_wheres
 
 TEXT_FIELDS = ("queue", "type", "resource_id", "idempotency_key", "error")
 FIELDS = ("state",) + TEXT_FIELDS + ("since", "until", "where")
@@ -47,16 +47,13 @@ def job_filter(values, now, redactor):
         kw["queued_after"] = parse_time(values["since"], now, "since")
     if values.get("until"):
         kw["queued_before"] = parse_time(values["until"], now, "until")
-    payload = {}
-    for line in (values.get("where") or "").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        key, value = parse_where(line if line.startswith("payload.") else "payload." + line)
+    def searchable(key):
         if redactor.covers(key):
             # Matching on a masked field would tell its value one guess at a time.
             raise BadInput(f"where: payload.{key} is redacted and cannot be searched")
-        payload[key] = value
+
+    lines = [line.strip() for line in (values.get("where") or "").splitlines() if line.strip()]
+    payload = parse_wheres([line if line.startswith("payload.") else "payload." + line for line in lines], searchable)
     if payload:
         kw["payload"] = payload
     return JobFilter(**kw)
