@@ -59,6 +59,8 @@ class JobFilter:
             if not isinstance(s, str) or s not in FILTER_STATES:
                 hint = f"; the {s} count is {_COUNTS[s]}" if s in _COUNTS else ""
                 raise BadInput(f"unknown state {s!r} (expected one of {', '.join(FILTER_STATES)}{hint})")
+        if SCHEDULED in state and set(DUE_LATER) <= set(state):  # it selects nothing more: no OR arm for it
+            state = tuple(s for s in state if s != SCHEDULED)
         object.__setattr__(self, "state", tuple(dict.fromkeys(state)))
         if self.queue is not None:
             check_queue(self.queue)

@@ -2964,6 +2964,10 @@ MUTATIONS = [
              "        if key in payload:\n", "        if False:\n",
              ("tests/test_cli_bulk.py", "-k", "sqlite and bad_input_is_one_line"),
              "--where (or a console where line) naming one payload key twice is refused, not its last value kept"),
+    Mutation("filter-scheduled-kept-beside-its-states", "supervisor/jobfilter.py",
+             "        if SCHEDULED in state and set(DUE_LATER) <= set(state):", "        if False:",
+             ("tests/test_conformance_search.py", "-k", "sqlite and scheduled_selects"),
+             "scheduled beside queued and retrying is dropped from the filter (the default discard adds no OR arm)"),
 ]
 
 

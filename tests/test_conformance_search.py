@@ -368,3 +368,6 @@ def test_scheduled_selects_the_queued_and_retrying_jobs_due_later_as_stats_count
     assert selected(state=["queued", "scheduled"]) == ["backoff", "due", "later", "later_mail"]
     assert selected(state="scheduled", error="gateway") == ["backoff"]
     assert selected(state=["scheduled", "dead"], error="slow") == ["backoff", "dead"]
+    # Beside both states it is part of, it selects nothing more, and adds no OR to the query.
+    assert JobFilter(state=["queued", "scheduled", "retrying"]).state == ("queued", "retrying")
+    assert selected(state=["queued", "retrying", "scheduled"]) == ["backoff", "due", "later", "later_mail", "retry_due"]
