@@ -2968,6 +2968,19 @@ MUTATIONS = [
              "        if SCHEDULED in state and set(DUE_LATER) <= set(state):", "        if False:",
              ("tests/test_conformance_search.py", "-k", "sqlite and scheduled_selects"),
              "scheduled beside queued and retrying is dropped from the filter (the default discard adds no OR arm)"),
+    Mutation("install-bad-account-exits-1", "supervisor/cli/install.py",
+             'raise BadInput(f"{option} {name!r}: not an account name',
+             'raise InstallError(f"{option} {name!r}: not an account name',
+             ("tests/test_systemd.py", "-k", "refuses_bad_invocations"),
+             "config init --systemd with a bad --user or --group is bad input, exit 2, not a runtime failure"),
+    Mutation("config-init-path-drops-systemd-options", "supervisor/cli/admin.py",
+             "        if value not in (None, False):", "        if False:",
+             ("tests/test_systemd.py", "-k", "refuses_the_options"),
+             "config init PATH --dry-run (or --root, --user...) is refused, not the file written all the same"),
+    Mutation("install-empty-root-is-the-current-folder", "supervisor/cli/install.py",
+             '    if args.root == "":', "    if False:",
+             ("tests/test_systemd.py", "-k", "refuses_bad_invocations"),
+             "config init --systemd --root '' is refused, not the files written under the current folder"),
 ]
 
 

@@ -613,10 +613,25 @@ def test_config_init_systemd_into_a_root_without_the_group_writes_the_files_for_
       "svc\nExecStartPre=/bin/sh -c true", "--dry-run"], "--user"),
     (["config", "init", "--systemd", "--exec", "/opt/tangguh/venv/bin/tangguh", "--group", "Wheel Group",
       "--dry-run"], "--group"),
+    # Unset variables: not the default account, nor the current folder for the root.
+    (["config", "init", "--systemd", "--exec", "/opt/tangguh/venv/bin/tangguh", "--user", "", "--dry-run"], "--user"),
+    (["config", "init", "--systemd", "--exec", "/opt/tangguh/venv/bin/tangguh", "--root", "", "--dry-run"],
+     "--root needs a folder"),
 ])
 def test_config_init_systemd_refuses_bad_invocations(args, error):
     result = tangguh_cli(*args)
-    assert result.returncode in (1, 2) and error in result.stderr, result.stderr
+    # Bad input, exit 2 as everywhere (a bad --exec, --user or --group exited 1, as a failed useradd does).
+    assert result.returncode == 2 and error in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.parametrize("option", [["--dry-run"], ["--root", "/srv/x"], ["--user", "svc"], ["--group", "svc"],
+                                    ["--exec", "/opt/tangguh/venv/bin/tangguh"]])
+def test_config_init_of_a_path_refuses_the_options_of_systemd(tmp_path, option):
+    """`config init PATH --dry-run` wrote the file all the same; --root, --user... were dropped without a word."""
+    target = tmp_path / "t.toml"
+    result = tangguh_cli("config", "init", str(target), *option)
+    assert result.returncode == 2 and f"config init: {option[0]} only goes with --systemd" in result.stderr
+    assert result.stderr.count("\n") == 1 and os.listdir(tmp_path) == []
 
 
 def syscalls(analyze, name, seen=None):

@@ -204,10 +204,10 @@ def build_parser(only_run=False):
     p.add_argument("path", metavar="PATH", nargs="?", help="where to write the config (not with --systemd)")
     p.add_argument("--systemd", action="store_true",
                    help="install as a service: user, /etc/tangguh/{config.toml,handlers/}, the unit (docs/service.md)")
-    p.add_argument("--root", default="/", metavar="DIR", help="with --systemd: write the files under DIR "
+    p.add_argument("--root", metavar="DIR", help="with --systemd: write the files under DIR "
                    "(for packaging and tests); accounts and systemctl are left alone")
-    p.add_argument("--user", default="tangguh", metavar="NAME", help="with --systemd: service user (default tangguh)")
-    p.add_argument("--group", default="tangguh", metavar="NAME", help="with --systemd: service group (default tangguh)")
+    p.add_argument("--user", metavar="NAME", help="with --systemd: service user (default tangguh)")
+    p.add_argument("--group", metavar="NAME", help="with --systemd: service group (default tangguh)")
     p.add_argument("--exec", dest="exec_path", metavar="PATH",
                    help="with --systemd: the tangguh command for ExecStart= (default: this installation's)")
     p.add_argument("--dry-run", action="store_true", help="with --systemd: print what would be done, do nothing")

@@ -109,6 +109,10 @@ def cmd_config_init(args):
         return daemon_module("cli.install").main(args)
     if not args.path:
         raise UsageError("config init: give the PATH to write, or --systemd")
+    for option, value in (("--dry-run", args.dry_run), ("--root", args.root), ("--user", args.user),
+                          ("--group", args.group), ("--exec", args.exec_path)):
+        if value not in (None, False):  # else dropped without a word: a --dry-run wrote the file all the same
+            raise UsageError(f"config init: {option} only goes with --systemd")
     text = example_config()
     try:
         with open(args.path, "x", encoding="utf-8") as f:

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import sys
 
-from ..errors import TangguhError
+from ..errors import BadInput, TangguhError
 from .common import DATA
 
 CONFIG_DIR = "/etc/tangguh"
@@ -100,21 +100,21 @@ class Installer:
         self.user, self.group = user, group
         self.tangguh_bin = tangguh_bin or default_tangguh_bin()
         if not os.path.isabs(self.tangguh_bin):
-            raise InstallError(f"--exec {self.tangguh_bin}: must be an absolute path")
+            raise BadInput(f"--exec {self.tangguh_bin}: must be an absolute path")
         if not PLAIN_PATH.fullmatch(self.tangguh_bin):
-            raise InstallError(f"--exec {self.tangguh_bin!r}: ExecStart= would split, quote or expand it (a space,"
-                               " a quote, % or $); install under a plain path, e.g. /opt/tangguh/venv")
+            raise BadInput(f"--exec {self.tangguh_bin!r}: ExecStart= would split, quote or expand it (a space,"
+                           " a quote, % or $); install under a plain path, e.g. /opt/tangguh/venv")
         if self.tangguh_bin.startswith(("/home/", "/root/", "/run/user/")):
             # The unit has ProtectHome=yes: the service could not even see it.
-            raise InstallError(f"{self.tangguh_bin}: a venv under a home directory is invisible to the service "
-                               "(ProtectHome=yes); install it under /opt, e.g. /opt/tangguh/venv")
+            raise BadInput(f"{self.tangguh_bin}: a venv under a home directory is invisible to the service "
+                           "(ProtectHome=yes); install it under /opt, e.g. /opt/tangguh/venv")
         if self.tangguh_bin.startswith(("/tmp/", "/var/tmp/")):
             # PrivateTmp=yes: the service gets empty ones of its own, so ExecStart= failed (203/EXEC).
-            raise InstallError(f"{self.tangguh_bin}: a venv under /tmp or /var/tmp is invisible to the service "
-                               "(PrivateTmp=yes); install it under /opt, e.g. /opt/tangguh/venv")
+            raise BadInput(f"{self.tangguh_bin}: a venv under /tmp or /var/tmp is invisible to the service "
+                           "(PrivateTmp=yes); install it under /opt, e.g. /opt/tangguh/venv")
         for option, name in (("--user", user), ("--group", group)):
             if not ACCOUNT_NAME.fullmatch(name):
-                raise InstallError(f"{option} {name!r}: not an account name (lowercase letters, digits, _ and -)")
+                raise BadInput(f"{option} {name!r}: not an account name (lowercase letters, digits, _ and -)")
         self.dry_run = dry_run
         self.out = out
         self.system = self.root == "/"  # accounts and systemctl only for the real system
@@ -228,5 +228,8 @@ def _user_exists(name):
 
 def main(args):
     """Entry point for ``tangguh config init --systemd``."""
-    Installer(root=args.root, user=args.user, group=args.group, tangguh_bin=args.exec_path,
+    if args.root == "":  # an unset variable: the files went under the current folder
+        raise BadInput("--root needs a folder (leave it out for /)")
+    Installer(root="/" if args.root is None else args.root, user="tangguh" if args.user is None else args.user,
+              group="tangguh" if args.group is None else args.group, tangguh_bin=args.exec_path,
               dry_run=args.dry_run).run()
