@@ -2981,6 +2981,14 @@ MUTATIONS = [
              '    if args.root == "":', "    if False:",
              ("tests/test_systemd.py", "-k", "refuses_bad_invocations"),
              "config init --systemd --root '' is refused, not the files written under the current folder"),
+    Mutation("hash-password-of-no-utf8-an-internal-error", "supervisor/cli/web.py",
+             '        password.encode("utf-8")', "        pass",
+             ("tests/test_web.py", "-k", "no_utf8"),
+             "web hash-password of bytes that are no UTF-8 is one line, exit 2, not an internal error"),
+    Mutation("demo-invoices-usage-above-the-error", "supervisor/cli/demo_invoices.py",
+             '        raise UsageError(f"demo invoices: {message}")', "        super().error(message)",
+             ("tests/test_cli.py", "-k", "bad_demo_option"),
+             "a bad option of demo invoices is one error line, exit 2, not its usage above it"),
 ]
 
 

@@ -353,6 +353,13 @@ def test_bad_enqueue_exits_with_one_line_and_writes_nothing(case, cfg_path, db_p
     assert not os.path.exists(db_path)  # the broker was never even opened
 
 
+def test_a_bad_demo_option_is_one_line_exit_2():
+    """The invoices demo's own parser printed its usage above the error: three lines."""
+    result = tangguh_process("demo", "invoices", "--bogus")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr == "tangguh: error: demo invoices: unrecognized arguments: --bogus\n"
+
+
 def test_unreadable_config_is_exit_2(tmp_path):
     folder = tmp_path / "conf.toml"
     folder.mkdir()  # a folder where the file should be: unreadable even for root

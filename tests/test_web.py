@@ -10,6 +10,8 @@ import json
 import logging
 import re
 import socket
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -116,6 +118,15 @@ def test_a_busy_address_is_one_line_naming_it_and_exit_1(tmp_path):
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("\n") == 1 and f"cannot listen on {listen}: address already in use" in done.stderr
     assert "listening" not in done.stderr
+
+
+def test_hash_password_of_bytes_that_are_no_utf8_is_one_line_exit_2():
+    """An internal error (UnicodeEncodeError) before: the hash of what could not be typed again."""
+    done = subprocess.run([sys.executable, "-m", "supervisor.cli", "web", "hash-password"],
+                          input=b"\xff\xfepassword1\n", capture_output=True, timeout=30)
+    err = done.stderr.decode()
+    assert done.returncode == 2 and err.count("\n") == 1 and "password: not UTF-8 text" in err, err
+    assert done.stdout == b""
 
 
 @pytest.mark.parametrize("ending", ["\n", "\r\n"])  # a line from a file saved on Windows: the CR was hashed

@@ -27,15 +27,20 @@ from ..health import NoSupervisor, request
 from ..model import NewJob
 from ..toolkit.cache import Cache
 from ..toolkit.transaction import transaction
-from .common import DATA
+from .common import DATA, UsageError
 from .demo import wait_until
 
 HANDLERS = os.path.join(DATA, "handlers")
 INVOICE_ID = 1001
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every other command's (not the usage above it)
+        raise UsageError(f"demo invoices: {message}")
+
+
 def main(argv=()):
-    parser = argparse.ArgumentParser(prog="tangguh demo invoices", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="tangguh demo invoices", description=__doc__.split("\n\n")[0])
     parser.add_argument("--database-url", default="", help="handlers' database (default: a temporary SQLite file)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis for the cache and locks")
     args = parser.parse_args(list(argv))

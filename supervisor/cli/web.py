@@ -62,6 +62,10 @@ def _read_secret(prompt):
 def cmd_hash_password(args):
     _, auth = _web_modules()
     password = _read_secret("password: ")
+    try:
+        password.encode("utf-8")  # bytes that are no UTF-8 came in as surrogates: no one could type them again
+    except UnicodeEncodeError:
+        raise BadInput("password: not UTF-8 text") from None
     if len(password) < 8:
         raise BadInput("password: at least 8 characters")
     print(auth.hash_password(password))
