@@ -2989,6 +2989,10 @@ MUTATIONS = [
              '        raise UsageError(f"demo invoices: {message}")', "        super().error(message)",
              ("tests/test_cli.py", "-k", "bad_demo_option"),
              "a bad option of demo invoices is one error line, exit 2, not its usage above it"),
+    Mutation("web-pause-all-misses-unsampled-queue", "supervisor/web/actions.py",
+             "        names += [q for q in known if q not in names]\n", "",
+             ("tests/test_web_filters.py", "-k", "sqlite and pause_all"),
+             "Pause all pauses every queue the broker knows at the click, not only those of the last sample"),
 ]
 
 

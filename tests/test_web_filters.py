@@ -95,6 +95,21 @@ def test_a_paused_queue_the_last_sample_did_not_list_is_shown_and_resumed_by_res
         assert done.status_code == 303 and broker.paused() == {}
 
 
+def test_pause_all_pauses_a_queue_that_appeared_since_the_last_sample(tmp_path, broker):
+    # Jobs enqueued to a new queue after the console's last sample (here: its only one): Pause all
+    # must read the broker's queues at the click, not pause only those the sample listed.
+    broker.enqueue(NewJob("export", {"n": 1}).validate())
+    with TestClient(web_app.build(make_config(tmp_path, broker.url), sample_interval=3600)) as client:
+        sampler = client.app.state.console.sampler
+        wait_for(lambda: sampler.snapshot["at"] is not None, timeout=10, message="the console's first sample")
+        broker.enqueue(NewJob("export", {"n": 2}, queue="fresh").validate())
+        login(client, "ada", ADMIN_PW)
+        page = client.get("/queues").text
+        done = client.post("/queues/pause", data={"csrf": csrf_of(page)}, follow_redirects=False)
+        assert done.status_code == 303
+        assert {"default", "fresh"} <= set(broker.paused())
+
+
 def test_a_job_page_lists_its_parents_with_links_and_their_states(console, broker):
     done = broker.enqueue(NewJob("charge", {"n": 1}).validate())
     (claimed,) = broker.claim(["default"], 1, 30, "test")

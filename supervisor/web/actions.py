@@ -269,6 +269,10 @@ async def queue_action(console, identity, action, queue):
         # Every pause the broker holds, read now: one made since the last sample is resumed too.
         paused = await console.pool.call(lambda b: b.paused())
         names += [q for q in paused if q not in names]
+    if not queue and action == "pause":
+        # Every queue the broker knows, read now: one jobs went to since the last sample is paused too.
+        known = await console.pool.call(lambda b: b.queues())
+        names += [q for q in known if q not in names]
     for name in names:
         if action == "pause":
             await console.pool.call(lambda b, q=name: b.pause(q, identity.name))
