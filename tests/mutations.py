@@ -2993,6 +2993,23 @@ MUTATIONS = [
              "        names += [q for q in known if q not in names]\n", "",
              ("tests/test_web_filters.py", "-k", "sqlite and pause_all"),
              "Pause all pauses every queue the broker knows at the click, not only those of the last sample"),
+    Mutation("sqlite-requeue-holds-no-key", "supervisor/backends/sqlite/search.py",
+             "            held = self._hold_keys(self._key_holders(given), given) if \"pending\" in present else None\n",
+             "            held = None\n",
+             ("tests/test_conformance_workflows.py", "-k", "sqlite and one_requeue_of_a_parent"),
+             "a requeue of a parent and its cancelled child's key holder puts both back, whatever the order (SQLite)"),
+    Mutation("redis-requeue-holds-no-key", "supervisor/backends/redis_lua/requeue.lua",
+             "    requeue_holds.keys[f[2]] = true\n", "",
+             ("tests/test_conformance_workflows.py", "-k", "redis and one_requeue_of_a_parent"),
+             "a requeue of a parent and its cancelled child's key holder puts both back, whatever the order (Redis)"),
+    Mutation("postgres-requeue-holds-no-key", "supervisor/backends/postgres/search.py",
+             '                holds["held"].update(replaykeys.hold(db, self._s, holds["holders"], holds["call"]))\n', "",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and one_requeue_of_a_parent"),
+             "a requeue of a parent and its cancelled child's key holder puts both back, whatever the order (PostgreSQL)"),
+    Mutation("postgres-requeue-names-no-holder", "supervisor/backends/postgres/search.py",
+             '                    replaykeys.name_holders(db, self._s, holds["held"])\n', "                    pass\n",
+             ("tests/test_conformance_workflows.py", "-k", "postgres and one_requeue_of_a_parent"),
+             "a child a requeue's hold kept cancelled names the job holding its key (PostgreSQL)"),
 ]
 
 

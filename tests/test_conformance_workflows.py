@@ -267,6 +267,41 @@ def test_of_two_cancelled_children_with_one_key_the_first_named_parents_reopens(
     assert broker.enqueue(new("third", idempotency_key="invoice-9")) == children[first]
 
 
+@pytest.mark.parametrize("order", ["parent first", "holder first"])
+@pytest.mark.parametrize("holder_is", ["dead", "cancelled", "a dead grandchild's key holder"])
+def test_one_requeue_of_a_parent_and_the_holder_of_its_cancelled_childs_key_makes_one_holder(
+        broker, order, holder_is):
+    """A requeue of a parent and, in the same call, the finished holder of its cancelled child's
+    (or grandchild's) idempotency key: every broker answered ``conflict`` for the holder when the
+    parent came first (the child reopened and took the key, the holder still finished then) and
+    requeued both the other way round. Every job a requeue puts back now holds its key before
+    any child reopens, as in a dlq replay: both go back, the child stays cancelled naming it."""
+    parent = _dead(broker, "parent")
+    if holder_is == "a dead grandchild's key holder":
+        middle = broker.enqueue(new("middle", depends_on=[parent]))
+        child = broker.enqueue(new("child", idempotency_key="invoice-10", depends_on=[middle]))
+    else:
+        child = broker.enqueue(new("child", idempotency_key="invoice-10", depends_on=[parent]))
+    assert broker.get(child).state == "cancelled"
+    if holder_is == "cancelled":
+        other = broker.enqueue(new("other", idempotency_key="invoice-10"))
+        assert broker.cancel([other], "ops", "hold")[other] == "cancelled"
+    else:
+        other = _dead(broker, "other", idempotency_key="invoice-10")
+    ids = [parent, other] if order == "parent first" else [other, parent]
+    assert broker.requeue(ids) == {parent: "queued", other: "queued"}
+    got = broker.get(child)
+    assert (got.state, got.reason, got.cancel_request["key_held_by"]) == ("cancelled", "parent_failed", other)
+    assert broker.enqueue(new("third", idempotency_key="invoice-10")) == other
+    jobs = claim_ids(broker)
+    assert set(jobs) == {parent, other}
+    broker.ack(jobs[other].lease)
+    broker.ack(jobs[parent].lease)
+    assert broker.get(child).state == "cancelled"  # its key was held when its parent reopened it: it never runs
+    if holder_is == "a dead grandchild's key holder":
+        assert set(claim_ids(broker)) == {middle}
+
+
 # -- atomic enqueue, refusals ------------------------------------------------------
 
 def test_a_workflow_is_stored_whole_or_not_at_all(broker):

@@ -14,15 +14,17 @@ _FAILED_EDGE = f"on_ = '{ON_SUCCESS}' AND state IS NOT NULL AND state <> 'done'"
 HOLD = ""  # the parent of the edges ``hold`` adds: no job has this id
 
 
-def hold(db, s, job_ids):
+def hold(db, s, job_ids, call=()):
     """A cancelled child with the key of one of ``job_ids`` gets a failed edge of no job's, so no
-    reopen reaches it (the replayed job takes its key). Returns those a failed parent of their
-    own kept cancelled (``release``)."""
+    reopen reaches it (the replayed job takes its key); a job of ``call`` (a requeue's ids) goes
+    back itself and is never held. Returns those a failed parent of their own kept cancelled
+    (``release``)."""
     rows = db.execute(
         f"SELECT id, EXISTS (SELECT 1 FROM {s}.job_edges WHERE child = j.id AND {_FAILED_EDGE}) FROM {s}.jobs j"
         " WHERE state = 'cancelled' AND reason = %s AND idempotency_key IN"
-        f" (SELECT idempotency_key FROM {s}.jobs WHERE id = ANY(%s::text[])) ORDER BY id",  # two replays: one order
-        (PARENT_FAILED, list(job_ids))).fetchall()
+        f" (SELECT idempotency_key FROM {s}.jobs WHERE id = ANY(%s::text[])) AND NOT id = ANY(%s::text[])"
+        " ORDER BY id",  # two replays: one order
+        (PARENT_FAILED, list(job_ids), list(call))).fetchall()
     if rows:
         db.execute(f"INSERT INTO {s}.job_edges (parent, child, on_, state) SELECT %s, c, %s, 'dead'"
                    " FROM unnest(%s::text[]) AS c", (HOLD, ON_SUCCESS, [row[0] for row in rows]))
@@ -51,3 +53,24 @@ def keyed_descendants(db, s, parents):
         " AND c.state = 'cancelled' AND c.reason = %s)"
         f" SELECT 1 FROM d JOIN {s}.jobs j ON j.id = d.id WHERE j.state = 'cancelled'"
         " AND j.idempotency_key IS NOT NULL LIMIT 1", (list(parents), PARENT_FAILED)).fetchone() is not None
+
+
+def key_holders(db, s, job_ids, failed_parent):
+    """Those of ``job_ids`` with a key that a requeue puts back (or that end unfinished some other
+    way, reopened by a parent of the call): finished, no failed parent (``failed_parent``: the
+    SQL of one for the job ``r``)."""
+    return [row[0] for row in db.execute(
+        f"SELECT r.id FROM {s}.jobs r WHERE r.id = ANY(%s::text[]) AND r.idempotency_key IS NOT NULL"
+        f" AND r.state IN ('dead', 'cancelled', 'expired') AND NOT EXISTS ({failed_parent})",
+        (list(job_ids),))]
+
+
+def name_holders(db, s, held):
+    """After a requeue: a child its holds kept cancelled that no failed parent keeps so now names
+    its key's holder, as a reopen does (put back a job a transaction, the holder may come later)."""
+    db.execute(
+        f"UPDATE {s}.jobs j SET cancel_request = j.cancel_request || jsonb_build_object(%s::text, h.id)"
+        f" FROM {s}.jobs h WHERE j.id = ANY(%s::text[]) AND h.idempotency_key = j.idempotency_key"
+        f" AND h.state IN {UNFINISHED} AND j.state = 'cancelled'"
+        f" AND NOT EXISTS (SELECT 1 FROM {s}.job_edges WHERE child = j.id AND {_FAILED_EDGE})",
+        (KEY_HELD_BY, list(held)))

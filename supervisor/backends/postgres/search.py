@@ -45,6 +45,7 @@ from psycopg.rows import dict_row
 from ...dependencies import parents_first
 from ...model import Job
 from .. import control, scan, sqlsearch
+from . import replaykeys
 from .deadlocks import deadlock_retried, deadlock_retried_step
 from .statements import NOT_STARTED, NOW
 
@@ -213,12 +214,20 @@ class SearchMixin:
         with self._guard("requeue"):
             db = self._conn()
             cleared = [c for c in _CLEARED_IF_PRESENT if c in self._columns(db)]
+            # As in a dlq replay: each job the call puts back holds its key before any child
+            # reopens, whatever the order of the ids (a parent first let its child take the key).
+            failed = sqlsearch.failed_parent(self._jobs, f"{self._s}.job_edges", "r.id")
+            holds = ({"holders": replaykeys.key_holders(db, self._s, given, failed), "call": given, "held": set()}
+                     if "pending" in self._columns(db) else None)
             # A job a transaction: a deadlock's victim is that job's alone, run again alone.
-            out = {job_id: deadlock_retried_step("requeue", lambda: self._requeue_one(db, job_id, cleared))
+            out = {job_id: deadlock_retried_step("requeue", lambda: self._requeue_one(db, job_id, cleared, holds))
                    for job_id in self._parents_first(db, given)}
+            if holds and holds["held"]:
+                with db.transaction():
+                    replaykeys.name_holders(db, self._s, holds["held"])
         return {job_id: out[job_id] for job_id in given}
 
-    def _requeue_one(self, db, job_id, cleared):
+    def _requeue_one(self, db, job_id, cleared, holds=None):
         try:
             with db.transaction():
                 row = db.execute(f"SELECT state FROM {self._jobs} WHERE id = %s FOR UPDATE", (job_id,)).fetchone()
@@ -231,7 +240,13 @@ class SearchMixin:
                 if "pending" in self._columns(db) and db.execute(
                         sqlsearch.failed_parent(self._jobs, f"{self._s}.job_edges", "%s"), (job_id,)).fetchone():
                     return "parent_failed"
-                return self._put_back(db, job_id, cleared)
+                if not holds or not holds["holders"]:
+                    return self._put_back(db, job_id, cleared)
+                # Held a transaction at a time: no other call meets the holds' edges.
+                holds["held"].update(replaykeys.hold(db, self._s, holds["holders"], holds["call"]))
+                state = self._put_back(db, job_id, cleared)
+                replaykeys.release(db, self._s, [])
+                return state
         except pgerrors.UniqueViolation:  # its idempotency key is held by an unfinished job
             return "conflict"
 

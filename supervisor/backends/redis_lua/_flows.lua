@@ -198,6 +198,10 @@ end
 -- parent still failed them, and so on down the tree. A child's 'failing'
 -- count says so without reading its other parents' ends: replaying the N
 -- dead members of a fan-in reads the callback's N parents once, not N times.
+-- The keys of the jobs a requeue puts back (requeue.lua), which no child the call's parents
+-- bring back takes: it stays cancelled, listed in 'children', whatever the order of the ids.
+-- A job of the call itself ('call') is never held.
+local requeue_holds = {keys = {}, call = {}, children = {}}
 reopen = function(id)
   local work = {id}
   local n = 1
@@ -247,6 +251,10 @@ reopen = function(id)
           -- Cancelled, it gave up its key: a job that took the key since carries that effect,
           -- so the child stays cancelled (naming the holder) rather than make a second holder.
           local ikey = not blocked and redis.call('HGET', ckey, 'idempotency_key')
+          if ikey and requeue_holds.keys[ikey] and not requeue_holds.call[child] then
+            blocked, ikey = true, false
+            requeue_holds.children[#requeue_holds.children + 1] = child
+          end
           local holder = ikey and redis.call('HGET', IDEM, ikey)
           if holder and holder ~= child and unfinished(redis.call('HGET', JOB .. holder, 'state')) then
             blocked = true

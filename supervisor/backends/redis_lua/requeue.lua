@@ -8,6 +8,16 @@
 local ids = {}
 for k = 3, #ARGV do ids[#ids + 1] = ARGV[k] end
 local order = parents_first(ids)
+-- As in a replay: each job the call puts back holds its key before any child reopens, whatever
+-- the order of the ids (a parent first let its child take the key, the holder then refused).
+for _, id in ipairs(ids) do
+  requeue_holds.call[id] = true
+  local f = redis.call('HMGET', JOB .. id, 'state', 'idempotency_key', 'pending')
+  if f[2] and (f[1] == 'dead' or f[1] == 'cancelled' or f[1] == 'expired')
+      and not (f[3] and failed_parent(JOB .. id, id)) then
+    requeue_holds.keys[f[2]] = true
+  end
+end
 
 local out = {}
 local any = false
@@ -52,6 +62,14 @@ for _, at in ipairs(order) do
       end
       reopen(id)  -- workflows: the children it cancelled wait for it again
     end
+  end
+end
+for _, child in ipairs(requeue_holds.children) do
+  local ckey = JOB .. child
+  local holder = redis.call('HGET', IDEM, redis.call('HGET', ckey, 'idempotency_key'))
+  if holder and unfinished(redis.call('HGET', JOB .. holder, 'state')) then
+    redis.call('HSET', ckey, 'cancel_request', '{"by":"workflow","reason":"parent_failed","at":'
+      .. (redis.call('HGET', ckey, 'finished_at') or 'null') .. ',"key_held_by":' .. cjson.encode(holder) .. '}')
   end
 end
 if any then redis.call('PUBLISH', CHANNEL, '1') end

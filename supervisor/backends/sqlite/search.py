@@ -124,6 +124,9 @@ class SearchMixin:
         with self._write():
             present = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
             cleared = [c for c in _CLEARED_IF_PRESENT if c in present]
+            # As in a dlq replay: each job the call puts back holds its key before any child
+            # reopens, whatever the order of the ids (a parent first let its child take the key).
+            held = self._hold_keys(self._key_holders(given), given) if "pending" in present else None
             for job_id in self._parents_first(given, present):
                 row = self.db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
                 if row is None:
@@ -140,7 +143,17 @@ class SearchMixin:
                         out[job_id] = self._put_back(job_id, now, present, cleared)
                     except sqlite3.IntegrityError:  # its idempotency key is held by an unfinished job
                         out[job_id] = "conflict"
+            if held is not None:
+                self._release_keys(held)
         return {job_id: out[job_id] for job_id in given}
+
+    def _key_holders(self, job_ids):
+        """Those of ``job_ids`` with a key that the requeue puts back (or that end unfinished
+        some other way, reopened by a parent of the call): finished, no failed parent."""
+        failed = sqlsearch.failed_parent("jobs", "job_edges", "r.id")
+        return [row[0] for row in self.db.execute(
+            "SELECT r.id FROM jobs r WHERE r.id IN (SELECT value FROM json_each(?)) AND r.idempotency_key IS NOT NULL"
+            f" AND r.state IN {_REQUEUE_FROM} AND NOT EXISTS ({failed})", (json.dumps(job_ids),))]
 
     def _parents_first(self, job_ids, present):
         """``job_ids`` with a parent named with its child first, so that the child, put back after

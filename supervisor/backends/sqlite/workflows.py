@@ -230,18 +230,20 @@ class Workflows:
             by_id[row["child"]].parents[row["parent"]] = (row["state"], result)
         return jobs
 
-    def _hold_keys(self, job_ids):
+    def _hold_keys(self, job_ids, call=()):
         """Before a replay of ``job_ids`` puts any back: a cancelled child with the key of one of
         them gets a failed edge of no job's, so no reopen in the call reaches it. Reopened by a
         parent put back before the key's holder (still dead), it took the key, and the holder's
         put-back then failed: every replayed job holds its key before any child reopens, as on
-        Redis and PostgreSQL. Returns those a failed parent of their own kept cancelled."""
+        Redis and PostgreSQL. A job of ``call`` (a requeue's ids) is never held: it goes back
+        itself. Returns those a failed parent of their own kept cancelled."""
         # Through the key's index (+: not jobs_search_state, every cancelled job).
         rows = self.db.execute(
             f"SELECT DISTINCT c.id, EXISTS (SELECT 1 FROM job_edges WHERE child = c.id AND {_FAILED_EDGE}) AS failed"
             " FROM jobs r JOIN jobs c ON c.idempotency_key = r.idempotency_key WHERE r.id IN"
-            f" (SELECT value FROM json_each(?)) AND +c.state = 'cancelled' AND +c.reason = '{PARENT_FAILED}'",
-            (json.dumps(job_ids),)).fetchall()
+            f" (SELECT value FROM json_each(?)) AND +c.state = 'cancelled' AND +c.reason = '{PARENT_FAILED}'"
+            " AND c.id NOT IN (SELECT value FROM json_each(?))",
+            (json.dumps(job_ids), json.dumps(list(call)))).fetchall()
         self.db.executemany(f"INSERT INTO job_edges (parent, child, on_, state) VALUES ('{HOLD}', ?, '{ON_SUCCESS}', 'dead')",
                             [(row["id"],) for row in rows])
         return [row["id"] for row in rows if row["failed"]]
