@@ -175,3 +175,27 @@ def test_redraws_keep_their_interval_whatever_fetching_takes():
     assert clock.slept == [0.7, 0.7, 1.0]
     assert watch.next_tick(10.0, 10.4, 1.0) == 11.0
     assert watch.next_tick(10.0, 13.5, 1.0) == 14.5  # late: from now, not 11, 12, 13 at once
+
+
+def test_json_lines_keep_their_interval_whatever_fetching_takes():
+    """``status --watch --json`` slept a whole interval after each line: over a slow socket it
+    wrote every interval plus the answer's time, drifting. It is timed as the screen is."""
+    answer_takes = iter([0.3, 0.3, 2.5, 0.1])
+    clock, lines = Clock(500.0), []
+
+    def fetch():
+        clock.advance(next(answer_takes))
+        return RECORDED
+
+    watch.run_json(fetch, 1.0, lines.append, clock=clock, sleep=clock.sleep, count=4)
+    assert lines == [RECORDED] * 4
+    assert clock.slept == [0.7, 0.7, 1.0]
+
+
+def test_json_lines_end_quietly_on_ctrl_c():
+    def fetch():
+        raise KeyboardInterrupt
+
+    lines = []
+    assert watch.run_json(fetch, 1.0, lines.append, clock=Clock(0.0), sleep=Clock(0.0).sleep) == 0
+    assert lines == []

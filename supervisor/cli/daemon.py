@@ -74,29 +74,24 @@ def cmd_status(args):
     if args.watch is None:
         print_json(reply) if args.json else say(render_status(reply))
         return
+    pending = [reply]
+
+    def fetch():
+        if pending:
+            return pending.pop()
+        try:
+            return ask_supervisor(path, {"cmd": "status"})
+        except Failure as exc:  # keep watching across a restart
+            return {"error": str(exc)}
+
     if not args.json:
-        pending = [reply]
-
-        def fetch():
-            if pending:
-                return pending.pop()
-            try:
-                return ask_supervisor(path, {"cmd": "status"})
-            except Failure as exc:  # keep watching across a restart
-                return {"error": str(exc)}
-
         return daemon_module("cli.watch").run(fetch, args.watch)
-    try:
-        while True:  # --json: one object a line (JSON Lines), for jq or a script; no screen to clear
-            sys.stdout.write(json.dumps(reply, default=str) + "\n")
-            sys.stdout.flush()
-            time.sleep(args.watch)
-            try:
-                reply = ask_supervisor(path, {"cmd": "status"})
-            except Failure as exc:  # keep watching across a restart
-                reply = {"error": str(exc)}
-    except KeyboardInterrupt:
-        return 0
+
+    def write(reply):  # --json: one object a line (JSON Lines), for jq or a script; no screen to clear
+        sys.stdout.write(json.dumps(reply, default=str) + "\n")
+        sys.stdout.flush()
+
+    return daemon_module("cli.watch").run_json(fetch, args.watch, write)
 
 
 def render_status(reply, now=None):

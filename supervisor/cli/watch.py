@@ -149,3 +149,21 @@ def run(fetch, interval=1.0, out=None, clock=time.monotonic, sleep=time.sleep, f
     except KeyboardInterrupt:
         out.write("\n")
     return 0
+
+
+def run_json(fetch, interval, write, clock=time.monotonic, sleep=time.sleep, count=None):
+    """``--watch --json``: ``write`` each reply, one every ``interval`` seconds until Ctrl-C (or
+    ``count`` replies, for tests), timed on ``clock`` as ``run`` times its screens."""
+    written = 0
+    due = clock()
+    try:
+        while count is None or written < count:
+            write(fetch())
+            written += 1
+            if count is None or written < count:
+                now = clock()
+                due = next_tick(due, now, interval)
+                sleep(due - now)
+    except KeyboardInterrupt:
+        pass
+    return 0
