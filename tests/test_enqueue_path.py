@@ -137,3 +137,27 @@ def test_a_round_trip_cut_by_the_server_is_sent_again_on_a_new_connection(rb):
     killed, pong = rb._exchange([("CLIENT", "KILL", "ID", ours, "SKIPME", "no"), ("PING",)])
     assert (killed, pong) == (0, "PONG")
     assert rb._exchange([("CLIENT", "ID")]) != [ours]
+
+
+@pytest.mark.services
+def test_a_script_call_is_packed_as_redis_py_packs_it(rb):
+    """The arguments before a script's own are packed once per script and queue: the bytes
+    sent are still redis-py's, for every call (a second queue, extra keys, a large argument)."""
+    conn = rb.r.connection_pool.get_connection()
+    try:
+        for name, queue, more_keys, args in [("enqueue", "default", (rb.keys.queues,), ["[1]"]),
+                                             ("enqueue", "other", (rb.keys.queues,), ["[2]"]),
+                                             ("claim", "default", (), [32, 30_000_000, "w", '"w"']),
+                                             ("claim", "default", (), [1, 5, "é", b"\x00\xff"]),
+                                             ("ack_many", "default", (), ["x" * 70_000])]:
+            for _ in range(2):  # packed anew, then from what was kept
+                keys, head = rb.keys.for_scripts(queue)
+                expected = b"".join(conn.pack_command("EVALSHA", rb.scripts[name].sha, len(keys) + len(more_keys),
+                                                      *keys, *more_keys, *head, *args))
+                got = rb._packed(name, queue, more_keys, args)
+                assert (got if type(got) is bytes else b"".join(conn.pack_command(*got))) == expected
+    finally:
+        rb.r.connection_pool.release(conn)
+    job = NewJob("t", {"big": "y" * 70_000})  # past the packer's cutoff: sent as redis-py sends it
+    assert rb.get(rb.enqueue(job)).payload == {"big": "y" * 70_000}
+    assert rb._exchange([rb._packed("queue_empty", "default", (), []), ("PING",)])[1] == "PONG"
