@@ -1,7 +1,7 @@
 """The producer's enqueue cost of two revisions, side by side, rounds interleaved (issue 17).
 
     python -m bench.enqueue_ab REV [--against REV2] [--cases redis-single,sqlite-batch] [--rounds 10]
-                                   [--json FILE]
+                                   [--huey] [--json FILE]
 
 ``REV`` is checked out into a temporary git worktree; ``--against`` defaults
 to the working tree. Each side runs in its own process importing its own
@@ -14,6 +14,9 @@ process per job (``time.process_time``: what other load on the machine
 disturbs least) and the wall-clock jobs/s.
 
 Cases: ``{sqlite,redis,postgres}-{single,batch}``. ``--json`` writes every round's figures.
+``--huey``: each round of ``redis-single`` also runs Huey's single enqueue (the bench's peer,
+its own key in the same Redis database), A, B and Huey in an order turned each round, and the
+table gains each side's rate over Huey's of the same round (the target: issue "Performance II").
 ``BENCH_REDIS`` names another Redis (a query in it is kept: ``rediss://…?ssl_cert_reqs=none``).
 """
 import argparse
@@ -88,11 +91,14 @@ def main(argv=None):
     p.add_argument("--cases", default="redis-single,sqlite-batch")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--json", default=None, help="write every round's figures here")
+    p.add_argument("--huey", action="store_true", help="run Huey's single enqueue in the redis-single rounds too")
     args = p.parse_args(argv)
     cases = [tuple(c.split("-")) for c in args.cases.split(",")]
     from bench.trees import checked_out  # not at the top: the worker imports the other side's bench
 
     results = {(label, case): [] for label in ("A", "B") for case in cases}
+    huey_rounds = huey_enqueue() if args.huey else None
+    sides = ("A", "B", "H") if args.huey else ("A", "B")
     with checked_out({"A": args.rev, "B": args.against}, "enqueue-ab") as trees:
         # The worker is this file; PYTHONPATH makes it import each side's own supervisor package.
         procs = {label: subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"], cwd=path,
@@ -101,7 +107,12 @@ def main(argv=None):
                  for label, (path, _) in trees.items()}
         for r in range(args.rounds):
             for case in cases:
-                for label in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                turned = sides[r % len(sides):] + sides[:r % len(sides)]
+                order = turned if r % 2 == 0 else turned[::-1]
+                for label in order if case == ("redis", "single") else [s for s in order if s != "H"]:
+                    if label == "H":
+                        results.setdefault(("H", case), []).append(huey_rounds())
+                        continue
                     procs[label].stdin.write(" ".join(case) + "\n")
                     procs[label].stdin.flush()
                     cpu, rate = procs[label].stdout.readline().split()
@@ -119,6 +130,12 @@ def main(argv=None):
         rate_r = [y[1] / x[1] for x, y in zip(a, b)]
         print(f"| {'-'.join(case)} | {cpu_a:.1f} | {cpu_b:.1f} | {cpu_b / cpu_a:.2f} ({min(cpu_r):.2f}–{max(cpu_r):.2f})"
               f" | {rate_a:,.0f} | {rate_b:,.0f} | {rate_b / rate_a:.2f} ({min(rate_r):.2f}–{max(rate_r):.2f}) |")
+    if ("H", ("redis", "single")) in results:
+        a, b, h = (results[label, ("redis", "single")] for label in ("A", "B", "H"))
+        print("\n| redis-single | Huey jobs/s | A ÷ Huey (per round) | B ÷ Huey (per round) |\n| --- | ---: | --- | --- |")
+        print(f"| medians | {statistics.median(h):,.0f} | {statistics.median(x[1] / y for x, y in zip(a, h)):.2f}"
+              f" ({' '.join(f'{x[1] / y:.2f}' for x, y in zip(a, h))}) | {statistics.median(x[1] / y for x, y in zip(b, h)):.2f}"
+              f" ({' '.join(f'{x[1] / y:.2f}' for x, y in zip(b, h))}) |")
     print(f"\nA = {trees['A'][1]}, B = {trees['B'][1]}; {args.rounds} rounds, medians")
     if args.json:
         with open(args.json, "w") as f:
@@ -126,7 +143,33 @@ def main(argv=None):
                        "single_calls": SINGLE, "batches": f"{BATCHES} x {BATCH}",
                        "cases": {"-".join(case): {label: [{"cpu_us_per_job": c, "jobs_per_s": r}
                                                           for c, r in results[label, case]] for label in ("A", "B")}
-                                 for case in cases}}, f, indent=1)
+                                 for case in cases},
+                       "huey_redis_single_jobs_per_s": results.get(("H", ("redis", "single")))}, f, indent=1)
+
+
+def huey_enqueue():
+    """A round of Huey's single enqueue as scenario 2 runs it (its defaults, results off): jobs/s."""
+    import redis
+    from huey import RedisHuey
+
+    name = f"enqueue-ab-{uuid.uuid4().hex[:8]}"
+    huey = RedisHuey(name, url=REDIS, results=False)
+    task = huey.task()(_noop)
+    payload = {"kind": "noop", "key": f"bench:{name}"}
+    task(payload)  # connect
+
+    def one_round():
+        wall = time.perf_counter()
+        for _ in range(SINGLE):
+            task(payload)
+        rate = SINGLE / (time.perf_counter() - wall)
+        redis.Redis.from_url(REDIS).delete(huey.storage.queue_key)  # its queue, a list
+        return rate
+    return one_round
+
+
+def _noop(kwargs):
+    pass
 
 
 if __name__ == "__main__":
