@@ -3016,6 +3016,14 @@ MUTATIONS = [
              "                sleep(interval)\n    except KeyboardInterrupt:\n        pass\n",
              ("tests/test_watch.py", "-k", "json_lines_keep"),
              "status --watch --json writes a line every interval, however long the answer took"),
+    Mutation("cache-tags-as-one-string", "supervisor/toolkit/cache.py",
+             "    if isinstance(tags, (str, bytes)):\n", "    if False:\n",
+             ("tests/test_toolkit_edges.py", "-k", "spell_otherwise"),
+             "tags given as one string are refused, not taken as a tag per letter no invalidation reaches"),
+    Mutation("cache-name-read-as-its-fstring", "supervisor/toolkit/locks.py",
+             "    return str.__str__(name)\n", "    return name\n",
+             ("tests/test_toolkit_edges.py", "-k", "spell_otherwise"),
+             "a str enum key or tag names the entry by its text, as the scripts do, so invalidating it reaches it"),
 ]
 
 

@@ -1,15 +1,7 @@
 """A Redis cache-aside that does not lie: ``ctx.cache``.
 
-Read::
-
-    summary = ctx.cache.get_or_build(f"invoice:{invoice_id}:summary", build, ttl=300,
-                                     tags=[f"invoice:{invoice_id}"])
-
-Write (in the transaction that changes the data)::
-
-    with ctx.transaction() as tx:
-        ...
-        ctx.cache.invalidate_after_commit(tx, f"invoice:{invoice_id}")
+Read with ``get_or_build(key, builder, ttl, tags=[...])``; in the transaction that changes the
+data, ``invalidate_after_commit(tx, name)`` (docs/safe-handlers.md shows both in use).
 
 * **TTL jitter**: each entry lives ``ttl`` minus up to ``jitter`` of it, so
   entries filled together do not expire together.
@@ -28,11 +20,9 @@ Write (in the transaction that changes the data)::
   gone during a very long build stores nothing), and taking a lease drops from
   its tags a few members with neither entry nor lease: a tag refilled but
   never invalidated stays about the size of its live keys.
-* **Stale-while-revalidate**, only for keys that say they tolerate it
-  (``stale_ttl > 0``): after ``ttl`` the entry is kept ``stale_ttl`` seconds
-  more; one reader (the lease holder) rebuilds, the others get the stale
-  value at once. An invalidation removes stale entries too: a stale value is
-  old, never wrong by a known write.
+* **Stale-while-revalidate**, only for keys that say they tolerate it (``stale_ttl > 0``): after
+  ``ttl`` the entry is kept ``stale_ttl`` seconds more; one reader (the lease holder) rebuilds, the
+  others get the stale value at once. An invalidation removes stale entries too.
 * ``invalidate(*names)`` / ``invalidate_after_commit(tx, *names)``: each name
   is a key, a tag, or both; a tag removes every key filled under it
   (``invoice:123`` -> summary, list pages, aggregates). After commit means
@@ -45,15 +35,15 @@ Write (in the transaction that changes the data)::
   (nothing stored); Redis failing so after the builder ran (the store) leaves
   the value unstored, never builds it twice. ``invalidate`` raises, so the
   job fails and its retry, finding its idempotency record done, invalidates again.
-* Counters: ``cache_hit``, ``cache_miss``, ``cache_rebuild`` (the builder
-  ran), ``cache_stale_served``.
+* Counters: ``cache_hit``, ``cache_miss``, ``cache_rebuild`` (the builder ran), ``cache_stale_served``.
 
 Values are stored as JSON, and every call returns the value as JSON gives it
 back (tuples as lists, dict keys as strings), on a miss as on a hit; a value
 JSON cannot hold (``Decimal``, ``datetime``) raises ``TypeError`` naming the
 key (convert it in the builder). Redis keys: ``<prefix>cache:<key>``,
 ``<prefix>cache-lease:<key>``, ``<prefix>cache-tag:<tag>``; the scripts
-build key names from the prefix, so use one Redis instance, not a cluster.
+build key names from the prefix, so use one Redis instance, not a cluster. Keys, tags and names
+are non-empty text (``ValueError`` otherwise; tags a list of them): the text is the name.
 """
 import json
 import logging
@@ -65,7 +55,7 @@ import redis as redis_py
 
 from .. import protocol
 from ..child import timeouts
-from .locks import RELEASE, shown, unanswered
+from .locks import RELEASE, check_name, shown, unanswered
 
 log = logging.getLogger("tangguh.cache")
 
@@ -172,6 +162,14 @@ def _seconds(name, value, zero_ok):
     return value
 
 
+def _tags(tags):
+    """``tags`` as a tuple of names: one string is refused (it iterated as a tag per letter), and a
+    generator is read once (the lease read it, the store found it empty)."""
+    if isinstance(tags, (str, bytes)):
+        raise ValueError(f"cache tags must be a list of names, got {type(tags).__name__} {shown(repr(tags))}")
+    return tuple(check_name("cache tag", tag) for tag in tags)
+
+
 def _round_trip(key, value):
     """``value`` as a hit would return it (tuples become lists, keys strings), whether stored or not."""
     return json.loads(_dumps(key, value))
@@ -212,6 +210,7 @@ class Cache:
         by; ``stale_ttl`` > 0 marks the key tolerant of stale reads for that
         many seconds past ``ttl``; ``wait`` bounds the wait on another builder.
         """
+        key, tags = check_name("cache key", key), _tags(tags)
         _seconds("ttl", ttl, zero_ok=False)
         _seconds("stale_ttl", stale_ttl, zero_ok=True)
         if wait is not None:  # NaN never ended the wait on another builder; inf waited out its lease
@@ -270,6 +269,7 @@ class Cache:
 
     def invalidate(self, *names):
         """Delete the entries (and cancel the fill leases) of keys and tags ``names`` now."""
+        names = [check_name("cache name", name) for name in names]
         if not names:
             return
         batch = self.invalidate_batch
@@ -286,6 +286,7 @@ class Cache:
 
     def invalidate_after_commit(self, tx, *names):
         """``invalidate(*names)`` once ``tx`` commits; nothing if it rolls back."""
+        names = [check_name("cache name", name) for name in names]  # refused now, while the job can still fail
         tx.after_commit(lambda: self.invalidate(*names))
 
     # -- internals --------------------------------------------------------------------
@@ -384,6 +385,7 @@ class Cache:
 
         ``tags``: those the lease was taken with (they are kept as long as the entry).
         """
+        key, tags = check_name("cache key", key), _tags(tags)
         entry, ms = self._entry(key, value, ttl, stale_ttl)
         return self._store(key, entry, ms, token, tags)
 
@@ -392,6 +394,7 @@ class Cache:
 
         For callers that fill in two steps (``lease``, then ``store``).
         """
+        key, tags = check_name("cache key", key), _tags(tags)
         _seconds("ttl", ttl, zero_ok=False)  # a lease no store() could fill is refused now, not then
         _seconds("stale_ttl", stale_ttl, zero_ok=True)
         return self._take_lease(key, tags, ttl, stale_ttl, if_absent=False)

@@ -196,6 +196,20 @@ def shown(key):
     return clip_start(key, SHOWN)
 
 
+def check_name(what, name):
+    """``name`` as plain text, the text Redis is sent: a non-empty ``str`` Redis can encode, else
+    ValueError. Python names keys by f-string and the scripts by what Redis was sent; a bytes name
+    (``"b'x'"`` against ``"x"``) or a str enum (``"Kind.A"`` against its value) differed, and the
+    entry filled under one was never reached by invalidating the other."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} must be a non-empty string, got {shown(repr(name))}")
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} holds a lone surrogate, which Redis cannot be sent: {shown(ascii(name))}") from None
+    return str.__str__(name)
+
+
 def _ms(seconds):
     return max(1, int(seconds * 1000))
 
@@ -222,8 +236,7 @@ class Locks:
 
         A name ending in ``:fence`` is refused (``ValueError``): its key is the fence counter of another lock.
         """
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"lock name must be a non-empty string, got {name!r}")
+        name = check_name("lock name", name)
         if name.endswith(FENCE):
             # The counters stay where they are: moving them would restart the fences of locks in use.
             raise ValueError(f"lock name {name!r} ends in {FENCE!r}, the fence counter of lock"

@@ -1,0 +1,61 @@
+"""The handler toolkit at its edges, against real Redis and databases: names Redis would spell
+otherwise than the toolkit, a release a demoted Redis refuses, a reader whose clock is not the
+writer's.
+"""
+import enum
+
+import pytest
+
+from supervisor import toolkit
+from supervisor.toolkit.cache import Cache
+from supervisor.toolkit.transaction import transaction
+
+
+@pytest.fixture
+def rc(redis_url):
+    client, prefix = toolkit.open_redis(redis_url)
+    yield client, prefix
+    client.close()
+
+
+class Kind(str, enum.Enum):  # a name a handler may well pass: its f-string is "Kind.INVOICE", its text "invoice:7"
+    INVOICE = "invoice:7"
+
+
+def test_a_cache_name_redis_would_spell_otherwise_is_refused_or_read_as_its_text(rc, tmp_path):
+    """The scripts name an entry from the text Redis was sent, Python from its f-string: a tag
+    given as one string (``tags="invoice:1"``: a tag per letter), a bytes key or tag, a str enum,
+    each stored an entry that invalidating its name or tag never reached: the cache lied for its TTL."""
+    client, prefix = rc
+    cache = Cache(client, prefix)
+    built = []
+    for key, tags, said in (("invoice:1:summary", "invoice:1", "tags must be a list"),
+                            (b"invoice:1:summary", (), "key must be a non-empty string"),
+                            ("invoice:1:summary", [b"invoice:1"], "tag must be a non-empty string"),
+                            ("", (), "key must be a non-empty string"),
+                            ("invoice:\ud800", (), "lone surrogate")):
+        with pytest.raises(ValueError, match=said):
+            cache.get_or_build(key, lambda: built.append(1), ttl=60, tags=tags)
+        with pytest.raises(ValueError, match=said):
+            cache.lease(key, ttl=60, tags=tags)
+    assert built == [] and client.keys(f"{prefix}*") == []
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        cache.invalidate("invoice:1", b"invoice:1")
+    db = toolkit.Database(f"sqlite:///{tmp_path}/app.db")
+    try:
+        with pytest.raises(ValueError, match="name must be a non-empty string"):
+            with transaction(db) as tx:  # refused in the block, where the job can still fail: not after its commit
+                cache.invalidate_after_commit(tx, b"invoice:1")
+    finally:
+        db.close()
+
+    # A str subclass is its text, in every name: its tag and its key both reach the entry.
+    assert cache.get_or_build(Kind.INVOICE, lambda: "old", ttl=60, tags=[Kind.INVOICE]) == "old"
+    cache.invalidate("invoice:7")
+    assert cache.get_or_build("invoice:7", lambda: "new", ttl=60, tags=["invoice:7"]) == "new"
+    cache.invalidate(Kind.INVOICE)
+    assert cache.get_or_build(Kind.INVOICE, lambda: "newer", ttl=60) == "newer"
+    tags = (t for t in ["invoice:7"])  # read once by the lease, once by the store: a generator gave the store none
+    assert cache.get_or_build("invoice:7:list", lambda: "page", ttl=60, tags=tags) == "page"
+    cache.invalidate("invoice:7")
+    assert not client.exists(f"{prefix}cache:invoice:7:list") and not client.keys(f"{prefix}cache:Kind*")
