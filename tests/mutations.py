@@ -2308,7 +2308,7 @@ MUTATIONS = [
              ("tests/test_toolkit.py", "-k", "soft_timeout_as_a_lock"),
              "a soft timeout between taking a fill lease and telling the master left it held"),
     Mutation('lock-release-error-masks-body', 'supervisor/toolkit/locks.py',
-             '            if not isinstance(error, (redis_py.ConnectionError, redis_py.TimeoutError)):',
+             '            if not isinstance(error, (redis_py.ConnectionError, redis_py.TimeoutError, redis_py.ReadOnlyError)):',
              '            if True:',
              ('tests/test_toolkit.py', "-k", 'release_redis_cannot_answer'),
              "a lock release Redis could not answer replaced the body's exception (a Permanent retried) or failed a body that had done its work"),
@@ -3024,6 +3024,10 @@ MUTATIONS = [
              "    return str.__str__(name)\n", "    return name\n",
              ("tests/test_toolkit_edges.py", "-k", "spell_otherwise"),
              "a str enum key or tag names the entry by its text, as the scripts do, so invalidating it reaches it"),
+    Mutation("lock-release-read-only-raised", "supervisor/toolkit/locks.py",
+             "redis_py.TimeoutError, redis_py.ReadOnlyError)):", "redis_py.TimeoutError)):",
+             ("tests/test_toolkit_edges.py", "-k", "demoted"),
+             "a release a demoted Redis refuses at the end of a with block leaves the body's outcome alone"),
 ]
 
 

@@ -59,3 +59,32 @@ def test_a_cache_name_redis_would_spell_otherwise_is_refused_or_read_as_its_text
     assert cache.get_or_build("invoice:7:list", lambda: "page", ttl=60, tags=tags) == "page"
     cache.invalidate("invoice:7")
     assert not client.exists(f"{prefix}cache:invoice:7:list") and not client.keys(f"{prefix}cache:Kind*")
+
+
+def test_a_lock_release_a_demoted_redis_refuses_leaves_the_bodys_outcome_alone(tmp_path):
+    """A failover demoted the lock's Redis while the block ran (the client's connection still on it,
+    as a Sentinel client's is until it breaks): the release's ReadOnlyError replaced the body's own
+    exception (a Permanent was retried) and failed a body that had done its work, to be done again."""
+    from supervisor.retry import Permanent
+    from supervisor.toolkit.locks import Locks
+
+    from .servers import RedisServer
+
+    (tmp_path / "old").mkdir(), (tmp_path / "new").mkdir()
+    server, primary = RedisServer(tmp_path / "old").start(), RedisServer(tmp_path / "new").start()
+    client = server.client(socket_timeout=5)
+    try:
+        locks = Locks(client, "p:")
+        with pytest.raises(Permanent, match="bad invoice"):
+            with locks.acquire("invoice:1", ttl=30):
+                client.replicaof("127.0.0.1", primary.port)
+                raise Permanent("bad invoice")
+        client.replicaof("no", "one")
+        with locks.acquire("invoice:2", ttl=30) as lock:
+            client.replicaof("127.0.0.1", primary.port)
+            done = True
+        assert done and not lock.held
+    finally:
+        client.close()
+        server.stop()
+        primary.stop()

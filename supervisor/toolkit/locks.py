@@ -158,11 +158,12 @@ class Lock:
         except Exception as error:  # noqa: BLE001 - narrowed below: redis is imported by the client already
             import redis as redis_py
 
-            if not isinstance(error, (redis_py.ConnectionError, redis_py.TimeoutError)):
+            if not isinstance(error, (redis_py.ConnectionError, redis_py.TimeoutError, redis_py.ReadOnlyError)):
                 raise
             # Not the job's failure: the body's own exception (a Permanent, say) must stand, and
             # a body that succeeded has done its work. The lock expires at its TTL, and the master,
-            # told of it at acquire, frees it when the job ends.
+            # told of it at acquire, frees it when the job ends (on a connection of its own: after
+            # a failover, the new primary's; ReadOnlyError is the demoted one answering).
             log.warning("cannot release lock %s (the master frees it when the job ends, or it expires): %s",
                         shown(self.key), error)
         return False
