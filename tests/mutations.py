@@ -3028,6 +3028,10 @@ MUTATIONS = [
              "redis_py.TimeoutError, redis_py.ReadOnlyError)):", "redis_py.TimeoutError)):",
              ("tests/test_toolkit_edges.py", "-k", "demoted"),
              "a release a demoted Redis refuses at the end of a with block leaves the body's outcome alone"),
+    Mutation("advisory-lock-key-unchecked-on-sqlite", "supervisor/toolkit/locks.py",
+             "    key = check_name(\"advisory lock key\", key)", "    key = key",
+             ("tests/test_toolkit_edges.py", "-k", "advisory"),
+             "an advisory lock key that is not text is refused alike on SQLite and PostgreSQL"),
 ]
 
 

@@ -88,3 +88,21 @@ def test_a_lock_release_a_demoted_redis_refuses_leaves_the_bodys_outcome_alone(t
         client.close()
         server.stop()
         primary.stop()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_an_advisory_lock_key_that_is_not_text_is_refused_on_both_databases(kind, postgres_url, tmp_path):
+    """``advisory_lock(tx, invoice_id)`` with an int: PostgreSQL failed with AttributeError ('int' object
+    has no attribute 'encode'), and SQLite took it: a handler tried on SQLite broke on PostgreSQL."""
+    from supervisor.toolkit.locks import advisory_lock
+
+    db = toolkit.Database(postgres_url if kind == "postgres" else f"sqlite:///{tmp_path}/app.db")
+    try:
+        for key in (42, b"invoice:1", "", "invoice:\ud800"):
+            with pytest.raises(ValueError, match="advisory lock key"):
+                with transaction(db) as tx:
+                    advisory_lock(tx, key)
+        with transaction(db) as tx:
+            advisory_lock(tx, "invoice:1", timeout=0)
+    finally:
+        db.close()

@@ -322,6 +322,7 @@ def advisory_lock(tx, key, timeout=None, retry_delay=1.0):
     ``timeout=0`` tries once (``pg_try_advisory_xact_lock``); None waits
     for as long as it takes.
     """
+    key = check_name("advisory lock key", key)  # on SQLite too: a handler tried there must not break on PostgreSQL
     if tx.kind == "sqlite":
         return
     import psycopg
