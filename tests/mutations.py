@@ -3032,6 +3032,10 @@ MUTATIONS = [
              "    key = check_name(\"advisory lock key\", key)", "    key = key",
              ("tests/test_toolkit_edges.py", "-k", "advisory"),
              "an advisory lock key that is not text is refused alike on SQLite and PostgreSQL"),
+    Mutation("cache-freshness-by-the-readers-clock", "supervisor/toolkit/cache.py",
+             "left > entry[\"stale\"] or left == -1 if \"stale\" in entry else ", "",
+             ("tests/test_toolkit_edges.py", "-k", "freshness"),
+             "an entry is fresh by Redis's clock: a reader ahead does not rebuild it, one behind does not serve it stale"),
 ]
 
 

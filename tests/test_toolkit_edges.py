@@ -106,3 +106,35 @@ def test_an_advisory_lock_key_that_is_not_text_is_refused_on_both_databases(kind
             advisory_lock(tx, "invoice:1", timeout=0)
     finally:
         db.close()
+
+
+def _clock_off_by(monkeypatch, seconds):
+    """This process's wall clock as another host's would read: ``seconds`` ahead (or behind)."""
+    import time
+
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + seconds)
+
+
+def test_an_entrys_freshness_is_judged_by_redis_not_by_the_readers_clock(rc, monkeypatch):
+    """An entry carried its end of freshness as the filler's wall-clock time, and each reader
+    compared it with its own: a reader ten minutes ahead (another web host, a clock stepped
+    forward) took every entry of a key that tolerates no staleness for stale and rebuilt it at
+    each read, and a reader behind served a stale entry as fresh, never revalidated."""
+    from .util import wait_for
+
+    client, prefix = rc
+    metrics = {}
+    cache = Cache(client, prefix, metrics)
+    assert cache.get_or_build("strict", lambda: "built", ttl=300) == "built"
+    assert cache.get_or_build("tolerant", lambda: "old", ttl=0.05, stale_ttl=300) == "old"
+    wait_for(lambda: client.pttl(f"{prefix}cache:tolerant") <= 300_000, timeout=5,
+             message="the tolerant entry to go stale by Redis's clock")
+    with monkeypatch.context() as m:
+        _clock_off_by(m, 600)
+        assert cache.get_or_build("strict", lambda: "rebuilt", ttl=300) == "built"
+    assert metrics == {"cache_miss": 2, "cache_rebuild": 2, "cache_hit": 1}
+    with monkeypatch.context() as m:
+        _clock_off_by(m, -600)
+        assert cache.get_or_build("tolerant", lambda: "new", ttl=300, stale_ttl=300) == "new"  # revalidated
+    assert metrics["cache_rebuild"] == 3 and metrics["cache_hit"] == 1

@@ -1,49 +1,43 @@
 """A Redis cache-aside that does not lie: ``ctx.cache``.
 
-Read with ``get_or_build(key, builder, ttl, tags=[...])``; in the transaction that changes the
-data, ``invalidate_after_commit(tx, name)`` (docs/safe-handlers.md shows both in use).
+Read with ``get_or_build(key, builder, ttl, tags=[...])``; in the transaction that changes the data,
+``invalidate_after_commit(tx, name)`` (docs/safe-handlers.md shows both in use).
 
-* **TTL jitter**: each entry lives ``ttl`` minus up to ``jitter`` of it, so
-  entries filled together do not expire together.
-* **Single flight**: a miss takes a short *fill lease* (``SET NX``) before
-  reading the database; only the holder builds. Others poll for its value up
-  to ``wait`` seconds, then build for themselves without storing. In a job,
-  the master holds the lease like a lock: extended while the build runs,
-  freed at once if the child dies, so the next reader builds and stores. A
-  lease whose answer was lost is asked again with its token (as a lock).
-* **Fill leases cancelled by invalidation**: an invalidation deletes the
-  entry *and* the outstanding fill lease; the store is a compare-and-set on
-  the lease token, so a builder that read the old row before the writer
-  committed cannot store it afterwards. Tags are registered when the lease
-  is taken, before the database read, so invalidating a tag reaches fills in
-  flight too. The store keeps each tag at least as long as the entry (a tag
-  gone during a very long build stores nothing), and taking a lease drops from
-  its tags a few members with neither entry nor lease: a tag refilled but
-  never invalidated stays about the size of its live keys.
-* **Stale-while-revalidate**, only for keys that say they tolerate it (``stale_ttl > 0``): after
-  ``ttl`` the entry is kept ``stale_ttl`` seconds more; one reader (the lease holder) rebuilds, the
-  others get the stale value at once. An invalidation removes stale entries too.
-* ``invalidate(*names)`` / ``invalidate_after_commit(tx, *names)``: each name
-  is a key, a tag, or both; a tag removes every key filled under it
-  (``invoice:123`` -> summary, list pages, aggregates). After commit means
-  never before (a reader could refill from the old row) and never on
-  rollback. A tag of more than ``invalidate_batch`` (500) members goes in
-  batches, one short script each (the Redis may be the broker's too); when
-  the call returns, every entry filled under it before is gone.
-* With Redis unreachable, or refusing writes (out of memory under
-  ``noeviction``, a read-only replica), ``get_or_build`` returns ``builder()``
-  (nothing stored); Redis failing so after the builder ran (the store) leaves
-  the value unstored, never builds it twice. ``invalidate`` raises, so the
-  job fails and its retry, finding its idempotency record done, invalidates again.
+* **TTL jitter**: each entry lives ``ttl`` minus up to ``jitter`` of it, so entries filled together do not
+  expire together.
+* **Single flight**: a miss takes a short *fill lease* (``SET NX``) before reading the database; only the
+  holder builds. Others poll for its value up to ``wait`` seconds, then build for themselves without
+  storing. In a job, the master holds the lease like a lock: extended while the build runs, freed at once if
+  the child dies, so the next reader builds and stores. A lease whose answer was lost is asked again with
+  its token (as a lock).
+* **Fill leases cancelled by invalidation**: an invalidation deletes the entry *and* the outstanding fill
+  lease; the store is a compare-and-set on the lease token, so a builder that read the old row before the
+  writer committed cannot store it afterwards. Tags are registered when the lease is taken, before the
+  database read, so invalidating a tag reaches fills in flight too. The store keeps each tag at least as
+  long as the entry (a tag gone during a very long build stores nothing), and taking a lease drops from its
+  tags a few members with neither entry nor lease: a tag refilled but never invalidated stays about the size
+  of its live keys.
+* **Stale-while-revalidate**, only for keys that say they tolerate it (``stale_ttl > 0``): after ``ttl`` the
+  entry is kept ``stale_ttl`` seconds more; one reader (the lease holder) rebuilds, the others get the stale
+  value at once. An invalidation removes stale entries too.
+* ``invalidate(*names)`` / ``invalidate_after_commit(tx, *names)``: each name is a key, a tag, or both; a
+  tag removes every key filled under it (``invoice:123`` -> summary, list pages, aggregates). After commit
+  means never before (a reader could refill from the old row) and never on rollback. A tag of more than
+  ``invalidate_batch`` (500) members goes in batches, one short script each (the Redis may be the broker's
+  too); when the call returns, every entry filled under it before is gone.
+* With Redis unreachable, or refusing writes (out of memory under ``noeviction``, a read-only replica),
+  ``get_or_build`` returns ``builder()`` (nothing stored); Redis failing so after the builder ran (the
+  store) leaves the value unstored, never builds it twice. ``invalidate`` raises, so the job fails and its
+  retry, finding its idempotency record done, invalidates again.
+* Freshness is judged by Redis's clock (what is left of the entry's life), never by a reader's.
 * Counters: ``cache_hit``, ``cache_miss``, ``cache_rebuild`` (the builder ran), ``cache_stale_served``.
 
-Values are stored as JSON, and every call returns the value as JSON gives it
-back (tuples as lists, dict keys as strings), on a miss as on a hit; a value
-JSON cannot hold (``Decimal``, ``datetime``) raises ``TypeError`` naming the
-key (convert it in the builder). Redis keys: ``<prefix>cache:<key>``,
-``<prefix>cache-lease:<key>``, ``<prefix>cache-tag:<tag>``; the scripts
-build key names from the prefix, so use one Redis instance, not a cluster. Keys, tags and names
-are non-empty text (``ValueError`` otherwise; tags a list of them): the text is the name.
+Values are stored as JSON, and every call returns the value as JSON gives it back (tuples as lists, dict
+keys as strings), on a miss as on a hit; a value JSON cannot hold (``Decimal``, ``datetime``) raises
+``TypeError`` naming the key (convert it in the builder). Redis keys: ``<prefix>cache:<key>``,
+``<prefix>cache-lease:<key>``, ``<prefix>cache-tag:<tag>``; the scripts build key names from the prefix, so
+use one Redis instance, not a cluster. Keys, tags and names are non-empty text (``ValueError`` otherwise;
+tags a list of them): the text is the name.
 """
 import json
 import logging
@@ -59,9 +53,8 @@ from .locks import RELEASE, check_name, shown, unanswered
 
 log = logging.getLogger("tangguh.cache")
 
-# Redis away, or answering but refusing to write: the cache is only a copy, so its reader goes to
-# the source of truth (an OOM under ``maxmemory`` + ``noeviction``, as on a broker's Redis, made
-# every read through the cache fail, and threw away a value already built, its lease held).
+# Redis away, or answering but refusing to write: the cache is only a copy, so its reader goes to the source
+# of truth (an OOM under ``maxmemory`` + ``noeviction`` made every read fail, and threw away a value built).
 UNAVAILABLE = (redis_py.ConnectionError, redis_py.TimeoutError, redis_py.OutOfMemoryError, redis_py.ReadOnlyError)
 
 # A lease taken also trims its tags: of 5 members drawn at random, those with neither an entry nor
@@ -237,7 +230,7 @@ class Cache:
     def _get_or_build(self, key, builder, ttl, tags, stale_ttl, wait, missed):
         wait = self.wait if wait is None else wait
         entry = self._read(key)
-        if entry is not None and entry["fresh"] > time.time():
+        if entry is not None and entry["fresh"]:
             _count(self.metrics, "cache_hit")
             return entry["v"]
         if entry is not None:  # stale, and the key tolerates it
@@ -291,8 +284,15 @@ class Cache:
 
     # -- internals --------------------------------------------------------------------
     def _read(self, key):
-        raw = self.client.get(self._key(key))
-        return None if raw is None else json.loads(raw)
+        """The entry of ``key`` or None, ``fresh`` while Redis has more than its stale tail (``stale``, ms)
+        of its life left. A filler's wall-clock time read on each reader's clock had a reader ahead rebuild
+        at every read, one behind serve stale as fresh. An earlier version's entry has only that time."""
+        raw, left = self.client.pipeline().get(self._key(key)).pttl(self._key(key)).execute()
+        if raw is None:
+            return None
+        entry = json.loads(raw)
+        entry["fresh"] = left > entry["stale"] or left == -1 if "stale" in entry else entry["fresh"] > time.time()
+        return entry
 
     def _take_lease(self, key, tags, ttl, stale_ttl, if_absent=True, tell=None):
         """Our fill-lease token, or None (another holds it, or ``if_absent`` and the key has a value).
@@ -372,7 +372,7 @@ class Cache:
         _seconds("ttl", ttl, zero_ok=False)  # store() by hand too
         _seconds("stale_ttl", stale_ttl, zero_ok=True)
         fresh = ttl * (1 - self.jitter * random.random())
-        entry = _dumps(key, {"v": value, "fresh": time.time() + fresh})
+        entry = _dumps(key, {"v": value, "fresh": time.time() + fresh, "stale": int(stale_ttl * 1000)})
         return entry, max(1, int((fresh + stale_ttl) * 1000))
 
     def _store(self, key, entry, ms, token, tags):
