@@ -3036,6 +3036,10 @@ MUTATIONS = [
              "left > entry[\"stale\"] or left == -1 if \"stale\" in entry else ", "",
              ("tests/test_toolkit_edges.py", "-k", "freshness"),
              "an entry is fresh by Redis's clock: a reader ahead does not rebuild it, one behind does not serve it stale"),
+    Mutation("cache-jitter-unchecked", "supervisor/toolkit/cache.py",
+             "not isinstance(jitter, (int, float)) or not 0 <= jitter < 1:", "False:",
+             ("tests/test_toolkit_edges.py", "-k", "keep_nothing"),
+             "a cache jitter that would store entries already stale, or keep them past their ttl, is refused"),
 ]
 
 

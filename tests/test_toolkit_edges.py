@@ -138,3 +138,18 @@ def test_an_entrys_freshness_is_judged_by_redis_not_by_the_readers_clock(rc, mon
         _clock_off_by(m, -600)
         assert cache.get_or_build("tolerant", lambda: "new", ttl=300, stale_ttl=300) == "new"  # revalidated
     assert metrics["cache_rebuild"] == 3 and metrics["cache_hit"] == 1
+
+
+def test_a_cache_whose_jitter_or_lease_would_keep_nothing_is_refused(rc):
+    """``Cache(client, prefix, jitter=1.5)`` (web code builds its own) stored each entry already
+    past its freshness (ttl x (1 - 1.5 x r) below 0 half the time): every read rebuilt it, a
+    negative jitter kept it past its ttl, and a lease_ttl under a millisecond failed every miss in
+    Redis (``invalid expire time``)."""
+    client, prefix = rc
+    for options in ({"jitter": 1}, {"jitter": 1.5}, {"jitter": -0.5}, {"jitter": float("nan")}, {"jitter": "0.1"},
+                    {"lease_ttl": 0}, {"lease_ttl": float("inf")}, {"wait": -1}, {"wait": float("nan")}):
+        with pytest.raises(ValueError, match=f"cache {next(iter(options))} must be"):
+            Cache(client, prefix, **options)
+    cache = Cache(client, prefix, jitter=0, lease_ttl=0.0001)
+    assert cache.get_or_build("k", lambda: "built", ttl=60) == "built"
+    assert client.pttl(f"{prefix}cache:k") > 59_000

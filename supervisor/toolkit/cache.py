@@ -106,6 +106,12 @@ class Cache:
     """
 
     def __init__(self, client, prefix="", metrics=None, jitter=0.1, lease_ttl=10.0, wait=2.0, notify=None):
+        # A jitter of 1 or more stored entries past their freshness (rebuilt at every read), one below 0
+        # kept them past their ttl, and a lease under a millisecond failed every miss in Redis.
+        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0 <= jitter < 1:
+            raise ValueError(f"cache jitter must be a fraction from 0 to below 1, got {jitter!r}")
+        _seconds("lease_ttl", lease_ttl, zero_ok=False)
+        _seconds("wait", wait, zero_ok=True)
         self.client, self.prefix = client, prefix
         self.metrics = metrics if metrics is not None else {}
         self.jitter, self.lease_ttl, self.wait = jitter, lease_ttl, wait
@@ -233,7 +239,7 @@ class Cache:
         tag_ms = int((ttl + stale_ttl + self.lease_ttl) * 1000) + 1000
         keys = [self._lease(key), self._key(key)] + [self._tag(t) for t in tags]
         mode = "absent" if if_absent else "any"
-        args = (TAKE_LEASE, len(keys), *keys, token, int(self.lease_ttl * 1000), key, tag_ms, mode, self.prefix)
+        args = (TAKE_LEASE, len(keys), *keys, token, max(1, int(self.lease_ttl * 1000)), key, tag_ms, mode, self.prefix)
         try:
             taken = self.client.eval(*args)
         except Exception as error:  # noqa: BLE001 - narrowed below
