@@ -3040,6 +3040,11 @@ MUTATIONS = [
              "not isinstance(jitter, (int, float)) or not 0 <= jitter < 1:", "False:",
              ("tests/test_toolkit_edges.py", "-k", "keep_nothing"),
              "a cache jitter that would store entries already stale, or keep them past their ttl, is refused"),
+    Mutation("cache-read-in-a-multi", "supervisor/toolkit/cache.py",
+             "        raw, left = self.client.eval(READ, 1, self._key(key))",
+             "        raw, left = self.client.pipeline().get(self._key(key)).pttl(self._key(key)).execute()",
+             ("tests/test_toolkit_edges.py", "-k", "refuses_writes"),
+             "a cached entry is still a hit while Redis refuses writes (out of memory), reads answered"),
 ]
 
 

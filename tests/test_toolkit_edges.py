@@ -153,3 +153,24 @@ def test_a_cache_whose_jitter_or_lease_would_keep_nothing_is_refused(rc):
     cache = Cache(client, prefix, jitter=0, lease_ttl=0.0001)
     assert cache.get_or_build("k", lambda: "built", ttl=60) == "built"
     assert client.pttl(f"{prefix}cache:k") > 59_000
+
+
+def test_an_entry_is_read_and_judged_fresh_while_redis_refuses_writes(tmp_path):
+    """Out of memory under ``noeviction`` (a broker's Redis) or a read-only replica, Redis still
+    answers reads: an entry and what is left of its life are read in one step that writes nothing
+    (a MULTI was refused whole under OOM: every read went to the database, no hit at all)."""
+    from .servers import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    client = server.client(socket_timeout=5)
+    try:
+        metrics = {}
+        cache = Cache(client, "p:", metrics)
+        assert cache.get_or_build("k", lambda: "cached", ttl=300) == "cached"
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)  # every write refused, reads answered
+        assert cache.get_or_build("k", lambda: "from the database", ttl=300) == "cached"
+        assert metrics == {"cache_miss": 1, "cache_rebuild": 1, "cache_hit": 1}
+    finally:
+        client.close()
+        server.stop()

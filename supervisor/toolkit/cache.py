@@ -49,7 +49,7 @@ import redis as redis_py
 
 from .. import protocol
 from ..child import timeouts
-from .cachescripts import DROP_MEMBERS, INVALIDATE, STORE, TAKE_LEASE
+from .cachescripts import DROP_MEMBERS, INVALIDATE, READ, STORE, TAKE_LEASE
 from .locks import RELEASE, check_name, shown, unanswered
 
 log = logging.getLogger("tangguh.cache")
@@ -222,7 +222,7 @@ class Cache:
         """The entry of ``key`` or None, ``fresh`` while Redis has more than its stale tail (``stale``, ms)
         of its life left. A filler's wall-clock time read on each reader's clock had a reader ahead rebuild
         at every read, one behind serve stale as fresh. An earlier version's entry has only that time."""
-        raw, left = self.client.pipeline().get(self._key(key)).pttl(self._key(key)).execute()
+        raw, left = self.client.eval(READ, 1, self._key(key))
         if raw is None:
             return None
         entry = json.loads(raw)

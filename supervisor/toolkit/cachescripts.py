@@ -74,3 +74,8 @@ for i = 3, #ARGV do
 end
 return #ARGV - 2
 """
+# An entry and the milliseconds left of its life, at one instant, writing nothing: a MULTI is
+# refused whole by a Redis out of memory, which still answers reads.
+READ = """
+return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}
+"""
