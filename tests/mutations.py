@@ -1958,7 +1958,7 @@ MUTATIONS = [
              ("tests/test_effects.py", "-k", "shorter_than_a_heartbeat"),
              "a worker's lock lives at least its job's lease: it never lapses between two heartbeats"),
     Mutation("lock-ttl-that-protects-nothing", "supervisor/toolkit/locks.py",
-             "        ttl = max(check_ttl(ttl), self.floor)\n", "        ttl = max(ttl, self.floor)\n",
+             "        ttl = check_ttl(ttl)  # refused in a worker too", "        ttl = ttl  # refused in a worker too",
              ("tests/test_toolkit.py", "-k", "protects_nothing"),
              "a lock TTL of 0, below 0, NaN or inf is refused"),
     Mutation("redis-tick-recorded-before-its-job", "supervisor/backends/redis/__init__.py",
@@ -3045,6 +3045,10 @@ MUTATIONS = [
              "        raw, left = self.client.pipeline().get(self._key(key)).pttl(self._key(key)).execute()",
              ("tests/test_toolkit_edges.py", "-k", "refuses_writes"),
              "a cached entry is still a hit while Redis refuses writes (out of memory), reads answered"),
+    Mutation("lock-ttl-past-the-jobs-lease", "supervisor/toolkit/locks.py",
+             "        ttl = self.floor or ttl\n", "        ttl = max(ttl, self.floor)\n",
+             ("tests/test_effects.py", "-k", "master_died"),
+             "in a worker a lock lapses with its job's lease, not at the longer TTL asked, once its master died"),
 ]
 
 

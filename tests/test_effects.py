@@ -167,6 +167,21 @@ def test_a_lock_with_a_ttl_shorter_than_a_heartbeat_stays_held_while_its_job_run
     finish(d, client, prefix)
 
 
+def test_a_lock_whose_master_died_lapses_with_its_jobs_lease_not_at_its_ttl(env, tmp_path):
+    """A master SIGKILLed (the OOM killer) takes its children with it: nobody holds the lock, and
+    the job is claimed again once its lease (5 s here) has run out. The lock lived on to the TTL
+    its handler asked for (600 s), so every retry met LockBusy until the job was dead-lettered.
+    In a worker the master extends a lock each beat: its TTL is the job's lease, no more."""
+    start, db_url, client, prefix = env
+    d = start()
+    marker = str(tmp_path / "m")
+    job_id, first = hold_lock(d, marker, "invoice:5:export", ttl=600)
+    key = first[6]
+    d.signal(signal.SIGKILL)
+    d.wait_exit()
+    wait_for(lambda: not client.exists(key), timeout=20, message="the lock of a dead master's job to lapse")
+
+
 def test_a_builder_killed_holding_the_fill_lease_frees_it_so_the_next_read_builds_and_stores(env, tmp_path):
     """The fill lease of a builder whose child died lived its whole TTL: every reader meanwhile
     waited, then built for itself without storing (a stampede on the database the cache is

@@ -165,6 +165,6 @@ class Context:
         from ..toolkit import cache
 
         client, prefix = toolkit.redis()
-        # A fill lease lives at least the job's lease, as a lock does: the heartbeat extends it once a beat.
+        # A fill lease lives at least the job's lease (a lock's TTL is that lease): the heartbeat extends it once a beat.
         return cache.Cache(client, prefix, self.metrics, lease_ttl=max(10.0, toolkit.settings().lock_floor),
                            notify=toolkit.notify_master)

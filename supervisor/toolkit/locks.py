@@ -17,7 +17,7 @@ Redis lock (``ctx.lock``)::
   compare-and-pexpire): only the holder can release or extend.
 * The child tells the master about each lock it holds (``{"op": "lock"}`` on
   its pipe). The master's heartbeat thread extends them with the job's lease
-  (in a worker a lock's TTL is at least the lease, ``broker.lease_seconds``),
+  (in a worker a lock's TTL is the lease, ``broker.lease_seconds``),
   and when the child dies the master releases them at once, so the next
   attempt does not wait out the TTL. A lock acquired by a child killed before
   its message reached the master lives until its TTL.
@@ -128,7 +128,9 @@ class Lock:
 
     def extend(self, ttl=None):
         """Push the expiry to ``ttl`` (default: the lock's) from now; False if no longer ours."""
-        ms = _ms(self.ttl if ttl is None else max(check_ttl(ttl), self.locks.floor))
+        if ttl is not None:
+            check_ttl(ttl)  # refused in a worker too, where the TTL is the job's lease whatever is asked
+        ms = _ms(self.ttl if ttl is None else self.locks.floor or ttl)
         ok = bool(self.locks.client.eval(EXTEND, 1, self.key, self.token, ms))
         self.held = ok
         return ok
@@ -218,9 +220,10 @@ def _ms(seconds):
 class Locks:
     """Redis locks for one job. ``client``/``prefix`` from ``toolkit.redis()``.
 
-    ``notify(msg)`` sends a message to the master (a no-op outside a child). ``floor``: the
-    shortest TTL a lock gets (in a worker, the job's lease: the master extends each lock once a
-    heartbeat, so a shorter one lapsed between two beats under a job still running).
+    ``notify(msg)`` sends a message to the master (a no-op outside a child). ``floor``: in a worker,
+    the job's lease, the TTL every lock gets there whatever it asks: the master extends each lock once
+    a heartbeat, so a shorter one lapsed between two beats under a job still running, and a longer one
+    outlived a master killed with its children, every retry of the job LockBusy until the TTL ran out.
     """
 
     def __init__(self, client, prefix="", metrics=None, notify=None, floor=0.0):
@@ -242,7 +245,8 @@ class Locks:
             # The counters stay where they are: moving them would restart the fences of locks in use.
             raise ValueError(f"lock name {name!r} ends in {FENCE!r}, the fence counter of lock"
                              f" {name[:-len(FENCE)]!r}: choose another name")
-        ttl = max(check_ttl(ttl), self.floor)
+        ttl = check_ttl(ttl)  # refused in a worker too, where the TTL is the job's lease whatever is asked
+        ttl = self.floor or ttl
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < float("inf"):
             raise ValueError(f"lock wait must be a finite number of seconds, 0 or more, got {wait!r}")
         key, token = self.key(name), uuid.uuid4().hex
