@@ -26,14 +26,15 @@ def client(redis_url):
 
 
 def cancel_scripts(broker, monkeypatch):
-    """The ids of each cancel script the broker sends (a spy on its round trips; Redis runs them): after KEYS, the key prefix, the channel, by and reason."""
-    sha = broker.scripts["cancel"].sha
-    sent, exchange = [], broker._exchange
+    """The ids of each cancel script the broker sends (a spy on the calls it packs; Redis runs them):
+    each call's own arguments are by, reason, then the ids."""
+    sent, packed = [], broker._packed
 
-    def spy(commands):
-        sent.extend(list(c[3 + c[2] + 4:]) for c in commands if c[0] == "EVALSHA" and c[1] == sha)
-        return exchange(commands)
-    monkeypatch.setattr(broker, "_exchange", spy)
+    def spy(name, queue, more_keys, args):
+        if name == "cancel":
+            sent.append(list(args[2:]))
+        return packed(name, queue, more_keys, args)
+    monkeypatch.setattr(broker, "_packed", spy)
     return sent
 
 
