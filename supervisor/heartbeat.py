@@ -29,6 +29,9 @@ log = logging.getLogger("tangguh.heartbeat")
 # it costs no main-loop time, and a slow one comes less often: at most this share of the time.
 SAMPLE_SHARE = 0.05
 INTERRUPT_AFTER = 1.0  # seconds stop() lets the sample under way run before it interrupts it
+# A lock extension's connect and its answer each wait a quarter of the beat (at least this): the
+# next beat's renewal is not held up by a stalled lock Redis by more than twice this.
+LOCK_TIMEOUT_FLOOR = 0.1
 
 
 class Heartbeat:
@@ -152,17 +155,25 @@ class Heartbeat:
             self.beat()
 
     def beat(self):
+        renewed = self._renew()
+        # The locks after the leases, in a bounded share of the beat: their Redis stalled (its
+        # timeouts took seconds) held up the renewal, and a lease lapsed under a running job.
+        if self.locks is not None:
+            self.locks.extend_all(timeout=max(LOCK_TIMEOUT_FLOOR, self.interval / 4))
+        if renewed:
+            self.sample()
+
+    def _renew(self):
+        """The broker's part of a beat: False when the broker failed."""
         leases = self.holding()
         self.last_beat = time.monotonic()
-        if self.locks is not None:
-            self.locks.extend_all()  # one pipelined round trip; a lock lives only while its job runs
         with self.lock:
             progress, self.progress = self.progress, {}
             record = self.record
         queues = self.queues
         renewal = self._call(lambda br: br.renew(leases, self.lease_seconds, progress, queues)) if leases else Renewal()
         if renewal is None:
-            return
+            return False
         # Every beat, leases or not: every supervisor sharing the broker learns of a pause
         # within one heartbeat, and its record says it is alive.
         paused = self._call(lambda br: br.paused(queues))
@@ -190,7 +201,7 @@ class Heartbeat:
                 os.write(self.wake_fd, b"!")
             except BlockingIOError:
                 pass  # the pipe is full: the main loop is awake anyway
-        self.sample()
+        return True
 
     def sample(self, clock=time.monotonic):
         """The queue sample, when due; the time it took sets the next one's (SAMPLE_SHARE).

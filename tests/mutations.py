@@ -3049,6 +3049,16 @@ MUTATIONS = [
              "        ttl = self.floor or ttl\n", "        ttl = max(ttl, self.floor)\n",
              ("tests/test_effects.py", "-k", "master_died"),
              "in a worker a lock lapses with its job's lease, not at the longer TTL asked, once its master died"),
+    Mutation("locks-extended-before-leases", "supervisor/heartbeat.py",
+             "        renewed = self._renew()\n",
+             "        if self.locks is not None:\n            self.locks.extend_all()\n        renewed = self._renew()\n",
+             ("tests/test_stalled_toolkit_redis.py", "-k", "broker_lease_renewal"),
+             "a stalled lock Redis does not hold back the broker lease renewal: the job is not claimed twice"),
+    Mutation("lock-extension-unbounded", "supervisor/heartbeat.py",
+             "self.locks.extend_all(timeout=max(LOCK_TIMEOUT_FLOOR, self.interval / 4))",
+             "self.locks.extend_all()",
+             ("tests/test_stalled_toolkit_redis.py", "-k", "broker_lease_renewal"),
+             "a stalled lock Redis holds back the next beat's renewal by a bounded share of the beat at most"),
 ]
 
 

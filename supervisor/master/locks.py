@@ -36,14 +36,16 @@ class MasterLocks:
         # Beats whose extension failed in a row: the first is logged, not each one of an outage.
         self.extend_failures = 0
 
-    def _client(self):
+    def _client(self, timeout=None):
         from ..toolkit import open_redis
 
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
         # One try, short timeouts: the main loop must not stall on a Redis outage (the TTL covers it).
-        return open_redis(self.redis_url, socket_connect_timeout=1, socket_timeout=2, retry=Retry(NoBackoff(), 0))[0]
+        connect, answer = (1, 2) if timeout is None else (min(1, timeout), min(2, timeout))
+        return open_redis(self.redis_url, socket_connect_timeout=connect, socket_timeout=answer,
+                          retry=Retry(NoBackoff(), 0))[0]
 
     def on_message(self, pid, msg):
         """A child's ``lock`` or ``unlock`` message (a malformed one is logged and ignored)."""
@@ -90,15 +92,17 @@ class MasterLocks:
         log.info("released %d lock(s) of dead child %d", released, pid, extra={"event": "locks_released"})
         return released
 
-    def extend_all(self):
-        """Extend every registered lock by its TTL in one pipelined round trip. Heartbeat thread."""
+    def extend_all(self, timeout=None):
+        """Extend every registered lock by its TTL in one pipelined round trip. Heartbeat thread.
+
+        ``timeout`` bounds its connect and its answer each (seconds; they are 1 and 2 without it)."""
         with self.mutex:
             entries = [(key, token, ttl) for mine in self.held.values() for (key, token), ttl in mine.items()]
         if not entries:
             return
         client = None
         try:
-            client = self._client()
+            client = self._client(timeout)
             pipe = client.pipeline(transaction=False)
             for key, token, ttl in entries:
                 pipe.eval(EXTEND, 1, key, token, int(ttl * 1000))

@@ -1,0 +1,70 @@
+"""The handlers' Redis (``toolkit.redis_url``: locks and cache) when it stalls or refuses a write,
+with private ``redis-server`` processes the tests SIGSTOP; the broker's guarantees must not wait on it.
+"""
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from .daemon import Daemon, read_lines
+from .servers import RedisServer
+from .toolkit_fixtures import INVOICES
+from .util import wait_for
+
+
+@pytest.fixture
+def toolkit_server(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    made = []
+
+    def start(*extra):
+        workdir = tmp_path / f"redis{len(made)}"
+        workdir.mkdir()
+        made.append(RedisServer(workdir, extra=extra).start())
+        return made[-1]
+
+    yield start
+    for server in made:
+        if server.proc.poll() is None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop(signal.SIGKILL)
+
+
+def test_a_stalled_lock_redis_does_not_hold_back_the_broker_lease_renewal(toolkit_server, tmp_path):
+    """The heartbeat extended the handlers' locks before it renewed the broker's leases: each beat
+    waited out the stalled lock Redis's timeouts (seconds) first, a 1 s lease lapsed and the job was
+    claimed again while its first attempt still ran. The broker's lease is renewed first, and the
+    extension is bounded by the beat."""
+    server = toolkit_server()
+    os.makedirs(tmp_path / "d")
+    d = Daemon(tmp_path / "d", handler_files=("toolkit_jobs.py",),
+               supervisor={"workers": 2, "graceful_timeout": 1.0},
+               broker={"lease_seconds": 1.0, "heartbeat_seconds": 0.25},
+               toolkit={"redis_url": server.url})
+    shutil.copy(INVOICES, d.handlers)  # toolkit_jobs imports it
+    try:
+        d.start()
+        marker = str(tmp_path / "m")
+        job_id = d.enqueue("hold_lock", {"name": "export", "ttl": 1, "wait": 5, "marker": marker})
+        wait_for(lambda: [line for line in read_lines(marker) if line[0] == "acquired"],
+                 message="the first attempt to hold the lock")
+        held = d.job(job_id)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            stopped_at = time.time()
+            wait_for(lambda: d.records(event="lock_extend_failed"), timeout=20,
+                     message="a lock extension to fail on the stalled Redis")
+            # Several leases' worth of beats under the stall: the lease was renewed each time or
+            # lapsed and the job was claimed again.
+            wait_for(lambda: (lambda job: job.token != held.token or job.lease_until > stopped_at + 5)(d.job(job_id)),
+                     timeout=30, message="the lease to be renewed past the stall, or the job claimed again")
+            job = d.job(job_id)
+            assert (job.state, job.attempt, job.token) == ("running", 1, held.token), job
+            assert [line[1] for line in read_lines(marker) if line[0] == "acquired"] == ["1"]
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+    finally:
+        d.stop()
