@@ -568,7 +568,7 @@ MUTATIONS = [
              ("tests/test_toolkit.py", "-k", "json_cannot"),
              "a cache value that cannot be stored frees its fill lease at once"),
     Mutation("cache-store-error-unhandled", "supervisor/toolkit/cache.py",
-             "        except UNAVAILABLE as exc:\n            # The value is built",
+             "        except redis_py.RedisError as exc:\n            # The value is built",
              "        except ZeroDivisionError as exc:\n            # The value is built",
              ("tests/test_toolkit.py", "-k", "after_the_build"),
              "Redis failing after the builder ran returns the value, built once"),
@@ -2273,8 +2273,8 @@ MUTATIONS = [
              ("tests/test_toolkit.py", "-k", "out_of_memory_reads_the_source"),
              "a Redis refusing writes (OOM under noeviction, read-only) failed every cache read instead of reading the source"),
     Mutation("cache-refused-store-keeps-lease", "supervisor/toolkit/cache.py",
-             "                self._release(key, token)  # Redis answers: the next reader need not wait the lease out",
-             "                pass",
+             "            if not isinstance(exc, redis_py.TimeoutError):\n                self._release(key, token)",
+             "            if False:\n                self._release(key, token)",
              ("tests/test_toolkit.py", "-k", "out_of_memory_reads_the_source"),
              "a store Redis refused kept the fill lease, so every reader waited it out"),
     Mutation('tx-reconnect-not-wired', 'supervisor/toolkit/transaction.py',
@@ -3059,6 +3059,12 @@ MUTATIONS = [
              "self.locks.extend_all()",
              ("tests/test_stalled_toolkit_redis.py", "-k", "broker_lease_renewal"),
              "a stalled lock Redis holds back the next beat's renewal by a bounded share of the beat at most"),
+    Mutation("cache-lease-kept-after-a-dropped-store", "supervisor/toolkit/cache.py",
+             "            if not isinstance(exc, redis_py.TimeoutError):\n                self._release(key, token)",
+             "            if not isinstance(exc, (redis_py.ConnectionError, redis_py.TimeoutError)):\n"
+             "                self._release(key, token)",
+             ("tests/test_stalled_toolkit_redis.py", "-k", "refuses_to_store"),
+             "a value Redis refuses to store (over proto-max-bulk-len) frees its fill lease: no reader waits it out"),
 ]
 
 

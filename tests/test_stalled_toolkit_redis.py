@@ -68,3 +68,32 @@ def test_a_stalled_lock_redis_does_not_hold_back_the_broker_lease_renewal(toolki
             os.kill(server.proc.pid, signal.SIGCONT)
     finally:
         d.stop()
+
+
+def test_a_value_redis_refuses_to_store_frees_the_fill_lease(toolkit_server):
+    """A value over the server's ``proto-max-bulk-len``: Redis drops the connection mid-store, a
+    ConnectionError taken for an outage, and the fill lease stayed until its TTL: every reader
+    meanwhile waited ``wait`` and built without storing, on every refill. Redis answers: the lease goes."""
+    from supervisor.toolkit.cache import Cache
+
+    server = toolkit_server("--proto-max-bulk-len", "1mb")
+    client = server.client()
+    try:
+        cache = Cache(client, "t:")
+        big = "x" * (2 * 1024 * 1024)
+        built = []
+
+        def builder():
+            built.append(1)
+            return big
+
+        assert cache.get_or_build("report", builder, ttl=60) == big
+        assert built == [1]
+        assert not client.exists("t:cache:report")  # refused: nothing stored
+        assert not client.exists("t:cache-lease:report"), "the fill lease outlived the failed store"
+        # The next reader takes the lease at once and builds (once), nothing left behind again.
+        assert cache.get_or_build("report", builder, ttl=60) == big
+        assert built == [1, 1] and not client.exists("t:cache-lease:report")
+        assert cache.metrics == {"cache_miss": 2, "cache_rebuild": 2}
+    finally:
+        client.close()

@@ -27,7 +27,8 @@ Read with ``get_or_build(key, builder, ttl, tags=[...])``; in the transaction th
   too); when the call returns, every entry filled under it before is gone.
 * With Redis unreachable, or refusing writes (out of memory under ``noeviction``, a read-only replica),
   ``get_or_build`` returns ``builder()`` (nothing stored); Redis failing so after the builder ran (the
-  store) leaves the value unstored, never builds it twice. ``invalidate`` raises, so the job fails and its
+  store) leaves the value unstored, never builds it twice; a value over the server's ``proto-max-bulk-len``
+  too, its fill lease freed. ``invalidate`` raises, so the job fails and its
   retry, finding its idempotency record done, invalidates again.
 * Freshness is judged by Redis's clock (what is left of the entry's life), never by a reader's.
 * Counters: ``cache_hit``, ``cache_miss``, ``cache_rebuild`` (the builder ran), ``cache_stale_served``.
@@ -289,11 +290,14 @@ class Cache:
             raise
         try:
             self._store(key, entry, ms, token, tags)
-        except UNAVAILABLE as exc:
-            # The value is built: hand it over rather than build it again.
+        except redis_py.RedisError as exc:
+            # The value is built: hand it over rather than build it again. A value over the server's
+            # proto-max-bulk-len fails so too, as a protocol error or as the connection Redis drops.
             log.warning("cache unavailable, %s not stored: %s", shown(key), exc)
-            if not isinstance(exc, (redis_py.ConnectionError, redis_py.TimeoutError)):
-                self._release(key, token)  # Redis answers: the next reader need not wait the lease out
+            # Redis may answer though the store failed: the next reader need not wait the lease out
+            # and build unstored. Only a stalled Redis (a timeout) is not asked again.
+            if not isinstance(exc, redis_py.TimeoutError):
+                self._release(key, token)
         return json.loads(entry)["v"]
 
     def _release(self, key, token):
