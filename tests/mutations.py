@@ -3065,6 +3065,17 @@ MUTATIONS = [
              "                self._release(key, token)",
              ("tests/test_stalled_toolkit_redis.py", "-k", "refuses_to_store"),
              "a value Redis refuses to store (over proto-max-bulk-len) frees its fill lease: no reader waits it out"),
+    Mutation("lock-acquire-asks-again-past-its-wait", "supervisor/toolkit/locks.py",
+             "            if spent and isinstance(error, redis_py.TimeoutError):",
+             "            if False:",
+             ("tests/test_stalled_toolkit_redis.py", "-k", "wait_is_spent"),
+             "a lock acquire on a stalled Redis with its wait spent gives up after one socket timeout, not two"),
+    Mutation("lock-spent-wait-timeout-hidden-from-master", "supervisor/toolkit/locks.py",
+             '                self.notify({"op": protocol.LOCK, "key": key, "token": token, "ttl": ttl})\n'
+             '                told.append(token)\n                raise',
+             "                raise",
+             ("tests/test_stalled_toolkit_redis.py", "-k", "wait_is_spent"),
+             "a lock whose acquire timed out with its wait spent is told to the master, freed with the job"),
 ]
 
 

@@ -97,3 +97,28 @@ def test_a_value_redis_refuses_to_store_frees_the_fill_lease(toolkit_server):
         assert cache.metrics == {"cache_miss": 2, "cache_rebuild": 2}
     finally:
         client.close()
+
+
+def test_a_lock_acquire_on_a_stalled_redis_does_not_ask_again_once_its_wait_is_spent(toolkit_server, caplog):
+    """``wait=0`` on a Redis that stopped answering: the lost answer was asked once more, a second
+    socket timeout inside ``critical()`` where a soft timeout cannot land. With no wait left the
+    acquire gives up after the first; the master still hears of the token (the server may hold it)."""
+    import redis as redis_py
+
+    from supervisor import protocol
+    from supervisor.toolkit import open_redis
+    from supervisor.toolkit.locks import Locks
+
+    server = toolkit_server()
+    client, _ = open_redis(server.url, socket_timeout=0.5)  # as a child's client, but a shorter timeout
+    told = []
+    locks = Locks(client, "t:", notify=told.append)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level("WARNING", logger="tangguh.locks"), pytest.raises(redis_py.TimeoutError):
+            locks.acquire("export", ttl=5, wait=0)
+        assert "asked again" not in caplog.text
+        assert [m["op"] for m in told] == [protocol.LOCK]  # freed with the job, should the server hold it
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        client.close()

@@ -41,7 +41,8 @@ def test_a_lock_whose_acquire_answer_was_lost_is_taken_by_the_same_token_and_tol
     locks = Locks(relayed, prefix, notify=told.append)
     key = f"{prefix}lock:export"
     cut.cut_next(key, hold=True)
-    lock = locks.acquire("export", ttl=30, wait=0)
+    # A wait past the socket timeout (0.5 s): with the wait spent, a timeout is raised, not asked again.
+    lock = locks.acquire("export", ttl=30, wait=5)
     assert cut.cut.is_set(), cut.describe()
     assert direct.get(key).decode() == lock.token
     assert lock.fence == int(direct.get(key + FENCE))  # the lost run's fence: no second one handed out
@@ -63,7 +64,7 @@ def test_a_lock_taken_by_an_acquire_that_then_failed_is_freed_by_the_master_with
     import redis
 
     with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
-        locks.acquire("export", ttl=30, wait=0)
+        locks.acquire("export", ttl=30, wait=5)  # past the socket timeout: the lost answer is asked again
     assert cut.cut.is_set(), cut.describe()
     token = direct.get(key).decode()
     assert told == [{"op": protocol.LOCK, "key": key, "token": token, "ttl": 30.0}]

@@ -26,7 +26,8 @@ Redis lock (``ctx.lock``)::
   with the same owner token, which the script takes as already acquired (it
   returns the fence that run got). The master is told of the token before
   that second try, so a lock the server took is freed with the job even when
-  the second try fails too (the error is raised to the handler).
+  the second try fails too (the error is raised to the handler). A timeout
+  once the acquire's ``wait`` is spent is not asked again: it is raised.
 * A lock can still expire under a holder that stalls (a long GC pause, a
   partitioned host). That is what the fence is for: the protected resource
   refuses a write whose fence is older than the last one it accepted::
@@ -259,7 +260,7 @@ class Locks:
             # script and the message left a lock nobody would release, held to its TTL (the job's
             # retry waited it out). Raised after the block, the master frees the lock with the job.
             with timeouts.critical():
-                fence = self._take(key, token, ms, ttl, told)
+                fence = self._take(key, token, ms, ttl, told, started + wait)
                 if fence is not None and not told:
                     self.notify({"op": protocol.LOCK, "key": key, "token": token, "ttl": ttl})
             if fence is not None:
@@ -277,17 +278,27 @@ class Locks:
 
     __call__ = acquire
 
-    def _take(self, key, token, ms, ttl, told):
+    def _take(self, key, token, ms, ttl, told, deadline=None):
         """One run of the acquire script: its fence, or None (taken by another). An answer lost
         (``ConnectionError``, ``TimeoutError``: the server may have run it) is asked once more with
         the same token, which the script takes as ours. The master hears of the token first: if
         the second try fails too, the lock the server may hold goes with the job, not at its TTL
-        (the master's release and extension compare the token: a lock not ours is left alone)."""
+        (the master's release and extension compare the token: a lock not ours is left alone).
+        A timeout past ``deadline`` (the acquire's wait spent) is not asked again: a stalled Redis
+        cost a second socket timeout inside ``critical()``, holding back the soft timeout."""
         args = (ACQUIRE, 2, key, key + FENCE, token, ms, ms + FENCE_MARGIN * 1000)
         try:
             return self.client.eval(*args)
         except Exception as error:  # noqa: BLE001 - narrowed below
             if not unanswered(error):
+                raise
+            import redis as redis_py  # imported by the client already
+
+            spent = deadline is not None and time.monotonic() >= deadline
+            if spent and isinstance(error, redis_py.TimeoutError):
+                log.warning("lock %s: no answer to its acquire, its wait spent (%s)", shown(key), error)
+                self.notify({"op": protocol.LOCK, "key": key, "token": token, "ttl": ttl})
+                told.append(token)
                 raise
             log.warning("lock %s: no answer to its acquire, asked again (%s)", shown(key), error)
         self.notify({"op": protocol.LOCK, "key": key, "token": token, "ttl": ttl})
