@@ -3076,6 +3076,10 @@ MUTATIONS = [
              "                raise",
              ("tests/test_stalled_toolkit_redis.py", "-k", "wait_is_spent"),
              "a lock whose acquire timed out with its wait spent is told to the master, freed with the job"),
+    Mutation("bulk-unknown-id-exits-0", "supervisor/cli/bulk.py",
+             "    if unknown:\n        shown =", "    if False:\n        shown =",
+             ("tests/test_cli_bulk.py", "-k", "names_no_job and sqlite"),
+             "cancel, retry or discard of an id that names no job exits 1 after acting on the known ones"),
 ]
 
 

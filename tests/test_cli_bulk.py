@@ -224,7 +224,7 @@ def test_cancel_dry_run_counts_the_unfinished_jobs_it_would_cancel(capsys, cfg, 
     # Named ids: the ones it would change, not every id given (a dead job, an id of no job).
     unknown = "job_00000000000000000000000000"
     code, out, _ = run(capsys, cfg, "cancel", jobs["a"], jobs["dead1"], unknown, "--dry-run")
-    assert code == 0 and out.strip() == "would cancel 1 job(s); 1 id(s) name no job"
+    assert code == 1 and out.strip() == "would cancel 1 job(s); 1 id(s) name no job"
     code, out, _ = run(capsys, cfg, "retry", jobs["a"], jobs["dead1"], jobs["dead2"], unknown, "--dry-run", "--json")
     assert json.loads(out) == {"verb": "retry", "count": 2, "exact": True, "dry_run": True, "unknown": 1,
                                "may_refuse": ["parent_failed", "conflict"]}
@@ -301,3 +301,19 @@ def test_state_scheduled_lists_and_cancels_the_jobs_the_scheduled_column_counts(
     code, out, _ = run(capsys, cfg, "cancel", "--state", "scheduled")
     assert code == 0 and out.strip().splitlines() == [f"{later} cancelled", "cancel: 1 cancelled"]
     assert {j.id: j.state for j in broker.search({}, limit=1000).jobs} == dict(before, **{later: "cancelled"})
+
+
+@pytest.mark.parametrize("verb,known,outcome,state", [("cancel", "a", "cancelled", "cancelled"),
+                                                       ("retry", "dead1", "queued", "queued"),
+                                                       ("discard", "b", "discarded", None)])
+def test_an_id_that_names_no_job_exits_1_after_acting_on_the_known_ones(capsys, cfg, broker, jobs, verb, known,
+                                                                         outcome, state):
+    """It printed `job_nope unknown` and exited 0: a script could not tell an id was not found."""
+    code, out, err = run(capsys, cfg, verb, jobs[known], "job_nope")
+    assert code == 1
+    assert f"{jobs[known]} {outcome}" in out and "job_nope unknown" in out
+    assert err == f"tangguh: error: {verb}: 1 of 2 id(s) name no job: job_nope\n"
+    job = broker.get(jobs[known])
+    assert (job.state if job else None) == state
+    code, out, err = run(capsys, cfg, verb, "job_nope", "--dry-run")
+    assert code == 1 and err == f"tangguh: error: {verb}: 1 of 1 id(s) name no job: job_nope\n"

@@ -24,7 +24,7 @@ from ..backends.control import (ACTING_STATES, REQUEUE_REFUSALS, REQUEUE_REFUSED
 from ..errors import BadInput
 from ..jobfilter import FILTER_STATES, JobFilter, check_page, decode_cursor, parse_wheres
 from ..model import parse_rate
-from .common import UsageError, job_id, open_client
+from .common import Failure, UsageError, job_id, open_client
 from .output import one_line, print_json, say, table, when
 from .progress import Progress
 
@@ -161,21 +161,23 @@ def cmd_bulk(args):
             # --state says where to look, not what the action changes: only those are counted.
             selected, exact = count_acting(broker, verb, f)
         if args.dry_run:
-            unknown, named = 0, {}
+            unknown, named = [], {}
             if args.job_ids:  # named ones: those in a state the action changes, not every id given
                 selected, unknown = _would_act(broker, verb, list(dict.fromkeys(args.job_ids)))
-                named = {"unknown": unknown}
+                named = {"unknown": len(unknown)}
             if verb in MAY_REFUSE:
                 named["may_refuse"] = list(MAY_REFUSE[verb])
             if args.json:
                 print_json({"verb": verb, "count": selected, "exact": exact, "dry_run": True, **named})
             else:
-                unknown_note = f"; {unknown} id(s) name no job" if unknown else ""
+                unknown_note = f"; {len(unknown)} id(s) name no job" if unknown else ""
                 refused_note = f", or fewer: {REFUSED}" if verb in MAY_REFUSE else ""
                 print(f"would {verb} {'' if exact else 'about '}{selected} job(s){refused_note}{unknown_note}")
+            _not_found(verb, unknown, args.job_ids)
             return
         act = _action(broker, verb, by or _user(), getattr(args, "reason", ""))
         progress = Progress(verb, args.json, selected, exact)
+        unknown = []
         began = time.monotonic()
         with progress.running():
             for batch in batches:
@@ -187,19 +189,31 @@ def cmd_bulk(args):
                         if pause > 0:
                             time.sleep(pause)  # pacing, so a bulk retry does not flood the workers
                     got = act(chunk)
-                    progress.report({job_id: got.get(job_id, "unknown") for job_id in chunk})
+                    got = {job_id: got.get(job_id, "unknown") for job_id in chunk}
+                    if args.job_ids:
+                        unknown += [job_id for job_id, outcome in got.items() if outcome == "unknown"]
+                    progress.report(got)
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(progress.outcomes.items()))
     progress.finish(f"{verb}: {summary or 'no jobs matched'}")
+    _not_found(verb, unknown, args.job_ids)
+
+
+def _not_found(verb, unknown, ids):
+    """Exit 1 once the known ids were acted on, when any named id is no job: the outcome line
+    alone left a script (and an on-call engineer reading `$?`) unable to tell."""
+    if unknown:
+        shown = " ".join(unknown[:10]) + (f" (and {len(unknown) - 10} more)" if len(unknown) > 10 else "")
+        raise Failure(f"{verb}: {len(unknown)} of {len(set(ids))} id(s) name no job: {shown}")
 
 
 def _would_act(broker, verb, ids):
     """Of ``ids``: how many jobs the action would change (in a state it acts on; discard: any but
-    running), and how many ids name no job."""
-    acts = unknown = 0
+    running), and the ids that name no job."""
+    acts, unknown = 0, []
     for one in ids:
         job = broker.get(one)
         if job is None:
-            unknown += 1
+            unknown.append(one)
         elif job.state != "running" if verb == "discard" else job.state in ACTING_STATES[verb]:
             acts += 1
     return acts, unknown
