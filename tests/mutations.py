@@ -3080,6 +3080,10 @@ MUTATIONS = [
              "    if unknown:\n        shown =", "    if False:\n        shown =",
              ("tests/test_cli_bulk.py", "-k", "names_no_job and sqlite"),
              "cancel, retry or discard of an id that names no job exits 1 after acting on the known ones"),
+    Mutation("status-watch-samples-for-a-closed-stdout", "supervisor/cli/daemon.py",
+             "    if args.watch is None or \"stdout\" in CLOSED_AT_START:", "    if args.watch is None:",
+             ("tests/test_cli.py", "-k", "stdout_closed_ends"),
+             "status --watch started with stdout closed answers once and exits, not sampling forever"),
 ]
 
 

@@ -622,6 +622,24 @@ def test_status_watch_json_writes_one_json_object_a_line(fake_supervisor):
     assert [json.loads(line) for line in lines] == [STATUS_REPLY] * 3
 
 
+def test_status_watch_with_stdout_closed_ends_as_status_does(fake_supervisor):
+    """`tangguh status --watch >&-` sampled the socket forever, writing to nowhere: it answers as
+    `status >&-` does (asked once, exit 0); a pipe whose reader is gone ends it quietly, 141."""
+    cfg, requests = fake_supervisor
+    for extra in ([], ["--json"]):
+        done = subprocess.run([sys.executable, "-m", "supervisor.cli", "status", "--watch", "0.05", *extra, "-c", cfg],
+                              capture_output=True, text=True, preexec_fn=lambda: os.close(1), timeout=20)
+        assert (done.returncode, done.stdout, done.stderr) == (0, "", ""), extra
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            done = subprocess.run([sys.executable, "-m", "supervisor.cli", "status", "--watch", "0.05", *extra,
+                                   "-c", cfg], stdout=write, stderr=subprocess.PIPE, text=True, timeout=20)
+        finally:
+            os.close(write)
+        assert (done.returncode, done.stderr) == (141, ""), extra
+
+
 def test_schedules_imports_the_handlers_as_run_does(tmp_path):
     """`schedules` imported the handler files in its own process: what a module printed at import
     went into `--json`'s stdout, and a module that called os._exit ended the command, exit 0,

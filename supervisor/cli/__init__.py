@@ -17,7 +17,7 @@ import os
 import sys
 
 from ..errors import BadInput, ConfigError, NotDead, TangguhError
-from .common import HANDLER_THREADS, PROG, Failure, UsageError, job_id
+from .common import CLOSED_AT_START, HANDLER_THREADS, PROG, Failure, UsageError, job_id
 from .output import printable
 from .progress import stdout_gone
 
@@ -34,6 +34,7 @@ def main(argv=None):
     for name in ("stdout", "stderr"):
         if getattr(sys, name) is None:  # closed by the caller (`>&-`): written to nowhere, as print() does
             setattr(sys, name, open(os.devnull, "w"))  # (else a traceback, or errors printed on stdout)
+            CLOSED_AT_START.add(name)
     code = _main(argv)
     # A thread a handler module started at import (config check, enqueue, schedules import them)
     # kept the command waiting at exit, its answer given, for as long as the thread ran.

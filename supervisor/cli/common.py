@@ -17,6 +17,9 @@ class Failure(Exception):
     """A runtime failure already phrased for the operator: exit 1."""
 
 
+CLOSED_AT_START = set()  # "stdout", "stderr": closed by the caller (`>&-`), written to /dev/null
+
+
 def config_path(args):
     """The config file of a command that acts; without one (none given, none at the default
     paths) it refuses. Built-in defaults there meant a new ./tangguh.db in whatever folder

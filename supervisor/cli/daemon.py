@@ -7,7 +7,7 @@ import time
 from .. import config as config_module
 from ..errors import ConfigError, TangguhError
 from ..urls import redact
-from .common import PROG, Failure, UsageError, config_path, daemon_module, load_config
+from .common import CLOSED_AT_START, PROG, Failure, UsageError, config_path, daemon_module, load_config
 from .output import duration, print_json, printable, say, size, table, when
 
 
@@ -71,7 +71,7 @@ def cmd_status(args):
         raise UsageError(f"status: --watch needs a positive number of seconds, at most {WATCH_MAX}")
     path = supervisor_socket(args)
     reply = ask_supervisor(path, {"cmd": "status"})
-    if args.watch is None:
+    if args.watch is None or "stdout" in CLOSED_AT_START:  # a watch nobody sees would sample forever
         print_json(reply) if args.json else say(render_status(reply))
         return
     pending = [reply]
