@@ -3084,6 +3084,10 @@ MUTATIONS = [
              "    if args.watch is None or \"stdout\" in CLOSED_AT_START:", "    if args.watch is None:",
              ("tests/test_cli.py", "-k", "stdout_closed_ends"),
              "status --watch started with stdout closed answers once and exits, not sampling forever"),
+    Mutation("unrecognized-argument-without-its-command", "supervisor/cli/__init__.py",
+             "        if extras and self._subparsers is None:", "        if False:",
+             ("tests/test_cli.py", "-k", "unrecognized_argument_names"),
+             "an unrecognized argument's error names the command that did not take it"),
 ]
 
 

@@ -5,6 +5,7 @@ Most commands run in-process through ``cli.main`` (fast); the error contract
 checked on real processes, as an operator or a script would see it.
 """
 import json
+import argparse
 import os
 import socket
 import subprocess
@@ -430,6 +431,31 @@ def test_usage_errors_are_one_line_exit_2(capsys, argv, message):
     code, out, err = tangguh(capsys, *argv)
     assert code == 2 and out == ""
     assert err.startswith("tangguh: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def _leaf_commands():
+    """Every command's words and the positional values it needs, walking the parser."""
+    from supervisor.cli import build_parser
+
+    def walk(parser, words):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            needed = ["job_01J0000000000000000000000A" if a.dest.endswith("id") else "x" for a in parser._actions
+                      if not a.option_strings and a.nargs is None]
+            yield words, needed
+            return
+        for name, sub in subs[0].choices.items():
+            yield from walk(sub, [*words, name])
+
+    return [(words, needed) for words, needed in walk(build_parser(), []) if words != ["demo"]]
+
+
+@pytest.mark.parametrize("words,needed", _leaf_commands(), ids=lambda v: " ".join(v) if v else "-")
+def test_an_unrecognized_argument_names_its_command(capsys, words, needed):
+    """argparse said `tangguh: error: unrecognized arguments: --bogus` for any of them: which
+    command did not take it was left to guess."""
+    code, out, err = tangguh(capsys, *words, *needed, "--bogus")
+    assert (code, out, err) == (2, "", f"tangguh: error: {' '.join(words)}: unrecognized arguments: --bogus\n")
 
 
 def test_config_flag_works_before_and_after_the_command(capsys, cfg_path, broker):

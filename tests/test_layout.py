@@ -123,7 +123,7 @@ def test_the_run_command_builds_only_its_own_parser(argv, tmp_path):
     # Any other command (and no command) still gets the whole parser.
     probe = "from supervisor import cli; cli.main(['--config', 'x.toml', 'status', '--bogus'])"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stderr.strip() == "tangguh: error: unrecognized arguments: --bogus"
+    assert out.stderr.strip() == "tangguh: error: status: unrecognized arguments: --bogus"
 
 
 def test_importing_supervisor_loads_neither_the_worker_nor_a_driver():

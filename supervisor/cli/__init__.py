@@ -27,6 +27,14 @@ class _Parser(argparse.ArgumentParser):
         command = self.prog[len(PROG):].strip()
         raise UsageError(f"{command}: {message}" if command else message)
 
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and self._subparsers is None:
+            # Said here, by the command that did not take them: the top-level parser said it
+            # without naming the command.
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
 
 # -- entry point ----------------------------------------------------------------
 
