@@ -3088,6 +3088,10 @@ MUTATIONS = [
              "        if extras and self._subparsers is None:", "        if False:",
              ("tests/test_cli.py", "-k", "unrecognized_argument_names"),
              "an unrecognized argument's error names the command that did not take it"),
+    Mutation("config-init-missing-folder-exits-1", "supervisor/cli/admin.py",
+             "    if not os.path.isdir(folder):", "    if False:",
+             ("tests/test_config.py", "-k", "folder_that_does_not"),
+             "config init into a folder that does not exist is bad input: exit 2 naming the folder"),
 ]
 
 

@@ -342,6 +342,19 @@ def test_config_init_writes_the_example_and_refuses_to_overwrite(capsys, tmp_pat
     assert target.read_text() == "# mine\n"
 
 
+def test_config_init_into_a_folder_that_does_not_exist_is_bad_input(capsys, tmp_path):
+    """It exited 1 (`No such file or directory`), the code of a runtime failure, for a wrong path."""
+    missing = tmp_path / "nope"
+    for target in (missing / "tangguh.toml", missing / "deeper" / "tangguh.toml"):
+        code, out, err = tangguh(capsys, "config", "init", target)
+        assert (code, out) == (2, "")
+        assert err == f"tangguh: error: config init: folder {target.parent} does not exist (make it first)\n"
+    (tmp_path / "file").write_text("")
+    code, _, err = tangguh(capsys, "config", "init", tmp_path / "file" / "tangguh.toml")
+    assert code == 2 and err == f"tangguh: error: config init: {tmp_path / 'file'} is not a folder\n"
+    assert not missing.exists()
+
+
 # -- config.example.toml ----------------------------------------------------------
 
 def test_packaged_example_is_identical_to_the_root_one():

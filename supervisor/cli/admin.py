@@ -114,6 +114,12 @@ def cmd_config_init(args):
         if value not in (None, False):  # else dropped without a word: a --dry-run wrote the file all the same
             raise UsageError(f"config init: {option} only goes with --systemd")
     text = example_config()
+    folder = os.path.dirname(os.path.abspath(args.path))
+    # A wrong path is bad input (exit 2), not the runtime failure the open's OSError would make it.
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UsageError(f"config init: {os.path.dirname(args.path) or folder} is not a folder")
+    if not os.path.isdir(folder):
+        raise UsageError(f"config init: folder {os.path.dirname(args.path) or folder} does not exist (make it first)")
     try:
         with open(args.path, "x", encoding="utf-8") as f:
             f.write(text)
