@@ -254,6 +254,11 @@ class Job:
     def lease(self):
         return Lease(self.id, self.token)
 
+    @property
+    def attempts_allowed(self):
+        """The attempts the supervisor allows this job (see ``allowed_attempts``)."""
+        return allowed_attempts(self.history, self.max_attempts)
+
     def to_dict(self):
         # Field by field, not dataclasses.asdict: that copies payload and result recursively.
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -276,6 +281,19 @@ class Job:
                     value = default
             args.append(value)
         return cls(*args)
+
+
+def allowed_attempts(history, max_attempts):
+    """The attempts a job is allowed: the limit its supervisor ran its last ended attempt under
+    (the type's ``max_attempts``, kept in that history entry), else ``max_attempts`` as stored.
+    A producer that does not know the type stores its default, which the supervisor overrides."""
+    for entry in reversed(history or ()):
+        if isinstance(entry, dict) and "ended_at" in entry:
+            limit = entry.get("max_attempts")
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1:
+                return limit
+            return max_attempts  # ended before supervisors recorded it, or by a broker's own rule
+    return max_attempts
 
 
 # Computed once: dataclasses.fields() walks every field on each call (a claim decodes every job).

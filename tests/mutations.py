@@ -3092,6 +3092,10 @@ MUTATIONS = [
              "    if not os.path.isdir(folder):", "    if False:",
              ("tests/test_config.py", "-k", "folder_that_does_not"),
              "config init into a folder that does not exist is bad input: exit 2 naming the folder"),
+    Mutation("attempt-limit-not-recorded", "supervisor/master/arbiter.py",
+             "attempt_info(c, reply, settings.max_attempts)", "attempt_info(c, reply)",
+             ("tests/test_job_control.py", "-k", "attempts_its_type_allows and sqlite"),
+             "a job shows the attempts its type allows once one ended, not the producer's stored default"),
 ]
 
 

@@ -342,3 +342,33 @@ def test_a_dead_supervisors_job_in_a_paused_queue_has_its_lease_taken_back(tmp_p
         d.assert_clean()
     finally:
         d.stop()
+
+
+def test_a_job_shows_the_attempts_its_type_allows_not_the_producers_default(tmp_path, url):
+    """`tangguh enqueue stuck` stores the config's 3 (the producer does not know the type); the
+    supervisor runs it under the decorator's max_attempts=1 and dead-letters it after one attempt,
+    yet `tangguh job` said "attempt 1 of 3"."""
+    d = Daemon(tmp_path, broker_url=url, handler_files=("outcomes.py",))
+    try:
+        d.start()
+        done = tangguh("enqueue", "stuck", "-c", d.config_path)
+        assert done.returncode == 0, done.stderr
+        job_id = done.stdout.strip()
+        job = d.wait_job(job_id)
+        assert (job.state, job.attempt, job.max_attempts) == ("dead", 1, 3)  # what the broker stores stays
+        assert job.attempts_allowed == 1 and job.history[-1]["max_attempts"] == 1
+        for args in (["job", job_id], ["dlq", "show", job_id]):
+            shown = tangguh(*args, "-c", d.config_path)
+            assert shown.returncode == 0 and "1 of 1" in shown.stdout and "1 of 3" not in shown.stdout, args
+        listed = tangguh("jobs", "--state", "dead", "-c", d.config_path).stdout
+        assert "1/1" in listed and "1/3" not in listed
+        shown = json.loads(tangguh("job", job_id, "--json", "-c", d.config_path).stdout)
+        assert (shown["max_attempts"], shown["attempts_allowed"]) == (3, 1)
+        from supervisor.web.redact import Redactor  # what the console's pages and API show
+
+        assert Redactor(()).job_dict(job)["attempts_allowed"] == 1
+        d.signal(signal.SIGTERM)
+        assert d.wait_exit() == 0
+        d.assert_clean()
+    finally:
+        d.stop()

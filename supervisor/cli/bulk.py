@@ -125,7 +125,7 @@ def cmd_jobs(args):
         print_json({"jobs": [job.to_dict() for job in page.jobs], "next_cursor": page.next_cursor})
         return
     if page.jobs:
-        rows = [[j.id, j.type, j.queue, j.state, f"{j.attempt}/{j.max_attempts}", when(j.queued_at),
+        rows = [[j.id, j.type, j.queue, j.state, f"{j.attempt}/{j.attempts_allowed}", when(j.queued_at),
                  one_line(((j.error or {}).get("class") or "") + ": " + ((j.error or {}).get("message") or ""), 40)
                  if j.error else "-"] for j in page.jobs]
         say(table(["ID", "TYPE", "QUEUE", "STATE", "ATTEMPTS", "QUEUED", "ERROR"], rows))

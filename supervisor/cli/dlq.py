@@ -55,7 +55,7 @@ def _print_list(args, pages):
                 print(("[" if first else ",") + json.dumps(job.to_dict(), default=str))
                 first = False
         elif jobs:
-            rows = [[j.id, j.type, j.queue, j.reason, f"{j.attempt}/{j.max_attempts}", when(j.last_failure_at),
+            rows = [[j.id, j.type, j.queue, j.reason, f"{j.attempt}/{j.attempts_allowed}", when(j.last_failure_at),
                      one_line(((j.error or {}).get("class") or "") + ": " + ((j.error or {}).get("message") or ""),
                               50)] for j in jobs]
             text = table(["ID", "TYPE", "QUEUE", "REASON", "ATTEMPTS", "LAST_FAILURE", "ERROR"], rows)
@@ -96,7 +96,7 @@ def cmd_dlq_show(args):
         return
     lines = [f"{'id:':<17} {job.id}", f"{'type:':<17} {job.type}", f"{'queue:':<17} {job.queue}",
              f"{'reason:':<17} {job.reason or '-'}",
-             f"{'attempts:':<17} {job.attempt} of {job.max_attempts}",
+             f"{'attempts:':<17} {job.attempt} of {job.attempts_allowed}",
              f"{'first_failure_at:':<17} {when(job.first_failure_at)}",
              f"{'last_failure_at:':<17} {when(job.last_failure_at)}",
              f"{'payload:':<17} {json.dumps(job.payload, sort_keys=True)}"]

@@ -81,8 +81,8 @@ def cmd_job(args):
             job = job or get_job(client.broker, args.job_id)
         else:
             job = get_job(client.broker, args.job_id)
-    if args.json:
-        print_json(job.to_dict())
+    if args.json:  # attempts_allowed as the console's API gives it: what runs, not the producer's default
+        print_json(dict(job.to_dict(), attempts_allowed=job.attempts_allowed))
     else:
         say(render_job(job))
     return code
@@ -93,7 +93,7 @@ def render_job(job):
     state = job.state + (f" ({job.reason})" if job.reason else "")
     fields = [
         ("id", job.id), ("type", job.type), ("queue", job.queue), ("state", state),
-        ("attempt", f"{job.attempt} of {job.max_attempts}"), ("priority", job.priority),
+        ("attempt", f"{job.attempt} of {job.attempts_allowed}"), ("priority", job.priority),
         ("payload", json.dumps(job.payload, sort_keys=True)), ("resource_id", job.resource_id),
         ("idempotency_key", job.idempotency_key), ("trace_id", job.trace_id),
         ("timeout", duration(job.timeout) if job.timeout else "-"),

@@ -343,7 +343,7 @@ class Arbiter:
         """Judge an ended attempt, count it, and queue its outcome for the broker."""
         outcome = verdict.judge(job.attempt, settings.max_attempts, ending, self.backoff)
         self.status.outcome(job, outcome, (reply or {}).get("duration", 0))
-        self.writer.add(job, outcome, attempt_info(c, reply))
+        self.writer.add(job, outcome, attempt_info(c, reply, settings.max_attempts))
 
     def on_unknown_type(self, job, settings):
         """A claimed job no child runs: no handler takes its type, or it is ``past_attempts``."""
@@ -355,7 +355,7 @@ class Arbiter:
             outcome = verdict.failure(job.attempt, settings.max_attempts, UNKNOWN_TYPE, "UnknownType",
                                       f"no handler for job type {job.type!r}", self.backoff)
         self.status.outcome(job, outcome)
-        self.writer.add(job, outcome, attempt_info())
+        self.writer.add(job, outcome, attempt_info(max_attempts=settings.max_attempts))
 
     def withdraw_from_retiring(self):
         """A child told to exit after its current job (a reload, fewer workers) starts no other:

@@ -67,9 +67,12 @@ class Write:
             broker.cancelled(lease, self.info)  # the broker adds the request's by and reason
 
 
-def attempt_info(child=None, reply=None):
-    """Where and how long an attempt ran, stored with its outcome."""
+def attempt_info(child=None, reply=None, max_attempts=None):
+    """Where and how long an attempt ran, and the attempts its type allows (the stored
+    ``max_attempts`` may be a producer's default: ``model.allowed_attempts``), stored with its outcome."""
     info = {"host": HOST}
+    if max_attempts is not None:
+        info["max_attempts"] = max_attempts
     if child is not None:
         info["pid"], info["slot"] = child.pid, child.slot
     if reply and "duration" in reply:

@@ -29,6 +29,7 @@ class Redactor:
     def job_dict(self, job):
         """A Job as the console shows it: every field, its payload, result and parents' results masked."""
         d = job.to_dict()
+        d["attempts_allowed"] = job.attempts_allowed  # what the supervisor runs, not a producer's default
         d["payload"] = self.value(d["payload"])
         d["result"] = self.value(d["result"])
         if d.get("parents"):  # a workflow child carries its parents' results
