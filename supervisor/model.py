@@ -284,15 +284,14 @@ class Job:
 
 
 def allowed_attempts(history, max_attempts):
-    """The attempts a job is allowed: the limit its supervisor ran its last ended attempt under
-    (the type's ``max_attempts``, kept in that history entry), else ``max_attempts`` as stored.
-    A producer that does not know the type stores its default, which the supervisor overrides."""
+    """The attempts a job is allowed: the limit a supervisor last ended an attempt of it under
+    (the type's ``max_attempts``, kept in that history entry; an entry the broker closed itself,
+    a lease expired, has none), else ``max_attempts`` as stored. A producer that does not know
+    the type stores its default, which the supervisor overrides."""
     for entry in reversed(history or ()):
-        if isinstance(entry, dict) and "ended_at" in entry:
-            limit = entry.get("max_attempts")
-            if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1:
-                return limit
-            return max_attempts  # ended before supervisors recorded it, or by a broker's own rule
+        limit = entry.get("max_attempts") if isinstance(entry, dict) else None
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1:
+            return limit
     return max_attempts
 
 

@@ -372,3 +372,13 @@ def test_a_job_shows_the_attempts_its_type_allows_not_the_producers_default(tmp_
         d.assert_clean()
     finally:
         d.stop()
+
+
+def test_the_attempts_allowed_come_from_the_last_entry_a_supervisor_closed():
+    from supervisor.model import allowed_attempts
+
+    assert allowed_attempts([], 5) == 5  # no attempt ended yet: what was stored
+    closed = {"ended_at": 1.0, "outcome": "retry", "max_attempts": 2}
+    expired = {"ended_at": 2.0, "outcome": "lease_expired"}  # closed by the broker's claim: no limit in it
+    assert allowed_attempts([closed, expired, {"started_at": 3.0}], 5) == 2
+    assert allowed_attempts([{"ended_at": 1.0, "max_attempts": True}, {"max_attempts": "9"}], 5) == 5
