@@ -141,7 +141,7 @@ MUTATIONS = [
              "retry delays grow with the attempt"),
     # Job control (tests/test_conformance_control.py).
     Mutation("cancel-without-row-locks", "supervisor/backends/postgres/control.py",
-             '" FOR UPDATE", (job_ids,)).fetchall()', '"", (job_ids,)).fetchall()',
+             '" ORDER BY id FOR UPDATE", (job_ids,)).fetchall()', '" ORDER BY id", (job_ids,)).fetchall()',
              (CONTROL, "-k", "postgres and racing_four"), "a job cancelled while queued is never started"),
     Mutation("pause-ignored", "supervisor/backends/sqlite/control.py",
              "return [q for q in queues if q not in paused]", "return list(queues)",
@@ -682,7 +682,7 @@ MUTATIONS = [
              ("tests/test_conformance_control.py", "-k", "named_twice_in_one_call"),
              "requeue, discard and the dead letters' calls act on an id named twice once (every broker)"),
     Mutation("postgres-cancel-in-one-statement", "supervisor/backends/postgres/control.py",
-             "                    cut = next((n for n, i in enumerate(todo) if i in parents), len(todo) - 1) + 1\n",
+             "                    cut = next((n for n, i in enumerate(todo[:last]) if i in parents), len(todo) - 1) + 1\n",
              "                    cut = len(todo)\n",
              ("tests/test_conformance_workflows.py", "-k", "postgres and cancelled_in_one_call_end_in_the_order"),
              "a parent and its child cancelled in one call end in the order given (PostgreSQL)"),
@@ -3096,6 +3096,16 @@ MUTATIONS = [
              "attempt_info(c, reply, settings.max_attempts)", "attempt_info(c, reply)",
              ("tests/test_job_control.py", "-k", "attempts_its_type_allows and sqlite"),
              "a job shows the attempts its type allows once one ended, not the producer's stored default"),
+    Mutation("postgres-fanin-cancel-settles-per-member", "supervisor/backends/postgres/control.py",
+             "                    if ended:  # their children settled once each, after the statement (fanin.py)\n"
+             "                        db.execute(fanin.begin_statement())\n",
+             "",
+             ("tests/test_postgres_fanin.py",),
+             "on PostgreSQL each cancelled member of a fan-in writes its callback again (and settles it twice)"),
+    Mutation("postgres-fanin-settle-leaves-the-flag-on", "supervisor/backends/postgres/fanin.py",
+             "            PERFORM set_config('{FLAG}', '', true);\n", "",
+             ("tests/test_postgres_fanin.py", "-k", "each_callback_once"),
+             "on PostgreSQL a callback a cancel of its parents cancelled no longer cancels its own children"),
 ]
 
 

@@ -21,6 +21,7 @@ from ...jsonvalues import info_json
 from ...model import CANCELLED, EXPIRED, Job, Renewal, check_queue
 from .. import control
 from .deadlocks import deadlock_retried
+from . import fanin
 from .control_schema import done_channel
 from .statements import NOT_STARTED, NOW, leased_batch
 
@@ -46,10 +47,11 @@ class ControlMixin(control.ExpiredLog):
             db = self._conn()
             with db.transaction():
                 # Locked in id order (SKIP LOCKED claimers pass them by): the answer is what was stored.
-                rows = db.execute(f"SELECT id, state, kids FROM {t} WHERE id = ANY(%s::text[]) ORDER BY id"
-                                  " FOR UPDATE", (job_ids,)).fetchall()
-                states = {job_id: state for job_id, state, _ in rows}
-                parents = {job_id for job_id, _, kids in rows if kids}
+                rows = db.execute(f"SELECT id, state, kids, pending IS NOT NULL FROM {t} WHERE id = ANY(%s::text[])"
+                                  " ORDER BY id FOR UPDATE", (job_ids,)).fetchall()
+                states = {job_id: state for job_id, state, _, _ in rows}
+                parents = {job_id for job_id, _, kids, _ in rows if kids}
+                children = {job_id for job_id, _, _, child in rows if child}
                 todo = [i for i in job_ids if states.get(i) in NOT_STARTED]
                 # Their children next, all at once, in id order, before any of them ends (_lock_children).
                 self._lock_children(db, [i for i in todo if i in parents])
@@ -58,14 +60,21 @@ class ControlMixin(control.ExpiredLog):
                 params = {"by": request["by"], "reason": request["reason"]}
                 ending = []
                 while todo:
-                    # In the order given, as the other brokers: a parent's end (its trigger) may cancel
-                    # or release children named later in the call, which are then read again. Up to and
-                    # including the next parent, one statement.
-                    cut = next((n for n, i in enumerate(todo) if i in parents), len(todo) - 1) + 1
+                    # In the order given, as the other brokers: a parent's end may cancel or release
+                    # children named later in the call, which are then read again. One statement up to
+                    # and including the next parent followed by a job with parents (only those change);
+                    # a fan-in's members, all parents of none of the others, end in one.
+                    last = max((n for n, i in enumerate(todo) if i in children), default=0)
+                    cut = next((n for n, i in enumerate(todo[:last]) if i in parents), len(todo) - 1) + 1
                     now, todo = todo[:cut], todo[cut:]
+                    ended = [i for i in now if i in parents]
+                    if ended:  # their children settled once each, after the statement (fanin.py)
+                        db.execute(fanin.begin_statement())
                     db.execute(f"UPDATE {t} SET state = 'cancelled', finished_at = {NOW}, cancel_request = {req},"
                                f" history = history || jsonb_build_array({req} || '{{\"outcome\": \"cancelled\"}}'::jsonb)"
                                " WHERE id = ANY(%(ids)s::text[])", dict(params, ids=now))
+                    if ended:
+                        db.execute(fanin.settle_many(self._s), (ended, self.channel))
                     ending += now
                     if todo and now[-1] in parents:
                         states.update(db.execute(f"SELECT id, state FROM {t} WHERE id = ANY(%s::text[])",

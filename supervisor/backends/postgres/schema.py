@@ -14,7 +14,7 @@ from psycopg import errors as pgerrors
 
 from ...errors import ConfigError
 from .connection import quote
-from . import workflows
+from . import fanin, workflows
 from .control_schema import claim_function, control_migration
 from .statements import UNFINISHED
 
@@ -160,6 +160,8 @@ def migrations(s):
                 key text NOT NULL)"""]),
         # 13: a lease's token is no lower than the server's clock (control_schema.LEASE_TOKEN).
         (13, [claim_function(s)]),
+        # 14: parents one statement ends (a cancel) settle each child once, not once per parent (fanin.py).
+        (14, fanin.migration(s)),
     ]
 
 
