@@ -3106,6 +3106,11 @@ MUTATIONS = [
              "            PERFORM set_config('{FLAG}', '', true);\n", "",
              ("tests/test_postgres_fanin.py", "-k", "each_callback_once"),
              "on PostgreSQL a callback a cancel of its parents cancelled no longer cancels its own children"),
+    Mutation("cache-lease-asks-again-past-its-wait", "supervisor/toolkit/cache.py",
+             "            if isinstance(error, redis_py.TimeoutError) and (deadline is None or time.monotonic() >= deadline):",
+             "            if False:",
+             ("tests/test_stalled_toolkit_redis.py", "-k", "fill_lease_on_a_stalled"),
+             "a fill lease on a stalled Redis with no wait left gives up after one socket timeout, not two"),
 ]
 
 

@@ -122,3 +122,32 @@ def test_a_lock_acquire_on_a_stalled_redis_does_not_ask_again_once_its_wait_is_s
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
         client.close()
+
+
+def test_a_fill_lease_on_a_stalled_redis_is_not_asked_again_once_no_wait_is_left(toolkit_server, caplog):
+    """A fill lease whose answer timed out was always asked once more: a stalled Redis cost two socket
+    timeouts inside ``critical()``, where a soft timeout cannot land. A stale key's rebuild (no wait)
+    gives up after the first, as a lock's acquire; the master still hears of the token."""
+    import redis as redis_py
+
+    from supervisor import protocol
+    from supervisor.toolkit import open_redis
+    from supervisor.toolkit.cache import Cache
+
+    server = toolkit_server()
+    client, _ = open_redis(server.url, socket_timeout=0.5)  # as a child's client, but a shorter timeout
+    told = []
+    cache = Cache(client, "t:", notify=told.append)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level("WARNING", logger="tangguh.cache"), pytest.raises(redis_py.TimeoutError):
+            cache._claim("report", (), 60, 30, if_absent=False)  # a stale entry's rebuild: it waits for nobody
+        assert "asked again" not in caplog.text
+        assert [m["op"] for m in told] == [protocol.LOCK]  # freed with the job, should the server hold it
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tangguh.cache"), pytest.raises(redis_py.TimeoutError):
+            cache.lease("report", ttl=60)  # by hand: no wait either
+        assert "asked again" not in caplog.text
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        client.close()

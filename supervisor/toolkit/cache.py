@@ -183,7 +183,7 @@ class Cache:
             # Atomic with the check that the key is still absent: a builder that
             # stored between our read and this call must not be followed by a
             # second build.
-            token = self._claim(key, tags, ttl, stale_ttl)
+            token = self._claim(key, tags, ttl, stale_ttl, deadline=deadline)
             if token is not None:
                 return self._build(key, builder, ttl, stale_ttl, token, tags)
             entry = self._read(key)  # filled meanwhile, or being filled by another process
@@ -230,12 +230,14 @@ class Cache:
         entry["fresh"] = left > entry["stale"] or left == -1 if "stale" in entry else entry["fresh"] > time.time()
         return entry
 
-    def _take_lease(self, key, tags, ttl, stale_ttl, if_absent=True, tell=None):
+    def _take_lease(self, key, tags, ttl, stale_ttl, if_absent=True, tell=None, deadline=None):
         """Our fill-lease token, or None (another holds it, or ``if_absent`` and the key has a value).
 
         An answer lost (the server may have taken the lease) is asked once more with the same token,
         which the script takes as ours; ``tell(token)`` first, so the master frees a lease the server
-        took even when the second try fails too (the reader then builds for itself, as a lock's acquire)."""
+        took even when the second try fails too (the reader then builds for itself, as a lock's acquire).
+        A timeout past ``deadline`` (the reader's wait spent; None: it waits for nobody) is not asked
+        again: a stalled Redis cost a second socket timeout inside ``critical()``."""
         token = uuid.uuid4().hex
         tag_ms = int((ttl + stale_ttl + self.lease_ttl) * 1000) + 1000
         keys = [self._lease(key), self._key(key)] + [self._tag(t) for t in tags]
@@ -246,13 +248,16 @@ class Cache:
         except Exception as error:  # noqa: BLE001 - narrowed below
             if not unanswered(error):
                 raise
-            log.warning("fill lease of %s: no answer, asked again (%s)", shown(key), error)
             if tell is not None:
                 tell(token)
+            if isinstance(error, redis_py.TimeoutError) and (deadline is None or time.monotonic() >= deadline):
+                log.warning("fill lease of %s: no answer, its wait spent (%s)", shown(key), error)
+                raise
+            log.warning("fill lease of %s: no answer, asked again (%s)", shown(key), error)
             taken = self.client.eval(*args)
         return token if taken == 1 else None
 
-    def _claim(self, key, tags, ttl, stale_ttl, if_absent=True):
+    def _claim(self, key, tags, ttl, stale_ttl, if_absent=True, deadline=None):
         """``_take_lease`` for a build, the master told of the lease in the same critical block: a
         soft timeout or a cancel raised between the two left a lease nobody would free, and every
         reader of the key waited ``wait`` and built unstored until it expired (a job's lease)."""
@@ -263,7 +268,7 @@ class Cache:
             self.notify({"op": protocol.LOCK, "key": self._lease(key), "token": token, "ttl": self.lease_ttl})
 
         with timeouts.critical():
-            token = self._take_lease(key, tags, ttl, stale_ttl, if_absent, tell if self.notify else None)
+            token = self._take_lease(key, tags, ttl, stale_ttl, if_absent, tell if self.notify else None, deadline)
             if token is not None and self.notify is not None and not told:
                 tell(token)
         return token
