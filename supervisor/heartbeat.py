@@ -120,6 +120,8 @@ class Heartbeat:
         if self.thread is None:
             return
         self.stopping.set()
+        if self.locks is not None:
+            self.locks.queued.set()  # the thread may wait on it
         # A count of millions of jobs must not hold up the fork: interrupted past a second (a short
         # one finishes; interrupting every one, frequent forks left the gauges never sampled).
         self.thread.join(INTERRUPT_AFTER)
@@ -131,6 +133,8 @@ class Heartbeat:
     def close(self):
         """Stop, and forget this supervisor's record (a clean stop: it is not 'gone', it is done)."""
         self.stop()
+        if self.locks is not None:
+            self.locks.release_queued(self.lock_timeout())  # bounded: what fails lapses with its TTL
         # No connection: the last call failed (it is reset then), and connecting again to a broker
         # that is down (or frozen: connect_timeout) would only hold up the exit.
         if self.record is not None and self.broker is not None:
@@ -149,7 +153,14 @@ class Heartbeat:
         if self.due is None:
             self.due = time.monotonic() + self.interval
         self.sample()  # the first at start (status and the gauges), not a beat later; then when due
-        while not self.stopping.wait(max(0.0, self.due - time.monotonic())):
+        while True:
+            # Woken early too by a dead child's locks to free: released here, not in the main loop.
+            (self.stopping if self.locks is None else self.locks.queued).wait(max(0.0, self.due - time.monotonic()))
+            if self.stopping.is_set():
+                break
+            if time.monotonic() < self.due:
+                self.locks.release_queued(self.lock_timeout())
+                continue
             self.lag = max(0.0, time.monotonic() - self.due)
             self.due = time.monotonic() + self.interval
             self.beat()
@@ -159,9 +170,13 @@ class Heartbeat:
         # The locks after the leases, in a bounded share of the beat: their Redis stalled (its
         # timeouts took seconds) held up the renewal, and a lease lapsed under a running job.
         if self.locks is not None:
+            self.locks.release_queued(self.lock_timeout())  # those whose release failed: again each beat
             self.locks.extend_all(timeout=max(LOCK_TIMEOUT_FLOOR, self.interval / 4))
         if renewed:
             self.sample()
+
+    def lock_timeout(self):
+        return max(LOCK_TIMEOUT_FLOOR, self.interval / 4)
 
     def _renew(self):
         """The broker's part of a beat: False when the broker failed."""

@@ -3111,6 +3111,11 @@ MUTATIONS = [
              "            if False:",
              ("tests/test_stalled_toolkit_redis.py", "-k", "fill_lease_on_a_stalled"),
              "a fill lease on a stalled Redis with no wait left gives up after one socket timeout, not two"),
+    Mutation("dead-child-locks-released-in-the-main-loop", "supervisor/master/locks.py",
+             "        self.queued.set()\n        return len(mine)",
+             "        self.queued.set()\n        self.release_queued()\n        return len(mine)",
+             ("tests/test_stalled_toolkit_redis.py", "-k", "dead_childs"),
+             "a stalled lock Redis does not hold up the master's loop while it frees the locks dead children held"),
 ]
 
 

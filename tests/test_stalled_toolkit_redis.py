@@ -151,3 +151,46 @@ def test_a_fill_lease_on_a_stalled_redis_is_not_asked_again_once_no_wait_is_left
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
         client.close()
+
+
+def test_a_stalled_lock_redis_does_not_hold_up_the_master_freeing_a_dead_childs_locks(toolkit_server, tmp_path):
+    """A dead child's locks were released from the main loop with a 2 s answer timeout: four
+    children dying with their locks on a stalled lock Redis left the master deaf to status (and
+    claims, reaping, timeouts) about 8 s. The heartbeat thread frees them; once Redis answers they go."""
+    server = toolkit_server()
+    os.makedirs(tmp_path / "d")
+    d = Daemon(tmp_path / "d", handler_files=("toolkit_jobs.py",), supervisor={"workers": 4},
+               broker={"heartbeat_seconds": 1.0}, toolkit={"redis_url": server.url})
+    shutil.copy(INVOICES, d.handlers)  # toolkit_jobs imports it
+    client = server.client()
+    try:
+        d.start()
+        marker, go = str(tmp_path / "m"), str(tmp_path / "go")
+        jobs = [d.enqueue("lock_then_exit", {"name": f"export{i}", "marker": marker, "go": go}) for i in range(4)]
+        acquired = wait_for(lambda: (lambda lines: len(lines) == 4 and lines)(
+            [line for line in read_lines(marker) if line[0] == "acquired"]), message="four children holding a lock")
+        keys = [line[-1] for line in acquired]
+        assert client.exists(*keys) == 4
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            open(go, "w").close()  # the four die together, their locks held
+            wait_for(lambda: not any(_alive(int(line[2])) for line in acquired), message="the four children dead")
+            answered = sum(1 for _ in range(6) if d.status())  # each within the client's usual timeout
+            assert answered == 6
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        wait_for(lambda: client.exists(*keys) == 0, timeout=20, message="the dead children's locks freed")
+        for job_id in jobs:
+            assert d.wait_job(job_id).state == "done"
+    finally:
+        client.close()
+        d.stop()
+
+
+def _alive(pid):
+    """Running, not a zombie (a dead child the master has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

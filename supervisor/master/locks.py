@@ -7,6 +7,7 @@ released at once so the next attempt does not wait out their TTL.
 """
 import logging
 import threading
+import time
 
 from .. import protocol
 from ..toolkit.locks import EXTEND, MAX_TTL, RELEASE
@@ -18,10 +19,11 @@ class MasterLocks:
     """The master's record of the Redis locks its children hold.
 
     The main loop adds and removes entries as ``lock``/``unlock`` messages
-    arrive and calls ``release_child`` when a child dies; the heartbeat thread
-    calls ``extend_all`` once per beat. Each call opens a short-lived Redis
-    connection and closes it before returning, so no socket of the master's
-    is open across a fork (and only beats with locks held pay for one).
+    arrive and calls ``release_child`` when a child dies, which only queues its
+    locks: the heartbeat thread, woken by ``queued``, frees them
+    (``release_queued``) and calls ``extend_all`` once per beat. Each Redis call
+    opens a short-lived connection and closes it before returning, so no socket
+    of the master's is open across a fork (and only beats with locks held pay for one).
     """
 
     def __init__(self, redis_url):
@@ -33,6 +35,12 @@ class MasterLocks:
         self.mutex = threading.Lock()
         self.released = 0  # locks released for dead children
         self.extended = 0
+        # (pid, {(key, token): ttl}, give_up_at): a dead child's locks, freed by the heartbeat thread.
+        # Its release waited on Redis in the main loop: a stalled server held the loop seconds per
+        # dead child. One that fails is tried again each beat until its TTL has freed it anyway.
+        self.releasing = []
+        self.queued = threading.Event()  # set: locks to release (the heartbeat thread waits on it)
+        self.release_failures = 0
         # Beats whose extension failed in a row: the first is logged, not each one of an outage.
         self.extend_failures = 0
 
@@ -69,28 +77,55 @@ class MasterLocks:
                     self.held.pop(pid, None)
 
     def release_child(self, pid):
-        """Compare-and-delete every lock child ``pid`` held (it is dead). Main loop."""
+        """Queue every lock child ``pid`` held (it is dead, or its job ended) for release: how many. Main loop."""
         with self.mutex:
             mine = self.held.pop(pid, None)
+            if mine:
+                self.releasing.append((pid, mine, time.monotonic() + max(mine.values())))
         if not mine:
+            return 0
+        self.queued.set()
+        return len(mine)
+
+    def release_queued(self, timeout=None):
+        """Compare-and-delete the queued locks in one round trip: how many were freed. Heartbeat thread.
+
+        ``timeout`` bounds its connect and its answer each (as ``extend_all``'s). Those whose
+        release failed stay queued for the next call, until their TTL has passed."""
+        self.queued.clear()
+        now = time.monotonic()
+        with self.mutex:
+            self.releasing = [entry for entry in self.releasing if entry[2] > now]  # the rest expired
+            batch = list(self.releasing)
+        if not batch:
             return 0
         client = None
         try:
-            client = self._client()
+            client = self._client(timeout)
             pipe = client.pipeline(transaction=False)
-            for key, token in mine:
-                pipe.eval(RELEASE, 1, key, token)
-            released = sum(1 for r in pipe.execute() if r)
-        except Exception as exc:  # noqa: BLE001 - Redis away: the TTL frees them instead
-            log.warning("could not release %d lock(s) of dead child %d (they expire by TTL): %s",
-                        len(mine), pid, exc)
+            for _, mine, _ in batch:
+                for key, token in mine:
+                    pipe.eval(RELEASE, 1, key, token)
+            answers = iter(pipe.execute())
+        except Exception as exc:  # noqa: BLE001 - Redis away: tried again next beat, or the TTL frees them
+            self.release_failures += 1
+            log.log(logging.WARNING if self.release_failures == 1 else logging.DEBUG,
+                    "could not release %d lock(s) of dead children yet (tried again until their TTL): %s",
+                    sum(len(mine) for _, mine, _ in batch), exc)
             return 0
         finally:
             if client is not None:
                 client.close()
-        self.released += released
-        log.info("released %d lock(s) of dead child %d", released, pid, extra={"event": "locks_released"})
-        return released
+        self.release_failures = 0
+        with self.mutex:
+            self.releasing = [entry for entry in self.releasing if entry not in batch]
+        total = 0
+        for pid, mine, _ in batch:
+            released = sum(1 for _ in mine if next(answers))
+            total += released
+            log.info("released %d lock(s) of dead child %d", released, pid, extra={"event": "locks_released"})
+        self.released += total
+        return total
 
     def extend_all(self, timeout=None):
         """Extend every registered lock by its TTL in one pipelined round trip. Heartbeat thread.

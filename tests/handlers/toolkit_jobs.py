@@ -81,6 +81,19 @@ def hold_lock(ctx, payload):
     return {"fence": lock.fence, "waited": waited}
 
 
+@supervisor.job("lock_then_exit")
+def lock_then_exit(ctx, payload):
+    """Attempt 1 takes lock ``payload["name"]``, waits for file ``payload["go"]`` and dies holding it."""
+    if ctx.job.attempt > 1:
+        return {}
+    lock = ctx.lock(payload["name"], ttl=60, wait=5)
+    _mark(payload, "acquired", ctx.job.attempt, os.getpid(), time.time(), lock.fence, lock.key)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(payload["go"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os._exit(3)
+
+
 @supervisor.job("leak_lock")
 def leak_lock(ctx, payload):
     """Takes a lock and returns without releasing it (a handler bug the master cleans up)."""
