@@ -3116,6 +3116,11 @@ MUTATIONS = [
              "        self.queued.set()\n        self.release_queued()\n        return len(mine)",
              ("tests/test_stalled_toolkit_redis.py", "-k", "dead_childs"),
              "a stalled lock Redis does not hold up the master's loop while it frees the locks dead children held"),
+    Mutation("api-job-action-unknown-answers-200", "supervisor/web/api.py",
+             '    if outcome == "unknown":  # as GET /api/jobs/ID says',
+             '    if False:  # as GET /api/jobs/ID says',
+             ("tests/test_web.py", "-k", "api_action_on_one_job and sqlite"),
+             "a single-job API action on an id that names no job answered 200 {\"outcome\": \"unknown\"}, not 404"),
 ]
 
 

@@ -301,6 +301,27 @@ def test_bearer_tokens_read_and_act_by_role_without_csrf(tmp_path, broker):
         assert call("POST", "/api/dead/replay", admin_token, content=b"[").status_code == 400
 
 
+def test_an_api_action_on_one_job_the_broker_does_not_hold_answers_404_naming_it(tmp_path, broker):
+    """``POST /api/jobs/ID/cancel`` on an id that names no job answered 200 ``{"outcome": "unknown"}``
+    while ``GET /api/jobs/ID`` answered 404: a script checking the status took it for done. Every
+    single-job action answers 404 naming the id now; a bulk action still counts it as unknown."""
+    token, digest = auth.new_token()
+    cfg = make_config(tmp_path, broker.url, tokens={"deploy": {"sha256": digest, "role": "admin"}})
+    job_id = dead_job(broker, {"n": 1})
+    with TestClient(web_app.build(cfg, sample_interval=0.05)) as client:
+        def post(path, **kw):
+            return client.post(path, headers={"authorization": f"Bearer {token}"}, **kw)
+
+        for action in ("cancel", "retry", "replay", "delete"):
+            answer = post(f"/api/jobs/job_nope/{action}")
+            assert (answer.status_code, answer.json()) == (404, {"error": "no job job_nope"}), action
+        bulk = post("/api/jobs/cancel", json={"ids": ["job_nope"]})
+        assert (bulk.status_code, bulk.json()["outcome"]) == (200, {"unknown": 1})
+        answer = post(f"/api/jobs/{job_id}/retry")
+        assert answer.status_code == 200 and answer.json()["outcome"] != "unknown", answer.text
+        assert broker.get(job_id).state != "dead"
+
+
 # -- what a browser is told ------------------------------------------------------------
 
 def test_headers_forbid_inline_scripts_and_framing_and_the_cookie_is_httponly_and_samesite(console):

@@ -136,8 +136,10 @@ async def jobs_action(request, form):
 @gate("api", admin=True)
 async def job_action(request, form):
     c = console_of(request)
-    outcome = await actions.job_action(c, request.state.identity, request.path_params["job_id"],
-                                       request.path_params["action"])
+    job_id = request.path_params["job_id"]
+    outcome = await actions.job_action(c, request.state.identity, job_id, request.path_params["action"])
+    if outcome == "unknown":  # as GET /api/jobs/ID says: a 200 read as done by a script checking the status
+        return answer({"error": f"no job {job_id}"}, 404)
     return answer({"outcome": outcome})
 
 
