@@ -14,9 +14,7 @@ time Redis answered nobody else.
 import argparse
 import time
 
-import redis
-
-from bench.script_cost import free_port
+from bench.script_cost import answering, free_port
 from supervisor import workflows
 from supervisor.backends import open_broker
 from supervisor.client import Client
@@ -55,16 +53,7 @@ def main(argv=None):
         print(f"{name}: {calls} script calls, longest {us / 1000:.1f} ms ({cmd}), wall {wall:.1f} s", flush=True)
 
     try:
-        r = redis.Redis(port=port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        r = answering(port)
         url = f"redis://127.0.0.1:{port}/0?prefix=group-cost&socket_timeout=120"
         with open_broker(url) as b:
             b.migrate()

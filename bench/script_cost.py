@@ -44,6 +44,20 @@ def free_port():
         return s.getsockname()[1]
 
 
+def answering(port, within=10):
+    """A client of the private redis-server on ``port`` once it answers a PING."""
+    r = redis.Redis(port=port)
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            r.ping()
+            return r
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def measure(r, url, jobs, batch, decoded):
     """(claim µs, ack µs) of the server's script time a job; ack None when the claims were not decoded."""
     r.flushall()
@@ -90,16 +104,7 @@ def main(argv=None):
     server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                "--appendonly", "no"], stdout=subprocess.DEVNULL)
     try:
-        r = redis.Redis(port=port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        r = answering(port)
         url = f"redis://127.0.0.1:{port}/0?prefix=script-cost"
         source = scripts.sources()  # the cached dict every broker registers from: changed in place per variant
         base = dict(source)
