@@ -78,6 +78,21 @@ class Daemon:
     def signal(self, sig):
         os.kill(self.proc.pid, sig)
 
+    def signal_every_process(self, sig):
+        """``sig`` to every process of the daemon, as ``systemctl kill`` sends it to the unit's cgroup:
+        the master's group (a child forked an instant ago is still in it), then each child and what
+        its job started by pid (a child leads a session of its own: a killpg of the master's misses it)."""
+        os.killpg(self.proc.pid, sig)
+        try:
+            descendants = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return
+        for p in descendants:
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
     def wait_exit(self, timeout=30):
         return self.proc.wait(timeout)
 

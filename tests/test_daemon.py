@@ -691,7 +691,7 @@ def test_a_sighup_to_the_whole_group_reloads_without_ending_running_jobs(daemon)
     release, marker = os.path.join(daemon.dir, "release"), daemon.marker("naps")
     jobs = [daemon.enqueue("nap", {"seconds": 30, "release": release, "marker": marker}) for _ in range(2)]
     wait_for(lambda: len(read_lines(marker)) == 2, message="both jobs running")
-    os.killpg(daemon.proc.pid, signal.SIGHUP)
+    daemon.signal_every_process(signal.SIGHUP)
     wait_for(lambda: daemon.status()["generation"] == 2, message="the reload")
     open(release, "w").close()
     for job_id in jobs:
@@ -712,7 +712,7 @@ def test_a_storm_of_group_sighups_ends_no_child_not_even_one_still_starting(tmp_
 
     def storm():
         while not storming.wait(0.005):  # paced, not waited on: a hangup every 5 ms
-            os.killpg(d.proc.pid, signal.SIGHUP)
+            d.signal_every_process(signal.SIGHUP)
     thread = threading.Thread(target=storm)
     try:
         d.start()
