@@ -1521,8 +1521,9 @@ MUTATIONS = [
     Mutation("postgres-cancel-children-unlocked", "supervisor/backends/postgres/control.py",
              "self._lock_children(db, [i for i in todo if i in parents])",
              "self._lock_children(db, [])",
-             ("tests/test_postgres_broker.py", "-k", "crosswise and operator and cancel"),
-             "two cancels ending parents of the same workflow children crosswise deadlock (PostgreSQL)"),
+             ("tests/test_postgres_broker.py", "-k", "crosswise and cancel"),
+             "two cancels ending parents of the same workflow children crosswise deadlock (PostgreSQL), their"
+             " parents ended in separate statements"),
     Mutation("postgres-discard-children-unlocked", "supervisor/backends/postgres/search.py",
              "self._lock_children(db, [i for i, state, kids in rows if kids and state in NOT_STARTED])",
              "self._lock_children(db, [])",

@@ -906,6 +906,30 @@ def test_two_operator_writes_ending_or_reopening_parents_of_the_same_children_cr
         assert (pg.get(a).pending, pg.get(b).pending) == (2, 2)
 
 
+def test_two_cancels_whose_parents_end_in_separate_statements_crosswise_never_deadlock(pg, postgres_url, concurrent,
+                                                                                       caplog):
+    """A cancel ends its jobs in one statement, cut after a parent that comes before a job with
+    parents of its own, and settles each statement's children after it (fanin.py), locking them
+    there in id order. Cut, one cancel settles A then B in two statements, the other B then A:
+    only the children of every parent locked first, in id order (_lock_children), keeps the two
+    from deadlocking. A gate holding A makes both reach A before either goes on."""
+    a, b = "job_A", "job_B"
+    p_a, p_b, q_b, q_a = "job_1p", "job_2p", "job_3q", "job_4q"
+    c_1, c_2, r = "job_5c", "job_6c", "job_0r"  # a job with a parent of its own in each call: the cut
+    pg.enqueue_many([new({"n": n}, id=job_id) for n, job_id in enumerate((p_a, p_b, q_b, q_a, r))] + [
+        new({"n": 5}, id=a, depends_on=[(p_a, "complete"), (q_a, "complete")]),
+        new({"n": 6}, id=b, depends_on=[(p_b, "complete"), (q_b, "complete")]),
+        new({"n": 7}, id=c_1, depends_on=[(r, "complete")]),
+        new({"n": 8}, id=c_2, depends_on=[(r, "complete")])])
+
+    def cancel(ids):
+        return lambda broker: broker.cancel(ids, "ops", "crosswise")
+    results = crosswise(pg, postgres_url, concurrent, caplog, a, cancel([p_a, c_1, p_b]), cancel([q_b, c_2, q_a]))
+    assert results == {"first": dict.fromkeys((p_a, c_1, p_b), "cancelled"),
+                       "second": dict.fromkeys((q_b, c_2, q_a), "cancelled")}, results
+    assert (pg.get(a).state, pg.get(b).state) == ("queued", "queued")
+
+
 def test_one_claim_ends_a_bounded_number_of_expired_jobs_and_the_next_ones_the_rest(pg, producer, monkeypatch):
     """A backlog of jobs past their ``expires_at`` (a long outage) was ended, and returned
     whole (payload, history), by the first claim alone: its time and memory grew with the
